@@ -1,0 +1,283 @@
+//! The local backend: both ends in one process (threads, or domains that
+//! share a thread). Each direction is a single-producer/single-consumer
+//! descriptor ring on the heap — the same ring the shared-memory backend
+//! puts in a shared segment — and pools travel as `Arc`s of their memfd,
+//! so every domain maps the same memory: zero copy by construction.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::waker::Waker;
+use super::{Link, Pending, PendingSetup, SetupDone};
+use crate::channel::{negotiate, BindParams, ChannelSetup, Negotiated};
+use crate::error::{Error, Result};
+use crate::pool::{Geometry, PoolId, PoolMemory, TrustLevel};
+use crate::proto::{self, Message};
+use crate::ring::{self, Consumer, Producer, RingError, RingLayout};
+
+/// How long a waiting end spins before it sleeps. A cross-core wake-up
+/// costs about 50 µs on the machines we measured (DESIGN.md §3), so
+/// spinning for a fraction of that keeps a busy channel off the slow path.
+const SPIN: Duration = Duration::from_micros(20);
+
+/// An in-process endpoint. Clones name the same endpoint.
+#[derive(Debug, Clone, Default)]
+pub struct LocalEndpoint {
+    shared: Arc<EpShared>,
+}
+
+#[derive(Debug, Default)]
+struct EpShared {
+    state: Mutex<EpState>,
+    /// Wakes the creator when a bind offer arrives.
+    creator: Arc<Waker>,
+}
+
+#[derive(Debug, Default)]
+struct EpState {
+    /// The creator's setup, once a channel is created here.
+    setup: Option<ChannelSetup>,
+    /// A binder's offer, waiting for the creator to poll.
+    offer: Option<Offer>,
+    /// A binder was accepted: the endpoint is used up.
+    connected: bool,
+}
+
+type Reply = Arc<Mutex<Option<Result<Negotiated>>>>;
+
+#[derive(Debug)]
+struct Offer {
+    params: BindParams,
+    creator_link: LocalLink,
+    reply: Reply,
+    binder: Arc<Waker>,
+}
+
+impl LocalEndpoint {
+    /// A fresh endpoint.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, EpState> {
+        self.shared.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
+        if setup.trust == TrustLevel::None {
+            // Within one address space nothing can be enforced against the
+            // process itself; NONE needs separate processes (shm backend).
+            return Err(Error::TrustNotSupported { trust: TrustLevel::None, backend: "local" });
+        }
+        let mut st = self.lock();
+        if st.setup.is_some() {
+            return Err(Error::EndpointInUse);
+        }
+        st.setup = Some(*setup);
+        Ok(Box::new(CreatorPending { ep: self.shared.clone(), setup: *setup }))
+    }
+
+    pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
+        let mut st = self.lock();
+        let setup = st.setup.ok_or(Error::EndpointNotListening)?;
+        if st.connected || st.offer.is_some() {
+            return Err(Error::EndpointInUse);
+        }
+        let layout = RingLayout::new(setup.queue_depth, proto::slot_size(setup.meta_size))
+            .map_err(|_| Error::InvalidArgument("queue depth"))?;
+        let (to_creator_tx, to_creator_rx) = ring::heap_pair(layout);
+        let (to_binder_tx, to_binder_rx) = ring::heap_pair(layout);
+        let binder_waker = Arc::new(Waker::default());
+        let stash = Arc::new(Mutex::new(HashMap::new()));
+        let meta = setup.meta_size;
+        let creator_link = LocalLink::new(
+            to_binder_tx,
+            to_creator_rx,
+            meta,
+            self.shared.creator.clone(),
+            binder_waker.clone(),
+            stash.clone(),
+        );
+        let binder_link =
+            LocalLink::new(to_creator_tx, to_binder_rx, meta, binder_waker.clone(), self.shared.creator.clone(), stash);
+        let reply: Reply = Arc::new(Mutex::new(None));
+        st.offer = Some(Offer { params: *params, creator_link, reply: reply.clone(), binder: binder_waker.clone() });
+        drop(st);
+        self.shared.creator.wake();
+        Ok(Box::new(BinderPending { reply, link: Some(binder_link), waker: binder_waker }))
+    }
+}
+
+struct CreatorPending {
+    ep: Arc<EpShared>,
+    setup: ChannelSetup,
+}
+
+impl PendingSetup for CreatorPending {
+    fn poll(&mut self) -> Option<Result<SetupDone>> {
+        let mut st = self.ep.state.lock().unwrap_or_else(|p| p.into_inner());
+        let offer = st.offer.take()?;
+        let outcome = negotiate(&self.setup, &offer.params);
+        let answer = outcome.map_err(Error::BindRefused);
+        *offer.reply.lock().unwrap_or_else(|p| p.into_inner()) = Some(answer.clone());
+        offer.binder.wake();
+        match answer {
+            Ok(neg) => {
+                st.connected = true;
+                Some(Ok((Box::new(offer.creator_link), neg, true)))
+            }
+            // Refused: keep listening for another binder.
+            Err(_) => None,
+        }
+    }
+
+    fn wait(&mut self, timeout: Duration) {
+        self.ep.creator.register();
+        if self.ep.state.lock().unwrap_or_else(|p| p.into_inner()).offer.is_some() {
+            return;
+        }
+        self.ep.creator.park(timeout);
+    }
+}
+
+struct BinderPending {
+    reply: Reply,
+    link: Option<LocalLink>,
+    waker: Arc<Waker>,
+}
+
+impl PendingSetup for BinderPending {
+    fn poll(&mut self) -> Option<Result<SetupDone>> {
+        let answer = self.reply.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+        Some(answer.map(|neg| {
+            let link: Box<dyn Link> = Box::new(self.link.take().expect("polled once"));
+            (link, neg, false)
+        }))
+    }
+
+    fn wait(&mut self, timeout: Duration) {
+        self.waker.register();
+        if self.reply.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+            return;
+        }
+        self.waker.park(timeout);
+    }
+}
+
+/// One end of a local channel.
+pub(crate) struct LocalLink {
+    tx: Producer,
+    rx: Consumer,
+    meta_size: usize,
+    /// Woken by the peer when we sleep and it sends.
+    me: Arc<Waker>,
+    peer: Arc<Waker>,
+    /// Pools exported by either end, waiting to be imported by the other.
+    stash: Arc<Mutex<HashMap<PoolId, Arc<PoolMemory>>>>,
+}
+
+impl std::fmt::Debug for LocalLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalLink").field("meta_size", &self.meta_size).finish()
+    }
+}
+
+impl LocalLink {
+    fn new(
+        tx: Producer,
+        rx: Consumer,
+        meta_size: usize,
+        me: Arc<Waker>,
+        peer: Arc<Waker>,
+        stash: Arc<Mutex<HashMap<PoolId, Arc<PoolMemory>>>>,
+    ) -> Self {
+        LocalLink { tx, rx, meta_size, me, peer, stash }
+    }
+
+    fn ring_error(e: RingError) -> Error {
+        match e {
+            RingError::Full => Error::QueueFull,
+            RingError::Closed => Error::PeerGone,
+            other => Error::Protocol(format!("ring: {other}")),
+        }
+    }
+}
+
+impl Link for LocalLink {
+    fn has_room(&mut self) -> bool {
+        self.tx.free_slots() > 0
+    }
+
+    fn send(&mut self, msg: &Message) -> Result<()> {
+        let needs_wake = self.tx.try_push(|slot| msg.encode(slot)).map_err(Self::ring_error)?;
+        if needs_wake {
+            self.peer.wake();
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self) -> Result<Option<Message>> {
+        let meta = self.meta_size;
+        match self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(Self::ring_error)? {
+            Some(decoded) => decoded.map(Some),
+            None if self.rx.peer_closed() => {
+                // The producer may have pushed its last messages just before
+                // closing: take those first.
+                match self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(Self::ring_error)? {
+                    Some(decoded) => decoded.map(Some),
+                    None => Err(Error::PeerGone),
+                }
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn wait(&mut self, timeout: Duration) {
+        let start = Instant::now();
+        let spin = SPIN.min(timeout);
+        while start.elapsed() < spin {
+            if self.rx.len().map_or(true, |n| n > 0) || self.rx.peer_closed() {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+        self.me.register();
+        if !self.rx.prepare_sleep() || self.rx.peer_closed() {
+            self.rx.cancel_sleep();
+            return;
+        }
+        self.me.park(timeout.saturating_sub(start.elapsed()));
+        self.rx.cancel_sleep();
+    }
+
+    fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        self.stash.lock().unwrap_or_else(|p| p.into_inner()).insert(memory.id(), memory.clone());
+        Ok(())
+    }
+
+    fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
+        let memory = self
+            .stash
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id)
+            .ok_or_else(|| Error::Protocol(format!("pool {id} was offered but not exported")))?;
+        if memory.geometry() != geometry {
+            return Err(Error::Protocol(format!("pool {id} offered with a geometry that differs from its memory")));
+        }
+        Ok(memory)
+    }
+
+    fn close(&mut self) {
+        self.tx.close();
+        self.rx.close();
+        self.peer.wake();
+    }
+}
+
+impl Drop for LocalLink {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

@@ -1,0 +1,86 @@
+//! Backends carry the library's messages between the two ends of a channel
+//! (seed 003 §4.2.1, §6.5.1). They never change buffer states: the library
+//! has done that before it hands a message over, and does it again on the
+//! receiving side when the backend hands the message up.
+//!
+//! A backend provides two things: an [`Endpoint`] kind (how ends find each
+//! other and negotiate) and a [`Link`] (the connected channel's two ordered
+//! message streams plus the way pools travel).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::channel::{BindParams, ChannelSetup, Negotiated};
+use crate::error::Result;
+use crate::pool::{Geometry, PoolId, PoolMemory};
+use crate::proto::Message;
+
+pub mod local;
+mod waker;
+
+pub use local::LocalEndpoint;
+
+/// A connected channel end's transport.
+pub(crate) trait Link: Send {
+    /// Whether one more message fits in the outgoing queue now.
+    fn has_room(&mut self) -> bool;
+    /// Queue one message to the peer (`QueueFull`, `PeerGone`).
+    fn send(&mut self, msg: &Message) -> Result<()>;
+    /// Take the next message from the peer, if any. `PeerGone` once the
+    /// peer has closed and everything it sent has been taken; `Protocol`
+    /// for malformed input.
+    fn recv(&mut self) -> Result<Option<Message>>;
+    /// Block until a message may be there, the peer closes, or `timeout`.
+    fn wait(&mut self, timeout: Duration);
+    /// Make a pool's memory available to the peer (before its assignment
+    /// request is sent).
+    fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()>;
+    /// The memory of a pool the peer exported.
+    fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>>;
+    /// No more messages from us; wake the peer so it notices.
+    fn close(&mut self);
+}
+
+/// The outcome of a finished setup: the link, what was negotiated, and
+/// whether this end is the creator.
+pub(crate) type SetupDone = (Box<dyn Link>, Negotiated, bool);
+
+/// A channel end that is not connected yet (creator listening, or binder
+/// waiting for the reply).
+pub(crate) trait PendingSetup: Send {
+    /// `Some` once the setup finished (or failed).
+    fn poll(&mut self) -> Option<Result<SetupDone>>;
+    /// Block until `poll` may have news, or `timeout`.
+    fn wait(&mut self, timeout: Duration);
+}
+
+pub(crate) type Pending = Box<dyn PendingSetup>;
+
+/// Where a channel is created or bound: a backend-specific endpoint
+/// descriptor (seed 003 §4.2.2, §6.2.3).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum Endpoint {
+    /// An endpoint for channels between domains of this process.
+    Local(LocalEndpoint),
+}
+
+impl Endpoint {
+    /// A fresh local endpoint: create a channel on it in one domain, bind to
+    /// it from another (threads of one process).
+    pub fn local() -> Endpoint {
+        Endpoint::Local(LocalEndpoint::new())
+    }
+
+    pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
+        match self {
+            Endpoint::Local(ep) => ep.listen(setup),
+        }
+    }
+
+    pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
+        match self {
+            Endpoint::Local(ep) => ep.connect(params),
+        }
+    }
+}

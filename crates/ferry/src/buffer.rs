@@ -1,0 +1,231 @@
+//! Buffer handles.
+//!
+//! A [`Buffer`] is a buffer this domain owns; a [`BufferCopy`] is a read-only
+//! copy this domain received. Both are small (three words) and not `Clone`:
+//! a handle is the proof of a buffer state, so the operations that change the
+//! state consume it (move, pass, release) or borrow it (copy). Dropping an
+//! owned buffer puts it back on its domain's free list for the pool;
+//! dropping a copy releases it the next time its channel runs.
+
+use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
+
+use crate::domain::{ChanKey, DomainShared};
+use crate::error::{Error, Result};
+use crate::pool::{PoolId, PoolView};
+
+/// Names one buffer: its pool and its index in the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BufferId {
+    /// The pool.
+    pub pool: PoolId,
+    /// Index of the buffer in its pool.
+    pub index: u32,
+}
+
+/// Per-domain state of a buffer (seed 003 §5.1.1, Listing 6.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BufferState {
+    /// Not present in this domain.
+    Invalid,
+    /// A read-only copy held by this domain.
+    ReadOnly,
+    /// Owned by this domain, read-only because copies are out.
+    ReadOnlyOwned,
+    /// Owned by this domain, readable and writable.
+    ReadWrite,
+}
+
+/// A buffer owned by this domain.
+///
+/// It reads as a byte slice; [`Buffer::as_mut_slice`] gives write access
+/// while no read-only copies of it are out.
+pub struct Buffer {
+    /// `None` once the handle has been consumed by an operation.
+    domain: Option<Arc<DomainShared>>,
+    view: Arc<PoolView>,
+    index: u32,
+}
+
+impl Buffer {
+    pub(crate) fn new(domain: Arc<DomainShared>, view: Arc<PoolView>, index: u32) -> Self {
+        Buffer { domain: Some(domain), view, index }
+    }
+
+    /// The buffer's id.
+    pub fn id(&self) -> BufferId {
+        BufferId { pool: self.view.id(), index: self.index }
+    }
+
+    /// Size of the buffer in bytes (the pool's buffer size).
+    pub fn len(&self) -> usize {
+        self.view.geometry().buffer_size()
+    }
+
+    /// Never true: buffers are at least a page.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Write access, refused with [`Error::CopiesOutstanding`] while
+    /// read-only copies of this buffer are out.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        let domain = self.domain.as_ref().expect("live handle");
+        let state = domain.lock().buffer_state(self.view.id(), self.index);
+        if state != BufferState::ReadWrite {
+            return Err(Error::CopiesOutstanding);
+        }
+        // SAFETY: this domain owns the buffer read-write (checked just now
+        // under the domain lock), and nothing but an operation taking this
+        // handle by `&`/value can change that: `&mut self` excludes those for
+        // the lifetime of the slice. The view's mapping lives as long as the
+        // `Arc` we hold. No other domain has access to an owned read-write
+        // buffer (Algorithm 2, invariants 2–4), so the slice is unaliased.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.view.buffer_ptr(self.index), self.len()) })
+    }
+
+    pub(crate) fn domain_id(&self) -> u64 {
+        self.domain.as_ref().expect("live handle").id
+    }
+
+    /// Consume the handle without running its drop (the operation that took
+    /// it now accounts for the buffer).
+    pub(crate) fn consume(mut self) {
+        self.domain = None;
+    }
+
+    /// For `Drop`: the domain and id if the handle was not consumed.
+    pub(crate) fn release_parts(&mut self) -> Option<(Arc<DomainShared>, BufferId)> {
+        let id = self.id();
+        self.domain.take().map(|d| (d, id))
+    }
+}
+
+impl Deref for Buffer {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the owner always has at least read access to its buffer in
+        // its own view (READ_WRITE or READ_ONLY_OWNED); writes happen only
+        // through `as_mut_slice`, which needs `&mut self`. The mapping lives
+        // as long as the `Arc<PoolView>` we hold.
+        unsafe { std::slice::from_raw_parts(self.view.buffer_ptr(self.index), self.len()) }
+    }
+}
+
+impl AsRef<[u8]> for Buffer {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Buffer").field("pool", &self.view.id()).field("index", &self.index).finish()
+    }
+}
+
+/// A read-only copy of a buffer, received over a channel.
+pub struct BufferCopy {
+    domain: Option<Arc<DomainShared>>,
+    view: Arc<PoolView>,
+    index: u32,
+    chan: ChanKey,
+}
+
+impl BufferCopy {
+    pub(crate) fn new(domain: Arc<DomainShared>, view: Arc<PoolView>, index: u32, chan: ChanKey) -> Self {
+        BufferCopy { domain: Some(domain), view, index, chan }
+    }
+
+    /// The buffer's id.
+    pub fn id(&self) -> BufferId {
+        BufferId { pool: self.view.id(), index: self.index }
+    }
+
+    /// Size of the buffer in bytes.
+    pub fn len(&self) -> usize {
+        self.view.geometry().buffer_size()
+    }
+
+    /// Never true: buffers are at least a page.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    pub(crate) fn domain_id(&self) -> u64 {
+        self.domain.as_ref().expect("live handle").id
+    }
+
+    pub(crate) fn chan(&self) -> ChanKey {
+        self.chan
+    }
+
+    pub(crate) fn consume(mut self) {
+        self.domain = None;
+    }
+
+    pub(crate) fn release_parts(&mut self) -> Option<(Arc<DomainShared>, BufferId, ChanKey)> {
+        let id = self.id();
+        let chan = self.chan;
+        self.domain.take().map(|d| (d, id, chan))
+    }
+}
+
+impl Deref for BufferCopy {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: a holder of a copy has read access until it releases the
+        // copy, which consumes this handle; the owner cannot write while any
+        // copy is out (it is READ_ONLY_OWNED). The mapping lives as long as
+        // the `Arc<PoolView>`.
+        unsafe { std::slice::from_raw_parts(self.view.buffer_ptr(self.index), self.len()) }
+    }
+}
+
+impl AsRef<[u8]> for BufferCopy {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl fmt::Debug for BufferCopy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BufferCopy").field("pool", &self.view.id()).field("index", &self.index).finish()
+    }
+}
+
+/// What a copy can be made from: an owned buffer or a received copy
+/// (forwarding it, seed 003 Algorithm 9).
+pub trait CopySource: Deref<Target = [u8]> + sealed::Sealed {
+    /// The buffer's id.
+    fn buffer_id(&self) -> BufferId;
+    #[doc(hidden)]
+    fn source_domain(&self) -> u64;
+}
+
+impl CopySource for Buffer {
+    fn buffer_id(&self) -> BufferId {
+        self.id()
+    }
+    fn source_domain(&self) -> u64 {
+        self.domain_id()
+    }
+}
+
+impl CopySource for BufferCopy {
+    fn buffer_id(&self) -> BufferId {
+        self.id()
+    }
+    fn source_domain(&self) -> u64 {
+        self.domain_id()
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Buffer {}
+    impl Sealed for super::BufferCopy {}
+}

@@ -1,0 +1,1102 @@
+//! Channels: create/bind with negotiation, pool assignment, and the buffer
+//! operations of seed 003 (Algorithms 3–10), whatever backend carries them.
+//!
+//! Each operation checks its preconditions in the order given in
+//! `docs/SEMANTICS.md` and fails with the first failing check before touching
+//! anything; on success the library changes the buffer states (in
+//! [`crate::domain`]) and hands one message to the backend. Arrivals are
+//! reported by [`Channel::poll`] as [`Event`]s, one per message.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::backend::{Endpoint, Link, Pending};
+use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
+use crate::domain::{ChanKey, Domain};
+use crate::error::{Error, Refused, Result};
+use crate::pool::{Geometry, Pool, PoolId, PoolView, TrustLevel};
+use crate::proto::{Message, Meta, MAX_META_SIZE};
+use crate::sys::Access;
+
+/// Direction of data flow, seen from the local end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// The local end is the source: it moves and copies buffers.
+    Tx,
+    /// The local end is the sink: it receives, passes back and releases.
+    Rx,
+}
+
+impl Direction {
+    /// The other direction.
+    pub fn opposite(self) -> Direction {
+        match self {
+            Direction::Tx => Direction::Rx,
+            Direction::Rx => Direction::Tx,
+        }
+    }
+}
+
+/// Role of an end (seed 003 §4.2.4): the master provides the buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Let the binder decide (only at create/bind time).
+    Generic,
+    /// Provides pools.
+    Master,
+    /// Uses the master's pools.
+    Slave,
+}
+
+/// Channel states (seed 003 Listing 6.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChannelState {
+    /// Nothing set up.
+    Uninitialized,
+    /// Created, waiting for a binder (creator side).
+    Initialized,
+    /// Bind sent, waiting for the reply (binder side).
+    Binding,
+    /// Properties being negotiated.
+    BindNegotiate,
+    /// Fully operable.
+    Connected,
+    /// Teardown marker sent; in-transit messages still arrive.
+    Teardown,
+    /// Closed; resources freed.
+    Closed,
+}
+
+/// Constraints on the pools a channel accepts (seed 003 §6.2.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ChannelConstraints {
+    /// Required alignment of buffer addresses (0: page alignment).
+    pub alignment: usize,
+    /// Smallest buffer size accepted (0: any).
+    pub min_buffer_size: usize,
+    /// Largest buffer size accepted (0: any).
+    pub max_buffer_size: usize,
+}
+
+impl ChannelConstraints {
+    fn merge(self, other: ChannelConstraints) -> ChannelConstraints {
+        let max_nonzero = |a: usize, b: usize| match (a, b) {
+            (0, x) | (x, 0) => x,
+            (a, b) => a.min(b),
+        };
+        ChannelConstraints {
+            alignment: self.alignment.max(other.alignment),
+            min_buffer_size: self.min_buffer_size.max(other.min_buffer_size),
+            max_buffer_size: max_nonzero(self.max_buffer_size, other.max_buffer_size),
+        }
+    }
+
+    fn admits(&self, g: Geometry) -> bool {
+        let size = g.buffer_size();
+        size >= self.min_buffer_size
+            && (self.max_buffer_size == 0 || size <= self.max_buffer_size)
+            && (self.alignment == 0 || self.alignment <= size)
+    }
+}
+
+/// Parameters of [`Channel::create`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelSetup {
+    /// The creator's direction.
+    pub direction: Direction,
+    /// The creator's role; `Generic` lets the binder choose.
+    pub role: Role,
+    /// Trust level of the channel (never `Uninitialized`).
+    pub trust: TrustLevel,
+    /// Bytes of meta data each message may carry (≤ [`MAX_META_SIZE`]).
+    pub meta_size: usize,
+    /// Constraints on assigned pools.
+    pub constraints: ChannelConstraints,
+    /// Messages that fit in each direction's queue (power of two, 2..=65536).
+    pub queue_depth: u32,
+}
+
+impl Default for ChannelSetup {
+    fn default() -> Self {
+        ChannelSetup {
+            direction: Direction::Tx,
+            role: Role::Generic,
+            trust: TrustLevel::Full,
+            meta_size: 16,
+            constraints: ChannelConstraints::default(),
+            queue_depth: 1024,
+        }
+    }
+}
+
+/// Parameters of [`Channel::bind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BindParams {
+    /// Role the binder wants (`Generic`: whatever the creator leaves).
+    pub role: Role,
+    /// Trust level the binder requires, if any.
+    pub trust: Option<TrustLevel>,
+    /// Largest meta size the binder can take.
+    pub max_meta_size: usize,
+    /// The binder's own constraints on pools (merged with the creator's).
+    pub constraints: ChannelConstraints,
+}
+
+impl Default for BindParams {
+    fn default() -> Self {
+        BindParams {
+            role: Role::Generic,
+            trust: None,
+            max_meta_size: MAX_META_SIZE,
+            constraints: ChannelConstraints::default(),
+        }
+    }
+}
+
+/// What negotiation settled, from the binder's point of view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Negotiated {
+    pub(crate) binder_direction: Direction,
+    pub(crate) binder_role: Role,
+    pub(crate) creator_role: Role,
+    pub(crate) trust: TrustLevel,
+    pub(crate) meta_size: usize,
+    pub(crate) constraints: ChannelConstraints,
+}
+
+/// The creator's side of the bind negotiation (seed 003 §5.2.2).
+pub(crate) fn negotiate(setup: &ChannelSetup, params: &BindParams) -> Result<Negotiated, &'static str> {
+    if let Some(t) = params.trust {
+        if t != setup.trust {
+            return Err("the binder requires another trust level");
+        }
+    }
+    if setup.meta_size > params.max_meta_size {
+        return Err("the binder cannot take the channel's meta size");
+    }
+    let (creator_role, binder_role) = match (setup.role, params.role) {
+        (Role::Generic, Role::Generic) | (Role::Generic, Role::Slave) => (Role::Master, Role::Slave),
+        (Role::Generic, Role::Master) => (Role::Slave, Role::Master),
+        (Role::Master, Role::Slave | Role::Generic) => (Role::Master, Role::Slave),
+        (Role::Slave, Role::Master | Role::Generic) => (Role::Slave, Role::Master),
+        (Role::Master, Role::Master) | (Role::Slave, Role::Slave) => return Err("both ends want the same role"),
+    };
+    Ok(Negotiated {
+        binder_direction: setup.direction.opposite(),
+        binder_role,
+        creator_role,
+        trust: setup.trust,
+        meta_size: setup.meta_size,
+        constraints: setup.constraints.merge(params.constraints),
+    })
+}
+
+/// A pool-assignment request from the peer, waiting for
+/// [`Channel::respond_pool`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolRequest {
+    /// The pool.
+    pub pool: PoolId,
+    /// Its shape.
+    pub geometry: Geometry,
+    /// Its trust level (the channel's).
+    pub trust: TrustLevel,
+}
+
+/// Something that happened on a channel.
+#[derive(Debug)]
+pub enum Event {
+    /// Creator: a binder connected; the channel is now connected.
+    BindRequest {
+        /// The role the binder ended up with.
+        binder_role: Role,
+    },
+    /// Binder: the creator accepted; the channel is now connected.
+    Bound,
+    /// The peer wants to assign a pool: answer with
+    /// [`Channel::respond_pool`].
+    PoolAssignRequest(PoolRequest),
+    /// A pool is assigned to the channel (our request was accepted).
+    PoolAssigned(PoolId),
+    /// Our assignment was vetoed by the peer (or by this library, when the
+    /// peer's pool does not meet the channel's constraints).
+    PoolVetoed(PoolId),
+    /// A pool was removed from the channel (at either end's request).
+    PoolRemoved(PoolId),
+    /// A removal was refused because copies were still out.
+    PoolRemoveRefused(PoolId),
+    /// A buffer was moved to us (we own it now).
+    MoveReceived {
+        /// The buffer.
+        buffer: Buffer,
+        /// Its meta data.
+        meta: Meta,
+    },
+    /// A buffer was passed back to us (we own it now).
+    BufferPassed {
+        /// The buffer.
+        buffer: Buffer,
+        /// Its meta data.
+        meta: Meta,
+    },
+    /// A read-only copy arrived.
+    CopyReceived {
+        /// The copy.
+        copy: BufferCopy,
+        /// Its meta data.
+        meta: Meta,
+    },
+    /// A copy we sent came back.
+    CopyReleased {
+        /// Which buffer.
+        buffer: BufferId,
+        /// Whether it is read-write for us again (all copies are back).
+        writable: bool,
+    },
+    /// The channel is closed after a teardown.
+    Closed {
+        /// Whether the peer started the teardown.
+        by_peer: bool,
+    },
+    /// The channel failed (peer gone, protocol violation, bind refused);
+    /// it is closed.
+    Error(Error),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PoolStatus {
+    /// We asked; no reply yet.
+    Assigning,
+    Assigned,
+    /// We asked to remove it; no reply yet.
+    Removing,
+}
+
+#[derive(Debug)]
+struct ChanPool {
+    id: PoolId,
+    status: PoolStatus,
+    /// This assignment set the pool's trust level (reverted on veto).
+    set_trust: bool,
+}
+
+/// One end of a channel, owned by a domain.
+///
+/// A channel end is used from one thread at a time (`Send`, not `Sync`).
+pub struct Channel {
+    domain: Domain,
+    key: ChanKey,
+    state: ChannelState,
+    direction: Direction,
+    role: Role,
+    trust: TrustLevel,
+    meta_size: usize,
+    constraints: ChannelConstraints,
+    /// How we got here, until connected.
+    pending: Option<Pending>,
+    link: Option<Box<dyn Link>>,
+    pools: Vec<ChanPool>,
+    /// Delivered assignment requests not answered yet.
+    requests: Vec<PoolRequest>,
+    /// Replies generated while delivering, waiting for queue space.
+    outbox: VecDeque<Message>,
+    sent_teardown: bool,
+    got_teardown: bool,
+}
+
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Channel")
+            .field("domain", &self.domain.name())
+            .field("state", &self.state)
+            .field("direction", &self.direction)
+            .field("role", &self.role)
+            .field("trust", &self.trust)
+            .finish()
+    }
+}
+
+impl Channel {
+    /// Create a channel on a local endpoint and wait for a binder
+    /// (seed 003 Algorithm 3). The result is `INITIALIZED`; [`poll`] it to
+    /// accept a bind.
+    ///
+    /// [`poll`]: Channel::poll
+    pub fn create(domain: &Domain, endpoint: &Endpoint, setup: ChannelSetup) -> Result<Channel> {
+        if setup.trust == TrustLevel::Uninitialized {
+            return Err(Error::InvalidArgument("a channel's trust level cannot be UNINITIALIZED"));
+        }
+        if setup.meta_size > MAX_META_SIZE {
+            return Err(Error::MetaTooLarge { len: setup.meta_size, max: MAX_META_SIZE });
+        }
+        if !setup.queue_depth.is_power_of_two() || !(2..=65536).contains(&setup.queue_depth) {
+            return Err(Error::InvalidArgument("queue depth must be a power of two in 2..=65536"));
+        }
+        if setup.constraints.alignment != 0 && !setup.constraints.alignment.is_power_of_two() {
+            return Err(Error::BadAlignment(setup.constraints.alignment));
+        }
+        let pending = endpoint.listen(&setup)?;
+        let mut ch = Channel::new(domain, ChannelState::Initialized, pending);
+        ch.direction = setup.direction;
+        ch.role = setup.role;
+        ch.trust = setup.trust;
+        ch.meta_size = setup.meta_size;
+        ch.constraints = setup.constraints;
+        Ok(ch)
+    }
+
+    /// Bind to a channel created on `endpoint` (seed 003 Algorithm 4). The
+    /// result is `BINDING`; [`poll`](Channel::poll) it until
+    /// [`Event::Bound`] (or an error event).
+    pub fn bind(domain: &Domain, endpoint: &Endpoint, params: BindParams) -> Result<Channel> {
+        if params.constraints.alignment != 0 && !params.constraints.alignment.is_power_of_two() {
+            return Err(Error::BadAlignment(params.constraints.alignment));
+        }
+        let pending = endpoint.connect(&params)?;
+        Ok(Channel::new(domain, ChannelState::Binding, pending))
+    }
+
+    fn new(domain: &Domain, state: ChannelState, pending: Pending) -> Channel {
+        Channel {
+            domain: domain.clone(),
+            key: domain.new_chan_key(),
+            state,
+            direction: Direction::Tx,
+            role: Role::Generic,
+            trust: TrustLevel::Uninitialized,
+            meta_size: 0,
+            constraints: ChannelConstraints::default(),
+            pending: Some(pending),
+            link: None,
+            pools: Vec::new(),
+            requests: Vec::new(),
+            outbox: VecDeque::new(),
+            sent_teardown: false,
+            got_teardown: false,
+        }
+    }
+
+    // ----------------------------------------------------------------- queries
+
+    /// Current state.
+    pub fn state(&self) -> ChannelState {
+        self.state
+    }
+
+    /// Local direction (meaningful once connected).
+    pub fn direction(&self) -> Direction {
+        self.direction
+    }
+
+    /// Local role (meaningful once connected).
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// Trust level.
+    pub fn trust(&self) -> TrustLevel {
+        self.trust
+    }
+
+    /// Meta size in bytes.
+    pub fn meta_size(&self) -> usize {
+        self.meta_size
+    }
+
+    /// Negotiated pool constraints.
+    pub fn constraints(&self) -> ChannelConstraints {
+        self.constraints
+    }
+
+    /// The domain this end belongs to.
+    pub fn domain(&self) -> &Domain {
+        &self.domain
+    }
+
+    /// Whether `pool` is assigned to this channel (on this end's side).
+    pub fn is_assigned(&self, pool: PoolId) -> bool {
+        self.pools.iter().any(|p| p.id == pool && p.status != PoolStatus::Assigning)
+    }
+
+    /// Pool-assignment requests waiting for an answer.
+    pub fn pending_requests(&self) -> &[PoolRequest] {
+        &self.requests
+    }
+
+    // -------------------------------------------------------------- operations
+
+    /// Move a buffer to the sink (seed 003 Algorithm 7): ownership goes to
+    /// the peer. Refused operations hand the buffer back.
+    pub fn move_buffer(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
+        self.flush_deferred();
+        match self.check_transfer(Direction::Tx, &buffer, meta.len()) {
+            Ok(()) => self.send_owned(buffer, meta, |buf, meta| Message::Move { buf, meta }),
+            Err(e) => Err(Refused::new(e, buffer)),
+        }
+    }
+
+    /// Pass a buffer back to the source (seed 003 Algorithm 8).
+    pub fn pass(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
+        self.flush_deferred();
+        match self.check_transfer(Direction::Rx, &buffer, meta.len()) {
+            Ok(()) => self.send_owned(buffer, meta, |buf, meta| Message::Pass { buf, meta }),
+            Err(e) => Err(Refused::new(e, buffer)),
+        }
+    }
+
+    /// Send a read-only copy (seed 003 Algorithm 9). The source may be a
+    /// buffer we own (it becomes read-only until every copy is back) or a
+    /// copy we hold (forwarding it).
+    pub fn copy<S: CopySource>(&mut self, source: &S, meta: &[u8]) -> Result<()> {
+        self.flush_deferred();
+        self.check_sendable(Direction::Tx)?;
+        if source.source_domain() != self.domain.id() {
+            return Err(Error::ForeignBuffer);
+        }
+        let id = source.buffer_id();
+        self.check_pool(id.pool)?;
+        self.check_meta(meta.len())?;
+        self.check_room()?;
+        self.domain.lock().copy_sent(id, self.key);
+        let msg = Message::Copy { buf: id, meta: Meta::new(meta).expect("meta checked") };
+        if let Err(e) = self.link_mut().send(&msg) {
+            // Peer vanished between the checks and the send: undo.
+            self.domain.lock().copy_returned(id, self.key);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Release a copy received over this channel (seed 003 Algorithm 10).
+    pub fn release(&mut self, copy: BufferCopy) -> Result<(), Refused<BufferCopy>> {
+        self.flush_deferred();
+        if copy.domain_id() != self.domain.id() {
+            // Check the channel-level preconditions first, as everywhere.
+            let e = self.check_sendable(Direction::Rx).err().unwrap_or(Error::ForeignBuffer);
+            return Err(Refused::new(e, copy));
+        }
+        if copy.chan() != self.key {
+            let e = self
+                .check_sendable(Direction::Rx)
+                .and_then(|()| self.check_pool(copy.id().pool))
+                .err()
+                .unwrap_or(Error::NotCopyHolder);
+            return Err(Refused::new(e, copy));
+        }
+        match self.release_id(copy.id()) {
+            Ok(()) => {
+                copy.consume();
+                Ok(())
+            }
+            Err(e) => Err(Refused::new(e, copy)),
+        }
+    }
+
+    /// Full copy (seed 003 §5.1.11): copy the bytes of `source` into
+    /// `destination` (a read-write buffer of ours in a pool assigned to this
+    /// channel) and move `destination`. The receiver gets a move.
+    pub fn full_copy<S: CopySource>(
+        &mut self,
+        source: &S,
+        mut destination: Buffer,
+        meta: &[u8],
+    ) -> Result<(), Refused<Buffer>> {
+        self.flush_deferred();
+        let checks = self.check_transfer(Direction::Tx, &destination, meta.len()).and_then(|()| {
+            if source.source_domain() != self.domain.id() {
+                Err(Error::ForeignBuffer)
+            } else if source.buffer_id() == destination.id() {
+                Err(Error::SameBuffer)
+            } else {
+                Ok(())
+            }
+        });
+        if let Err(e) = checks {
+            return Err(Refused::new(e, destination));
+        }
+        let n = source.len().min(destination.len());
+        match destination.as_mut_slice() {
+            Ok(dst) => dst[..n].copy_from_slice(&source[..n]),
+            Err(e) => return Err(Refused::new(e, destination)),
+        }
+        self.send_owned(destination, meta, |buf, meta| Message::Move { buf, meta })
+    }
+
+    /// Start assigning a pool to this channel (seed 003 Algorithm 6,
+    /// two-phase): completion is [`Event::PoolAssigned`] or
+    /// [`Event::PoolVetoed`].
+    pub fn assign_pool(&mut self, pool: &Pool) -> Result<()> {
+        self.flush_deferred();
+        self.check_sendable_any()?;
+        let id = pool.id();
+        if pool.domain != self.domain.id() || self.domain.lock().entry(id).is_none() {
+            return Err(Error::UnknownPool(id));
+        }
+        if self.pools.iter().any(|p| p.id == id) {
+            return Err(Error::PoolAlreadyAssigned(id));
+        }
+        let (pool_trust, geometry, memory) = {
+            let st = self.domain.lock();
+            let e = st.entry(id).expect("checked");
+            (e.trust, e.view.geometry(), e.view.memory().clone())
+        };
+        if pool_trust != TrustLevel::Uninitialized && pool_trust != self.trust {
+            return Err(Error::TrustMismatch { pool: pool_trust, channel: self.trust });
+        }
+        self.check_room()?;
+        let link = self.link.as_mut().expect("connected");
+        link.export_pool(&memory)?;
+        link.send(&Message::AssignRequest { pool: id, geometry, trust: self.trust })?;
+        let mut st = self.domain.lock();
+        let e = st.entry_mut(id).expect("checked");
+        let set_trust = e.trust == TrustLevel::Uninitialized;
+        e.trust = self.trust;
+        e.channels += 1;
+        drop(st);
+        self.pools.push(ChanPool { id, status: PoolStatus::Assigning, set_trust });
+        Ok(())
+    }
+
+    /// Answer a [`Event::PoolAssignRequest`]: accept or veto.
+    pub fn respond_pool(&mut self, pool: PoolId, accept: bool) -> Result<()> {
+        self.flush_deferred();
+        let pos = self.requests.iter().position(|r| r.pool == pool).ok_or(Error::NoPendingRequest(pool))?;
+        self.check_sendable_any()?;
+        self.check_room()?;
+        self.requests.remove(pos);
+        self.link_mut().send(&Message::AssignReply { pool, accepted: accept })?;
+        let mut st = self.domain.lock();
+        if accept {
+            self.pools.push(ChanPool { id: pool, status: PoolStatus::Assigned, set_trust: false });
+        } else {
+            if let Some(e) = st.entry_mut(pool) {
+                e.channels -= 1;
+            }
+            st.remove_if_unused(pool);
+        }
+        Ok(())
+    }
+
+    /// Start removing a pool from this channel; completion is
+    /// [`Event::PoolRemoved`] or [`Event::PoolRemoveRefused`]. Refused with
+    /// [`Error::PoolInUse`] while copies of its buffers are out over this
+    /// channel in either direction. Buffers keep their owners.
+    pub fn remove_pool(&mut self, pool: PoolId) -> Result<()> {
+        self.flush_deferred();
+        self.check_sendable_any()?;
+        self.check_pool(pool)?;
+        if self.domain.lock().entry(pool).is_some_and(|e| e.copies_on(self.key)) {
+            return Err(Error::PoolInUse(pool));
+        }
+        self.check_room()?;
+        self.link_mut().send(&Message::RemoveRequest { pool })?;
+        self.pool_mut(pool).expect("checked").status = PoolStatus::Removing;
+        Ok(())
+    }
+
+    /// Start a teardown: no new messages from this end; messages in transit
+    /// are still delivered; [`Event::Closed`] once the peer's marker arrives.
+    pub fn teardown(&mut self) -> Result<()> {
+        self.flush_deferred();
+        self.check_sendable_any()?;
+        self.check_room()?;
+        self.link_mut().send(&Message::Teardown)?;
+        self.sent_teardown = true;
+        self.state = ChannelState::Teardown;
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ events
+
+    /// Deliver at most one arrival, without blocking.
+    pub fn poll(&mut self) -> Option<Event> {
+        match self.state {
+            ChannelState::Initialized | ChannelState::Binding => self.poll_setup(),
+            ChannelState::Connected | ChannelState::Teardown => {
+                self.flush_deferred();
+                self.flush_outbox();
+                self.poll_message()
+            }
+            _ => None,
+        }
+    }
+
+    /// Wait up to `timeout` (forever with `None`) for the next event: spin
+    /// briefly, then sleep until the peer wakes us. Returns `None` on
+    /// timeout or when the channel is closed.
+    pub fn wait(&mut self, timeout: Option<Duration>) -> Option<Event> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if let Some(ev) = self.poll() {
+                return Some(ev);
+            }
+            if self.state == ChannelState::Closed {
+                return None;
+            }
+            let left = match deadline {
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => Some(left),
+                    _ => return None,
+                },
+                None => None,
+            };
+            // Never sleep longer than a second at a time, so a peer that
+            // vanished without a wake-up is still noticed.
+            let slice = left.map_or(Duration::from_secs(1), |l| l.min(Duration::from_secs(1)));
+            match (&mut self.link, &mut self.pending) {
+                (Some(link), _) => link.wait(slice),
+                (None, Some(p)) => p.wait(slice),
+                _ => return None,
+            }
+        }
+    }
+
+    // --------------------------------------------------------------- internals
+
+    fn link_mut(&mut self) -> &mut dyn Link {
+        self.link.as_deref_mut().expect("connected channel has a link")
+    }
+
+    fn pool_mut(&mut self, id: PoolId) -> Option<&mut ChanPool> {
+        self.pools.iter_mut().find(|p| p.id == id)
+    }
+
+    fn check_sendable_any(&self) -> Result<()> {
+        match self.state {
+            ChannelState::Connected => Ok(()),
+            ChannelState::Teardown => Err(Error::TearingDown),
+            s => Err(Error::NotConnected(s)),
+        }
+    }
+
+    fn check_sendable(&self, dir: Direction) -> Result<()> {
+        self.check_sendable_any()?;
+        if self.direction != dir {
+            return Err(Error::WrongDirection);
+        }
+        Ok(())
+    }
+
+    fn check_pool(&self, pool: PoolId) -> Result<()> {
+        match self.pools.iter().find(|p| p.id == pool).map(|p| p.status) {
+            Some(PoolStatus::Assigned) => Ok(()),
+            Some(PoolStatus::Removing) => Err(Error::PoolRemovalPending(pool)),
+            _ => Err(Error::PoolNotAssigned(pool)),
+        }
+    }
+
+    fn check_meta(&self, len: usize) -> Result<()> {
+        if len > self.meta_size {
+            return Err(Error::MetaTooLarge { len, max: self.meta_size });
+        }
+        Ok(())
+    }
+
+    fn check_room(&mut self) -> Result<()> {
+        if !self.outbox.is_empty() {
+            self.flush_outbox();
+        }
+        if !self.outbox.is_empty() || !self.link_mut().has_room() {
+            return Err(Error::QueueFull);
+        }
+        Ok(())
+    }
+
+    /// Preconditions of move, pass and the destination of a full copy.
+    fn check_transfer(&mut self, dir: Direction, buffer: &Buffer, meta_len: usize) -> Result<()> {
+        self.check_sendable(dir)?;
+        if buffer.domain_id() != self.domain.id() {
+            return Err(Error::ForeignBuffer);
+        }
+        let id = buffer.id();
+        self.check_pool(id.pool)?;
+        if self.domain.lock().buffer_state(id.pool, id.index) != BufferState::ReadWrite {
+            return Err(Error::CopiesOutstanding);
+        }
+        self.check_meta(meta_len)?;
+        self.check_room()
+    }
+
+    /// Give an owned buffer away with `make(id, meta)` (checks done).
+    fn send_owned(
+        &mut self,
+        buffer: Buffer,
+        meta: &[u8],
+        make: impl FnOnce(BufferId, Meta) -> Message,
+    ) -> Result<(), Refused<Buffer>> {
+        let id = buffer.id();
+        self.domain.lock().give_away(id);
+        let msg = make(id, Meta::new(meta).expect("meta checked"));
+        match self.link_mut().send(&msg) {
+            Ok(()) => {
+                buffer.consume();
+                Ok(())
+            }
+            Err(e) => {
+                self.domain.lock().take_ownership(id);
+                Err(Refused::new(e, buffer))
+            }
+        }
+    }
+
+    /// Release one copy of `id` held via this channel (checks included).
+    fn release_id(&mut self, id: BufferId) -> Result<()> {
+        self.check_sendable(Direction::Rx)?;
+        self.check_pool(id.pool)?;
+        {
+            let st = self.domain.lock();
+            let rec = st.record(id).ok_or(Error::NotCopyHolder)?;
+            if rec.held_via(self.key) == 0 {
+                return Err(Error::NotCopyHolder);
+            }
+            if !rec.is_owned() && rec.has_forwarded() && rec.held_via(self.key) < 2 {
+                return Err(Error::CopiesForwarded);
+            }
+        }
+        self.check_room()?;
+        self.link_mut().send(&Message::Release { buf: id })?;
+        self.domain.lock().copy_released_here(id, self.key);
+        Ok(())
+    }
+
+    /// Release copies whose handles were dropped; keep those that cannot go
+    /// yet (forwarded copies still out, queue full).
+    fn flush_deferred(&mut self) {
+        let ids = self.domain.lock().take_deferred(self.key);
+        for id in ids {
+            match self.release_id(id) {
+                Ok(()) => {}
+                Err(Error::CopiesForwarded | Error::QueueFull) => self.domain.lock().defer_release(self.key, id),
+                // Channel no longer connected: the copy is simply gone.
+                Err(_) => self.domain.lock().copy_released_here(id, self.key),
+            }
+        }
+    }
+
+    fn flush_outbox(&mut self) {
+        while let Some(msg) = self.outbox.front() {
+            let link = self.link.as_mut().expect("connected");
+            if !link.has_room() {
+                return;
+            }
+            if link.send(msg).is_err() {
+                return;
+            }
+            self.outbox.pop_front();
+        }
+    }
+
+    fn reply(&mut self, msg: Message) {
+        self.outbox.push_back(msg);
+        self.flush_outbox();
+    }
+
+    fn poll_setup(&mut self) -> Option<Event> {
+        let pending = self.pending.as_mut()?;
+        let outcome = pending.poll()?;
+        match outcome {
+            Ok((link, neg, creator)) => {
+                self.link = Some(link);
+                self.state = ChannelState::Connected;
+                self.trust = neg.trust;
+                self.meta_size = neg.meta_size;
+                self.constraints = neg.constraints;
+                if creator {
+                    self.role = neg.creator_role;
+                    Some(Event::BindRequest { binder_role: neg.binder_role })
+                } else {
+                    self.direction = neg.binder_direction;
+                    self.role = neg.binder_role;
+                    Some(Event::Bound)
+                }
+            }
+            Err(e) => {
+                self.state = ChannelState::Closed;
+                self.pending = None;
+                Some(Event::Error(e))
+            }
+        }
+    }
+
+    fn poll_message(&mut self) -> Option<Event> {
+        let received = self.link_mut().recv();
+        match received {
+            Ok(Some(msg)) => match self.deliver(msg) {
+                Ok(ev) => Some(ev),
+                Err(e) => Some(self.fail(e)),
+            },
+            Ok(None) => None,
+            Err(e) => {
+                if self.sent_teardown && e == Error::PeerGone {
+                    // The peer went away after our marker: that is a close.
+                    self.close();
+                    return Some(Event::Closed { by_peer: false });
+                }
+                Some(self.fail(e))
+            }
+        }
+    }
+
+    /// Apply the receiver-side effects of one message.
+    fn deliver(&mut self, msg: Message) -> Result<Event> {
+        let key = self.key;
+        match msg {
+            Message::Move { buf, meta } | Message::Pass { buf, meta } => {
+                let is_move = matches!(msg, Message::Move { .. });
+                let want = if is_move { Direction::Rx } else { Direction::Tx };
+                if self.direction != want {
+                    return Err(Error::Protocol(format!(
+                        "{} against the channel direction",
+                        if is_move { "move" } else { "pass" }
+                    )));
+                }
+                let view = self.delivered_view(buf)?;
+                let mut st = self.domain.lock();
+                if st.record(buf).is_some_and(|r| r.is_owned()) {
+                    return Err(Error::Protocol(format!("peer gave us buffer {} which we own", buf.index)));
+                }
+                st.take_ownership(buf);
+                drop(st);
+                let buffer = Buffer::new(self.domain.shared.clone(), view, buf.index);
+                Ok(if is_move { Event::MoveReceived { buffer, meta } } else { Event::BufferPassed { buffer, meta } })
+            }
+            Message::Copy { buf, meta } => {
+                if self.direction != Direction::Rx {
+                    return Err(Error::Protocol("copy against the channel direction".into()));
+                }
+                let view = self.delivered_view(buf)?;
+                self.domain.lock().copy_received(buf, key);
+                Ok(Event::CopyReceived {
+                    copy: BufferCopy::new(self.domain.shared.clone(), view, buf.index, key),
+                    meta,
+                })
+            }
+            Message::Release { buf } => {
+                if self.direction != Direction::Tx {
+                    return Err(Error::Protocol("release against the channel direction".into()));
+                }
+                self.delivered_view(buf)?;
+                let writable =
+                    self.domain.lock().copy_returned(buf, key).ok_or_else(|| {
+                        Error::Protocol(format!("release of a copy of buffer {} never sent", buf.index))
+                    })?;
+                Ok(Event::CopyReleased { buffer: buf, writable })
+            }
+            Message::AssignRequest { pool, geometry, trust } => self.deliver_assign(pool, geometry, trust),
+            Message::AssignReply { pool, accepted } => {
+                let p = self
+                    .pools
+                    .iter()
+                    .position(|p| p.id == pool && p.status == PoolStatus::Assigning)
+                    .ok_or_else(|| Error::Protocol(format!("reply for pool {pool} we did not offer")))?;
+                if accepted {
+                    self.pools[p].status = PoolStatus::Assigned;
+                    return Ok(Event::PoolAssigned(pool));
+                }
+                let cp = self.pools.remove(p);
+                let mut st = self.domain.lock();
+                if let Some(e) = st.entry_mut(pool) {
+                    e.channels -= 1;
+                    if cp.set_trust && e.channels == 0 {
+                        e.trust = TrustLevel::Uninitialized;
+                    }
+                }
+                Ok(Event::PoolVetoed(pool))
+            }
+            Message::RemoveRequest { pool } => {
+                let in_use = self.domain.lock().entry(pool).is_some_and(|e| e.copies_on(key));
+                if in_use {
+                    self.reply(Message::RemoveReply { pool, accepted: false });
+                    return Ok(Event::PoolRemoveRefused(pool));
+                }
+                self.drop_pool(pool);
+                self.reply(Message::RemoveReply { pool, accepted: true });
+                Ok(Event::PoolRemoved(pool))
+            }
+            Message::RemoveReply { pool, accepted } => {
+                match self.pools.iter().position(|p| p.id == pool) {
+                    Some(p) if self.pools[p].status == PoolStatus::Removing => {
+                        if accepted {
+                            self.drop_pool(pool);
+                            Ok(Event::PoolRemoved(pool))
+                        } else {
+                            self.pools[p].status = PoolStatus::Assigned;
+                            Ok(Event::PoolRemoveRefused(pool))
+                        }
+                    }
+                    // Both ends asked at once and we already honoured the
+                    // peer's request: the pool is gone either way.
+                    None if accepted => Ok(Event::PoolRemoved(pool)),
+                    _ => Err(Error::Protocol(format!("removal reply for pool {pool} we did not ask to remove"))),
+                }
+            }
+            Message::Teardown => {
+                self.got_teardown = true;
+                let by_peer = !self.sent_teardown;
+                if !self.sent_teardown {
+                    self.state = ChannelState::Teardown;
+                    self.sent_teardown = true;
+                    self.reply(Message::Teardown);
+                }
+                self.close();
+                Ok(Event::Closed { by_peer })
+            }
+        }
+    }
+
+    fn deliver_assign(&mut self, pool: PoolId, geometry: Geometry, trust: TrustLevel) -> Result<Event> {
+        if trust != self.trust {
+            return Err(Error::Protocol(format!(
+                "pool {pool} offered with trust {trust:?} on a {:?} channel",
+                self.trust
+            )));
+        }
+        if self.pools.iter().any(|p| p.id == pool) || self.requests.iter().any(|r| r.pool == pool) {
+            return Err(Error::Protocol(format!("pool {pool} offered twice")));
+        }
+        let known = self.domain.lock().entry(pool).map(|e| (e.view.geometry(), e.trust));
+        let acceptable = match known {
+            Some((g, t)) => g == geometry && (t == TrustLevel::Uninitialized || t == trust),
+            None => true,
+        } && self.constraints.admits(geometry);
+        if !acceptable {
+            // The library vetoes by itself: wrong geometry for a known id, a
+            // trust conflict, or the channel's constraints.
+            self.reply(Message::AssignReply { pool, accepted: false });
+            return Ok(Event::PoolVetoed(pool));
+        }
+        if known.is_none() {
+            let memory = self.link_mut().import_pool(pool, geometry)?;
+            let initial = if trust.protects() { Access::None } else { Access::ReadWrite };
+            let view = PoolView::map(memory, initial, self.constraints.alignment)?;
+            self.domain.lock().insert_received(view, trust)?;
+        }
+        let mut st = self.domain.lock();
+        let e = st.entry_mut(pool).expect("inserted");
+        e.trust = trust;
+        e.channels += 1;
+        drop(st);
+        let req = PoolRequest { pool, geometry, trust };
+        self.requests.push(req);
+        Ok(Event::PoolAssignRequest(req))
+    }
+
+    /// The view of a buffer named by the peer, checking that its pool is on
+    /// this channel and the index is in range.
+    fn delivered_view(&self, buf: BufferId) -> Result<Arc<PoolView>> {
+        if !self.pools.iter().any(|p| p.id == buf.pool && p.status != PoolStatus::Assigning) {
+            return Err(Error::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)));
+        }
+        let st = self.domain.lock();
+        let e = st.entry(buf.pool).ok_or_else(|| Error::Protocol(format!("unknown pool {}", buf.pool)))?;
+        if buf.index >= e.view.geometry().count() {
+            return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
+        }
+        Ok(e.view.clone())
+    }
+
+    fn drop_pool(&mut self, pool: PoolId) {
+        if let Some(p) = self.pools.iter().position(|p| p.id == pool) {
+            self.pools.remove(p);
+            if let Some(e) = self.domain.lock().entry_mut(pool) {
+                e.channels -= 1;
+            }
+        }
+    }
+
+    /// Closed for good: give the pools and deferred copies up.
+    fn close(&mut self) {
+        self.state = ChannelState::Closed;
+        if let Some(link) = self.link.as_mut() {
+            link.close();
+        }
+        let mut st = self.domain.lock();
+        st.forget_channel(self.key);
+        for p in self.pools.drain(..) {
+            if let Some(e) = st.entry_mut(p.id) {
+                e.channels -= 1;
+            }
+        }
+        for r in self.requests.drain(..) {
+            if let Some(e) = st.entry_mut(r.pool) {
+                e.channels -= 1;
+            }
+            st.remove_if_unused(r.pool);
+        }
+    }
+
+    fn fail(&mut self, e: Error) -> Event {
+        self.close();
+        Event::Error(e)
+    }
+}
+
+impl Drop for Channel {
+    /// Dropping a live channel is an abrupt close: messages already queued
+    /// to us are taken in (moved and passed buffers become ours and go to the
+    /// free list; copies never seen are released again), then the peer
+    /// learns that we are gone.
+    fn drop(&mut self) {
+        if !matches!(self.state, ChannelState::Connected | ChannelState::Teardown) {
+            return;
+        }
+        while let Some(Ok(Some(msg))) = self.link.as_mut().map(|l| l.recv()) {
+            match self.deliver(msg) {
+                Ok(Event::CopyReceived { copy, .. }) => {
+                    let _ = self.release(copy);
+                }
+                Ok(_) => {}
+                Err(_) => break,
+            }
+            if self.state == ChannelState::Closed {
+                return;
+            }
+        }
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup(dir: Direction, role: Role) -> ChannelSetup {
+        ChannelSetup { direction: dir, role, ..ChannelSetup::default() }
+    }
+
+    #[test]
+    fn role_negotiation() {
+        let p = |role| BindParams { role, ..BindParams::default() };
+        let n = negotiate(&setup(Direction::Tx, Role::Generic), &p(Role::Generic)).unwrap();
+        assert_eq!((n.creator_role, n.binder_role, n.binder_direction), (Role::Master, Role::Slave, Direction::Rx));
+        let n = negotiate(&setup(Direction::Rx, Role::Generic), &p(Role::Master)).unwrap();
+        assert_eq!((n.creator_role, n.binder_role, n.binder_direction), (Role::Slave, Role::Master, Direction::Tx));
+        assert!(negotiate(&setup(Direction::Tx, Role::Master), &p(Role::Master)).is_err());
+        assert!(negotiate(&setup(Direction::Tx, Role::Slave), &p(Role::Slave)).is_err());
+        let n = negotiate(&setup(Direction::Tx, Role::Slave), &p(Role::Generic)).unwrap();
+        assert_eq!(n.binder_role, Role::Master);
+    }
+
+    #[test]
+    fn trust_and_meta_negotiation() {
+        let s = ChannelSetup { trust: TrustLevel::Half, meta_size: 64, ..ChannelSetup::default() };
+        let strict = BindParams { trust: Some(TrustLevel::Full), ..BindParams::default() };
+        assert!(negotiate(&s, &strict).is_err());
+        let small = BindParams { max_meta_size: 32, ..BindParams::default() };
+        assert!(negotiate(&s, &small).is_err());
+        let ok = negotiate(&s, &BindParams::default()).unwrap();
+        assert_eq!((ok.trust, ok.meta_size), (TrustLevel::Half, 64));
+    }
+
+    #[test]
+    fn constraints_merge() {
+        let a = ChannelConstraints { alignment: 4096, min_buffer_size: 0, max_buffer_size: 1 << 20 };
+        let b = ChannelConstraints { alignment: 8192, min_buffer_size: 8192, max_buffer_size: 0 };
+        let m = a.merge(b);
+        assert_eq!(m, ChannelConstraints { alignment: 8192, min_buffer_size: 8192, max_buffer_size: 1 << 20 });
+        assert!(m.admits(Geometry::new(8192, 1).unwrap()));
+        assert!(!m.admits(Geometry::new(4096, 1).unwrap()));
+        assert!(!m.admits(Geometry::new(1 << 21, 1).unwrap()));
+    }
+}

@@ -1,0 +1,455 @@
+//! A protection domain's view of the bulk-transfer state: its pool list
+//! (seed 003 §6.5.3) and, for every buffer of every pool it knows, the
+//! per-domain state of seed 003 §5.1.1 with the copy bookkeeping of
+//! Algorithms 9–10. Every buffer-state transition of the library happens in
+//! this file; channels call these transitions, backends never do.
+//!
+//! Normally a domain is a process; the local backend lets several domains
+//! live in one process, each with its own mapping of every pool it knows.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState};
+use crate::error::Result;
+use crate::pool::{Pool, PoolId, PoolMemory, PoolView, TrustLevel};
+use crate::sys::Access;
+
+/// Identifies a channel end inside its domain.
+pub(crate) type ChanKey = u64;
+
+/// A protection domain: owner of buffers and endpoint of channels.
+///
+/// Cloning gives another handle to the same domain.
+///
+/// ```
+/// let d = ferry::Domain::new("app");
+/// assert_eq!(d.name(), "app");
+/// assert!(d.pools().is_empty());
+/// ```
+#[derive(Clone)]
+pub struct Domain {
+    pub(crate) shared: Arc<DomainShared>,
+}
+
+impl std::fmt::Debug for Domain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Domain").field("id", &self.shared.id).field("name", &self.shared.name).finish()
+    }
+}
+
+pub(crate) struct DomainShared {
+    pub(crate) id: u64,
+    name: String,
+    state: Mutex<DomainState>,
+    next_chan: AtomicU64,
+}
+
+static NEXT_DOMAIN: AtomicU64 = AtomicU64::new(1);
+
+impl Domain {
+    /// A new, empty domain.
+    pub fn new(name: &str) -> Domain {
+        Domain {
+            shared: Arc::new(DomainShared {
+                id: NEXT_DOMAIN.fetch_add(1, Ordering::Relaxed),
+                name: name.to_owned(),
+                state: Mutex::new(DomainState::default()),
+                next_chan: AtomicU64::new(1),
+            }),
+        }
+    }
+
+    /// The name given at creation.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// This domain's state of a buffer (`Invalid` for unknown pools).
+    pub fn buffer_state(&self, id: BufferId) -> BufferState {
+        self.shared.lock().buffer_state(id.pool, id.index)
+    }
+
+    /// The pools in this domain's pool list.
+    pub fn pools(&self) -> Vec<PoolId> {
+        let mut v: Vec<PoolId> = self.shared.lock().pools.keys().copied().collect();
+        v.sort();
+        v
+    }
+
+    /// A handle to a pool in this domain's pool list.
+    pub fn pool(&self, id: PoolId) -> Option<Pool> {
+        let st = self.shared.lock();
+        st.pools.get(&id).map(|e| Pool { view: e.view.clone(), domain: self.shared.id })
+    }
+
+    /// The trust level this domain records for a pool.
+    pub fn pool_trust(&self, id: PoolId) -> Option<TrustLevel> {
+        self.shared.lock().pools.get(&id).map(|e| e.trust)
+    }
+
+    /// Take a free buffer of `pool` that this domain owns (LIFO: the most
+    /// recently freed first, so its cache lines and TLB entries are warm).
+    pub fn alloc(&self, pool: PoolId) -> Option<Buffer> {
+        let mut st = self.shared.lock();
+        let entry = st.pools.get_mut(&pool)?;
+        let index = entry.free.pop()?;
+        let view = entry.view.clone();
+        drop(st);
+        Some(Buffer::new(self.shared.clone(), view, index))
+    }
+
+    /// Number of free buffers of `pool` owned by this domain.
+    pub fn free_count(&self, pool: PoolId) -> usize {
+        self.shared.lock().pools.get(&pool).map_or(0, |e| e.free.len())
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    pub(crate) fn new_chan_key(&self) -> ChanKey {
+        self.shared.next_chan.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, DomainState> {
+        self.shared.lock()
+    }
+}
+
+impl DomainShared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, DomainState> {
+        // A panic while holding the lock leaves consistent data (every
+        // transition is a few field updates), so poisoning is ignored.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Per-domain record of one buffer.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct BufRecord {
+    /// This domain owns the buffer and it has been delivered here.
+    owned: bool,
+    /// Copies sent from here, per channel (owner's copies and forwarded ones).
+    copies_out: Vec<(ChanKey, u32)>,
+    /// Copies received here and not released, per channel.
+    copies_in: Vec<(ChanKey, u32)>,
+    /// The owner dropped its handle while copies were out: free it when the
+    /// last copy comes back.
+    free_when_writable: bool,
+    /// Protection currently applied to this buffer in this domain's view.
+    applied: Option<Access>,
+}
+
+fn count(list: &[(ChanKey, u32)], chan: ChanKey) -> u32 {
+    list.iter().find(|(c, _)| *c == chan).map_or(0, |(_, n)| *n)
+}
+
+fn bump(list: &mut Vec<(ChanKey, u32)>, chan: ChanKey) {
+    match list.iter_mut().find(|(c, _)| *c == chan) {
+        Some((_, n)) => *n += 1,
+        None => list.push((chan, 1)),
+    }
+}
+
+fn drop_one(list: &mut Vec<(ChanKey, u32)>, chan: ChanKey) -> bool {
+    if let Some(pos) = list.iter().position(|(c, _)| *c == chan) {
+        list[pos].1 -= 1;
+        if list[pos].1 == 0 {
+            list.swap_remove(pos);
+        }
+        true
+    } else {
+        false
+    }
+}
+
+impl BufRecord {
+    pub(crate) fn state(&self) -> BufferState {
+        if self.owned {
+            if self.copies_out.is_empty() && self.copies_in.is_empty() {
+                BufferState::ReadWrite
+            } else {
+                BufferState::ReadOnlyOwned
+            }
+        } else if !self.copies_in.is_empty() {
+            BufferState::ReadOnly
+        } else {
+            BufferState::Invalid
+        }
+    }
+
+    pub(crate) fn held_via(&self, chan: ChanKey) -> u32 {
+        count(&self.copies_in, chan)
+    }
+
+    pub(crate) fn has_forwarded(&self) -> bool {
+        !self.copies_out.is_empty()
+    }
+
+    pub(crate) fn copies_out_via(&self, chan: ChanKey) -> u32 {
+        count(&self.copies_out, chan)
+    }
+
+    pub(crate) fn is_owned(&self) -> bool {
+        self.owned
+    }
+}
+
+/// Where a pool entry came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Origin {
+    /// Allocated in this domain.
+    Created,
+    /// Learned through a pool assignment.
+    Received,
+}
+
+#[derive(Debug)]
+pub(crate) struct PoolEntry {
+    pub(crate) view: Arc<PoolView>,
+    pub(crate) trust: TrustLevel,
+    pub(crate) origin: Origin,
+    /// Channels of this domain the pool is assigned to or pending on.
+    pub(crate) channels: u32,
+    records: Vec<BufRecord>,
+    free: Vec<u32>,
+}
+
+impl PoolEntry {
+    /// Any copy of a buffer of this pool out over, or held via, `chan`.
+    pub(crate) fn copies_on(&self, chan: ChanKey) -> bool {
+        self.records.iter().any(|r| r.copies_out_via(chan) > 0 || r.held_via(chan) > 0)
+    }
+}
+
+/// The library state of one domain. Guarded by the domain's mutex.
+#[derive(Default)]
+pub(crate) struct DomainState {
+    pub(crate) pools: HashMap<PoolId, PoolEntry>,
+    /// Copies whose handles were dropped: to be released over their channel
+    /// the next time that channel runs.
+    deferred_releases: Vec<(ChanKey, BufferId)>,
+}
+
+impl DomainState {
+    pub(crate) fn buffer_state(&self, pool: PoolId, index: u32) -> BufferState {
+        match self.pools.get(&pool) {
+            Some(e) if index < e.view.geometry().count() => e.records[index as usize].state(),
+            _ => BufferState::Invalid,
+        }
+    }
+
+    pub(crate) fn entry(&self, pool: PoolId) -> Option<&PoolEntry> {
+        self.pools.get(&pool)
+    }
+
+    pub(crate) fn entry_mut(&mut self, pool: PoolId) -> Option<&mut PoolEntry> {
+        self.pools.get_mut(&pool)
+    }
+
+    pub(crate) fn record(&self, id: BufferId) -> Option<&BufRecord> {
+        let e = self.pools.get(&id.pool)?;
+        e.records.get(id.index as usize)
+    }
+
+    /// Insert a pool allocated here: every buffer owned, read-write, free.
+    pub(crate) fn insert_created(&mut self, view: Arc<PoolView>, trust: TrustLevel) {
+        let n = view.geometry().count();
+        let records =
+            vec![BufRecord { owned: true, applied: Some(Access::ReadWrite), ..BufRecord::default() }; n as usize];
+        // Reverse order so that buffer 0 is handed out first.
+        let free: Vec<u32> = (0..n).rev().collect();
+        self.pools.insert(view.id(), PoolEntry { view, trust, origin: Origin::Created, channels: 0, records, free });
+    }
+
+    /// Insert a pool learned from a peer: no buffer is ours yet.
+    pub(crate) fn insert_received(&mut self, view: Arc<PoolView>, trust: TrustLevel) -> Result<()> {
+        let n = view.geometry().count() as usize;
+        let applied = if trust.protects() {
+            view.protect_all(Access::None)?;
+            Some(Access::None)
+        } else {
+            Some(Access::ReadWrite)
+        };
+        let records = vec![BufRecord { applied, ..BufRecord::default() }; n];
+        self.pools.insert(
+            view.id(),
+            PoolEntry { view, trust, origin: Origin::Received, channels: 0, records, free: Vec::new() },
+        );
+        Ok(())
+    }
+
+    /// Bring the page protection of a buffer in line with its state, when
+    /// the pool's trust level asks for protection (HALF, NONE).
+    fn sync_protection(entry: &mut PoolEntry, index: u32) {
+        let rec = &mut entry.records[index as usize];
+        if !entry.trust.protects() {
+            return;
+        }
+        let want = match rec.state() {
+            BufferState::ReadWrite => Access::ReadWrite,
+            BufferState::ReadOnlyOwned | BufferState::ReadOnly => Access::Read,
+            BufferState::Invalid => Access::None,
+        };
+        if rec.applied != Some(want) {
+            // mprotect on a range of our own mapping cannot fail except for
+            // ENOMEM when the kernel cannot split the VMA; then the buffer
+            // keeps its old protection (HALF guards against accidents only).
+            if entry.view.protect(index, want).is_ok() {
+                rec.applied = Some(want);
+            }
+        }
+    }
+
+    fn rec_mut(&mut self, id: BufferId) -> &mut PoolEntry {
+        self.pools.get_mut(&id.pool).expect("pool checked by caller")
+    }
+
+    /// The owner gave the buffer away (move, pass, full-copy destination).
+    pub(crate) fn give_away(&mut self, id: BufferId) {
+        let e = self.rec_mut(id);
+        e.records[id.index as usize].owned = false;
+        Self::sync_protection(e, id.index);
+    }
+
+    /// A moved or passed buffer arrived: it is ours, read-write.
+    pub(crate) fn take_ownership(&mut self, id: BufferId) {
+        let e = self.rec_mut(id);
+        e.records[id.index as usize].owned = true;
+        Self::sync_protection(e, id.index);
+    }
+
+    /// Put an owned buffer without a handle on the free list (or keep it
+    /// aside until its copies are back).
+    pub(crate) fn free(&mut self, id: BufferId) {
+        let e = self.rec_mut(id);
+        let rec = &mut e.records[id.index as usize];
+        if !rec.owned {
+            return;
+        }
+        if rec.state() == BufferState::ReadWrite {
+            e.free.push(id.index);
+        } else {
+            rec.free_when_writable = true;
+        }
+    }
+
+    /// A copy of the buffer was sent over `chan`.
+    pub(crate) fn copy_sent(&mut self, id: BufferId, chan: ChanKey) {
+        let e = self.rec_mut(id);
+        bump(&mut e.records[id.index as usize].copies_out, chan);
+        Self::sync_protection(e, id.index);
+    }
+
+    /// A copy arrived over `chan`.
+    pub(crate) fn copy_received(&mut self, id: BufferId, chan: ChanKey) {
+        let e = self.rec_mut(id);
+        bump(&mut e.records[id.index as usize].copies_in, chan);
+        Self::sync_protection(e, id.index);
+    }
+
+    /// We released a copy held via `chan`.
+    pub(crate) fn copy_released_here(&mut self, id: BufferId, chan: ChanKey) {
+        let e = self.rec_mut(id);
+        drop_one(&mut e.records[id.index as usize].copies_in, chan);
+        Self::sync_protection(e, id.index);
+        self.maybe_free(id);
+    }
+
+    /// A release of a copy we sent over `chan` came back. Returns whether
+    /// the buffer is now read-write here, or `None` if no such copy was out
+    /// (a peer protocol violation).
+    pub(crate) fn copy_returned(&mut self, id: BufferId, chan: ChanKey) -> Option<bool> {
+        let e = self.rec_mut(id);
+        if !drop_one(&mut e.records[id.index as usize].copies_out, chan) {
+            return None;
+        }
+        Self::sync_protection(e, id.index);
+        let writable = e.records[id.index as usize].state() == BufferState::ReadWrite;
+        self.maybe_free(id);
+        Some(writable)
+    }
+
+    fn maybe_free(&mut self, id: BufferId) {
+        let e = self.rec_mut(id);
+        let rec = &mut e.records[id.index as usize];
+        if rec.free_when_writable && rec.state() == BufferState::ReadWrite {
+            rec.free_when_writable = false;
+            e.free.push(id.index);
+        }
+    }
+
+    /// A copy handle was dropped: release it when its channel next runs.
+    pub(crate) fn defer_release(&mut self, chan: ChanKey, id: BufferId) {
+        self.deferred_releases.push((chan, id));
+    }
+
+    /// Take the deferred releases of one channel.
+    pub(crate) fn take_deferred(&mut self, chan: ChanKey) -> Vec<BufferId> {
+        if self.deferred_releases.is_empty() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        self.deferred_releases.retain(|(c, id)| {
+            if *c == chan {
+                out.push(*id);
+                false
+            } else {
+                true
+            }
+        });
+        out
+    }
+
+    /// A channel is closed for good: copies dropped but never released over
+    /// it are forgotten (their holder no longer reads them).
+    pub(crate) fn forget_channel(&mut self, chan: ChanKey) {
+        for id in self.take_deferred(chan) {
+            self.copy_released_here(id, chan);
+        }
+    }
+
+    /// Drop a pool this domain learned only through a vetoed or failed
+    /// assignment.
+    pub(crate) fn remove_if_unused(&mut self, pool: PoolId) {
+        if let Some(e) = self.pools.get(&pool) {
+            let unused = e.origin == Origin::Received
+                && e.channels == 0
+                && e.records.iter().all(|r| r.state() == BufferState::Invalid);
+            if unused {
+                self.pools.remove(&pool);
+            }
+        }
+    }
+}
+
+/// Allocate a pool in `domain` (used by [`crate::Allocator`]).
+pub(crate) fn create_pool(
+    domain: &Domain,
+    memory: Arc<PoolMemory>,
+    trust: TrustLevel,
+    alignment: usize,
+) -> Result<Pool> {
+    let view = PoolView::map(memory, Access::ReadWrite, alignment)?;
+    let pool = Pool { view: view.clone(), domain: domain.id() };
+    domain.lock().insert_created(view, trust);
+    Ok(pool)
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        if let Some((domain, id)) = self.release_parts() {
+            domain.lock().free(id);
+        }
+    }
+}
+
+impl Drop for BufferCopy {
+    fn drop(&mut self) {
+        if let Some((domain, id, chan)) = self.release_parts() {
+            domain.lock().defer_release(chan, id);
+        }
+    }
+}

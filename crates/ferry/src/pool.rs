@@ -1,0 +1,317 @@
+//! Pools: contiguous ranges of equal-sized buffers backed by one `memfd`
+//! (seed 003 §4.2.5, §6.2.4).
+//!
+//! A pool's memory is a [`PoolMemory`] (the memfd, shareable with other
+//! processes). Each domain that knows the pool maps it once into a
+//! [`PoolView`]; buffer *i* of a view lives at `base + i * buffer_size`, so
+//! id ↔ address is arithmetic both ways. Each domain has its own view so that
+//! protection changes (trust HALF) in one domain never affect another, even
+//! when both live in one process (the local backend).
+
+use std::fmt;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::sys::{self, Access, Mapping};
+
+/// Globally unique pool identifier: 128 random bits made at allocation.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolId(u128);
+
+impl PoolId {
+    pub(crate) fn random() -> Self {
+        PoolId(sys::random_u128())
+    }
+
+    /// The id as a number (for wire formats and logs).
+    pub fn as_u128(self) -> u128 {
+        self.0
+    }
+
+    /// Rebuild an id received from a peer.
+    pub fn from_u128(v: u128) -> Self {
+        PoolId(v)
+    }
+}
+
+impl fmt::Debug for PoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PoolId({self})")
+    }
+}
+
+impl fmt::Display for PoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Short form, enough to tell pools apart in logs.
+        write!(f, "{:08x}", (self.0 >> 96) as u32)
+    }
+}
+
+/// Trust levels of channels and pools (seed 003 §4.2.4, Listing 6.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TrustLevel {
+    /// Only for pools not yet assigned to any channel.
+    Uninitialized,
+    /// No trust: protection enforced by the kernel (shared-memory backend).
+    None,
+    /// Protection applied in the sender's own process against accidents.
+    Half,
+    /// No protection changes at all.
+    Full,
+}
+
+impl TrustLevel {
+    pub(crate) fn to_u8(self) -> u8 {
+        match self {
+            TrustLevel::Uninitialized => 0,
+            TrustLevel::None => 1,
+            TrustLevel::Half => 2,
+            TrustLevel::Full => 3,
+        }
+    }
+
+    pub(crate) fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            0 => TrustLevel::Uninitialized,
+            1 => TrustLevel::None,
+            2 => TrustLevel::Half,
+            3 => TrustLevel::Full,
+            _ => return None,
+        })
+    }
+
+    /// Whether buffer state changes are mirrored by page protections.
+    pub(crate) fn protects(self) -> bool {
+        matches!(self, TrustLevel::Half | TrustLevel::None)
+    }
+}
+
+/// Shape of a pool: `count` buffers of `buffer_size` bytes each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Geometry {
+    buffer_size: usize,
+    count: u32,
+}
+
+/// Largest pool Ferry maps: 1 TiB of address space.
+const MAX_POOL_BYTES: u64 = 1 << 40;
+
+impl Geometry {
+    /// Validate a geometry: the buffer size is a power of two and a multiple
+    /// of the page size; there is at least one buffer; the pool fits in 1 TiB.
+    pub fn new(buffer_size: usize, count: u64) -> Result<Self> {
+        let page = sys::page_size();
+        if !buffer_size.is_power_of_two() || buffer_size < page {
+            return Err(Error::BadBufferSize { size: buffer_size, page });
+        }
+        let max = (MAX_POOL_BYTES / buffer_size as u64).min(u64::from(u32::MAX));
+        if count == 0 || count > max {
+            return Err(Error::BadBufferCount { count, max });
+        }
+        Ok(Geometry { buffer_size, count: count as u32 })
+    }
+
+    /// Bytes per buffer.
+    pub fn buffer_size(&self) -> usize {
+        self.buffer_size
+    }
+
+    /// Number of buffers.
+    pub fn count(&self) -> u32 {
+        self.count
+    }
+
+    /// Bytes in the whole pool.
+    pub fn len(&self) -> usize {
+        self.buffer_size * self.count as usize
+    }
+
+    /// Never true: a pool has at least one buffer.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+}
+
+/// Constraints on a new pool (seed 003 §6.4.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolConstraints {
+    /// Trust level fixed now, or `Uninitialized` to take the trust of the
+    /// first channel the pool is assigned to.
+    pub trust: TrustLevel,
+    /// Alignment of every buffer's address in the creating domain (a power of
+    /// two ≤ buffer size; 0 means page alignment).
+    pub alignment: usize,
+}
+
+impl Default for PoolConstraints {
+    fn default() -> Self {
+        PoolConstraints { trust: TrustLevel::Uninitialized, alignment: 0 }
+    }
+}
+
+/// The memory of a pool: a memfd of `geometry.len()` bytes. Shared by every
+/// view of the pool in this process; sent to other processes as an fd.
+#[derive(Debug)]
+pub(crate) struct PoolMemory {
+    id: PoolId,
+    geometry: Geometry,
+    fd: OwnedFd,
+}
+
+impl PoolMemory {
+    pub(crate) fn create(geometry: Geometry) -> Result<Arc<Self>> {
+        let id = PoolId::random();
+        let fd = sys::memfd(&format!("ferry-pool-{id}"), geometry.len())?;
+        Ok(Arc::new(PoolMemory { id, geometry, fd }))
+    }
+
+    pub(crate) fn id(&self) -> PoolId {
+        self.id
+    }
+
+    pub(crate) fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+}
+
+/// One domain's mapping of a pool.
+#[derive(Debug)]
+pub(crate) struct PoolView {
+    memory: Arc<PoolMemory>,
+    map: Mapping,
+}
+
+impl PoolView {
+    /// Map the pool; `initial` is the protection of every buffer at first.
+    pub(crate) fn map(memory: Arc<PoolMemory>, initial: Access, alignment: usize) -> Result<Arc<Self>> {
+        let geometry = memory.geometry;
+        let align = if alignment == 0 { 1 } else { alignment };
+        if !align.is_power_of_two() || align > geometry.buffer_size {
+            return Err(Error::BadAlignment(alignment));
+        }
+        let map = Mapping::map_shared(sys::borrow(&memory.fd), geometry.len(), initial, align)?;
+        Ok(Arc::new(PoolView { memory, map }))
+    }
+
+    pub(crate) fn id(&self) -> PoolId {
+        self.memory.id
+    }
+
+    pub(crate) fn geometry(&self) -> Geometry {
+        self.memory.geometry
+    }
+
+    pub(crate) fn memory(&self) -> &Arc<PoolMemory> {
+        &self.memory
+    }
+
+    /// Address of buffer `index` in this view.
+    pub(crate) fn buffer_ptr(&self, index: u32) -> *mut u8 {
+        debug_assert!(index < self.geometry().count);
+        // SAFETY: index < count, so the offset stays inside the mapping.
+        unsafe { self.map.as_ptr().add(index as usize * self.geometry().buffer_size) }
+    }
+
+    /// Buffer index of an address inside this view, if it is one.
+    pub(crate) fn index_of(&self, addr: *const u8) -> Option<u32> {
+        let base = self.map.as_ptr() as usize;
+        let a = addr as usize;
+        if a < base || a >= base + self.map.len() {
+            return None;
+        }
+        Some(((a - base) / self.geometry().buffer_size) as u32)
+    }
+
+    /// Apply `access` to buffer `index` in this view.
+    pub(crate) fn protect(&self, index: u32, access: Access) -> Result<()> {
+        let size = self.geometry().buffer_size;
+        self.map.protect(index as usize * size, size, access).map_err(Error::from)
+    }
+
+    /// Apply `access` to the whole view.
+    pub(crate) fn protect_all(&self, access: Access) -> Result<()> {
+        self.map.protect(0, self.map.len(), access).map_err(Error::from)
+    }
+}
+
+/// A handle naming a pool in one domain's pool list; what
+/// [`Channel::assign_pool`](crate::Channel::assign_pool) takes.
+#[derive(Debug, Clone)]
+pub struct Pool {
+    pub(crate) view: Arc<PoolView>,
+    pub(crate) domain: u64,
+}
+
+impl Pool {
+    /// The pool's globally unique id.
+    pub fn id(&self) -> PoolId {
+        self.view.id()
+    }
+
+    /// The pool's shape.
+    pub fn geometry(&self) -> Geometry {
+        self.view.geometry()
+    }
+
+    /// Base address of the pool in this domain (buffers follow contiguously).
+    pub fn base_address(&self) -> usize {
+        self.view.buffer_ptr(0) as usize
+    }
+
+    /// Index of the buffer containing `addr` in this domain's view, if any.
+    pub fn index_of(&self, addr: *const u8) -> Option<u32> {
+        self.view.index_of(addr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_is_validated() {
+        let page = sys::page_size();
+        assert!(Geometry::new(page, 1).is_ok());
+        assert!(Geometry::new(1 << 20, 16).is_ok());
+        assert!(matches!(Geometry::new(page + 1, 1), Err(Error::BadBufferSize { .. })));
+        assert!(matches!(Geometry::new(3 * page, 1), Err(Error::BadBufferSize { .. })));
+        assert!(matches!(Geometry::new(page / 2, 1), Err(Error::BadBufferSize { .. })));
+        assert!(matches!(Geometry::new(0, 1), Err(Error::BadBufferSize { .. })));
+        assert!(matches!(Geometry::new(page, 0), Err(Error::BadBufferCount { .. })));
+        assert!(matches!(Geometry::new(1 << 30, 1 << 20), Err(Error::BadBufferCount { .. })));
+    }
+
+    #[test]
+    fn id_and_address_are_arithmetic() {
+        let g = Geometry::new(8192, 4).unwrap();
+        let view = PoolView::map(PoolMemory::create(g).unwrap(), Access::ReadWrite, 0).unwrap();
+        for i in 0..4 {
+            let p = view.buffer_ptr(i);
+            assert_eq!(p as usize - view.buffer_ptr(0) as usize, i as usize * 8192);
+            assert_eq!(view.index_of(p), Some(i));
+            // SAFETY: test-only: last byte of buffer i is inside the mapping.
+            assert_eq!(view.index_of(unsafe { p.add(8191) }), Some(i));
+        }
+        assert_eq!(view.index_of(std::ptr::null()), None);
+    }
+
+    #[test]
+    fn pool_ids_are_unique() {
+        let g = Geometry::new(4096, 1).unwrap();
+        let a = PoolMemory::create(g).unwrap();
+        let b = PoolMemory::create(g).unwrap();
+        assert_ne!(a.id(), b.id());
+    }
+
+    #[test]
+    fn alignment_constraint() {
+        let g = Geometry::new(1 << 16, 2).unwrap();
+        let v = PoolView::map(PoolMemory::create(g).unwrap(), Access::ReadWrite, 1 << 16).unwrap();
+        assert_eq!(v.buffer_ptr(0) as usize % (1 << 16), 0);
+        assert!(matches!(
+            PoolView::map(PoolMemory::create(g).unwrap(), Access::ReadWrite, 1 << 17),
+            Err(Error::BadAlignment(_))
+        ));
+    }
+}

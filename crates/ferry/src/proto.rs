@@ -1,0 +1,270 @@
+//! The library's messages and their encoding into fixed-size descriptor
+//! slots. Every message of a channel direction travels in one ordered stream
+//! (the seed's data queue source→sink and control queue sink→source), so a
+//! teardown marker or a pool removal can never overtake a buffer.
+//!
+//! Slot layout (little endian; slot size is a power of two ≥ 64):
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 1 | opcode |
+//! | 1 | 1 | flags (accept bit, trust level) |
+//! | 2 | 2 | meta length |
+//! | 4 | 4 | buffer index / buffer count |
+//! | 8 | 8 | aux (buffer size for pool assignment) |
+//! | 16 | 16 | pool id |
+//! | 32 | meta length | meta data |
+//!
+//! `decode` checks everything a peer could get wrong; the channel then checks
+//! what needs its state (pool assigned, index in range, buffer ownership).
+
+use std::fmt;
+use std::ops::Deref;
+
+use crate::buffer::BufferId;
+use crate::error::Error;
+use crate::pool::{Geometry, PoolId, TrustLevel};
+
+/// Size of the fixed slot header.
+pub(crate) const HEADER: usize = 32;
+
+/// Largest meta-data size a channel can have (a 256-byte slot).
+pub const MAX_META_SIZE: usize = 224;
+
+/// Slot size for a channel with `meta_size` bytes of meta data.
+pub(crate) fn slot_size(meta_size: usize) -> u32 {
+    (HEADER + meta_size.max(32)).next_power_of_two().max(64) as u32
+}
+
+/// Meta data carried with a buffer (block number, request id, length...),
+/// at most the channel's meta size.
+#[derive(Clone, Copy)]
+pub struct Meta {
+    len: u8,
+    bytes: [u8; MAX_META_SIZE],
+}
+
+impl Meta {
+    /// Meta data from a slice (`None` if longer than [`MAX_META_SIZE`]).
+    pub fn new(data: &[u8]) -> Option<Meta> {
+        if data.len() > MAX_META_SIZE {
+            return None;
+        }
+        let mut m = Meta { len: data.len() as u8, bytes: [0; MAX_META_SIZE] };
+        m.bytes[..data.len()].copy_from_slice(data);
+        Some(m)
+    }
+
+    /// Empty meta data.
+    pub const fn empty() -> Meta {
+        Meta { len: 0, bytes: [0; MAX_META_SIZE] }
+    }
+}
+
+impl Default for Meta {
+    fn default() -> Self {
+        Meta::empty()
+    }
+}
+
+impl Deref for Meta {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+}
+
+impl fmt::Debug for Meta {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Meta({:02x?})", &**self)
+    }
+}
+
+impl PartialEq for Meta {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+impl Eq for Meta {}
+
+/// A library message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Message {
+    /// Seed Algorithm 7 (data queue).
+    Move { buf: BufferId, meta: Meta },
+    /// Seed Algorithm 9 (data queue).
+    Copy { buf: BufferId, meta: Meta },
+    /// Seed Algorithm 8 (control queue).
+    Pass { buf: BufferId, meta: Meta },
+    /// Seed Algorithm 10 (control queue).
+    Release { buf: BufferId },
+    /// Phase one of a pool assignment (Algorithm 6, §5.2.3).
+    AssignRequest { pool: PoolId, geometry: Geometry, trust: TrustLevel },
+    /// Phase two: the peer accepted or vetoed.
+    AssignReply { pool: PoolId, accepted: bool },
+    /// Ask the peer to drop a pool from the channel.
+    RemoveRequest { pool: PoolId },
+    /// The peer dropped the pool (or refused: it still has copies).
+    RemoveReply { pool: PoolId, accepted: bool },
+    /// No more messages follow from this side (teardown marker).
+    Teardown,
+}
+
+const OP_MOVE: u8 = 1;
+const OP_COPY: u8 = 2;
+const OP_PASS: u8 = 3;
+const OP_RELEASE: u8 = 4;
+const OP_ASSIGN: u8 = 5;
+const OP_ASSIGN_REPLY: u8 = 6;
+const OP_REMOVE: u8 = 7;
+const OP_REMOVE_REPLY: u8 = 8;
+const OP_TEARDOWN: u8 = 9;
+
+const FLAG_ACCEPT: u8 = 1;
+
+impl Message {
+    /// Encode into `slot` (zeroed, at least [`slot_size`] of the meta size).
+    pub(crate) fn encode(&self, slot: &mut [u8]) {
+        let (op, flags, index, aux, pool, meta): (u8, u8, u32, u64, u128, &[u8]) = match self {
+            Message::Move { buf, meta } => (OP_MOVE, 0, buf.index, 0, buf.pool.as_u128(), meta),
+            Message::Copy { buf, meta } => (OP_COPY, 0, buf.index, 0, buf.pool.as_u128(), meta),
+            Message::Pass { buf, meta } => (OP_PASS, 0, buf.index, 0, buf.pool.as_u128(), meta),
+            Message::Release { buf } => (OP_RELEASE, 0, buf.index, 0, buf.pool.as_u128(), &[]),
+            Message::AssignRequest { pool, geometry, trust } => {
+                (OP_ASSIGN, trust.to_u8() << 4, geometry.count(), geometry.buffer_size() as u64, pool.as_u128(), &[])
+            }
+            Message::AssignReply { pool, accepted } => {
+                (OP_ASSIGN_REPLY, if *accepted { FLAG_ACCEPT } else { 0 }, 0, 0, pool.as_u128(), &[])
+            }
+            Message::RemoveRequest { pool } => (OP_REMOVE, 0, 0, 0, pool.as_u128(), &[]),
+            Message::RemoveReply { pool, accepted } => {
+                (OP_REMOVE_REPLY, if *accepted { FLAG_ACCEPT } else { 0 }, 0, 0, pool.as_u128(), &[])
+            }
+            Message::Teardown => (OP_TEARDOWN, 0, 0, 0, 0, &[]),
+        };
+        slot[0] = op;
+        slot[1] = flags;
+        slot[2..4].copy_from_slice(&(meta.len() as u16).to_le_bytes());
+        slot[4..8].copy_from_slice(&index.to_le_bytes());
+        slot[8..16].copy_from_slice(&aux.to_le_bytes());
+        slot[16..32].copy_from_slice(&pool.to_le_bytes());
+        slot[HEADER..HEADER + meta.len()].copy_from_slice(meta);
+    }
+
+    /// Decode a slot received from a peer; `max_meta` is the channel's meta
+    /// size. Anything malformed is a protocol error, never a panic.
+    pub(crate) fn decode(slot: &[u8], max_meta: usize) -> Result<Message, Error> {
+        if slot.len() < HEADER {
+            return Err(Error::Protocol(format!("slot of {} bytes is shorter than the header", slot.len())));
+        }
+        let op = slot[0];
+        let flags = slot[1];
+        let meta_len = u16::from_le_bytes([slot[2], slot[3]]) as usize;
+        let index = u32::from_le_bytes(slot[4..8].try_into().expect("4 bytes"));
+        let aux = u64::from_le_bytes(slot[8..16].try_into().expect("8 bytes"));
+        let pool = PoolId::from_u128(u128::from_le_bytes(slot[16..32].try_into().expect("16 bytes")));
+        let carries_meta = matches!(op, OP_MOVE | OP_COPY | OP_PASS);
+        if meta_len > max_meta.min(MAX_META_SIZE) || (!carries_meta && meta_len != 0) {
+            return Err(Error::Protocol(format!("meta length {meta_len} out of range (op {op})")));
+        }
+        if HEADER + meta_len > slot.len() {
+            return Err(Error::Protocol(format!("meta length {meta_len} exceeds the slot")));
+        }
+        let meta = || Meta::new(&slot[HEADER..HEADER + meta_len]).expect("length checked");
+        let buf = BufferId { pool, index };
+        let accepted = flags & FLAG_ACCEPT != 0;
+        Ok(match op {
+            OP_MOVE => Message::Move { buf, meta: meta() },
+            OP_COPY => Message::Copy { buf, meta: meta() },
+            OP_PASS => Message::Pass { buf, meta: meta() },
+            OP_RELEASE => Message::Release { buf },
+            OP_ASSIGN => {
+                let trust = TrustLevel::from_u8(flags >> 4)
+                    .filter(|t| *t != TrustLevel::Uninitialized)
+                    .ok_or_else(|| Error::Protocol(format!("bad trust level {}", flags >> 4)))?;
+                let size = usize::try_from(aux).map_err(|_| Error::Protocol("buffer size too large".into()))?;
+                let geometry = Geometry::new(size, u64::from(index))
+                    .map_err(|e| Error::Protocol(format!("bad pool geometry: {e}")))?;
+                Message::AssignRequest { pool, geometry, trust }
+            }
+            OP_ASSIGN_REPLY => Message::AssignReply { pool, accepted },
+            OP_REMOVE => Message::RemoveRequest { pool },
+            OP_REMOVE_REPLY => Message::RemoveReply { pool, accepted },
+            OP_TEARDOWN => Message::Teardown,
+            other => return Err(Error::Protocol(format!("unknown opcode {other}"))),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn roundtrip(m: Message, meta_size: usize) {
+        let mut slot = vec![0u8; slot_size(meta_size) as usize];
+        m.encode(&mut slot);
+        assert_eq!(Message::decode(&slot, meta_size).unwrap(), m);
+    }
+
+    #[test]
+    fn every_message_roundtrips() {
+        let pool = PoolId::from_u128(0x0123_4567_89ab_cdef_0011_2233_4455_6677);
+        let buf = BufferId { pool, index: 7 };
+        let meta = Meta::new(b"block 42").unwrap();
+        for m in [
+            Message::Move { buf, meta },
+            Message::Copy { buf, meta },
+            Message::Pass { buf, meta: Meta::empty() },
+            Message::Release { buf },
+            Message::AssignRequest { pool, geometry: Geometry::new(1 << 20, 3).unwrap(), trust: TrustLevel::Half },
+            Message::AssignReply { pool, accepted: true },
+            Message::AssignReply { pool, accepted: false },
+            Message::RemoveRequest { pool },
+            Message::RemoveReply { pool, accepted: true },
+            Message::Teardown,
+        ] {
+            roundtrip(m, 16);
+        }
+        let big = Meta::new(&[9u8; MAX_META_SIZE]).unwrap();
+        roundtrip(Message::Move { buf, meta: big }, MAX_META_SIZE);
+    }
+
+    #[test]
+    fn slot_sizes() {
+        assert_eq!(slot_size(0), 64);
+        assert_eq!(slot_size(32), 64);
+        assert_eq!(slot_size(33), 128);
+        assert_eq!(slot_size(MAX_META_SIZE), 256);
+    }
+
+    #[test]
+    fn malformed_slots_are_errors() {
+        let mut slot = [0u8; 64];
+        assert!(Message::decode(&slot, 16).is_err(), "opcode 0");
+        slot[0] = 99;
+        assert!(Message::decode(&slot, 16).is_err(), "unknown opcode");
+        slot[0] = OP_MOVE;
+        slot[2] = 17;
+        assert!(Message::decode(&slot, 16).is_err(), "meta longer than the channel's");
+        slot[2] = 0;
+        slot[0] = OP_ASSIGN;
+        slot[1] = 2 << 4;
+        assert!(Message::decode(&slot, 16).is_err(), "zero buffers");
+        slot[4] = 1;
+        slot[8..16].copy_from_slice(&4097u64.to_le_bytes());
+        assert!(Message::decode(&slot, 16).is_err(), "bad size");
+        slot[8..16].copy_from_slice(&4096u64.to_le_bytes());
+        assert!(Message::decode(&slot, 16).is_ok());
+        slot[1] = 0;
+        assert!(Message::decode(&slot, 16).is_err(), "uninitialized trust");
+        assert!(Message::decode(&slot[..8], 16).is_err(), "short slot");
+    }
+
+    proptest! {
+        #[test]
+        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300), meta in 0usize..300) {
+            let _ = Message::decode(&bytes, meta);
+        }
+    }
+}

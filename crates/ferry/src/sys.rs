@@ -1,0 +1,231 @@
+//! Safe wrappers over the few syscalls Ferry's pools need: `memfd_create`,
+//! shared mappings of a memfd, `mprotect` of a range of such a mapping, and
+//! random pool ids. All `unsafe` of the pool layer lives in this module.
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+
+use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
+
+/// The system page size.
+pub(crate) fn page_size() -> usize {
+    rustix::param::page_size()
+}
+
+/// 128 random bits from the kernel: pool ids are unique across processes
+/// and machines by construction (the chance of a collision among 2^32 pools
+/// is about 2^-64).
+pub(crate) fn random_u128() -> u128 {
+    let mut bytes = [0u8; 16];
+    let mut filled = 0;
+    while filled < bytes.len() {
+        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => continue,
+            // getrandom(2) cannot fail on Linux ≥ 3.17 once the pool is seeded; if
+            // it ever does, a time-and-address mix is still unique in practice.
+            Err(_) => {
+                let t = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos())
+                    .unwrap_or(0);
+                let addr = &bytes as *const _ as usize as u128;
+                return t ^ (addr << 64) ^ u128::from(std::process::id());
+            }
+        }
+    }
+    u128::from_le_bytes(bytes)
+}
+
+/// Create an anonymous memory file of `len` bytes that can be sealed.
+pub(crate) fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
+    use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
+    let fd = memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+    ftruncate(&fd, len as u64)?;
+    Ok(fd)
+}
+
+/// Access a range of a mapping may have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Access {
+    /// No access: touching the range faults.
+    None,
+    /// Read only.
+    Read,
+    /// Read and write.
+    ReadWrite,
+}
+
+impl Access {
+    fn prot(self) -> MprotectFlags {
+        match self {
+            Access::None => MprotectFlags::empty(),
+            Access::Read => MprotectFlags::READ,
+            Access::ReadWrite => MprotectFlags::READ | MprotectFlags::WRITE,
+        }
+    }
+}
+
+/// A `MAP_SHARED` mapping of a file, unmapped on drop.
+///
+/// The mapping is plain memory shared with other views of the same file;
+/// which part anyone may touch is decided by the layers above (buffer states),
+/// so this type hands out raw pointers, never references.
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a `Mapping` is an address range owned by this value; the raw
+// pointer is never dereferenced here, and unmapping happens once, in drop.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` only exposes the address and `mprotect`,
+// which the kernel serialises.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Map `len` bytes of `fd` from offset 0, shared, with the base address
+    /// aligned to `align` (a power of two; at most the page size means no
+    /// extra alignment).
+    pub(crate) fn map_shared(fd: BorrowedFd<'_>, len: usize, access: Access, align: usize) -> io::Result<Self> {
+        if len == 0 || !align.is_power_of_two() {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        let prot = match access {
+            Access::None => ProtFlags::empty(),
+            Access::Read => ProtFlags::READ,
+            Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
+        };
+        if align <= page_size() {
+            // SAFETY: a fresh mapping chosen by the kernel (no fixed address),
+            // so it cannot alias any existing Rust object.
+            let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, 0)? };
+            let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
+            return Ok(Mapping { ptr, len });
+        }
+        // Stronger alignment: reserve len + align of inaccessible address
+        // space, place the file mapping at the first aligned address inside it
+        // with MAP_FIXED, and give back the slack on both sides.
+        let reserve = len.checked_add(align).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        // SAFETY: an anonymous PROT_NONE reservation at a kernel-chosen address.
+        let base = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                reserve,
+                ProtFlags::empty(),
+                MapFlags::PRIVATE | MapFlags::NORESERVE,
+            )?
+        } as usize;
+        let aligned = (base + align - 1) & !(align - 1);
+        // SAFETY: [aligned, aligned+len) lies inside the reservation we own;
+        // MAP_FIXED replaces only our own PROT_NONE pages.
+        let mapped =
+            unsafe { rustix::mm::mmap(aligned as *mut _, len, prot, MapFlags::SHARED | MapFlags::FIXED, fd, 0) };
+        let head = aligned - base;
+        let tail = reserve - head - len;
+        // SAFETY: the slack ranges are parts of our reservation that nothing
+        // else uses; unmapping them cannot affect other objects.
+        unsafe {
+            if head > 0 {
+                let _ = rustix::mm::munmap(base as *mut _, head);
+            }
+            if tail > 0 {
+                let _ = rustix::mm::munmap((aligned + len) as *mut _, tail);
+            }
+        }
+        let ptr = match mapped {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: the aligned part of the reservation is still ours.
+                unsafe {
+                    let _ = rustix::mm::munmap(aligned as *mut _, len);
+                }
+                return Err(e.into());
+            }
+        };
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
+        Ok(Mapping { ptr, len })
+    }
+
+    /// Base address of the mapping.
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Change the protection of `[offset, offset + len)`, which must be page
+    /// aligned and inside the mapping.
+    pub(crate) fn protect(&self, offset: usize, len: usize, access: Access) -> io::Result<()> {
+        let page = page_size();
+        if offset % page != 0 || len % page != 0 || offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        // SAFETY: the range lies inside our own mapping (checked above).
+        // Removing access can make later accesses fault, which is the point:
+        // the buffer-state layer guarantees no Rust reference into a range is
+        // alive when its access is reduced (handles are consumed first).
+        unsafe { rustix::mm::mprotect(self.ptr.as_ptr().add(offset).cast(), len, access.prot())? };
+        Ok(())
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: we own the mapping; every handle that could point into it
+        // holds an `Arc` of the view that owns this `Mapping`, so none is left.
+        unsafe {
+            let _ = rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// Borrow an fd (re-exported helper so callers need not import `AsFd`).
+pub(crate) fn borrow(fd: &OwnedFd) -> BorrowedFd<'_> {
+    fd.as_fd()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memfd_mapping_is_shared_between_views() {
+        let fd = memfd("t", 8192).unwrap();
+        let a = Mapping::map_shared(borrow(&fd), 8192, Access::ReadWrite, 1).unwrap();
+        let b = Mapping::map_shared(borrow(&fd), 8192, Access::ReadWrite, 1).unwrap();
+        assert_ne!(a.as_ptr(), b.as_ptr());
+        // SAFETY: test-only raw access inside both mappings.
+        unsafe {
+            a.as_ptr().add(4100).write(42);
+            assert_eq!(b.as_ptr().add(4100).read(), 42);
+        }
+    }
+
+    #[test]
+    fn aligned_mapping_honours_alignment() {
+        let fd = memfd("t", 1 << 16).unwrap();
+        let m = Mapping::map_shared(borrow(&fd), 1 << 16, Access::ReadWrite, 1 << 21).unwrap();
+        assert_eq!(m.as_ptr() as usize % (1 << 21), 0);
+    }
+
+    #[test]
+    fn protect_checks_range() {
+        let fd = memfd("t", 8192).unwrap();
+        let m = Mapping::map_shared(borrow(&fd), 8192, Access::ReadWrite, 1).unwrap();
+        assert!(m.protect(1, 4096, Access::Read).is_err());
+        assert!(m.protect(4096, 8192, Access::Read).is_err());
+        m.protect(4096, 4096, Access::Read).unwrap();
+        m.protect(4096, 4096, Access::ReadWrite).unwrap();
+    }
+
+    #[test]
+    fn random_ids_differ() {
+        assert_ne!(random_u128(), random_u128());
+    }
+}
