@@ -1,1 +1,83 @@
-fn main() {}
+//! `ferry`: the command-line face of Ferry.
+//!
+//! * `ferry demo` — moves real data with Ferry and prints what it verified
+//!   and how fast.
+//! * `ferry bench EXPERIMENT` — the seeds' experiments (see BENCHMARKS.md).
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod bench;
+mod demo;
+mod pattern;
+mod pin;
+mod setup;
+mod stats;
+
+#[derive(Parser)]
+#[command(name = "ferry", version, about = "Zero-copy bulk transfer: demo and benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Move real data through Ferry, verify every byte, report the rate.
+    Demo(demo::DemoArgs),
+    /// Run one of the seeds' experiments.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    pin::init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo(args) => demo::run(&args),
+        Command::Bench(args) => bench::run(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ferry: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// A failure of a command, with its exit code (2: bad usage, 1: failed run).
+#[derive(Debug)]
+pub enum CliError {
+    Usage(String),
+    Failed(String),
+}
+
+impl CliError {
+    fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Usage(_) => 2,
+            CliError::Failed(_) => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for CliError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CliError::Usage(m) | CliError::Failed(m) => f.write_str(m),
+        }
+    }
+}
+
+impl From<ferry::Error> for CliError {
+    fn from(e: ferry::Error) -> Self {
+        CliError::Failed(e.to_string())
+    }
+}
+
+impl<T> From<ferry::Refused<T>> for CliError {
+    fn from(e: ferry::Refused<T>) -> Self {
+        CliError::Failed(e.error.to_string())
+    }
+}

@@ -1,0 +1,66 @@
+//! Setting up channels for the demo and the benchmarks: connect two ends,
+//! assign a pool, with every step checked.
+
+use std::time::Duration;
+
+use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, Pool};
+
+use crate::CliError;
+
+const STEP: Duration = Duration::from_secs(10);
+
+fn unexpected(what: &str, ev: Option<Event>) -> CliError {
+    CliError::Failed(format!("while waiting for {what}: got {ev:?}"))
+}
+
+/// Create a channel in `creator` and bind `binder` to it, both in this
+/// process; returns (creator end, binder end), both connected.
+pub fn connect_local(
+    creator: &Domain,
+    binder: &Domain,
+    setup: ChannelSetup,
+    params: BindParams,
+) -> Result<(Channel, Channel), CliError> {
+    let ep = Endpoint::local();
+    let mut c = Channel::create(creator, &ep, setup)?;
+    let mut b = Channel::bind(binder, &ep, params)?;
+    match c.wait(Some(STEP)) {
+        Some(Event::BindRequest { .. }) => {}
+        ev => return Err(unexpected("the bind request", ev)),
+    }
+    match b.wait(Some(STEP)) {
+        Some(Event::Bound) => {}
+        ev => return Err(unexpected("the bind reply", ev)),
+    }
+    Ok((c, b))
+}
+
+/// Assign `pool` from `assigner` to the channel; `peer` (the other end, in
+/// this thread) accepts.
+pub fn assign(assigner: &mut Channel, peer: &mut Channel, pool: &Pool) -> Result<(), CliError> {
+    assigner.assign_pool(pool)?;
+    match peer.wait(Some(STEP)) {
+        Some(Event::PoolAssignRequest(req)) => peer.respond_pool(req.pool, true)?,
+        ev => return Err(unexpected("the pool-assignment request", ev)),
+    }
+    match assigner.wait(Some(STEP)) {
+        Some(Event::PoolAssigned(_)) => Ok(()),
+        ev => Err(unexpected("the pool-assignment reply", ev)),
+    }
+}
+
+/// Wait for the next event, busy-polling or blocking.
+pub fn next_event(ch: &mut Channel, busy: bool) -> Option<Event> {
+    if busy {
+        loop {
+            if let Some(ev) = ch.poll() {
+                return Some(ev);
+            }
+            if ch.state() == ferry::ChannelState::Closed {
+                return None;
+            }
+            std::hint::spin_loop();
+        }
+    }
+    ch.wait(None)
+}

@@ -1,0 +1,4 @@
+//! The executable reference model of `docs/SEMANTICS.md`, shared by the
+//! model's own tests and the model-based tests of the library.
+
+pub mod reference;

@@ -1,0 +1,979 @@
+//! Tests of the reference model (`tests/model/reference.rs`) on its own:
+//! hand-written scenarios from seed 003 §5.2 and SEMANTICS.md, and a
+//! property test that runs random operation sequences and checks the
+//! invariants after every step.
+
+mod model;
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+
+use model::reference::{
+    BufId, BufferState, ChanId, ChannelState, DomainId, Event, Model, Op, Outcome, PoolId, Queue, Reject, Trust,
+};
+use proptest::collection::vec;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+
+const A: DomainId = 0;
+const B: DomainId = 1;
+const C: DomainId = 2;
+const META: usize = 8;
+
+// ----------------------------------------------------------------------
+// Helpers.
+
+/// Apply an operation that must succeed; check the invariants after it.
+fn ok(m: &mut Model, op: Op) -> Outcome {
+    let out = m.apply(&op).unwrap_or_else(|e| panic!("{op:?} refused with {e:?}"));
+    m.check_invariants().unwrap_or_else(|e| panic!("after {op:?}: {e}"));
+    out
+}
+
+/// Apply an operation that must be refused with `want` and change nothing.
+fn rej(m: &mut Model, op: Op, want: Reject) {
+    let before = m.clone();
+    assert_eq!(m.apply(&op), Err(want), "{op:?}");
+    assert_eq!(*m, before, "{op:?} changed the state although refused");
+}
+
+fn create_pool(m: &mut Model, domain: DomainId, count: usize) -> PoolId {
+    match ok(m, Op::CreatePool { domain, count }) {
+        Outcome::Created(id) => id,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn connect(m: &mut Model, source: DomainId, sink: DomainId, trust: Trust) -> ChanId {
+    match ok(m, Op::Connect { source, sink, trust }) {
+        Outcome::Created(id) => id,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn deliver(m: &mut Model, chan: ChanId, queue: Queue) -> (DomainId, Event) {
+    match ok(m, Op::Deliver { chan, queue }) {
+        Outcome::Delivered { to, event } => (to, event),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The queue that carries messages sent by `domain` on `chan`.
+fn out_queue(m: &Model, chan: ChanId, domain: DomainId) -> Queue {
+    if m.endpoints(chan).0 == domain {
+        Queue::Data
+    } else {
+        Queue::Control
+    }
+}
+
+/// Full two-phase assignment of `pool` to `chan` by `domain`, accepted.
+fn assign(m: &mut Model, domain: DomainId, chan: ChanId, pool: PoolId) {
+    let (source, sink) = m.endpoints(chan);
+    let peer = if domain == source { sink } else { source };
+    ok(m, Op::AssignPool { domain, chan, pool });
+    let q = out_queue(m, chan, domain);
+    assert_eq!(deliver(m, chan, q), (peer, Event::PoolAssignRequest { pool }));
+    ok(m, Op::RespondAssign { domain: peer, chan, pool, accept: true });
+    let q = out_queue(m, chan, peer);
+    assert_eq!(deliver(m, chan, q), (domain, Event::PoolAssigned { pool }));
+    assert!(m.pool_assigned(pool, chan, domain) && m.pool_assigned(pool, chan, peer));
+}
+
+fn buf(pool: PoolId, index: usize) -> BufId {
+    BufId { pool, index }
+}
+
+fn mv(domain: DomainId, chan: ChanId, buf: BufId) -> Op {
+    Op::Move { domain, chan, buf, meta_len: 1 }
+}
+
+fn pass(domain: DomainId, chan: ChanId, buf: BufId) -> Op {
+    Op::Pass { domain, chan, buf, meta_len: 2 }
+}
+
+fn copy(domain: DomainId, chan: ChanId, buf: BufId) -> Op {
+    Op::Copy { domain, chan, buf, meta_len: 3 }
+}
+
+fn release(domain: DomainId, chan: ChanId, buf: BufId) -> Op {
+    Op::Release { domain, chan, buf }
+}
+
+// ----------------------------------------------------------------------
+// Hand-written scenarios.
+
+/// §5.2.4 transmit master: allocate, assign, move, deliver, pass back.
+#[test]
+fn transmit_master_flow() {
+    let mut m = Model::new(2, META);
+    let p = create_pool(&mut m, A, 2);
+    let c = connect(&mut m, A, B, Trust::Full);
+    assert_eq!(m.pool_trust(p), Trust::Uninitialized);
+    assert!(m.knows_pool(A, p) && !m.knows_pool(B, p));
+
+    ok(&mut m, Op::AssignPool { domain: A, chan: c, pool: p });
+    assert_eq!(m.pool_trust(p), Trust::Full);
+    assert_eq!(m.pending(c, Queue::Data), 1);
+    // Not yet assigned anywhere: buffers cannot move.
+    rej(&mut m, mv(A, c, buf(p, 0)), Reject::PoolNotAssigned);
+    assert_eq!(deliver(&mut m, c, Queue::Data), (B, Event::PoolAssignRequest { pool: p }));
+    assert!(m.knows_pool(B, p));
+    assert_eq!(m.pending_requests(c, B), vec![p]);
+    ok(&mut m, Op::RespondAssign { domain: B, chan: c, pool: p, accept: true });
+    assert!(m.pool_assigned(p, c, B) && !m.pool_assigned(p, c, A));
+    assert_eq!(deliver(&mut m, c, Queue::Control), (A, Event::PoolAssigned { pool: p }));
+    assert!(m.pool_assigned(p, c, A));
+
+    let b = buf(p, 0);
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadWrite);
+    ok(&mut m, mv(A, c, b));
+    assert_eq!(m.owner(b), B);
+    assert_eq!(m.buffer_state(b, A), BufferState::Invalid);
+    assert_eq!(m.buffer_state(b, B), BufferState::Invalid);
+    // In flight: nobody can use it.
+    rej(&mut m, mv(A, c, b), Reject::ForeignBuffer);
+    rej(&mut m, pass(B, c, b), Reject::ForeignBuffer);
+    assert_eq!(deliver(&mut m, c, Queue::Data), (B, Event::MoveReceived { buf: b, meta_len: 1 }));
+    assert_eq!(m.buffer_state(b, B), BufferState::ReadWrite);
+
+    ok(&mut m, pass(B, c, b));
+    assert_eq!(m.owner(b), A);
+    assert_eq!(m.buffer_state(b, B), BufferState::Invalid);
+    assert_eq!(deliver(&mut m, c, Queue::Control), (A, Event::BufferPassed { buf: b, meta_len: 2 }));
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadWrite);
+    rej(&mut m, Op::Deliver { chan: c, queue: Queue::Data }, Reject::QueueEmpty);
+}
+
+/// §5.2.4 receive master: the sink allocates and assigns, then passes
+/// buffers to the source, which moves them back.
+#[test]
+fn receive_master_flow() {
+    let mut m = Model::new(2, META);
+    let c = connect(&mut m, A, B, Trust::Half);
+    let p = create_pool(&mut m, B, 2);
+    ok(&mut m, Op::AssignPool { domain: B, chan: c, pool: p });
+    assert_eq!(m.pending(c, Queue::Control), 1);
+    assert_eq!(deliver(&mut m, c, Queue::Control), (A, Event::PoolAssignRequest { pool: p }));
+    ok(&mut m, Op::RespondAssign { domain: A, chan: c, pool: p, accept: true });
+    // The source may already use the pool; the sink only after the reply.
+    rej(&mut m, pass(B, c, buf(p, 0)), Reject::PoolNotAssigned);
+    assert_eq!(deliver(&mut m, c, Queue::Data), (B, Event::PoolAssigned { pool: p }));
+    for i in 0..2 {
+        ok(&mut m, pass(B, c, buf(p, i)));
+    }
+    for i in 0..2 {
+        assert_eq!(deliver(&mut m, c, Queue::Control), (A, Event::BufferPassed { buf: buf(p, i), meta_len: 2 }));
+        assert_eq!(m.buffer_state(buf(p, i), A), BufferState::ReadWrite);
+    }
+    ok(&mut m, mv(A, c, buf(p, 1)));
+    assert_eq!(deliver(&mut m, c, Queue::Data), (B, Event::MoveReceived { buf: buf(p, 1), meta_len: 1 }));
+    assert_eq!(m.owner(buf(p, 1)), B);
+    assert_eq!(m.owner(buf(p, 0)), A);
+}
+
+/// A→B→C with a forwarded copy (Alg. 9, 10 and invariant 5).
+#[test]
+fn chain_forwarded_copy() {
+    let mut m = Model::new(3, META);
+    let p = create_pool(&mut m, A, 1);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    let bc = connect(&mut m, B, C, Trust::Full);
+    assign(&mut m, A, ab, p);
+    assign(&mut m, B, bc, p); // B learned the pool through the first assignment
+    let b = buf(p, 0);
+
+    ok(&mut m, copy(A, ab, b));
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadOnlyOwned);
+    assert_eq!(m.buffer_state(b, B), BufferState::Invalid);
+    // B cannot forward a copy it has not received yet.
+    rej(&mut m, copy(B, bc, b), Reject::ForeignBuffer);
+    rej(&mut m, release(B, ab, b), Reject::ForeignBuffer);
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::CopyReceived { buf: b, meta_len: 3 }));
+    assert_eq!(m.buffer_state(b, B), BufferState::ReadOnly);
+    // The owner cannot move while copies are out.
+    rej(&mut m, mv(A, ab, b), Reject::CopiesOutstanding);
+    // A holder may not move, only forward.
+    rej(&mut m, mv(B, bc, b), Reject::ForeignBuffer);
+
+    ok(&mut m, copy(B, bc, b));
+    assert_eq!(m.copies_count(b, bc), 1);
+    assert_eq!(deliver(&mut m, bc, Queue::Data), (C, Event::CopyReceived { buf: b, meta_len: 3 }));
+    assert_eq!(m.buffer_state(b, C), BufferState::ReadOnly);
+
+    rej(&mut m, release(B, ab, b), Reject::CopiesForwarded);
+    ok(&mut m, release(C, bc, b));
+    assert_eq!(m.buffer_state(b, C), BufferState::Invalid);
+    // Issued but not delivered: B's forwarded copy is still out.
+    rej(&mut m, release(B, ab, b), Reject::CopiesForwarded);
+    assert_eq!(deliver(&mut m, bc, Queue::Control), (B, Event::CopyReleased { buf: b, writable: false }));
+    ok(&mut m, release(B, ab, b));
+    assert_eq!(m.buffer_state(b, B), BufferState::Invalid);
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadOnlyOwned);
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::CopyReleased { buf: b, writable: true }));
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadWrite);
+}
+
+/// The owner stays READ_ONLY_OWNED until every copy is back (multiset).
+#[test]
+fn owner_read_only_until_all_copies_back() {
+    let mut m = Model::new(2, META);
+    let p = create_pool(&mut m, A, 1);
+    let ab = connect(&mut m, A, B, Trust::None);
+    assign(&mut m, A, ab, p);
+    let b = buf(p, 0);
+    ok(&mut m, copy(A, ab, b));
+    ok(&mut m, copy(A, ab, b));
+    assert_eq!(m.copies_count(b, ab), 2);
+    deliver(&mut m, ab, Queue::Data);
+    deliver(&mut m, ab, Queue::Data);
+    assert_eq!(m.held_count(b, ab), 2);
+    ok(&mut m, release(B, ab, b));
+    assert_eq!(m.buffer_state(b, B), BufferState::ReadOnly);
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::CopyReleased { buf: b, writable: false }));
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadOnlyOwned);
+    ok(&mut m, release(B, ab, b));
+    rej(&mut m, release(B, ab, b), Reject::ForeignBuffer);
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadOnlyOwned);
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::CopyReleased { buf: b, writable: true }));
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadWrite);
+}
+
+/// A holder holding `(b, c)` twice may release one even with forwarded
+/// copies out; a holder that is not the owner otherwise may not.
+#[test]
+fn release_with_double_hold() {
+    let mut m = Model::new(3, META);
+    let p = create_pool(&mut m, A, 1);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    let bc = connect(&mut m, B, C, Trust::Full);
+    assign(&mut m, A, ab, p);
+    assign(&mut m, B, bc, p);
+    let b = buf(p, 0);
+    ok(&mut m, copy(A, ab, b));
+    ok(&mut m, copy(A, ab, b));
+    deliver(&mut m, ab, Queue::Data);
+    deliver(&mut m, ab, Queue::Data);
+    ok(&mut m, copy(B, bc, b));
+    ok(&mut m, release(B, ab, b));
+    rej(&mut m, release(B, ab, b), Reject::CopiesForwarded);
+}
+
+/// The owner getting its own copy back (A→B→A) may release it while its
+/// own copies are out; then B may release.
+#[test]
+fn owner_releases_copy_of_its_own_buffer() {
+    let mut m = Model::new(2, META);
+    let p = create_pool(&mut m, A, 1);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    let ba = connect(&mut m, B, A, Trust::Full);
+    assign(&mut m, A, ab, p);
+    assign(&mut m, B, ba, p);
+    let b = buf(p, 0);
+    ok(&mut m, copy(A, ab, b));
+    deliver(&mut m, ab, Queue::Data);
+    ok(&mut m, copy(B, ba, b));
+    deliver(&mut m, ba, Queue::Data);
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadOnlyOwned);
+    rej(&mut m, release(B, ab, b), Reject::CopiesForwarded);
+    ok(&mut m, release(A, ba, b));
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadOnlyOwned);
+    assert_eq!(deliver(&mut m, ba, Queue::Control), (B, Event::CopyReleased { buf: b, writable: false }));
+    ok(&mut m, release(B, ab, b));
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::CopyReleased { buf: b, writable: true }));
+}
+
+/// SEMANTICS.md invariant 5: the B→C→B cycle. No release may cut the
+/// cycle off from the owner, so the owner never becomes READ_WRITE while
+/// copies exist. (With the rule as written the cycle cannot be undone.)
+#[test]
+fn copy_cycle_keeps_owner_read_only() {
+    let mut m = Model::new(3, META);
+    let p = create_pool(&mut m, A, 1);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    let bc = connect(&mut m, B, C, Trust::Full);
+    let cb = connect(&mut m, C, B, Trust::Full);
+    assign(&mut m, A, ab, p);
+    assign(&mut m, B, bc, p);
+    assign(&mut m, C, cb, p);
+    let b = buf(p, 0);
+    ok(&mut m, copy(A, ab, b));
+    deliver(&mut m, ab, Queue::Data);
+    ok(&mut m, copy(B, bc, b));
+    deliver(&mut m, bc, Queue::Data);
+    ok(&mut m, copy(C, cb, b));
+    deliver(&mut m, cb, Queue::Data);
+    // The seed's rule would let B release (b, ab): the copies bc, cb would
+    // still each have a copy receiver as source, but A would be READ_WRITE.
+    rej(&mut m, release(B, ab, b), Reject::CopiesForwarded);
+    rej(&mut m, release(B, cb, b), Reject::CopiesForwarded);
+    rej(&mut m, release(C, bc, b), Reject::CopiesForwarded);
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadOnlyOwned);
+    assert_eq!(m.buffer_state(b, B), BufferState::ReadOnly);
+    assert_eq!(m.buffer_state(b, C), BufferState::ReadOnly);
+    rej(&mut m, mv(A, ab, b), Reject::CopiesOutstanding);
+    // A second round of copies from A changes nothing for the cycle.
+    ok(&mut m, copy(A, ab, b));
+    deliver(&mut m, ab, Queue::Data);
+    ok(&mut m, release(B, ab, b)); // held twice
+    deliver(&mut m, ab, Queue::Control);
+    assert_eq!(m.buffer_state(b, A), BufferState::ReadOnlyOwned);
+    rej(&mut m, release(B, ab, b), Reject::CopiesForwarded);
+}
+
+/// Alg. 6 with a veto: the pool leaves the peer's list, trust resets.
+#[test]
+fn vetoed_assignment() {
+    let mut m = Model::new(3, META);
+    let p = create_pool(&mut m, A, 1);
+    let ab = connect(&mut m, A, B, Trust::Half);
+    let ac = connect(&mut m, A, C, Trust::Full);
+    ok(&mut m, Op::AssignPool { domain: A, chan: ab, pool: p });
+    assert_eq!(m.pool_trust(p), Trust::Half);
+    rej(&mut m, Op::AssignPool { domain: A, chan: ac, pool: p }, Reject::TrustMismatch);
+    deliver(&mut m, ab, Queue::Data);
+    assert!(m.knows_pool(B, p));
+    rej(&mut m, Op::RespondAssign { domain: B, chan: ab, pool: p + 1, accept: true }, Reject::NoPendingRequest);
+    rej(&mut m, Op::RespondAssign { domain: A, chan: ab, pool: p, accept: true }, Reject::NoPendingRequest);
+    ok(&mut m, Op::RespondAssign { domain: B, chan: ab, pool: p, accept: false });
+    assert!(!m.knows_pool(B, p));
+    assert!(!m.pool_assigned(p, ab, B));
+    assert_eq!(m.pool_trust(p), Trust::Half); // until A hears of the veto
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::PoolVetoed { pool: p }));
+    assert_eq!(m.pool_trust(p), Trust::Uninitialized);
+    assert!(!m.pool_assigned(p, ab, A));
+    assert!(m.knows_pool(A, p));
+    // Now the pool can go to a channel of another trust level.
+    assign(&mut m, A, ac, p);
+    assert_eq!(m.pool_trust(p), Trust::Full);
+    // A veto of a pool the peer already knew keeps it in the peer's list,
+    // and the trust stays because a channel has the pool.
+    let ca = connect(&mut m, C, A, Trust::Full);
+    ok(&mut m, Op::AssignPool { domain: C, chan: ca, pool: p });
+    deliver(&mut m, ca, Queue::Data);
+    ok(&mut m, Op::RespondAssign { domain: A, chan: ca, pool: p, accept: false });
+    assert!(m.knows_pool(A, p));
+    deliver(&mut m, ca, Queue::Control);
+    assert_eq!(m.pool_trust(p), Trust::Full);
+    // B learns the pool through two requests; vetoing one keeps the entry
+    // for the other; vetoing both drops it.
+    let cb = connect(&mut m, C, B, Trust::Full);
+    let ab2 = connect(&mut m, A, B, Trust::Full);
+    ok(&mut m, Op::AssignPool { domain: C, chan: cb, pool: p });
+    ok(&mut m, Op::AssignPool { domain: A, chan: ab2, pool: p });
+    deliver(&mut m, cb, Queue::Data);
+    deliver(&mut m, ab2, Queue::Data);
+    let veto = |chan| Op::RespondAssign { domain: B, chan, pool: p, accept: false };
+    ok(&mut m, veto(ab2));
+    assert!(m.knows_pool(B, p));
+    ok(&mut m, veto(cb));
+    assert!(!m.knows_pool(B, p));
+    // A channel still has the pool: trust stays.
+    deliver(&mut m, cb, Queue::Control);
+    deliver(&mut m, ab2, Queue::Control);
+    assert_eq!(m.pool_trust(p), Trust::Full);
+}
+
+/// Double assignment and the other assignment errors.
+#[test]
+fn double_assignment_refused() {
+    let mut m = Model::new(3, META);
+    let p = create_pool(&mut m, A, 1);
+    let q = create_pool(&mut m, C, 1);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    rej(&mut m, Op::AssignPool { domain: A, chan: ab, pool: q }, Reject::UnknownPool);
+    rej(&mut m, Op::AssignPool { domain: A, chan: ab, pool: 7 }, Reject::UnknownPool);
+    rej(&mut m, Op::AssignPool { domain: B, chan: ab, pool: p }, Reject::UnknownPool);
+    rej(&mut m, Op::AssignPool { domain: C, chan: ab, pool: q }, Reject::NotADomainOfChannel);
+    ok(&mut m, Op::AssignPool { domain: A, chan: ab, pool: p });
+    // Pending at the assigner.
+    rej(&mut m, Op::AssignPool { domain: A, chan: ab, pool: p }, Reject::PoolAlreadyAssigned);
+    deliver(&mut m, ab, Queue::Data);
+    // Delivered and unanswered at the peer.
+    rej(&mut m, Op::AssignPool { domain: B, chan: ab, pool: p }, Reject::PoolAlreadyAssigned);
+    ok(&mut m, Op::RespondAssign { domain: B, chan: ab, pool: p, accept: true });
+    // Listed at the peer.
+    rej(&mut m, Op::AssignPool { domain: B, chan: ab, pool: p }, Reject::PoolAlreadyAssigned);
+    deliver(&mut m, ab, Queue::Control);
+    rej(&mut m, Op::AssignPool { domain: A, chan: ab, pool: p }, Reject::PoolAlreadyAssigned);
+    rej(&mut m, Op::AssignPool { domain: B, chan: ab, pool: p }, Reject::PoolAlreadyAssigned);
+}
+
+/// Both sides assign the same pool concurrently: both end up listing it.
+#[test]
+fn concurrent_assignment_from_both_sides() {
+    let mut m = Model::new(2, META);
+    let p = create_pool(&mut m, A, 1);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    let ba = connect(&mut m, B, A, Trust::Full);
+    assign(&mut m, A, ba, p); // now B knows p
+    ok(&mut m, Op::AssignPool { domain: A, chan: ab, pool: p });
+    ok(&mut m, Op::AssignPool { domain: B, chan: ab, pool: p });
+    deliver(&mut m, ab, Queue::Data);
+    deliver(&mut m, ab, Queue::Control);
+    for d in [A, B] {
+        ok(&mut m, Op::RespondAssign { domain: d, chan: ab, pool: p, accept: true });
+    }
+    deliver(&mut m, ab, Queue::Data);
+    deliver(&mut m, ab, Queue::Control);
+    assert!(m.pool_assigned(p, ab, A) && m.pool_assigned(p, ab, B));
+}
+
+/// Direction, endpoint and check-order errors.
+#[test]
+fn wrong_direction_and_check_order() {
+    let mut m = Model::new(3, META);
+    let p = create_pool(&mut m, A, 2);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    assign(&mut m, A, ab, p);
+    let b = buf(p, 0);
+    rej(&mut m, pass(A, ab, b), Reject::WrongDirection);
+    rej(&mut m, release(A, ab, b), Reject::WrongDirection);
+    rej(&mut m, mv(B, ab, b), Reject::WrongDirection);
+    rej(&mut m, copy(B, ab, b), Reject::WrongDirection);
+    rej(&mut m, mv(C, ab, b), Reject::NotADomainOfChannel);
+    rej(&mut m, mv(A, 9, b), Reject::InvalidArgument);
+    rej(&mut m, mv(A, ab, buf(p, 5)), Reject::InvalidArgument);
+    rej(&mut m, mv(A, ab, buf(3, 0)), Reject::InvalidArgument);
+    rej(&mut m, Op::Move { domain: A, chan: ab, buf: b, meta_len: META + 1 }, Reject::MetaTooLarge);
+    rej(&mut m, Op::Copy { domain: A, chan: ab, buf: b, meta_len: META + 1 }, Reject::MetaTooLarge);
+    ok(&mut m, Op::Move { domain: A, chan: ab, buf: b, meta_len: META });
+    // In flight and wrong direction: direction comes first.
+    rej(&mut m, mv(B, ab, b), Reject::WrongDirection);
+    rej(&mut m, mv(A, ab, b), Reject::ForeignBuffer);
+    deliver(&mut m, ab, Queue::Data);
+    rej(&mut m, release(B, ab, b), Reject::NotCopyHolder);
+    rej(&mut m, release(B, ab, buf(p, 1)), Reject::ForeignBuffer);
+    // Pool not assigned comes after ownership.
+    let q = create_pool(&mut m, A, 1);
+    rej(&mut m, mv(A, ab, buf(q, 0)), Reject::PoolNotAssigned);
+    rej(&mut m, mv(B, ab, buf(q, 0)), Reject::WrongDirection);
+    rej(&mut m, pass(B, ab, buf(q, 0)), Reject::ForeignBuffer);
+    // Bad creation arguments.
+    rej(&mut m, Op::CreatePool { domain: 3, count: 1 }, Reject::InvalidArgument);
+    rej(&mut m, Op::CreatePool { domain: A, count: 0 }, Reject::InvalidArgument);
+    rej(&mut m, Op::Connect { source: A, sink: A, trust: Trust::Full }, Reject::InvalidArgument);
+    rej(&mut m, Op::Connect { source: A, sink: B, trust: Trust::Uninitialized }, Reject::InvalidArgument);
+    rej(&mut m, Op::Deliver { chan: 9, queue: Queue::Data }, Reject::InvalidArgument);
+}
+
+/// §5.1.11 full copy.
+#[test]
+fn full_copy() {
+    let mut m = Model::new(3, META);
+    let p = create_pool(&mut m, A, 2);
+    let q = create_pool(&mut m, C, 1);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    let ca = connect(&mut m, C, A, Trust::Full);
+    assign(&mut m, A, ab, p);
+    assign(&mut m, C, ca, q);
+    let (s, t) = (buf(p, 0), buf(p, 1));
+    let fc = |src, dst| Op::FullCopy { domain: A, chan: ab, src, dst, meta_len: 4 };
+    rej(&mut m, fc(s, s), Reject::SameBuffer);
+    // A copy received from C can be a full-copy source, even of a pool not on ab.
+    let r = buf(q, 0);
+    rej(&mut m, fc(r, t), Reject::ForeignBuffer);
+    ok(&mut m, copy(C, ca, r));
+    deliver(&mut m, ca, Queue::Data);
+    ok(&mut m, fc(r, t));
+    assert_eq!(m.owner(t), B);
+    assert_eq!(m.buffer_state(t, A), BufferState::Invalid);
+    assert_eq!(m.buffer_state(r, A), BufferState::ReadOnly);
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::MoveReceived { buf: t, meta_len: 4 }));
+    // The destination must be READ_WRITE.
+    ok(&mut m, copy(A, ab, s));
+    rej(&mut m, fc(r, s), Reject::CopiesOutstanding);
+    // Source and destination both foreign: ForeignBuffer; then SameBuffer.
+    rej(&mut m, fc(t, t), Reject::ForeignBuffer);
+}
+
+/// Teardown: messages ahead of the marker are delivered first; the peer
+/// answers; both sides end CLOSED; copies stay read-only.
+#[test]
+fn teardown_with_messages_in_flight() {
+    let mut m = Model::new(2, META);
+    let p = create_pool(&mut m, A, 4);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    assign(&mut m, A, ab, p);
+    ok(&mut m, mv(A, ab, buf(p, 2)));
+    deliver(&mut m, ab, Queue::Data);
+
+    ok(&mut m, mv(A, ab, buf(p, 0)));
+    ok(&mut m, copy(A, ab, buf(p, 1)));
+    ok(&mut m, Op::Teardown { domain: A, chan: ab });
+    assert_eq!(m.channel_state(ab, A), ChannelState::Teardown);
+    assert_eq!(m.channel_state(ab, B), ChannelState::Connected);
+    rej(&mut m, mv(A, ab, buf(p, 3)), Reject::TearingDown);
+    rej(&mut m, Op::Teardown { domain: A, chan: ab }, Reject::TearingDown);
+    rej(&mut m, Op::AssignPool { domain: A, chan: ab, pool: p }, Reject::TearingDown);
+    // The side state is checked before the direction.
+    rej(&mut m, pass(A, ab, buf(p, 3)), Reject::TearingDown);
+    // B does not know yet and still sends.
+    ok(&mut m, pass(B, ab, buf(p, 2)));
+
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::MoveReceived { buf: buf(p, 0), meta_len: 1 }));
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::CopyReceived { buf: buf(p, 1), meta_len: 3 }));
+    assert_eq!(m.channel_state(ab, B), ChannelState::Connected);
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::TeardownReceived));
+    assert_eq!(m.channel_state(ab, B), ChannelState::Closed);
+    assert_eq!(m.channel_state(ab, A), ChannelState::Teardown);
+    rej(&mut m, pass(B, ab, buf(p, 0)), Reject::NotConnected);
+    rej(&mut m, release(B, ab, buf(p, 1)), Reject::NotConnected);
+    rej(&mut m, Op::Teardown { domain: B, chan: ab }, Reject::NotConnected);
+
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::BufferPassed { buf: buf(p, 2), meta_len: 2 }));
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::Closed));
+    assert_eq!(m.channel_state(ab, A), ChannelState::Closed);
+    assert_eq!(m.pending(ab, Queue::Data) + m.pending(ab, Queue::Control), 0);
+    rej(&mut m, Op::Deliver { chan: ab, queue: Queue::Control }, Reject::QueueEmpty);
+    // Copies out at close stay read-only on both sides.
+    assert_eq!(m.buffer_state(buf(p, 1), A), BufferState::ReadOnlyOwned);
+    assert_eq!(m.buffer_state(buf(p, 1), B), BufferState::ReadOnly);
+    assert_eq!(m.buffer_state(buf(p, 0), B), BufferState::ReadWrite);
+    assert_eq!(m.buffer_state(buf(p, 2), A), BufferState::ReadWrite);
+}
+
+/// Both sides tear down at once: each receives the other's marker.
+#[test]
+fn simultaneous_teardown() {
+    let mut m = Model::new(2, META);
+    let ab = connect(&mut m, A, B, Trust::None);
+    ok(&mut m, Op::Teardown { domain: A, chan: ab });
+    ok(&mut m, Op::Teardown { domain: B, chan: ab });
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::Closed));
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::Closed));
+    assert_eq!(m.channel_state(ab, A), ChannelState::Closed);
+    assert_eq!(m.channel_state(ab, B), ChannelState::Closed);
+}
+
+/// Requests reaching a side that has sent its marker are never answered.
+#[test]
+fn requests_during_teardown() {
+    let mut m = Model::new(2, META);
+    let p = create_pool(&mut m, A, 1);
+    let q = create_pool(&mut m, A, 1);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    assign(&mut m, A, ab, q);
+    ok(&mut m, Op::AssignPool { domain: A, chan: ab, pool: p });
+    ok(&mut m, Op::RemovePool { domain: A, chan: ab, pool: q });
+    ok(&mut m, Op::Teardown { domain: B, chan: ab });
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::PoolAssignRequest { pool: p }));
+    rej(&mut m, Op::RespondAssign { domain: B, chan: ab, pool: p, accept: true }, Reject::TearingDown);
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::PoolRemoveRequest { pool: q, accepted: false }));
+    assert!(m.pool_assigned(q, ab, B));
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::TeardownReceived));
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::Closed));
+    assert!(m.removal_pending(ab, A, q));
+    assert_eq!(m.pending_requests(ab, B), vec![p]);
+}
+
+/// Two-phase pool removal: accepted, refused by the peer, and pending.
+#[test]
+fn pool_removal() {
+    let mut m = Model::new(2, META);
+    let p = create_pool(&mut m, A, 2);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    assign(&mut m, A, ab, p);
+    let (b0, b1) = (buf(p, 0), buf(p, 1));
+    let remove = |domain| Op::RemovePool { domain, chan: ab, pool: p };
+    rej(&mut m, Op::RemovePool { domain: A, chan: ab, pool: p + 1 }, Reject::PoolNotAssigned);
+
+    // Copies out or held make the pool in use.
+    ok(&mut m, copy(A, ab, b0));
+    rej(&mut m, remove(A), Reject::PoolInUse);
+    deliver(&mut m, ab, Queue::Data);
+    rej(&mut m, remove(B), Reject::PoolInUse);
+    ok(&mut m, release(B, ab, b0));
+    ok(&mut m, remove(B));
+    rej(&mut m, remove(B), Reject::PoolRemovalPending);
+    rej(&mut m, pass(B, ab, b0), Reject::ForeignBuffer);
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::CopyReleased { buf: b0, writable: true }));
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::PoolRemoveRequest { pool: p, accepted: true }));
+    assert!(!m.pool_assigned(p, ab, A) && m.pool_assigned(p, ab, B));
+    rej(&mut m, mv(A, ab, b0), Reject::PoolNotAssigned);
+    rej(&mut m, remove(A), Reject::PoolNotAssigned);
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::PoolRemoved { pool: p }));
+    assert!(!m.pool_assigned(p, ab, B));
+    assert!(m.knows_pool(B, p));
+
+    // The peer refuses when a copy is in flight towards the requester.
+    assign(&mut m, A, ab, p);
+    ok(&mut m, copy(A, ab, b0));
+    ok(&mut m, remove(B));
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::PoolRemoveRequest { pool: p, accepted: false }));
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::CopyReceived { buf: b0, meta_len: 3 }));
+    // Pending removal blocks the requester's buffer operations.
+    rej(&mut m, release(B, ab, b0), Reject::PoolRemovalPending);
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::PoolRemoveRefused { pool: p }));
+    assert!(m.pool_assigned(p, ab, B));
+    ok(&mut m, release(B, ab, b0));
+    deliver(&mut m, ab, Queue::Control);
+
+    // Buffers keep their owners across a removal.
+    ok(&mut m, mv(A, ab, b1));
+    ok(&mut m, remove(A));
+    rej(&mut m, mv(A, ab, b0), Reject::PoolRemovalPending);
+    rej(&mut m, copy(A, ab, b0), Reject::PoolRemovalPending);
+    deliver(&mut m, ab, Queue::Data); // the move
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::PoolRemoveRequest { pool: p, accepted: true }));
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::PoolRemoved { pool: p }));
+    assert_eq!(m.owner(b1), B);
+    assert_eq!(m.buffer_state(b1, B), BufferState::ReadWrite);
+    rej(&mut m, pass(B, ab, b1), Reject::PoolNotAssigned);
+}
+
+// ----------------------------------------------------------------------
+// Property test: random operation sequences.
+
+/// Raw random input of one step, interpreted against the current state.
+type RawStep = (u8, u16, u16, u16, u16);
+
+/// Number of domains in the generated systems.
+const DOMAINS: usize = 4;
+
+fn trust_of(x: u8) -> Trust {
+    match x % 8 {
+        0 => Trust::None,
+        1 => Trust::Half,
+        _ => Trust::Full,
+    }
+}
+
+/// Three pools and six channels: the chain 0→1→2, the cycle 1→2→1, and
+/// channels back to 0 and to/from 3.
+fn setup(trusts: &[u8]) -> Model {
+    let mut m = Model::new(DOMAINS, META);
+    for (domain, count) in [(0, 3), (1, 2), (3, 2)] {
+        m.apply(&Op::CreatePool { domain, count }).unwrap();
+    }
+    let links = [(0, 1), (1, 2), (2, 1), (1, 0), (3, 0), (0, 3)];
+    for (i, &(source, sink)) in links.iter().enumerate() {
+        let trust = trust_of(trusts[i]);
+        m.apply(&Op::Connect { source, sink, trust }).unwrap();
+    }
+    m
+}
+
+fn choose<T: Copy>(v: &[T], x: usize) -> Option<T> {
+    if v.is_empty() {
+        None
+    } else {
+        Some(v[x % v.len()])
+    }
+}
+
+fn connected(m: &Model, chan: ChanId, domain: DomainId) -> bool {
+    m.channel_state(chan, domain) == ChannelState::Connected
+}
+
+/// `d` can read `b`: delivered owner or holder.
+fn readable(m: &Model, b: BufId, d: DomainId) -> bool {
+    m.buffer_state(b, d) != BufferState::Invalid
+}
+
+/// An arbitrary operation with ids slightly out of range.
+fn garbage(m: &Model, kind: usize, a: usize, b: usize, c: usize) -> Op {
+    let domain = a % (DOMAINS + 1);
+    let chan = b % (m.num_channels() + 1);
+    let pool = c % (m.num_pools() + 1);
+    let buf_ = BufId { pool, index: (c / 7) % 4 };
+    let other = BufId { pool: (a / 5) % (m.num_pools() + 1), index: (b / 7) % 4 };
+    let meta_len = (a / 3) % (META + 2);
+    match kind % 13 {
+        0 => Op::CreatePool { domain, count: c % 3 },
+        1 => Op::Connect {
+            source: domain,
+            sink: b % (DOMAINS + 1),
+            trust: [Trust::Uninitialized, Trust::None, Trust::Half, Trust::Full][c % 4],
+        },
+        2 => Op::AssignPool { domain, chan, pool },
+        3 => Op::RespondAssign { domain, chan, pool, accept: a % 2 == 0 },
+        4 => Op::RemovePool { domain, chan, pool },
+        5 => Op::Move { domain, chan, buf: buf_, meta_len },
+        6 => Op::Pass { domain, chan, buf: buf_, meta_len },
+        7 => Op::Copy { domain, chan, buf: buf_, meta_len },
+        8 => Op::Release { domain, chan, buf: buf_ },
+        9 => Op::FullCopy { domain, chan, src: other, dst: buf_, meta_len },
+        10 => Op::FullCopy { domain, chan, src: buf_, dst: buf_, meta_len },
+        11 if a % 4 == 0 => Op::Teardown { domain, chan },
+        _ => Op::Deliver { chan, queue: if a % 2 == 0 { Queue::Data } else { Queue::Control } },
+    }
+}
+
+/// Interpret one raw step: most of the time a plausible operation (picked
+/// among buffers the domain holds, pools it knows, requests it has...),
+/// otherwise an arbitrary one.
+fn pick_op(m: &Model, raw: RawStep) -> Op {
+    let kind = usize::from(raw.0) % 100;
+    let (a, b, c) = (usize::from(raw.1), usize::from(raw.2), usize::from(raw.3));
+    let plausible = raw.4 % 8 != 0;
+    let meta_len = if raw.4 % 50 == 1 { META + 1 } else { a % (META + 1) };
+    let chans: Vec<ChanId> = (0..m.num_channels()).collect();
+    let bufs = m.all_buffers();
+    let fallback = garbage(m, b / 3, a, b, c);
+    let mut queues = Vec::new();
+    for &ch in &chans {
+        for q in [Queue::Data, Queue::Control] {
+            if m.pending(ch, q) > 0 {
+                queues.push((ch, q));
+            }
+        }
+    }
+    let deliver_op = choose(&queues, a).map(|(chan, queue)| Op::Deliver { chan, queue });
+    let candidate: Option<Op> = match kind {
+        0..=29 => deliver_op,
+        30..=46 => {
+            // Move (source) or pass (sink) of a READ_WRITE buffer.
+            let as_pass = kind >= 40;
+            let mut cands = Vec::new();
+            for &ch in &chans {
+                let (source, sink) = m.endpoints(ch);
+                let d = if as_pass { sink } else { source };
+                for &bf in &bufs {
+                    // Now and then a READ_ONLY_OWNED one (CopiesOutstanding).
+                    let state = m.buffer_state(bf, d);
+                    let usable = state == BufferState::ReadWrite || (b % 4 == 0 && state == BufferState::ReadOnlyOwned);
+                    if connected(m, ch, d) && usable && m.pool_assigned(bf.pool, ch, d) {
+                        cands.push((d, ch, bf));
+                    }
+                }
+            }
+            choose(&cands, a).map(|(domain, chan, buf)| {
+                if as_pass {
+                    Op::Pass { domain, chan, buf, meta_len }
+                } else {
+                    Op::Move { domain, chan, buf, meta_len }
+                }
+            })
+        }
+        47..=58 => {
+            let mut cands = Vec::new();
+            for &ch in &chans {
+                let d = m.endpoints(ch).0;
+                for &bf in &bufs {
+                    if connected(m, ch, d) && readable(m, bf, d) && m.pool_assigned(bf.pool, ch, d) {
+                        cands.push((d, ch, bf));
+                    }
+                }
+            }
+            // Half of the time, prefer forwarding a received copy.
+            let forwards: Vec<_> = cands.iter().copied().filter(|&(d, _, bf)| m.owner(bf) != d).collect();
+            if b % 2 == 0 && !forwards.is_empty() {
+                cands = forwards;
+            }
+            choose(&cands, a).map(|(domain, chan, buf)| Op::Copy { domain, chan, buf, meta_len })
+        }
+        59..=68 => {
+            // Mostly copies actually held; sometimes any buffer the sink
+            // can read (e.g. its own, or held over another channel).
+            let any_readable = b % 4 == 0;
+            let mut cands = Vec::new();
+            for &ch in &chans {
+                let sink = m.endpoints(ch).1;
+                for &bf in &bufs {
+                    if m.held_count(bf, ch) > 0
+                        || (any_readable && readable(m, bf, sink) && m.pool_assigned(bf.pool, ch, sink))
+                    {
+                        cands.push((sink, ch, bf));
+                    }
+                }
+            }
+            choose(&cands, a).map(|(domain, chan, buf)| Op::Release { domain, chan, buf })
+        }
+        69..=71 => {
+            let mut cands = Vec::new();
+            for &ch in &chans {
+                let d = m.endpoints(ch).0;
+                for &dst in &bufs {
+                    if connected(m, ch, d)
+                        && m.buffer_state(dst, d) == BufferState::ReadWrite
+                        && m.pool_assigned(dst.pool, ch, d)
+                    {
+                        for &src in &bufs {
+                            if src != dst && readable(m, src, d) {
+                                cands.push((d, ch, src, dst));
+                            }
+                        }
+                    }
+                }
+            }
+            choose(&cands, a).map(|(domain, chan, src, dst)| Op::FullCopy { domain, chan, src, dst, meta_len })
+        }
+        72..=78 => {
+            let mut cands = Vec::new();
+            for &ch in &chans {
+                let (source, sink) = m.endpoints(ch);
+                for d in [source, sink] {
+                    for pool in 0..m.num_pools() {
+                        if connected(m, ch, d) && m.knows_pool(d, pool) && !m.pool_assigned(pool, ch, d) {
+                            cands.push((d, ch, pool));
+                        }
+                    }
+                }
+            }
+            choose(&cands, a).map(|(domain, chan, pool)| Op::AssignPool { domain, chan, pool })
+        }
+        79..=87 => {
+            let mut cands = Vec::new();
+            for &ch in &chans {
+                let (source, sink) = m.endpoints(ch);
+                for d in [source, sink] {
+                    for pool in m.pending_requests(ch, d) {
+                        cands.push((d, ch, pool));
+                    }
+                }
+            }
+            choose(&cands, a).map(|(domain, chan, pool)| Op::RespondAssign { domain, chan, pool, accept: b % 5 != 0 })
+        }
+        88..=90 => {
+            let mut cands = Vec::new();
+            for &ch in &chans {
+                let (source, sink) = m.endpoints(ch);
+                for d in [source, sink] {
+                    for pool in 0..m.num_pools() {
+                        if m.pool_assigned(pool, ch, d) {
+                            cands.push((d, ch, pool));
+                        }
+                    }
+                }
+            }
+            choose(&cands, a).map(|(domain, chan, pool)| Op::RemovePool { domain, chan, pool })
+        }
+        // Teardown at half the rate of the other rare operations.
+        91 if b % 2 == 0 => choose(&chans, a).map(|chan| {
+            let (source, sink) = m.endpoints(chan);
+            Op::Teardown { domain: if b % 4 == 0 { source } else { sink }, chan }
+        }),
+        92 => {
+            let source = a % DOMAINS;
+            let sink = (source + 1 + b % (DOMAINS - 1)) % DOMAINS;
+            Some(Op::Connect { source, sink, trust: trust_of(raw.3 as u8) })
+        }
+        93 => Some(Op::CreatePool { domain: a % DOMAINS, count: 1 + b % 3 }),
+        _ => None,
+    };
+    // Without a plausible operation of the kind drawn, make progress.
+    match (plausible, candidate, deliver_op) {
+        (true, Some(op), _) => op,
+        (true, None, Some(op)) if kind < 94 => op,
+        _ => fallback,
+    }
+}
+
+/// What the random runs reached, summed over all cases.
+#[derive(Default)]
+struct Coverage {
+    counts: BTreeMap<&'static str, usize>,
+    rejects: BTreeSet<Reject>,
+}
+
+impl Coverage {
+    fn bump(&mut self, what: &'static str) {
+        *self.counts.entry(what).or_insert(0) += 1;
+    }
+}
+
+/// Run one sequence; check the invariants after every step and that a
+/// refused operation changed nothing.
+fn run_case(trusts: &[u8], steps: &[RawStep], cov: &mut Coverage) -> Result<(), TestCaseError> {
+    let mut m = setup(trusts);
+    m.check_invariants().map_err(TestCaseError::fail)?;
+    let mut trace = Vec::new();
+    for &raw in steps {
+        let op = pick_op(&m, raw);
+        trace.push(op);
+        let before = m.clone();
+        let result = m.apply(&op);
+        match result {
+            Err(reject) => {
+                cov.rejects.insert(reject);
+                if reject == Reject::CopiesForwarded {
+                    cov.bump("copies_forwarded_refusals");
+                }
+                prop_assert_eq!(&m, &before, "refused {:?} changed the state; trace {:?}", op, trace);
+            }
+            Ok(outcome) => {
+                match op {
+                    Op::Release { .. } => cov.bump("releases"),
+                    Op::Copy { domain, buf, .. } if before.owner(buf) != domain => cov.bump("forwarded_copies"),
+                    Op::FullCopy { .. } => cov.bump("full_copies"),
+                    Op::Move { .. } | Op::Pass { .. } => cov.bump("moves_and_passes"),
+                    _ => {}
+                }
+                if let Outcome::Delivered { event, .. } = outcome {
+                    match event {
+                        Event::PoolAssigned { .. } => cov.bump("assignments"),
+                        Event::PoolVetoed { .. } => cov.bump("vetoes"),
+                        Event::PoolRemoved { .. } => cov.bump("removals"),
+                        Event::PoolRemoveRefused { .. } => cov.bump("refused_removals"),
+                        Event::CopyReleased { writable: true, .. } => cov.bump("writable_again"),
+                        Event::Closed => cov.bump("teardowns_completed"),
+                        _ => {}
+                    }
+                }
+            }
+        }
+        if let Err(e) = m.check_invariants() {
+            return Err(TestCaseError::fail(format!("{e}\nafter {op:?}\ntrace {trace:?}")));
+        }
+    }
+    // Copies two hops away from their owner at the end of the run.
+    if m.copies.keys().any(|&(b, c)| m.endpoints(c).0 != m.owner(b)) {
+        cov.bump("runs_ending_with_forwarded_copies");
+    }
+    Ok(())
+}
+
+#[test]
+fn random_sequences_keep_invariants() {
+    let config = Config { cases: 1024, failure_persistence: None, ..Config::default() };
+    let mut runner = TestRunner::new(config);
+    let strategy = (vec(any::<u8>(), 6), vec(any::<RawStep>(), 1..200));
+    let coverage = RefCell::new(Coverage::default());
+    let result = runner.run(&strategy, |(trusts, steps)| run_case(&trusts, &steps, &mut coverage.borrow_mut()));
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    let cov = coverage.into_inner();
+    println!("coverage: {:#?}\nrejects seen: {:?}", cov.counts, cov.rejects);
+    for what in [
+        "releases",
+        "forwarded_copies",
+        "copies_forwarded_refusals",
+        "full_copies",
+        "moves_and_passes",
+        "assignments",
+        "vetoes",
+        "removals",
+        "refused_removals",
+        "writable_again",
+        "teardowns_completed",
+        "runs_ending_with_forwarded_copies",
+    ] {
+        let n = cov.counts.get(what).copied().unwrap_or(0);
+        assert!(n > 0, "the generator never reached `{what}`");
+    }
+    let all = [
+        Reject::NotConnected,
+        Reject::TearingDown,
+        Reject::WrongDirection,
+        Reject::ForeignBuffer,
+        Reject::PoolNotAssigned,
+        Reject::PoolRemovalPending,
+        Reject::CopiesOutstanding,
+        Reject::NotCopyHolder,
+        Reject::CopiesForwarded,
+        Reject::MetaTooLarge,
+        Reject::PoolAlreadyAssigned,
+        Reject::TrustMismatch,
+        Reject::UnknownPool,
+        Reject::PoolInUse,
+        Reject::NoPendingRequest,
+        Reject::SameBuffer,
+        Reject::NotADomainOfChannel,
+        Reject::InvalidArgument,
+        Reject::QueueEmpty,
+    ];
+    let missing: Vec<Reject> = all.into_iter().filter(|r| !cov.rejects.contains(r)).collect();
+    assert!(missing.is_empty(), "never refused with {missing:?}");
+}
