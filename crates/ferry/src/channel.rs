@@ -264,21 +264,17 @@ pub enum Event {
     Error(Error),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PoolStatus {
-    /// We asked; no reply yet.
-    Assigning,
-    Assigned,
-    /// We asked to remove it; no reply yet.
-    Removing,
-}
-
+/// One pool as this end of the channel sees it. Each end keeps its own
+/// view (the two ends learn of accepts and removals at different times).
 #[derive(Debug)]
 struct ChanPool {
     id: PoolId,
-    status: PoolStatus,
-    /// This assignment set the pool's trust level (reverted on veto).
-    set_trust: bool,
+    /// Assigned to the channel on our side: buffers may travel.
+    listed: bool,
+    /// Our assignment request is out, no reply yet.
+    assigning: bool,
+    /// Our removal request is out, no reply yet.
+    removing: bool,
 }
 
 /// One end of a channel, owned by a domain.
@@ -416,7 +412,7 @@ impl Channel {
 
     /// Whether `pool` is assigned to this channel (on this end's side).
     pub fn is_assigned(&self, pool: PoolId) -> bool {
-        self.pools.iter().any(|p| p.id == pool && p.status != PoolStatus::Assigning)
+        self.pools.iter().any(|p| p.id == pool && p.listed)
     }
 
     /// Pool-assignment requests waiting for an answer.
@@ -530,10 +526,13 @@ impl Channel {
         self.flush_deferred();
         self.check_sendable_any()?;
         let id = pool.id();
-        if pool.domain != self.domain.id() || self.domain.lock().entry(id).is_none() {
+        // Only a pool this domain created or accepted can be offered: a pool
+        // merely offered to us cannot be passed on before we accept it.
+        if pool.domain != self.domain.id() || !self.domain.lock().entry(id).is_some_and(|e| e.permanent) {
             return Err(Error::UnknownPool(id));
         }
-        if self.pools.iter().any(|p| p.id == id) {
+        let busy = self.pools.iter().any(|p| p.id == id && (p.listed || p.assigning));
+        if busy || self.requests.iter().any(|r| r.pool == id) {
             return Err(Error::PoolAlreadyAssigned(id));
         }
         let (pool_trust, geometry, memory) = {
@@ -548,32 +547,25 @@ impl Channel {
         let link = self.link.as_mut().expect("connected");
         link.export_pool(&memory)?;
         link.send(&Message::AssignRequest { pool: id, geometry, trust: self.trust })?;
-        let mut st = self.domain.lock();
-        let e = st.entry_mut(id).expect("checked");
-        let set_trust = e.trust == TrustLevel::Uninitialized;
-        e.trust = self.trust;
-        e.channels += 1;
-        drop(st);
-        self.pools.push(ChanPool { id, status: PoolStatus::Assigning, set_trust });
+        self.domain.lock().entry_mut(id).expect("checked").trust = self.trust;
+        self.chan_pool(id).assigning = true;
         Ok(())
     }
 
     /// Answer a [`Event::PoolAssignRequest`]: accept or veto.
     pub fn respond_pool(&mut self, pool: PoolId, accept: bool) -> Result<()> {
         self.flush_deferred();
-        let pos = self.requests.iter().position(|r| r.pool == pool).ok_or(Error::NoPendingRequest(pool))?;
         self.check_sendable_any()?;
+        let pos = self.requests.iter().position(|r| r.pool == pool).ok_or(Error::NoPendingRequest(pool))?;
         self.check_room()?;
-        self.requests.remove(pos);
         self.link_mut().send(&Message::AssignReply { pool, accepted: accept })?;
-        let mut st = self.domain.lock();
+        self.requests.remove(pos);
+        self.detach(pool);
         if accept {
-            self.pools.push(ChanPool { id: pool, status: PoolStatus::Assigned, set_trust: false });
+            self.chan_pool(pool).listed = true;
+            self.fix_pool(pool);
         } else {
-            if let Some(e) = st.entry_mut(pool) {
-                e.channels -= 1;
-            }
-            st.remove_if_unused(pool);
+            self.domain.lock().remove_if_unused(pool);
         }
         Ok(())
     }
@@ -591,7 +583,7 @@ impl Channel {
         }
         self.check_room()?;
         self.link_mut().send(&Message::RemoveRequest { pool })?;
-        self.pool_mut(pool).expect("checked").status = PoolStatus::Removing;
+        self.chan_pool(pool).removing = true;
         Ok(())
     }
 
@@ -658,8 +650,50 @@ impl Channel {
         self.link.as_deref_mut().expect("connected channel has a link")
     }
 
-    fn pool_mut(&mut self, id: PoolId) -> Option<&mut ChanPool> {
-        self.pools.iter_mut().find(|p| p.id == id)
+    /// Our record of `id` on this channel, created (and counted in the
+    /// domain's pool entry) if absent.
+    fn chan_pool(&mut self, id: PoolId) -> &mut ChanPool {
+        let pos = match self.pools.iter().position(|p| p.id == id) {
+            Some(pos) => pos,
+            None => {
+                self.attach(id);
+                self.pools.push(ChanPool { id, listed: false, assigning: false, removing: false });
+                self.pools.len() - 1
+            }
+        };
+        &mut self.pools[pos]
+    }
+
+    /// Forget our record of `id` if nothing is left in it.
+    fn tidy_pool(&mut self, id: PoolId) {
+        if let Some(pos) = self.pools.iter().position(|p| p.id == id) {
+            let p = &self.pools[pos];
+            if !(p.listed || p.assigning || p.removing) {
+                self.pools.remove(pos);
+                self.detach(id);
+            }
+        }
+    }
+
+    fn attach(&self, pool: PoolId) {
+        if let Some(e) = self.domain.lock().entry_mut(pool) {
+            e.channels += 1;
+        }
+    }
+
+    fn detach(&self, pool: PoolId) {
+        if let Some(e) = self.domain.lock().entry_mut(pool) {
+            e.channels -= 1;
+        }
+    }
+
+    /// An assignment of `pool` was accepted: our entry is permanent and the
+    /// pool's trust level fixed.
+    fn fix_pool(&self, pool: PoolId) {
+        if let Some(e) = self.domain.lock().entry_mut(pool) {
+            e.permanent = true;
+            e.trust_fixed = true;
+        }
     }
 
     fn check_sendable_any(&self) -> Result<()> {
@@ -679,10 +713,10 @@ impl Channel {
     }
 
     fn check_pool(&self, pool: PoolId) -> Result<()> {
-        match self.pools.iter().find(|p| p.id == pool).map(|p| p.status) {
-            Some(PoolStatus::Assigned) => Ok(()),
-            Some(PoolStatus::Removing) => Err(Error::PoolRemovalPending(pool)),
-            _ => Err(Error::PoolNotAssigned(pool)),
+        match self.pools.iter().find(|p| p.id == pool && p.listed) {
+            Some(p) if p.removing => Err(Error::PoolRemovalPending(pool)),
+            Some(_) => Ok(()),
+            None => Err(Error::PoolNotAssigned(pool)),
         }
     }
 
@@ -787,7 +821,10 @@ impl Channel {
         }
     }
 
+    /// Queue an answer generated while delivering. A side that has sent its
+    /// teardown marker sends nothing more: callers check that first.
     fn reply(&mut self, msg: Message) {
+        debug_assert!(!self.sent_teardown || msg == Message::Teardown);
         self.outbox.push_back(msg);
         self.flush_outbox();
     }
@@ -885,51 +922,56 @@ impl Channel {
             }
             Message::AssignRequest { pool, geometry, trust } => self.deliver_assign(pool, geometry, trust),
             Message::AssignReply { pool, accepted } => {
-                let p = self
-                    .pools
-                    .iter()
-                    .position(|p| p.id == pool && p.status == PoolStatus::Assigning)
-                    .ok_or_else(|| Error::Protocol(format!("reply for pool {pool} we did not offer")))?;
+                match self.pools.iter_mut().find(|p| p.id == pool && p.assigning) {
+                    Some(p) => p.assigning = false,
+                    None => return Err(Error::Protocol(format!("reply for pool {pool} we did not offer"))),
+                }
                 if accepted {
-                    self.pools[p].status = PoolStatus::Assigned;
+                    self.chan_pool(pool).listed = true;
+                    self.fix_pool(pool);
                     return Ok(Event::PoolAssigned(pool));
                 }
-                let cp = self.pools.remove(p);
-                let mut st = self.domain.lock();
-                if let Some(e) = st.entry_mut(pool) {
-                    e.channels -= 1;
-                    if cp.set_trust && e.channels == 0 {
+                self.tidy_pool(pool);
+                // The pool's trust returns to UNINITIALIZED if this was its
+                // only use and it was never accepted anywhere.
+                if let Some(e) = self.domain.lock().entry_mut(pool) {
+                    if !e.trust_fixed && e.channels == 0 {
                         e.trust = TrustLevel::Uninitialized;
                     }
                 }
                 Ok(Event::PoolVetoed(pool))
             }
             Message::RemoveRequest { pool } => {
+                if self.sent_teardown {
+                    // We send nothing after our marker; the pool stays.
+                    return Ok(Event::PoolRemoveRefused(pool));
+                }
                 let in_use = self.domain.lock().entry(pool).is_some_and(|e| e.copies_on(key));
                 if in_use {
                     self.reply(Message::RemoveReply { pool, accepted: false });
                     return Ok(Event::PoolRemoveRefused(pool));
                 }
-                self.drop_pool(pool);
+                if let Some(p) = self.pools.iter_mut().find(|p| p.id == pool) {
+                    p.listed = false;
+                }
+                self.tidy_pool(pool);
                 self.reply(Message::RemoveReply { pool, accepted: true });
                 Ok(Event::PoolRemoved(pool))
             }
             Message::RemoveReply { pool, accepted } => {
-                match self.pools.iter().position(|p| p.id == pool) {
-                    Some(p) if self.pools[p].status == PoolStatus::Removing => {
+                match self.pools.iter_mut().find(|p| p.id == pool && p.removing) {
+                    Some(p) => {
+                        p.removing = false;
                         if accepted {
-                            self.drop_pool(pool);
-                            Ok(Event::PoolRemoved(pool))
-                        } else {
-                            self.pools[p].status = PoolStatus::Assigned;
-                            Ok(Event::PoolRemoveRefused(pool))
+                            p.listed = false;
                         }
                     }
-                    // Both ends asked at once and we already honoured the
-                    // peer's request: the pool is gone either way.
-                    None if accepted => Ok(Event::PoolRemoved(pool)),
-                    _ => Err(Error::Protocol(format!("removal reply for pool {pool} we did not ask to remove"))),
+                    None => {
+                        return Err(Error::Protocol(format!("removal reply for pool {pool} we did not ask to remove")))
+                    }
                 }
+                self.tidy_pool(pool);
+                Ok(if accepted { Event::PoolRemoved(pool) } else { Event::PoolRemoveRefused(pool) })
             }
             Message::Teardown => {
                 self.got_teardown = true;
@@ -952,7 +994,9 @@ impl Channel {
                 self.trust
             )));
         }
-        if self.pools.iter().any(|p| p.id == pool) || self.requests.iter().any(|r| r.pool == pool) {
+        // Offering a pool we list, or one already offered, is a protocol
+        // error; a concurrent offer of a pool we are offering ourselves is not.
+        if self.pools.iter().any(|p| p.id == pool && p.listed) || self.requests.iter().any(|r| r.pool == pool) {
             return Err(Error::Protocol(format!("pool {pool} offered twice")));
         }
         let known = self.domain.lock().entry(pool).map(|e| (e.view.geometry(), e.trust));
@@ -972,11 +1016,8 @@ impl Channel {
             let view = PoolView::map(memory, initial, self.constraints.alignment)?;
             self.domain.lock().insert_received(view, trust)?;
         }
-        let mut st = self.domain.lock();
-        let e = st.entry_mut(pool).expect("inserted");
-        e.trust = trust;
-        e.channels += 1;
-        drop(st);
+        self.domain.lock().entry_mut(pool).expect("inserted").trust = trust;
+        self.attach(pool);
         let req = PoolRequest { pool, geometry, trust };
         self.requests.push(req);
         Ok(Event::PoolAssignRequest(req))
@@ -985,7 +1026,7 @@ impl Channel {
     /// The view of a buffer named by the peer, checking that its pool is on
     /// this channel and the index is in range.
     fn delivered_view(&self, buf: BufferId) -> Result<Arc<PoolView>> {
-        if !self.pools.iter().any(|p| p.id == buf.pool && p.status != PoolStatus::Assigning) {
+        if !self.pools.iter().any(|p| p.id == buf.pool && p.listed) {
             return Err(Error::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)));
         }
         let st = self.domain.lock();
@@ -994,15 +1035,6 @@ impl Channel {
             return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
         }
         Ok(e.view.clone())
-    }
-
-    fn drop_pool(&mut self, pool: PoolId) {
-        if let Some(p) = self.pools.iter().position(|p| p.id == pool) {
-            self.pools.remove(p);
-            if let Some(e) = self.domain.lock().entry_mut(pool) {
-                e.channels -= 1;
-            }
-        }
     }
 
     /// Closed for good: give the pools and deferred copies up.

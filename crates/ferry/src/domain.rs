@@ -197,21 +197,18 @@ impl BufRecord {
     }
 }
 
-/// Where a pool entry came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Origin {
-    /// Allocated in this domain.
-    Created,
-    /// Learned through a pool assignment.
-    Received,
-}
-
 #[derive(Debug)]
 pub(crate) struct PoolEntry {
     pub(crate) view: Arc<PoolView>,
     pub(crate) trust: TrustLevel,
-    pub(crate) origin: Origin,
-    /// Channels of this domain the pool is assigned to or pending on.
+    /// Created here, or an assignment of it was accepted: the entry stays
+    /// (a pool only offered to us leaves the list again on a veto).
+    pub(crate) permanent: bool,
+    /// The trust level can no longer go back to `Uninitialized` (set at
+    /// creation, or some assignment was accepted).
+    pub(crate) trust_fixed: bool,
+    /// Channel relations of this domain to the pool: one per channel that
+    /// lists it or has our request out, plus one per unanswered request.
     pub(crate) channels: u32,
     records: Vec<BufRecord>,
     free: Vec<u32>,
@@ -261,7 +258,9 @@ impl DomainState {
             vec![BufRecord { owned: true, applied: Some(Access::ReadWrite), ..BufRecord::default() }; n as usize];
         // Reverse order so that buffer 0 is handed out first.
         let free: Vec<u32> = (0..n).rev().collect();
-        self.pools.insert(view.id(), PoolEntry { view, trust, origin: Origin::Created, channels: 0, records, free });
+        let trust_fixed = trust != TrustLevel::Uninitialized;
+        self.pools
+            .insert(view.id(), PoolEntry { view, trust, permanent: true, trust_fixed, channels: 0, records, free });
     }
 
     /// Insert a pool learned from a peer: no buffer is ours yet.
@@ -276,7 +275,7 @@ impl DomainState {
         let records = vec![BufRecord { applied, ..BufRecord::default() }; n];
         self.pools.insert(
             view.id(),
-            PoolEntry { view, trust, origin: Origin::Received, channels: 0, records, free: Vec::new() },
+            PoolEntry { view, trust, permanent: false, trust_fixed: false, channels: 0, records, free: Vec::new() },
         );
         Ok(())
     }
@@ -415,9 +414,7 @@ impl DomainState {
     /// assignment.
     pub(crate) fn remove_if_unused(&mut self, pool: PoolId) {
         if let Some(e) = self.pools.get(&pool) {
-            let unused = e.origin == Origin::Received
-                && e.channels == 0
-                && e.records.iter().all(|r| r.state() == BufferState::Invalid);
+            let unused = !e.permanent && e.channels == 0 && e.records.iter().all(|r| r.state() == BufferState::Invalid);
             if unused {
                 self.pools.remove(&pool);
             }

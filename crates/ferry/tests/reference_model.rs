@@ -389,8 +389,9 @@ fn double_assignment_refused() {
     // Pending at the assigner.
     rej(&mut m, Op::AssignPool { domain: A, chan: ab, pool: p }, Reject::PoolAlreadyAssigned);
     deliver(&mut m, ab, Queue::Data);
-    // Delivered and unanswered at the peer.
-    rej(&mut m, Op::AssignPool { domain: B, chan: ab, pool: p }, Reject::PoolAlreadyAssigned);
+    // Delivered and unanswered at the peer: B only has a provisional entry,
+    // so it cannot offer the pool itself yet.
+    rej(&mut m, Op::AssignPool { domain: B, chan: ab, pool: p }, Reject::UnknownPool);
     ok(&mut m, Op::RespondAssign { domain: B, chan: ab, pool: p, accept: true });
     // Listed at the peer.
     rej(&mut m, Op::AssignPool { domain: B, chan: ab, pool: p }, Reject::PoolAlreadyAssigned);

@@ -28,7 +28,7 @@
 //! | `Copy` | state, `WrongDirection` (source), `ForeignBuffer` (neither delivered owner nor holder), `PoolNotAssigned`, `PoolRemovalPending`, `MetaTooLarge` |
 //! | `Release` | state, `WrongDirection` (sink), `ForeignBuffer` (state `INVALID` at the caller), `PoolNotAssigned`, `PoolRemovalPending`, `NotCopyHolder`, `CopiesForwarded` |
 //! | `FullCopy` | state, `WrongDirection` (source), `ForeignBuffer` (source not readable), `ForeignBuffer` (destination not delivered owner), `SameBuffer`, `PoolNotAssigned` (destination), `PoolRemovalPending` (destination), `CopiesOutstanding` (destination), `MetaTooLarge` |
-//! | `AssignPool` | `UnknownPool`, state, `PoolAlreadyAssigned`, `TrustMismatch` (the order of the SEMANTICS.md "assign pool" bullet) |
+//! | `AssignPool` | state, `UnknownPool` (not permanently in the caller's pool list), `PoolAlreadyAssigned`, `TrustMismatch` |
 //! | `RespondAssign` | state, `NoPendingRequest` |
 //! | `RemovePool` | state, `PoolNotAssigned`, `PoolRemovalPending`, `PoolInUse` |
 //! | `Teardown` | state |
@@ -70,10 +70,13 @@
 //!   other reference to the pool (listed, requested or request pending on
 //!   any of its channel sides, or owns or holds one of its buffers). A pool
 //!   stays in the list after a removal from a channel. [`Model::knows_pool`]
-//!   is true for provisional entries too, and `AssignPool` accepts them.
+//!   is true for provisional entries too, but `AssignPool` needs a permanent
+//!   entry (`UnknownPool` otherwise): a domain cannot offer onward a pool
+//!   it has not accepted yet.
 //! * **Trust** is one value per pool. The first assignment sets it; a
-//!   delivered veto resets it to `UNINITIALIZED` when no channel side lists,
-//!   requested or has a pending request for the pool any more.
+//!   delivered veto resets it to `UNINITIALIZED` when the pool was never
+//!   accepted anywhere and no channel side lists, requested or has a pending
+//!   request for it any more.
 //! * **Pool removal.** `RemovePool` requires the pool to be listed on the
 //!   caller's side, no removal of it by the caller pending, and not
 //!   `PoolInUse`: the caller as source has no `(b, c)` in `copies`, as sink
@@ -487,6 +490,8 @@ pub struct Pool {
     pub creator: DomainId,
     /// The pool's trust level.
     pub trust: Trust,
+    /// Some assignment of the pool was accepted: its trust is fixed.
+    pub ever_accepted: bool,
     /// `buffer_ownership`, per buffer index.
     pub owner: Vec<DomainId>,
     /// `in_flight`, per buffer index: the channel of the undelivered move/pass.
@@ -903,6 +908,7 @@ impl Model {
         self.pools.push(Pool {
             creator: domain,
             trust: Trust::Uninitialized,
+            ever_accepted: false,
             owner: vec![domain; count],
             in_flight: vec![None; count],
         });
@@ -941,12 +947,14 @@ impl Model {
     fn assign_pool(&mut self, domain: DomainId, chan: ChanId, pool: PoolId) -> Result<Outcome, Reject> {
         self.check_channel(chan)?;
         let side = self.check_endpoint(chan, domain)?;
-        // Alg. 6 "Require: pool ∈ valid_pools", refined: d knows the pool
-        if !self.knows_pool(domain, pool) {
-            return Err(Reject::UnknownPool);
-        }
         // Alg. 6 "Require: ∃ chan, dir: dir_to_eps⁻¹(ep) = (chan, dir)": bound and CONNECTED
         self.check_connected(chan, domain)?;
+        // Alg. 6 "Require: pool ∈ valid_pools", refined: d has the pool in its
+        // list permanently (created it, or an assignment of it was accepted);
+        // a pool only offered to d cannot be passed on before d accepts it.
+        if self.pool_lists[domain].get(&pool) != Some(&true) {
+            return Err(Reject::UnknownPool);
+        }
         // Alg. 6 "Require: (pool, chan) ∉ pools_to_channels", refined: nor pending
         let s = &self.channels[chan].sides[side];
         if s.assigned.contains(&pool) || s.assign_out.contains(&pool) || s.assign_in.contains(&pool) {
@@ -986,6 +994,7 @@ impl Model {
             // §5.2.3 step 7: "the pool added to the channel"
             self.channels[chan].sides[side].assigned.insert(pool);
             self.pool_lists[domain].insert(pool, true);
+            self.pools[pool].ever_accepted = true;
         } else {
             // §5.2.3: "removing the pool from the domain list if this pool
             // was assigned for the first time"
@@ -1269,10 +1278,13 @@ impl Model {
         if accepted {
             self.channels[chan].sides[side].assigned.insert(pool);
             self.pool_lists[to].insert(pool, true);
+            self.pools[pool].ever_accepted = true;
             Event::PoolAssigned { pool }
         } else {
-            // "the assigner's pool returns to UNINITIALIZED trust if no channel has it"
-            if !self.pool_on_some_channel(pool) {
+            // "the assigner's pool returns to UNINITIALIZED trust if no channel
+            // has it" — and it was never accepted anywhere: once accepted, the
+            // trust level is fixed for good (DESIGN.md §2).
+            if !self.pools[pool].ever_accepted && !self.pool_on_some_channel(pool) {
                 self.pools[pool].trust = Trust::Uninitialized;
             }
             Event::PoolVetoed { pool }
