@@ -499,15 +499,13 @@ impl Channel {
         meta: &[u8],
     ) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
-        let checks = self.check_transfer(Direction::Tx, &destination, meta.len()).and_then(|()| {
-            if source.source_domain() != self.domain.id() {
-                Err(Error::ForeignBuffer)
-            } else if source.buffer_id() == destination.id() {
-                Err(Error::SameBuffer)
-            } else {
-                Ok(())
-            }
-        });
+        let me = self.domain.id();
+        let checks = self
+            .check_sendable(Direction::Tx)
+            .and_then(|()| if source.source_domain() != me { Err(Error::ForeignBuffer) } else { Ok(()) })
+            .and_then(|()| if destination.domain_id() != me { Err(Error::ForeignBuffer) } else { Ok(()) })
+            .and_then(|()| if source.buffer_id() == destination.id() { Err(Error::SameBuffer) } else { Ok(()) })
+            .and_then(|()| self.check_transfer(Direction::Tx, &destination, meta.len()));
         if let Err(e) = checks {
             return Err(Refused::new(e, destination));
         }

@@ -15,10 +15,11 @@ use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
+use model::gen::{pick_op, setup, RawStep, META};
+
 const A: DomainId = 0;
 const B: DomainId = 1;
 const C: DomainId = 2;
-const META: usize = 8;
 
 // ----------------------------------------------------------------------
 // Helpers.
@@ -563,9 +564,13 @@ fn requests_during_teardown() {
     assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::PoolRemoveRequest { pool: q, accepted: false }));
     assert!(m.pool_assigned(q, ab, B));
     assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::TeardownReceived));
-    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::Closed));
-    assert!(m.removal_pending(ab, A, q));
+    // Before B closes, its unanswered request is still listed.
     assert_eq!(m.pending_requests(ab, B), vec![p]);
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::Closed));
+    // Closed sides free their resources: nothing pending, nothing listed.
+    assert!(!m.removal_pending(ab, A, q));
+    assert!(m.pending_requests(ab, B).is_empty());
+    assert!(!m.pool_assigned(q, ab, B) && !m.pool_assigned(q, ab, A));
 }
 
 /// Two-phase pool removal: accepted, refused by the peer, and pending.
@@ -625,241 +630,6 @@ fn pool_removal() {
 
 // ----------------------------------------------------------------------
 // Property test: random operation sequences.
-
-/// Raw random input of one step, interpreted against the current state.
-type RawStep = (u8, u16, u16, u16, u16);
-
-/// Number of domains in the generated systems.
-const DOMAINS: usize = 4;
-
-fn trust_of(x: u8) -> Trust {
-    match x % 8 {
-        0 => Trust::None,
-        1 => Trust::Half,
-        _ => Trust::Full,
-    }
-}
-
-/// Three pools and six channels: the chain 0→1→2, the cycle 1→2→1, and
-/// channels back to 0 and to/from 3.
-fn setup(trusts: &[u8]) -> Model {
-    let mut m = Model::new(DOMAINS, META);
-    for (domain, count) in [(0, 3), (1, 2), (3, 2)] {
-        m.apply(&Op::CreatePool { domain, count }).unwrap();
-    }
-    let links = [(0, 1), (1, 2), (2, 1), (1, 0), (3, 0), (0, 3)];
-    for (i, &(source, sink)) in links.iter().enumerate() {
-        let trust = trust_of(trusts[i]);
-        m.apply(&Op::Connect { source, sink, trust }).unwrap();
-    }
-    m
-}
-
-fn choose<T: Copy>(v: &[T], x: usize) -> Option<T> {
-    if v.is_empty() {
-        None
-    } else {
-        Some(v[x % v.len()])
-    }
-}
-
-fn connected(m: &Model, chan: ChanId, domain: DomainId) -> bool {
-    m.channel_state(chan, domain) == ChannelState::Connected
-}
-
-/// `d` can read `b`: delivered owner or holder.
-fn readable(m: &Model, b: BufId, d: DomainId) -> bool {
-    m.buffer_state(b, d) != BufferState::Invalid
-}
-
-/// An arbitrary operation with ids slightly out of range.
-fn garbage(m: &Model, kind: usize, a: usize, b: usize, c: usize) -> Op {
-    let domain = a % (DOMAINS + 1);
-    let chan = b % (m.num_channels() + 1);
-    let pool = c % (m.num_pools() + 1);
-    let buf_ = BufId { pool, index: (c / 7) % 4 };
-    let other = BufId { pool: (a / 5) % (m.num_pools() + 1), index: (b / 7) % 4 };
-    let meta_len = (a / 3) % (META + 2);
-    match kind % 13 {
-        0 => Op::CreatePool { domain, count: c % 3 },
-        1 => Op::Connect {
-            source: domain,
-            sink: b % (DOMAINS + 1),
-            trust: [Trust::Uninitialized, Trust::None, Trust::Half, Trust::Full][c % 4],
-        },
-        2 => Op::AssignPool { domain, chan, pool },
-        3 => Op::RespondAssign { domain, chan, pool, accept: a % 2 == 0 },
-        4 => Op::RemovePool { domain, chan, pool },
-        5 => Op::Move { domain, chan, buf: buf_, meta_len },
-        6 => Op::Pass { domain, chan, buf: buf_, meta_len },
-        7 => Op::Copy { domain, chan, buf: buf_, meta_len },
-        8 => Op::Release { domain, chan, buf: buf_ },
-        9 => Op::FullCopy { domain, chan, src: other, dst: buf_, meta_len },
-        10 => Op::FullCopy { domain, chan, src: buf_, dst: buf_, meta_len },
-        11 if a % 4 == 0 => Op::Teardown { domain, chan },
-        _ => Op::Deliver { chan, queue: if a % 2 == 0 { Queue::Data } else { Queue::Control } },
-    }
-}
-
-/// Interpret one raw step: most of the time a plausible operation (picked
-/// among buffers the domain holds, pools it knows, requests it has...),
-/// otherwise an arbitrary one.
-fn pick_op(m: &Model, raw: RawStep) -> Op {
-    let kind = usize::from(raw.0) % 100;
-    let (a, b, c) = (usize::from(raw.1), usize::from(raw.2), usize::from(raw.3));
-    let plausible = raw.4 % 8 != 0;
-    let meta_len = if raw.4 % 50 == 1 { META + 1 } else { a % (META + 1) };
-    let chans: Vec<ChanId> = (0..m.num_channels()).collect();
-    let bufs = m.all_buffers();
-    let fallback = garbage(m, b / 3, a, b, c);
-    let mut queues = Vec::new();
-    for &ch in &chans {
-        for q in [Queue::Data, Queue::Control] {
-            if m.pending(ch, q) > 0 {
-                queues.push((ch, q));
-            }
-        }
-    }
-    let deliver_op = choose(&queues, a).map(|(chan, queue)| Op::Deliver { chan, queue });
-    let candidate: Option<Op> = match kind {
-        0..=29 => deliver_op,
-        30..=46 => {
-            // Move (source) or pass (sink) of a READ_WRITE buffer.
-            let as_pass = kind >= 40;
-            let mut cands = Vec::new();
-            for &ch in &chans {
-                let (source, sink) = m.endpoints(ch);
-                let d = if as_pass { sink } else { source };
-                for &bf in &bufs {
-                    // Now and then a READ_ONLY_OWNED one (CopiesOutstanding).
-                    let state = m.buffer_state(bf, d);
-                    let usable = state == BufferState::ReadWrite || (b % 4 == 0 && state == BufferState::ReadOnlyOwned);
-                    if connected(m, ch, d) && usable && m.pool_assigned(bf.pool, ch, d) {
-                        cands.push((d, ch, bf));
-                    }
-                }
-            }
-            choose(&cands, a).map(|(domain, chan, buf)| {
-                if as_pass {
-                    Op::Pass { domain, chan, buf, meta_len }
-                } else {
-                    Op::Move { domain, chan, buf, meta_len }
-                }
-            })
-        }
-        47..=58 => {
-            let mut cands = Vec::new();
-            for &ch in &chans {
-                let d = m.endpoints(ch).0;
-                for &bf in &bufs {
-                    if connected(m, ch, d) && readable(m, bf, d) && m.pool_assigned(bf.pool, ch, d) {
-                        cands.push((d, ch, bf));
-                    }
-                }
-            }
-            // Half of the time, prefer forwarding a received copy.
-            let forwards: Vec<_> = cands.iter().copied().filter(|&(d, _, bf)| m.owner(bf) != d).collect();
-            if b % 2 == 0 && !forwards.is_empty() {
-                cands = forwards;
-            }
-            choose(&cands, a).map(|(domain, chan, buf)| Op::Copy { domain, chan, buf, meta_len })
-        }
-        59..=68 => {
-            // Mostly copies actually held; sometimes any buffer the sink
-            // can read (e.g. its own, or held over another channel).
-            let any_readable = b % 4 == 0;
-            let mut cands = Vec::new();
-            for &ch in &chans {
-                let sink = m.endpoints(ch).1;
-                for &bf in &bufs {
-                    if m.held_count(bf, ch) > 0
-                        || (any_readable && readable(m, bf, sink) && m.pool_assigned(bf.pool, ch, sink))
-                    {
-                        cands.push((sink, ch, bf));
-                    }
-                }
-            }
-            choose(&cands, a).map(|(domain, chan, buf)| Op::Release { domain, chan, buf })
-        }
-        69..=71 => {
-            let mut cands = Vec::new();
-            for &ch in &chans {
-                let d = m.endpoints(ch).0;
-                for &dst in &bufs {
-                    if connected(m, ch, d)
-                        && m.buffer_state(dst, d) == BufferState::ReadWrite
-                        && m.pool_assigned(dst.pool, ch, d)
-                    {
-                        for &src in &bufs {
-                            if src != dst && readable(m, src, d) {
-                                cands.push((d, ch, src, dst));
-                            }
-                        }
-                    }
-                }
-            }
-            choose(&cands, a).map(|(domain, chan, src, dst)| Op::FullCopy { domain, chan, src, dst, meta_len })
-        }
-        72..=78 => {
-            let mut cands = Vec::new();
-            for &ch in &chans {
-                let (source, sink) = m.endpoints(ch);
-                for d in [source, sink] {
-                    for pool in 0..m.num_pools() {
-                        if connected(m, ch, d) && m.knows_pool(d, pool) && !m.pool_assigned(pool, ch, d) {
-                            cands.push((d, ch, pool));
-                        }
-                    }
-                }
-            }
-            choose(&cands, a).map(|(domain, chan, pool)| Op::AssignPool { domain, chan, pool })
-        }
-        79..=87 => {
-            let mut cands = Vec::new();
-            for &ch in &chans {
-                let (source, sink) = m.endpoints(ch);
-                for d in [source, sink] {
-                    for pool in m.pending_requests(ch, d) {
-                        cands.push((d, ch, pool));
-                    }
-                }
-            }
-            choose(&cands, a).map(|(domain, chan, pool)| Op::RespondAssign { domain, chan, pool, accept: b % 5 != 0 })
-        }
-        88..=90 => {
-            let mut cands = Vec::new();
-            for &ch in &chans {
-                let (source, sink) = m.endpoints(ch);
-                for d in [source, sink] {
-                    for pool in 0..m.num_pools() {
-                        if m.pool_assigned(pool, ch, d) {
-                            cands.push((d, ch, pool));
-                        }
-                    }
-                }
-            }
-            choose(&cands, a).map(|(domain, chan, pool)| Op::RemovePool { domain, chan, pool })
-        }
-        // Teardown at half the rate of the other rare operations.
-        91 if b % 2 == 0 => choose(&chans, a).map(|chan| {
-            let (source, sink) = m.endpoints(chan);
-            Op::Teardown { domain: if b % 4 == 0 { source } else { sink }, chan }
-        }),
-        92 => {
-            let source = a % DOMAINS;
-            let sink = (source + 1 + b % (DOMAINS - 1)) % DOMAINS;
-            Some(Op::Connect { source, sink, trust: trust_of(raw.3 as u8) })
-        }
-        93 => Some(Op::CreatePool { domain: a % DOMAINS, count: 1 + b % 3 }),
-        _ => None,
-    };
-    // Without a plausible operation of the kind drawn, make progress.
-    match (plausible, candidate, deliver_op) {
-        (true, Some(op), _) => op,
-        (true, None, Some(op)) if kind < 94 => op,
-        _ => fallback,
-    }
-}
 
 /// What the random runs reached, summed over all cases.
 #[derive(Default)]

@@ -2,3 +2,7 @@
 //! model's own tests and the model-based tests of the library.
 
 pub mod reference;
+
+/// Random operation sequences interpreted against the model.
+#[allow(dead_code)]
+pub mod gen;

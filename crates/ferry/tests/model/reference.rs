@@ -95,7 +95,11 @@
 //!   `NotConnected` like any send). A removal request delivered to such a
 //!   side changes nothing and gets no reply (event `PoolRemoveRequest` with
 //!   `accepted: false`); the requester's removal stays pending forever.
-//!   Requests delivered there stay unanswered forever. Receiving the peer's
+//!   Requests delivered there stay unanswered until the side closes. A
+//!   side that becomes `CLOSED` frees its resources (Listing 6.1): it lists
+//!   no pool any more, its unanswered requests are dropped, and a pool its
+//!   domain only knew provisionally through one leaves the domain's list;
+//!   copies held or sent stay as they are. Receiving the peer's
 //!   marker: a side that had not sent one answers with its own at once and,
 //!   having then sent and received a marker, is `CLOSED` immediately (its
 //!   `TEARDOWN` is momentary); it observes [`Event::TeardownReceived`]. A
@@ -811,6 +815,26 @@ impl Model {
         on_a_side || has_buffer
     }
 
+    /// A side became CLOSED: "the channel is closed and the resources are
+    /// freed" (Listing 6.1). It lists no pool any more; unanswered requests
+    /// are dropped, and a pool the domain only knew through such a request
+    /// leaves its list. Copies already held stay readable (they live on
+    /// in `held`), and copies sent stay out.
+    fn close_side(&mut self, chan: ChanId, side: usize) {
+        let d = self.domain_of_side(chan, side);
+        let s = &mut self.channels[chan].sides[side];
+        let offered: Vec<PoolId> = s.assign_in.iter().copied().collect();
+        s.assigned.clear();
+        s.assign_out.clear();
+        s.assign_in.clear();
+        s.remove_out.clear();
+        for pool in offered {
+            if self.pool_lists[d].get(&pool) == Some(&false) && !self.domain_refers_to_pool(d, pool) {
+                self.pool_lists[d].remove(&pool);
+            }
+        }
+    }
+
     fn outgoing_queue(&mut self, chan: ChanId, side: usize) -> &mut VecDeque<Msg> {
         if side == SOURCE {
             &mut self.channels[chan].data
@@ -1250,13 +1274,16 @@ impl Model {
             }
             Msg::Marker => {
                 self.channels[chan].sides[side].received_marker = true;
-                if self.channels[chan].sides[side].sent_marker {
+                let event = if self.channels[chan].sides[side].sent_marker {
                     Event::Closed
                 } else {
                     self.channels[chan].sides[side].sent_marker = true;
                     self.outgoing_queue(chan, side).push_back(Msg::Marker);
                     Event::TeardownReceived
-                }
+                };
+                // Sent and received a marker: this side is CLOSED.
+                self.close_side(chan, side);
+                event
             }
         };
         Ok(Outcome::Delivered { to, event })
@@ -1485,14 +1512,24 @@ impl Model {
     }
 
     /// 7 (model). A copy out over `c` keeps its pool on the source side of
-    /// `c`; a held copy keeps it on the sink side.
+    /// `c`; a held copy keeps it on the sink side (until that side closes).
     fn check_inv7_copies_need_assignment(&self) -> Result<(), String> {
+        let closed = |chan: ChanId, side: usize| {
+            let s = &self.channels[chan].sides[side];
+            s.sent_marker && s.received_marker
+        };
         for &(buf, chan) in self.copies.keys() {
+            if closed(chan, SOURCE) {
+                continue;
+            }
             if !self.channels[chan].sides[SOURCE].assigned.contains(&buf.pool) {
                 return Err(format!("inv 7: copy of {buf:?} out on {chan} but its pool is not on the source side"));
             }
         }
         for &(buf, chan) in self.held.keys() {
+            if closed(chan, SINK) {
+                continue;
+            }
             if !self.channels[chan].sides[SINK].assigned.contains(&buf.pool) {
                 return Err(format!("inv 7: copy of {buf:?} held on {chan} but its pool is not on the sink side"));
             }
@@ -1582,6 +1619,11 @@ impl Model {
     /// in flight, delivered and unanswered, or reply in flight.
     fn check_inv10_requests(&self) -> Result<(), String> {
         for (chan, ch) in self.channels.iter().enumerate() {
+            // Once either side is CLOSED its requests are gone, and the
+            // peer's requests can no longer be answered: nothing to match.
+            if ch.sides.iter().any(|s| s.sent_marker && s.received_marker) {
+                continue;
+            }
             for side in [SOURCE, SINK] {
                 let (out_q, back_q) = if side == SOURCE { (&ch.data, &ch.control) } else { (&ch.control, &ch.data) };
                 let s = &ch.sides[side];
