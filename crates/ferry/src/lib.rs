@@ -43,12 +43,20 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+// The README's examples are doctests too.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+struct ReadmeDoctests;
+
 mod alloc;
 pub mod backend;
 mod buffer;
 mod channel;
 mod domain;
 mod error;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod pool;
 mod proto;
 mod ring;

@@ -1571,3 +1571,19 @@ mod loom_tests {
         });
     }
 }
+
+/// A heap ring region whose bytes after the header come from a peer we do
+/// not trust (or, when `keep_header` is false, all of it): what the
+/// shared-memory backend may find in a segment. For the fuzz targets.
+#[cfg(all(feature = "fuzzing", not(loom)))]
+pub(crate) fn region_written_by_peer(layout: RingLayout, bytes: &[u8], keep_header: bool) -> Arc<HeapRegion> {
+    let region = Arc::new(HeapRegion::new(layout.region_size()));
+    let mem: Arc<dyn RingMemory> = region.clone();
+    drop(create(mem, layout).expect("valid layout"));
+    let start = if keep_header { 128 } else { 0 };
+    let n = bytes.len().min(region.len().saturating_sub(start));
+    // SAFETY: both ring ends were dropped above, so nothing else accesses
+    // the region; the destination range lies inside the allocation.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), region.as_ptr().add(start), n) };
+    region
+}
