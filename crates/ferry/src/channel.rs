@@ -1035,11 +1035,18 @@ impl Channel {
         Ok(e.view.clone())
     }
 
-    /// Closed for good: give the pools and deferred copies up.
+    /// Closed for good: give the pools and deferred copies up. Replies still
+    /// waiting for queue room go out with the close.
     fn close(&mut self) {
+        self.close_with(Vec::new());
+    }
+
+    fn close_with(&mut self, mut last: Vec<Message>) {
         self.state = ChannelState::Closed;
+        let mut pending: Vec<Message> = self.outbox.drain(..).collect();
+        pending.append(&mut last);
         if let Some(link) = self.link.as_mut() {
-            link.close();
+            link.close(pending);
         }
         let mut st = self.domain.lock();
         st.forget_channel(self.key);
@@ -1071,10 +1078,19 @@ impl Drop for Channel {
         if !matches!(self.state, ChannelState::Connected | ChannelState::Teardown) {
             return;
         }
+        let mut last = Vec::new();
         while let Some(Ok(Some(msg))) = self.link.as_mut().map(|l| l.recv()) {
             match self.deliver(msg) {
                 Ok(Event::CopyReceived { copy, .. }) => {
-                    let _ = self.release(copy);
+                    // Unseen copies go back: now if the queue has room,
+                    // otherwise with the close.
+                    if let Err(refused) = self.release(copy) {
+                        let copy = refused.into_inner();
+                        let id = copy.id();
+                        copy.consume();
+                        self.domain.lock().copy_released_here(id, self.key);
+                        last.push(Message::Release { buf: id });
+                    }
                 }
                 Ok(_) => {}
                 Err(_) => break,
@@ -1083,7 +1099,7 @@ impl Drop for Channel {
                 return;
             }
         }
-        self.close();
+        self.close_with(last);
     }
 }
 

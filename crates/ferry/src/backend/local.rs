@@ -4,7 +4,7 @@
 //! puts in a shared segment — and pools travel as `Arc`s of their memfd,
 //! so every domain maps the same memory: zero copy by construction.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -91,16 +91,27 @@ impl LocalEndpoint {
         let binder_waker = Arc::new(Waker::default());
         let stash = Arc::new(Mutex::new(HashMap::new()));
         let meta = setup.meta_size;
-        let creator_link = LocalLink::new(
-            to_binder_tx,
-            to_creator_rx,
-            meta,
-            self.shared.creator.clone(),
-            binder_waker.clone(),
-            stash.clone(),
-        );
-        let binder_link =
-            LocalLink::new(to_creator_tx, to_binder_rx, meta, binder_waker.clone(), self.shared.creator.clone(), stash);
+        let (to_creator_last, to_binder_last) = (Arc::default(), Arc::default());
+        let creator_link = LocalLink {
+            tx: to_binder_tx,
+            rx: to_creator_rx,
+            meta_size: meta,
+            me: self.shared.creator.clone(),
+            peer: binder_waker.clone(),
+            stash: stash.clone(),
+            last_out: Arc::clone(&to_binder_last),
+            last_in: Arc::clone(&to_creator_last),
+        };
+        let binder_link = LocalLink {
+            tx: to_creator_tx,
+            rx: to_binder_rx,
+            meta_size: meta,
+            me: binder_waker.clone(),
+            peer: self.shared.creator.clone(),
+            stash,
+            last_out: to_creator_last,
+            last_in: to_binder_last,
+        };
         let reply: Reply = Arc::new(Mutex::new(None));
         st.offer = Some(Offer { params: *params, creator_link, reply: reply.clone(), binder: binder_waker.clone() });
         drop(st);
@@ -175,6 +186,10 @@ pub(crate) struct LocalLink {
     peer: Arc<Waker>,
     /// Pools exported by either end, waiting to be imported by the other.
     stash: Arc<Mutex<HashMap<PoolId, Arc<PoolMemory>>>>,
+    /// Messages given to `close` that did not fit in the ring: ours to the
+    /// peer, and the peer's to us (read after the ring is drained).
+    last_out: Arc<Mutex<VecDeque<Message>>>,
+    last_in: Arc<Mutex<VecDeque<Message>>>,
 }
 
 impl std::fmt::Debug for LocalLink {
@@ -184,17 +199,6 @@ impl std::fmt::Debug for LocalLink {
 }
 
 impl LocalLink {
-    fn new(
-        tx: Producer,
-        rx: Consumer,
-        meta_size: usize,
-        me: Arc<Waker>,
-        peer: Arc<Waker>,
-        stash: Arc<Mutex<HashMap<PoolId, Arc<PoolMemory>>>>,
-    ) -> Self {
-        LocalLink { tx, rx, meta_size, me, peer, stash }
-    }
-
     fn ring_error(e: RingError) -> Error {
         match e {
             RingError::Full => Error::QueueFull,
@@ -226,7 +230,10 @@ impl Link for LocalLink {
                 // closing: take those first.
                 match self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(Self::ring_error)? {
                     Some(decoded) => decoded.map(Some),
-                    None => Err(Error::PeerGone),
+                    None => match self.last_in.lock().unwrap_or_else(|p| p.into_inner()).pop_front() {
+                        Some(msg) => Ok(Some(msg)),
+                        None => Err(Error::PeerGone),
+                    },
                 }
             }
             None => Ok(None),
@@ -269,7 +276,12 @@ impl Link for LocalLink {
         Ok(memory)
     }
 
-    fn close(&mut self) {
+    fn close(&mut self, last: Vec<Message>) {
+        if !last.is_empty() {
+            self.last_out.lock().unwrap_or_else(|p| p.into_inner()).extend(last);
+        }
+        // The peer reads `last_out` only once it sees us closed, so the
+        // messages are in place before the flag goes up.
         self.tx.close();
         self.rx.close();
         self.peer.wake();
@@ -278,6 +290,6 @@ impl Link for LocalLink {
 
 impl Drop for LocalLink {
     fn drop(&mut self) {
-        self.close();
+        self.close(Vec::new());
     }
 }

@@ -37,8 +37,11 @@ pub(crate) trait Link: Send {
     fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()>;
     /// The memory of a pool the peer exported.
     fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>>;
-    /// No more messages from us; wake the peer so it notices.
-    fn close(&mut self);
+    /// No more messages from us; wake the peer so it notices. `last` are
+    /// messages that did not fit in the queue (replies, releases of copies
+    /// never seen): the peer receives them after everything sent before,
+    /// whatever room the queue has.
+    fn close(&mut self, last: Vec<Message>);
 }
 
 /// The outcome of a finished setup: the link, what was negotiated, and
