@@ -5,8 +5,9 @@
 //!   them; the sink verifies every byte and passes them back;
 //! * receive master — the sink allocates the pool and passes empty buffers
 //!   to the source, which fills and moves them; the sink verifies and
-//!   passes them back for refilling;
-//! plus read-only copies: the owner copies, the holder verifies and
+//!   passes them back for refilling.
+//!
+//! Then read-only copies: the owner copies, the holder verifies and
 //! releases, and the owner gets write access back.
 
 use std::time::Instant;
