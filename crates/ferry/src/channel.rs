@@ -8,6 +8,7 @@
 //! reported by [`Channel::poll`] as [`Event`]s, one per message.
 
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -795,6 +796,11 @@ impl Channel {
     /// Release copies whose handles were dropped; keep those that cannot go
     /// yet (forwarded copies still out, queue full).
     fn flush_deferred(&mut self) {
+        // The flag stays set while any channel of the domain has deferred
+        // releases; only then is the domain lock worth taking.
+        if !self.domain.shared.has_deferred.load(Ordering::Acquire) {
+            return;
+        }
         let ids = self.domain.lock().take_deferred(self.key);
         for id in ids {
             match self.release_id(id) {
@@ -803,6 +809,12 @@ impl Channel {
                 // Channel no longer connected: the copy is simply gone.
                 Err(_) => self.domain.lock().copy_released_here(id, self.key),
             }
+        }
+        // Clear the flag under the lock: a copy dropped meanwhile pushes its
+        // entry under the same lock and sets the flag after it.
+        let st = self.domain.lock();
+        if st.nothing_deferred() {
+            self.domain.shared.has_deferred.store(false, Ordering::Release);
         }
     }
 

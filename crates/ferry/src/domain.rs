@@ -7,13 +7,12 @@
 //! Normally a domain is a process; the local backend lets several domains
 //! live in one process, each with its own mapping of every pool it knows.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState};
 use crate::error::Result;
-use crate::pool::{Pool, PoolId, PoolMemory, PoolView, TrustLevel};
+use crate::pool::{Pool, PoolId, PoolMap, PoolMemory, PoolView, TrustLevel};
 use crate::sys::Access;
 
 /// Identifies a channel end inside its domain.
@@ -44,6 +43,9 @@ pub(crate) struct DomainShared {
     name: String,
     state: Mutex<DomainState>,
     next_chan: AtomicU64,
+    /// Some copy handle was dropped and waits for its channel to release
+    /// it: lets channels skip the lock on every poll.
+    pub(crate) has_deferred: AtomicBool,
 }
 
 static NEXT_DOMAIN: AtomicU64 = AtomicU64::new(1);
@@ -57,6 +59,7 @@ impl Domain {
                 name: name.to_owned(),
                 state: Mutex::new(DomainState::default()),
                 next_chan: AtomicU64::new(1),
+                has_deferred: AtomicBool::new(false),
             }),
         }
     }
@@ -224,7 +227,7 @@ impl PoolEntry {
 /// The library state of one domain. Guarded by the domain's mutex.
 #[derive(Default)]
 pub(crate) struct DomainState {
-    pub(crate) pools: HashMap<PoolId, PoolEntry>,
+    pub(crate) pools: PoolMap<PoolEntry>,
     /// Copies whose handles were dropped: to be released over their channel
     /// the next time that channel runs.
     deferred_releases: Vec<(ChanKey, BufferId)>,
@@ -381,6 +384,10 @@ impl DomainState {
     }
 
     /// A copy handle was dropped: release it when its channel next runs.
+    pub(crate) fn nothing_deferred(&self) -> bool {
+        self.deferred_releases.is_empty()
+    }
+
     pub(crate) fn defer_release(&mut self, chan: ChanKey, id: BufferId) {
         self.deferred_releases.push((chan, id));
     }
@@ -447,6 +454,9 @@ impl Drop for BufferCopy {
     fn drop(&mut self) {
         if let Some((domain, id, chan)) = self.release_parts() {
             domain.lock().defer_release(chan, id);
+            // Release: a channel that sees the flag also sees the entry
+            // (it takes the lock before reading the list anyway).
+            domain.has_deferred.store(true, Ordering::Release);
         }
     }
 }

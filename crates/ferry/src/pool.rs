@@ -35,6 +35,30 @@ impl PoolId {
     }
 }
 
+/// Hasher for maps keyed by [`PoolId`]: the ids are 128 random bits
+/// already, so their low 64 bits are a perfectly good hash (SipHash of a
+/// u128 showed up at 7% of a throughput profile).
+#[derive(Default, Clone, Copy)]
+pub(crate) struct PoolIdHasher(u64);
+
+impl std::hash::Hasher for PoolIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only reached for non-u128 keys; fold the bytes in.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 ^= v as u64;
+    }
+}
+
+/// `HashMap` keyed by pool ids.
+pub(crate) type PoolMap<V> = std::collections::HashMap<PoolId, V, std::hash::BuildHasherDefault<PoolIdHasher>>;
+
 impl fmt::Debug for PoolId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "PoolId({self})")
