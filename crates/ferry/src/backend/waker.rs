@@ -63,16 +63,19 @@ mod tests {
     fn wakes_a_parked_thread() {
         let w = Arc::new(Waker::default());
         let w2 = w.clone();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let h = thread::spawn(move || {
             w2.register();
-            w2.park(Duration::from_secs(10));
+            ready_tx.send(()).unwrap();
+            let t = Instant::now();
+            // Long park: only a delivered wake-up ends it early.
+            w2.park(Duration::from_secs(30));
+            t.elapsed()
         });
-        // The registration may race with us; waking until the thread ends
-        // proves a wake-up is delivered either way.
-        while !h.is_finished() {
-            w.wake();
-            thread::sleep(Duration::from_millis(1));
-        }
-        h.join().unwrap();
+        ready_rx.recv().unwrap();
+        thread::sleep(Duration::from_millis(20));
+        w.wake();
+        let slept = h.join().unwrap();
+        assert!(slept < Duration::from_secs(20), "wake-up lost: parked for {slept:?}");
     }
 }
