@@ -300,6 +300,9 @@ pub struct Channel {
     outbox: VecDeque<Message>,
     sent_teardown: bool,
     got_teardown: bool,
+    /// Buffers moved or passed to a peer that can die, not back yet: if the
+    /// peer process exits they return to us.
+    lent: Option<std::collections::HashSet<BufferId>>,
 }
 
 impl std::fmt::Debug for Channel {
@@ -371,6 +374,7 @@ impl Channel {
             outbox: VecDeque::new(),
             sent_teardown: false,
             got_teardown: false,
+            lent: None,
         }
     }
 
@@ -764,6 +768,9 @@ impl Channel {
         match self.link_mut().send(&msg) {
             Ok(()) => {
                 buffer.consume();
+                if let Some(lent) = &mut self.lent {
+                    lent.insert(id);
+                }
                 Ok(())
             }
             Err(e) => {
@@ -844,6 +851,9 @@ impl Channel {
         let outcome = pending.poll()?;
         match outcome {
             Ok((link, neg, creator)) => {
+                if link.peer_can_die() {
+                    self.lent = Some(std::collections::HashSet::new());
+                }
                 self.link = Some(link);
                 self.state = ChannelState::Connected;
                 self.trust = neg.trust;
@@ -875,6 +885,9 @@ impl Channel {
             },
             Ok(None) => None,
             Err(e) => {
+                if e == Error::PeerGone && self.link_mut().peer_died() {
+                    self.reclaim_from_dead_peer();
+                }
                 if self.sent_teardown && e == Error::PeerGone {
                     // The peer went away after our marker: that is a close.
                     self.close();
@@ -905,6 +918,9 @@ impl Channel {
                 }
                 st.take_ownership(buf);
                 drop(st);
+                if let Some(lent) = &mut self.lent {
+                    lent.remove(&buf);
+                }
                 let buffer = Buffer::new(self.domain.shared.clone(), view, buf.index);
                 Ok(if is_move { Event::MoveReceived { buffer, meta } } else { Event::BufferPassed { buffer, meta } })
             }
@@ -1073,6 +1089,19 @@ impl Channel {
             }
             st.remove_if_unused(r.pool);
         }
+    }
+
+    /// The peer process exited: what we lent it is ours again (to the free
+    /// list), and the copies it held are void.
+    fn reclaim_from_dead_peer(&mut self) {
+        let mut st = self.domain.lock();
+        for id in self.lent.take().unwrap_or_default() {
+            if st.record(id).is_some_and(|r| !r.is_owned()) {
+                st.take_ownership(id);
+                st.free(id);
+            }
+        }
+        st.void_copies_out(self.key);
     }
 
     fn fail(&mut self, e: Error) -> Event {

@@ -383,6 +383,23 @@ impl DomainState {
         }
     }
 
+    /// The holder of every copy sent over `chan` is gone: count them all
+    /// as released.
+    pub(crate) fn void_copies_out(&mut self, chan: ChanKey) {
+        let ids: Vec<BufferId> = self
+            .pools
+            .iter()
+            .flat_map(|(pool, e)| {
+                e.records.iter().enumerate().flat_map(move |(i, r)| {
+                    std::iter::repeat_n(BufferId { pool: *pool, index: i as u32 }, r.copies_out_via(chan) as usize)
+                })
+            })
+            .collect();
+        for id in ids {
+            self.copy_returned(id, chan);
+        }
+    }
+
     /// A copy handle was dropped: release it when its channel next runs.
     pub(crate) fn nothing_deferred(&self) -> bool {
         self.deferred_releases.is_empty()

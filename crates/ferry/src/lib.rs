@@ -63,6 +63,8 @@ mod ring;
 mod sys;
 
 pub use alloc::Allocator;
+#[cfg(not(loom))]
+pub use backend::ShmEndpoint;
 pub use backend::{Endpoint, LocalEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{

@@ -187,7 +187,23 @@ impl PoolMemory {
     pub(crate) fn create(geometry: Geometry) -> Result<Arc<Self>> {
         let id = PoolId::random();
         let fd = sys::memfd(&format!("ferry-pool-{id}"), geometry.len())?;
+        // A pool never changes size: sealed so, no process it is shared with
+        // can shrink it under another's mappings (which would SIGBUS them).
+        sys::seal_size(&fd)?;
         Ok(Arc::new(PoolMemory { id, geometry, fd }))
+    }
+
+    /// A pool received from a peer as an fd: accepted only if it is a
+    /// memfd of exactly the announced size, sealed against resizing.
+    pub(crate) fn from_peer(id: PoolId, geometry: Geometry, fd: OwnedFd) -> Result<Arc<Self>> {
+        sys::check_sealed_size(&fd, geometry.len())
+            .map_err(|why| Error::Protocol(format!("pool {id} received with a bad fd: {why}")))?;
+        Ok(Arc::new(PoolMemory { id, geometry, fd }))
+    }
+
+    /// The memfd, to send to another process.
+    pub(crate) fn fd(&self) -> &OwnedFd {
+        &self.fd
     }
 
     pub(crate) fn id(&self) -> PoolId {

@@ -601,6 +601,14 @@ impl fmt::Debug for Shared {
 
 /// Lay out a fresh ring in `mem` (zeroes the header, writes magic/layout)
 /// and return both ends.
+/// Lay out a fresh ring in `mem` without creating its ends: both attach
+/// later, possibly from two processes (the shared-memory backend).
+#[cfg(not(loom))]
+pub(crate) fn init(mem: Arc<dyn RingMemory>, layout: RingLayout) -> Result<(), RingError> {
+    Shared::new(mem, layout)?.init_header();
+    Ok(())
+}
+
 pub(crate) fn create(mem: Arc<dyn RingMemory>, layout: RingLayout) -> Result<(Producer, Consumer), RingError> {
     let shared = Shared::new(mem, layout)?;
     shared.init_header();

@@ -46,6 +46,34 @@ pub(crate) fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// Seal a memfd's size (no shrink, no grow).
+pub(crate) fn seal_size(fd: &OwnedFd) -> io::Result<()> {
+    use rustix::fs::SealFlags;
+    rustix::fs::fcntl_add_seals(fd, SealFlags::SHRINK | SealFlags::GROW)?;
+    Ok(())
+}
+
+/// Check that `fd` is a memfd of `len` bytes whose size is sealed: only
+/// then can a mapping of it never fault beyond the end of the file.
+pub(crate) fn check_sealed_size(fd: &OwnedFd, len: usize) -> Result<(), &'static str> {
+    use rustix::fs::SealFlags;
+    let seals = rustix::fs::fcntl_get_seals(fd).map_err(|_| "not a sealable memfd")?;
+    if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
+        return Err("size not sealed");
+    }
+    let st = rustix::fs::fstat(fd).map_err(|_| "fstat failed")?;
+    if u64::try_from(st.st_size).ok() != Some(len as u64) {
+        return Err("size differs from the announced geometry");
+    }
+    Ok(())
+}
+
+/// A `MAP_SHARED` mapping of `len` bytes of `fd`, read-write; for segments
+/// shared with a peer.
+pub(crate) fn map_segment(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
+    Mapping::map_shared(fd.as_fd(), len, Access::ReadWrite, 1)
+}
+
 /// Access a range of a mapping may have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Access {

@@ -16,9 +16,15 @@ use crate::pool::{Geometry, PoolId, PoolMemory};
 use crate::proto::Message;
 
 pub mod local;
+#[cfg(not(loom))]
+pub mod shm;
+#[cfg(not(loom))]
+mod uds;
 mod waker;
 
 pub use local::LocalEndpoint;
+#[cfg(not(loom))]
+pub use shm::ShmEndpoint;
 
 /// A connected channel end's transport.
 pub(crate) trait Link: Send {
@@ -42,6 +48,17 @@ pub(crate) trait Link: Send {
     /// never seen): the peer receives them after everything sent before,
     /// whatever room the queue has.
     fn close(&mut self, last: Vec<Message>);
+    /// The peer is another process that can die without closing: the
+    /// channel then tracks the buffers it lends so it can take them back.
+    fn peer_can_die(&self) -> bool {
+        false
+    }
+    /// After `PeerGone`: whether the peer process has exited (its buffers
+    /// and copies are then void and come back), as opposed to having only
+    /// dropped its end of the channel.
+    fn peer_died(&mut self) -> bool {
+        false
+    }
 }
 
 /// The outcome of a finished setup: the link, what was negotiated, and
@@ -66,6 +83,9 @@ pub(crate) type Pending = Box<dyn PendingSetup>;
 pub enum Endpoint {
     /// An endpoint for channels between domains of this process.
     Local(LocalEndpoint),
+    /// An endpoint for channels between processes on this host.
+    #[cfg(not(loom))]
+    Shm(ShmEndpoint),
 }
 
 impl Endpoint {
@@ -75,15 +95,32 @@ impl Endpoint {
         Endpoint::Local(LocalEndpoint::new())
     }
 
+    /// A shared-memory endpoint named by a socket file: `create` listens
+    /// there, `bind` connects (from another process).
+    #[cfg(not(loom))]
+    pub fn shm(path: impl Into<std::path::PathBuf>) -> Endpoint {
+        Endpoint::Shm(ShmEndpoint::path(path))
+    }
+
+    /// A shared-memory endpoint with a Linux abstract socket name.
+    #[cfg(not(loom))]
+    pub fn shm_abstract(name: &str) -> Endpoint {
+        Endpoint::Shm(ShmEndpoint::abstract_name(name))
+    }
+
     pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
         match self {
             Endpoint::Local(ep) => ep.listen(setup),
+            #[cfg(not(loom))]
+            Endpoint::Shm(ep) => ep.listen(setup),
         }
     }
 
     pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
         match self {
             Endpoint::Local(ep) => ep.connect(params),
+            #[cfg(not(loom))]
+            Endpoint::Shm(ep) => ep.connect(params),
         }
     }
 }

@@ -1,0 +1,281 @@
+//! The shared-memory backend between real processes: the test binary runs
+//! itself again as the peer (`shm_child`, selected by environment), so every
+//! test here crosses a process boundary: pools travel as memfds, the data
+//! path is the shared rings, and crashes are real `kill -9`s.
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry::{
+    Allocator, BindParams, BufferState, Channel, ChannelSetup, ChannelState, Direction, Domain, Endpoint, Error, Event,
+    PoolConstraints, Role, TrustLevel,
+};
+
+const T: Duration = Duration::from_secs(10);
+const SIZE: usize = 64 << 10;
+
+fn unique(tag: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!("ferry-test-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Start this test binary as the peer process with `role` on endpoint `name`.
+fn spawn_child(role: &str, name: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "shm_child", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("FERRY_SHM_ROLE", role)
+        .env("FERRY_SHM_EP", name)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn child")
+}
+
+fn fill(buf: &mut [u8], seq: u64) {
+    for (i, c) in buf.chunks_exact_mut(8).enumerate() {
+        c.copy_from_slice(&(seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64).to_le_bytes());
+    }
+}
+
+fn check(buf: &[u8], seq: u64) -> bool {
+    buf.chunks_exact(8)
+        .enumerate()
+        .all(|(i, c)| c == (seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64).to_le_bytes())
+}
+
+/// Create a TX master channel on a fresh endpoint, start the child with
+/// `role` on it, and wait for the child to bind.
+fn start(domain: &Domain, role: &str, trust: TrustLevel) -> (Channel, Child) {
+    let name = unique(role);
+    let setup = ChannelSetup { direction: Direction::Tx, role: Role::Master, trust, ..ChannelSetup::default() };
+    let mut ch = Channel::create(domain, &Endpoint::shm_abstract(&name), setup).expect("create");
+    let child = spawn_child(role, &name);
+    match ch.wait(Some(T)) {
+        Some(Event::BindRequest { .. }) => (ch, child),
+        ev => panic!("expected a bind, got {ev:?}"),
+    }
+}
+
+fn assign(ch: &mut Channel, alloc: &Allocator) {
+    ch.assign_pool(alloc.pool()).unwrap();
+    assert!(matches!(ch.wait(Some(T)), Some(Event::PoolAssigned(_))));
+}
+
+fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(t.elapsed() < T, "child did not exit");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The peer side. Roles: `echo` (verify every moved buffer, pass it back,
+/// hold read-only copies until the teardown), `hold` (take everything, give
+/// nothing back, then wait to be killed), `write-back` (write the sequence
+/// number + 1 into each buffer before passing it back).
+#[test]
+#[ignore = "run as a child process by the other tests"]
+fn shm_child() {
+    let (Ok(role), Ok(name)) = (std::env::var("FERRY_SHM_ROLE"), std::env::var("FERRY_SHM_EP")) else { return };
+    let domain = Domain::new("child");
+    let mut ch = Channel::bind(&domain, &Endpoint::shm_abstract(&name), BindParams::default()).expect("bind");
+    let mut held = Vec::new();
+    let mut kept = Vec::new();
+    loop {
+        match ch.wait(Some(Duration::from_secs(30))) {
+            Some(Event::Bound) => {}
+            Some(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).unwrap(),
+            Some(Event::MoveReceived { mut buffer, meta }) => {
+                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                assert!(check(&buffer, seq), "child: buffer {seq} arrived corrupted");
+                match role.as_str() {
+                    "hold" => kept.push(buffer),
+                    "write-back" => {
+                        fill(buffer.as_mut_slice().unwrap(), seq + 1);
+                        ch.pass(buffer, &meta).unwrap();
+                    }
+                    _ => ch.pass(buffer, &meta).unwrap(),
+                }
+            }
+            Some(Event::CopyReceived { copy, meta }) => {
+                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                assert!(check(&copy, seq), "child: copy {seq} arrived corrupted");
+                held.push(copy);
+            }
+            Some(Event::Closed { .. }) | None => break,
+            Some(Event::Error(e)) => panic!("child: {e}"),
+            Some(ev) => panic!("child: unexpected {ev:?}"),
+        }
+    }
+    drop(held);
+    drop(kept);
+}
+
+/// Transmit master across processes: the pool's memfd travels to the child,
+/// every buffer is checked there byte by byte and comes back; at the end
+/// the allocator has all its buffers and the child exits cleanly.
+#[test]
+fn transmit_master_between_processes() {
+    let d = Domain::new("parent");
+    let (mut ch, mut child) = start(&d, "echo", TrustLevel::Full);
+    let alloc = Allocator::new(&d, 16, SIZE, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    let total = 2000u64;
+    let (mut sent, mut back) = (0u64, 0u64);
+    while back < total {
+        while sent < total {
+            let Some(mut b) = alloc.alloc() else { break };
+            fill(b.as_mut_slice().unwrap(), sent);
+            ch.move_buffer(b, &sent.to_le_bytes()).unwrap();
+            sent += 1;
+        }
+        match ch.wait(Some(T)) {
+            Some(Event::BufferPassed { buffer, meta }) => {
+                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                assert!(check(&buffer, seq));
+                back += 1;
+            }
+            ev => panic!("parent: unexpected {ev:?}"),
+        }
+    }
+    ch.teardown().unwrap();
+    assert!(matches!(ch.wait(Some(T)), Some(Event::Closed { by_peer: false })));
+    assert_eq!(alloc.available(), 16);
+    assert!(wait_exit(&mut child).success());
+}
+
+/// Writes by the other process land in our buffer: zero copy both ways.
+#[test]
+fn child_writes_are_seen_by_the_parent() {
+    let d = Domain::new("parent");
+    let (mut ch, mut child) = start(&d, "write-back", TrustLevel::Full);
+    let alloc = Allocator::new(&d, 4, SIZE, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    for seq in 0..20u64 {
+        let mut b = alloc.alloc().unwrap();
+        fill(b.as_mut_slice().unwrap(), seq);
+        ch.move_buffer(b, &seq.to_le_bytes()).unwrap();
+        match ch.wait(Some(T)) {
+            Some(Event::BufferPassed { buffer, .. }) => assert!(check(&buffer, seq + 1), "child's write not seen"),
+            ev => panic!("unexpected {ev:?}"),
+        }
+    }
+    ch.teardown().unwrap();
+    assert!(matches!(ch.wait(Some(T)), Some(Event::Closed { .. })));
+    assert!(wait_exit(&mut child).success());
+}
+
+/// `kill -9` of the peer while it holds moved buffers and read-only copies:
+/// the survivor gets an error event in bounded time, every buffer returns to
+/// the allocator, and the copied buffer is writable again.
+#[test]
+fn killed_peer_gives_buffers_back() {
+    for busy_poll in [false, true] {
+        let d = Domain::new("parent");
+        let (mut ch, mut child) = start(&d, "hold", TrustLevel::Full);
+        let alloc = Allocator::new(&d, 8, SIZE, PoolConstraints::default()).unwrap();
+        assign(&mut ch, &alloc);
+        for seq in 0..5u64 {
+            let mut b = alloc.alloc().unwrap();
+            fill(b.as_mut_slice().unwrap(), seq);
+            ch.move_buffer(b, &seq.to_le_bytes()).unwrap();
+        }
+        let mut owned = alloc.alloc().unwrap();
+        fill(owned.as_mut_slice().unwrap(), 99);
+        ch.copy(&owned, &99u64.to_le_bytes()).unwrap();
+        assert_eq!(d.buffer_state(owned.id()), BufferState::ReadOnlyOwned);
+        std::thread::sleep(Duration::from_millis(50));
+        child.kill().unwrap();
+        let status = wait_exit(&mut child);
+        assert_eq!(status.signal(), Some(9));
+        let t = Instant::now();
+        let ev = if busy_poll {
+            loop {
+                if let Some(ev) = ch.poll() {
+                    break Some(ev);
+                }
+                assert!(t.elapsed() < T, "no error event while busy-polling");
+            }
+        } else {
+            ch.wait(Some(T))
+        };
+        assert!(matches!(ev, Some(Event::Error(Error::PeerGone))), "got {ev:?}");
+        assert!(t.elapsed() < Duration::from_secs(2), "noticed only after {:?}", t.elapsed());
+        assert_eq!(ch.state(), ChannelState::Closed);
+        assert_eq!(alloc.available(), 7, "the five moved buffers came back (one is still in our hand)");
+        assert_eq!(d.buffer_state(owned.id()), BufferState::ReadWrite, "the dead peer's copy is void");
+        owned.as_mut_slice().unwrap()[0] = 1;
+    }
+}
+
+/// Endpoint errors: nobody listening, two creators, NONE not yet offered.
+#[test]
+fn bind_errors_between_processes() {
+    let name = unique("err");
+    // Nobody listening.
+    let d = Domain::new("d");
+    let e = Channel::bind(&d, &Endpoint::shm_abstract(&name), BindParams::default()).unwrap_err();
+    assert_eq!(e, Error::EndpointNotListening);
+    // Two creators on one name.
+    let _c = Channel::create(&d, &Endpoint::shm_abstract(&name), ChannelSetup::default()).unwrap();
+    let e = Channel::create(&d, &Endpoint::shm_abstract(&name), ChannelSetup::default()).unwrap_err();
+    assert_eq!(e, Error::EndpointInUse);
+    // NONE is not enforced yet.
+    let none = ChannelSetup { trust: TrustLevel::None, ..ChannelSetup::default() };
+    let e = Channel::create(&d, &Endpoint::shm_abstract(&unique("none")), none).unwrap_err();
+    assert!(matches!(e, Error::TrustNotSupported { .. }));
+}
+
+/// Role conflict across processes: the binder gets BindRefused, the creator
+/// keeps listening and accepts a compatible binder afterwards.
+#[test]
+fn refused_bind_then_accepted_one() {
+    let name = unique("refuse");
+    let d = Domain::new("creator");
+    let setup = ChannelSetup { role: Role::Master, ..ChannelSetup::default() };
+    let mut c = Channel::create(&d, &Endpoint::shm_abstract(&name), setup).unwrap();
+    let b = Domain::new("binder");
+    let want_master = BindParams { role: Role::Master, ..BindParams::default() };
+    let mut wrong = Channel::bind(&b, &Endpoint::shm_abstract(&name), want_master).unwrap();
+    let t = Instant::now();
+    let ev = loop {
+        assert!(c.poll().is_none(), "creator must not connect to a conflicting binder");
+        if let Some(ev) = wrong.poll() {
+            break ev;
+        }
+        assert!(t.elapsed() < T);
+    };
+    assert!(matches!(ev, Event::Error(Error::BindRefused(_))), "{ev:?}");
+    let mut right = Channel::bind(&b, &Endpoint::shm_abstract(&name), BindParams::default()).unwrap();
+    assert!(matches!(c.wait(Some(T)), Some(Event::BindRequest { binder_role: Role::Slave })));
+    assert!(matches!(right.wait(Some(T)), Some(Event::Bound)));
+    assert_eq!(right.direction(), Direction::Rx);
+}
+
+/// Trust HALF across processes: the sender's own view is protected while
+/// the buffer is away, and everything still flows.
+#[test]
+fn half_trust_between_processes() {
+    let d = Domain::new("parent");
+    let (mut ch, mut child) = start(&d, "echo", TrustLevel::Half);
+    let alloc = Allocator::new(&d, 4, SIZE, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    for seq in 0..50u64 {
+        let mut b = alloc.alloc().unwrap();
+        fill(b.as_mut_slice().unwrap(), seq);
+        let id = b.id();
+        ch.move_buffer(b, &seq.to_le_bytes()).unwrap();
+        assert_eq!(d.buffer_state(id), BufferState::Invalid);
+        match ch.wait(Some(T)) {
+            Some(Event::BufferPassed { buffer, .. }) => assert!(check(&buffer, seq)),
+            ev => panic!("unexpected {ev:?}"),
+        }
+    }
+    ch.teardown().unwrap();
+    assert!(matches!(ch.wait(Some(T)), Some(Event::Closed { .. })));
+    assert!(wait_exit(&mut child).success());
+}
