@@ -52,6 +52,29 @@ impl Backend for Local {
     }
 }
 
+/// The shared-memory backend: both ends in this process, but every message
+/// crosses the real setup socket, the memfd segment and its rings, and
+/// pools travel as memfds (SCM_RIGHTS).
+struct Shm;
+
+impl Backend for Shm {
+    const TRUSTS: &'static [Trust] = &[Trust::Full, Trust::Full, Trust::Full, Trust::Half];
+
+    fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let name = format!("ferry-model-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+        let ep = Endpoint::shm_abstract(&name);
+        let setup = ChannelSetup { direction: Direction::Tx, trust, meta_size: META, ..ChannelSetup::default() };
+        let mut s = Channel::create(source, &ep, setup).expect("create");
+        let mut r = Channel::bind(sink, &ep, BindParams::default()).expect("bind");
+        let t = std::time::Duration::from_secs(10);
+        assert!(matches!(s.wait(Some(t)), Some(FEvent::BindRequest { .. })));
+        assert!(matches!(r.wait(Some(t)), Some(FEvent::Bound)));
+        (s, r)
+    }
+}
+
 fn trust_level(t: Trust) -> TrustLevel {
     match t {
         Trust::Uninitialized => TrustLevel::Uninitialized,
@@ -494,4 +517,10 @@ fn suite<B: Backend>(make: impl Fn() -> B) {
 #[test]
 fn local_backend_follows_the_model() {
     suite(|| Local);
+}
+
+/// The shared-memory backend against the reference model.
+#[test]
+fn shm_backend_follows_the_model() {
+    suite(|| Shm);
 }
