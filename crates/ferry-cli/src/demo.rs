@@ -18,6 +18,7 @@ use ferry::{
     TrustLevel,
 };
 
+use crate::echo::{self, EchoOptions};
 use crate::setup::{assign, connect_local, next_event};
 use crate::stats::Summary;
 use crate::{pattern, pin, CliError};
@@ -62,6 +63,9 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     let r = receive_master(count, size, trust)?;
     report("receive master ", &r);
     copies(size, trust)?;
+    println!("\nshm backend: this process and a `ferry echo --verify` process it starts, pinned to cores 0 and 1");
+    let r = between_processes(count, size, trust)?;
+    report("two processes  ", &r);
     println!("\nall checks passed: every byte arrived intact, ownership came back, nothing was copied by Ferry");
     Ok(())
 }
@@ -241,4 +245,54 @@ fn copies(size: usize, trust: TrustLevel) -> Result<(), CliError> {
     }
     println!("read-only copy : owner read-only while the copy was out, holder saw every byte, owner read-write after the release");
     Ok(())
+}
+
+/// Transmit master between two processes: the pool's memfd goes to the echo
+/// process, which checks every byte of every buffer and passes it back.
+fn between_processes(count: u64, size: usize, trust: TrustLevel) -> Result<FlowReport, CliError> {
+    let a = Domain::new("producer");
+    let setup = ChannelSetup {
+        direction: Direction::Tx,
+        role: Role::Master,
+        trust,
+        meta_size: 16,
+        queue_depth: 256,
+        ..ChannelSetup::default()
+    };
+    let (mut source, child) = echo::spawn_process(&a, setup, EchoOptions { busy: false, touch: false, verify: true })?;
+    let alloc = Allocator::new(&a, 64, size, PoolConstraints::default())?;
+    source.assign_pool(alloc.pool())?;
+    match source.wait(Some(std::time::Duration::from_secs(10))) {
+        Some(Event::PoolAssigned(_)) => {}
+        ev => return Err(CliError::Failed(format!("the echo process did not take the pool: {ev:?}"))),
+    }
+    pin::to_cpu(0);
+    let t0 = Instant::now();
+    let (mut sent, mut back) = (0u64, 0u64);
+    while back < count {
+        while sent < count {
+            let Some(mut buf) = alloc.alloc() else { break };
+            pattern::fill(buf.as_mut_slice()?, sent);
+            source.move_buffer(buf, &sent.to_le_bytes())?;
+            sent += 1;
+        }
+        match next_event(&mut source, false) {
+            Some(Event::BufferPassed { .. }) => back += 1,
+            ev => return Err(CliError::Failed(format!("source: unexpected {ev:?}"))),
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    source.teardown()?;
+    matches!(source.wait(Some(std::time::Duration::from_secs(10))), Some(Event::Closed { .. }))
+        .then_some(())
+        .ok_or_else(|| CliError::Failed("teardown did not complete".into()))?;
+    let out = child.wait_with_output().map_err(|e| CliError::Failed(format!("echo process: {e}")))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() || text.trim() != format!("echoed {count}") {
+        return Err(CliError::Failed(format!("echo process: {} {}", out.status, text.trim())));
+    }
+    if alloc.available() != 64 {
+        return Err(CliError::Failed(format!("{} of 64 buffers came home", alloc.available())));
+    }
+    Ok(FlowReport { buffers: count, bytes: count * size as u64, secs, rtt_us: None, in_flight: 64 })
 }

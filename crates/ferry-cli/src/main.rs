@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod demo;
+mod echo;
 mod pattern;
 mod pin;
 mod setup;
@@ -28,14 +29,17 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Run one of the seeds' experiments.
     Bench(bench::BenchArgs),
+    /// Be the echo domain of an experiment run elsewhere: bind to the
+    /// endpoint, pass every buffer back until the channel closes.
+    Echo(echo::EchoArgs),
 }
 
 fn main() -> ExitCode {
-    pin::init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => demo::run(&args),
         Command::Bench(args) => bench::run(&args),
+        Command::Echo(args) => echo::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -13,6 +13,7 @@ use ferry::{
 };
 use serde_json::json;
 
+use crate::echo::{self, EchoOptions};
 use crate::setup::{assign, connect_local, next_event};
 use crate::stats::Summary;
 use crate::{pattern, pin, CliError};
@@ -32,6 +33,18 @@ pub enum Experiment {
 pub enum Backend {
     /// Two domains in one process, one thread each.
     Local,
+    /// Two processes on this host, shared-memory rings (the echo process
+    /// is started by the benchmark: `ferry echo`).
+    Shm,
+}
+
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Local => "local",
+            Backend::Shm => "shm",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -114,7 +127,7 @@ impl Point<'_> {
         let s = self.summary;
         if a.json {
             let mut v = json!({
-                "experiment": experiment, "backend": "local", "size": self.size,
+                "experiment": experiment, "backend": a.backend.name(), "size": self.size,
                 "trust": a.trust.name(), "mode": mode, "touch": a.touch,
                 "runs": self.extra.get("runs").cloned().unwrap_or(json!(s.n)), "samples": s.n,
                 "unit": self.unit, "median": round(s.median), "p5": round(s.p5),
@@ -128,7 +141,8 @@ impl Point<'_> {
             println!("{v}");
         } else {
             println!(
-                "{experiment:<10} local {:>8} B trust={:<4} {mode:<9}: median {:>9.3} {} (p5 {:.3}, p95 {:.3}, p99 {:.3}; {} samples){}",
+                "{experiment:<10} {:<5} {:>8} B trust={:<4} {mode:<9}: median {:>9.3} {} (p5 {:.3}, p95 {:.3}, p99 {:.3}; {} samples){}",
+                a.backend.name(),
                 self.size,
                 a.trust.name(),
                 s.median,
@@ -158,9 +172,9 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
     if args.inflight == 0 || args.inflight > 16384 {
         return Err(CliError::Usage("--inflight must be between 1 and 16384".into()));
     }
-    if args.trust == Trust::None && args.backend == Backend::Local {
+    if args.trust == Trust::None {
         return Err(CliError::Usage(
-            "--trust none needs separate processes; the local backend supports full and half".into(),
+            "--trust none is not available yet (kernel-enforced trust is being built); use full or half".into(),
         ));
     }
     for &size in &args.sizes {
@@ -173,11 +187,17 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// A source (TX, master, owns the pool) and an echo end on another thread.
+/// A source (TX, master, owns the pool) and an echo domain on the other
+/// core: a thread (local) or a process (shm).
 struct Rig {
     source: Channel,
     alloc: Allocator,
-    echo: std::thread::JoinHandle<Result<u64, String>>,
+    echo: Echo,
+}
+
+enum Echo {
+    Thread(std::thread::JoinHandle<Result<u64, String>>),
+    Process(std::process::Child),
 }
 
 fn rig(args: &BenchArgs, size: usize, count: usize) -> Result<Rig, CliError> {
@@ -191,9 +211,37 @@ fn rig(args: &BenchArgs, size: usize, count: usize) -> Result<Rig, CliError> {
         queue_depth: depth,
         ..ChannelSetup::default()
     };
-    let (mut source, mut sink) = connect_local(&a, &b, setup, BindParams::default())?;
+    let busy = !args.blocking;
+    let touch = args.touch;
+    let (mut source, echo_end) = match args.backend {
+        Backend::Local => {
+            let (source, sink) = connect_local(&a, &b, setup, BindParams::default())?;
+            (source, Ok(sink))
+        }
+        Backend::Shm => {
+            let (source, child) = echo::spawn_process(&a, setup, EchoOptions { busy, touch, verify: false })?;
+            (source, Err(child))
+        }
+    };
     let alloc = Allocator::new(&a, count as u64, size, PoolConstraints::default())?;
-    assign(&mut source, &mut sink, alloc.pool())?;
+    let echo = match echo_end {
+        Ok(mut sink) => {
+            assign(&mut source, &mut sink, alloc.pool())?;
+            Echo::Thread(std::thread::spawn(move || {
+                pin::to_cpu(1);
+                echo::serve(&mut sink, EchoOptions { busy, touch, verify: false })
+            }))
+        }
+        Err(child) => {
+            // The echo process accepts pools by itself.
+            source.assign_pool(alloc.pool())?;
+            match source.wait(Some(Duration::from_secs(10))) {
+                Some(Event::PoolAssigned(_)) => {}
+                ev => return Err(CliError::Failed(format!("echo process did not take the pool: {ev:?}"))),
+            }
+            Echo::Process(child)
+        }
+    };
     // Pre-fault every buffer in both views: first touch of a page costs
     // microseconds, and we measure steady-state transfer, not page faults.
     let bufs: Vec<_> = std::iter::from_fn(|| alloc.alloc()).collect();
@@ -202,47 +250,8 @@ fn rig(args: &BenchArgs, size: usize, count: usize) -> Result<Rig, CliError> {
         b.as_mut_slice()?.fill(1);
     }
     drop(bufs);
-    let busy = !args.blocking;
-    let touch = args.touch;
-    let echo = std::thread::spawn(move || {
-        pin::to_cpu(1);
-        echo_loop(sink, busy, touch)
-    });
     pin::to_cpu(0);
     Ok(Rig { source, alloc, echo })
-}
-
-/// Pass every moved buffer straight back until the channel closes.
-fn echo_loop(mut sink: Channel, busy: bool, touch: bool) -> Result<u64, String> {
-    let mut echoed = 0u64;
-    let mut sink_sum = 0u64;
-    loop {
-        match next_event(&mut sink, busy) {
-            Some(Event::MoveReceived { buffer, meta }) => {
-                if touch {
-                    sink_sum = sink_sum.wrapping_add(pattern::touch(&buffer));
-                }
-                let mut b = buffer;
-                loop {
-                    match sink.pass(b, &meta) {
-                        Ok(()) => break,
-                        Err(r) if r.error == ferry::Error::QueueFull => {
-                            b = r.into_inner();
-                            std::hint::spin_loop();
-                        }
-                        Err(r) => return Err(r.error.to_string()),
-                    }
-                }
-                echoed += 1;
-            }
-            Some(Event::Closed { .. }) | None => {
-                std::hint::black_box(sink_sum);
-                return Ok(echoed);
-            }
-            Some(Event::Error(e)) => return Err(e.to_string()),
-            Some(other) => return Err(format!("echo: unexpected event {other:?}")),
-        }
-    }
 }
 
 fn finish(rig: Rig) -> Result<u64, CliError> {
@@ -256,7 +265,19 @@ fn finish(rig: Rig) -> Result<u64, CliError> {
         }
     }
     drop(alloc);
-    echo.join().map_err(|_| CliError::Failed("echo thread panicked".into()))?.map_err(CliError::Failed)
+    match echo {
+        Echo::Thread(h) => {
+            h.join().map_err(|_| CliError::Failed("echo thread panicked".into()))?.map_err(CliError::Failed)
+        }
+        Echo::Process(child) => {
+            let out = child.wait_with_output().map_err(|e| CliError::Failed(format!("echo process: {e}")))?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            match text.trim().strip_prefix("echoed ").and_then(|n| n.parse().ok()) {
+                Some(n) if out.status.success() => Ok(n),
+                _ => Err(CliError::Failed(format!("echo process failed ({}): {text}", out.status))),
+            }
+        }
+    }
 }
 
 fn send(source: &mut Channel, buf: ferry::Buffer, meta: &[u8], busy: bool) -> Result<(), CliError> {

@@ -1,0 +1,140 @@
+//! The echo domain of the seed-003 experiments: pass every moved buffer
+//! straight back, release every copy; used as a thread by `ferry bench
+//! --backend local` and as a process (`ferry echo`) by the demo and by the
+//! benchmarks of the other backends.
+
+use clap::Args;
+use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Event};
+
+use crate::setup::next_event;
+use crate::{pattern, pin, CliError};
+
+/// How the echo behaves.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EchoOptions {
+    /// Spin instead of sleeping.
+    pub busy: bool,
+    /// Read every payload byte.
+    pub touch: bool,
+    /// Check every payload against the demo pattern (sequence number in
+    /// the first 8 bytes of meta data).
+    pub verify: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct EchoArgs {
+    /// Endpoint to bind to: `shm:PATH` or `shm@ABSTRACT-NAME`.
+    #[arg(long)]
+    endpoint: String,
+    /// Spin instead of sleeping.
+    #[arg(long)]
+    busy_poll: bool,
+    /// Read every payload byte.
+    #[arg(long)]
+    touch: bool,
+    /// Verify every payload against the demo pattern.
+    #[arg(long)]
+    verify: bool,
+    /// Pin to this CPU.
+    #[arg(long)]
+    cpu: Option<usize>,
+}
+
+/// Parse an endpoint descriptor.
+pub fn parse_endpoint(s: &str) -> Result<Endpoint, CliError> {
+    if let Some(path) = s.strip_prefix("shm:") {
+        return Ok(Endpoint::shm(path));
+    }
+    if let Some(name) = s.strip_prefix("shm@") {
+        return Ok(Endpoint::shm_abstract(name));
+    }
+    Err(CliError::Usage(format!("endpoint {s:?}: expected shm:PATH or shm@NAME")))
+}
+
+/// `ferry echo`: bind to the endpoint, echo until the peer closes, print
+/// how many buffers came through.
+pub fn run(args: &EchoArgs) -> Result<(), CliError> {
+    let ep = parse_endpoint(&args.endpoint)?;
+    if let Some(cpu) = args.cpu {
+        pin::to_cpu(cpu);
+    }
+    let domain = Domain::new("echo");
+    let mut ch = Channel::bind(&domain, &ep, BindParams::default())?;
+    let opts = EchoOptions { busy: args.busy_poll, touch: args.touch, verify: args.verify };
+    let n = serve(&mut ch, opts).map_err(CliError::Failed)?;
+    println!("echoed {n}");
+    Ok(())
+}
+
+/// Echo until the channel closes; the number of buffers passed back.
+pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
+    let mut echoed = 0u64;
+    let mut sum = 0u64;
+    loop {
+        match next_event(ch, opts.busy) {
+            Some(Event::Bound) => {}
+            Some(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).map_err(|e| e.to_string())?,
+            Some(Event::MoveReceived { buffer, meta }) => {
+                if opts.verify {
+                    let seq = meta.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
+                    if !seq.is_some_and(|s| pattern::check(&buffer, s)) {
+                        return Err(format!("echo: buffer {} arrived corrupted", buffer.id().index));
+                    }
+                } else if opts.touch {
+                    sum = sum.wrapping_add(pattern::touch(&buffer));
+                }
+                let mut b = buffer;
+                loop {
+                    match ch.pass(b, &meta) {
+                        Ok(()) => break,
+                        Err(r) if r.error == ferry::Error::QueueFull => {
+                            b = r.into_inner();
+                            std::hint::spin_loop();
+                        }
+                        Err(r) => return Err(r.error.to_string()),
+                    }
+                }
+                echoed += 1;
+            }
+            Some(Event::CopyReceived { copy, .. }) => ch.release(copy).map_err(|r| r.error.to_string())?,
+            Some(Event::Closed { .. }) | None => {
+                std::hint::black_box(sum);
+                return Ok(echoed);
+            }
+            Some(Event::Error(e)) => return Err(e.to_string()),
+            Some(other) => return Err(format!("echo: unexpected event {other:?}")),
+        }
+    }
+}
+
+/// Create the channel on a fresh shared-memory endpoint and start
+/// `ferry echo` on it as a process pinned to CPU 1.
+pub fn spawn_process(
+    domain: &Domain,
+    setup: ChannelSetup,
+    opts: EchoOptions,
+) -> Result<(Channel, std::process::Child), CliError> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let name = format!("ferry-echo-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+    let mut source = Channel::create(domain, &ferry::Endpoint::shm_abstract(&name), setup)?;
+    let exe = std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own executable: {e}")))?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(["echo", "--endpoint", &format!("shm@{name}"), "--cpu", "1"]);
+    for (on, flag) in [(opts.busy, "--busy-poll"), (opts.touch, "--touch"), (opts.verify, "--verify")] {
+        if on {
+            cmd.arg(flag);
+        }
+    }
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| CliError::Failed(format!("cannot start the echo process: {e}")))?;
+    match source.wait(Some(std::time::Duration::from_secs(10))) {
+        Some(Event::BindRequest { .. }) => Ok((source, child)),
+        ev => {
+            let _ = child.kill();
+            Err(CliError::Failed(format!("echo process did not bind: {ev:?}")))
+        }
+    }
+}
