@@ -83,6 +83,10 @@ fn shm_child() {
     let (Ok(role), Ok(name)) = (std::env::var("FERRY_SHM_ROLE"), std::env::var("FERRY_SHM_EP")) else { return };
     let domain = Domain::new("child");
     let mut ch = Channel::bind(&domain, &Endpoint::shm_abstract(&name), BindParams::default()).expect("bind");
+    if role == "scribble" {
+        scribble_over_segment(&mut ch);
+        return;
+    }
     let mut held = Vec::new();
     let mut kept = Vec::new();
     loop {
@@ -113,6 +117,55 @@ fn shm_child() {
     }
     drop(held);
     drop(kept);
+}
+
+/// The hostile peer: once bound, overwrite our own mapping of the channel
+/// segment (found in /proc/self/maps as `memfd:ferry-channel`) with garbage:
+/// counters, flags and descriptor slots of both rings.
+fn scribble_over_segment(ch: &mut Channel) {
+    assert!(matches!(ch.wait(Some(T)), Some(Event::Bound)));
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let line = maps.lines().find(|l| l.contains("ferry-channel")).expect("segment mapped");
+    let range = line.split_whitespace().next().unwrap();
+    let (lo, hi) = range.split_once('-').unwrap();
+    let (lo, hi) = (usize::from_str_radix(lo, 16).unwrap(), usize::from_str_radix(hi, 16).unwrap());
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for addr in (lo..hi).step_by(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        // SAFETY: test-only hostile peer writing into its own shared
+        // mapping of the segment, inside the range the kernel reported.
+        unsafe { std::ptr::write_volatile(addr as *mut u64, x) };
+    }
+    // Stay alive so the victim sees garbage, not a hang-up.
+    std::thread::sleep(Duration::from_secs(3));
+}
+
+/// A peer that writes garbage over the shared rings: the victim fails the
+/// channel with a protocol error (never a panic, a hang or a crash), and
+/// its buffers are still its own.
+#[test]
+fn garbage_in_the_ring_is_a_protocol_error() {
+    let d = Domain::new("victim");
+    let (mut ch, mut child) = start(&d, "scribble", TrustLevel::Full);
+    let alloc = Allocator::new(&d, 4, SIZE, PoolConstraints::default()).unwrap();
+    ch.assign_pool(alloc.pool()).unwrap();
+    let t = Instant::now();
+    let ev = loop {
+        match ch.wait(Some(T)) {
+            Some(Event::Error(e)) => break e,
+            Some(ev) => panic!("unexpected {ev:?}"),
+            None => assert!(t.elapsed() < T, "no error event"),
+        }
+    };
+    assert!(matches!(ev, Error::Protocol(_) | Error::PeerGone), "got {ev:?}");
+    assert_eq!(ch.state(), ChannelState::Closed);
+    assert_eq!(alloc.available(), 4);
+    let mut b = alloc.alloc().unwrap();
+    b.as_mut_slice().unwrap()[0] = 1;
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// Transmit master across processes: the pool's memfd travels to the child,
