@@ -794,10 +794,15 @@ impl Model {
 
     /// Some channel side lists, requested, or has a request pending for `pool`.
     fn pool_on_some_channel(&self, pool: PoolId) -> bool {
+        // A request waiting at a side that has sent its teardown marker can
+        // never be answered (and its requester may have closed already):
+        // it holds nothing.
         self.channels.iter().any(|ch| {
-            ch.sides
-                .iter()
-                .any(|s| s.assigned.contains(&pool) || s.assign_out.contains(&pool) || s.assign_in.contains(&pool))
+            ch.sides.iter().any(|s| {
+                s.assigned.contains(&pool)
+                    || s.assign_out.contains(&pool)
+                    || (!s.sent_marker && s.assign_in.contains(&pool))
+            })
         })
     }
 
@@ -1574,7 +1579,8 @@ impl Model {
                         return Err(format!("inv 8: pool {pool} requested on {chan} unknown to {d}"));
                     }
                 }
-                for &pool in s.assigned.iter().chain(&s.assign_out).chain(&s.assign_in) {
+                let live_requests = s.assign_in.iter().filter(|_| !s.sent_marker);
+                for &pool in s.assigned.iter().chain(&s.assign_out).chain(live_requests) {
                     if self.pools[pool].trust != ch.trust {
                         return Err(format!(
                             "inv 8: pool {pool} has trust {:?} but is on channel {chan} of trust {:?}",
