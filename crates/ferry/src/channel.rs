@@ -1021,9 +1021,17 @@ impl Channel {
             )));
         }
         // Offering a pool we list, or one already offered, is a protocol
-        // error; a concurrent offer of a pool we are offering ourselves is not.
+        // error; a concurrent offer of a pool we are offering ourselves is not
+        // (it is vetoed below).
         if self.pools.iter().any(|p| p.id == pool && p.listed) || self.requests.iter().any(|r| r.pool == pool) {
             return Err(Error::Protocol(format!("pool {pool} offered twice")));
+        }
+        // Both ends offered this pool at once: veto the peer's offer (ours is
+        // out, and the peer vetoes it likewise), so the two ends agree that
+        // the pool is not assigned; either may offer it again.
+        if !self.sent_teardown && self.pools.iter().any(|p| p.id == pool && p.assigning) {
+            self.reply(Message::AssignReply { pool, accepted: false });
+            return Ok(Event::PoolVetoed(pool));
         }
         let known = self.domain.lock().entry(pool).map(|e| (e.view.geometry(), e.trust));
         let acceptable = match known {

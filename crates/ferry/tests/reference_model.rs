@@ -401,7 +401,8 @@ fn double_assignment_refused() {
     rej(&mut m, Op::AssignPool { domain: B, chan: ab, pool: p }, Reject::PoolAlreadyAssigned);
 }
 
-/// Both sides assign the same pool concurrently: both end up listing it.
+/// Both sides assign the same pool concurrently: each vetoes the other's
+/// offer, so they agree that it is not assigned; one may then assign it.
 #[test]
 fn concurrent_assignment_from_both_sides() {
     let mut m = Model::new(2, META);
@@ -411,13 +412,18 @@ fn concurrent_assignment_from_both_sides() {
     assign(&mut m, A, ba, p); // now B knows p
     ok(&mut m, Op::AssignPool { domain: A, chan: ab, pool: p });
     ok(&mut m, Op::AssignPool { domain: B, chan: ab, pool: p });
-    deliver(&mut m, ab, Queue::Data);
-    deliver(&mut m, ab, Queue::Control);
+    // Each side receives the other's offer while its own is out: vetoed.
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::PoolVetoed { pool: p }));
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::PoolVetoed { pool: p }));
     for d in [A, B] {
-        ok(&mut m, Op::RespondAssign { domain: d, chan: ab, pool: p, accept: true });
+        rej(&mut m, Op::RespondAssign { domain: d, chan: ab, pool: p, accept: true }, Reject::NoPendingRequest);
     }
-    deliver(&mut m, ab, Queue::Data);
-    deliver(&mut m, ab, Queue::Control);
+    // Then each learns its own offer was vetoed: the two sides agree.
+    assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::PoolVetoed { pool: p }));
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::PoolVetoed { pool: p }));
+    assert!(!m.pool_assigned(p, ab, A) && !m.pool_assigned(p, ab, B));
+    // Either may offer again.
+    assign(&mut m, A, ab, p);
     assert!(m.pool_assigned(p, ab, A) && m.pool_assigned(p, ab, B));
 }
 

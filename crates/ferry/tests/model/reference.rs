@@ -60,8 +60,10 @@
 //!   `PoolAlreadyAssigned` means: on the caller's side the pool is listed, or
 //!   the caller's own request for it is unanswered, or a request for it from
 //!   the peer was delivered and not yet answered. Both sides assigning the
-//!   same pool concurrently is allowed; an accept of an already listed pool
-//!   is a no-op.
+//!   same pool concurrently: each side, receiving the other's offer while its
+//!   own is out, vetoes it by itself (event `PoolVetoed` there), so neither
+//!   ends up listing the pool and both agree. (Letting both accept admits an
+//!   interleaving with a pool removal in which only one side lists it.)
 //! * **Domain pool list.** A delivered `PoolAssignRequest` inserts the pool
 //!   in the receiver's list (if absent) as a *provisional* entry. An entry is
 //!   *permanent* once the domain created the pool, accepted an assignment of
@@ -1298,6 +1300,15 @@ impl Model {
     /// application is asked.
     fn deliver_assign_request(&mut self, chan: ChanId, side: usize, pool: PoolId) -> Event {
         let to = self.domain_of_side(chan, side);
+        // Both ends offered the same pool at once: each vetoes the other's
+        // offer (its own is still out), so neither lists the pool and the two
+        // ends agree; either may offer again. A side that has sent its
+        // marker cannot answer at all.
+        let s = &self.channels[chan].sides[side];
+        if s.assign_out.contains(&pool) && !s.sent_marker {
+            self.outgoing_queue(chan, side).push_back(Msg::AssignReply { pool, accepted: false });
+            return Event::PoolVetoed { pool };
+        }
         self.pool_lists[to].entry(pool).or_insert(false);
         self.channels[chan].sides[side].assign_in.insert(pool);
         Event::PoolAssignRequest { pool }
