@@ -865,6 +865,20 @@ impl Consumer {
     /// corrupt (the flag is cleared again; `try_pop` reports the corruption).
     /// After a true return, block with `futex_wait(sleep_word(), 1)` (or
     /// park) and call `cancel_sleep` when woken.
+    /// Spin for at most `spin` until there is work or the producer closed;
+    /// `true` if there is (spinning is cheaper than a sleep and a wake-up
+    /// across cores, ≈ 50 µs on the machines measured).
+    pub(crate) fn spin_for_work(&mut self, spin: std::time::Duration) -> bool {
+        let start = std::time::Instant::now();
+        while start.elapsed() < spin {
+            if self.len().map_or(true, |n| n > 0) || self.peer_closed() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        false
+    }
+
     pub(crate) fn prepare_sleep(&mut self) -> bool {
         if self.cached_head != self.tail {
             return false;

@@ -561,12 +561,8 @@ impl Link for ShmLink {
 
     fn wait(&mut self, timeout: Duration) {
         let start = Instant::now();
-        let spin = SPIN.min(timeout);
-        while start.elapsed() < spin {
-            if self.rx.len().map_or(true, |n| n > 0) || self.rx.peer_closed() {
-                return;
-            }
-            std::hint::spin_loop();
+        if self.rx.spin_for_work(SPIN.min(timeout)) {
+            return;
         }
         if !self.rx.prepare_sleep() || self.peer_gone(true) {
             self.rx.cancel_sleep();
