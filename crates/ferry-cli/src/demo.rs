@@ -70,6 +70,15 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Tear the source's channel down and wait until it is closed.
+fn close(source: &mut Channel) -> Result<(), CliError> {
+    source.teardown()?;
+    match source.wait(Some(std::time::Duration::from_secs(10))) {
+        Some(Event::Closed { .. }) => Ok(()),
+        ev => Err(CliError::Failed(format!("teardown did not complete: {ev:?}"))),
+    }
+}
+
 fn report(name: &str, r: &FlowReport) {
     let gbs = r.bytes as f64 / r.secs / 1e9;
     print!(
@@ -160,10 +169,7 @@ fn transmit_master(count: u64, size: usize, trust: TrustLevel) -> Result<FlowRep
         }
     }
     let secs = t0.elapsed().as_secs_f64();
-    source.teardown()?;
-    matches!(source.wait(Some(std::time::Duration::from_secs(10))), Some(Event::Closed { .. }))
-        .then_some(())
-        .ok_or_else(|| CliError::Failed("teardown did not complete".into()))?;
+    close(&mut source)?;
     let verified =
         sink_thread.join().map_err(|_| CliError::Failed("sink panicked".into()))?.map_err(CliError::Failed)?;
     if verified != count || alloc.available() != 64 {
@@ -282,10 +288,7 @@ fn between_processes(count: u64, size: usize, trust: TrustLevel) -> Result<FlowR
         }
     }
     let secs = t0.elapsed().as_secs_f64();
-    source.teardown()?;
-    matches!(source.wait(Some(std::time::Duration::from_secs(10))), Some(Event::Closed { .. }))
-        .then_some(())
-        .ok_or_else(|| CliError::Failed("teardown did not complete".into()))?;
+    close(&mut source)?;
     let out = child.wait_with_output().map_err(|e| CliError::Failed(format!("echo process: {e}")))?;
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() || text.trim() != format!("echoed {count}") {
