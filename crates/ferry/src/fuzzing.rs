@@ -25,6 +25,21 @@ pub fn ring_from_peer(data: &[u8]) {
     let layout = RingLayout::new(4 << (knobs % 4), 64 << (knobs / 4 % 3)).expect("valid layout");
     let region = ring::region_written_by_peer(layout, bytes, knobs & 0x80 == 0);
     let mem: Arc<dyn RingMemory> = region;
+    // The producer end of the same garbage: staging and publishing in
+    // batches (the tail it reads is the peer's) ends in Full or an error.
+    if let Ok(mut producer) = ring::attach_producer(mem.clone(), layout) {
+        for i in 0..=2 * layout.capacity() + 1 {
+            match producer.stage(|slot| Message::Teardown.encode(slot)) {
+                Ok(()) if i % 3 == 0 => {
+                    let _ = producer.publish();
+                }
+                Ok(()) => {}
+                Err(_) => break,
+            }
+        }
+        assert!(producer.staged() <= layout.capacity());
+        let _ = producer.publish();
+    }
     let Ok(mut consumer) = ring::attach_consumer(mem, layout) else { return };
     for _ in 0..=layout.capacity() + 1 {
         match consumer.try_pop(|slot| Message::decode(slot, 16).is_ok()) {

@@ -23,6 +23,14 @@
 //! analogue of OSIRIS interrupting the host only on the empty -> non-empty
 //! transition.
 //!
+//! # Batches
+//!
+//! [`Producer::stage`] fills the next slot without publishing it;
+//! [`Producer::publish`] makes every staged slot visible with one head store
+//! and does the sleep handshake (one fence, at most one wake-up) once for the
+//! whole batch. [`Producer::try_push`] is `stage` + `publish`. Staged slots
+//! count against the capacity; `close` publishes them before the flag.
+//!
 //! # Layout of the region
 //!
 //! All offsets are from the start of the region, which must be 128-byte
@@ -64,6 +72,15 @@
 //! touches the slot, its own counter line and nothing else of the peer's, so
 //! the two cache lines are not bounced between cores on every operation.
 //!
+//! What a push or pop still moves between cores is the slot itself: the
+//! producer writes lines the consumer read one lap ago, the consumer reads
+//! lines the producer just wrote. Both sides prefetch a few slots ahead
+//! (for writing: only slots the cached tail shows free; for reading: only
+//! slots the cached head shows published), so those transfers overlap with
+//! the work on earlier slots instead of stalling the next locked
+//! instruction. A prefetch is a hint without memory semantics: nothing in
+//! the hostile-peer argument below depends on it.
+//!
 //! # Memory ordering
 //!
 //! Written down crossbeam-style: every ordering below is the weakest that
@@ -71,11 +88,11 @@
 //! store, which the fence after it makes redundant (kept as belt and braces;
 //! the loom mutation runs confirm that every other one is needed).
 //!
-//! * **Publishing a slot.** The producer writes the slot words (Relaxed),
-//!   then `head.store(h + 1, Release)`. The consumer loads `head` with
-//!   `Acquire`; if it reads `h + 1` (or later) the Release/Acquire pair makes
-//!   the slot writes happen-before its slot reads, so it sees the whole
-//!   descriptor.
+//! * **Publishing a slot.** The producer writes the slot words (Relaxed) of
+//!   one or more staged slots, then `head.store(h + n, Release)`. The
+//!   consumer loads `head` with `Acquire`; if it reads `h + n` (or later) the
+//!   Release/Acquire pair makes the writes of all `n` slots happen-before its
+//!   slot reads, so it sees every descriptor whole.
 //! * **Releasing a slot.** The consumer copies the slot out (Relaxed word
 //!   loads), then `tail.store(t + 1, Release)`. The producer loads `tail` with
 //!   `Acquire` before reusing the slot, so the consumer's reads happen-before
@@ -95,8 +112,8 @@
 //!   (Dekker) pattern and needs SeqCst fences on both sides:
 //!
 //!   ```text
-//!   producer (try_push)                  consumer (prepare_sleep)
-//!   P1 head.store(h+1, Release)          C1 sleeping.store(1, SeqCst)
+//!   producer (publish)                   consumer (prepare_sleep)
+//!   P1 head.store(h+n, Release)          C1 sleeping.store(1, SeqCst)
 //!   P2 fence(SeqCst)                     C2 fence(SeqCst)
 //!   P3 sleeping.load -> swap(0)          C3 head.load(Acquire) (+ closed)
 //!   ```
@@ -130,10 +147,10 @@
 //! ```text
 //! // producer                                  // consumer
 //! if p.try_push(fill)? { wake(p.sleep_word()) } loop {
-//! ...                                            match c.try_pop(read)? { Some(x) => continue, None => {} }
-//! p.close(); wake(p.sleep_word()) // always      if c.peer_closed() { drain with try_pop; break }
-//!                                                if c.prepare_sleep() { futex_wait(c.sleep_word(), 1); c.cancel_sleep() }
-//!                                              }
+//! // or a batch:                                 match c.try_pop(read)? { Some(x) => continue, None => {} }
+//! p.stage(fill)?; p.stage(fill)?; ...            if c.peer_closed() { drain with try_pop; break }
+//! if p.publish() { wake(p.sleep_word()) }        if c.prepare_sleep() { futex_wait(c.sleep_word(), 1); c.cancel_sleep() }
+//! p.close(); wake(p.sleep_word()) // always    }
 //! ```
 //!
 //! # Hostile peers
@@ -160,8 +177,8 @@
 //! * Decoding happens on the private copy, so the peer cannot change a
 //!   descriptor between validation and use (no TOCTOU).
 //! * Values read from the region are validated before use: the peer's
-//!   counter must move monotonically and stay within `capacity` of ours,
-//!   else [`RingError::Corrupt`]. Slot addresses are computed from *our own*
+//!   counter must move monotonically and stay within `capacity` of ours (the
+//!   tail: not beyond the head we published), else [`RingError::Corrupt`]. Slot addresses are computed from *our own*
 //!   counter masked with `capacity - 1`, where capacity comes from the
 //!   caller's [`RingLayout`], never from the region (the header copy is only
 //!   compared with it in `attach_*`). Nothing read from the region is used as
@@ -226,6 +243,11 @@ const SLEEPING_OFF: usize = 3 * LINE;
 const CLOSED_OFF: usize = 4 * LINE;
 /// Start of the slot array == size of the header.
 const SLOTS_OFF: usize = 5 * LINE;
+
+/// How many slots ahead the producer prefetches for writing, and the
+/// consumer for reading.
+const PREFETCH_WRITE_AHEAD: u64 = 6;
+const PREFETCH_READ_AHEAD: u64 = 3;
 
 const PRODUCER_CLOSED: u32 = 1;
 const CONSUMER_CLOSED: u32 = 2;
@@ -457,6 +479,32 @@ impl Shared {
         unsafe { RawAtomicU64::from_ptr(self.base.as_ptr().add(off).cast()) }
     }
 
+    /// Hint the CPU to fetch the lines of the slot for `counter` (for
+    /// writing if `write`). Only a hint: nothing is read or written, so a
+    /// peer writing the slot meanwhile is harmless.
+    #[inline]
+    fn prefetch_slot(&self, counter: u64, write: bool) {
+        #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+        for line in (0..self.slot_size).step_by(64) {
+            let p = self.base.as_ptr().wrapping_add(self.slot_off(counter) + line);
+            // SAFETY: prefetch instructions are hints: they never fault, not
+            // even on an unmapped address, write nothing (`readonly`) and
+            // have no effect the program can observe other than timing, so a
+            // peer writing the line meanwhile races with nothing. `p` lies
+            // inside the slot array anyway (masked counter). `prefetchw` is
+            // only used when CPUID says the CPU has it (`has_prefetchw`).
+            unsafe {
+                if write {
+                    std::arch::asm!("prefetchw [{p}]", p = in(reg) p, options(readonly, nostack, preserves_flags));
+                } else {
+                    std::arch::asm!("prefetcht0 [{p}]", p = in(reg) p, options(readonly, nostack, preserves_flags));
+                }
+            }
+        }
+        #[cfg(not(all(target_arch = "x86_64", not(loom), not(miri))))]
+        let _ = (counter, write);
+    }
+
     /// Offset of the slot for `counter`. The index is masked here, so no
     /// counter value (ours or a garbage one) can address outside the slots.
     fn slot_off(&self, counter: u64) -> usize {
@@ -580,6 +628,22 @@ impl Shared {
     }
 }
 
+/// Whether the CPU has `prefetchw` (CPUID 8000_0001h ECX bit 8, "3DNow!
+/// prefetch" on AMD, "PREFETCHW" on Intel); checked once per process.
+fn has_prefetchw() -> bool {
+    #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            use std::arch::x86_64::__cpuid;
+            __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).ecx & (1 << 8) != 0
+        })
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(loom), not(miri))))]
+    false
+}
+
 /// `head - tail`, checked to be in `0..=cap` (wrapping arithmetic: the
 /// counters are free-running).
 fn counter_distance(head: u64, tail: u64, cap: u64) -> Result<u64, RingError> {
@@ -613,7 +677,7 @@ pub(crate) fn create(mem: Arc<dyn RingMemory>, layout: RingLayout) -> Result<(Pr
     let shared = Shared::new(mem, layout)?;
     shared.init_header();
     let consumer = Consumer { sh: shared.share(), tail: 0, cached_head: 0 };
-    let producer = Producer { sh: shared, head: 0, cached_tail: 0 };
+    let producer = Producer { sh: shared, head: 0, published: 0, cached_tail: 0, prefetch_write: has_prefetchw() };
     Ok((producer, consumer))
 }
 
@@ -624,7 +688,7 @@ pub(crate) fn attach_producer(mem: Arc<dyn RingMemory>, layout: RingLayout) -> R
     let sh = Shared::new(mem, layout)?;
     sh.validate_header()?;
     let (head, tail) = sh.read_counters()?;
-    Ok(Producer { sh, head, cached_tail: tail })
+    Ok(Producer { sh, head, published: head, cached_tail: tail, prefetch_write: has_prefetchw() })
 }
 
 /// Attach the consumer end to a ring another party laid out (validates
@@ -660,10 +724,16 @@ pub(crate) fn heap_pair(layout: RingLayout) -> (Producer, Consumer) {
 /// The writing end. `Send`, not `Sync`; `&mut self` makes it single-producer.
 pub(crate) struct Producer {
     sh: Shared,
-    /// Our head; authoritative (the region copy is for the consumer only).
+    /// Our head: every slot filled so far, published or only staged;
+    /// authoritative (the region copy is for the consumer only).
     head: u64,
+    /// The head last stored to the region, i.e. what the consumer may see;
+    /// invariant `cached_tail <= published <= head` (wrapping).
+    published: u64,
     /// Last tail read from the region; invariant `0 <= head - cached_tail <= cap`.
     cached_tail: u64,
+    /// The CPU has a write prefetch (x86 `prefetchw`).
+    prefetch_write: bool,
 }
 
 // SAFETY: the only non-Send field is the raw `base` pointer into memory that
@@ -675,7 +745,7 @@ unsafe impl Send for Producer {}
 impl Producer {
     /// Fill the next slot with `fill` (it gets a zeroed `&mut [u8]` of
     /// `slot_size` bytes, a private staging copy, then copied into the slot),
-    /// publish it.
+    /// publish it: [`stage`](Self::stage) then [`publish`](Self::publish).
     ///
     /// Returns `Ok(true)` when the consumer had declared itself asleep: the
     /// flag has been cleared (so `futex_wait(word, 1)` will not block) and
@@ -683,6 +753,16 @@ impl Producer {
     /// asleep returns `true`. Errors: `Full`, `Closed` (either end closed),
     /// `Corrupt` (the tail in the region is inconsistent).
     pub(crate) fn try_push(&mut self, fill: impl FnOnce(&mut [u8])) -> Result<bool, RingError> {
+        self.stage(fill)?;
+        Ok(self.publish())
+    }
+
+    /// Fill the next slot like [`try_push`](Self::try_push) but do not
+    /// publish it yet: the consumer sees staged slots only after the next
+    /// [`publish`](Self::publish) (or [`close`](Self::close)), which makes a
+    /// whole batch visible with one head store and one fence. Same errors as
+    /// `try_push`; staged slots count against the capacity.
+    pub(crate) fn stage(&mut self, fill: impl FnOnce(&mut [u8])) -> Result<(), RingError> {
         // Relaxed: nothing is read on the strength of this flag; it only
         // stops us early. (A hostile consumer may set any bits: we just stop.)
         if self.sh.closed().load(Ordering::Relaxed) & (PRODUCER_CLOSED | CONSUMER_CLOSED) != 0 {
@@ -703,6 +783,26 @@ impl Producer {
         // slot before our writes.
         self.sh.write_slot(self.head, &stage);
         self.head = self.head.wrapping_add(1);
+        // Ask for the lines of a slot a few pushes ahead now, so that the
+        // write then finds them in our cache instead of waiting for the
+        // consumer's core to give them up (the consumer read them one lap
+        // ago). Only slots known free: the consumer is done with them.
+        if self.head.wrapping_sub(self.cached_tail) + PREFETCH_WRITE_AHEAD < self.sh.cap {
+            self.sh.prefetch_slot(self.head.wrapping_add(PREFETCH_WRITE_AHEAD), self.prefetch_write);
+        }
+        Ok(())
+    }
+
+    /// Make every staged slot visible to the consumer (one Release store of
+    /// head), then do the sleep handshake once for the whole batch.
+    /// Returns `true` when the consumer had declared itself asleep (see
+    /// [`try_push`](Self::try_push): the caller must wake it). Nothing
+    /// staged: nothing to do, `false`.
+    pub(crate) fn publish(&mut self) -> bool {
+        if self.published == self.head {
+            return false;
+        }
+        self.published = self.head;
         // Release: publishes the slot contents to the consumer's Acquire load.
         self.sh.head().store(self.head, Ordering::Release);
         // Dekker handshake with prepare_sleep (see module docs): the fence
@@ -714,9 +814,15 @@ impl Producer {
         // guarantee, and a Relaxed RMW after a release fence still publishes
         // the head to a consumer that reads the cleared flag with Acquire.
         if sleeping.load(Ordering::Relaxed) != 0 {
-            return Ok(sleeping.swap(0, Ordering::Relaxed) != 0);
+            return sleeping.swap(0, Ordering::Relaxed) != 0;
         }
-        Ok(false)
+        false
+    }
+
+    /// Slots staged and not yet published.
+    pub(crate) fn staged(&self) -> u32 {
+        // published <= head and head - published <= cap <= 65536.
+        self.head.wrapping_sub(self.published) as u32
     }
 
     /// Re-read the consumer's tail (Acquire: orders its slot reads before our
@@ -724,7 +830,8 @@ impl Producer {
     /// pass our head.
     fn refresh_tail(&mut self) -> Result<(), RingError> {
         let tail = self.sh.tail().load(Ordering::Acquire);
-        if tail.wrapping_sub(self.cached_tail) > self.head.wrapping_sub(self.cached_tail) {
+        // The consumer can only have taken what we published.
+        if tail.wrapping_sub(self.cached_tail) > self.published.wrapping_sub(self.cached_tail) {
             return Err(RingError::Corrupt("ring tail went backwards or passed head"));
         }
         self.cached_tail = tail;
@@ -751,11 +858,17 @@ impl Producer {
     }
 
     /// Set producer-closed (Release: everything pushed before is visible to
-    /// a consumer that sees the flag). Also clears the sleeping flag so a
+    /// a consumer that sees the flag; staged slots are published first). Also clears the sleeping flag so a
     /// consumer about to `futex_wait(word, 1)` does not block; the caller
     /// should always wake the consumer after closing (close is rare).
     /// Idempotent; also done on drop (which cannot wake anyone).
     pub(crate) fn close(&mut self) {
+        // Staged slots go out with the close (Release, before the flag: a
+        // consumer that sees the flag sees them).
+        if self.published != self.head {
+            self.published = self.head;
+            self.sh.head().store(self.head, Ordering::Release);
+        }
         self.sh.closed().fetch_or(PRODUCER_CLOSED, Ordering::Release);
         // Same handshake as try_push: a consumer in prepare_sleep either sees
         // the closed bit or we see (and clear) its flag.
@@ -794,6 +907,7 @@ impl fmt::Debug for Producer {
         f.debug_struct("Producer")
             .field("ring", &self.sh)
             .field("head", &self.head)
+            .field("published", &self.published)
             .field("cached_tail", &self.cached_tail)
             .finish()
     }
@@ -834,6 +948,11 @@ impl Consumer {
         // synchronized with the producer's Release store after its writes.
         self.sh.read_slot(self.tail, &mut copy);
         self.tail = self.tail.wrapping_add(1);
+        // Ask for a published slot a few pops ahead, so its lines are on
+        // their way from the producer's core by the time we read it.
+        if self.cached_head.wrapping_sub(self.tail) > PREFETCH_READ_AHEAD {
+            self.sh.prefetch_slot(self.tail.wrapping_add(PREFETCH_READ_AHEAD), false);
+        }
         // Release: our reads of the slot happen-before the producer's reuse
         // of it (it loads tail with Acquire).
         self.sh.tail().store(self.tail, Ordering::Release);
@@ -1275,9 +1394,14 @@ mod tests {
             }
             let results = [
                 p.try_push(|b| b[0] = i as u8).map(|_| ()),
+                p.stage(|b| b[0] = i as u8),
                 c.try_pop(|b| assert_eq!(b.len(), 64)).map(|_| ()),
                 c.len().map(|_| ()),
             ];
+            if i % 3 == 0 {
+                let _ = p.publish();
+            }
+            assert!(p.staged() <= 4);
             corrupt += results.iter().filter(|r| matches!(r, Err(RingError::Corrupt(_)))).count();
             let _ = (p.free_slots(), p.is_empty(), p.peer_closed(), c.peer_closed());
             if c.prepare_sleep() {
@@ -1355,6 +1479,78 @@ mod tests {
         producer.join().unwrap();
         assert_eq!(c.try_pop(|_| ()), Ok(None));
         assert!(c.peer_closed()); // producer dropped
+    }
+
+    #[test]
+    fn staged_slots_are_published_together() {
+        let (mut p, mut c) = heap_pair(layout(4, 64));
+        for i in 0..3 {
+            p.stage(|b| b[0] = i).unwrap();
+        }
+        assert_eq!(p.staged(), 3);
+        assert_eq!(c.len(), Ok(0), "staged slots are not visible yet");
+        assert_eq!(c.try_pop(|b| b[0]), Ok(None));
+        assert_eq!(p.free_slots(), 1, "staged slots take room");
+        assert!(!p.publish(), "consumer awake: no wake-up");
+        assert_eq!(p.staged(), 0);
+        assert!(!p.publish(), "nothing new to publish");
+        assert_eq!(c.len(), Ok(3));
+        p.stage(|b| b[0] = 3).unwrap();
+        assert_eq!(p.stage(|_| panic!("must not be called when full")), Err(RingError::Full));
+        for i in 0..3 {
+            assert_eq!(c.try_pop(|b| b[0]), Ok(Some(i)));
+        }
+        assert_eq!(c.try_pop(|b| b[0]), Ok(None));
+        // try_push publishes the staged slot with its own.
+        assert_eq!(p.try_push(|b| b[0] = 4), Ok(false));
+        assert_eq!(c.try_pop(|b| b[0]), Ok(Some(3)));
+        assert_eq!(c.try_pop(|b| b[0]), Ok(Some(4)));
+        assert!(p.is_empty());
+    }
+
+    #[test]
+    fn one_wake_up_per_published_batch() {
+        let (mut p, mut c) = heap_pair(layout(8, 64));
+        assert!(c.prepare_sleep());
+        for i in 0..3 {
+            p.stage(|b| b[0] = i).unwrap();
+        }
+        assert_eq!(c.sleep_word().load(SeqCst), 1, "staging alone does not touch the flag");
+        assert!(p.publish(), "the consumer sleeps: wake it");
+        assert_eq!(c.sleep_word().load(SeqCst), 0);
+        p.stage(|b| b[0] = 3).unwrap();
+        assert!(!p.publish(), "one wake-up per sleep");
+        c.cancel_sleep();
+        assert_eq!(c.len(), Ok(4));
+    }
+
+    #[test]
+    fn close_publishes_staged_slots() {
+        let (mut p, mut c) = heap_pair(layout(4, 64));
+        p.stage(|b| b[0] = 7).unwrap();
+        p.stage(|b| b[0] = 8).unwrap();
+        drop(p); // closes
+        assert!(c.peer_closed());
+        assert_eq!(c.try_pop(|b| b[0]), Ok(Some(7)));
+        assert_eq!(c.try_pop(|b| b[0]), Ok(Some(8)));
+        assert_eq!(c.try_pop(|b| b[0]), Ok(None));
+    }
+
+    /// A consumer cannot have taken what was only staged: a tail beyond the
+    /// published head is corrupt even if it is within the staged one.
+    #[test]
+    fn tail_beyond_published_head_is_corrupt() {
+        let l = layout(4, 64);
+        let mem = heap(l);
+        let (mut p, _c) = create(mem.clone(), l).unwrap();
+        p.try_push(|_| ()).unwrap();
+        p.try_push(|_| ()).unwrap();
+        p.stage(|_| ()).unwrap();
+        p.stage(|_| ()).unwrap();
+        poke_u64(&mem, TAIL_OFF, 3);
+        assert!(matches!(p.stage(|_| ()), Err(RingError::Corrupt(_))));
+        poke_u64(&mem, TAIL_OFF, 2);
+        assert_eq!(p.stage(|_| ()), Ok(()));
     }
 
     #[test]
@@ -1569,6 +1765,97 @@ mod loom_tests {
                 }
             }
             assert_eq!(got, [1, 2]);
+            drop(producer.join().unwrap());
+        });
+    }
+
+    /// Batching: three items staged and published in two batches (one head
+    /// store each) arrive in order and intact; loom's UnsafeCell slots flag
+    /// a consumer read of a slot that the publication did not order after
+    /// its write (every slot of a batch, not only the last).
+    #[test]
+    fn batched_publish_fifo() {
+        model("batched_publish_fifo", || {
+            let (mut p, mut c) = heap_pair(RingLayout::new(4, 64).unwrap());
+            let producer = thread::spawn(move || {
+                p.stage(|b| b[0] = 0).unwrap();
+                p.stage(|b| {
+                    b[0] = 1;
+                    b[63] = 101;
+                })
+                .unwrap();
+                let _ = p.publish();
+                p.stage(|b| b[0] = 2).unwrap();
+                let _ = p.publish();
+                p
+            });
+            let mut got = Vec::new();
+            while got.len() < 3 {
+                match c.try_pop(|b| (b[0], b[63])).unwrap() {
+                    Some(x) => got.push(x),
+                    None => thread::yield_now(),
+                }
+            }
+            assert_eq!(got, [(0, 0), (1, 101), (2, 0)]);
+            drop(producer.join().unwrap());
+        });
+    }
+
+    /// The futex protocol with a batch: two items staged, one publication
+    /// that does the sleep handshake once. A lost wake-up leaves the
+    /// consumer waiting forever.
+    #[test]
+    fn futex_protocol_batch() {
+        model("futex_protocol_batch", || {
+            let (mut p, mut c) = heap_pair(RingLayout::new(2, 64).unwrap());
+            let producer = thread::spawn(move || {
+                p.stage(|b| b[0] = 1).unwrap();
+                p.stage(|b| b[0] = 2).unwrap();
+                let _wake = p.publish();
+                p
+            });
+            let mut got = Vec::new();
+            while got.len() < 2 {
+                if let Some(x) = c.try_pop(|b| b[0]).unwrap() {
+                    got.push(x);
+                } else if c.prepare_sleep() {
+                    while c.sleep_word().load(Ordering::Acquire) == 1 {
+                        thread::yield_now();
+                    }
+                    c.cancel_sleep();
+                }
+            }
+            assert_eq!(got, [1, 2]);
+            drop(producer.join().unwrap());
+        });
+    }
+
+    /// Close publishes what was staged, before the closed flag: a consumer
+    /// that sees the flag and then drains finds the item.
+    #[test]
+    fn close_publishes_staged() {
+        model("close_publishes_staged", || {
+            let (mut p, mut c) = heap_pair(RingLayout::new(2, 64).unwrap());
+            let producer = thread::spawn(move || {
+                p.stage(|b| b[0] = 7).unwrap();
+                p.close();
+                p
+            });
+            let mut got = Vec::new();
+            loop {
+                if let Some(x) = c.try_pop(|b| b[0]).unwrap() {
+                    got.push(x);
+                    continue;
+                }
+                if c.peer_closed() {
+                    while let Some(x) = c.try_pop(|b| b[0]).unwrap() {
+                        got.push(x);
+                    }
+                    break;
+                }
+                thread::yield_now();
+            }
+            assert_eq!(got, [7]);
             drop(producer.join().unwrap());
         });
     }
