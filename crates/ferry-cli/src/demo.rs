@@ -265,7 +265,8 @@ fn between_processes(count: u64, size: usize, trust: TrustLevel) -> Result<FlowR
         queue_depth: 256,
         ..ChannelSetup::default()
     };
-    let (mut source, child) = echo::spawn_process(&a, setup, EchoOptions { busy: false, touch: false, verify: true })?;
+    let (mut source, child) =
+        echo::spawn_process(&a, setup, EchoOptions { busy: false, touch: false, verify: true, batch: false })?;
     let alloc = Allocator::new(&a, 64, size, PoolConstraints::default())?;
     source.assign_pool(alloc.pool())?;
     match source.wait(Some(std::time::Duration::from_secs(10))) {

@@ -19,6 +19,8 @@ pub struct EchoOptions {
     /// Check every payload against the demo pattern (sequence number in
     /// the first 8 bytes of meta data).
     pub verify: bool,
+    /// Publish passes in batches (`Channel::set_batching`).
+    pub batch: bool,
 }
 
 #[derive(Debug, Args)]
@@ -35,6 +37,9 @@ pub struct EchoArgs {
     /// Verify every payload against the demo pattern.
     #[arg(long)]
     verify: bool,
+    /// Publish passes back in batches (`Channel::set_batching`).
+    #[arg(long)]
+    batch: bool,
     /// Pin to this CPU.
     #[arg(long)]
     cpu: Option<usize>,
@@ -60,7 +65,7 @@ pub fn run(args: &EchoArgs) -> Result<(), CliError> {
     }
     let domain = Domain::new("echo");
     let mut ch = Channel::bind(&domain, &ep, BindParams::default())?;
-    let opts = EchoOptions { busy: args.busy_poll, touch: args.touch, verify: args.verify };
+    let opts = EchoOptions { busy: args.busy_poll, touch: args.touch, verify: args.verify, batch: args.batch };
     let n = serve(&mut ch, opts).map_err(CliError::Failed)?;
     println!("echoed {n}");
     Ok(())
@@ -70,9 +75,16 @@ pub fn run(args: &EchoArgs) -> Result<(), CliError> {
 pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
     let mut echoed = 0u64;
     let mut sum = 0u64;
+    if opts.batch && ch.state() == ferry::ChannelState::Connected {
+        ch.set_batching(true).map_err(|e| e.to_string())?;
+    }
     loop {
         match next_event(ch, opts.busy) {
-            Some(Event::Bound) => {}
+            Some(Event::Bound) => {
+                if opts.batch {
+                    ch.set_batching(true).map_err(|e| e.to_string())?;
+                }
+            }
             Some(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).map_err(|e| e.to_string())?,
             Some(Event::MoveReceived { buffer, meta }) => {
                 if opts.verify {
@@ -121,7 +133,9 @@ pub fn spawn_process(
     let exe = std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own executable: {e}")))?;
     let mut cmd = std::process::Command::new(exe);
     cmd.args(["echo", "--endpoint", &format!("shm@{name}"), "--cpu", "1"]);
-    for (on, flag) in [(opts.busy, "--busy-poll"), (opts.touch, "--touch"), (opts.verify, "--verify")] {
+    for (on, flag) in
+        [(opts.busy, "--busy-poll"), (opts.touch, "--touch"), (opts.verify, "--verify"), (opts.batch, "--batch")]
+    {
         if on {
             cmd.arg(flag);
         }

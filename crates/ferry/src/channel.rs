@@ -602,6 +602,38 @@ impl Channel {
         Ok(())
     }
 
+    /// Batching (off by default): while on, the messages of this end's
+    /// operations are not necessarily visible to the peer when the
+    /// operation returns; they are published in batches, each with one
+    /// shared-memory publication and at most one wake-up — at the latest by
+    /// [`flush`](Channel::flush), by a [`poll`](Channel::poll) that finds
+    /// nothing to deliver, by [`wait`](Channel::wait), when the queue is
+    /// full or 32 messages are waiting, by a teardown, and when the channel
+    /// is closed or dropped. Turning it off flushes. Nothing else changes:
+    /// every operation still checks, changes states and fails as without
+    /// batching. `NotConnected` before the channel is connected.
+    pub fn set_batching(&mut self, on: bool) -> Result<()> {
+        match self.link.as_mut() {
+            Some(link) => {
+                link.set_batching(on);
+                Ok(())
+            }
+            None => Err(Error::NotConnected(self.state)),
+        }
+    }
+
+    /// Send what this end has queued for the peer, without taking any
+    /// arrival: the messages held back by batching
+    /// ([`set_batching`](Channel::set_batching)); nothing to do without it.
+    pub fn flush(&mut self) -> Result<()> {
+        if !matches!(self.state, ChannelState::Connected | ChannelState::Teardown) {
+            return Ok(());
+        }
+        self.flush_deferred();
+        self.flush_outbox();
+        self.link_mut().flush()
+    }
+
     // ------------------------------------------------------------------ events
 
     /// Deliver at most one arrival, without blocking.

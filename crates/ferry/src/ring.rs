@@ -244,6 +244,11 @@ const CLOSED_OFF: usize = 4 * LINE;
 /// Start of the slot array == size of the header.
 const SLOTS_OFF: usize = 5 * LINE;
 
+/// A batching producer publishes at the latest after this many staged
+/// slots, so the consumer can start on a long batch while the rest is being
+/// written (the backends' policy; the ring itself publishes on demand).
+pub(crate) const PUBLISH_EVERY: u32 = 32;
+
 /// How many slots ahead the producer prefetches for writing, and the
 /// consumer for reading.
 const PREFETCH_WRITE_AHEAD: u64 = 6;

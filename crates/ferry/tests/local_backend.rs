@@ -1808,3 +1808,137 @@ fn half_trust_child_writes_after_move() {
     unsafe { std::ptr::write_volatile(addr, 2) };
     eprintln!("child: write after move did not fault");
 }
+
+// ---------------------------------------------------------------------------
+// 11. Batching (Channel::set_batching): when held-back messages go out.
+
+/// A batching end publishes its messages on `flush`, on a `poll` that finds
+/// nothing, at 32 held back, and with a teardown; never before.
+#[test]
+fn batching_publishes_on_flush_idle_poll_threshold_and_teardown() {
+    let (a, b) = (Domain::new("a"), Domain::new("b"));
+    let (mut tx, mut rx) = link(&a, &b, TrustLevel::Full);
+    let alloc = new_alloc(&a, 64);
+    assign(&mut tx, &mut rx, alloc.pool());
+    tx.set_batching(true).unwrap();
+
+    // Held back until flush.
+    tx.move_buffer(alloc.alloc().unwrap(), b"1").unwrap();
+    assert_quiet(&mut rx);
+    tx.flush().unwrap();
+    let (x, meta) = recv_move(&mut rx);
+    assert_eq!(&meta[..], b"1");
+
+    // A poll of the sender that finds nothing publishes too.
+    tx.move_buffer(alloc.alloc().unwrap(), b"2").unwrap();
+    assert_quiet(&mut rx);
+    assert_quiet(&mut tx);
+    let (y, _) = recv_move(&mut rx);
+
+    // The receiving end batches its passes the same way.
+    rx.set_batching(true).unwrap();
+    rx.pass(x, b"").unwrap();
+    rx.pass(y, b"").unwrap();
+    assert_quiet(&mut tx);
+    assert_quiet(&mut rx);
+    recv_pass(&mut tx);
+    recv_pass(&mut tx);
+
+    // The 32nd message held back publishes the batch.
+    for i in 0..31u8 {
+        tx.move_buffer(alloc.alloc().unwrap(), &[i]).unwrap();
+    }
+    assert_quiet(&mut rx);
+    tx.move_buffer(alloc.alloc().unwrap(), &[31]).unwrap();
+    let mut got = Vec::new();
+    while let Some(Event::MoveReceived { buffer, meta }) = rx.poll() {
+        got.push(meta[0]);
+        drop(buffer);
+    }
+    assert_eq!(got, (0..32).collect::<Vec<u8>>(), "all 32, in order, at once");
+
+    // Turning batching off publishes what is held back.
+    tx.move_buffer(alloc.alloc().unwrap(), b"3").unwrap();
+    assert_quiet(&mut rx);
+    tx.set_batching(false).unwrap();
+    assert_eq!(&recv_move(&mut rx).1[..], b"3");
+
+    // A teardown goes out at once, after what was held back.
+    tx.set_batching(true).unwrap();
+    tx.move_buffer(alloc.alloc().unwrap(), b"4").unwrap();
+    tx.teardown().unwrap();
+    assert_eq!(&recv_move(&mut rx).1[..], b"4");
+    expect(&mut rx, "Closed { by_peer: true }");
+    expect(&mut tx, "Closed { by_peer: false }");
+}
+
+/// A full queue publishes what is held back (so the peer can make room)
+/// and refuses with `QueueFull` as without batching.
+#[test]
+fn batching_full_queue_publishes() {
+    let (a, b) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: 4, ..ChannelSetup::default() };
+    let (mut tx, mut rx) = connect(&a, &b, setup, BindParams::default());
+    let alloc = new_alloc(&a, COUNT);
+    assign(&mut tx, &mut rx, alloc.pool());
+    tx.set_batching(true).unwrap();
+    for _ in 0..4 {
+        tx.move_buffer(alloc.alloc().unwrap(), b"").unwrap();
+    }
+    assert_quiet(&mut rx);
+    let x = refused(tx.move_buffer(alloc.alloc().unwrap(), b""), Error::QueueFull);
+    for _ in 0..4 {
+        recv_move(&mut rx);
+    }
+    tx.move_buffer(x, b"").unwrap();
+    tx.flush().unwrap();
+    recv_move(&mut rx);
+}
+
+/// Batching is a property of a connected end.
+#[test]
+fn batching_needs_a_connected_channel() {
+    let ep = Endpoint::local();
+    let mut ch = Channel::create(&Domain::new("a"), &ep, ChannelSetup::default()).unwrap();
+    assert_eq!(ch.set_batching(true), Err(Error::NotConnected(ChannelState::Initialized)));
+    assert_eq!(ch.flush(), Ok(()));
+}
+
+/// Transmit master across two threads with batching at both ends: every
+/// buffer comes back, in order, with its stamp (nothing is held back
+/// forever by an end that waits).
+#[test]
+fn batched_flow_across_threads() {
+    const POOL: u64 = 64;
+    let (a, b) = (Domain::new("source"), Domain::new("sink"));
+    let (mut tx, mut rx) = link(&a, &b, TrustLevel::Full);
+    let alloc = new_alloc(&a, POOL);
+    assign(&mut tx, &mut rx, alloc.pool());
+    tx.set_batching(true).unwrap();
+    rx.set_batching(true).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            for want in 0..FLOW_N {
+                let (mut buf, meta) = recv_move(&mut rx);
+                assert_eq!(seq_of(&meta), want, "moves arrive in order");
+                assert_eq!(mismatch(&buf, want), None, "payload of message {want}");
+                buf.as_mut_slice().expect("sink owns it read-write")[..8].copy_from_slice(&(!want).to_le_bytes());
+                rx.pass(buf, &meta).expect("pass back");
+            }
+        });
+        let (mut sent, mut back) = (0u64, 0u64);
+        while back < FLOW_N {
+            while sent < FLOW_N {
+                let Some(mut buf) = alloc.alloc() else { break };
+                fill(buf.as_mut_slice().expect("fresh buffer is writable"), sent);
+                tx.move_buffer(buf, &sent.to_le_bytes()).expect("move");
+                sent += 1;
+            }
+            let (buf, meta) = recv_pass(&mut tx);
+            assert_eq!(seq_of(&meta), back, "passes arrive in order");
+            assert_eq!(buf[..8], (!back).to_le_bytes(), "the sink's stamp is visible to the source");
+            back += 1;
+        }
+    });
+    assert_eq!(alloc.available(), POOL as usize);
+}

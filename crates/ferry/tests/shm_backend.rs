@@ -74,9 +74,10 @@ fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
 }
 
 /// The peer side. Roles: `echo` (verify every moved buffer, pass it back,
-/// hold read-only copies until the teardown), `hold` (take everything, give
-/// nothing back, then wait to be killed), `write-back` (write the sequence
-/// number + 1 into each buffer before passing it back).
+/// hold read-only copies until the teardown), `echo-batched` (the same with
+/// batching on), `hold` (take everything, give nothing back, then wait to
+/// be killed), `write-back` (write the sequence number + 1 into each buffer
+/// before passing it back).
 #[test]
 #[ignore = "run as a child process by the other tests"]
 fn shm_child() {
@@ -91,7 +92,11 @@ fn shm_child() {
     let mut kept = Vec::new();
     loop {
         match ch.wait(Some(Duration::from_secs(30))) {
-            Some(Event::Bound) => {}
+            Some(Event::Bound) => {
+                if role == "echo-batched" {
+                    ch.set_batching(true).unwrap();
+                }
+            }
             Some(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).unwrap(),
             Some(Event::MoveReceived { mut buffer, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
@@ -202,6 +207,41 @@ fn transmit_master_between_processes() {
     ch.teardown().unwrap();
     assert!(matches!(ch.wait(Some(T)), Some(Event::Closed { by_peer: false })));
     assert_eq!(alloc.available(), 16);
+    assert!(wait_exit(&mut child).success());
+}
+
+/// The same flow with batching on at both ends: messages go out in
+/// batches (when an end runs out of arrivals, waits, or has 32 waiting),
+/// and every buffer still comes back intact and in order.
+#[test]
+fn batched_transmit_between_processes() {
+    let d = Domain::new("parent");
+    let (mut ch, mut child) = start(&d, "echo-batched", TrustLevel::Full);
+    ch.set_batching(true).unwrap();
+    let alloc = Allocator::new(&d, 64, SIZE, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    let total = 5000u64;
+    let (mut sent, mut back) = (0u64, 0u64);
+    while back < total {
+        while sent < total {
+            let Some(mut b) = alloc.alloc() else { break };
+            fill(b.as_mut_slice().unwrap(), sent);
+            ch.move_buffer(b, &sent.to_le_bytes()).unwrap();
+            sent += 1;
+        }
+        match ch.wait(Some(T)) {
+            Some(Event::BufferPassed { buffer, meta }) => {
+                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                assert_eq!(seq, back, "passes arrive in order");
+                assert!(check(&buffer, seq));
+                back += 1;
+            }
+            ev => panic!("parent: unexpected {ev:?}"),
+        }
+    }
+    ch.teardown().unwrap();
+    assert!(matches!(ch.wait(Some(T)), Some(Event::Closed { by_peer: false })));
+    assert_eq!(alloc.available(), 64);
     assert!(wait_exit(&mut child).success());
 }
 

@@ -103,6 +103,10 @@ pub struct BenchArgs {
     /// The sender writes and the receiver reads every payload byte.
     #[arg(long)]
     touch: bool,
+    /// Publish every message on its own instead of in batches (both ends;
+    /// see `Channel::set_batching`).
+    #[arg(long)]
+    no_batching: bool,
     /// One JSON object per measured point on stdout.
     #[arg(long)]
     json: bool,
@@ -128,7 +132,7 @@ impl Point<'_> {
         if a.json {
             let mut v = json!({
                 "experiment": experiment, "backend": a.backend.name(), "size": self.size,
-                "trust": a.trust.name(), "mode": mode, "touch": a.touch,
+                "trust": a.trust.name(), "mode": mode, "touch": a.touch, "batching": !a.no_batching,
                 "runs": self.extra.get("runs").cloned().unwrap_or(json!(s.n)), "samples": s.n,
                 "unit": self.unit, "median": round(s.median), "p5": round(s.p5),
                 "p95": round(s.p95), "p99": round(s.p99), "copies_user": 0,
@@ -141,10 +145,11 @@ impl Point<'_> {
             println!("{v}");
         } else {
             println!(
-                "{experiment:<10} {:<5} {:>8} B trust={:<4} {mode:<9}: median {:>9.3} {} (p5 {:.3}, p95 {:.3}, p99 {:.3}; {} samples){}",
+                "{experiment:<10} {:<5} {:>8} B trust={:<4} {mode:<9} {:<8}: median {:>9.3} {} (p5 {:.3}, p95 {:.3}, p99 {:.3}; {} samples){}",
                 a.backend.name(),
                 self.size,
                 a.trust.name(),
+                if a.no_batching { "unbatched" } else { "batched" },
                 s.median,
                 self.unit,
                 s.p5,
@@ -213,13 +218,14 @@ fn rig(args: &BenchArgs, size: usize, count: usize) -> Result<Rig, CliError> {
     };
     let busy = !args.blocking;
     let touch = args.touch;
+    let batch = !args.no_batching;
     let (mut source, echo_end) = match args.backend {
         Backend::Local => {
             let (source, sink) = connect_local(&a, &b, setup, BindParams::default())?;
             (source, Ok(sink))
         }
         Backend::Shm => {
-            let (source, child) = echo::spawn_process(&a, setup, EchoOptions { busy, touch, verify: false })?;
+            let (source, child) = echo::spawn_process(&a, setup, EchoOptions { busy, touch, verify: false, batch })?;
             (source, Err(child))
         }
     };
@@ -229,7 +235,7 @@ fn rig(args: &BenchArgs, size: usize, count: usize) -> Result<Rig, CliError> {
             assign(&mut source, &mut sink, alloc.pool())?;
             Echo::Thread(std::thread::spawn(move || {
                 pin::to_cpu(1);
-                echo::serve(&mut sink, EchoOptions { busy, touch, verify: false })
+                echo::serve(&mut sink, EchoOptions { busy, touch, verify: false, batch })
             }))
         }
         Err(child) => {
@@ -250,6 +256,7 @@ fn rig(args: &BenchArgs, size: usize, count: usize) -> Result<Rig, CliError> {
         b.as_mut_slice()?.fill(1);
     }
     drop(bufs);
+    source.set_batching(batch)?;
     pin::to_cpu(0);
     Ok(Rig { source, alloc, echo })
 }

@@ -14,7 +14,7 @@ use crate::channel::{negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::error::{Error, Result};
 use crate::pool::{Geometry, PoolId, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
-use crate::ring::{self, Consumer, Producer, RingError, RingLayout};
+use crate::ring::{self, Consumer, Producer, RingError, RingLayout, PUBLISH_EVERY};
 
 /// How long a waiting end spins before it sleeps. A cross-core wake-up
 /// costs about 50 µs on the machines we measured (DESIGN.md §3), so
@@ -101,6 +101,7 @@ impl LocalEndpoint {
             stash: stash.clone(),
             last_out: Arc::clone(&to_binder_last),
             last_in: Arc::clone(&to_creator_last),
+            batching: false,
         };
         let binder_link = LocalLink {
             tx: to_creator_tx,
@@ -111,6 +112,7 @@ impl LocalEndpoint {
             stash,
             last_out: to_creator_last,
             last_in: to_binder_last,
+            batching: false,
         };
         let reply: Reply = Arc::new(Mutex::new(None));
         st.offer = Some(Offer { params: *params, creator_link, reply: reply.clone(), binder: binder_waker.clone() });
@@ -190,6 +192,8 @@ pub(crate) struct LocalLink {
     /// peer, and the peer's to us (read after the ring is drained).
     last_out: Arc<Mutex<VecDeque<Message>>>,
     last_in: Arc<Mutex<VecDeque<Message>>>,
+    /// Sends are published in batches (see `Link::set_batching`).
+    batching: bool,
 }
 
 impl std::fmt::Debug for LocalLink {
@@ -206,18 +210,43 @@ impl LocalLink {
             other => Error::Protocol(format!("ring: {other}")),
         }
     }
+
+    /// Make the staged messages visible to the peer; wake it if it sleeps.
+    fn publish(&mut self) {
+        if self.tx.publish() {
+            self.peer.wake();
+        }
+    }
 }
 
 impl Link for LocalLink {
     fn has_room(&mut self) -> bool {
-        self.tx.free_slots() > 0
+        if self.tx.free_slots() > 0 {
+            return true;
+        }
+        // Full: whatever is held back must reach the consumer so it can
+        // make room.
+        self.publish();
+        false
     }
 
     fn send(&mut self, msg: &Message) -> Result<()> {
-        let needs_wake = self.tx.try_push(|slot| msg.encode(slot)).map_err(Self::ring_error)?;
-        if needs_wake {
-            self.peer.wake();
+        self.tx.stage(|slot| msg.encode(slot)).map_err(Self::ring_error)?;
+        if !self.batching || self.tx.staged() >= PUBLISH_EVERY || *msg == Message::Teardown {
+            self.publish();
         }
+        Ok(())
+    }
+
+    fn set_batching(&mut self, on: bool) {
+        self.batching = on;
+        if !on {
+            self.publish();
+        }
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.publish();
         Ok(())
     }
 
@@ -236,11 +265,16 @@ impl Link for LocalLink {
                     },
                 }
             }
-            None => Ok(None),
+            None => {
+                // Nothing to do here for now: what we held back goes out.
+                self.publish();
+                Ok(None)
+            }
         }
     }
 
     fn wait(&mut self, timeout: Duration) {
+        self.publish();
         let start = Instant::now();
         if self.rx.spin_for_work(SPIN.min(timeout)) {
             return;

@@ -32,6 +32,19 @@ pub(crate) trait Link: Send {
     fn has_room(&mut self) -> bool;
     /// Queue one message to the peer (`QueueFull`, `PeerGone`).
     fn send(&mut self, msg: &Message) -> Result<()>;
+    /// Send what is queued for the peer as far as the transport takes it
+    /// now (backends that batch sends until the channel is polled).
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Batching on: `send` may hold messages back and publish them to the
+    /// peer in batches — at the latest on `flush`, when a `recv` finds
+    /// nothing, on `wait`, when the queue is full, and on `close`. Off (the
+    /// default for the shared-memory rings): each `send` is visible to the
+    /// peer when it returns.
+    fn set_batching(&mut self, on: bool) {
+        let _ = on;
+    }
     /// Take the next message from the peer, if any. `PeerGone` once the
     /// peer has closed and everything it sent has been taken; `Protocol`
     /// for malformed input.

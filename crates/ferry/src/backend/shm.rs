@@ -35,7 +35,7 @@ use crate::channel::{negotiate, BindParams, ChannelConstraints, ChannelSetup, Di
 use crate::error::{Error, Result};
 use crate::pool::{Geometry, PoolId, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
-use crate::ring::{self, Consumer, Producer, RingError, RingLayout, RingMemory};
+use crate::ring::{self, Consumer, Producer, RingError, RingLayout, RingMemory, PUBLISH_EVERY};
 use crate::sys::{self, Mapping};
 
 /// How long a waiting end spins before it sleeps (a cross-core wake-up
@@ -445,6 +445,8 @@ pub(crate) struct ShmLink {
     pools: HashMap<PoolId, Arc<PoolMemory>>,
     last_liveness: Instant,
     peer_hung_up: bool,
+    /// Sends are published in batches (see `Link::set_batching`).
+    batching: bool,
 }
 
 impl ShmLink {
@@ -471,6 +473,7 @@ impl ShmLink {
             pools: HashMap::new(),
             last_liveness: Instant::now(),
             peer_hung_up: false,
+            batching: false,
         })
     }
 
@@ -510,6 +513,14 @@ impl ShmLink {
         }
     }
 
+    /// Make the staged messages visible to the peer; ring its doorbell if
+    /// it sleeps.
+    fn publish(&mut self) {
+        if self.tx.publish() {
+            uds::ring(&self.peer_bell);
+        }
+    }
+
     /// Whether the peer is gone (socket hung up), checked at most every
     /// [`LIVENESS_EVERY`] unless `now`.
     fn peer_gone(&mut self, now: bool) -> bool {
@@ -530,17 +541,35 @@ impl ShmLink {
 
 impl Link for ShmLink {
     fn has_room(&mut self) -> bool {
-        self.tx.free_slots() > 0
+        if self.tx.free_slots() > 0 {
+            return true;
+        }
+        // Full: whatever is held back must reach the consumer so it can
+        // make room.
+        self.publish();
+        false
     }
 
     fn send(&mut self, msg: &Message) -> Result<()> {
         if self.peer_hung_up {
             return Err(Error::PeerGone);
         }
-        let needs_wake = self.tx.try_push(|slot| msg.encode(slot)).map_err(ring_err)?;
-        if needs_wake {
-            uds::ring(&self.peer_bell);
+        self.tx.stage(|slot| msg.encode(slot)).map_err(ring_err)?;
+        if !self.batching || self.tx.staged() >= PUBLISH_EVERY || *msg == Message::Teardown {
+            self.publish();
         }
+        Ok(())
+    }
+
+    fn set_batching(&mut self, on: bool) {
+        self.batching = on;
+        if !on {
+            self.publish();
+        }
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.publish();
         Ok(())
     }
 
@@ -549,6 +578,8 @@ impl Link for ShmLink {
         if let Some(decoded) = self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(ring_err)? {
             return decoded.map(Some);
         }
+        // Nothing to do here for now: what we held back goes out.
+        self.publish();
         if self.peer_gone(false) {
             // Whatever the peer pushed before it went is still ours to take.
             return match self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(ring_err)? {
@@ -560,6 +591,7 @@ impl Link for ShmLink {
     }
 
     fn wait(&mut self, timeout: Duration) {
+        self.publish();
         let start = Instant::now();
         if self.rx.spin_for_work(SPIN.min(timeout)) {
             return;
@@ -603,6 +635,7 @@ impl Link for ShmLink {
                 break;
             }
         }
+        // Publishes what is staged, then the closed flag.
         self.tx.close();
         self.rx.close();
         uds::ring(&self.peer_bell);
