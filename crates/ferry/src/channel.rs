@@ -933,9 +933,9 @@ impl Channel {
     /// Apply the receiver-side effects of one message.
     fn deliver(&mut self, msg: Message) -> Result<Event> {
         let key = self.key;
+        let is_move = matches!(msg, Message::Move { .. });
         match msg {
             Message::Move { buf, meta } | Message::Pass { buf, meta } => {
-                let is_move = matches!(msg, Message::Move { .. });
                 let want = if is_move { Direction::Rx } else { Direction::Tx };
                 if self.direction != want {
                     return Err(Error::Protocol(format!(

@@ -73,4 +73,4 @@ pub use channel::{
 pub use domain::Domain;
 pub use error::{Error, Refused, Result};
 pub use pool::{Geometry, Pool, PoolConstraints, PoolId, TrustLevel};
-pub use proto::{Meta, MAX_META_SIZE};
+pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
