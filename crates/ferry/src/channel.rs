@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Endpoint, Link, Pending};
 use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
-use crate::domain::{ChanKey, Domain};
+use crate::domain::{ChanKey, Domain, LentSet};
 use crate::error::{Error, Refused, Result};
 use crate::pool::{Geometry, Pool, PoolId, PoolView, TrustLevel};
 use crate::proto::{Message, Meta, MAX_META_SIZE};
@@ -302,7 +302,7 @@ pub struct Channel {
     got_teardown: bool,
     /// Buffers moved or passed to a peer that can die, not back yet: if the
     /// peer process exits they return to us.
-    lent: Option<std::collections::HashSet<BufferId>>,
+    lent: Option<LentSet>,
 }
 
 impl std::fmt::Debug for Channel {
@@ -884,7 +884,7 @@ impl Channel {
         match outcome {
             Ok((link, neg, creator)) => {
                 if link.peer_can_die() {
-                    self.lent = Some(std::collections::HashSet::new());
+                    self.lent = Some(LentSet::default());
                 }
                 self.link = Some(link);
                 self.state = ChannelState::Connected;
