@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Endpoint, Link, Pending};
 use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
-use crate::domain::{ChanKey, Domain, LentSet};
+use crate::domain::{ChanKey, Domain, DomainState, LentSet};
 use crate::error::{Error, Refused, Result};
 use crate::pool::{Geometry, Pool, PoolId, PoolView, TrustLevel};
 use crate::proto::{Message, Meta, MAX_META_SIZE};
@@ -943,13 +943,13 @@ impl Channel {
                         if is_move { "move" } else { "pass" }
                     )));
                 }
-                let view = self.delivered_view(buf)?;
-                let mut st = self.domain.lock();
-                if st.record(buf).is_some_and(|r| r.is_owned()) {
-                    return Err(Error::Protocol(format!("peer gave us buffer {} which we own", buf.index)));
-                }
-                st.take_ownership(buf);
-                drop(st);
+                let (view, ()) = self.delivered_view(buf, |st| {
+                    if st.record(buf).is_some_and(|r| r.is_owned()) {
+                        return Err(Error::Protocol(format!("peer gave us buffer {} which we own", buf.index)));
+                    }
+                    st.take_ownership(buf);
+                    Ok(())
+                })?;
                 if let Some(lent) = &mut self.lent {
                     lent.remove(&buf);
                 }
@@ -960,8 +960,10 @@ impl Channel {
                 if self.direction != Direction::Rx {
                     return Err(Error::Protocol("copy against the channel direction".into()));
                 }
-                let view = self.delivered_view(buf)?;
-                self.domain.lock().copy_received(buf, key);
+                let (view, ()) = self.delivered_view(buf, |st| {
+                    st.copy_received(buf, key);
+                    Ok(())
+                })?;
                 Ok(Event::CopyReceived {
                     copy: BufferCopy::new(self.domain.shared.clone(), view, buf.index, key),
                     meta,
@@ -971,11 +973,10 @@ impl Channel {
                 if self.direction != Direction::Tx {
                     return Err(Error::Protocol("release against the channel direction".into()));
                 }
-                self.delivered_view(buf)?;
-                let writable =
-                    self.domain.lock().copy_returned(buf, key).ok_or_else(|| {
-                        Error::Protocol(format!("release of a copy of buffer {} never sent", buf.index))
-                    })?;
+                let (_, writable) = self.delivered_view(buf, |st| {
+                    st.copy_returned(buf, key)
+                        .ok_or_else(|| Error::Protocol(format!("release of a copy of buffer {} never sent", buf.index)))
+                })?;
                 Ok(Event::CopyReleased { buffer: buf, writable })
             }
             Message::AssignRequest { pool, geometry, trust } => self.deliver_assign(pool, geometry, trust),
@@ -1090,17 +1091,23 @@ impl Channel {
     }
 
     /// The view of a buffer named by the peer, checking that its pool is on
-    /// this channel and the index is in range.
-    fn delivered_view(&self, buf: BufferId) -> Result<Arc<PoolView>> {
+    /// this channel and the index is in range; then `apply` the delivery's
+    /// state change under the same domain lock (one lock per delivery).
+    fn delivered_view<R>(
+        &self,
+        buf: BufferId,
+        apply: impl FnOnce(&mut DomainState) -> Result<R>,
+    ) -> Result<(Arc<PoolView>, R)> {
         if !self.pools.iter().any(|p| p.id == buf.pool && p.listed) {
             return Err(Error::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)));
         }
-        let st = self.domain.lock();
+        let mut st = self.domain.lock();
         let e = st.entry(buf.pool).ok_or_else(|| Error::Protocol(format!("unknown pool {}", buf.pool)))?;
         if buf.index >= e.view.geometry().count() {
             return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
         }
-        Ok(e.view.clone())
+        let view = e.view.clone();
+        Ok((view, apply(&mut st)?))
     }
 
     /// Closed for good: give the pools and deferred copies up. Replies still
