@@ -89,12 +89,6 @@ impl Buffer {
         self.domain.as_ref().expect("live handle").id
     }
 
-    /// Consume the handle without running its drop (the operation that took
-    /// it now accounts for the buffer).
-    pub(crate) fn consume(mut self) {
-        self.domain = None;
-    }
-
     /// For `Drop`: the domain and id if the handle was not consumed.
     pub(crate) fn release_parts(&mut self) -> Option<(Arc<DomainShared>, BufferId)> {
         let id = self.id();
@@ -123,6 +117,56 @@ impl AsRef<[u8]> for Buffer {
 impl fmt::Debug for Buffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Buffer").field("pool", &self.view.id()).field("index", &self.index).finish()
+    }
+}
+
+/// The references a channel end's buffer handles hold (their domain and
+/// their pool's view), kept from the handles it gives away (move, pass) for
+/// the handles it receives next. Each reference is an atomic count, and
+/// taking or dropping one is a locked instruction; recycling them saves
+/// four per buffer that comes back over the channel.
+#[derive(Default)]
+pub(crate) struct Spares {
+    domains: Vec<Arc<DomainShared>>,
+    views: Vec<Arc<PoolView>>,
+}
+
+/// More than a burst of handles in flight is not worth keeping.
+const SPARES_MAX: usize = 64;
+
+impl Spares {
+    /// Consume a handle that was given away, keeping its references.
+    pub(crate) fn keep(&mut self, buffer: Buffer) {
+        let buffer = std::mem::ManuallyDrop::new(buffer);
+        // SAFETY: `buffer` is never used or dropped after these two reads, so
+        // each field is moved out of it exactly once (the index is Copy).
+        let (domain, view) = unsafe { (std::ptr::read(&buffer.domain), std::ptr::read(&buffer.view)) };
+        if self.views.len() < SPARES_MAX {
+            self.views.push(view);
+        }
+        if let Some(domain) = domain {
+            if self.domains.len() < SPARES_MAX {
+                self.domains.push(domain);
+            }
+        }
+    }
+
+    /// A reference to `view`: a kept one if there is (it is the same view
+    /// unless the pool was mapped anew), else a new one.
+    pub(crate) fn view(&mut self, view: &Arc<PoolView>) -> Arc<PoolView> {
+        match self.views.pop() {
+            Some(v) if Arc::ptr_eq(&v, view) => v,
+            _ => view.clone(),
+        }
+    }
+
+    /// A handle for a buffer that arrived (its view from [`Spares::view`]).
+    pub(crate) fn buffer(&mut self, domain: &Arc<DomainShared>, view: Arc<PoolView>, index: u32) -> Buffer {
+        let domain = match self.domains.pop() {
+            Some(d) if Arc::ptr_eq(&d, domain) => d,
+            _ => domain.clone(),
+        };
+        Buffer::new(domain, view, index)
     }
 }
 
@@ -228,4 +272,35 @@ mod sealed {
     pub trait Sealed {}
     impl Sealed for super::Buffer {}
     impl Sealed for super::BufferCopy {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Allocator, Domain, PoolConstraints};
+
+    /// A handle given away leaves its two references in the spares; the
+    /// next handle received takes them instead of new ones.
+    #[test]
+    fn spares_recycle_references() {
+        let d = Domain::new("d");
+        let a = Allocator::new(&d, 2, 4096, PoolConstraints::default()).unwrap();
+        let b = a.alloc().unwrap();
+        let view = b.view.clone();
+        let counts = |v: &Arc<PoolView>| (Arc::strong_count(&d.shared), Arc::strong_count(v));
+        let before = counts(&view);
+        let mut s = Spares::default();
+        s.keep(b);
+        assert_eq!(counts(&view), before, "the references moved into the spares");
+        let v = s.view(&view);
+        assert!(Arc::ptr_eq(&v, &view));
+        let c = s.buffer(&d.shared, v, 0);
+        assert_eq!(counts(&view), before, "and from there into the new handle");
+        assert_eq!((c.id().index, c.len()), (0, 4096));
+        // Nothing kept: new references.
+        let v = s.view(&view);
+        assert_eq!(counts(&view), (before.0, before.1 + 1));
+        drop(v);
+        s.keep(c);
+    }
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Endpoint, Link, Pending};
-use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
+use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource, Spares};
 use crate::domain::{ChanKey, Domain, DomainState, LentSet};
 use crate::error::{Error, Refused, Result};
 use crate::pool::{Geometry, Pool, PoolId, PoolView, TrustLevel};
@@ -303,6 +303,8 @@ pub struct Channel {
     /// Buffers moved or passed to a peer that can die, not back yet: if the
     /// peer process exits they return to us.
     lent: Option<LentSet>,
+    /// References of the buffer handles we gave away, for those we receive.
+    spares: Spares,
 }
 
 impl std::fmt::Debug for Channel {
@@ -375,6 +377,7 @@ impl Channel {
             sent_teardown: false,
             got_teardown: false,
             lent: None,
+            spares: Spares::default(),
         }
     }
 
@@ -799,7 +802,7 @@ impl Channel {
         let msg = make(id, Meta::new(meta).expect("meta checked"));
         match self.link_mut().send(&msg) {
             Ok(()) => {
-                buffer.consume();
+                self.spares.keep(buffer);
                 if let Some(lent) = &mut self.lent {
                     lent.insert(id);
                 }
@@ -953,7 +956,7 @@ impl Channel {
                 if let Some(lent) = &mut self.lent {
                     lent.remove(&buf);
                 }
-                let buffer = Buffer::new(self.domain.shared.clone(), view, buf.index);
+                let buffer = self.spares.buffer(&self.domain.shared, view, buf.index);
                 Ok(if is_move { Event::MoveReceived { buffer, meta } } else { Event::BufferPassed { buffer, meta } })
             }
             Message::Copy { buf, meta } => {
@@ -1094,7 +1097,7 @@ impl Channel {
     /// this channel and the index is in range; then `apply` the delivery's
     /// state change under the same domain lock (one lock per delivery).
     fn delivered_view<R>(
-        &self,
+        &mut self,
         buf: BufferId,
         apply: impl FnOnce(&mut DomainState) -> Result<R>,
     ) -> Result<(Arc<PoolView>, R)> {
@@ -1106,7 +1109,7 @@ impl Channel {
         if buf.index >= e.view.geometry().count() {
             return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
         }
-        let view = e.view.clone();
+        let view = self.spares.view(&e.view);
         Ok((view, apply(&mut st)?))
     }
 
