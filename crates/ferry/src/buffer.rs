@@ -89,6 +89,14 @@ impl Buffer {
         self.domain.as_ref().expect("live handle").id
     }
 
+    /// Whether the buffer is READ_WRITE for its domain (no copies out or
+    /// in), read without the domain lock from the view's mirror of the
+    /// state. As current as a check under the lock that is released at
+    /// once: a transition on another thread can follow right after.
+    pub(crate) fn is_read_write(&self) -> bool {
+        self.view.is_read_write(self.index)
+    }
+
     /// For `Drop`: the domain and id if the handle was not consumed.
     pub(crate) fn release_parts(&mut self) -> Option<(Arc<DomainShared>, BufferId)> {
         let id = self.id();

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Endpoint, Link, Pending};
-use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource, Spares};
+use crate::buffer::{Buffer, BufferCopy, BufferId, CopySource, Spares};
 use crate::domain::{ChanKey, Domain, DomainState, LentSet};
 use crate::error::{Error, Refused, Result};
 use crate::pool::{Geometry, Pool, PoolId, PoolView, TrustLevel};
@@ -783,7 +783,7 @@ impl Channel {
         }
         let id = buffer.id();
         self.check_pool(id.pool)?;
-        if self.domain.lock().buffer_state(id.pool, id.index) != BufferState::ReadWrite {
+        if !buffer.is_read_write() {
             return Err(Error::CopiesOutstanding);
         }
         self.check_meta(meta_len)?;

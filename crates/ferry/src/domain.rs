@@ -261,6 +261,9 @@ impl DomainState {
             vec![BufRecord { owned: true, applied: Some(Access::ReadWrite), ..BufRecord::default() }; n as usize];
         // Reverse order so that buffer 0 is handed out first.
         let free: Vec<u32> = (0..n).rev().collect();
+        for i in 0..n {
+            view.set_read_write(i, true);
+        }
         let trust_fixed = trust != TrustLevel::Uninitialized;
         self.pools
             .insert(view.id(), PoolEntry { view, trust, permanent: true, trust_fixed, channels: 0, records, free });
@@ -283,10 +286,13 @@ impl DomainState {
         Ok(())
     }
 
-    /// Bring the page protection of a buffer in line with its state, when
-    /// the pool's trust level asks for protection (HALF, NONE).
+    /// After a state change of a buffer: record in the view whether it is
+    /// ours read-write (the lock-free mirror move and pass check), and bring
+    /// its page protection in line with its state when the pool's trust
+    /// level asks for protection (HALF, NONE).
     fn sync_protection(entry: &mut PoolEntry, index: u32) {
         let rec = &mut entry.records[index as usize];
+        entry.view.set_read_write(index, rec.state() == BufferState::ReadWrite);
         if !entry.trust.protects() {
             return;
         }
@@ -547,6 +553,35 @@ impl Drop for BufferCopy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The view's lock-free mirror follows every transition of the state.
+    #[test]
+    fn read_write_mirror_follows_the_state() {
+        let d = Domain::new("d");
+        let alloc = crate::Allocator::new(&d, 2, 4096, crate::PoolConstraints::default()).unwrap();
+        let pool = alloc.pool().id();
+        let view = d.lock().entry(pool).unwrap().view.clone();
+        let id = BufferId { pool, index: 1 };
+        let rw = |st: &DomainState| (view.is_read_write(1), st.buffer_state(pool, 1) == BufferState::ReadWrite);
+        let mut st = d.lock();
+        assert_eq!(rw(&st), (true, true), "created read-write");
+        st.copy_sent(id, 7);
+        assert_eq!(rw(&st), (false, false));
+        st.copy_sent(id, 8);
+        assert_eq!(st.copy_returned(id, 7), Some(false));
+        assert_eq!(rw(&st), (false, false));
+        assert_eq!(st.copy_returned(id, 8), Some(true));
+        assert_eq!(rw(&st), (true, true));
+        st.give_away(id);
+        assert_eq!(rw(&st), (false, false));
+        st.copy_received(id, 9);
+        assert_eq!(rw(&st), (false, false));
+        st.take_ownership(id);
+        assert_eq!(rw(&st), (false, false), "owner and holder: read-only");
+        st.copy_released_here(id, 9);
+        assert_eq!(rw(&st), (true, true));
+        assert!(view.is_read_write(0) && !view.is_read_write(2), "untouched, and out of range");
+    }
 
     #[test]
     fn lent_set() {

@@ -10,6 +10,7 @@
 
 use std::fmt;
 use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
@@ -220,6 +221,10 @@ impl PoolMemory {
 pub(crate) struct PoolView {
     memory: Arc<PoolMemory>,
     map: Mapping,
+    /// Per buffer: this domain owns it read-write. A mirror of the state
+    /// the domain keeps under its lock, written only under that lock, so
+    /// that move and pass can check their precondition without the lock.
+    read_write: Box<[AtomicBool]>,
 }
 
 impl PoolView {
@@ -231,7 +236,8 @@ impl PoolView {
             return Err(Error::BadAlignment(alignment));
         }
         let map = Mapping::map_shared(sys::borrow(&memory.fd), geometry.len(), initial, align)?;
-        Ok(Arc::new(PoolView { memory, map }))
+        let read_write = (0..geometry.count).map(|_| AtomicBool::new(false)).collect();
+        Ok(Arc::new(PoolView { memory, map, read_write }))
     }
 
     pub(crate) fn id(&self) -> PoolId {
@@ -244,6 +250,21 @@ impl PoolView {
 
     pub(crate) fn memory(&self) -> &Arc<PoolMemory> {
         &self.memory
+    }
+
+    /// Whether this domain owns buffer `index` read-write (as last recorded
+    /// by [`PoolView::set_read_write`]).
+    pub(crate) fn is_read_write(&self, index: u32) -> bool {
+        // Acquire: pairs with the Release store of the transition.
+        self.read_write.get(index as usize).is_some_and(|f| f.load(Ordering::Acquire))
+    }
+
+    /// Record whether this domain owns buffer `index` read-write; called
+    /// under the domain lock at every state transition.
+    pub(crate) fn set_read_write(&self, index: u32, rw: bool) {
+        if let Some(f) = self.read_write.get(index as usize) {
+            f.store(rw, Ordering::Release);
+        }
     }
 
     /// Address of buffer `index` in this view.
