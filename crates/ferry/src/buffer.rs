@@ -8,6 +8,7 @@
 //! dropping a copy releases it the next time its channel runs.
 
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::ops::Deref;
 use std::sync::Arc;
 
@@ -44,13 +45,14 @@ pub enum BufferState {
 pub struct Buffer {
     /// `None` once the handle has been consumed by an operation.
     domain: Option<Arc<DomainShared>>,
-    view: Arc<PoolView>,
+    /// Taken out exactly once: by `drop` or by [`Spares::keep`].
+    view: ManuallyDrop<Arc<PoolView>>,
     index: u32,
 }
 
 impl Buffer {
     pub(crate) fn new(domain: Arc<DomainShared>, view: Arc<PoolView>, index: u32) -> Self {
-        Buffer { domain: Some(domain), view, index }
+        Buffer { domain: Some(domain), view: ManuallyDrop::new(view), index }
     }
 
     /// The buffer's id.
@@ -96,11 +98,19 @@ impl Buffer {
     pub(crate) fn is_read_write(&self) -> bool {
         self.view.is_read_write(self.index)
     }
+}
 
-    /// For `Drop`: the domain and id if the handle was not consumed.
-    pub(crate) fn release_parts(&mut self) -> Option<(Arc<DomainShared>, BufferId)> {
+impl Drop for Buffer {
+    /// Back to the free list of its domain (or aside until its copies are
+    /// back); the domain keeps the view reference for its next `alloc`.
+    fn drop(&mut self) {
         let id = self.id();
-        self.domain.take().map(|d| (d, id))
+        // SAFETY: drop runs once, and nothing uses `self.view` after it.
+        let view = unsafe { ManuallyDrop::take(&mut self.view) };
+        match self.domain.take() {
+            Some(domain) => crate::domain::buffer_dropped(&domain, id, view),
+            None => drop(view),
+        }
     }
 }
 
@@ -139,16 +149,17 @@ pub(crate) struct Spares {
     views: Vec<Arc<PoolView>>,
 }
 
-/// More than a burst of handles in flight is not worth keeping.
-const SPARES_MAX: usize = 64;
+/// Enough for the buffers a deep queue has in flight.
+const SPARES_MAX: usize = 1024;
 
 impl Spares {
     /// Consume a handle that was given away, keeping its references.
     pub(crate) fn keep(&mut self, buffer: Buffer) {
-        let buffer = std::mem::ManuallyDrop::new(buffer);
+        let buffer = ManuallyDrop::new(buffer);
         // SAFETY: `buffer` is never used or dropped after these two reads, so
         // each field is moved out of it exactly once (the index is Copy).
         let (domain, view) = unsafe { (std::ptr::read(&buffer.domain), std::ptr::read(&buffer.view)) };
+        let view = ManuallyDrop::into_inner(view);
         if self.views.len() < SPARES_MAX {
             self.views.push(view);
         }
@@ -294,7 +305,7 @@ mod tests {
         let d = Domain::new("d");
         let a = Allocator::new(&d, 2, 4096, PoolConstraints::default()).unwrap();
         let b = a.alloc().unwrap();
-        let view = b.view.clone();
+        let view = Arc::clone(&b.view);
         let counts = |v: &Arc<PoolView>| (Arc::strong_count(&d.shared), Arc::strong_count(v));
         let before = counts(&view);
         let mut s = Spares::default();

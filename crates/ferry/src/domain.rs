@@ -98,7 +98,7 @@ impl Domain {
         let mut st = self.shared.lock();
         let entry = st.pools.get_mut(&pool)?;
         let index = entry.free.pop()?;
-        let view = entry.view.clone();
+        let view = entry.spare_views.pop().unwrap_or_else(|| entry.view.clone());
         drop(st);
         Some(Buffer::new(self.shared.clone(), view, index))
     }
@@ -215,6 +215,10 @@ pub(crate) struct PoolEntry {
     pub(crate) channels: u32,
     records: Vec<BufRecord>,
     free: Vec<u32>,
+    /// References to `view` from dropped buffer handles, for the next
+    /// `alloc` (taking a new one is a locked instruction, and so is
+    /// dropping one).
+    spare_views: Vec<Arc<PoolView>>,
 }
 
 impl PoolEntry {
@@ -265,8 +269,17 @@ impl DomainState {
             view.set_read_write(i, true);
         }
         let trust_fixed = trust != TrustLevel::Uninitialized;
-        self.pools
-            .insert(view.id(), PoolEntry { view, trust, permanent: true, trust_fixed, channels: 0, records, free });
+        let entry = PoolEntry {
+            view,
+            trust,
+            permanent: true,
+            trust_fixed,
+            channels: 0,
+            records,
+            free,
+            spare_views: Vec::new(),
+        };
+        self.pools.insert(entry.view.id(), entry);
     }
 
     /// Insert a pool learned from a peer: no buffer is ours yet.
@@ -281,7 +294,16 @@ impl DomainState {
         let records = vec![BufRecord { applied, ..BufRecord::default() }; n];
         self.pools.insert(
             view.id(),
-            PoolEntry { view, trust, permanent: false, trust_fixed: false, channels: 0, records, free: Vec::new() },
+            PoolEntry {
+                view,
+                trust,
+                permanent: false,
+                trust_fixed: false,
+                channels: 0,
+                records,
+                free: Vec::new(),
+                spare_views: Vec::new(),
+            },
         );
         Ok(())
     }
@@ -518,6 +540,23 @@ impl IntoIterator for LentSet {
     }
 }
 
+/// A buffer handle was dropped: the buffer goes back to the free list (or
+/// aside until its copies are back), and its view reference is kept for the
+/// next `alloc` of the pool (at most one per buffer).
+pub(crate) fn buffer_dropped(domain: &DomainShared, id: BufferId, view: Arc<PoolView>) {
+    let mut st = domain.lock();
+    st.free(id);
+    let unused = match st.pools.get_mut(&id.pool) {
+        Some(e) if Arc::ptr_eq(&view, &e.view) && e.spare_views.len() < e.records.len() => {
+            e.spare_views.push(view);
+            None
+        }
+        _ => Some(view),
+    };
+    drop(st);
+    drop(unused);
+}
+
 /// Allocate a pool in `domain` (used by [`crate::Allocator`]).
 pub(crate) fn create_pool(
     domain: &Domain,
@@ -529,14 +568,6 @@ pub(crate) fn create_pool(
     let pool = Pool { view: view.clone(), domain: domain.id() };
     domain.lock().insert_created(view, trust);
     Ok(pool)
-}
-
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        if let Some((domain, id)) = self.release_parts() {
-            domain.lock().free(id);
-        }
-    }
 }
 
 impl Drop for BufferCopy {
