@@ -73,6 +73,31 @@ impl Meta {
         Some(Meta(MetaRepr::Inline { len: data.len() as u8, bytes }))
     }
 
+    /// The first `len` bytes of `src` (`len <= src.len()`, `len <=
+    /// MAX_META_SIZE`). Short meta data is copied as a fixed 32-byte block
+    /// when `src` has that many bytes (no call to a variable-length copy);
+    /// the bytes past `len` are then whatever followed in `src`, which no
+    /// reader of a `Meta` ever sees.
+    fn from_prefix(src: &[u8], len: usize) -> Meta {
+        const BLOCK: usize = 32;
+        debug_assert!(len <= src.len() && len <= MAX_META_SIZE);
+        if len <= BLOCK && src.len() >= BLOCK {
+            let mut bytes = [0; META_INLINE];
+            bytes[..BLOCK].copy_from_slice(&src[..BLOCK]);
+            return Meta(MetaRepr::Inline { len: len as u8, bytes });
+        }
+        Meta::new(&src[..len]).expect("length checked by the caller")
+    }
+
+    /// The meta data padded to a 32-byte block with the bytes that follow
+    /// it inline (see [`Meta::from_prefix`]), if it is that short.
+    fn block(&self) -> Option<&[u8; 32]> {
+        match &self.0 {
+            MetaRepr::Inline { len, bytes } if *len <= 32 => bytes[..32].try_into().ok(),
+            _ => None,
+        }
+    }
+
     /// Empty meta data.
     pub const fn empty() -> Meta {
         Meta(MetaRepr::Inline { len: 0, bytes: [0; META_INLINE] })
@@ -146,22 +171,23 @@ const FLAG_ACCEPT: u8 = 1;
 impl Message {
     /// Encode into `slot` (zeroed, at least [`slot_size`] of the meta size).
     pub(crate) fn encode(&self, slot: &mut [u8]) {
-        let (op, flags, index, aux, pool, meta): (u8, u8, u32, u64, u128, &[u8]) = match self {
+        const NONE: &Meta = &Meta::empty();
+        let (op, flags, index, aux, pool, meta): (u8, u8, u32, u64, u128, &Meta) = match self {
             Message::Move { buf, meta } => (OP_MOVE, 0, buf.index, 0, buf.pool.as_u128(), meta),
             Message::Copy { buf, meta } => (OP_COPY, 0, buf.index, 0, buf.pool.as_u128(), meta),
             Message::Pass { buf, meta } => (OP_PASS, 0, buf.index, 0, buf.pool.as_u128(), meta),
-            Message::Release { buf } => (OP_RELEASE, 0, buf.index, 0, buf.pool.as_u128(), &[]),
+            Message::Release { buf } => (OP_RELEASE, 0, buf.index, 0, buf.pool.as_u128(), NONE),
             Message::AssignRequest { pool, geometry, trust } => {
-                (OP_ASSIGN, trust.to_u8() << 4, geometry.count(), geometry.buffer_size() as u64, pool.as_u128(), &[])
+                (OP_ASSIGN, trust.to_u8() << 4, geometry.count(), geometry.buffer_size() as u64, pool.as_u128(), NONE)
             }
             Message::AssignReply { pool, accepted } => {
-                (OP_ASSIGN_REPLY, if *accepted { FLAG_ACCEPT } else { 0 }, 0, 0, pool.as_u128(), &[])
+                (OP_ASSIGN_REPLY, if *accepted { FLAG_ACCEPT } else { 0 }, 0, 0, pool.as_u128(), NONE)
             }
-            Message::RemoveRequest { pool } => (OP_REMOVE, 0, 0, 0, pool.as_u128(), &[]),
+            Message::RemoveRequest { pool } => (OP_REMOVE, 0, 0, 0, pool.as_u128(), NONE),
             Message::RemoveReply { pool, accepted } => {
-                (OP_REMOVE_REPLY, if *accepted { FLAG_ACCEPT } else { 0 }, 0, 0, pool.as_u128(), &[])
+                (OP_REMOVE_REPLY, if *accepted { FLAG_ACCEPT } else { 0 }, 0, 0, pool.as_u128(), NONE)
             }
-            Message::Teardown => (OP_TEARDOWN, 0, 0, 0, 0, &[]),
+            Message::Teardown => (OP_TEARDOWN, 0, 0, 0, 0, NONE),
         };
         slot[0] = op;
         slot[1] = flags;
@@ -169,7 +195,13 @@ impl Message {
         slot[4..8].copy_from_slice(&index.to_le_bytes());
         slot[8..16].copy_from_slice(&aux.to_le_bytes());
         slot[16..32].copy_from_slice(&pool.to_le_bytes());
-        slot[HEADER..HEADER + meta.len()].copy_from_slice(meta);
+        match meta.block() {
+            // Every slot has room for a 32-byte block after the header.
+            Some(block) if slot.len() >= HEADER + block.len() => {
+                slot[HEADER..HEADER + block.len()].copy_from_slice(block);
+            }
+            _ => slot[HEADER..HEADER + meta.len()].copy_from_slice(meta),
+        }
     }
 
     /// Decode a slot received from a peer; `max_meta` is the channel's meta
@@ -191,7 +223,7 @@ impl Message {
         if HEADER + meta_len > slot.len() {
             return Err(Error::Protocol(format!("meta length {meta_len} exceeds the slot")));
         }
-        let meta = || Meta::new(&slot[HEADER..HEADER + meta_len]).expect("length checked");
+        let meta = || Meta::from_prefix(&slot[HEADER..], meta_len);
         let buf = BufferId { pool, index };
         let accepted = flags & FLAG_ACCEPT != 0;
         Ok(match op {
