@@ -837,12 +837,16 @@ impl Channel {
 
     /// Release copies whose handles were dropped; keep those that cannot go
     /// yet (forwarded copies still out, queue full).
+    #[inline]
     fn flush_deferred(&mut self) {
         // The flag stays set while any channel of the domain has deferred
-        // releases; only then is the domain lock worth taking.
-        if !self.domain.shared.has_deferred.load(Ordering::Acquire) {
-            return;
+        // releases; only then is the domain lock worth taking (and the call).
+        if self.domain.shared.has_deferred.load(Ordering::Acquire) {
+            self.flush_deferred_now();
         }
+    }
+
+    fn flush_deferred_now(&mut self) {
         let ids = self.domain.lock().take_deferred(self.key);
         for id in ids {
             match self.release_id(id) {
@@ -860,7 +864,14 @@ impl Channel {
         }
     }
 
+    #[inline]
     fn flush_outbox(&mut self) {
+        if !self.outbox.is_empty() {
+            self.flush_outbox_now();
+        }
+    }
+
+    fn flush_outbox_now(&mut self) {
         while let Some(msg) = self.outbox.front() {
             let link = self.link.as_mut().expect("connected");
             if !link.has_room() {

@@ -383,6 +383,7 @@ impl DomainState {
     /// ours read-write (the lock-free mirror move and pass check), and bring
     /// its page protection in line with its state when the pool's trust
     /// level asks for protection (HALF, NONE).
+    #[inline]
     fn sync_protection(entry: &mut PoolEntry, index: u32) {
         let rec = &mut entry.records[index as usize];
         entry.view.set_read_write(index, rec.state() == BufferState::ReadWrite);
