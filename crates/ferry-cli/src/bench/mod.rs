@@ -145,7 +145,7 @@ impl Point<'_> {
             println!("{v}");
         } else {
             println!(
-                "{experiment:<10} {:<5} {:>8} B trust={:<4} {mode:<9} {:<8}: median {:>9.3} {} (p5 {:.3}, p95 {:.3}, p99 {:.3}; {} samples){}",
+                "{experiment:<10} {:<5} {:>8} B trust={:<4} {mode:<9} {}: median {:>9.3} {} (p5 {:.3}, p95 {:.3}, p99 {:.3}; {} samples){}",
                 a.backend.name(),
                 self.size,
                 a.trust.name(),
