@@ -19,6 +19,8 @@ pub mod local;
 #[cfg(not(loom))]
 pub mod shm;
 #[cfg(not(loom))]
+mod setup_msg;
+#[cfg(not(loom))]
 mod uds;
 mod waker;
 
