@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Endpoint, Link, Pending};
+use crate::backend::{Endpoint, Landing, Link, PayloadGate, Pending};
 use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 use crate::domain::{ChanKey, Domain};
 use crate::error::{Error, Refused, Result};
@@ -420,6 +420,20 @@ impl Channel {
         self.pools.iter().any(|p| p.id == pool && p.listed)
     }
 
+    /// The address a channel being created on a TCP endpoint listens on
+    /// (the port the kernel chose when the endpoint said port 0); `None`
+    /// for other endpoints and once a binder is connected.
+    pub fn listen_addr(&self) -> Option<std::net::SocketAddr> {
+        self.pending.as_ref().and_then(|p| p.listen_addr())
+    }
+
+    /// Transfer counters of the backend, where it keeps them (the TCP
+    /// backend: frames, payload bytes straight from and into buffers,
+    /// payload bytes staged in user space, system calls).
+    pub fn link_stats(&self) -> Option<crate::LinkStats> {
+        self.link.as_ref().and_then(|l| l.stats())
+    }
+
     /// Pool-assignment requests waiting for an answer.
     pub fn pending_requests(&self) -> &[PoolRequest] {
         &self.requests
@@ -432,7 +446,7 @@ impl Channel {
     pub fn move_buffer(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
         match self.check_transfer(Direction::Tx, &buffer, meta.len()) {
-            Ok(()) => self.send_owned(buffer, meta, |buf, meta| Message::Move { buf, meta }),
+            Ok(()) => self.send_owned(buffer, meta, false, |buf, meta| Message::Move { buf, meta }),
             Err(e) => Err(Refused::new(e, buffer)),
         }
     }
@@ -441,7 +455,22 @@ impl Channel {
     pub fn pass(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
         match self.check_transfer(Direction::Rx, &buffer, meta.len()) {
-            Ok(()) => self.send_owned(buffer, meta, |buf, meta| Message::Pass { buf, meta }),
+            Ok(()) => self.send_owned(buffer, meta, false, |buf, meta| Message::Pass { buf, meta }),
+            Err(e) => Err(Refused::new(e, buffer)),
+        }
+    }
+
+    /// Pass a buffer whose contents do not matter to the source: a receive
+    /// master handing out empty buffers to be filled. The semantics are
+    /// those of [`pass`](Channel::pass); the difference is the cost: over
+    /// the network no payload travels, and the source's buffer then holds
+    /// whatever bytes its memory last held for it (never another domain's
+    /// live data). Between threads or processes of one host the two are
+    /// the same.
+    pub fn pass_unfilled(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
+        self.flush_deferred();
+        match self.check_transfer(Direction::Rx, &buffer, meta.len()) {
+            Ok(()) => self.send_owned(buffer, meta, true, |buf, meta| Message::Pass { buf, meta }),
             Err(e) => Err(Refused::new(e, buffer)),
         }
     }
@@ -519,7 +548,7 @@ impl Channel {
             Ok(dst) => dst[..n].copy_from_slice(&source[..n]),
             Err(e) => return Err(Refused::new(e, destination)),
         }
-        self.send_owned(destination, meta, |buf, meta| Message::Move { buf, meta })
+        self.send_owned(destination, meta, false, |buf, meta| Message::Move { buf, meta })
     }
 
     /// Start assigning a pool to this channel (seed 003 Algorithm 6,
@@ -615,6 +644,20 @@ impl Channel {
             }
             _ => None,
         }
+    }
+
+    /// Send what this end has queued for the peer, without taking any
+    /// arrival. Only the TCP backend queues: it sends when the channel is
+    /// polled or waited on (or a batch is full), so that many operations
+    /// share one system call; `flush` is for a caller that sends and then
+    /// does not poll for a while.
+    pub fn flush(&mut self) -> Result<()> {
+        if !matches!(self.state, ChannelState::Connected | ChannelState::Teardown) {
+            return Ok(());
+        }
+        self.flush_deferred();
+        self.flush_outbox();
+        self.link_mut().flush()
     }
 
     /// Wait up to `timeout` (forever with `None`) for the next event: spin
@@ -760,12 +803,15 @@ impl Channel {
         &mut self,
         buffer: Buffer,
         meta: &[u8],
+        unfilled: bool,
         make: impl FnOnce(BufferId, Meta) -> Message,
     ) -> Result<(), Refused<Buffer>> {
         let id = buffer.id();
         self.domain.lock().give_away(id);
         let msg = make(id, Meta::new(meta).expect("meta checked"));
-        match self.link_mut().send(&msg) {
+        let link = self.link_mut();
+        let sent = if unfilled { link.send_unfilled(&msg) } else { link.send(&msg) };
+        match sent {
             Ok(()) => {
                 buffer.consume();
                 if let Some(lent) = &mut self.lent {
@@ -876,8 +922,18 @@ impl Channel {
         }
     }
 
+    /// The next message from the link, its payload (if the backend carries
+    /// one) admitted by this channel's [`ChannelGate`].
+    fn recv(&mut self) -> Result<Option<Message>> {
+        let mut gate = ChannelGate { domain: &self.domain, pools: &self.pools, direction: self.direction };
+        match self.link.as_deref_mut() {
+            Some(link) => link.recv(&mut gate),
+            None => Ok(None),
+        }
+    }
+
     fn poll_message(&mut self) -> Option<Event> {
-        let received = self.link_mut().recv();
+        let received = self.recv();
         match received {
             Ok(Some(msg)) => match self.deliver(msg) {
                 Ok(ev) => Some(ev),
@@ -885,7 +941,7 @@ impl Channel {
             },
             Ok(None) => None,
             Err(e) => {
-                if e == Error::PeerGone && self.link_mut().peer_died() {
+                if matches!(e, Error::PeerGone | Error::PeerUnresponsive(_)) && self.link_mut().peer_died() {
                     self.reclaim_from_dead_peer();
                 }
                 if self.sent_teardown && e == Error::PeerGone {
@@ -1044,7 +1100,10 @@ impl Channel {
             self.reply(Message::AssignReply { pool, accepted: false });
             return Ok(Event::PoolVetoed(pool));
         }
-        if known.is_none() {
+        if known.is_some() {
+            let memory = self.domain.lock().entry(pool).expect("known").view.memory().clone();
+            self.link_mut().use_pool(&memory)?;
+        } else {
             let memory = self.link_mut().import_pool(pool, geometry)?;
             let initial = if trust.protects() { Access::None } else { Access::ReadWrite };
             let view = PoolView::map(memory, initial, self.constraints.alignment)?;
@@ -1128,7 +1187,7 @@ impl Drop for Channel {
             return;
         }
         let mut last = Vec::new();
-        while let Some(Ok(Some(msg))) = self.link.as_mut().map(|l| l.recv()) {
+        while let Ok(Some(msg)) = self.recv() {
             match self.deliver(msg) {
                 Ok(Event::CopyReceived { copy, .. }) => {
                     // Unseen copies go back: now if the queue has room,
@@ -1149,6 +1208,47 @@ impl Drop for Channel {
             }
         }
         self.close_with(last);
+    }
+}
+
+/// A channel's check of an arriving payload (see [`PayloadGate`]): the
+/// buffer's pool is on the channel, the index is in range, the message goes
+/// the channel's way, and the buffer is not one this domain owns (a peer
+/// cannot overwrite our data) or reads (a copy we hold cannot change).
+struct ChannelGate<'a> {
+    domain: &'a Domain,
+    pools: &'a [ChanPool],
+    direction: Direction,
+}
+
+impl PayloadGate for ChannelGate<'_> {
+    fn admit(&mut self, msg: &Message) -> Result<Landing> {
+        let (buf, want, gives) = match msg {
+            Message::Move { buf, .. } => (*buf, Direction::Rx, true),
+            Message::Pass { buf, .. } => (*buf, Direction::Tx, true),
+            Message::Copy { buf, .. } => (*buf, Direction::Rx, false),
+            _ => return Err(Error::Protocol("payload on a message that carries none".into())),
+        };
+        if self.direction != want {
+            return Err(Error::Protocol("buffer message against the channel direction".into()));
+        }
+        if !self.pools.iter().any(|p| p.id == buf.pool && p.listed) {
+            return Err(Error::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)));
+        }
+        let st = self.domain.lock();
+        let count = st.entry(buf.pool).map_or(0, |e| e.view.geometry().count());
+        if buf.index >= count {
+            return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
+        }
+        match st.buffer_state(buf.pool, buf.index) {
+            BufferState::Invalid => Ok(Landing::Land),
+            BufferState::ReadWrite | BufferState::ReadOnlyOwned if gives => {
+                Err(Error::Protocol(format!("peer gave us buffer {} which we own", buf.index)))
+            }
+            // A copy of a buffer we own or already read: the bytes are the
+            // ones we have (nobody may write it while copies are out).
+            _ => Ok(Landing::Discard),
+        }
     }
 }
 

@@ -24,8 +24,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::uds::{self, Conn, Listener, UnixName};
 use super::setup_msg::{self, bad};
+use super::uds::{self, Conn, Listener, UnixName};
 use super::{Link, Pending, PendingSetup, SetupDone};
 use crate::channel::{negotiate, BindParams, ChannelSetup};
 use crate::error::{Error, Result};
@@ -351,7 +351,7 @@ impl Link for ShmLink {
         Ok(())
     }
 
-    fn recv(&mut self) -> Result<Option<Message>> {
+    fn recv(&mut self, _gate: &mut dyn super::PayloadGate) -> Result<Option<Message>> {
         let meta = self.meta_size;
         if let Some(decoded) = self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(ring_err)? {
             return decoded.map(Some);
