@@ -488,9 +488,19 @@ impl Channel {
         self.check_pool(id.pool)?;
         self.check_meta(meta.len())?;
         self.check_room()?;
-        self.domain.lock().copy_sent(id, self.key);
+        // A copy to a peer that still holds one of this buffer from us needs
+        // no payload: the buffer has been read-only since, so the peer's
+        // bytes are current (the TCP backend then sends none).
+        let resend = {
+            let mut st = self.domain.lock();
+            let resend = st.record(id).is_some_and(|r| r.copies_out_via(self.key) > 0);
+            st.copy_sent(id, self.key);
+            resend
+        };
         let msg = Message::Copy { buf: id, meta: Meta::new(meta).expect("meta checked") };
-        if let Err(e) = self.link_mut().send(&msg) {
+        let link = self.link_mut();
+        let sent = if resend { link.send_unfilled(&msg) } else { link.send(&msg) };
+        if let Err(e) = sent {
             // Peer vanished between the checks and the send: undo.
             self.domain.lock().copy_returned(id, self.key);
             return Err(e);
@@ -1172,6 +1182,9 @@ impl Channel {
     }
 
     fn fail(&mut self, e: Error) -> Event {
+        if self.link.as_mut().is_some_and(|l| l.abandon()) {
+            self.reclaim_from_dead_peer();
+        }
         self.close();
         Event::Error(e)
     }

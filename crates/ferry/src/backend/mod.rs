@@ -43,8 +43,9 @@ pub(crate) trait Link: Send {
     fn flush(&mut self) -> Result<()> {
         Ok(())
     }
-    /// Send a pass whose buffer contents do not matter to the peer: a
-    /// backend that carries payloads sends none.
+    /// Send a pass whose buffer contents do not matter to the peer, or a
+    /// copy of a buffer the peer still holds a copy of: a backend that
+    /// carries payloads sends none.
     fn send_unfilled(&mut self, msg: &Message) -> Result<()> {
         self.send(msg)
     }
@@ -75,6 +76,14 @@ pub(crate) trait Link: Send {
     /// The peer is another process that can die without closing: the
     /// channel then tracks the buffers it lends so it can take them back.
     fn peer_can_die(&self) -> bool {
+        false
+    }
+    /// The channel failed (a protocol error, a dead or silent peer): stop
+    /// talking to the peer, without the goodbye of an orderly close.
+    /// Returns whether the peer is now treated as dead, so the buffers lent
+    /// to it come back (a backend whose peer has memory of its own can say
+    /// yes; one that shares memory with a live peer must not).
+    fn abandon(&mut self) -> bool {
         false
     }
     /// Transfer counters, for backends that keep them (the network).

@@ -33,8 +33,10 @@
 //! | 32 | meta length | meta data |
 //! | 32 + meta | payload length | the buffer's bytes |
 //!
-//! Moves and copies always carry the payload; a pass carries it unless the
-//! sender said the contents do not matter ([`crate::Channel::pass_unfilled`]).
+//! Moves always carry the payload. A pass carries it unless the sender said
+//! the contents do not matter ([`crate::Channel::pass_unfilled`]). A copy
+//! carries it unless the peer still holds a copy of that buffer from us
+//! (the buffer has been read-only since, so the peer's bytes are current).
 //! A keep-alive is sent when nothing else went out for a quarter of the
 //! peer timeout; goodbye says the sender closed its end on purpose (so the
 //! end of the stream is not a crash). Anything else — unknown type, flags or
@@ -369,6 +371,9 @@ pub(crate) struct NetLink {
     /// Header bytes of the next frame read together with a body.
     next: [u8; FRAME_HEAD],
     scratch: Vec<u8>,
+    /// Buffers whose bytes last landed here with a copy: a further copy of
+    /// one may come without payload.
+    copied_in: std::collections::HashSet<BufferId>,
     last_rx: Instant,
     last_tx: Instant,
     /// Last time the queue was empty or bytes went out.
@@ -400,6 +405,7 @@ impl NetLink {
             head: [0; FRAME_HEAD + proto::MAX_META_SIZE],
             next: [0; FRAME_HEAD],
             scratch: Vec::new(),
+            copied_in: std::collections::HashSet::new(),
             last_rx: now,
             last_tx: now,
             last_progress: now,
@@ -623,7 +629,18 @@ impl NetLink {
                     Landing::Discard => Target::Discard,
                 })
             }
-            (TYPE_MOVE | TYPE_COPY, false) => return Err(bad("move or copy without its payload".into())),
+            (TYPE_COPY, false) => {
+                // Another copy of a buffer whose bytes we received as a copy
+                // (and which cannot have changed since: its owner keeps it
+                // read-only while our copies are out).
+                let buf = BufferId { pool, index };
+                let probe = Message::Copy { buf, meta: Meta::empty() };
+                if gate.admit(&probe)? == Landing::Land && !self.copied_in.contains(&buf) {
+                    return Err(bad("copy without payload of a buffer we never received".into()));
+                }
+                None
+            }
+            (TYPE_MOVE, false) => return Err(bad("move without its payload".into())),
             (_, true) => return Err(bad("payload on a frame that carries none".into())),
             (_, false) => None,
         };
@@ -716,8 +733,14 @@ impl NetLink {
                     // Complete: decode before the read-ahead header moves in.
                     let msg = Message::decode(&self.head[..FRAME_HEAD + meta], self.meta_size)?;
                     self.stats.frames_received += 1;
-                    if matches!(target, Some(Target::Land { .. })) {
+                    if let Some(Target::Land { pool, offset }) = target {
                         self.stats.payload_received += len as u64;
+                        let buf = BufferId { pool, index: (offset / len) as u32 };
+                        if self.head[0] == TYPE_COPY {
+                            self.copied_in.insert(buf);
+                        } else {
+                            self.copied_in.remove(&buf);
+                        }
                     }
                     // Read-ahead header bytes: parsed on the next call,
                     // after this message has been delivered (the gate must
@@ -831,6 +854,14 @@ impl Link for NetLink {
 
     fn peer_can_die(&self) -> bool {
         true
+    }
+
+    /// A failed end does not say goodbye: the peer then sees the end of the
+    /// stream as a failure too and takes back what it lent us. The peer's
+    /// memory is its own, so what we lent it is safely ours again.
+    fn abandon(&mut self) -> bool {
+        self.fail(Error::PeerGone, true);
+        self.died
     }
 
     fn peer_died(&mut self) -> bool {
