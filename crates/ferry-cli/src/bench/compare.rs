@@ -122,7 +122,8 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
     for ((ferry, base, unit, size, stages), ratios) in rows {
         let mut sorted = ratios.clone();
         sorted.sort_by(f64::total_cmp);
-        let mid = sorted[(sorted.len() - 1) / 2];
+        let k = sorted.len();
+        let mid = if k % 2 == 1 { sorted[k / 2] } else { (sorted[k / 2 - 1] + sorted[k / 2]) / 2.0 };
         let faster = if lower_is_better(&unit) { 1.0 / mid } else { mid };
         let what = if stages >= 0 { format!("{stages} stages") } else { format!("{size} B") };
         if ctx.args.json {

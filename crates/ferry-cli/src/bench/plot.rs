@@ -230,7 +230,7 @@ fn bars(area: &Area<'_>, title: &str, rows: &[(String, [f64; 4])]) -> Result<(),
     let xfmt = |v: &f64| {
         let i = v.round();
         if (v - i).abs() < 0.01 && i >= 0.0 && (i as usize) < names.len() {
-            names[i as usize].replace(' ', "\n")
+            names[i as usize].clone()
         } else {
             String::new()
         }
@@ -259,6 +259,17 @@ fn bars(area: &Area<'_>, title: &str, rows: &[(String, [f64; 4])]) -> Result<(),
             .map_err(err)?;
     }
     Ok(())
+}
+
+/// Short bar labels (SVG text does not wrap).
+fn short(p: &Point) -> String {
+    match p.str("variant") {
+        "cached-volatile" => "cached vol.".into(),
+        "cached-secured" => "cached sec.".into(),
+        "uncached-volatile" => "uncached vol.".into(),
+        "uncached-secured" => "uncached sec.".into(),
+        _ => p.backend().replace("-copy", " copy"),
+    }
 }
 
 fn label(p: &Point) -> String {
@@ -314,9 +325,10 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
             let rows: Vec<(String, [f64; 4])> = pts
                 .iter()
                 .filter(|p| p.unit() == "us/page" && p.num("round").unwrap_or(1.0) <= 1.0)
-                .map(|p| (label(p), p.quantiles()))
+                .map(|p| (short(p), p.quantiles()))
                 .collect();
-            bars(&left, "Incremental cost per page (seed 000 Table 1)", &rows)?;
+            let ferry = pts.iter().map(|p| p.backend()).find(|b| !b.ends_with("-copy")).unwrap_or("copy");
+            bars(&left, &format!("Cost per page, {ferry} {mode} (seed 000 Table 1)"), &rows)?;
             let s = series(&pts, label, |p| {
                 let g = p.num("gbit_s_median")?;
                 let size = p.size() as f64;
