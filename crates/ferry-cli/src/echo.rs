@@ -124,16 +124,6 @@ pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
     }
 }
 
-/// Create the channel on a fresh shared-memory endpoint and start
-/// `ferry echo` on it as a process pinned to CPU 1.
-pub fn spawn_process(
-    domain: &Domain,
-    setup: ChannelSetup,
-    opts: EchoOptions,
-) -> Result<(Channel, std::process::Child), CliError> {
-    spawn_process_on(Transport::Shm, domain, setup, opts)
-}
-
 /// Create the channel on a fresh endpoint of `transport` (shared memory, or
 /// TCP on a loopback port the kernel picks) and start `ferry echo` on it as
 /// a process pinned to CPU 1.

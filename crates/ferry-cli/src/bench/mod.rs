@@ -70,7 +70,7 @@ pub enum Backend {
     /// Ferry: two processes on this host, shared-memory rings (the echo process is started by
     /// the benchmark, or by hand: --peer).
     Shm,
-    /// Ferry over TCP (not built yet).
+    /// Ferry: two processes over TCP (loopback; the echo process is started by the benchmark, or by hand: --peer tcp:HOST:PORT).
     Net,
     /// Baseline: a Unix stream socket, each message copied through the kernel (bench/peers).
     UdsCopy,
@@ -307,9 +307,6 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     if a.inflight.is_some_and(|n| n == 0 || n > 16384) {
         return Err(usage("--inflight must be between 1 and 16384"));
     }
-    if backend == Backend::Net {
-        return Err(usage("--backend net: net backend not built yet (use local or shm)"));
-    }
     if a.idle_us > 0 && a.experiment != Experiment::Rtt {
         return Err(usage("--idle-us applies to rtt only"));
     }
@@ -326,7 +323,7 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
         )));
     }
     if a.compare && !backend.is_ferry() {
-        return Err(usage("--compare runs Ferry against its baselines: choose a Ferry --backend (local or shm)"));
+        return Err(usage("--compare runs Ferry against its baselines: choose a Ferry --backend (local, shm or net)"));
     }
     if let Some(p) = &a.peer {
         if backend != Backend::Shm {

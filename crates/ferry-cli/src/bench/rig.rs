@@ -63,8 +63,9 @@ pub struct Rig {
 fn process_endpoint(backend: Backend, name: &str) -> Result<(Endpoint, String), CliError> {
     match backend {
         Backend::Shm => Ok((Endpoint::shm_abstract(name), format!("shm@{name}"))),
-        // The TCP backend goes here: listen on 127.0.0.1:0 and hand the echo "tcp:HOST:PORT".
-        Backend::Net => Err(CliError::Usage("--backend net: net backend not built yet".into())),
+        // Loopback, a port the kernel picks: the descriptor is known once
+        // the channel listens (see `connect`).
+        Backend::Net => Ok((Endpoint::tcp(([127, 0, 0, 1], 0).into()), String::new())),
         other => Err(CliError::Usage(format!("--backend {}: not one of Ferry's process backends", other.name()))),
     }
 }
@@ -135,6 +136,10 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
     let name = format!("ferry-bench-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
     let (ep, descriptor) = process_endpoint(backend, &name)?;
     let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
+    let descriptor = match source.listen_addr() {
+        Some(addr) if backend == Backend::Net => format!("tcp:{addr}"),
+        _ => descriptor,
+    };
     let mut args: Vec<String> = match spec.role {
         EchoRole::Standard => vec!["echo".into()],
         EchoRole::Fbufs => vec!["bench-child".into(), "fbufs-echo".into()],

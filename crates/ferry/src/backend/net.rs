@@ -787,10 +787,13 @@ impl Link for NetLink {
         if let Some(e) = &self.gone {
             return Err(e.clone());
         }
-        self.flush()?;
+        // Read first: while messages keep arriving, what the application
+        // sends in answer piles up and goes out in one system call once the
+        // input runs dry (or a batch is full).
         match self.read_message(gate) {
             Ok(Some(msg)) => Ok(Some(msg)),
             Ok(None) => {
+                self.flush()?;
                 self.tick()?;
                 Ok(None)
             }
