@@ -162,7 +162,8 @@ pub struct BenchArgs {
     /// Moves in flight at once (throughput: default 250; pipeline: buffers in the chain, default 16).
     #[arg(long)]
     pub inflight: Option<usize>,
-    /// Moves per throughput run (default 50 000; the copying peers move 2 GiB per run above 64 KiB).
+    /// Moves per throughput run (default 50 000; above 64 KiB with --touch, and for the copying
+    /// peers, 2 GiB per run).
     #[arg(long)]
     pub moves: Option<usize>,
     /// Spin on the channel instead of sleeping (the default, except for pipeline).
