@@ -127,12 +127,14 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
         let faster = if lower_is_better(&unit) { 1.0 / mid } else { mid };
         let what = if stages >= 0 { format!("{stages} stages") } else { format!("{size} B") };
         if ctx.args.json {
-            let v = json!({
+            let mut v = json!({
                 "kind": "ratio", "experiment": ctx.args.experiment.name(), "unit": unit, "size": size,
                 "ferry": ferry, "baseline": base, "ratios": ratios.iter().map(|r| round(*r)).collect::<Vec<_>>(),
                 "median_ratio": round(mid), "ferry_faster_by": round(faster),
-                "stages": if stages >= 0 { json!(stages) } else { json!(null) },
             });
+            if stages >= 0 {
+                v["stages"] = json!(stages);
+            }
             println!("{v}");
         } else {
             let rs: Vec<String> = ratios.iter().map(|r| format!("{}", round(*r))).collect();

@@ -136,7 +136,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                     ctx.emit(p);
                     per_run.push((size, medians));
                 }
-                let mut p = slope_point(ctx, backend.name(), v.name(), trust.name(), runs, &per_run)?;
+                let mut p = slope_point(backend.name(), v.name(), trust.name(), a.mode(), runs, &per_run)?;
                 tag(&mut p);
                 ctx.emit(p);
             }
@@ -165,7 +165,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                 ctx.emit(p);
                 per_run.push((size, medians));
             }
-            let mut p = slope_point(ctx, b.name(), "copy", "n/a", runs, &per_run)?;
+            let mut p = slope_point(b.name(), "copy", "n/a", "blocking", runs, &per_run)?;
             tag(&mut p);
             ctx.emit(p);
         }
@@ -284,10 +284,10 @@ fn transfer_point(
 
 /// The table row: per-page cost (slope per run) and asymptotic throughput.
 fn slope_point(
-    ctx: &Ctx<'_>,
     backend: &str,
     variant: &str,
     trust: &str,
+    mode: &str,
     runs: usize,
     per_size: &[(usize, Vec<f64>)],
 ) -> Result<Point, CliError> {
@@ -306,23 +306,16 @@ fn slope_point(
     })?;
     let intercept = Summary::of(&intercepts).map_or(0.0, |i| i.median);
     let asymptotic = if s.median > 0.0 { json!(gbit(PAGE, s.median)) } else { Value::Null };
-    let head = Head {
-        experiment: "fbufs-table",
-        backend,
-        size: 0,
-        trust,
-        mode: ctx.args.mode(),
-        touch: false,
-        runs,
-        unit: "us/page",
-    };
+    let head = Head { experiment: "fbufs-table", backend, size: 0, trust, mode, touch: false, runs, unit: "us/page" };
     let sizes: Vec<usize> = per_size.iter().map(|(s, _)| *s).collect();
-    let copies = if backend.ends_with("-copy") { None } else { Some(0) };
-    let extra = json!({
+    let mut extra = json!({
         "variant": variant, "sizes": sizes, "intercept_us": round(intercept),
         "asymptotic_gbit_s": asymptotic,
     });
-    Ok(Point::new(head, s, copies, extra))
+    if backend.ends_with("-copy") {
+        extra["copies_kernel"] = json!(2);
+    }
+    Ok(Point::new(head, s, Some(0), extra))
 }
 
 /// The receiving domain of an fbufs transfer: accept pools, read the first

@@ -162,7 +162,8 @@ pub struct BenchArgs {
     /// Moves in flight at once (throughput: default 250; pipeline: buffers in the chain, default 16).
     #[arg(long)]
     pub inflight: Option<usize>,
-    /// Moves per throughput run (default 50 000; the copying peers move 2 GiB per run above 64 KiB).
+    /// Moves per throughput run (default 50 000; above 64 KiB with --touch, and for the copying
+    /// peers, 2 GiB per run).
     #[arg(long)]
     pub moves: Option<usize>,
     /// Spin on the channel instead of sleeping (the default, except for pipeline).
@@ -368,4 +369,67 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: BenchArgs,
+    }
+
+    fn check(args: &[&str]) -> Result<(), CliError> {
+        let t = T::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
+            .map_err(|e| CliError::Usage(e.to_string()))?;
+        validate(&t.a)
+    }
+
+    #[test]
+    fn bad_input_is_a_usage_error() {
+        for bad in [
+            &["nonsense"][..],
+            &["rtt", "--backend", "carrier-pigeon"],
+            &["rtt", "--size", "1000"],
+            &["rtt", "--size", "2048"],
+            &["rtt", "--backend", "net"],
+            &["rtt", "--runs", "0"],
+            &["throughput", "--inflight", "0"],
+            &["throughput", "--idle-us", "10"],
+            &["rtt", "--against", "uds-copy"],
+            &["rtt", "--compare", "--against", "shm"],
+            &["rtt", "--compare", "--backend", "uds-copy"],
+            &["rtt", "--peer", "shm@x"],
+            &["fbufs-table", "--backend", "shm", "--peer", "shm@x"],
+            &["rtt", "--backend", "shm", "--peer", "nowhere"],
+            &["throughput", "--backend", "eventfd"],
+            &["rtt", "--plot", "x.png"],
+            &["rtt", "--busy-poll", "--blocking"],
+        ] {
+            assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
+        }
+        for good in [
+            &["rtt"][..],
+            &["rtt", "--backend", "shm", "--peer", "shm@x", "--size", "4096"],
+            &["rtt", "--blocking", "--idle-us", "200", "--compare", "--against", "eventfd"],
+            &["throughput", "--backend", "uds-copy", "--size", "1000"],
+            &["pipeline", "--stages", "2", "--total", "1048576"],
+            &["fbufs-table", "--plot", "f.svg"],
+        ] {
+            assert!(check(good).is_ok(), "{good:?} refused");
+        }
+    }
+
+    #[test]
+    fn defaults_per_experiment() {
+        let t = T::try_parse_from(["t", "pipeline"]).unwrap();
+        assert_eq!((t.a.backend(), t.a.busy(), t.a.trust()), (Backend::Shm, false, Trust::Full));
+        let t = T::try_parse_from(["t", "fbufs-table"]).unwrap();
+        assert_eq!((t.a.backend(), t.a.busy(), t.a.trust()), (Backend::Local, true, Trust::Half));
+        let t = T::try_parse_from(["t", "rtt", "--blocking"]).unwrap();
+        assert_eq!((t.a.mode(), t.a.trust()), ("blocking", Trust::Full));
+    }
 }

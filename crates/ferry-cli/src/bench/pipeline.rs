@@ -357,10 +357,7 @@ pub fn stage(a: &StageArgs) -> Result<(), CliError> {
         Variant::Ferry => ferry_stage(a),
         Variant::Pipe => pipe_stage(a),
     };
-    if let Err(e) = &r {
-        eprintln!("ferry bench: pipeline stage {} of {}: {e}", a.index, a.stages);
-    }
-    r
+    r.map_err(|e| CliError::Failed(format!("pipeline stage {} of {}: {e}", a.index, a.stages)))
 }
 
 fn per_run(a: &StageArgs) -> u64 {

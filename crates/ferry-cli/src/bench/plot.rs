@@ -50,6 +50,8 @@ struct Spec<'a> {
     log_y: bool,
     /// A horizontal reference line: value, label.
     hline: Option<(f64, String)>,
+    /// Where the legend goes (where the data are not).
+    legend: SeriesLabelPosition,
 }
 
 fn err(e: impl std::fmt::Display) -> CliError {
@@ -205,7 +207,7 @@ fn chart(area: &Area<'_>, spec: &Spec<'_>, all: &[Series]) -> Result<(), CliErro
     c.configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK.mix(0.3))
-        .position(SeriesLabelPosition::UpperRight)
+        .position(spec.legend.clone())
         .draw()
         .map_err(err)?;
     Ok(())
@@ -301,6 +303,7 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
                 log_x: true,
                 log_y: true,
                 hline: None,
+                legend: SeriesLabelPosition::UpperLeft,
             };
             chart(&root, &spec, &s)?;
         }
@@ -317,6 +320,7 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
                 log_x: true,
                 log_y: true,
                 hline: a.iperf3_gbit.map(|g| (g, format!("iperf3 loopback {g} Gbit/s"))),
+                legend: SeriesLabelPosition::UpperLeft,
             };
             chart(&root, &spec, &s)?;
         }
@@ -343,6 +347,7 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
                 log_x: true,
                 log_y: true,
                 hline: None,
+                legend: SeriesLabelPosition::UpperLeft,
             };
             chart(&right, &spec, &s)?;
         }
@@ -355,6 +360,7 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
                 log_x: false,
                 log_y: false,
                 hline: None,
+                legend: SeriesLabelPosition::UpperRight,
             };
             chart(&root, &spec, &s)?;
         }
