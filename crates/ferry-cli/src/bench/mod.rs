@@ -395,7 +395,6 @@ mod tests {
             &["rtt", "--backend", "carrier-pigeon"],
             &["rtt", "--size", "1000"],
             &["rtt", "--size", "2048"],
-            &["rtt", "--backend", "net"],
             &["rtt", "--runs", "0"],
             &["throughput", "--inflight", "0"],
             &["throughput", "--idle-us", "10"],
@@ -416,6 +415,7 @@ mod tests {
             &["rtt", "--backend", "shm", "--peer", "shm@x", "--size", "4096"],
             &["rtt", "--blocking", "--idle-us", "200", "--compare", "--against", "eventfd"],
             &["throughput", "--backend", "uds-copy", "--size", "1000"],
+            &["rtt", "--backend", "net", "--size", "4096"],
             &["pipeline", "--stages", "2", "--total", "1048576"],
             &["fbufs-table", "--plot", "f.svg"],
         ] {
