@@ -10,5 +10,10 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
 fi
 for target in $(cargo +nightly fuzz list); do
   echo "fuzzing $target for ${secs}s"
-  cargo +nightly fuzz run "$target" -- -max_total_time="$secs" -rss_limit_mb=2048 2>&1 | tail -n 3
+  # Hand-written valid inputs (fuzz/seeds/TARGET) start the search inside
+  # the format; the corpus grows in fuzz/corpus/TARGET (not committed).
+  dirs=("fuzz/corpus/$target")
+  mkdir -p "${dirs[0]}"
+  [ -d "fuzz/seeds/$target" ] && dirs+=("fuzz/seeds/$target")
+  cargo +nightly fuzz run "$target" "${dirs[@]}" -- -max_total_time="$secs" -rss_limit_mb=2048 2>&1 | tail -n 3
 done

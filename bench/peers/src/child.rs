@@ -49,6 +49,10 @@ pub struct EchoArgs {
     /// Testing only: exit (as if crashed) after this many messages.
     #[arg(long)]
     pub die_after: Option<u64>,
+    /// fbufs transfers: read each message whole, check the first word of every
+    /// page, answer with the 8-byte sequence number instead of the message.
+    #[arg(long)]
+    pub oneway: bool,
 }
 
 impl EchoArgs {
@@ -64,6 +68,7 @@ impl EchoArgs {
             service: None,
             cpu: 1,
             die_after: None,
+            oneway: false,
         }
     }
 
@@ -85,6 +90,9 @@ impl EchoArgs {
         }
         if self.busy_poll {
             v.push("--busy-poll".into());
+        }
+        if self.oneway {
+            v.push("--oneway".into());
         }
         for fd in &self.fds {
             v.extend(["--fd".into(), fd.to_string()]);
@@ -259,7 +267,10 @@ impl Drop for EchoProc {
 pub fn echo_main(a: &EchoArgs) -> Result<u64, String> {
     pin(a.cpu);
     match a.peer {
+        #[cfg(feature = "iceoryx2")]
         Peer::Iceoryx2 => crate::iox::echo(a),
+        #[cfg(not(feature = "iceoryx2"))]
+        Peer::Iceoryx2 => Err("built without iceoryx2".into()),
         Peer::Eventfd => crate::wake::echo(a),
         Peer::Uds | Peer::Tcp | Peer::Pipe => crate::stream::echo(a),
     }

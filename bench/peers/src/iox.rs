@@ -217,7 +217,7 @@ pub fn measure(plan: &Plan) -> Result<(), String> {
 
 fn run_point<'a>(plan: &'a Plan, pp: PointPlan, node: &Node<Svc>, stem: &str) -> Result<Point<'a>, String> {
     let window = match plan.experiment {
-        Experiment::Rtt => RTT_WINDOW,
+        Experiment::Rtt | Experiment::Fbufs => RTT_WINDOW,
         Experiment::Throughput => plan.inflight,
     };
     let pubsub = |what| -> Result<_, String> {
@@ -284,6 +284,7 @@ fn run_point<'a>(plan: &'a Plan, pp: PointPlan, node: &Node<Svc>, stem: &str) ->
             for run in 0..=plan.runs {
                 for _ in 0..RTT_PER_RUN {
                     let s = side.prepare(seq, plan.touch)?;
+                    plan.idle();
                     let t0 = Instant::now();
                     side.send(s)?;
                     side.notify()?;
@@ -300,6 +301,7 @@ fn run_point<'a>(plan: &'a Plan, pp: PointPlan, node: &Node<Svc>, stem: &str) ->
             }
             Summary::of(&samples)
         }
+        Experiment::Fbufs => return Err("fbufs: copying peers only".into()),
         Experiment::Throughput => {
             let (moves, window) = (pp.moves as u64, window as u64);
             let mut rates = Vec::with_capacity(plan.runs);
@@ -345,7 +347,7 @@ fn run_point<'a>(plan: &'a Plan, pp: PointPlan, node: &Node<Svc>, stem: &str) ->
         return Err(format!("the echo saw {echoed} messages, expected {seq}"));
     }
     let moves = (plan.experiment == Experiment::Throughput).then_some(pp.moves);
-    Ok(Point { plan, size: pp.size, summary: summary.ok_or("no samples")?, moves })
+    Ok(Point { plan, size: pp.size, summary: summary.ok_or("no samples")?, moves, run_medians: None })
 }
 
 /// The echo: receive a ping, check it, send a pong with the same sequence number.

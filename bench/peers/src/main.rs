@@ -5,6 +5,7 @@
 //! and prints one line per point in the schema of `ferry bench --json`.
 
 mod child;
+#[cfg(feature = "iceoryx2")]
 mod iox;
 mod pattern;
 mod plan;
@@ -40,6 +41,9 @@ enum Command {
     /// The echo process (started by the others).
     #[command(hide = true)]
     Echo(child::EchoArgs),
+    /// The optional peers this binary was built with, one per line (for `ferry bench`).
+    #[command(hide = true)]
+    Features,
 }
 
 fn main() {
@@ -55,6 +59,12 @@ fn main() {
                 std::process::exit(1);
             }
         },
+        Command::Features => {
+            if cfg!(feature = "iceoryx2") {
+                println!("iceoryx2");
+            }
+            return;
+        }
         Command::Iceoryx2(a) => (Peer::Iceoryx2, a),
         Command::Eventfd(a) => (Peer::Eventfd, a),
         Command::UdsCopy(a) => (Peer::Uds, a),
@@ -69,7 +79,15 @@ fn main() {
         }
     };
     let result = match peer {
+        #[cfg(feature = "iceoryx2")]
         Peer::Iceoryx2 => iox::measure(&plan),
+        #[cfg(not(feature = "iceoryx2"))]
+        Peer::Iceoryx2 => {
+            eprintln!(
+                "ferry-peers: built without iceoryx2; build it with `scripts/bench-peers --build` (needs libclang)"
+            );
+            std::process::exit(2);
+        }
         Peer::Eventfd => wake::measure(&plan),
         Peer::Uds | Peer::Tcp | Peer::Pipe => stream::measure(&plan),
     };

@@ -5,6 +5,10 @@ use clap::{Args, ValueEnum};
 
 /// Round trips per rtt run (seed 003 §5.1.3/5.1.4, as `ferry bench`).
 pub const RTT_PER_RUN: usize = 250;
+/// Transfers per fbufs run (as `ferry bench fbufs-table`).
+pub const FBUFS_PER_RUN: usize = 25;
+/// The page of the fbufs transfers: one word written and read per page.
+pub const PAGE: usize = 4096;
 /// Default messages per throughput run up to 64 KiB (as `ferry bench`).
 pub const MOVES_SMALL: usize = 50_000;
 /// Above 64 KiB, copying peers (and --touch) move this many bytes per run by default (≈ 1 s here).
@@ -20,6 +24,10 @@ pub enum Experiment {
     Rtt,
     /// R runs of --moves messages with up to --inflight in flight; every run is a sample (Mops/s).
     Throughput,
+    /// Seed 000 (fbufs) transfers, copying peers only: R runs of 25 one-way messages, each with
+    /// one word written per page, read whole by the echo (one word per page checked) and answered
+    /// with 8 bytes; every transfer is a sample (µs), and each run's median is reported.
+    Fbufs,
 }
 
 /// The transports measured here.
@@ -70,6 +78,10 @@ pub struct BenchArgs {
     /// Give up on a point after this many seconds (the echo process is killed).
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
+    /// rtt: pause this many µs before each round trip, so the echo goes idle (sleeps) and the
+    /// measured path is the wake-up rather than the spin.
+    #[arg(long, default_value_t = 0)]
+    pub idle_us: u64,
     /// Testing only: the echo process exits after echoing this many messages.
     #[arg(long, hide = true)]
     pub die_after: Option<u64>,
@@ -96,6 +108,7 @@ pub struct Plan {
     pub touch: bool,
     pub json: bool,
     pub timeout_s: u64,
+    pub idle_us: u64,
     pub die_after: Option<u64>,
 }
 
@@ -125,6 +138,12 @@ impl Plan {
     }
     /// Payload copies per one-way message made by the kernel on the user's behalf:
     /// write() copies into the socket/pipe buffer, read() copies out of it.
+    /// The idle gap before each round trip (rtt, `--idle-us`).
+    pub fn idle(&self) {
+        if self.idle_us > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(self.idle_us));
+        }
+    }
     pub fn copies_kernel(&self) -> u32 {
         if self.peer.copies_through_kernel() {
             2
@@ -146,6 +165,20 @@ pub fn plan(peer: Peer, a: &BenchArgs) -> Result<Plan, String> {
     }
     if a.timeout == 0 {
         return Err("--timeout must be at least 1 second".into());
+    }
+    if a.idle_us > 0 && a.experiment != Experiment::Rtt {
+        return Err("--idle-us applies to rtt only".into());
+    }
+    if a.idle_us > 10_000_000 {
+        return Err("--idle-us: at most 10 000 000 (10 s)".into());
+    }
+    if a.experiment == Experiment::Fbufs && (a.touch || a.blocking || a.busy_poll) {
+        return Err("fbufs: one word per page is written and read; no --touch, and blocking I/O only".into());
+    }
+    if a.experiment == Experiment::Fbufs && !peer.copies_through_kernel() {
+        return Err(
+            "fbufs: the copy rows of the fbufs table are for the copying peers (uds-copy, tcp-copy, pipe-copy)".into(),
+        );
     }
     let busy = match peer {
         Peer::Iceoryx2 => !a.blocking,
@@ -192,6 +225,7 @@ pub fn plan(peer: Peer, a: &BenchArgs) -> Result<Plan, String> {
     let runs = a.runs.unwrap_or(match a.experiment {
         Experiment::Rtt => 100,
         Experiment::Throughput => 20,
+        Experiment::Fbufs => 10,
     });
     Ok(Plan {
         peer,
@@ -203,6 +237,7 @@ pub fn plan(peer: Peer, a: &BenchArgs) -> Result<Plan, String> {
         touch: a.touch,
         json: a.json,
         timeout_s: a.timeout,
+        idle_us: a.idle_us,
         die_after: a.die_after,
     })
 }

@@ -12,6 +12,8 @@ pub struct Point<'a> {
     pub summary: Summary,
     /// Messages per throughput run (None for rtt).
     pub moves: Option<usize>,
+    /// fbufs: the median of each run (µs), for the per-page slope per run.
+    pub run_medians: Option<Vec<f64>>,
 }
 
 /// Three decimals, as `ferry bench`, but at least three significant digits
@@ -32,6 +34,7 @@ impl Point<'_> {
         let (experiment, unit) = match p.experiment {
             Experiment::Rtt => ("rtt", "us"),
             Experiment::Throughput => ("throughput", "Mops/s"),
+            Experiment::Fbufs => ("fbufs", "us"),
         };
         let mut v = json!({
             "experiment": experiment, "backend": p.backend(), "size": self.size,
@@ -41,6 +44,13 @@ impl Point<'_> {
             "p95": round(s.p95), "p99": round(s.p99),
             "copies_user": p.copies_user(), "copies_kernel": p.copies_kernel(),
         });
+        if let (Some(m), Some(obj)) = (&self.run_medians, v.as_object_mut()) {
+            obj.insert("run_medians".into(), json!(m.iter().map(|x| round(*x)).collect::<Vec<_>>()));
+            obj.insert("transfers_per_run".into(), json!(crate::plan::FBUFS_PER_RUN));
+        }
+        if let (true, Some(obj)) = (p.idle_us > 0, v.as_object_mut()) {
+            obj.insert("idle_us".into(), json!(p.idle_us));
+        }
         if let (Some(moves), Some(obj)) = (self.moves, v.as_object_mut()) {
             let gbit = round(s.median * 1e6 * self.size as f64 * 8.0 / 1e9);
             obj.insert("inflight".into(), json!(p.inflight));
@@ -93,10 +103,11 @@ mod tests {
             touch: false,
             json: true,
             timeout_s: 10,
+            idle_us: 0,
             die_after: None,
         };
         let summary = Summary::of(&[1.0, 2.0, 3.0]).unwrap();
-        let v = Point { plan: &plan, size: 4096, summary, moves: Some(50_000) }.json();
+        let v = Point { plan: &plan, size: 4096, summary, moves: Some(50_000), run_medians: None }.json();
         let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
         keys.sort_unstable();
         assert_eq!(

@@ -28,7 +28,7 @@ use rustix::io::Errno;
 
 use crate::child::{self, EchoArgs, EchoProc};
 use crate::pattern;
-use crate::plan::{Experiment, Peer, Plan, PointPlan, RTT_PER_RUN};
+use crate::plan::{Experiment, Peer, Plan, PointPlan, FBUFS_PER_RUN, PAGE, RTT_PER_RUN};
 use crate::report::Point;
 use crate::stats::Summary;
 
@@ -53,6 +53,7 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> String + '_ {
 fn connect(plan: &Plan, pp: PointPlan) -> Result<(Ends, EchoProc), String> {
     let mut e = EchoArgs::new(plan.peer, pp.size);
     e.touch = plan.touch;
+    e.oneway = plan.experiment == Experiment::Fbufs;
     e.die_after = plan.die_after;
     let timeout = Duration::from_secs(plan.timeout_s);
     match plan.peer {
@@ -171,10 +172,64 @@ pub fn measure(plan: &Plan) -> Result<(), String> {
         let point = match plan.experiment {
             Experiment::Rtt => rtt(plan, pp)?,
             Experiment::Throughput => throughput(plan, pp)?,
+            Experiment::Fbufs => fbufs(plan, pp)?,
         };
         point.print();
     }
     Ok(())
+}
+
+/// Write the transfer's sequence number into the first word of every page.
+fn write_pages(buf: &mut [u8], seq: u64) {
+    for page in buf.chunks_mut(PAGE) {
+        if page.len() >= 8 {
+            page[..8].copy_from_slice(&seq.to_le_bytes());
+        }
+    }
+}
+
+/// Whether the first word of every page holds `seq`.
+fn check_pages(buf: &[u8], seq: u64) -> bool {
+    let want = seq.to_le_bytes();
+    buf.chunks(PAGE).filter(|p| p.len() >= 8).fold(true, |ok, p| ok & (p[..8] == want))
+}
+
+/// Seed 000's transfer over a copying transport: the source writes one word
+/// per page and sends the message; the echo reads it whole, reads (checks)
+/// one word per page and answers with the 8-byte sequence number. One
+/// sample per transfer, from the first byte written to the answer read.
+fn fbufs(plan: &Plan, pp: PointPlan) -> Result<Point<'_>, String> {
+    let (ends, proc) = connect(plan, pp)?;
+    let (rd, wr) = (ends.rd.as_fd(), ends.wr.as_fd());
+    let mut sbuf = vec![1u8; pp.size];
+    let mut ack = [0u8; 8];
+    let mut samples = Vec::with_capacity(plan.runs * FBUFS_PER_RUN);
+    let mut medians = Vec::with_capacity(plan.runs);
+    let mut seq = 0u64;
+    for run in 0..=plan.runs {
+        let mut times = Vec::with_capacity(FBUFS_PER_RUN);
+        for _ in 0..FBUFS_PER_RUN {
+            let t0 = Instant::now();
+            write_pages(&mut sbuf, seq);
+            write_all(wr, &sbuf)?;
+            if !read_exact(rd, &mut ack)? {
+                return Err("the echo closed the connection".into());
+            }
+            times.push(t0.elapsed().as_secs_f64() * 1e6);
+            if u64::from_le_bytes(ack) != seq {
+                return Err(format!("transfer {seq} answered with {}", u64::from_le_bytes(ack)));
+            }
+            seq += 1;
+        }
+        if run > 0 {
+            medians.push(Summary::of(&times).ok_or("no samples")?.median);
+            samples.extend(times);
+        }
+        proc.tick();
+    }
+    stop(ends, proc, seq)?;
+    let summary = Summary::of(&samples).ok_or("no samples")?;
+    Ok(Point { plan, size: pp.size, summary, moves: None, run_medians: Some(medians) })
 }
 
 fn rtt(plan: &Plan, pp: PointPlan) -> Result<Point<'_>, String> {
@@ -189,6 +244,7 @@ fn rtt(plan: &Plan, pp: PointPlan) -> Result<Point<'_>, String> {
     for run in 0..=plan.runs {
         for _ in 0..RTT_PER_RUN {
             prepare(&mut sbuf, seq, plan.touch);
+            plan.idle();
             let t0 = Instant::now();
             write_all(wr, &sbuf)?;
             if !read_exact(rd, &mut rbuf)? {
@@ -205,7 +261,7 @@ fn rtt(plan: &Plan, pp: PointPlan) -> Result<Point<'_>, String> {
     }
     stop(ends, proc, seq)?;
     let summary = Summary::of(&samples).ok_or("no samples")?;
-    Ok(Point { plan, size: pp.size, summary, moves: None })
+    Ok(Point { plan, size: pp.size, summary, moves: None, run_medians: None })
 }
 
 fn throughput(plan: &Plan, pp: PointPlan) -> Result<Point<'_>, String> {
@@ -287,7 +343,7 @@ fn throughput(plan: &Plan, pp: PointPlan) -> Result<Point<'_>, String> {
     }
     stop(ends, proc, sent)?;
     let summary = Summary::of(&rates).ok_or("no samples")?;
-    Ok(Point { plan, size: pp.size, summary, moves: Some(pp.moves) })
+    Ok(Point { plan, size: pp.size, summary, moves: Some(pp.moves), run_medians: None })
 }
 
 /// The echo: read a message, check it, write the same buffer back, until end of file.
@@ -317,6 +373,17 @@ pub fn echo(a: &EchoArgs) -> Result<u64, String> {
     };
     let mut buf = vec![1u8; a.size];
     let mut n = 0u64;
+    if a.oneway {
+        while read_exact(rd.as_fd(), &mut buf)? {
+            if !check_pages(&buf, n) {
+                return Err(format!("transfer {n} arrived with wrong page words"));
+            }
+            write_all(wr.as_fd(), &n.to_le_bytes())?;
+            n += 1;
+            a.maybe_die(n);
+        }
+        return Ok(n);
+    }
     while read_exact(rd.as_fd(), &mut buf)? {
         let ok = if a.touch { pattern::check(&buf, n) } else { pattern::check_tag(&buf, n) };
         if !ok {

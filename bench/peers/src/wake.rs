@@ -108,6 +108,7 @@ fn rtt(plan: &Plan) -> Result<Point<'_>, String> {
         for run in 0..=plan.runs {
             for _ in 0..RTT_PER_RUN {
                 seq += 1;
+                plan.idle();
                 let t0 = Instant::now();
                 shm.ping().store(seq, Ordering::Release);
                 let mut spins = 0u32;
@@ -137,6 +138,7 @@ fn rtt(plan: &Plan) -> Result<Point<'_>, String> {
         proc = child::spawn(&e, timeout)?;
         for run in 0..=plan.runs {
             for _ in 0..RTT_PER_RUN {
+                plan.idle();
                 let t0 = Instant::now();
                 efd_write(ping.as_fd(), PING)?;
                 let v = efd_read(pong.as_fd())?;
@@ -157,7 +159,7 @@ fn rtt(plan: &Plan) -> Result<Point<'_>, String> {
         finish(proc, seq)?;
     }
     let summary = Summary::of(&samples).ok_or("no samples")?;
-    Ok(Point { plan, size: 0, summary, moves: None })
+    Ok(Point { plan, size: 0, summary, moves: None, run_medians: None })
 }
 
 fn finish(proc: child::EchoProc, expected: u64) -> Result<(), String> {

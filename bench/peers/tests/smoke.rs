@@ -36,6 +36,9 @@ fn every_peer_measures() {
         (&["iceoryx2", "throughput", "--blocking"], "iceoryx2", "blocking"),
     ];
     for (args, backend, mode) in cases {
+        if args[0] == "iceoryx2" && !cfg!(feature = "iceoryx2") {
+            continue;
+        }
         let mut a = args.to_vec();
         a.extend(["--runs", "1", "--moves", "600", "--size", "4096", "--json"]);
         if args[0] == "eventfd" {
@@ -61,6 +64,9 @@ fn a_dead_echo_is_an_error() {
         &["eventfd", "rtt", "--busy-poll"],
         &["iceoryx2", "throughput"],
     ] {
+        if args[0] == "iceoryx2" && !cfg!(feature = "iceoryx2") {
+            continue;
+        }
         let mut a = args.to_vec();
         a.extend(["--runs", "2", "--die-after", "300"]);
         if args[0] != "eventfd" {
@@ -78,4 +84,38 @@ fn a_dead_echo_is_an_error() {
 fn bad_arguments_are_refused() {
     let (ok, _, err, _) = run(&["tcp-copy", "rtt", "--size", "12"]);
     assert!(!ok && err.contains("multiple of 8"), "{err}");
+}
+
+#[test]
+fn fbufs_transfers_report_run_medians() {
+    let (ok, out, err, _) = run(&["uds-copy", "fbufs", "--size", "4096", "--size", "65536", "--runs", "3", "--json"]);
+    assert!(ok, "{err}");
+    let lines: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    for v in &lines {
+        assert_eq!((v["experiment"].as_str(), v["unit"].as_str()), (Some("fbufs"), Some("us")), "{v}");
+        assert_eq!(v["run_medians"].as_array().map(Vec::len), Some(3), "{v}");
+        assert_eq!(v["samples"].as_u64(), Some(75), "{v}");
+    }
+    let (ok, _, err, _) = run(&["iceoryx2", "fbufs"]);
+    assert!(!ok && !err.is_empty());
+}
+
+#[test]
+fn idle_gap_before_round_trips() {
+    let (ok, out, err, took) = run(&["eventfd", "rtt", "--runs", "1", "--idle-us", "1000", "--json"]);
+    assert!(ok, "{err}");
+    let v = json_line(&out);
+    assert_eq!(v["idle_us"].as_u64(), Some(1000), "{out}");
+    // 500 round trips (warm-up included), each after at least 1 ms idle.
+    assert!(took >= Duration::from_millis(500), "{took:?}");
+    let (ok, _, err, _) = run(&["uds-copy", "throughput", "--idle-us", "10"]);
+    assert!(!ok && err.contains("rtt only"), "{err}");
+}
+
+#[test]
+fn features_lists_optional_peers() {
+    let (ok, out, _, _) = run(&["features"]);
+    assert!(ok);
+    assert_eq!(out.contains("iceoryx2"), cfg!(feature = "iceoryx2"), "{out}");
 }

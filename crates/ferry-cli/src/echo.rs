@@ -25,7 +25,7 @@ pub struct EchoOptions {
 
 #[derive(Debug, Args)]
 pub struct EchoArgs {
-    /// Endpoint to bind to: `shm:PATH` or `shm@ABSTRACT-NAME`.
+    /// Endpoint to bind to: `shm:PATH`, `shm@ABSTRACT-NAME` or `tcp:HOST:PORT`.
     #[arg(long)]
     endpoint: String,
     /// Spin instead of sleeping.
@@ -53,7 +53,24 @@ pub fn parse_endpoint(s: &str) -> Result<Endpoint, CliError> {
     if let Some(name) = s.strip_prefix("shm@") {
         return Ok(Endpoint::shm_abstract(name));
     }
-    Err(CliError::Usage(format!("endpoint {s:?}: expected shm:PATH or shm@NAME")))
+    if let Some(hostport) = s.strip_prefix("tcp:") {
+        use std::net::ToSocketAddrs;
+        let addr =
+            hostport.to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| {
+                CliError::Usage(format!("endpoint {s:?}: expected tcp:HOST:PORT (IPv6: tcp:[::1]:PORT)"))
+            })?;
+        return Ok(Endpoint::tcp(addr));
+    }
+    Err(CliError::Usage(format!("endpoint {s:?}: expected shm:PATH, shm@NAME or tcp:HOST:PORT")))
+}
+
+/// How the echo process is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// Shared memory (an abstract socket name for the setup).
+    Shm,
+    /// TCP over loopback.
+    Tcp,
 }
 
 /// `ferry echo`: bind to the endpoint, echo until the peer closes, print
@@ -119,20 +136,31 @@ pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
     }
 }
 
-/// Create the channel on a fresh shared-memory endpoint and start
-/// `ferry echo` on it as a process pinned to CPU 1.
-pub fn spawn_process(
+/// Create the channel on a fresh endpoint of `transport` (shared memory, or
+/// TCP on a loopback port the kernel picks) and start `ferry echo` on it as
+/// a process pinned to CPU 1.
+pub fn spawn_process_on(
+    transport: Transport,
     domain: &Domain,
     setup: ChannelSetup,
     opts: EchoOptions,
 ) -> Result<(Channel, std::process::Child), CliError> {
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(0);
-    let name = format!("ferry-echo-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
-    let mut source = Channel::create(domain, &ferry::Endpoint::shm_abstract(&name), setup)?;
+    let (mut source, endpoint) = match transport {
+        Transport::Shm => {
+            let name = format!("ferry-echo-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+            (Channel::create(domain, &Endpoint::shm_abstract(&name), setup)?, format!("shm@{name}"))
+        }
+        Transport::Tcp => {
+            let ch = Channel::create(domain, &Endpoint::tcp(([127, 0, 0, 1], 0).into()), setup)?;
+            let addr = ch.listen_addr().ok_or_else(|| CliError::Failed("TCP channel has no address".into()))?;
+            (ch, format!("tcp:{addr}"))
+        }
+    };
     let exe = std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own executable: {e}")))?;
     let mut cmd = std::process::Command::new(exe);
-    cmd.args(["echo", "--endpoint", &format!("shm@{name}"), "--cpu", "1"]);
+    cmd.args(["echo", "--endpoint", &endpoint, "--cpu", "1"]);
     for (on, flag) in
         [(opts.busy, "--busy-poll"), (opts.touch, "--touch"), (opts.verify, "--verify"), (opts.batch, "--batch")]
     {

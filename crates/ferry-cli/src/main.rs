@@ -3,6 +3,7 @@
 //! * `ferry demo` — moves real data with Ferry and prints what it verified
 //!   and how fast.
 //! * `ferry bench EXPERIMENT` — the seeds' experiments (see BENCHMARKS.md).
+//! * `ferry echo` — the echo domain of an experiment run elsewhere.
 
 use std::process::ExitCode;
 
@@ -32,6 +33,9 @@ enum Command {
     /// Be the echo domain of an experiment run elsewhere: bind to the
     /// endpoint, pass every buffer back until the channel closes.
     Echo(echo::EchoArgs),
+    /// Internal: the processes `ferry bench` starts (fbufs receiver, pipeline stages).
+    #[command(hide = true, name = "bench-child")]
+    BenchChild(bench::child::ChildArgs),
 }
 
 fn main() -> ExitCode {
@@ -40,6 +44,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Echo(args) => echo::run(&args),
+        Command::BenchChild(args) => bench::child::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -12,8 +12,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Endpoint, Link, Pending};
-use crate::buffer::{Buffer, BufferCopy, BufferId, CopySource, Spares};
+use crate::backend::{Endpoint, Landing, Link, PayloadGate, Pending};
+use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource, Spares};
 use crate::domain::{ChanKey, Domain, DomainState, LentSet};
 use crate::error::{Error, Refused, Result};
 use crate::pool::{Geometry, Pool, PoolId, PoolView, TrustLevel};
@@ -423,6 +423,20 @@ impl Channel {
         self.pools.iter().any(|p| p.id == pool && p.listed)
     }
 
+    /// The address a channel being created on a TCP endpoint listens on
+    /// (the port the kernel chose when the endpoint said port 0); `None`
+    /// for other endpoints and once a binder is connected.
+    pub fn listen_addr(&self) -> Option<std::net::SocketAddr> {
+        self.pending.as_ref().and_then(|p| p.listen_addr())
+    }
+
+    /// Transfer counters of the backend, where it keeps them (the TCP
+    /// backend: frames, payload bytes straight from and into buffers,
+    /// payload bytes staged in user space, system calls).
+    pub fn link_stats(&self) -> Option<crate::LinkStats> {
+        self.link.as_ref().and_then(|l| l.stats())
+    }
+
     /// Pool-assignment requests waiting for an answer.
     pub fn pending_requests(&self) -> &[PoolRequest] {
         &self.requests
@@ -435,7 +449,7 @@ impl Channel {
     pub fn move_buffer(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
         match self.check_transfer(Direction::Tx, &buffer, meta.len()) {
-            Ok(()) => self.send_owned(buffer, meta, |buf, meta| Message::Move { buf, meta }),
+            Ok(()) => self.send_owned(buffer, meta, false, |buf, meta| Message::Move { buf, meta }),
             Err(e) => Err(Refused::new(e, buffer)),
         }
     }
@@ -444,7 +458,22 @@ impl Channel {
     pub fn pass(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
         match self.check_transfer(Direction::Rx, &buffer, meta.len()) {
-            Ok(()) => self.send_owned(buffer, meta, |buf, meta| Message::Pass { buf, meta }),
+            Ok(()) => self.send_owned(buffer, meta, false, |buf, meta| Message::Pass { buf, meta }),
+            Err(e) => Err(Refused::new(e, buffer)),
+        }
+    }
+
+    /// Pass a buffer whose contents do not matter to the source: a receive
+    /// master handing out empty buffers to be filled. The semantics are
+    /// those of [`pass`](Channel::pass); the difference is the cost: over
+    /// the network no payload travels, and the source's buffer then holds
+    /// whatever bytes its memory last held for it (never another domain's
+    /// live data). Between threads or processes of one host the two are
+    /// the same.
+    pub fn pass_unfilled(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
+        self.flush_deferred();
+        match self.check_transfer(Direction::Rx, &buffer, meta.len()) {
+            Ok(()) => self.send_owned(buffer, meta, true, |buf, meta| Message::Pass { buf, meta }),
             Err(e) => Err(Refused::new(e, buffer)),
         }
     }
@@ -462,9 +491,19 @@ impl Channel {
         self.check_pool(id.pool)?;
         self.check_meta(meta.len())?;
         self.check_room()?;
-        self.domain.lock().copy_sent(id, self.key);
+        // A copy to a peer that still holds one of this buffer from us needs
+        // no payload: the buffer has been read-only since, so the peer's
+        // bytes are current (the TCP backend then sends none).
+        let resend = {
+            let mut st = self.domain.lock();
+            let resend = st.record(id).is_some_and(|r| r.copies_out_via(self.key) > 0);
+            st.copy_sent(id, self.key);
+            resend
+        };
         let msg = Message::Copy { buf: id, meta: Meta::new(meta).expect("meta checked") };
-        if let Err(e) = self.link_mut().send(&msg) {
+        let link = self.link_mut();
+        let sent = if resend { link.send_unfilled(&msg) } else { link.send(&msg) };
+        if let Err(e) = sent {
             // Peer vanished between the checks and the send: undo.
             self.domain.lock().copy_returned(id, self.key);
             return Err(e);
@@ -522,7 +561,7 @@ impl Channel {
             Ok(dst) => dst[..n].copy_from_slice(&source[..n]),
             Err(e) => return Err(Refused::new(e, destination)),
         }
-        self.send_owned(destination, meta, |buf, meta| Message::Move { buf, meta })
+        self.send_owned(destination, meta, false, |buf, meta| Message::Move { buf, meta })
     }
 
     /// Start assigning a pool to this channel (seed 003 Algorithm 6,
@@ -627,7 +666,10 @@ impl Channel {
 
     /// Send what this end has queued for the peer, without taking any
     /// arrival: the messages held back by batching
-    /// ([`set_batching`](Channel::set_batching)); nothing to do without it.
+    /// ([`set_batching`](Channel::set_batching)). The TCP backend always
+    /// batches (it sends when the channel is polled or waited on, or a batch
+    /// is full); `flush` is for a caller that sends and then does not poll
+    /// for a while.
     pub fn flush(&mut self) -> Result<()> {
         if !matches!(self.state, ChannelState::Connected | ChannelState::Teardown) {
             return Ok(());
@@ -795,12 +837,15 @@ impl Channel {
         &mut self,
         buffer: Buffer,
         meta: &[u8],
+        unfilled: bool,
         make: impl FnOnce(BufferId, Meta) -> Message,
     ) -> Result<(), Refused<Buffer>> {
         let id = buffer.id();
         self.domain.lock().give_away(id);
         let msg = make(id, Meta::new(meta).expect("meta checked"));
-        match self.link_mut().send(&msg) {
+        let link = self.link_mut();
+        let sent = if unfilled { link.send_unfilled(&msg) } else { link.send(&msg) };
+        match sent {
             Ok(()) => {
                 self.spares.keep(buffer);
                 if let Some(lent) = &mut self.lent {
@@ -922,8 +967,18 @@ impl Channel {
         }
     }
 
+    /// The next message from the link, its payload (if the backend carries
+    /// one) admitted by this channel's [`ChannelGate`].
+    fn recv(&mut self) -> Result<Option<Message>> {
+        let mut gate = ChannelGate { domain: &self.domain, pools: &self.pools, direction: self.direction };
+        match self.link.as_deref_mut() {
+            Some(link) => link.recv(&mut gate),
+            None => Ok(None),
+        }
+    }
+
     fn poll_message(&mut self) -> Option<Event> {
-        let received = self.link_mut().recv();
+        let received = self.recv();
         match received {
             Ok(Some(msg)) => match self.deliver(msg) {
                 Ok(ev) => Some(ev),
@@ -931,7 +986,7 @@ impl Channel {
             },
             Ok(None) => None,
             Err(e) => {
-                if e == Error::PeerGone && self.link_mut().peer_died() {
+                if matches!(e, Error::PeerGone | Error::PeerUnresponsive(_)) && self.link_mut().peer_died() {
                     self.reclaim_from_dead_peer();
                 }
                 if self.sent_teardown && e == Error::PeerGone {
@@ -1091,7 +1146,10 @@ impl Channel {
             self.reply(Message::AssignReply { pool, accepted: false });
             return Ok(Event::PoolVetoed(pool));
         }
-        if known.is_none() {
+        if known.is_some() {
+            let memory = self.domain.lock().entry(pool).expect("known").view.memory().clone();
+            self.link_mut().use_pool(&memory)?;
+        } else {
             let memory = self.link_mut().import_pool(pool, geometry)?;
             let initial = if trust.protects() { Access::None } else { Access::ReadWrite };
             let view = PoolView::map(memory, initial, self.constraints.alignment)?;
@@ -1166,6 +1224,9 @@ impl Channel {
     }
 
     fn fail(&mut self, e: Error) -> Event {
+        if self.link.as_mut().is_some_and(|l| l.abandon()) {
+            self.reclaim_from_dead_peer();
+        }
         self.close();
         Event::Error(e)
     }
@@ -1181,7 +1242,7 @@ impl Drop for Channel {
             return;
         }
         let mut last = Vec::new();
-        while let Some(Ok(Some(msg))) = self.link.as_mut().map(|l| l.recv()) {
+        while let Ok(Some(msg)) = self.recv() {
             match self.deliver(msg) {
                 Ok(Event::CopyReceived { copy, .. }) => {
                     // Unseen copies go back: now if the queue has room,
@@ -1202,6 +1263,47 @@ impl Drop for Channel {
             }
         }
         self.close_with(last);
+    }
+}
+
+/// A channel's check of an arriving payload (see [`PayloadGate`]): the
+/// buffer's pool is on the channel, the index is in range, the message goes
+/// the channel's way, and the buffer is not one this domain owns (a peer
+/// cannot overwrite our data) or reads (a copy we hold cannot change).
+struct ChannelGate<'a> {
+    domain: &'a Domain,
+    pools: &'a [ChanPool],
+    direction: Direction,
+}
+
+impl PayloadGate for ChannelGate<'_> {
+    fn admit(&mut self, msg: &Message) -> Result<Landing> {
+        let (buf, want, gives) = match msg {
+            Message::Move { buf, .. } => (*buf, Direction::Rx, true),
+            Message::Pass { buf, .. } => (*buf, Direction::Tx, true),
+            Message::Copy { buf, .. } => (*buf, Direction::Rx, false),
+            _ => return Err(Error::Protocol("payload on a message that carries none".into())),
+        };
+        if self.direction != want {
+            return Err(Error::Protocol("buffer message against the channel direction".into()));
+        }
+        if !self.pools.iter().any(|p| p.id == buf.pool && p.listed) {
+            return Err(Error::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)));
+        }
+        let st = self.domain.lock();
+        let count = st.entry(buf.pool).map_or(0, |e| e.view.geometry().count());
+        if buf.index >= count {
+            return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
+        }
+        match st.buffer_state(buf.pool, buf.index) {
+            BufferState::Invalid => Ok(Landing::Land),
+            BufferState::ReadWrite | BufferState::ReadOnlyOwned if gives => {
+                Err(Error::Protocol(format!("peer gave us buffer {} which we own", buf.index)))
+            }
+            // A copy of a buffer we own or already read: the bytes are the
+            // ones we have (nobody may write it while copies are out).
+            _ => Ok(Landing::Discard),
+        }
     }
 }
 

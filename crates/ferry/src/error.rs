@@ -126,6 +126,10 @@ pub enum Error {
     /// The peer went away (closed, crashed or unreachable).
     #[error("peer is gone")]
     PeerGone,
+    /// The peer sent nothing (not even a keep-alive) or took none of our
+    /// data for this long: it is treated as dead.
+    #[error("peer unresponsive for {0:?}")]
+    PeerUnresponsive(std::time::Duration),
     /// The peer sent something malformed or impossible; the channel is closed.
     #[error("protocol violation by peer: {0}")]
     Protocol(String),

@@ -48,3 +48,53 @@ pub fn ring_from_peer(data: &[u8]) {
         }
     }
 }
+
+/// A TCP byte stream from a hostile peer, after setup: the frame decoder
+/// must turn it into messages, a clean end, or typed errors — never a
+/// panic, a hang, or a write outside the buffer the gate admitted. One
+/// pool of four 4 KiB buffers is on the channel; the gate admits buffer 0,
+/// discards buffer 1 (as if we held a copy), and refuses the others (as if
+/// we owned them). The first byte picks the channel's meta size.
+pub fn net_stream_from_peer(data: &[u8]) {
+    use std::io::Write;
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+
+    use crate::backend::net::NetLink;
+    use crate::backend::{Landing, Link, PayloadGate};
+    use crate::error::{Error, Result};
+    use crate::pool::{Geometry, PoolId, PoolMemory};
+
+    struct Gate;
+    impl PayloadGate for Gate {
+        fn admit(&mut self, msg: &Message) -> Result<Landing> {
+            let buf = match msg {
+                Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } => buf,
+                _ => return Err(Error::Protocol("gate asked about a message without payload".into())),
+            };
+            match buf.index {
+                0 => Ok(Landing::Land),
+                1 => Ok(Landing::Discard),
+                _ => Err(Error::Protocol("buffer we own".into())),
+            }
+        }
+    }
+
+    let Some((&knob, bytes)) = data.split_first() else { return };
+    let (ours, theirs) = UnixStream::pair().expect("socket pair");
+    let mut link = NetLink::over(std::net::TcpStream::from(OwnedFd::from(ours)), usize::from(knob) % 64);
+    let pool =
+        PoolMemory::mirror(PoolId::from_u128(0xf00d), Geometry::new(4096, 4).expect("geometry")).expect("pool memory");
+    link.use_pool(&pool).expect("pool mapped");
+    let mut theirs = theirs;
+    // A few KiB fit in the socket buffer at once; the end of the stream
+    // follows the bytes.
+    let _ = theirs.write_all(&bytes[..bytes.len().min(64 << 10)]);
+    drop(theirs);
+    for _ in 0..(bytes.len() + 8) {
+        match link.recv(&mut Gate) {
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+}

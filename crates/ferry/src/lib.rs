@@ -63,9 +63,9 @@ mod ring;
 mod sys;
 
 pub use alloc::Allocator;
+pub use backend::{Endpoint, LinkStats, LocalEndpoint};
 #[cfg(not(loom))]
-pub use backend::ShmEndpoint;
-pub use backend::{Endpoint, LocalEndpoint};
+pub use backend::{NetEndpoint, NetOptions, ShmEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{
     BindParams, Channel, ChannelConstraints, ChannelSetup, ChannelState, Direction, Event, PoolRequest, Role,

@@ -194,6 +194,14 @@ impl PoolMemory {
         Ok(Arc::new(PoolMemory { id, geometry, fd }))
     }
 
+    /// This host's copy of a pool that lives on another machine (network
+    /// backend): fresh memory under the pool's own id and geometry.
+    pub(crate) fn mirror(id: PoolId, geometry: Geometry) -> Result<Arc<Self>> {
+        let fd = sys::memfd(&format!("ferry-pool-{id}"), geometry.len())?;
+        sys::seal_size(&fd)?;
+        Ok(Arc::new(PoolMemory { id, geometry, fd }))
+    }
+
     /// A pool received from a peer as an fd: accepted only if it is a
     /// memfd of exactly the announced size, sealed against resizing.
     pub(crate) fn from_peer(id: PoolId, geometry: Geometry, fd: OwnedFd) -> Result<Arc<Self>> {

@@ -213,6 +213,90 @@ impl Drop for Mapping {
     }
 }
 
+/// A range of memory that a vectored socket receive may write: part of a
+/// pool mapping (a buffer's payload lands straight in it) or an ordinary
+/// slice (frame headers). Borrowing the mapping keeps it mapped.
+pub(crate) struct RecvPart<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _life: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+/// A range of memory that a vectored socket send reads.
+pub(crate) struct SendPart<'a> {
+    ptr: *const u8,
+    len: usize,
+    _life: std::marker::PhantomData<&'a [u8]>,
+}
+
+impl<'a> RecvPart<'a> {
+    pub(crate) fn slice(s: &'a mut [u8]) -> Self {
+        RecvPart { ptr: s.as_mut_ptr(), len: s.len(), _life: std::marker::PhantomData }
+    }
+
+    /// `[offset, offset + len)` of `map`, if inside it.
+    pub(crate) fn mapping(map: &'a Mapping, offset: usize, len: usize) -> Option<Self> {
+        let end = offset.checked_add(len)?;
+        (end <= map.len).then(|| RecvPart {
+            // In bounds (checked above), so the offset stays inside the mapping.
+            ptr: map.ptr.as_ptr().wrapping_add(offset),
+            len,
+            _life: std::marker::PhantomData,
+        })
+    }
+}
+
+impl<'a> SendPart<'a> {
+    pub(crate) fn slice(s: &'a [u8]) -> Self {
+        SendPart { ptr: s.as_ptr(), len: s.len(), _life: std::marker::PhantomData }
+    }
+
+    /// `[offset, offset + len)` of `map`, if inside it.
+    pub(crate) fn mapping(map: &'a Mapping, offset: usize, len: usize) -> Option<Self> {
+        let end = offset.checked_add(len)?;
+        (end <= map.len).then(|| SendPart {
+            ptr: map.ptr.as_ptr().wrapping_add(offset).cast_const(),
+            len,
+            _life: std::marker::PhantomData,
+        })
+    }
+}
+
+/// Receive into `parts` in order, without blocking (`WouldBlock` when
+/// nothing is there; `Ok(0)` at end of stream).
+pub(crate) fn recv_parts(fd: BorrowedFd<'_>, parts: &[RecvPart<'_>]) -> io::Result<usize> {
+    use rustix::net::{RecvAncillaryBuffer, RecvFlags};
+    let mut slices: Vec<io::IoSliceMut<'_>> = parts
+        .iter()
+        .map(|p| {
+            // SAFETY: each part is a live, writable range for its lifetime
+            // (a slice we borrow mutably, or a checked range of a mapping we
+            // borrow). The slice exists only for this call and only the
+            // kernel writes through it. Pool memory is shared with other
+            // views; the buffer-state layer guarantees that no domain of
+            // this process owns or reads a buffer while its payload lands
+            // (the channel's payload gate).
+            io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p.ptr, p.len) })
+        })
+        .collect();
+    let mut control = RecvAncillaryBuffer::default();
+    let r = rustix::net::recvmsg(fd, &mut slices, &mut control, RecvFlags::DONTWAIT)?;
+    Ok(r.bytes)
+}
+
+/// Send from `parts` in order, without blocking and without `SIGPIPE`.
+pub(crate) fn send_parts(fd: BorrowedFd<'_>, parts: &[SendPart<'_>]) -> io::Result<usize> {
+    use rustix::net::{SendAncillaryBuffer, SendFlags};
+    let slices: Vec<io::IoSlice<'_>> = parts
+        .iter()
+        // SAFETY: each part is a live, readable range for its lifetime; the
+        // kernel only reads it during this call.
+        .map(|p| io::IoSlice::new(unsafe { std::slice::from_raw_parts(p.ptr, p.len) }))
+        .collect();
+    let mut control = SendAncillaryBuffer::default();
+    Ok(rustix::net::sendmsg(fd, &slices, &mut control, SendFlags::DONTWAIT | SendFlags::NOSIGNAL)?)
+}
+
 /// Borrow an fd (re-exported helper so callers need not import `AsFd`).
 pub(crate) fn borrow(fd: &OwnedFd) -> BorrowedFd<'_> {
     fd.as_fd()

@@ -103,6 +103,36 @@ impl<B: Backend> Backend for Batched<B> {
     }
 }
 
+/// The TCP backend: both ends in this process, every message a frame on a
+/// real loopback connection, every payload written from one domain's pool
+/// memory and read into the other's mirror of it.
+struct Net;
+
+impl Backend for Net {
+    const TRUSTS: &'static [Trust] = &[Trust::Full, Trust::Full, Trust::Half, Trust::None];
+
+    fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
+        let ep = Endpoint::tcp("127.0.0.1:0".parse().unwrap());
+        let setup = ChannelSetup { direction: Direction::Tx, trust, meta_size: META, ..ChannelSetup::default() };
+        let mut s = Channel::create(source, &ep, setup).expect("create");
+        let ep = Endpoint::tcp(s.listen_addr().expect("listening"));
+        let mut r = Channel::bind(sink, &ep, BindParams::default()).expect("bind");
+        let t = std::time::Duration::from_secs(10);
+        assert!(matches!(s.wait(Some(t)), Some(FEvent::BindRequest { .. })));
+        assert!(matches!(r.wait(Some(t)), Some(FEvent::Bound)));
+        (s, r)
+    }
+
+    fn deliver(&mut self, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
+        from.flush().expect("flush");
+        if expect {
+            to.wait(Some(std::time::Duration::from_secs(10)))
+        } else {
+            to.poll()
+        }
+    }
+}
+
 fn trust_level(t: Trust) -> TrustLevel {
     match t {
         Trust::Uninitialized => TrustLevel::Uninitialized,
@@ -569,4 +599,10 @@ fn batched_local_backend_follows_the_model() {
 #[test]
 fn batched_shm_backend_follows_the_model() {
     suite(|| Batched(Shm));
+}
+
+/// The TCP backend against the reference model.
+#[test]
+fn net_backend_follows_the_model() {
+    suite(|| Net);
 }

@@ -1,68 +1,133 @@
-//! `ferry bench`: the experiments of seed 003 §5.1 (throughput, round-trip
-//! time), measured between a source domain and an echo domain that passes
-//! every buffer straight back.
+//! `ferry bench`: the experiments of the seeds, measured on Ferry's
+//! backends and, side by side, on the baselines and peers of `bench/peers`.
 //!
-//! Every figure is a distribution: each round trip (rtt) or each run
-//! (throughput) is a sample, and we print the median with percentiles.
+//! * `rtt`, `throughput` — seed 003 §5.1.4/§5.1.3: a source domain and an
+//!   echo domain that passes every buffer straight back ([`channel`]).
+//! * `fbufs-table` — seed 000 Table 1 and its throughput-vs-size figure
+//!   ([`fbufs`]).
+//! * `pipeline` — seed 004 Fig. 7: a chain of processes ([`pipeline`]).
+//!
+//! Every figure is a distribution: we print the median with percentiles,
+//! one [`Point`] per measured point (`--json`: one JSON object per line).
+//! `--compare` runs Ferry and its baselines alternately and prints the
+//! ratios ([`compare`]); `--plot FILE.svg` draws the points ([`plot`]).
+//!
+//! Bad input (unknown experiment or backend, sizes a pool cannot have, a
+//! peer that is not built, a trust level the backend lacks) is a one-line
+//! error and exit code 2.
 
-use std::time::{Duration, Instant};
+pub mod channel;
+pub mod child;
+pub mod compare;
+pub mod fbufs;
+pub mod peers;
+pub mod pipeline;
+pub mod plot;
+pub mod point;
+pub mod progress;
+pub mod rig;
+
+use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use ferry::{
-    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Event, PoolConstraints, Role, TrustLevel,
-};
-use serde_json::json;
 
-use crate::echo::{self, EchoOptions};
-use crate::setup::{assign, connect_local, next_event};
-use crate::stats::Summary;
-use crate::{pattern, pin, CliError};
+use crate::CliError;
+pub use point::Point;
+use progress::Progress;
 
-/// Seed 003 §5.1.3/5.1.4: operations per run.
-const MOVES_PER_RUN: usize = 250;
-
+/// The experiments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Experiment {
-    /// R runs of 250 sequential moves to an echo domain and back: round-trip time.
+    /// R runs of 250 sequential moves to an echo domain and back: round-trip time (seed 003 §5.1.4).
     Rtt,
-    /// R runs of overlapping moves (--inflight at once) to an echo domain: throughput.
+    /// R runs of overlapping moves (--inflight at once) to an echo domain: throughput (seed 003 §5.1.3).
     Throughput,
+    /// Per-page cost and asymptotic throughput of one domain crossing, cached/uncached ×
+    /// volatile/secured (seed 000 Table 1 and its throughput-vs-size figure).
+    FbufsTable,
+    /// A chain of N processes passing --total bytes of --size buffers end to end, against the
+    /// same chain built with pipes and read/write (seed 004 Fig. 7).
+    Pipeline,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Backend {
-    /// Two domains in one process, one thread each.
-    Local,
-    /// Two processes on this host, shared-memory rings (the echo process
-    /// is started by the benchmark: `ferry echo`).
-    Shm,
-}
-
-impl Backend {
-    fn name(self) -> &'static str {
+impl Experiment {
+    /// The name in output and on the command line.
+    pub fn name(self) -> &'static str {
         match self {
-            Backend::Local => "local",
-            Backend::Shm => "shm",
+            Experiment::Rtt => "rtt",
+            Experiment::Throughput => "throughput",
+            Experiment::FbufsTable => "fbufs-table",
+            Experiment::Pipeline => "pipeline",
         }
     }
 }
 
+/// Transports: Ferry's backends, and the baselines and peers of bench/peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+pub enum Backend {
+    /// Ferry: two domains in one process, one thread each.
+    Local,
+    /// Ferry: two processes on this host, shared-memory rings (the echo process is started by
+    /// the benchmark, or by hand: --peer).
+    Shm,
+    /// Ferry: two processes over TCP (loopback; the echo process is started by the benchmark, or by hand: --peer tcp:HOST:PORT).
+    Net,
+    /// Baseline: a Unix stream socket, each message copied through the kernel (bench/peers).
+    UdsCopy,
+    /// Baseline: TCP over 127.0.0.1 (bench/peers).
+    TcpCopy,
+    /// Baseline: two pipes (bench/peers).
+    PipeCopy,
+    /// Peer: iceoryx2 zero-copy publish-subscribe (bench/peers, built with its iceoryx2 feature).
+    Iceoryx2,
+    /// Floor: raw eventfd ping-pong (blocking) or a shared cache-line ping-pong (--busy-poll),
+    /// no payload, rtt only (bench/peers).
+    Eventfd,
+}
+
+impl Backend {
+    /// The name in output and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Local => "local",
+            Backend::Shm => "shm",
+            Backend::Net => "net",
+            Backend::UdsCopy => "uds-copy",
+            Backend::TcpCopy => "tcp-copy",
+            Backend::PipeCopy => "pipe-copy",
+            Backend::Iceoryx2 => "iceoryx2",
+            Backend::Eventfd => "eventfd",
+        }
+    }
+
+    /// Whether this is one of Ferry's own backends (measured in this process).
+    pub fn is_ferry(self) -> bool {
+        matches!(self, Backend::Local | Backend::Shm | Backend::Net)
+    }
+}
+
+/// Trust level of Ferry's channels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Trust {
+    /// No protection changes (fbufs: volatile).
     Full,
+    /// The sender's own view is mprotected: a guard against accidents.
     Half,
+    /// Kernel-enforced (not supported by the local and shm backends yet).
     None,
 }
 
 impl Trust {
-    fn level(self) -> TrustLevel {
+    /// The library's level.
+    pub fn level(self) -> ::ferry::TrustLevel {
         match self {
-            Trust::Full => TrustLevel::Full,
-            Trust::Half => TrustLevel::Half,
-            Trust::None => TrustLevel::None,
+            Trust::Full => ::ferry::TrustLevel::Full,
+            Trust::Half => ::ferry::TrustLevel::Half,
+            Trust::None => ::ferry::TrustLevel::None,
         }
     }
-    fn name(self) -> &'static str {
+    /// The name in output.
+    pub fn name(self) -> &'static str {
         match self {
             Trust::Full => "full",
             Trust::Half => "half",
@@ -71,324 +136,304 @@ impl Trust {
     }
 }
 
+/// `ferry bench` arguments.
 #[derive(Debug, Args)]
+#[command(after_help = "Examples:
+  ferry bench rtt --backend shm --size 4096 --size 1048576 --json
+  ferry bench throughput --compare --against uds-copy --size 65536 --plot tp.svg
+  ferry bench rtt --blocking --idle-us 200 --compare --against eventfd
+  ferry bench fbufs-table --backend shm --compare --plot fbufs.svg
+  ferry bench pipeline --stages 2 --stages 5 --total 268435456")]
 pub struct BenchArgs {
     /// Which experiment.
     #[arg(value_enum)]
-    experiment: Experiment,
-    /// Which transport.
-    #[arg(long, value_enum, default_value = "local")]
-    backend: Backend,
-    /// Buffer size in bytes (a power of two ≥ 4096); repeatable.
-    #[arg(long = "size", default_values_t = [4096usize])]
-    sizes: Vec<usize>,
-    /// Runs (rtt: runs of 250 round trips; throughput: runs of --moves moves).
+    pub experiment: Experiment,
+    /// Which transport (default: local; pipeline: shm and pipes side by side).
+    #[arg(long, value_enum)]
+    pub backend: Option<Backend>,
+    /// Buffer size in bytes (Ferry: a power of two ≥ 4096); repeatable.
+    #[arg(long = "size")]
+    pub sizes: Vec<usize>,
+    /// Runs per point (rtt: runs of 250 round trips, default 100; throughput: runs of --moves
+    /// moves, default 20; fbufs-table: runs of 25 transfers per size, default 10; pipeline:
+    /// runs of --total bytes, default 3). One more warm-up run is never recorded.
     #[arg(long)]
-    runs: Option<usize>,
-    /// Moves in flight at once (throughput).
-    #[arg(long, default_value_t = 250)]
-    inflight: usize,
-    /// Moves per throughput run.
-    #[arg(long, default_value_t = 50_000)]
-    moves: usize,
-    /// Spin on the channel instead of sleeping (default).
+    pub runs: Option<usize>,
+    /// Moves in flight at once (throughput: default 250; pipeline: buffers in the chain, default 16).
+    #[arg(long)]
+    pub inflight: Option<usize>,
+    /// Moves per throughput run (default 50 000; above 64 KiB with --touch, and for the copying
+    /// peers, 2 GiB per run).
+    #[arg(long)]
+    pub moves: Option<usize>,
+    /// Spin on the channel instead of sleeping (the default, except for pipeline).
     #[arg(long, conflicts_with = "blocking")]
-    busy_poll: bool,
+    pub busy_poll: bool,
     /// Sleep until woken when there is nothing to do.
     #[arg(long)]
-    blocking: bool,
-    /// Trust level of the channel.
-    #[arg(long, value_enum, default_value = "full")]
-    trust: Trust,
+    pub blocking: bool,
+    /// Trust level of the channel (fbufs-table: the level of the "secured" rows, default half).
+    #[arg(long, value_enum)]
+    pub trust: Option<Trust>,
     /// The sender writes and the receiver reads every payload byte.
     #[arg(long)]
-    touch: bool,
+    pub touch: bool,
     /// Publish every message on its own instead of in batches (both ends;
     /// see `Channel::set_batching`).
     #[arg(long)]
-    no_batching: bool,
+    pub no_batching: bool,
     /// One JSON object per measured point on stdout.
     #[arg(long)]
-    json: bool,
+    pub json: bool,
+    /// Draw the points into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// Run Ferry and its baselines/peers alternately (--rounds times) and print the ratios.
+    #[arg(long)]
+    pub compare: bool,
+    /// With --compare: the baselines/peers to run (default: every one that applies and is built).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub against: Vec<Backend>,
+    /// With --compare: how many times each is measured, alternately.
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
+    /// shm (net): use an echo domain started by hand (`ferry echo --endpoint ENDPOINT`, started
+    /// after this command is waiting) instead of starting one; rtt and throughput only.
+    #[arg(long, value_name = "ENDPOINT")]
+    pub peer: Option<String>,
+    /// rtt: pause this many µs between round trips, so a blocking channel goes idle and the
+    /// measured path is the doorbell/sleep path rather than the spin.
+    #[arg(long, default_value_t = 0)]
+    pub idle_us: u64,
+    /// pipeline: bytes passed end to end per run (a multiple of --size).
+    #[arg(long, default_value_t = 1 << 30)]
+    pub total: u64,
+    /// pipeline: processes in the chain (2..=8); repeatable (default 2, 3, 4, 5).
+    #[arg(long = "stages")]
+    pub stages: Vec<usize>,
+    /// Plots of throughput: draw a loopback iperf3 line at this many Gbit/s (measured elsewhere).
+    #[arg(long, value_name = "GBIT_S")]
+    pub iperf3_gbit: Option<f64>,
 }
 
-struct Point<'a> {
-    args: &'a BenchArgs,
-    size: usize,
-    unit: &'static str,
-    summary: Summary,
-    extra: serde_json::Value,
-}
+impl BenchArgs {
+    /// The primary backend (the experiment's default when not given).
+    pub fn backend(&self) -> Backend {
+        self.backend.unwrap_or(match self.experiment {
+            Experiment::Pipeline => Backend::Shm,
+            _ => Backend::Local,
+        })
+    }
 
-impl Point<'_> {
-    fn print(&self) {
-        let a = self.args;
-        let mode = if a.blocking { "blocking" } else { "busy-poll" };
-        let experiment = match a.experiment {
-            Experiment::Rtt => "rtt",
-            Experiment::Throughput => "throughput",
-        };
-        let s = self.summary;
-        if a.json {
-            let mut v = json!({
-                "experiment": experiment, "backend": a.backend.name(), "size": self.size,
-                "trust": a.trust.name(), "mode": mode, "touch": a.touch, "batching": !a.no_batching,
-                "runs": self.extra.get("runs").cloned().unwrap_or(json!(s.n)), "samples": s.n,
-                "unit": self.unit, "median": round(s.median), "p5": round(s.p5),
-                "p95": round(s.p95), "p99": round(s.p99), "copies_user": 0,
-            });
-            if let (Some(obj), Some(extra)) = (v.as_object_mut(), self.extra.as_object()) {
-                for (k, x) in extra {
-                    obj.insert(k.clone(), x.clone());
-                }
-            }
-            println!("{v}");
-        } else {
-            println!(
-                "{experiment:<10} {:<5} {:>8} B trust={:<4} {mode:<9} {}: median {:>9.3} {} (p5 {:.3}, p95 {:.3}, p99 {:.3}; {} samples){}",
-                a.backend.name(),
-                self.size,
-                a.trust.name(),
-                if a.no_batching { "unbatched" } else { "batched" },
-                s.median,
-                self.unit,
-                s.p5,
-                s.p95,
-                s.p99,
-                s.n,
-                self.extra.get("gbit_s_median").map_or(String::new(), |g| format!(", {g} Gbit/s")),
-            );
+    /// Whether channels spin (busy-poll) rather than sleep.
+    pub fn busy(&self) -> bool {
+        match self.experiment {
+            // More processes than cores: spinning stages would take turns on the CPUs.
+            Experiment::Pipeline => self.busy_poll,
+            _ => !self.blocking,
         }
+    }
+
+    /// `busy-poll` or `blocking`.
+    pub fn mode(&self) -> &'static str {
+        if self.busy() {
+            "busy-poll"
+        } else {
+            "blocking"
+        }
+    }
+
+    /// The trust level asked for (default full; fbufs-table: half for the secured rows).
+    pub fn trust(&self) -> Trust {
+        self.trust.unwrap_or(match self.experiment {
+            Experiment::FbufsTable => Trust::Half,
+            _ => Trust::Full,
+        })
     }
 }
 
-fn round(x: f64) -> f64 {
-    (x * 1000.0).round() / 1000.0
+/// What a run of `ferry bench` carries around: the arguments, the
+/// progress bar and every point measured (for the ratios and the plot).
+pub struct Ctx<'a> {
+    /// The arguments.
+    pub args: &'a BenchArgs,
+    /// The progress bar.
+    pub progress: Progress,
+    /// Every point so far, in order.
+    pub points: Vec<Point>,
 }
 
-pub fn run(args: &BenchArgs) -> Result<(), CliError> {
-    for &size in &args.sizes {
+impl Ctx<'_> {
+    /// Print a point and keep it.
+    pub fn emit(&mut self, p: Point) {
+        if self.args.json {
+            self.progress.println(&serde_json::Value::Object(p.0.clone()).to_string());
+        } else {
+            self.progress.println(&p.text());
+        }
+        self.points.push(p);
+    }
+}
+
+fn usage(msg: impl Into<String>) -> CliError {
+    CliError::Usage(msg.into())
+}
+
+/// Check that `sizes` can be pool buffer sizes.
+pub fn check_pool_sizes(sizes: &[usize]) -> Result<(), CliError> {
+    for &size in sizes {
         if !size.is_power_of_two() || size < 4096 {
-            return Err(CliError::Usage(format!(
+            return Err(usage(format!(
                 "--size {size}: pool buffers must be a power of two of at least 4096 bytes (e.g. 4096, 65536, 1048576)"
             )));
         }
     }
-    if args.inflight == 0 || args.inflight > 16384 {
-        return Err(CliError::Usage("--inflight must be between 1 and 16384".into()));
+    Ok(())
+}
+
+/// Map the library's "trust level not supported" to a usage error (exit 2).
+pub fn trust_error(e: ::ferry::Error) -> CliError {
+    match e {
+        ::ferry::Error::TrustNotSupported { .. } => {
+            usage(format!("--trust: {e} yet; use --trust full or --trust half"))
+        }
+        e => e.into(),
     }
-    if args.trust == Trust::None {
-        return Err(CliError::Usage(
-            "--trust none is not available yet (kernel-enforced trust is being built); use full or half".into(),
-        ));
+}
+
+fn validate(a: &BenchArgs) -> Result<(), CliError> {
+    let backend = a.backend();
+    if a.runs == Some(0) {
+        return Err(usage("--runs must be at least 1"));
     }
-    for &size in &args.sizes {
-        let point = match args.experiment {
-            Experiment::Rtt => rtt(args, size)?,
-            Experiment::Throughput => throughput(args, size)?,
-        };
-        point.print();
+    if a.rounds == 0 {
+        return Err(usage("--rounds must be at least 1"));
+    }
+    if a.inflight.is_some_and(|n| n == 0 || n > 16384) {
+        return Err(usage("--inflight must be between 1 and 16384"));
+    }
+    if a.idle_us > 0 && a.experiment != Experiment::Rtt {
+        return Err(usage("--idle-us applies to rtt only"));
+    }
+    if a.idle_us > 10_000_000 {
+        return Err(usage("--idle-us: at most 10 000 000 (10 s)"));
+    }
+    if !a.against.is_empty() && !a.compare {
+        return Err(usage("--against needs --compare"));
+    }
+    if let Some(b) = a.against.iter().find(|b| b.is_ferry()) {
+        return Err(usage(format!(
+            "--against {}: Ferry's own backends are chosen with --backend; --against takes baselines and peers",
+            b.name()
+        )));
+    }
+    if a.compare && !backend.is_ferry() {
+        return Err(usage("--compare runs Ferry against its baselines: choose a Ferry --backend (local, shm or net)"));
+    }
+    if let Some(p) = &a.peer {
+        if backend != Backend::Shm {
+            return Err(usage("--peer needs --backend shm (an echo process started by hand)"));
+        }
+        if !matches!(a.experiment, Experiment::Rtt | Experiment::Throughput) {
+            return Err(usage(
+                "--peer applies to rtt and throughput (the other experiments start their own processes)",
+            ));
+        }
+        crate::echo::parse_endpoint(p)?;
+    }
+    if backend.is_ferry() {
+        check_pool_sizes(&a.sizes)?;
+    }
+    if backend == Backend::Eventfd && a.experiment != Experiment::Rtt {
+        return Err(usage("--backend eventfd: the wake-up floor has no payload; rtt only"));
+    }
+    if a.plot.as_ref().is_some_and(|p| p.extension().and_then(|e| e.to_str()) != Some("svg")) {
+        return Err(usage("--plot: give a file name ending in .svg"));
     }
     Ok(())
 }
 
-/// A source (TX, master, owns the pool) and an echo domain on the other
-/// core: a thread (local) or a process (shm).
-struct Rig {
-    source: Channel,
-    alloc: Allocator,
-    echo: Echo,
+/// `ferry bench`.
+pub fn run(args: &BenchArgs) -> Result<(), CliError> {
+    validate(args)?;
+    let mut ctx = Ctx { args, progress: Progress::hidden(), points: Vec::new() };
+    match args.experiment {
+        Experiment::Rtt | Experiment::Throughput => channel::run(&mut ctx)?,
+        Experiment::FbufsTable => fbufs::run(&mut ctx)?,
+        Experiment::Pipeline => pipeline::run(&mut ctx)?,
+    }
+    drop(std::mem::replace(&mut ctx.progress, Progress::hidden()));
+    if args.compare || args.experiment == Experiment::Pipeline {
+        compare::print_ratios(&ctx);
+    }
+    if let Some(path) = &args.plot {
+        plot::draw(&ctx, path)?;
+        if !args.json {
+            println!("plot written to {}", path.display());
+        }
+    }
+    Ok(())
 }
 
-enum Echo {
-    Thread(std::thread::JoinHandle<Result<u64, String>>),
-    Process(std::process::Child),
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
 
-fn rig(args: &BenchArgs, size: usize, count: usize) -> Result<Rig, CliError> {
-    let (a, b) = (Domain::new("source"), Domain::new("echo"));
-    let depth = (count * 2).next_power_of_two().clamp(64, 65536) as u32;
-    let setup = ChannelSetup {
-        direction: Direction::Tx,
-        role: Role::Master,
-        trust: args.trust.level(),
-        meta_size: 16,
-        queue_depth: depth,
-        ..ChannelSetup::default()
-    };
-    let busy = !args.blocking;
-    let touch = args.touch;
-    let batch = !args.no_batching;
-    let (mut source, echo_end) = match args.backend {
-        Backend::Local => {
-            let (source, sink) = connect_local(&a, &b, setup, BindParams::default())?;
-            (source, Ok(sink))
-        }
-        Backend::Shm => {
-            let (source, child) = echo::spawn_process(&a, setup, EchoOptions { busy, touch, verify: false, batch })?;
-            (source, Err(child))
-        }
-    };
-    let alloc = Allocator::new(&a, count as u64, size, PoolConstraints::default())?;
-    let echo = match echo_end {
-        Ok(mut sink) => {
-            assign(&mut source, &mut sink, alloc.pool())?;
-            Echo::Thread(std::thread::spawn(move || {
-                pin::to_cpu(1);
-                echo::serve(&mut sink, EchoOptions { busy, touch, verify: false, batch })
-            }))
-        }
-        Err(child) => {
-            // The echo process accepts pools by itself.
-            source.assign_pool(alloc.pool())?;
-            match source.wait(Some(Duration::from_secs(10))) {
-                Some(Event::PoolAssigned(_)) => {}
-                ev => return Err(CliError::Failed(format!("echo process did not take the pool: {ev:?}"))),
-            }
-            Echo::Process(child)
-        }
-    };
-    // Pre-fault every buffer in both views: first touch of a page costs
-    // microseconds, and we measure steady-state transfer, not page faults.
-    let bufs: Vec<_> = std::iter::from_fn(|| alloc.alloc()).collect();
-    let mut bufs = bufs;
-    for b in &mut bufs {
-        b.as_mut_slice()?.fill(1);
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: BenchArgs,
     }
-    drop(bufs);
-    source.set_batching(batch)?;
-    pin::to_cpu(0);
-    Ok(Rig { source, alloc, echo })
-}
 
-fn finish(rig: Rig) -> Result<u64, CliError> {
-    let Rig { mut source, alloc, echo } = rig;
-    source.teardown()?;
-    while let Some(ev) = source.wait(Some(Duration::from_secs(10))) {
-        match ev {
-            Event::Closed { .. } => break,
-            Event::BufferPassed { .. } => {}
-            other => return Err(CliError::Failed(format!("unexpected event at teardown: {other:?}"))),
-        }
+    fn check(args: &[&str]) -> Result<(), CliError> {
+        let t = T::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
+            .map_err(|e| CliError::Usage(e.to_string()))?;
+        validate(&t.a)
     }
-    drop(alloc);
-    match echo {
-        Echo::Thread(h) => {
-            h.join().map_err(|_| CliError::Failed("echo thread panicked".into()))?.map_err(CliError::Failed)
-        }
-        Echo::Process(child) => {
-            let out = child.wait_with_output().map_err(|e| CliError::Failed(format!("echo process: {e}")))?;
-            let text = String::from_utf8_lossy(&out.stdout);
-            match text.trim().strip_prefix("echoed ").and_then(|n| n.parse().ok()) {
-                Some(n) if out.status.success() => Ok(n),
-                _ => Err(CliError::Failed(format!("echo process failed ({}): {text}", out.status))),
-            }
-        }
-    }
-}
 
-fn send(source: &mut Channel, buf: ferry::Buffer, meta: &[u8], busy: bool) -> Result<(), CliError> {
-    let mut b = buf;
-    loop {
-        match source.move_buffer(b, meta) {
-            Ok(()) => return Ok(()),
-            Err(r) if r.error == ferry::Error::QueueFull => {
-                b = r.into_inner();
-                if !busy {
-                    std::thread::yield_now();
-                }
-            }
-            Err(r) => return Err(r.into()),
+    #[test]
+    fn bad_input_is_a_usage_error() {
+        for bad in [
+            &["nonsense"][..],
+            &["rtt", "--backend", "carrier-pigeon"],
+            &["rtt", "--size", "1000"],
+            &["rtt", "--size", "2048"],
+            &["rtt", "--runs", "0"],
+            &["throughput", "--inflight", "0"],
+            &["throughput", "--idle-us", "10"],
+            &["rtt", "--against", "uds-copy"],
+            &["rtt", "--compare", "--against", "shm"],
+            &["rtt", "--compare", "--backend", "uds-copy"],
+            &["rtt", "--peer", "shm@x"],
+            &["fbufs-table", "--backend", "shm", "--peer", "shm@x"],
+            &["rtt", "--backend", "shm", "--peer", "nowhere"],
+            &["throughput", "--backend", "eventfd"],
+            &["rtt", "--plot", "x.png"],
+            &["rtt", "--busy-poll", "--blocking"],
+        ] {
+            assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
+        }
+        for good in [
+            &["rtt"][..],
+            &["rtt", "--backend", "shm", "--peer", "shm@x", "--size", "4096"],
+            &["rtt", "--blocking", "--idle-us", "200", "--compare", "--against", "eventfd"],
+            &["throughput", "--backend", "uds-copy", "--size", "1000"],
+            &["rtt", "--backend", "net", "--size", "4096"],
+            &["pipeline", "--stages", "2", "--total", "1048576"],
+            &["fbufs-table", "--plot", "f.svg"],
+        ] {
+            assert!(check(good).is_ok(), "{good:?} refused");
         }
     }
-}
 
-fn rtt(args: &BenchArgs, size: usize) -> Result<Point<'_>, CliError> {
-    let runs = args.runs.unwrap_or(100);
-    let busy = !args.blocking;
-    let mut rig = rig(args, size, 16)?;
-    let mut samples = Vec::with_capacity(runs * MOVES_PER_RUN);
-    // One warm-up run, not recorded.
-    for run in 0..=runs {
-        for i in 0..MOVES_PER_RUN {
-            let mut buf = rig.alloc.alloc().ok_or_else(|| CliError::Failed("pool exhausted".into()))?;
-            if args.touch {
-                pattern::fill(buf.as_mut_slice()?, i as u64);
-            }
-            let t0 = Instant::now();
-            send(&mut rig.source, buf, &(i as u64).to_le_bytes(), busy)?;
-            match next_event(&mut rig.source, busy) {
-                Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
-                ev => return Err(CliError::Failed(format!("rtt: expected the buffer back, got {ev:?}"))),
-            }
-            let dt = t0.elapsed();
-            if run > 0 {
-                samples.push(dt.as_secs_f64() * 1e6);
-            }
-        }
+    #[test]
+    fn defaults_per_experiment() {
+        let t = T::try_parse_from(["t", "pipeline"]).unwrap();
+        assert_eq!((t.a.backend(), t.a.busy(), t.a.trust()), (Backend::Shm, false, Trust::Full));
+        let t = T::try_parse_from(["t", "fbufs-table"]).unwrap();
+        assert_eq!((t.a.backend(), t.a.busy(), t.a.trust()), (Backend::Local, true, Trust::Half));
+        let t = T::try_parse_from(["t", "rtt", "--blocking"]).unwrap();
+        assert_eq!((t.a.mode(), t.a.trust()), ("blocking", Trust::Full));
     }
-    let echoed = finish(rig)?;
-    let expected = ((runs + 1) * MOVES_PER_RUN) as u64;
-    if echoed != expected {
-        return Err(CliError::Failed(format!("echo saw {echoed} moves, expected {expected}")));
-    }
-    let summary = Summary::of(&samples).ok_or_else(|| CliError::Failed("no samples".into()))?;
-    Ok(Point { args, size, unit: "us", summary, extra: json!({ "runs": runs }) })
-}
-
-fn throughput(args: &BenchArgs, size: usize) -> Result<Point<'_>, CliError> {
-    let runs = args.runs.unwrap_or(20);
-    let busy = !args.blocking;
-    let window = args.inflight;
-    let moves = args.moves.max(window);
-    let mut rig = rig(args, size, window)?;
-    let mut rates = Vec::with_capacity(runs);
-    for run in 0..=runs {
-        let (mut sent, mut done, mut inflight) = (0usize, 0usize, 0usize);
-        let t0 = Instant::now();
-        while done < moves {
-            while inflight < window && sent < moves {
-                let Some(mut buf) = rig.alloc.alloc() else { break };
-                if args.touch {
-                    pattern::fill(buf.as_mut_slice()?, sent as u64);
-                }
-                send(&mut rig.source, buf, &(sent as u64).to_le_bytes(), busy)?;
-                sent += 1;
-                inflight += 1;
-            }
-            // Take every completion that is there (batching), at least one.
-            let mut got = 0;
-            loop {
-                let ev = if got == 0 { next_event(&mut rig.source, busy) } else { rig.source.poll() };
-                match ev {
-                    Some(Event::BufferPassed { buffer, .. }) => {
-                        drop(buffer);
-                        done += 1;
-                        inflight -= 1;
-                        got += 1;
-                    }
-                    None if got > 0 => break,
-                    ev => return Err(CliError::Failed(format!("throughput: expected buffers back, got {ev:?}"))),
-                }
-            }
-        }
-        let secs = t0.elapsed().as_secs_f64();
-        if run > 0 {
-            rates.push(moves as f64 / secs / 1e6);
-        }
-    }
-    let echoed = finish(rig)?;
-    let expected = ((runs + 1) * moves) as u64;
-    if echoed != expected {
-        return Err(CliError::Failed(format!("echo saw {echoed} moves, expected {expected}")));
-    }
-    let summary = Summary::of(&rates).ok_or_else(|| CliError::Failed("no samples".into()))?;
-    let gbit = |mops: f64| round(mops * 1e6 * size as f64 * 8.0 / 1e9);
-    Ok(Point {
-        args,
-        size,
-        unit: "Mops/s",
-        summary,
-        extra: json!({ "runs": runs, "inflight": window, "moves_per_run": moves, "gbit_s_median": gbit(summary.median) }),
-    })
 }

@@ -250,7 +250,7 @@ impl Link for LocalLink {
         Ok(())
     }
 
-    fn recv(&mut self) -> Result<Option<Message>> {
+    fn recv(&mut self, _gate: &mut dyn super::PayloadGate) -> Result<Option<Message>> {
         let meta = self.meta_size;
         match self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(Self::ring_error)? {
             Some(decoded) => decoded.map(Some),

@@ -17,12 +17,18 @@ use crate::proto::Message;
 
 pub mod local;
 #[cfg(not(loom))]
+pub mod net;
+#[cfg(not(loom))]
+mod setup_msg;
+#[cfg(not(loom))]
 pub mod shm;
 #[cfg(not(loom))]
 mod uds;
 mod waker;
 
 pub use local::LocalEndpoint;
+#[cfg(not(loom))]
+pub use net::{NetEndpoint, NetOptions};
 #[cfg(not(loom))]
 pub use shm::ShmEndpoint;
 
@@ -45,17 +51,31 @@ pub(crate) trait Link: Send {
     fn set_batching(&mut self, on: bool) {
         let _ = on;
     }
+    /// Send a pass whose buffer contents do not matter to the peer, or a
+    /// copy of a buffer the peer still holds a copy of: a backend that
+    /// carries payloads sends none.
+    fn send_unfilled(&mut self, msg: &Message) -> Result<()> {
+        self.send(msg)
+    }
     /// Take the next message from the peer, if any. `PeerGone` once the
     /// peer has closed and everything it sent has been taken; `Protocol`
-    /// for malformed input.
-    fn recv(&mut self) -> Result<Option<Message>>;
+    /// for malformed input. A backend that carries payloads asks `gate`
+    /// before it writes one into our memory.
+    fn recv(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>>;
     /// Block until a message may be there, the peer closes, or `timeout`.
     fn wait(&mut self, timeout: Duration);
     /// Make a pool's memory available to the peer (before its assignment
     /// request is sent).
     fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()>;
-    /// The memory of a pool the peer exported.
+    /// The memory of a pool the peer exported (called when this domain
+    /// does not have the pool yet).
     fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>>;
+    /// The peer offered a pool this domain already has: its memory, for a
+    /// backend that writes payloads into it.
+    fn use_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        let _ = memory;
+        Ok(())
+    }
     /// No more messages from us; wake the peer so it notices. `last` are
     /// messages that did not fit in the queue (replies, releases of copies
     /// never seen): the peer receives them after everything sent before,
@@ -66,12 +86,65 @@ pub(crate) trait Link: Send {
     fn peer_can_die(&self) -> bool {
         false
     }
+    /// The channel failed (a protocol error, a dead or silent peer): stop
+    /// talking to the peer, without the goodbye of an orderly close.
+    /// Returns whether the peer is now treated as dead, so the buffers lent
+    /// to it come back (a backend whose peer has memory of its own can say
+    /// yes; one that shares memory with a live peer must not).
+    fn abandon(&mut self) -> bool {
+        false
+    }
+    /// Transfer counters, for backends that keep them (the network).
+    fn stats(&self) -> Option<LinkStats> {
+        None
+    }
     /// After `PeerGone`: whether the peer process has exited (its buffers
     /// and copies are then void and come back), as opposed to having only
     /// dropped its end of the channel.
     fn peer_died(&mut self) -> bool {
         false
     }
+}
+
+/// Counters of one network channel end: what crossed, in how many system
+/// calls, and how many payload bytes went through user-space memory other
+/// than the buffers themselves.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    /// Frames sent (keep-alives included).
+    pub frames_sent: u64,
+    /// Frames received.
+    pub frames_received: u64,
+    /// Payload bytes sent straight from buffer memory.
+    pub payload_sent: u64,
+    /// Payload bytes received straight into buffer memory.
+    pub payload_received: u64,
+    /// Payload bytes that passed through another user-space buffer: only
+    /// extra copies of a buffer we already hold, read and dropped. Zero in
+    /// every ordinary flow: the payload is never copied in user space.
+    pub payload_staged: u64,
+    /// `sendmsg` calls that sent something.
+    pub send_calls: u64,
+    /// `recvmsg` calls that received something.
+    pub recv_calls: u64,
+}
+
+/// Where a payload that arrived with a buffer message may be written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Landing {
+    /// Into our memory of the buffer.
+    Land,
+    /// Nowhere: we already hold the same bytes (another copy of a buffer
+    /// whose copies cannot change).
+    Discard,
+}
+
+/// The channel's check of a buffer message before its payload is written
+/// (only backends that carry payloads ask): the buffer must be on the
+/// channel, and must not be one this domain owns or reads.
+pub(crate) trait PayloadGate {
+    /// `msg` is a move, pass or copy whose payload is about to land.
+    fn admit(&mut self, msg: &Message) -> Result<Landing>;
 }
 
 /// The outcome of a finished setup: the link, what was negotiated, and
@@ -85,6 +158,10 @@ pub(crate) trait PendingSetup: Send {
     fn poll(&mut self) -> Option<Result<SetupDone>>;
     /// Block until `poll` may have news, or `timeout`.
     fn wait(&mut self, timeout: Duration);
+    /// The socket address a creator listens on (TCP), if any.
+    fn listen_addr(&self) -> Option<std::net::SocketAddr> {
+        None
+    }
 }
 
 pub(crate) type Pending = Box<dyn PendingSetup>;
@@ -99,6 +176,9 @@ pub enum Endpoint {
     /// An endpoint for channels between processes on this host.
     #[cfg(not(loom))]
     Shm(ShmEndpoint),
+    /// An endpoint for channels between machines (TCP).
+    #[cfg(not(loom))]
+    Net(NetEndpoint),
 }
 
 impl Endpoint {
@@ -121,11 +201,26 @@ impl Endpoint {
         Endpoint::Shm(ShmEndpoint::abstract_name(name))
     }
 
+    /// A TCP endpoint (IPv4 or IPv6) with default options: `create`
+    /// listens at `addr`, `bind` connects to it.
+    #[cfg(not(loom))]
+    pub fn tcp(addr: std::net::SocketAddr) -> Endpoint {
+        Endpoint::Net(NetEndpoint::new(addr, NetOptions::default()))
+    }
+
+    /// A TCP endpoint with options (peer timeout).
+    #[cfg(not(loom))]
+    pub fn tcp_with(addr: std::net::SocketAddr, options: NetOptions) -> Endpoint {
+        Endpoint::Net(NetEndpoint::new(addr, options))
+    }
+
     pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
         match self {
             Endpoint::Local(ep) => ep.listen(setup),
             #[cfg(not(loom))]
             Endpoint::Shm(ep) => ep.listen(setup),
+            #[cfg(not(loom))]
+            Endpoint::Net(ep) => ep.listen(setup),
         }
     }
 
@@ -134,6 +229,8 @@ impl Endpoint {
             Endpoint::Local(ep) => ep.connect(params),
             #[cfg(not(loom))]
             Endpoint::Shm(ep) => ep.connect(params),
+            #[cfg(not(loom))]
+            Endpoint::Net(ep) => ep.connect(params),
         }
     }
 }

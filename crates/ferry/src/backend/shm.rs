@@ -15,23 +15,19 @@
 //! doorbell only when its push found the consumer asleep (OSIRIS: notify on
 //! the empty → non-empty transition only).
 //!
-//! Setup messages (little endian), each one seqpacket datagram:
-//!
-//! | message | bytes | fds |
-//! |---|---|---|
-//! | bind request | `FRY1`, 1, role, trust (255: any), max meta u16, alignment u64, min size u64, max size u64 | binder doorbell |
-//! | bind accepted | `FRY1`, 2, binder direction, binder role, creator role, trust, meta u16, queue depth u32, alignment u64, min u64, max u64 | segment, creator doorbell |
-//! | bind refused | `FRY1`, 3, reason | — |
-//! | pool | `FRY1`, 4, pool id u128, buffer size u64, buffer count u32 | pool memfd |
+//! Setup messages (`setup_msg`), each one seqpacket datagram: the bind
+//! request carries the binder's doorbell; the acceptance carries the segment
+//! and the creator's doorbell; a pool announcement carries the pool's memfd.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::setup_msg::{self, bad};
 use super::uds::{self, Conn, Listener, UnixName};
 use super::{Link, Pending, PendingSetup, SetupDone};
-use crate::channel::{negotiate, BindParams, ChannelConstraints, ChannelSetup, Direction, Negotiated, Role};
+use crate::channel::{negotiate, BindParams, ChannelSetup};
 use crate::error::{Error, Result};
 use crate::pool::{Geometry, PoolId, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
@@ -48,19 +44,6 @@ const LIVENESS_EVERY: Duration = Duration::from_millis(2);
 const CLOCK_EVERY: u32 = 64;
 /// How long setup steps that the peer must answer at once may take.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
-
-const MAGIC: &[u8; 4] = b"FRY1";
-const KIND_BIND: u8 = 1;
-const KIND_ACCEPT: u8 = 2;
-const KIND_REFUSE: u8 = 3;
-const KIND_POOL: u8 = 4;
-
-/// Why a creator refused a bind: the strings of `negotiate`, by code.
-const REASONS: [&str; 3] = [
-    "the binder requires another trust level",
-    "the binder cannot take the channel's meta size",
-    "both ends want the same role",
-];
 
 /// An endpoint for channels between processes: a Unix socket name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,147 +79,9 @@ impl ShmEndpoint {
             _ => Error::from(e),
         })?;
         let bell = uds::doorbell()?;
-        let mut w = Wire::new(KIND_BIND);
-        w.u8(role_code(params.role));
-        w.u8(params.trust.map_or(255, TrustLevel::to_u8));
-        w.u16(params.max_meta_size.min(usize::from(u16::MAX)) as u16);
-        w.constraints(&params.constraints);
-        conn.send(&w.0, &[bell.as_fd()])?;
+        conn.send(&setup_msg::encode_bind(params), &[bell.as_fd()])?;
         Ok(Box::new(BinderPending { conn: Some(conn), bell: Some(bell) }))
     }
-}
-
-// ------------------------------------------------------------ wire helpers
-
-struct Wire(Vec<u8>);
-
-impl Wire {
-    fn new(kind: u8) -> Wire {
-        let mut v = MAGIC.to_vec();
-        v.push(kind);
-        Wire(v)
-    }
-    fn u8(&mut self, v: u8) {
-        self.0.push(v);
-    }
-    fn u16(&mut self, v: u16) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn u32(&mut self, v: u32) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn u64(&mut self, v: u64) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn u128(&mut self, v: u128) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn constraints(&mut self, c: &ChannelConstraints) {
-        self.u64(c.alignment as u64);
-        self.u64(c.min_buffer_size as u64);
-        self.u64(c.max_buffer_size as u64);
-    }
-}
-
-/// Reads a setup message; every shortfall is a protocol error.
-struct Reader<'a>(&'a [u8]);
-
-fn bad(what: &str) -> Error {
-    Error::Protocol(format!("setup message: {what}"))
-}
-
-impl<'a> Reader<'a> {
-    fn open(buf: &'a [u8]) -> Result<(u8, Reader<'a>)> {
-        if buf.len() < 5 || &buf[..4] != MAGIC {
-            return Err(bad("bad magic or version"));
-        }
-        Ok((buf[4], Reader(&buf[5..])))
-    }
-    fn take<const N: usize>(&mut self) -> Result<[u8; N]> {
-        if self.0.len() < N {
-            return Err(bad("truncated"));
-        }
-        let (a, b) = self.0.split_at(N);
-        self.0 = b;
-        Ok(a.try_into().expect("N bytes"))
-    }
-    fn u8(&mut self) -> Result<u8> {
-        Ok(self.take::<1>()?[0])
-    }
-    fn u16(&mut self) -> Result<u16> {
-        Ok(u16::from_le_bytes(self.take()?))
-    }
-    fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take()?))
-    }
-    fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take()?))
-    }
-    fn usize(&mut self) -> Result<usize> {
-        usize::try_from(self.u64()?).map_err(|_| bad("value out of range"))
-    }
-    fn u128(&mut self) -> Result<u128> {
-        Ok(u128::from_le_bytes(self.take()?))
-    }
-    fn constraints(&mut self) -> Result<ChannelConstraints> {
-        let c = ChannelConstraints {
-            alignment: self.usize()?,
-            min_buffer_size: self.usize()?,
-            max_buffer_size: self.usize()?,
-        };
-        if c.alignment != 0 && !c.alignment.is_power_of_two() {
-            return Err(bad("alignment not a power of two"));
-        }
-        Ok(c)
-    }
-    fn role(&mut self) -> Result<Role> {
-        Ok(match self.u8()? {
-            0 => Role::Generic,
-            1 => Role::Master,
-            2 => Role::Slave,
-            _ => return Err(bad("bad role")),
-        })
-    }
-    fn direction(&mut self) -> Result<Direction> {
-        Ok(match self.u8()? {
-            0 => Direction::Tx,
-            1 => Direction::Rx,
-            _ => return Err(bad("bad direction")),
-        })
-    }
-    fn trust(&mut self) -> Result<TrustLevel> {
-        TrustLevel::from_u8(self.u8()?).filter(|t| *t != TrustLevel::Uninitialized).ok_or_else(|| bad("bad trust"))
-    }
-}
-
-fn role_code(r: Role) -> u8 {
-    match r {
-        Role::Generic => 0,
-        Role::Master => 1,
-        Role::Slave => 2,
-    }
-}
-
-fn direction_code(d: Direction) -> u8 {
-    match d {
-        Direction::Tx => 0,
-        Direction::Rx => 1,
-    }
-}
-
-fn parse_bind(buf: &[u8]) -> Result<BindParams> {
-    let (kind, mut r) = Reader::open(buf)?;
-    if kind != KIND_BIND {
-        return Err(bad("expected a bind request"));
-    }
-    let role = r.role()?;
-    let trust = match r.u8()? {
-        255 => None,
-        t => Some(TrustLevel::from_u8(t).ok_or_else(|| bad("bad trust"))?),
-    };
-    let max_meta_size = usize::from(r.u16()?);
-    let constraints = r.constraints()?;
-    Ok(BindParams { role, trust, max_meta_size, constraints })
 }
 
 // ------------------------------------------------------------------ segment
@@ -295,14 +140,12 @@ struct CreatorPending {
 impl CreatorPending {
     /// Handle one bind request: `Ok(None)` if refused (keep listening).
     fn answer(&mut self, conn: Conn, buf: &[u8], fds: Vec<OwnedFd>) -> Result<Option<SetupDone>> {
-        let params = parse_bind(buf)?;
+        let params = setup_msg::parse_bind(buf)?;
         let peer_bell = fds.into_iter().next().ok_or_else(|| bad("bind request without a doorbell"))?;
         let neg = match negotiate(&self.setup, &params) {
             Ok(neg) => neg,
             Err(why) => {
-                let mut w = Wire::new(KIND_REFUSE);
-                w.u8(REASONS.iter().position(|r| *r == why).map_or(255, |i| i as u8));
-                let _ = conn.send(&w.0, &[]);
+                let _ = conn.send(&setup_msg::encode_refuse(why), &[]);
                 return Ok(None);
             }
         };
@@ -316,15 +159,7 @@ impl CreatorPending {
         let tx = ring::attach_producer(a, layout).map_err(ring_err)?;
         let rx = ring::attach_consumer(b, layout).map_err(ring_err)?;
         let bell = uds::doorbell()?;
-        let mut w = Wire::new(KIND_ACCEPT);
-        w.u8(direction_code(neg.binder_direction));
-        w.u8(role_code(neg.binder_role));
-        w.u8(role_code(neg.creator_role));
-        w.u8(neg.trust.to_u8());
-        w.u16(neg.meta_size as u16);
-        w.u32(depth);
-        w.constraints(&neg.constraints);
-        conn.send(&w.0, &[fd.as_fd(), bell.as_fd()])?;
+        conn.send(&setup_msg::encode_accept(&neg, depth), &[fd.as_fd(), bell.as_fd()])?;
         let link = ShmLink::new(tx, rx, conn, bell, peer_bell, neg.meta_size)?;
         Ok(Some((Box::new(link), neg, true)))
     }
@@ -374,28 +209,7 @@ struct BinderPending {
 
 impl BinderPending {
     fn finish(&mut self, buf: &[u8], fds: Vec<OwnedFd>) -> Result<SetupDone> {
-        let (kind, mut r) = Reader::open(buf)?;
-        match kind {
-            KIND_REFUSE => {
-                let why = REASONS.get(usize::from(r.u8()?)).copied().unwrap_or("refused by the creator");
-                return Err(Error::BindRefused(why));
-            }
-            KIND_ACCEPT => {}
-            _ => return Err(bad("expected a bind reply")),
-        }
-        let neg = Negotiated {
-            binder_direction: r.direction()?,
-            binder_role: r.role()?,
-            creator_role: r.role()?,
-            trust: r.trust()?,
-            meta_size: usize::from(r.u16()?),
-            constraints: ChannelConstraints::default(),
-        };
-        let depth = r.u32()?;
-        let neg = Negotiated { constraints: r.constraints()?, ..neg };
-        if neg.meta_size > proto::MAX_META_SIZE {
-            return Err(bad("meta size too large"));
-        }
+        let (neg, depth) = setup_msg::parse_reply(buf)?;
         let mut fds = fds.into_iter();
         let (Some(seg), Some(peer_bell)) = (fds.next(), fds.next()) else {
             return Err(bad("bind reply without segment and doorbell"));
@@ -504,14 +318,7 @@ impl ShmLink {
                     return if want.is_some() { Err(Error::PeerGone) } else { Ok(()) };
                 }
                 Some((n, fds)) => {
-                    let (kind, mut r) = Reader::open(&buf[..n])?;
-                    if kind != KIND_POOL {
-                        return Err(bad("unexpected message after setup"));
-                    }
-                    let id = PoolId::from_u128(r.u128()?);
-                    let size = r.usize()?;
-                    let count = r.u32()?;
-                    let geometry = Geometry::new(size, u64::from(count)).map_err(|e| bad(&e.to_string()))?;
+                    let (id, geometry) = setup_msg::parse_pool(&buf[..n])?;
                     let fd = fds.into_iter().next().ok_or_else(|| bad("pool message without its memfd"))?;
                     self.pools.insert(id, PoolMemory::from_peer(id, geometry, fd)?);
                 }
@@ -586,7 +393,7 @@ impl Link for ShmLink {
         Ok(())
     }
 
-    fn recv(&mut self) -> Result<Option<Message>> {
+    fn recv(&mut self, _gate: &mut dyn super::PayloadGate) -> Result<Option<Message>> {
         let meta = self.meta_size;
         if let Some(decoded) = self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(ring_err)? {
             return decoded.map(Some);
@@ -620,12 +427,8 @@ impl Link for ShmLink {
     }
 
     fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
-        let g = memory.geometry();
-        let mut w = Wire::new(KIND_POOL);
-        w.u128(memory.id().as_u128());
-        w.u64(g.buffer_size() as u64);
-        w.u32(g.count());
-        self.conn.send(&w.0, &[memory.fd().as_fd()]).map_err(|e| match e.raw_os_error() {
+        let msg = setup_msg::encode_pool(memory.id(), memory.geometry());
+        self.conn.send(&msg, &[memory.fd().as_fd()]).map_err(|e| match e.raw_os_error() {
             Some(code) if code == rustix::io::Errno::PIPE.raw_os_error() => Error::PeerGone,
             _ => Error::from(e),
         })

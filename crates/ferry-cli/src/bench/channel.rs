@@ -1,0 +1,253 @@
+//! The seed-003 experiments on Ferry's channels (§5.1.4 rtt, §5.1.3
+//! throughput): a source and an echo domain that passes every moved buffer
+//! straight back; and the driver that runs them — alone, or alternately
+//! with the baselines of bench/peers (`--compare`).
+
+use std::time::{Duration, Instant};
+
+use ferry::{Allocator, ChannelSetup, Direction, Event, PoolConstraints, Role};
+use serde_json::json;
+
+use super::point::{Head, Point};
+use super::progress::Progress;
+use super::rig::{self, EchoRole, EchoSpec, Rig};
+use super::{compare, peers, Backend, Ctx, Experiment};
+use crate::setup::next_event;
+use crate::stats::{round, Summary};
+use crate::{pattern, CliError};
+
+/// Seed 003 §5.1.3/5.1.4: operations per run.
+pub const MOVES_PER_RUN: usize = 250;
+/// Buffers in the rtt pool (one is out at a time).
+const RTT_POOL: usize = 16;
+
+fn runs(ctx: &Ctx<'_>) -> usize {
+    ctx.args.runs.unwrap_or(match ctx.args.experiment {
+        Experiment::Rtt => 100,
+        _ => 20,
+    })
+}
+
+/// Run rtt or throughput on the chosen backend, or with `--compare` on it
+/// and its baselines alternately.
+pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
+    let a = ctx.args;
+    let sizes = if a.sizes.is_empty() { vec![4096] } else { a.sizes.clone() };
+    let primary = a.backend();
+    let runs = runs(ctx);
+    if !a.compare {
+        if !primary.is_ferry() {
+            ctx.progress = Progress::new(((runs + 1) * sizes.len()) as u64, a.json);
+            for p in peers::measure(ctx, primary, &sizes)? {
+                ctx.emit(p);
+            }
+            return Ok(());
+        }
+        ctx.progress = Progress::new(((runs + 1) * sizes.len()) as u64, a.json);
+    }
+    let others = if a.compare { compare::baselines(a)? } else { Vec::new() };
+    let rounds = if a.compare { a.rounds } else { 1 };
+    if a.compare {
+        let per_round = (runs + 1) * sizes.len() * (1 + others.len());
+        ctx.progress = Progress::new((per_round * rounds) as u64, a.json);
+    }
+    let mut kept: Option<Rig> = None;
+    for round in 0..rounds {
+        for (i, &size) in sizes.iter().enumerate() {
+            ctx.progress.say(format!("{} {} {size} B", a.experiment.name(), primary.name()));
+            let mut p = ferry_point(ctx, primary, size, &mut kept)?;
+            if a.compare {
+                p.set("round", json!(round + 1));
+            }
+            ctx.emit(p);
+            for &b in &others {
+                // The eventfd floor has no payload: once per round.
+                if b == Backend::Eventfd && i > 0 {
+                    ctx.progress.inc((runs + 1) as u64);
+                    continue;
+                }
+                ctx.progress.say(format!("{} {} {size} B", a.experiment.name(), b.name()));
+                let only = if b == Backend::Eventfd { Vec::new() } else { vec![size] };
+                for mut p in peers::measure(ctx, b, &only)? {
+                    p.set("round", json!(round + 1));
+                    ctx.emit(p);
+                }
+            }
+        }
+    }
+    if let Some(rig) = kept {
+        rig.finish()?;
+    }
+    Ok(())
+}
+
+/// One point on one of Ferry's backends.
+fn ferry_point(ctx: &Ctx<'_>, backend: Backend, size: usize, kept: &mut Option<Rig>) -> Result<Point, CliError> {
+    let a = ctx.args;
+    let count = match a.experiment {
+        Experiment::Rtt => RTT_POOL,
+        _ => a.inflight.unwrap_or(250),
+    };
+    let setup = ChannelSetup {
+        direction: Direction::Tx,
+        role: Role::Master,
+        trust: a.trust().level(),
+        meta_size: 16,
+        queue_depth: (count * 2).next_power_of_two().clamp(64, 65536) as u32,
+        ..ChannelSetup::default()
+    };
+    let spec = EchoSpec { role: EchoRole::Standard, busy: a.busy(), touch: a.touch, batch: !a.no_batching };
+    let mut rig = match kept.take() {
+        Some(r) => r,
+        None => rig::connect(backend, setup, spec, a.peer.as_deref())?,
+    };
+    let alloc = Allocator::new(&rig.domain, count as u64, size, PoolConstraints::default())?;
+    rig.assign(&alloc)?;
+    // Pre-fault every buffer in both views: first touch of a page costs
+    // microseconds, and we measure steady-state transfer, not page faults.
+    let mut bufs: Vec<_> = std::iter::from_fn(|| alloc.alloc()).collect();
+    for b in &mut bufs {
+        b.as_mut_slice()?.fill(1);
+    }
+    drop(bufs);
+    let runs = runs(ctx);
+    let (point, moved) = match a.experiment {
+        Experiment::Rtt => rtt(ctx, &mut rig, &alloc, backend, size, runs)?,
+        _ => throughput(ctx, &mut rig, &alloc, backend, size, runs)?,
+    };
+    if a.peer.is_some() {
+        *kept = Some(rig);
+    } else {
+        rig::check_echoed(rig.finish()?, moved)?;
+    }
+    Ok(point)
+}
+
+fn send(source: &mut ferry::Channel, buf: ferry::Buffer, meta: &[u8], busy: bool) -> Result<(), CliError> {
+    let mut b = buf;
+    loop {
+        match source.move_buffer(b, meta) {
+            Ok(()) => return Ok(()),
+            Err(r) if r.error == ferry::Error::QueueFull => {
+                b = r.into_inner();
+                if !busy {
+                    std::thread::yield_now();
+                }
+            }
+            Err(r) => return Err(r.into()),
+        }
+    }
+}
+
+fn head<'a>(ctx: &'a Ctx<'_>, backend: Backend, size: usize, runs: usize, unit: &'a str) -> Head<'a> {
+    let a = ctx.args;
+    Head {
+        experiment: a.experiment.name(),
+        backend: backend.name(),
+        size,
+        trust: a.trust().name(),
+        mode: a.mode(),
+        touch: a.touch,
+        runs,
+        unit,
+    }
+}
+
+fn rtt(
+    ctx: &Ctx<'_>,
+    rig: &mut Rig,
+    alloc: &Allocator,
+    backend: Backend,
+    size: usize,
+    runs: usize,
+) -> Result<(Point, u64), CliError> {
+    let a = ctx.args;
+    let busy = a.busy();
+    let idle = Duration::from_micros(a.idle_us);
+    let mut samples = Vec::with_capacity(runs * MOVES_PER_RUN);
+    // One warm-up run, not recorded.
+    for run in 0..=runs {
+        for i in 0..MOVES_PER_RUN {
+            let mut buf = alloc.alloc().ok_or_else(|| CliError::Failed("pool exhausted".into()))?;
+            if a.touch {
+                pattern::fill(buf.as_mut_slice()?, i as u64);
+            }
+            if !idle.is_zero() {
+                std::thread::sleep(idle);
+            }
+            let t0 = Instant::now();
+            send(&mut rig.source, buf, &(i as u64).to_le_bytes(), busy)?;
+            match next_event(&mut rig.source, busy) {
+                Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
+                ev => return Err(CliError::Failed(format!("rtt: expected the buffer back, got {ev:?}"))),
+            }
+            let dt = t0.elapsed();
+            if run > 0 {
+                samples.push(dt.as_secs_f64() * 1e6);
+            }
+        }
+        ctx.progress.inc(1);
+    }
+    let summary = Summary::of(&samples).ok_or_else(|| CliError::Failed("no samples".into()))?;
+    let extra = if a.idle_us > 0 { json!({ "idle_us": a.idle_us }) } else { json!({}) };
+    let point = Point::new(head(ctx, backend, size, runs, "us"), summary, Some(0), extra);
+    Ok((point, ((runs + 1) * MOVES_PER_RUN) as u64))
+}
+
+fn throughput(
+    ctx: &Ctx<'_>,
+    rig: &mut Rig,
+    alloc: &Allocator,
+    backend: Backend,
+    size: usize,
+    runs: usize,
+) -> Result<(Point, u64), CliError> {
+    let a = ctx.args;
+    let busy = a.busy();
+    let window = a.inflight.unwrap_or(250);
+    // As bench/peers: 50 000 moves per run, but with --touch above 64 KiB 2 GiB per run
+    // (a touched 1 MiB run would otherwise move 50 GB).
+    let default_moves = if a.touch && size > 64 << 10 { ((2usize << 30) / size).max(1) } else { 50_000 };
+    let moves = a.moves.unwrap_or(default_moves).max(window);
+    let mut rates = Vec::with_capacity(runs);
+    for run in 0..=runs {
+        let (mut sent, mut done, mut inflight) = (0usize, 0usize, 0usize);
+        let t0 = Instant::now();
+        while done < moves {
+            while inflight < window && sent < moves {
+                let Some(mut buf) = alloc.alloc() else { break };
+                if a.touch {
+                    pattern::fill(buf.as_mut_slice()?, sent as u64);
+                }
+                send(&mut rig.source, buf, &(sent as u64).to_le_bytes(), busy)?;
+                sent += 1;
+                inflight += 1;
+            }
+            // Take every completion that is there (batching), at least one.
+            let mut got = 0;
+            loop {
+                let ev = if got == 0 { next_event(&mut rig.source, busy) } else { rig.source.poll() };
+                match ev {
+                    Some(Event::BufferPassed { buffer, .. }) => {
+                        drop(buffer);
+                        done += 1;
+                        inflight -= 1;
+                        got += 1;
+                    }
+                    None if got > 0 => break,
+                    ev => return Err(CliError::Failed(format!("throughput: expected buffers back, got {ev:?}"))),
+                }
+            }
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        if run > 0 {
+            rates.push(moves as f64 / secs / 1e6);
+        }
+        ctx.progress.inc(1);
+    }
+    let summary = Summary::of(&rates).ok_or_else(|| CliError::Failed("no samples".into()))?;
+    let gbit = round(summary.median * 1e6 * size as f64 * 8.0 / 1e9);
+    let extra = json!({ "inflight": window, "moves_per_run": moves, "gbit_s_median": gbit });
+    let point = Point::new(head(ctx, backend, size, runs, "Mops/s"), summary, Some(0), extra);
+    Ok((point, ((runs + 1) * moves) as u64))
+}

@@ -1,0 +1,73 @@
+//! `ferry bench-child` (hidden): the processes `ferry bench` starts itself —
+//! the receiving domain of `fbufs-table` over shm, and the stages of
+//! `pipeline`. Not for people: the arguments are set by the parent.
+
+use clap::{Args, Subcommand};
+use ferry::{BindParams, Channel, Domain};
+
+use super::{fbufs, pipeline};
+use crate::{echo, pin, CliError};
+
+/// Arguments of `ferry bench-child`.
+#[derive(Debug, Args)]
+pub struct ChildArgs {
+    #[command(subcommand)]
+    role: Role,
+}
+
+#[derive(Debug, Subcommand)]
+enum Role {
+    /// The fbufs receiver: read one word per page, pass back.
+    FbufsEcho(FbufsEchoArgs),
+    /// One stage of a pipeline.
+    Stage(pipeline::StageArgs),
+}
+
+#[derive(Debug, Args)]
+struct FbufsEchoArgs {
+    /// Endpoint to bind to (`shm@NAME`, `shm:PATH`).
+    #[arg(long)]
+    endpoint: String,
+    /// Pin to this CPU.
+    #[arg(long)]
+    cpu: Option<usize>,
+    /// Spin instead of sleeping.
+    #[arg(long)]
+    busy_poll: bool,
+}
+
+/// Die with the parent: a benchmark that is killed leaves no processes.
+pub fn die_with_parent() {
+    let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
+}
+
+/// Raise the soft limit of open files to the hard one: uncached fbufs
+/// transfers keep one memfd per pool open.
+pub fn raise_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut l = getrlimit(Resource::Nofile);
+    if l.current != l.maximum {
+        l.current = l.maximum;
+        let _ = setrlimit(Resource::Nofile, l);
+    }
+}
+
+/// `ferry bench-child`.
+pub fn run(a: &ChildArgs) -> Result<(), CliError> {
+    die_with_parent();
+    match &a.role {
+        Role::FbufsEcho(e) => {
+            raise_fd_limit();
+            if let Some(cpu) = e.cpu {
+                pin::to_cpu(cpu);
+            }
+            let ep = echo::parse_endpoint(&e.endpoint)?;
+            let domain = Domain::new("fbufs-receiver");
+            let mut ch = Channel::bind(&domain, &ep, BindParams::default())?;
+            let n = fbufs::serve(&mut ch, e.busy_poll).map_err(CliError::Failed)?;
+            println!("echoed {n}");
+            Ok(())
+        }
+        Role::Stage(s) => pipeline::stage(s),
+    }
+}

@@ -1,0 +1,153 @@
+//! `--compare`: Ferry and its baselines/peers measured alternately in one
+//! invocation (round 1: Ferry, then each baseline; round 2: the same
+//! again…), then the ratios, round by round, so drift of a shared machine
+//! shows as spread rather than as a difference between transports.
+
+use serde_json::json;
+
+use super::{peers, Backend, Ctx, Experiment, Point};
+use crate::stats::round;
+use crate::CliError;
+
+/// The baselines/peers to run against Ferry: `--against`, or every one that
+/// applies to the experiment and is built (iceoryx2 is left out, with a
+/// note, when ferry-peers was built without it).
+pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
+    let applies: &[Backend] = match a.experiment {
+        Experiment::Rtt => {
+            &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2, Backend::Eventfd]
+        }
+        Experiment::Throughput => &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2],
+        Experiment::FbufsTable => &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy],
+        Experiment::Pipeline => &[Backend::PipeCopy],
+    };
+    if !a.against.is_empty() {
+        let mut v = Vec::new();
+        for &b in &a.against {
+            if !applies.contains(&b) {
+                let names: Vec<&str> = applies.iter().map(|b| b.name()).collect();
+                return Err(CliError::Usage(format!(
+                    "--against {}: not a baseline of {} (choose from {})",
+                    b.name(),
+                    a.experiment.name(),
+                    names.join(", ")
+                )));
+            }
+            if a.experiment != Experiment::Pipeline {
+                peers::check(b)?;
+            }
+            if !v.contains(&b) {
+                v.push(b);
+            }
+        }
+        return Ok(v);
+    }
+    let defaults: &[Backend] = match a.experiment {
+        // One copy baseline is the seed's comparison; the others are a flag away.
+        Experiment::FbufsTable => &[Backend::UdsCopy],
+        _ => applies,
+    };
+    let mut v = Vec::new();
+    for &b in defaults {
+        if a.experiment == Experiment::Pipeline {
+            v.push(b);
+            continue;
+        }
+        match peers::check(b) {
+            Ok(()) => v.push(b),
+            Err(e) if b == Backend::Iceoryx2 => eprintln!("ferry bench: {e}; left out of the comparison"),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(v)
+}
+
+fn lower_is_better(unit: &str) -> bool {
+    unit.starts_with("us")
+}
+
+/// What a point is compared by: unit, size (0 matches any: the eventfd
+/// floor), stages (pipeline), round.
+fn key(p: &Point) -> (String, usize, i64, i64) {
+    (p.unit().to_string(), p.size(), p.num("stages").map_or(-1, |s| s as i64), p.num("round").map_or(1, |r| r as i64))
+}
+
+fn label(p: &Point) -> String {
+    match p.0.get("variant").and_then(|v| v.as_str()) {
+        Some(v) => format!("{} {v}", p.backend()),
+        None => p.backend().to_string(),
+    }
+}
+
+fn is_ferry(p: &Point) -> bool {
+    matches!(p.backend(), "local" | "shm" | "net")
+}
+
+/// Print Ferry / baseline ratios of the medians, per round, for every pair
+/// of points measured under the same conditions.
+pub fn print_ratios(ctx: &Ctx<'_>) {
+    let pts: Vec<&Point> = ctx
+        .points
+        .iter()
+        // fbufs-table: the per-page rows are the table; the per-size rows are the figure.
+        .filter(|p| ctx.args.experiment != Experiment::FbufsTable || p.unit() == "us/page")
+        .collect();
+    // (ferry label, baseline label, unit, size, stages) → per-round ratios.
+    type Row = (String, String, String, usize, i64);
+    let mut rows: Vec<(Row, Vec<f64>)> = Vec::new();
+    for f in pts.iter().filter(|p| is_ferry(p)) {
+        let (unit, size, stages, rnd) = key(f);
+        for b in pts.iter().filter(|p| !is_ferry(p)) {
+            let (bu, bs, bst, brnd) = key(b);
+            if bu != unit || bst != stages || brnd != rnd || (bs != size && bs != 0) {
+                continue;
+            }
+            let (fm, bm) = (f.quantiles()[0], b.quantiles()[0]);
+            if !(fm > 0.0 && bm > 0.0) {
+                continue;
+            }
+            let row = (label(f), label(b), unit.clone(), size, stages);
+            match rows.iter_mut().find(|(r, _)| *r == row) {
+                Some((_, v)) => v.push(fm / bm),
+                None => rows.push((row, vec![fm / bm])),
+            }
+        }
+    }
+    if rows.is_empty() {
+        return;
+    }
+    if !ctx.args.json {
+        println!("\nratios of medians, Ferry / baseline (one per round):");
+    }
+    for ((ferry, base, unit, size, stages), ratios) in rows {
+        let mut sorted = ratios.clone();
+        sorted.sort_by(f64::total_cmp);
+        let k = sorted.len();
+        let mid = if k % 2 == 1 { sorted[k / 2] } else { (sorted[k / 2 - 1] + sorted[k / 2]) / 2.0 };
+        let faster = if lower_is_better(&unit) { 1.0 / mid } else { mid };
+        let what = if stages >= 0 { format!("{stages} stages") } else { format!("{size} B") };
+        if ctx.args.json {
+            let mut v = json!({
+                "kind": "ratio", "experiment": ctx.args.experiment.name(), "unit": unit, "size": size,
+                "ferry": ferry, "baseline": base, "ratios": ratios.iter().map(|r| round(*r)).collect::<Vec<_>>(),
+                "median_ratio": round(mid), "ferry_faster_by": round(faster),
+            });
+            if stages >= 0 {
+                v["stages"] = json!(stages);
+            }
+            println!("{v}");
+        } else {
+            let rs: Vec<String> = ratios.iter().map(|r| format!("{}", round(*r))).collect();
+            let verdict = if faster >= 1.0 {
+                format!("Ferry {}× faster", round(faster))
+            } else {
+                format!("Ferry {}× slower", round(1.0 / faster))
+            };
+            println!(
+                "  {:<11} {what:>10} {unit:<7} {ferry} / {base}: {}  → {verdict}",
+                ctx.args.experiment.name(),
+                rs.join(", ")
+            );
+        }
+    }
+}

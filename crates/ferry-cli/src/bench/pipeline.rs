@@ -1,0 +1,656 @@
+//! `pipeline`: seed 004 (Container Shipping) Fig. 7 — data flowing through
+//! a chain of N processes — on Ferry against the same chain built with
+//! pipes and read/write.
+//!
+//! Every stage is a real process (`ferry bench-child stage`, this
+//! executable). Per run, stage 0 produces `--total` bytes in `--size`
+//! buffers, stages 1..N-2 forward them, stage N-1 consumes them and reports;
+//! the sample is total / (time from "go" to the consumer's "done").
+//!
+//! * **Ferry** (`shm`): channels between neighbours; stage 0 owns one pool
+//!   of `--inflight` buffers (16 by default), assigned along the chain (each
+//!   stage accepts it and offers it downstream: mapped once per process);
+//!   buffers are moved downstream and passed back upstream stage by stage
+//!   to the producer's free list. Nobody copies payload. Blocking mode by
+//!   default: more processes than cores, so spinning stages would take the
+//!   CPUs from each other. An inner stage waits on its upstream channel and
+//!   looks at its downstream one (returns) at least every 200 µs.
+//! * **pipes** (`pipe-copy`): a shell-style chain, stage i's stdout is
+//!   stage i+1's stdin; every stage moves `--size` chunks with read()
+//!   (read fully) and write(); each pipe is enlarged to pipe-max-size
+//!   (F_SETPIPE_SZ), as a bulk program would. The kernel copies every byte
+//!   in and out at every hop: `copies_kernel` = 2 (N-1).
+//!
+//! Every buffer carries its sequence number in its first 8 bytes, checked
+//! by the consumer; with `--touch` the producer writes the whole pattern
+//! and the consumer checks every byte. Processes are not pinned. A stage
+//! that dies ends the run with an error (no hang: stages die with the
+//! benchmark, and the coordinator watches every one).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use ferry::{Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Event, PoolConstraints, Role};
+use rustix::io::Errno;
+use serde_json::json;
+
+use super::point::{Head, Point};
+use super::progress::Progress;
+use super::{check_pool_sizes, compare, Backend, Ctx};
+use crate::stats::{round, Summary};
+use crate::{pattern, CliError};
+
+/// How long a run may go without finishing before the chain is declared stuck.
+const RUN_LIMIT: Duration = Duration::from_secs(300);
+/// Setup steps between stages.
+const STEP: Duration = Duration::from_secs(20);
+/// An inner Ferry stage looks at returns at least this often.
+const RETURN_POLL: Duration = Duration::from_micros(200);
+
+/// How the chain is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Variant {
+    /// Ferry shared-memory channels, buffers moved.
+    Ferry,
+    /// Pipes, read/write.
+    Pipe,
+}
+
+impl Variant {
+    fn backend(self) -> Backend {
+        match self {
+            Variant::Ferry => Backend::Shm,
+            Variant::Pipe => Backend::PipeCopy,
+        }
+    }
+}
+
+/// Arguments of one stage (set by the coordinator).
+#[derive(Debug, Args)]
+pub struct StageArgs {
+    #[arg(long, value_enum)]
+    variant: Variant,
+    #[arg(long)]
+    index: usize,
+    #[arg(long)]
+    stages: usize,
+    #[arg(long)]
+    size: usize,
+    #[arg(long)]
+    total: u64,
+    #[arg(long)]
+    window: usize,
+    /// Endpoint name stem (Ferry).
+    #[arg(long)]
+    name: String,
+    #[arg(long)]
+    busy_poll: bool,
+    #[arg(long)]
+    touch: bool,
+}
+
+/// `ferry bench pipeline`.
+pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
+    let a = ctx.args;
+    let variants: Vec<Variant> = match (a.backend, a.compare) {
+        (None, _) | (Some(Backend::Shm), true) => vec![Variant::Ferry, Variant::Pipe],
+        (Some(Backend::Shm), false) => vec![Variant::Ferry],
+        (Some(Backend::PipeCopy), false) => vec![Variant::Pipe],
+        (Some(b), _) => {
+            return Err(CliError::Usage(format!(
+                "pipeline --backend {}: the stages are processes; use shm (Ferry) or pipe-copy (pipes), or neither for both",
+                b.name()
+            )))
+        }
+    };
+    if a.compare {
+        compare::baselines(a)?;
+    }
+    let sizes = if a.sizes.is_empty() { vec![1 << 20] } else { a.sizes.clone() };
+    check_pool_sizes(&sizes)?;
+    let stages = if a.stages.is_empty() { vec![2, 3, 4, 5] } else { a.stages.clone() };
+    if let Some(n) = stages.iter().find(|n| !(2..=8).contains(*n)) {
+        return Err(CliError::Usage(format!("--stages {n}: a chain has 2 to 8 processes")));
+    }
+    for &size in &sizes {
+        if a.total < size as u64 || a.total % size as u64 != 0 {
+            return Err(CliError::Usage(format!("--total {}: must be a positive multiple of --size {size}", a.total)));
+        }
+    }
+    let window = a.inflight.unwrap_or(16);
+    let runs = a.runs.unwrap_or(3);
+    let rounds = if variants.len() > 1 { a.rounds } else { 1 };
+    let total_units = stages.len() * sizes.len() * rounds * variants.len() * (runs + 1);
+    ctx.progress = Progress::new(total_units as u64, a.json);
+    for &size in &sizes {
+        for &n in &stages {
+            for round_no in 1..=rounds {
+                for &v in &variants {
+                    ctx.progress.say(format!("pipeline {n} stages {:?}", v));
+                    let mut p = point(ctx, v, n, size, window, runs)?;
+                    if rounds > 1 {
+                        p.set("round", json!(round_no));
+                    }
+                    ctx.emit(p);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn point(ctx: &Ctx<'_>, v: Variant, n: usize, size: usize, window: usize, runs: usize) -> Result<Point, CliError> {
+    let a = ctx.args;
+    let mut chain = Chain::start(v, n, size, a.total, window, a.busy(), a.touch)?;
+    let mut rates = Vec::with_capacity(runs);
+    for run in 0..=runs {
+        let secs = chain.run_once()?;
+        if run > 0 {
+            rates.push(a.total as f64 / secs / 1e9);
+        }
+        ctx.progress.inc(1);
+    }
+    chain.stop()?;
+    let s = Summary::of(&rates).ok_or_else(|| CliError::Failed("no samples".into()))?;
+    let (trust, mode, kernel) = match v {
+        Variant::Ferry => (a.trust().name(), a.mode(), 0),
+        Variant::Pipe => ("n/a", "blocking", 2 * (n - 1)),
+    };
+    let head = Head {
+        experiment: "pipeline",
+        backend: v.backend().name(),
+        size,
+        trust,
+        mode,
+        touch: a.touch,
+        runs,
+        unit: "GB/s",
+    };
+    let mut extra = json!({
+        "stages": n, "total": a.total, "copies_kernel": kernel, "gbit_s_median": round(s.median * 8.0),
+    });
+    if v == Variant::Ferry {
+        extra["inflight"] = json!(window);
+    }
+    Ok(Point::new(head, s, Some(0), extra))
+}
+
+/// A running chain of stage processes, seen from the coordinator.
+struct Chain {
+    children: Vec<Child>,
+    control: Option<ChildStdin>,
+    lines: mpsc::Receiver<(Instant, String)>,
+    run: u64,
+}
+
+fn pipe_pair() -> Result<(OwnedFd, OwnedFd), CliError> {
+    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(|e| CliError::Failed(format!("pipe: {e}")))?;
+    let max = std::fs::read_to_string("/proc/sys/fs/pipe-max-size")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(1 << 20);
+    if let Err(e) = rustix::pipe::fcntl_setpipe_size(&w, max) {
+        eprintln!("ferry bench: F_SETPIPE_SZ {max}: {e} (keeping the default pipe buffer)");
+    }
+    Ok((r, w))
+}
+
+impl Chain {
+    fn start(
+        v: Variant,
+        n: usize,
+        size: usize,
+        total: u64,
+        window: usize,
+        busy: bool,
+        touch: bool,
+    ) -> Result<Chain, CliError> {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!("ferry-pipe-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+        let exe = std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own executable: {e}")))?;
+        let mut chain = Chain { children: Vec::new(), control: None, lines: mpsc::channel().1, run: 0 };
+        let mut upstream: Option<OwnedFd> = None;
+        for i in 0..n {
+            let mut cmd = Command::new(&exe);
+            cmd.args(["bench-child", "stage", "--variant"]).arg(format!("{v:?}").to_lowercase());
+            for (k, val) in [
+                ("--index", i.to_string()),
+                ("--stages", n.to_string()),
+                ("--size", size.to_string()),
+                ("--total", total.to_string()),
+                ("--window", window.to_string()),
+                ("--name", name.clone()),
+            ] {
+                cmd.arg(k).arg(val);
+            }
+            if busy {
+                cmd.arg("--busy-poll");
+            }
+            if touch {
+                cmd.arg("--touch");
+            }
+            cmd.stderr(Stdio::inherit());
+            // Stage 0 reads "go" lines from us; the last stage reports to us.
+            if i == 0 {
+                cmd.stdin(Stdio::piped());
+            } else if let Some(r) = upstream.take() {
+                cmd.stdin(Stdio::from(r));
+            } else {
+                cmd.stdin(Stdio::null());
+            }
+            if i == n - 1 {
+                cmd.stdout(Stdio::piped());
+            } else if v == Variant::Pipe {
+                let (r, w) = pipe_pair()?;
+                cmd.stdout(Stdio::from(w));
+                upstream = Some(r);
+            } else {
+                cmd.stdout(Stdio::null());
+            }
+            let mut child = cmd.spawn().map_err(|e| CliError::Failed(format!("cannot start stage {i}: {e}")))?;
+            // Our copies of the pipe ends went with `cmd`.
+            drop(cmd);
+            if i == 0 {
+                chain.control = child.stdin.take();
+            }
+            if i == n - 1 {
+                let out = child.stdout.take().expect("piped");
+                let (tx, rx) = mpsc::channel();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(out).lines() {
+                        let Ok(line) = line else { break };
+                        if tx.send((Instant::now(), line)).is_err() {
+                            break;
+                        }
+                    }
+                });
+                chain.lines = rx;
+            }
+            chain.children.push(child);
+        }
+        chain.expect("ready", STEP)?;
+        Ok(chain)
+    }
+
+    /// Wait for the consumer's next line, which must start with `what`.
+    fn expect(&mut self, what: &str, limit: Duration) -> Result<Instant, CliError> {
+        let t0 = Instant::now();
+        loop {
+            match self.lines.recv_timeout(Duration::from_millis(100)) {
+                Ok((at, line)) if line.starts_with(what) => return Ok(at),
+                Ok((_, line)) => return Err(CliError::Failed(format!("pipeline: consumer said {line:?}, not {what}"))),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(CliError::Failed(format!("pipeline: the consumer stage ended before {what}")))
+                }
+            }
+            for (i, c) in self.children.iter_mut().enumerate() {
+                if let Ok(Some(st)) = c.try_wait() {
+                    return Err(CliError::Failed(format!("pipeline: stage {i} died ({st})")));
+                }
+            }
+            if t0.elapsed() > limit {
+                return Err(CliError::Failed(format!("pipeline: no {what} within {} s", limit.as_secs())));
+            }
+        }
+    }
+
+    /// One run: seconds from "go" to the consumer's "done".
+    fn run_once(&mut self) -> Result<f64, CliError> {
+        self.run += 1;
+        let ctl = self.control.as_mut().expect("running");
+        let t0 = Instant::now();
+        ctl.write_all(b"go\n")
+            .and_then(|()| ctl.flush())
+            .map_err(|e| CliError::Failed(format!("pipeline: the producer stage is gone: {e}")))?;
+        let at = self.expect("done", RUN_LIMIT)?;
+        Ok(at.duration_since(t0).as_secs_f64())
+    }
+
+    /// End of input for the producer; every stage must exit cleanly.
+    fn stop(mut self) -> Result<(), CliError> {
+        drop(self.control.take());
+        let t0 = Instant::now();
+        for (i, c) in self.children.iter_mut().enumerate() {
+            let st = loop {
+                match c.try_wait() {
+                    Ok(Some(st)) => break st,
+                    Ok(None) if t0.elapsed() < STEP => std::thread::sleep(Duration::from_millis(2)),
+                    Ok(None) => return Err(CliError::Failed(format!("pipeline: stage {i} did not exit"))),
+                    Err(e) => return Err(CliError::Failed(format!("pipeline: stage {i}: {e}"))),
+                }
+            };
+            if !st.success() {
+                return Err(CliError::Failed(format!("pipeline: stage {i} failed ({st})")));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Chain {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            if let Ok(None) = c.try_wait() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ stages
+
+fn failed(what: &str) -> impl Fn(std::io::Error) -> CliError + '_ {
+    move |e| CliError::Failed(format!("stage: {what}: {e}"))
+}
+
+/// One stage of the chain (a process).
+pub fn stage(a: &StageArgs) -> Result<(), CliError> {
+    let r = match a.variant {
+        Variant::Ferry => ferry_stage(a),
+        Variant::Pipe => pipe_stage(a),
+    };
+    r.map_err(|e| CliError::Failed(format!("pipeline stage {} of {}: {e}", a.index, a.stages)))
+}
+
+fn per_run(a: &StageArgs) -> u64 {
+    a.total / a.size as u64
+}
+
+/// Mark buffer `seq`: its tag in the first word, or with `--touch` the whole pattern.
+fn mark(buf: &mut [u8], seq: u64, touch: bool) {
+    if touch {
+        pattern::fill(buf, seq);
+    } else {
+        buf[..8].copy_from_slice(&seq.to_le_bytes());
+    }
+}
+
+fn check(buf: &[u8], seq: u64, touch: bool) -> Result<(), CliError> {
+    let ok = if touch { pattern::check(buf, seq) } else { buf[..8] == seq.to_le_bytes() };
+    if ok {
+        Ok(())
+    } else {
+        Err(CliError::Failed(format!("buffer {seq} arrived wrong (lost, reordered or mangled)")))
+    }
+}
+
+fn report(line: &str) -> Result<(), CliError> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}").and_then(|()| out.flush()).map_err(failed("report"))
+}
+
+fn write_all(fd: BorrowedFd<'_>, mut buf: &[u8]) -> Result<(), CliError> {
+    while !buf.is_empty() {
+        match rustix::io::write(fd, buf) {
+            Ok(n) => buf = &buf[n..],
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(CliError::Failed(format!("write: {e}"))),
+        }
+    }
+    Ok(())
+}
+
+/// Read exactly `buf.len()` bytes; `false` on end of file before the first.
+fn read_exact(fd: BorrowedFd<'_>, buf: &mut [u8]) -> Result<bool, CliError> {
+    let mut got = 0;
+    while got < buf.len() {
+        match rustix::io::read(fd, &mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(CliError::Failed(format!("end of file inside a chunk ({got} of {})", buf.len()))),
+            Ok(n) => got += n,
+            Err(Errno::INTR) => {}
+            Err(e) => return Err(CliError::Failed(format!("read: {e}"))),
+        }
+    }
+    Ok(true)
+}
+
+fn pipe_stage(a: &StageArgs) -> Result<(), CliError> {
+    let (stdin, stdout) = (std::io::stdin(), std::io::stdout());
+    let mut buf = vec![1u8; a.size];
+    let last = a.index == a.stages - 1;
+    if a.index == 0 {
+        let mut seq = 0u64;
+        for line in stdin.lock().lines() {
+            line.map_err(failed("control"))?;
+            for _ in 0..per_run(a) {
+                mark(&mut buf, seq, a.touch);
+                write_all(stdout.as_fd(), &buf)?;
+                seq += 1;
+            }
+        }
+        return Ok(());
+    }
+    if last {
+        report("ready")?;
+    }
+    let mut seq = 0u64;
+    while read_exact(stdin.as_fd(), &mut buf)? {
+        if last {
+            check(&buf, seq, a.touch)?;
+            seq += 1;
+            if seq % per_run(a) == 0 {
+                report(&format!("done {}", seq / per_run(a)))?;
+            }
+        } else {
+            write_all(stdout.as_fd(), &buf)?;
+        }
+    }
+    Ok(())
+}
+
+fn step<T>(ch: &mut Channel, what: &str, mut want: impl FnMut(Event) -> Option<T>) -> Result<T, CliError> {
+    let t0 = Instant::now();
+    while t0.elapsed() < STEP {
+        if let Some(ev) = ch.wait(Some(Duration::from_millis(100))) {
+            return match ev {
+                Event::Error(e) => Err(CliError::Failed(format!("{what}: {e}"))),
+                ev => want(ev).ok_or_else(|| CliError::Failed(format!("{what}: unexpected event"))),
+            };
+        }
+    }
+    Err(CliError::Failed(format!("no {what} within {} s", STEP.as_secs())))
+}
+
+fn next(ch: &mut Channel, busy: bool) -> Option<Event> {
+    crate::setup::next_event(ch, busy)
+}
+
+fn retry<T>(mut b: T, mut op: impl FnMut(T) -> Result<(), ferry::Refused<T>>) -> Result<(), CliError> {
+    loop {
+        match op(b) {
+            Ok(()) => return Ok(()),
+            Err(r) if r.error == ferry::Error::QueueFull => {
+                b = r.into_inner();
+                std::thread::yield_now();
+            }
+            Err(r) => return Err(r.into()),
+        }
+    }
+}
+
+fn ferry_stage(a: &StageArgs) -> Result<(), CliError> {
+    let domain = Domain::new(&format!("stage{}", a.index));
+    let ep = |i: usize| Endpoint::shm_abstract(&format!("{}-{i}", a.name));
+    let first = a.index == 0;
+    let last = a.index == a.stages - 1;
+    let busy = a.busy_poll;
+    let mut out = if last {
+        None
+    } else {
+        let setup = ChannelSetup {
+            direction: Direction::Tx,
+            role: Role::Master,
+            meta_size: 16,
+            queue_depth: (a.window * 2 + 8).next_power_of_two().max(64) as u32,
+            ..ChannelSetup::default()
+        };
+        Some(Channel::create(&domain, &ep(a.index), setup)?)
+    };
+    let inn = if first {
+        None
+    } else {
+        let t0 = Instant::now();
+        let mut ch = loop {
+            match Channel::bind(&domain, &ep(a.index - 1), BindParams::default()) {
+                Ok(ch) => break ch,
+                Err(ferry::Error::EndpointNotListening) if t0.elapsed() < STEP => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        step(&mut ch, "bind reply", |ev| matches!(ev, Event::Bound).then_some(()))?;
+        Some(ch)
+    };
+    if let Some(out) = &mut out {
+        step(out, "bind request", |ev| matches!(ev, Event::BindRequest { .. }).then_some(()))?;
+    }
+    match (inn, out) {
+        (None, Some(out)) => producer(a, &domain, out),
+        (Some(inn), Some(out)) => forwarder(&domain, inn, out, busy),
+        (Some(inn), None) => consumer(a, inn, busy),
+        (None, None) => Err(CliError::Usage("a chain has at least two stages".into())),
+    }
+}
+
+fn producer(a: &StageArgs, domain: &Domain, mut out: Channel) -> Result<(), CliError> {
+    let busy = a.busy_poll;
+    let alloc = Allocator::new(domain, a.window as u64, a.size, PoolConstraints::default())?;
+    out.assign_pool(alloc.pool())?;
+    step(&mut out, "pool accepted downstream", |ev| matches!(ev, Event::PoolAssigned(_)).then_some(()))?;
+    let mut bufs: Vec<_> = std::iter::from_fn(|| alloc.alloc()).collect();
+    for b in &mut bufs {
+        b.as_mut_slice()?.fill(1);
+    }
+    drop(bufs);
+    let mut seq = 0u64;
+    let take_returns = |out: &mut Channel, block: bool| -> Result<(), CliError> {
+        let mut ev = if block { next(out, busy) } else { out.poll() };
+        while let Some(e) = ev {
+            match e {
+                Event::BufferPassed { buffer, .. } => drop(buffer),
+                Event::Error(e) => return Err(e.into()),
+                other => return Err(CliError::Failed(format!("producer: unexpected {other:?}"))),
+            }
+            ev = out.poll();
+        }
+        Ok(())
+    };
+    for line in std::io::stdin().lock().lines() {
+        line.map_err(failed("control"))?;
+        for _ in 0..per_run(a) {
+            let mut buf = loop {
+                match alloc.alloc() {
+                    Some(b) => break b,
+                    None => take_returns(&mut out, true)?,
+                }
+            };
+            mark(buf.as_mut_slice()?, seq, a.touch);
+            retry(buf, |b| out.move_buffer(b, &seq.to_le_bytes()))?;
+            seq += 1;
+        }
+    }
+    // End of input: every buffer home, then close the chain from here.
+    while alloc.available() < a.window {
+        take_returns(&mut out, true)?;
+    }
+    out.teardown()?;
+    while let Some(ev) = out.wait(Some(STEP)) {
+        if matches!(ev, Event::Closed { .. }) {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Handle one event from upstream in a forwarding stage; `true` once the
+/// chain is closed (upstream closed, downstream closed after it).
+fn from_upstream(domain: &Domain, inn: &mut Channel, out: &mut Channel, ev: Event) -> Result<bool, CliError> {
+    match ev {
+        Event::PoolAssignRequest(req) => {
+            // Accept, then offer the same pool downstream (mapped once here).
+            inn.respond_pool(req.pool, true)?;
+            let pool = domain.pool(req.pool).ok_or_else(|| CliError::Failed("accepted pool missing".into()))?;
+            out.assign_pool(&pool)?;
+            step(out, "pool accepted downstream", |ev| matches!(ev, Event::PoolAssigned(_)).then_some(()))?;
+        }
+        Event::MoveReceived { buffer, meta } => retry(buffer, |b| out.move_buffer(b, &meta))?,
+        Event::Closed { .. } => {
+            out.teardown()?;
+            while let Some(ev) = out.wait(Some(STEP)) {
+                if matches!(ev, Event::Closed { .. }) {
+                    break;
+                }
+            }
+            return Ok(true);
+        }
+        Event::Error(e) => return Err(e.into()),
+        other => return Err(CliError::Failed(format!("forwarder: unexpected {other:?} upstream"))),
+    }
+    Ok(false)
+}
+
+fn forwarder(domain: &Domain, mut inn: Channel, mut out: Channel, busy: bool) -> Result<(), CliError> {
+    loop {
+        let mut did = false;
+        while let Some(ev) = inn.poll() {
+            did = true;
+            if from_upstream(domain, &mut inn, &mut out, ev)? {
+                return Ok(());
+            }
+        }
+        while let Some(ev) = out.poll() {
+            did = true;
+            match ev {
+                Event::BufferPassed { buffer, meta } => retry(buffer, |b| inn.pass(b, &meta))?,
+                Event::Error(e) => return Err(e.into()),
+                other => return Err(CliError::Failed(format!("forwarder: unexpected {other:?} downstream"))),
+            }
+        }
+        if inn.state() == ferry::ChannelState::Closed {
+            return Err(CliError::Failed("upstream closed without a teardown".into()));
+        }
+        if did {
+            continue;
+        }
+        if busy {
+            std::hint::spin_loop();
+        } else if let Some(ev) = inn.wait(Some(RETURN_POLL)) {
+            if from_upstream(domain, &mut inn, &mut out, ev)? {
+                return Ok(());
+            }
+        }
+    }
+}
+
+fn consumer(a: &StageArgs, mut inn: Channel, busy: bool) -> Result<(), CliError> {
+    let mut seq = 0u64;
+    loop {
+        match next(&mut inn, busy) {
+            Some(Event::PoolAssignRequest(req)) => {
+                inn.respond_pool(req.pool, true)?;
+                report("ready")?;
+            }
+            Some(Event::MoveReceived { buffer, meta }) => {
+                check(&buffer, seq, a.touch)?;
+                seq += 1;
+                retry(buffer, |b| inn.pass(b, &meta))?;
+                if seq % per_run(a) == 0 {
+                    report(&format!("done {}", seq / per_run(a)))?;
+                }
+            }
+            Some(Event::Closed { .. }) | None => return Ok(()),
+            Some(Event::Error(e)) => return Err(e.into()),
+            Some(other) => return Err(CliError::Failed(format!("consumer: unexpected {other:?}"))),
+        }
+    }
+}

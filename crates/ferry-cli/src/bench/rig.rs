@@ -1,0 +1,310 @@
+//! The one place that knows how each of Ferry's backends is reached: a
+//! source domain with the TX end of a channel, and an echo domain on the
+//! other end — a thread (local), a process this command starts (shm), or a
+//! process started by hand (`--peer`).
+//!
+//! Adding a backend is one arm in [`process_endpoint`] (the endpoint the
+//! source creates, and the descriptor the echo process binds to).
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event};
+
+use super::{trust_error, Backend};
+use crate::echo::{self, EchoOptions};
+use crate::{pin, CliError};
+
+/// How long setup steps may take before we call the peer dead.
+const STEP: Duration = Duration::from_secs(10);
+/// How long we wait for an echo started by hand.
+const BY_HAND: Duration = Duration::from_secs(60);
+
+/// Which echo loop runs on the other end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EchoRole {
+    /// `ferry echo`: pass every buffer straight back (seed 003 §5.1).
+    Standard,
+    /// The fbufs receiver: read one word per page, pass back, accept pool
+    /// removals ([`super::fbufs::serve`]).
+    Fbufs,
+}
+
+/// The echo domain wanted.
+#[derive(Debug, Clone, Copy)]
+pub struct EchoSpec {
+    /// Which loop.
+    pub role: EchoRole,
+    /// Spin instead of sleeping.
+    pub busy: bool,
+    /// Read every payload byte (standard echo).
+    pub touch: bool,
+    /// Both ends publish messages in batches (`Channel::set_batching`).
+    pub batch: bool,
+}
+
+enum Echo {
+    Thread(Option<JoinHandle<Result<u64, String>>>),
+    Process(Option<Child>),
+    External,
+}
+
+/// A connected source and its echo domain.
+pub struct Rig {
+    /// The source domain (owns the pools).
+    pub domain: Domain,
+    /// The TX end (master) of the channel.
+    pub source: Channel,
+    echo: Echo,
+}
+
+/// The endpoint a process backend's source creates, and the descriptor the
+/// echo process binds to (`ferry echo --endpoint …`).
+fn process_endpoint(backend: Backend, name: &str) -> Result<(Endpoint, String), CliError> {
+    match backend {
+        Backend::Shm => Ok((Endpoint::shm_abstract(name), format!("shm@{name}"))),
+        // Loopback, a port the kernel picks: the descriptor is known once
+        // the channel listens (see `connect`).
+        Backend::Net => Ok((Endpoint::tcp(([127, 0, 0, 1], 0).into()), String::new())),
+        other => Err(CliError::Usage(format!("--backend {}: not one of Ferry's process backends", other.name()))),
+    }
+}
+
+fn wait_for<T>(
+    source: &mut Channel,
+    limit: Duration,
+    what: &str,
+    mut alive: impl FnMut() -> Result<(), CliError>,
+    mut want: impl FnMut(Event) -> Option<Result<T, CliError>>,
+) -> Result<T, CliError> {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if let Some(ev) = source.wait(Some(Duration::from_millis(100))) {
+            if let Some(r) = want(ev) {
+                return r;
+            }
+        }
+        alive()?;
+        if source.state() == ferry::ChannelState::Closed {
+            break;
+        }
+    }
+    Err(CliError::Failed(format!("no {what} within {} s", limit.as_secs())))
+}
+
+/// Connect a source to an echo domain over `backend`.
+pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Option<&str>) -> Result<Rig, CliError> {
+    let domain = Domain::new("source");
+    if backend == Backend::Local {
+        let ep = Endpoint::local();
+        let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
+        let echo_domain = Domain::new("echo");
+        let mut sink = Channel::bind(&echo_domain, &ep, BindParams::default())?;
+        match source.wait(Some(STEP)) {
+            Some(Event::BindRequest { .. }) => {}
+            ev => return Err(CliError::Failed(format!("local channel: no bind request ({ev:?})"))),
+        }
+        let handle = std::thread::Builder::new()
+            .name("echo".into())
+            .spawn(move || {
+                pin::to_cpu(1);
+                let _keep = echo_domain;
+                match spec.role {
+                    EchoRole::Standard => echo::serve(
+                        &mut sink,
+                        EchoOptions { busy: spec.busy, touch: spec.touch, verify: false, batch: spec.batch },
+                    ),
+                    EchoRole::Fbufs => super::fbufs::serve(&mut sink, spec.busy),
+                }
+            })
+            .map_err(|e| CliError::Failed(format!("cannot start the echo thread: {e}")))?;
+        pin::to_cpu(0);
+        source.set_batching(spec.batch)?;
+        return Ok(Rig { domain, source, echo: Echo::Thread(Some(handle)) });
+    }
+    if let Some(peer) = peer {
+        let ep = echo::parse_endpoint(peer)?;
+        let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
+        eprintln!(
+            "ferry bench: waiting up to {} s for the echo: start `ferry echo --endpoint {peer}`",
+            BY_HAND.as_secs()
+        );
+        wait_for(&mut source, BY_HAND, "echo process (--peer)", || Ok(()), bound)?;
+        pin::to_cpu(0);
+        return Ok(Rig { domain, source, echo: Echo::External });
+    }
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let name = format!("ferry-bench-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+    let (ep, descriptor) = process_endpoint(backend, &name)?;
+    let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
+    let descriptor = match source.listen_addr() {
+        Some(addr) if backend == Backend::Net => format!("tcp:{addr}"),
+        _ => descriptor,
+    };
+    let mut args: Vec<String> = match spec.role {
+        EchoRole::Standard => vec!["echo".into()],
+        EchoRole::Fbufs => vec!["bench-child".into(), "fbufs-echo".into()],
+    };
+    args.extend(["--endpoint".into(), descriptor, "--cpu".into(), "1".into()]);
+    if spec.busy {
+        args.push("--busy-poll".into());
+    }
+    if spec.touch && spec.role == EchoRole::Standard {
+        args.push("--touch".into());
+    }
+    if spec.batch && spec.role == EchoRole::Standard {
+        args.push("--batch".into());
+    }
+    let mut child = spawn_self(&args)?;
+    let alive = |c: &mut Child| match c.try_wait() {
+        Ok(None) => Ok(()),
+        Ok(Some(st)) => Err(CliError::Failed(format!("the echo process exited during setup ({st})"))),
+        Err(e) => Err(CliError::Failed(format!("echo process: {e}"))),
+    };
+    let r = wait_for(&mut source, STEP, "bind from the echo process", || alive(&mut child), bound);
+    if let Err(e) = r {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(e);
+    }
+    pin::to_cpu(0);
+    source.set_batching(spec.batch)?;
+    Ok(Rig { domain, source, echo: Echo::Process(Some(child)) })
+}
+
+fn bound(ev: Event) -> Option<Result<(), CliError>> {
+    match ev {
+        Event::BindRequest { .. } => Some(Ok(())),
+        Event::Error(e) => Some(Err(CliError::Failed(format!("echo did not bind: {e}")))),
+        other => Some(Err(CliError::Failed(format!("echo did not bind: {other:?}")))),
+    }
+}
+
+/// Start this executable with `args`, stdout piped, stderr inherited.
+pub fn spawn_self(args: &[String]) -> Result<Child, CliError> {
+    let exe = std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own executable: {e}")))?;
+    Command::new(exe)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| CliError::Failed(format!("cannot start `ferry {}`: {e}", args.join(" "))))
+}
+
+impl Rig {
+    /// Assign the allocator's pool to the channel; the echo accepts.
+    pub fn assign(&mut self, alloc: &Allocator) -> Result<(), CliError> {
+        self.source.assign_pool(alloc.pool()).map_err(trust_error)?;
+        let id = alloc.pool().id();
+        let echo = &mut self.echo;
+        wait_for(
+            &mut self.source,
+            STEP,
+            "answer to the pool assignment",
+            || echo_alive(echo),
+            |ev| match ev {
+                Event::PoolAssigned(p) if p == id => Some(Ok(())),
+                other => Some(Err(CliError::Failed(format!("echo did not take the pool: {other:?}")))),
+            },
+        )
+    }
+
+    /// Remove a pool from the channel (fbufs, uncached) and wait until it is gone.
+    pub fn remove(&mut self, alloc: &Allocator) -> Result<(), CliError> {
+        let id = alloc.pool().id();
+        self.source.remove_pool(id)?;
+        let echo = &mut self.echo;
+        wait_for(
+            &mut self.source,
+            STEP,
+            "answer to the pool removal",
+            || echo_alive(echo),
+            |ev| match ev {
+                Event::PoolRemoved(p) if p == id => Some(Ok(())),
+                other => Some(Err(CliError::Failed(format!("echo did not remove the pool: {other:?}")))),
+            },
+        )
+    }
+
+    /// Tear the channel down and collect the echo: how many buffers it
+    /// passed back (`None` for an echo started by hand).
+    pub fn finish(mut self) -> Result<Option<u64>, CliError> {
+        self.source.teardown()?;
+        let t0 = Instant::now();
+        loop {
+            match self.source.wait(Some(Duration::from_millis(100))) {
+                Some(Event::Closed { .. }) => break,
+                Some(Event::BufferPassed { .. } | Event::PoolRemoved(_)) => {}
+                Some(other) => return Err(CliError::Failed(format!("unexpected event at teardown: {other:?}"))),
+                None if self.source.state() == ferry::ChannelState::Closed => break,
+                None if t0.elapsed() > STEP => return Err(CliError::Failed("teardown: the echo did not close".into())),
+                None => echo_alive(&mut self.echo)?,
+            }
+        }
+        match &mut self.echo {
+            Echo::Thread(h) => {
+                let h = h.take().expect("joined once");
+                let n = h.join().map_err(|_| CliError::Failed("echo thread panicked".into()))?;
+                n.map(Some).map_err(CliError::Failed)
+            }
+            Echo::External => Ok(None),
+            Echo::Process(c) => {
+                let mut child = c.take().expect("collected once");
+                let status = loop {
+                    match child.try_wait() {
+                        Ok(Some(st)) => break st,
+                        Ok(None) if t0.elapsed() < STEP * 2 => std::thread::sleep(Duration::from_millis(1)),
+                        Ok(None) => {
+                            let _ = child.kill();
+                            let _ = child.wait();
+                            return Err(CliError::Failed("the echo process did not exit after teardown".into()));
+                        }
+                        Err(e) => return Err(CliError::Failed(format!("echo process: {e}"))),
+                    }
+                };
+                let mut text = String::new();
+                if let Some(mut out) = child.stdout.take() {
+                    let _ = out.read_to_string(&mut text);
+                }
+                match text.trim().strip_prefix("echoed ").and_then(|n| n.parse().ok()) {
+                    Some(n) if status.success() => Ok(Some(n)),
+                    _ => Err(CliError::Failed(format!("echo process failed ({status}): {}", text.trim()))),
+                }
+            }
+        }
+    }
+}
+
+fn echo_alive(echo: &mut Echo) -> Result<(), CliError> {
+    match echo {
+        Echo::Process(Some(c)) => match c.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(st)) => Err(CliError::Failed(format!("the echo process died ({st})"))),
+            Err(e) => Err(CliError::Failed(format!("echo process: {e}"))),
+        },
+        Echo::Thread(Some(h)) if h.is_finished() => Err(CliError::Failed("the echo thread ended early".into())),
+        _ => Ok(()),
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        if let Echo::Process(Some(c)) = &mut self.echo {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Check the echo's count against what we sent (an echo started by hand
+/// reports to its own terminal).
+pub fn check_echoed(echoed: Option<u64>, expected: u64) -> Result<(), CliError> {
+    match echoed {
+        Some(n) if n != expected => Err(CliError::Failed(format!("echo saw {n} moves, expected {expected}"))),
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,900 @@
+//! The network backend: channels between machines over TCP (seed 003
+//! Part II), with the transparent semantics of the other backends and
+//! without the copy the seed's transparent variant paid.
+//!
+//! A pool assigned over the channel is mirrored on the peer: fresh memory
+//! with the same id and geometry. Buffer *i* moved or copied arrives in the
+//! peer's buffer *i*: the sender writes the payload straight from the
+//! buffer's memory (vectored `sendmsg`), the receiver reads the frame header,
+//! asks the channel whether the payload may land (the buffer is on the
+//! channel and not one the receiving domain owns or reads), and reads the
+//! payload straight into the buffer (vectored `recvmsg`). No user-space copy
+//! on either side, and no intermediate receive buffer; TCP gives
+//! reliability, ordering and flow control.
+//!
+//! Frames go out when the channel is polled or waited on (or when a batch
+//! is full), so many small frames share one system call; a payload is never
+//! copied to be batched.
+//!
+//! # Wire format, version 1 (little endian)
+//!
+//! Setup: the binder connects and sends its bind request; the creator
+//! answers with the acceptance or a refusal (the messages of `setup_msg`,
+//! each preceded by its length as a u16). Then both ends send frames:
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 1 | type: 1 move, 2 copy, 3 pass, 4 release, 5 pool assign, 6 assign reply, 7 pool remove, 8 remove reply, 9 teardown, 10 keep-alive, 11 goodbye |
+//! | 1 | 1 | flags: bit 0 accepted (replies), bit 1 payload follows, bits 4–7 trust (assign) |
+//! | 2 | 2 | meta length (at most the channel's meta size; 0 unless move, copy, pass) |
+//! | 4 | 4 | buffer index (buffer frames), buffer count (assign) |
+//! | 8 | 8 | payload length (buffer frames: 0 or the pool's buffer size), buffer size (assign) |
+//! | 16 | 16 | pool id |
+//! | 32 | meta length | meta data |
+//! | 32 + meta | payload length | the buffer's bytes |
+//!
+//! Moves always carry the payload. A pass carries it unless the sender said
+//! the contents do not matter ([`crate::Channel::pass_unfilled`]). A copy
+//! carries it unless the peer still holds a copy of that buffer from us
+//! (the buffer has been read-only since, so the peer's bytes are current).
+//! A keep-alive is sent when nothing else went out for a quarter of the
+//! peer timeout; goodbye says the sender closed its end on purpose (so the
+//! end of the stream is not a crash). Anything else — unknown type, flags or
+//! lengths that do not fit the type, a pool or index the channel does not
+//! have, a payload for a buffer the receiver owns — closes the channel with
+//! [`Error::Protocol`] on the receiving side.
+
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec};
+
+use super::setup_msg;
+use super::{Landing, Link, LinkStats, PayloadGate, Pending, PendingSetup, SetupDone};
+use crate::buffer::BufferId;
+use crate::channel::{negotiate, BindParams, ChannelSetup};
+use crate::error::{Error, Result};
+use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory};
+use crate::proto::{self, Message, Meta};
+use crate::sys::{self, Access, Mapping, RecvPart, SendPart};
+
+/// Size of a frame header.
+pub(crate) const FRAME_HEAD: usize = 32;
+const TYPE_MOVE: u8 = 1;
+const TYPE_COPY: u8 = 2;
+const TYPE_PASS: u8 = 3;
+const TYPE_TEARDOWN: u8 = 9;
+const TYPE_KEEPALIVE: u8 = 10;
+const TYPE_GOODBYE: u8 = 11;
+const FLAG_PAYLOAD: u8 = 2;
+
+/// Frames queued before a send goes out without waiting for a poll.
+const BATCH_FRAMES: usize = 64;
+/// Payload bytes queued before a send goes out without waiting for a poll.
+const BATCH_BYTES: usize = 1 << 20;
+/// Most frames in one `sendmsg` (two parts each).
+const FRAMES_PER_SEND: usize = 128;
+/// How long setup steps that the peer must answer at once may take.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a closing end tries to get its last frames out.
+const CLOSE_FLUSH: Duration = Duration::from_secs(2);
+
+/// Options of a TCP endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NetOptions {
+    /// A peer that sends nothing (not even a keep-alive) or takes none of
+    /// our data for this long is treated as dead: the channel fails with
+    /// [`Error::PeerUnresponsive`] and the buffers lent to it come back.
+    /// Keep-alives go out every quarter of it. Default 10 s.
+    pub peer_timeout: Duration,
+}
+
+impl Default for NetOptions {
+    fn default() -> Self {
+        NetOptions { peer_timeout: Duration::from_secs(10) }
+    }
+}
+
+impl NetOptions {
+    /// Options with the given peer timeout (at least 100 ms).
+    pub fn with_peer_timeout(timeout: Duration) -> NetOptions {
+        NetOptions { peer_timeout: timeout.max(Duration::from_millis(100)) }
+    }
+}
+
+/// An endpoint for channels between machines: a TCP address (IPv4 or IPv6).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetEndpoint {
+    addr: SocketAddr,
+    options: NetOptions,
+}
+
+impl NetEndpoint {
+    /// An endpoint at `addr`: `create` listens there (port 0: the kernel
+    /// picks one, see [`crate::Channel::listen_addr`]), `bind` connects.
+    pub fn new(addr: SocketAddr, options: NetOptions) -> Self {
+        NetEndpoint { addr, options }
+    }
+
+    /// The address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
+        let listener = TcpListener::bind(self.addr).map_err(|e| match e.kind() {
+            io::ErrorKind::AddrInUse => Error::EndpointInUse,
+            _ => Error::from(e),
+        })?;
+        listener.set_nonblocking(true)?;
+        Ok(Box::new(CreatorPending { listener: Some(listener), setup: *setup, options: self.options, conn: None }))
+    }
+
+    pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
+        let stream = TcpStream::connect_timeout(&self.addr, SETUP_TIMEOUT).map_err(|e| match e.kind() {
+            io::ErrorKind::ConnectionRefused => Error::EndpointNotListening,
+            _ => Error::from(e),
+        })?;
+        stream.set_nodelay(true)?;
+        stream.set_write_timeout(Some(SETUP_TIMEOUT))?;
+        (&stream).write_all(&framed(&setup_msg::encode_bind(params)))?;
+        stream.set_nonblocking(true)?;
+        Ok(Box::new(BinderPending { conn: Some(SetupConn::new(stream)), options: self.options }))
+    }
+}
+
+/// A setup message with its u16 length in front.
+fn framed(msg: &[u8]) -> Vec<u8> {
+    let mut v = (msg.len() as u16).to_le_bytes().to_vec();
+    v.extend_from_slice(msg);
+    v
+}
+
+// -------------------------------------------------------------------- setup
+
+/// A connection during setup, reading one length-prefixed setup message
+/// without ever reading past it (frames may follow at once).
+struct SetupConn {
+    stream: TcpStream,
+    buf: [u8; 2 + setup_msg::MAX_LEN],
+    have: usize,
+    deadline: Instant,
+}
+
+impl SetupConn {
+    fn new(stream: TcpStream) -> Self {
+        SetupConn { stream, buf: [0; 2 + setup_msg::MAX_LEN], have: 0, deadline: Instant::now() + SETUP_TIMEOUT }
+    }
+
+    /// The message once it is complete; `PeerGone` at end of stream,
+    /// `TimedOut` past the deadline.
+    fn poll(&mut self) -> Result<Option<&[u8]>> {
+        loop {
+            let need = if self.have < 2 {
+                2
+            } else {
+                let len = usize::from(u16::from_le_bytes([self.buf[0], self.buf[1]]));
+                if len > setup_msg::MAX_LEN {
+                    return Err(setup_msg::bad("too long"));
+                }
+                2 + len
+            };
+            if self.have == need && need > 2 {
+                return Ok(Some(&self.buf[2..need]));
+            }
+            match self.stream.read(&mut self.buf[self.have..need]) {
+                Ok(0) => return Err(Error::PeerGone),
+                Ok(n) => self.have += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return if Instant::now() > self.deadline { Err(Error::TimedOut) } else { Ok(None) };
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+struct CreatorPending {
+    /// Dropped once a binder is accepted.
+    listener: Option<TcpListener>,
+    setup: ChannelSetup,
+    options: NetOptions,
+    /// A binder that connected and whose request is not complete yet.
+    conn: Option<SetupConn>,
+}
+
+impl CreatorPending {
+    /// Answer a complete bind request: `Ok(None)` if refused.
+    fn answer(&mut self, conn: SetupConn) -> Result<Option<SetupDone>> {
+        let params = setup_msg::parse_bind(&conn.buf[2..conn.have])?;
+        let stream = conn.stream;
+        let neg = match negotiate(&self.setup, &params) {
+            Ok(neg) => neg,
+            Err(why) => {
+                let _ = (&stream).write_all(&framed(&setup_msg::encode_refuse(why)));
+                return Ok(None);
+            }
+        };
+        let depth = self.setup.queue_depth;
+        stream.set_nonblocking(false)?;
+        stream.set_write_timeout(Some(SETUP_TIMEOUT))?;
+        (&stream).write_all(&framed(&setup_msg::encode_accept(&neg, depth)))?;
+        let link = NetLink::new(stream, neg.meta_size, depth, self.options)?;
+        Ok(Some((Box::new(link), neg, true)))
+    }
+}
+
+impl PendingSetup for CreatorPending {
+    fn poll(&mut self) -> Option<Result<SetupDone>> {
+        if self.conn.is_none() {
+            match self.listener.as_ref()?.accept() {
+                Ok((stream, _)) => {
+                    if stream.set_nonblocking(true).is_err() || stream.set_nodelay(true).is_err() {
+                        return None;
+                    }
+                    self.conn = Some(SetupConn::new(stream));
+                }
+                Err(_) => return None,
+            }
+        }
+        let mut conn = self.conn.take()?;
+        match conn.poll() {
+            Ok(None) => {
+                self.conn = Some(conn);
+                None
+            }
+            Ok(Some(_)) => match self.answer(conn) {
+                Ok(Some(done)) => {
+                    self.listener = None;
+                    Some(Ok(done))
+                }
+                // Refused, or a connector that does not speak the protocol:
+                // drop it and keep listening for a proper binder.
+                Ok(None) | Err(Error::Protocol(_)) => None,
+                Err(e) => Some(Err(e)),
+            },
+            // The connector went away, stalled or spoke nonsense.
+            Err(_) => None,
+        }
+    }
+
+    fn wait(&mut self, timeout: Duration) {
+        let fd = match (&self.conn, &self.listener) {
+            (Some(c), _) => c.stream.as_fd(),
+            (None, Some(l)) => l.as_fd(),
+            (None, None) => return,
+        };
+        let _ = poll_fd(fd, PollFlags::IN, timeout);
+    }
+
+    fn listen_addr(&self) -> Option<SocketAddr> {
+        self.listener.as_ref()?.local_addr().ok()
+    }
+}
+
+struct BinderPending {
+    conn: Option<SetupConn>,
+    options: NetOptions,
+}
+
+impl PendingSetup for BinderPending {
+    fn poll(&mut self) -> Option<Result<SetupDone>> {
+        let conn = self.conn.as_mut()?;
+        let reply = match conn.poll() {
+            Ok(None) => return None,
+            Ok(Some(reply)) => setup_msg::parse_reply(reply),
+            Err(e) => Err(e),
+        };
+        let conn = self.conn.take().expect("present");
+        Some(reply.and_then(|(neg, depth)| {
+            let link = NetLink::new(conn.stream, neg.meta_size, depth, self.options)?;
+            Ok((Box::new(link) as Box<dyn Link>, neg, false))
+        }))
+    }
+
+    fn wait(&mut self, timeout: Duration) {
+        if let Some(c) = &self.conn {
+            let _ = poll_fd(c.stream.as_fd(), PollFlags::IN, timeout);
+        }
+    }
+}
+
+fn poll_fd(fd: std::os::fd::BorrowedFd<'_>, events: PollFlags, timeout: Duration) -> io::Result<PollFlags> {
+    let mut pfd = [PollFd::from_borrowed_fd(fd, events)];
+    let ts =
+        Timespec { tv_sec: timeout.as_secs().min(i64::MAX as u64) as i64, tv_nsec: i64::from(timeout.subsec_nanos()) };
+    match rustix::event::poll(&mut pfd, Some(&ts)) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(pfd[0].revents()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+// --------------------------------------------------------------------- link
+
+/// A pool as the link sees it: its own read-write mapping, independent of
+/// the domain's view (whose protection follows the buffer states).
+struct LinkPool {
+    map: Mapping,
+    geometry: Geometry,
+    _memory: Arc<PoolMemory>,
+}
+
+/// One queued frame: header and meta, and the buffer whose bytes follow.
+struct OutFrame {
+    head: [u8; FRAME_HEAD + proto::MAX_META_SIZE],
+    head_len: usize,
+    payload: Option<(PoolId, u32)>,
+    payload_len: usize,
+}
+
+impl OutFrame {
+    fn len(&self) -> usize {
+        self.head_len + self.payload_len
+    }
+}
+
+/// Where the payload of the frame being received goes.
+#[derive(Clone, Copy)]
+enum Target {
+    /// Offset in the pool's mapping.
+    Land { pool: PoolId, offset: usize },
+    /// Read and dropped (see [`Landing::Discard`]).
+    Discard,
+}
+
+enum RxState {
+    /// Reading the fixed header into `head[..FRAME_HEAD]`.
+    Head { have: usize },
+    /// Reading meta into `head[FRAME_HEAD..]`, then the payload.
+    Body { meta: usize, have_meta: usize, target: Option<Target>, len: usize, have: usize },
+}
+
+/// One end of a TCP channel.
+pub(crate) struct NetLink {
+    stream: TcpStream,
+    meta_size: usize,
+    depth: usize,
+    options: NetOptions,
+    pools: PoolMap<LinkPool>,
+    out: VecDeque<OutFrame>,
+    /// Bytes of the front frame already sent.
+    out_sent: usize,
+    out_payload: usize,
+    rx: RxState,
+    head: [u8; FRAME_HEAD + proto::MAX_META_SIZE],
+    /// Header bytes of the next frame read together with a body.
+    next: [u8; FRAME_HEAD],
+    scratch: Vec<u8>,
+    /// Buffers whose bytes last landed here with a copy: a further copy of
+    /// one may come without payload.
+    copied_in: std::collections::HashSet<BufferId>,
+    last_rx: Instant,
+    last_tx: Instant,
+    /// Last time the queue was empty or bytes went out.
+    last_progress: Instant,
+    goodbye_seen: bool,
+    closed: bool,
+    died: bool,
+    /// The error every call returns once the stream is done.
+    gone: Option<Error>,
+    stats: LinkStats,
+}
+
+impl NetLink {
+    fn new(stream: TcpStream, meta_size: usize, depth: u32, options: NetOptions) -> Result<Self> {
+        stream.set_nonblocking(true)?;
+        // Not a TCP socket under the fuzzer (a Unix socket pair).
+        let _ = stream.set_nodelay(true);
+        configure_liveness(&stream, options.peer_timeout);
+        let now = Instant::now();
+        Ok(NetLink {
+            stream,
+            meta_size,
+            depth: depth as usize,
+            options,
+            pools: PoolMap::default(),
+            out: VecDeque::new(),
+            out_sent: 0,
+            out_payload: 0,
+            rx: RxState::Head { have: 0 },
+            head: [0; FRAME_HEAD + proto::MAX_META_SIZE],
+            next: [0; FRAME_HEAD],
+            scratch: Vec::new(),
+            copied_in: std::collections::HashSet::new(),
+            last_rx: now,
+            last_tx: now,
+            last_progress: now,
+            goodbye_seen: false,
+            closed: false,
+            died: false,
+            gone: None,
+            stats: LinkStats::default(),
+        })
+    }
+
+    /// A link over any connected stream socket (fuzzing: a socket pair).
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn over(stream: TcpStream, meta_size: usize) -> Self {
+        NetLink::new(stream, meta_size, 256, NetOptions::default()).expect("socket options")
+    }
+
+    fn register(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        if self.pools.contains_key(&memory.id()) {
+            return Ok(());
+        }
+        let g = memory.geometry();
+        let map = Mapping::map_shared(sys::borrow(memory.fd()), g.len(), Access::ReadWrite, 1)?;
+        self.pools.insert(memory.id(), LinkPool { map, geometry: g, _memory: memory.clone() });
+        Ok(())
+    }
+
+    fn fail(&mut self, e: Error, died: bool) -> Error {
+        if self.gone.is_none() {
+            self.died = died;
+            self.gone = Some(e.clone());
+        }
+        self.gone.clone().expect("set")
+    }
+
+    fn check(&self) -> Result<()> {
+        match &self.gone {
+            Some(e) => Err(e.clone()),
+            None if self.closed => Err(Error::PeerGone),
+            None => Ok(()),
+        }
+    }
+
+    fn queue(&mut self, msg: &Message, with_payload: bool) -> Result<()> {
+        self.check()?;
+        let mut f =
+            OutFrame { head: [0; FRAME_HEAD + proto::MAX_META_SIZE], head_len: 0, payload: None, payload_len: 0 };
+        msg.encode(&mut f.head);
+        f.head_len = FRAME_HEAD + usize::from(u16::from_le_bytes([f.head[2], f.head[3]]));
+        if let (true, Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. }) =
+            (with_payload, msg)
+        {
+            let pool = self
+                .pools
+                .get(&buf.pool)
+                .ok_or_else(|| Error::Protocol(format!("pool {} unknown to the network link", buf.pool)))?;
+            let size = pool.geometry.buffer_size();
+            f.head[1] |= FLAG_PAYLOAD;
+            f.head[8..16].copy_from_slice(&(size as u64).to_le_bytes());
+            f.payload = Some((buf.pool, buf.index));
+            f.payload_len = size;
+        }
+        self.push(f)
+    }
+
+    fn queue_control(&mut self, kind: u8) -> Result<()> {
+        let mut f = OutFrame {
+            head: [0; FRAME_HEAD + proto::MAX_META_SIZE],
+            head_len: FRAME_HEAD,
+            payload: None,
+            payload_len: 0,
+        };
+        f.head[0] = kind;
+        self.push(f)
+    }
+
+    fn push(&mut self, f: OutFrame) -> Result<()> {
+        if self.out.is_empty() {
+            self.last_progress = Instant::now();
+        }
+        self.out_payload += f.payload_len;
+        self.out.push_back(f);
+        if self.out.len() >= BATCH_FRAMES || self.out_payload >= BATCH_BYTES {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Send what the socket takes now.
+    fn flush(&mut self) -> Result<()> {
+        while !self.out.is_empty() {
+            let sent = {
+                let mut parts: Vec<SendPart<'_>> = Vec::with_capacity(2 * FRAMES_PER_SEND.min(self.out.len()));
+                let mut skip = self.out_sent;
+                for f in self.out.iter().take(FRAMES_PER_SEND) {
+                    if skip < f.head_len {
+                        parts.push(SendPart::slice(&f.head[skip..f.head_len]));
+                        skip = 0;
+                    } else {
+                        skip -= f.head_len;
+                    }
+                    if let Some((pool, index)) = f.payload {
+                        let p = &self.pools[&pool];
+                        let offset = index as usize * p.geometry.buffer_size() + skip;
+                        let part = SendPart::mapping(&p.map, offset, f.payload_len - skip).expect("index in range");
+                        parts.push(part);
+                    }
+                    skip = 0;
+                }
+                sys::send_parts(self.stream.as_fd(), &parts)
+            };
+            let n = match sent {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => return Err(self.fail(Error::PeerGone, true)),
+            };
+            let now = Instant::now();
+            self.last_tx = now;
+            self.last_progress = now;
+            self.stats.send_calls += 1;
+            self.consume_sent(n);
+        }
+        Ok(())
+    }
+
+    fn consume_sent(&mut self, mut n: usize) {
+        while n > 0 {
+            let f = self.out.front().expect("bytes sent belong to queued frames");
+            let left = f.len() - self.out_sent;
+            if n < left {
+                self.out_sent += n;
+                return;
+            }
+            n -= left;
+            self.out_sent = 0;
+            self.out_payload -= f.payload_len;
+            self.stats.payload_sent += f.payload_len as u64;
+            self.stats.frames_sent += 1;
+            self.out.pop_front();
+        }
+    }
+
+    /// Keep-alives and the peer's liveness.
+    fn tick(&mut self) -> Result<()> {
+        let now = Instant::now();
+        let timeout = self.options.peer_timeout;
+        if now.duration_since(self.last_rx) > timeout {
+            return Err(self.fail(Error::PeerUnresponsive(timeout), true));
+        }
+        if !self.out.is_empty() && now.duration_since(self.last_progress) > timeout {
+            return Err(self.fail(Error::PeerUnresponsive(timeout), true));
+        }
+        if self.out.is_empty() && now.duration_since(self.last_tx) > timeout / 4 {
+            self.queue_control(TYPE_KEEPALIVE)?;
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// The end of the stream or a socket error.
+    fn stream_ended(&mut self, err: Option<io::Error>) -> Error {
+        // A goodbye first: the peer closed its end on purpose (even if the
+        // close then raced our last frames into a reset).
+        if self.goodbye_seen {
+            return self.fail(Error::PeerGone, false);
+        }
+        let _ = err;
+        self.fail(Error::PeerGone, true)
+    }
+
+    /// Parse a complete header: the next state, or a message complete in
+    /// its header alone. Keep-alives and goodbyes are consumed here.
+    fn parse_head(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
+        let h = &self.head;
+        let kind = h[0];
+        let flags = h[1];
+        let meta = usize::from(u16::from_le_bytes([h[2], h[3]]));
+        let index = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
+        let aux = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
+        let pool = PoolId::from_u128(u128::from_le_bytes(h[16..32].try_into().expect("16 bytes")));
+        let bad = |what: String| Error::Protocol(format!("frame type {kind}: {what}"));
+        if kind == TYPE_KEEPALIVE || kind == TYPE_GOODBYE {
+            if flags != 0 || meta != 0 || aux != 0 {
+                return Err(bad("keep-alive or goodbye with content".into()));
+            }
+            if kind == TYPE_GOODBYE {
+                self.goodbye_seen = true;
+            }
+            self.rx = RxState::Head { have: 0 };
+            return Ok(None);
+        }
+        if !(TYPE_MOVE..=TYPE_TEARDOWN).contains(&kind) {
+            return Err(bad("unknown frame type".into()));
+        }
+        let carries_meta = matches!(kind, TYPE_MOVE | TYPE_COPY | TYPE_PASS);
+        if meta > self.meta_size || (!carries_meta && meta != 0) {
+            return Err(bad(format!("meta length {meta} out of range")));
+        }
+        let payload = flags & FLAG_PAYLOAD != 0;
+        let target = match (kind, payload) {
+            (TYPE_MOVE | TYPE_COPY | TYPE_PASS, true) => {
+                let p = self.pools.get(&pool).ok_or_else(|| bad(format!("pool {pool} not on this channel")))?;
+                if index >= p.geometry.count() {
+                    return Err(bad(format!("buffer index {index} out of range")));
+                }
+                if aux != p.geometry.buffer_size() as u64 {
+                    return Err(bad(format!(
+                        "payload of {aux} bytes for a pool of {}-byte buffers",
+                        p.geometry.buffer_size()
+                    )));
+                }
+                let buf = BufferId { pool, index };
+                let probe = match kind {
+                    TYPE_MOVE => Message::Move { buf, meta: Meta::empty() },
+                    TYPE_COPY => Message::Copy { buf, meta: Meta::empty() },
+                    _ => Message::Pass { buf, meta: Meta::empty() },
+                };
+                Some(match gate.admit(&probe)? {
+                    Landing::Land => Target::Land { pool, offset: index as usize * aux as usize },
+                    Landing::Discard => Target::Discard,
+                })
+            }
+            (TYPE_COPY, false) => {
+                // Another copy of a buffer whose bytes we received as a copy
+                // (and which cannot have changed since: its owner keeps it
+                // read-only while our copies are out).
+                let buf = BufferId { pool, index };
+                let probe = Message::Copy { buf, meta: Meta::empty() };
+                if gate.admit(&probe)? == Landing::Land && !self.copied_in.contains(&buf) {
+                    return Err(bad("copy without payload of a buffer we never received".into()));
+                }
+                None
+            }
+            (TYPE_MOVE, false) => return Err(bad("move without its payload".into())),
+            (_, true) => return Err(bad("payload on a frame that carries none".into())),
+            (_, false) => None,
+        };
+        let len = if target.is_some() { aux as usize } else { 0 };
+        if meta == 0 && len == 0 {
+            let msg = Message::decode(&self.head[..FRAME_HEAD], self.meta_size)?;
+            self.rx = RxState::Head { have: 0 };
+            self.stats.frames_received += 1;
+            return Ok(Some(msg));
+        }
+        self.rx = RxState::Body { meta, have_meta: 0, target, len, have: 0 };
+        Ok(None)
+    }
+
+    /// Read and parse until one message is complete or the socket is dry.
+    fn read_message(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
+        loop {
+            if let RxState::Head { have: FRAME_HEAD } = self.rx {
+                if let Some(msg) = self.parse_head(gate)? {
+                    return Ok(Some(msg));
+                }
+                continue;
+            }
+            let got = match self.rx {
+                RxState::Head { have } => {
+                    let part = RecvPart::slice(&mut self.head[have..FRAME_HEAD]);
+                    sys::recv_parts(self.stream.as_fd(), &[part])
+                }
+                RxState::Body { meta, have_meta, target, len, have } => {
+                    let mut parts = Vec::with_capacity(3);
+                    let (head, next) = (&mut self.head, &mut self.next);
+                    if have_meta < meta {
+                        parts.push(RecvPart::slice(&mut head[FRAME_HEAD + have_meta..FRAME_HEAD + meta]));
+                    }
+                    let mut whole = true;
+                    match target {
+                        Some(Target::Land { pool, offset }) if have < len => {
+                            let p = &self.pools[&pool];
+                            parts.push(RecvPart::mapping(&p.map, offset + have, len - have).expect("checked range"));
+                        }
+                        Some(Target::Discard) if have < len => {
+                            self.scratch.resize(64 << 10, 0);
+                            let take = (len - have).min(self.scratch.len());
+                            whole = take == len - have;
+                            parts.push(RecvPart::slice(&mut self.scratch[..take]));
+                        }
+                        _ => {}
+                    }
+                    if whole {
+                        // The next frame's header: never payload, so it may
+                        // be read ahead into our own memory.
+                        parts.push(RecvPart::slice(&mut next[..]));
+                    }
+                    sys::recv_parts(self.stream.as_fd(), &parts)
+                }
+            };
+            let n = match got {
+                Ok(0) => return Err(self.stream_ended(None)),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(self.stream_ended(Some(e))),
+            };
+            self.last_rx = Instant::now();
+            self.stats.recv_calls += 1;
+            match self.rx {
+                RxState::Head { have } => {
+                    if have + n < FRAME_HEAD {
+                        self.rx = RxState::Head { have: have + n };
+                        continue;
+                    }
+                    if let Some(msg) = self.parse_head(gate)? {
+                        return Ok(Some(msg));
+                    }
+                }
+                RxState::Body { meta, have_meta, target, len, have } => {
+                    let mut n = n;
+                    let m = n.min(meta - have_meta);
+                    n -= m;
+                    let p = n.min(len - have);
+                    n -= p;
+                    if matches!(target, Some(Target::Discard)) {
+                        self.stats.payload_staged += p as u64;
+                    }
+                    let (have_meta, have) = (have_meta + m, have + p);
+                    if have_meta < meta || have < len {
+                        self.rx = RxState::Body { meta, have_meta, target, len, have };
+                        continue;
+                    }
+                    // Complete: decode before the read-ahead header moves in.
+                    let msg = Message::decode(&self.head[..FRAME_HEAD + meta], self.meta_size)?;
+                    self.stats.frames_received += 1;
+                    if let Some(Target::Land { pool, offset }) = target {
+                        self.stats.payload_received += len as u64;
+                        let buf = BufferId { pool, index: (offset / len) as u32 };
+                        if self.head[0] == TYPE_COPY {
+                            self.copied_in.insert(buf);
+                        } else {
+                            self.copied_in.remove(&buf);
+                        }
+                    }
+                    // Read-ahead header bytes: parsed on the next call,
+                    // after this message has been delivered (the gate must
+                    // see the state that delivery leaves).
+                    self.head[..n].copy_from_slice(&self.next[..n]);
+                    self.rx = RxState::Head { have: n };
+                    return Ok(Some(msg));
+                }
+            }
+        }
+    }
+}
+
+impl Link for NetLink {
+    fn has_room(&mut self) -> bool {
+        if self.out.len() >= self.depth {
+            let _ = self.flush();
+        }
+        self.out.len() < self.depth
+    }
+
+    fn send(&mut self, msg: &Message) -> Result<()> {
+        if self.out.len() >= self.depth {
+            self.flush()?;
+            if self.out.len() >= self.depth {
+                return Err(Error::QueueFull);
+            }
+        }
+        self.queue(msg, true)
+    }
+
+    fn send_unfilled(&mut self, msg: &Message) -> Result<()> {
+        if self.out.len() >= self.depth {
+            self.flush()?;
+            if self.out.len() >= self.depth {
+                return Err(Error::QueueFull);
+            }
+        }
+        self.queue(msg, false)
+    }
+
+    fn recv(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
+        if let Some(e) = &self.gone {
+            return Err(e.clone());
+        }
+        // Read first: while messages keep arriving, what the application
+        // sends in answer piles up and goes out in one system call once the
+        // input runs dry (or a batch is full).
+        match self.read_message(gate) {
+            Ok(Some(msg)) => Ok(Some(msg)),
+            Ok(None) => {
+                self.flush()?;
+                self.tick()?;
+                Ok(None)
+            }
+            Err(e @ Error::Protocol(_)) => Err(self.fail(e, false)),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn wait(&mut self, timeout: Duration) {
+        if self.gone.is_some() || self.flush().is_err() {
+            return;
+        }
+        // Wake for keep-alives and the liveness check on time.
+        let timeout = timeout.min(self.options.peer_timeout / 8);
+        let events = if self.out.is_empty() { PollFlags::IN } else { PollFlags::IN | PollFlags::OUT };
+        if let Ok(ready) = poll_fd(self.stream.as_fd(), events, timeout) {
+            if ready.contains(PollFlags::OUT) {
+                let _ = self.flush();
+            }
+        }
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.check()?;
+        NetLink::flush(self)
+    }
+
+    fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        self.register(memory)
+    }
+
+    fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
+        let memory = PoolMemory::mirror(id, geometry)?;
+        self.register(&memory)?;
+        Ok(memory)
+    }
+
+    fn use_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        self.register(memory)
+    }
+
+    fn close(&mut self, last: Vec<Message>) {
+        if self.closed {
+            return;
+        }
+        if self.gone.is_none() {
+            for msg in &last {
+                if self.queue(msg, true).is_err() {
+                    break;
+                }
+            }
+            let _ = self.queue_control(TYPE_GOODBYE);
+            let deadline = Instant::now() + CLOSE_FLUSH.min(self.options.peer_timeout);
+            while !self.out.is_empty() && self.flush().is_ok() {
+                let Some(left) = deadline.checked_duration_since(Instant::now()) else { break };
+                let _ = poll_fd(self.stream.as_fd(), PollFlags::OUT, left);
+            }
+            let _ = self.stream.shutdown(Shutdown::Write);
+        }
+        self.closed = true;
+    }
+
+    fn peer_can_die(&self) -> bool {
+        true
+    }
+
+    /// A failed end does not say goodbye: the peer then sees the end of the
+    /// stream as a failure too and takes back what it lent us. The peer's
+    /// memory is its own, so what we lent it is safely ours again.
+    fn abandon(&mut self) -> bool {
+        self.fail(Error::PeerGone, true);
+        self.died
+    }
+
+    fn peer_died(&mut self) -> bool {
+        self.died
+    }
+
+    fn stats(&self) -> Option<LinkStats> {
+        Some(self.stats)
+    }
+}
+
+impl Drop for NetLink {
+    fn drop(&mut self) {
+        // Take in what the peer still sent so closing does not reset the
+        // connection under frames it has not read yet.
+        let mut sink = [0u8; 4096];
+        while matches!((&self.stream).read(&mut sink), Ok(n) if n > 0) {}
+    }
+}
+
+/// Kernel-level liveness on top of our keep-alives: TCP keep-alive probes
+/// for a silent connection, and a bound on how long sent data may stay
+/// unacknowledged.
+fn configure_liveness(stream: &TcpStream, timeout: Duration) {
+    use rustix::net::sockopt;
+    let fd = stream.as_fd();
+    let _ = sockopt::set_socket_keepalive(fd, true);
+    let _ = sockopt::set_tcp_keepidle(fd, (timeout / 2).max(Duration::from_secs(1)));
+    let _ = sockopt::set_tcp_keepintvl(fd, (timeout / 8).max(Duration::from_secs(1)));
+    let _ = sockopt::set_tcp_keepcnt(fd, 4);
+    let _ = sockopt::set_tcp_user_timeout(fd, timeout.as_millis().min(u128::from(u32::MAX)) as u32);
+}

@@ -1,0 +1,505 @@
+//! The TCP backend: transparent semantics without the copy, across real
+//! processes (the test binary runs itself again as the peer, `net_child`),
+//! real kills, hostile peers speaking raw frames, IPv4 and IPv6.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry::{
+    Allocator, BindParams, BufferState, Channel, ChannelSetup, ChannelState, Direction, Domain, Endpoint, Error, Event,
+    NetOptions, PoolConstraints, Role, TrustLevel,
+};
+
+const T: Duration = Duration::from_secs(10);
+const SIZE: usize = 64 << 10;
+
+fn fill(buf: &mut [u8], seq: u64) {
+    for (i, c) in buf.chunks_exact_mut(8).enumerate() {
+        c.copy_from_slice(&(seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64).to_le_bytes());
+    }
+}
+
+fn check(buf: &[u8], seq: u64) -> bool {
+    buf.chunks_exact(8)
+        .enumerate()
+        .all(|(i, c)| c == (seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64).to_le_bytes())
+}
+
+fn seq_of(meta: &[u8]) -> u64 {
+    u64::from_le_bytes(meta[..8].try_into().unwrap())
+}
+
+fn loopback() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+/// A TX channel listening on `at` (port 0), and the address to bind to.
+fn listen(domain: &Domain, at: SocketAddr, trust: TrustLevel, options: NetOptions) -> (Channel, SocketAddr) {
+    let setup = ChannelSetup { direction: Direction::Tx, role: Role::Master, trust, ..ChannelSetup::default() };
+    let ch = Channel::create(domain, &Endpoint::tcp_with(at, options), setup).expect("create");
+    let addr = ch.listen_addr().expect("listening");
+    (ch, addr)
+}
+
+fn next(ch: &mut Channel) -> Event {
+    match ch.wait(Some(T)) {
+        Some(ev) => ev,
+        None => panic!("no event within {T:?} (state {:?})", ch.state()),
+    }
+}
+
+fn assign(ch: &mut Channel, alloc: &Allocator) {
+    ch.assign_pool(alloc.pool()).unwrap();
+    match next(ch) {
+        Event::PoolAssigned(_) => {}
+        ev => panic!("expected the pool assigned, got {ev:?}"),
+    }
+}
+
+/// The first error event, within `within`.
+fn error_within(ch: &mut Channel, within: Duration) -> Error {
+    let t = Instant::now();
+    loop {
+        match ch.wait(Some(within)) {
+            Some(Event::Error(e)) => return e,
+            Some(Event::CopyReleased { .. }) | Some(Event::BufferPassed { .. }) => {}
+            Some(ev) => panic!("unexpected {ev:?}"),
+            None => assert!(t.elapsed() < within, "no error event within {within:?}"),
+        }
+    }
+}
+
+// ------------------------------------------------------------- in process
+
+/// Moves, passes and copies between two domains over loopback TCP, every
+/// byte checked on arrival, at each trust level; the counters show the
+/// payload went straight from buffer to buffer.
+fn flows_at(trust: TrustLevel, at: SocketAddr) {
+    let src = Domain::new("src");
+    let (mut tx, addr) = listen(&src, at, trust, NetOptions::default());
+    let sink = std::thread::spawn(move || {
+        let d = Domain::new("sink");
+        let mut rx = Channel::bind(&d, &Endpoint::tcp(addr), BindParams::default()).unwrap();
+        let mut copies = Vec::new();
+        loop {
+            match next(&mut rx) {
+                Event::Bound => {}
+                Event::PoolAssignRequest(req) => rx.respond_pool(req.pool, true).unwrap(),
+                Event::MoveReceived { mut buffer, meta } => {
+                    let seq = seq_of(&meta);
+                    assert!(check(&buffer, seq), "move {seq} arrived corrupted");
+                    fill(buffer.as_mut_slice().unwrap(), seq + 1);
+                    rx.pass(buffer, &meta).unwrap();
+                }
+                Event::CopyReceived { copy, meta } => {
+                    assert!(check(&copy, seq_of(&meta)), "copy arrived corrupted");
+                    copies.push(copy);
+                    if copies.len() == 4 {
+                        for c in copies.drain(..) {
+                            rx.release(c).unwrap();
+                        }
+                    }
+                }
+                Event::Closed { .. } => break,
+                ev => panic!("sink: unexpected {ev:?}"),
+            }
+        }
+        rx.link_stats()
+    });
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    let alloc = Allocator::new(&src, 8, SIZE, PoolConstraints::default()).unwrap();
+    assign(&mut tx, &alloc);
+    let total = 200u64;
+    let (mut sent, mut back) = (0u64, 0u64);
+    while back < total {
+        while sent < total {
+            let Some(mut b) = alloc.alloc() else { break };
+            fill(b.as_mut_slice().unwrap(), sent);
+            tx.move_buffer(b, &sent.to_le_bytes()).unwrap();
+            sent += 1;
+        }
+        match next(&mut tx) {
+            Event::BufferPassed { buffer, meta } => {
+                assert!(check(&buffer, seq_of(&meta) + 1), "the sink's write did not come back");
+                back += 1;
+            }
+            ev => panic!("source: unexpected {ev:?}"),
+        }
+    }
+    // Copies: the owner reads while they are out, writes once all are back.
+    let mut b = alloc.alloc().unwrap();
+    fill(b.as_mut_slice().unwrap(), 7);
+    for _ in 0..4 {
+        tx.copy(&b, &7u64.to_le_bytes()).unwrap();
+    }
+    assert_eq!(src.buffer_state(b.id()), BufferState::ReadOnlyOwned);
+    let mut released = 0;
+    while released < 4 {
+        match next(&mut tx) {
+            Event::CopyReleased { writable, .. } => {
+                released += 1;
+                assert_eq!(writable, released == 4);
+            }
+            ev => panic!("unexpected {ev:?}"),
+        }
+    }
+    assert!(b.as_mut_slice().is_ok());
+    drop(b);
+    tx.teardown().unwrap();
+    assert!(matches!(next(&mut tx), Event::Closed { by_peer: false }));
+    let ours = tx.link_stats().expect("the TCP backend counts");
+    let theirs = sink.join().unwrap().expect("the TCP backend counts");
+    let moved = total * SIZE as u64;
+    // The first copy carries the bytes; the next three find them there.
+    assert_eq!(ours.payload_sent, moved + SIZE as u64, "{ours:?}");
+    assert_eq!(ours.payload_received, moved, "{ours:?}");
+    assert_eq!(theirs.payload_received, moved + SIZE as u64, "{theirs:?}");
+    assert_eq!((ours.payload_staged, theirs.payload_staged), (0, 0), "no payload byte copied in user space");
+    assert!(ours.send_calls < ours.frames_sent, "frames are batched: {ours:?}");
+    assert_eq!(alloc.available(), 8);
+}
+
+#[test]
+fn flows_full_trust() {
+    flows_at(TrustLevel::Full, loopback());
+}
+
+#[test]
+fn flows_half_trust() {
+    flows_at(TrustLevel::Half, loopback());
+}
+
+#[test]
+fn flows_no_trust() {
+    flows_at(TrustLevel::None, loopback());
+}
+
+#[test]
+fn flows_over_ipv6() {
+    flows_at(TrustLevel::Full, "[::1]:0".parse().unwrap());
+}
+
+/// A receive master hands out empty buffers with `pass_unfilled`: no
+/// payload crosses for them, only for the filled moves coming back.
+#[test]
+fn unfilled_passes_carry_no_payload() {
+    let master = Domain::new("master");
+    let setup = ChannelSetup { direction: Direction::Rx, role: Role::Master, ..ChannelSetup::default() };
+    let mut rx = Channel::create(&master, &Endpoint::tcp(loopback()), setup).unwrap();
+    let addr = rx.listen_addr().unwrap();
+    let filler = std::thread::spawn(move || {
+        let d = Domain::new("filler");
+        let mut tx = Channel::bind(&d, &Endpoint::tcp(addr), BindParams::default()).unwrap();
+        let mut filled = 0u64;
+        loop {
+            match next(&mut tx) {
+                Event::Bound => {}
+                Event::PoolAssignRequest(req) => tx.respond_pool(req.pool, true).unwrap(),
+                Event::BufferPassed { mut buffer, .. } => {
+                    fill(buffer.as_mut_slice().unwrap(), filled);
+                    tx.move_buffer(buffer, &filled.to_le_bytes()).unwrap();
+                    filled += 1;
+                }
+                Event::Closed { .. } => break,
+                ev => panic!("filler: unexpected {ev:?}"),
+            }
+        }
+        tx.link_stats().unwrap()
+    });
+    assert!(matches!(next(&mut rx), Event::BindRequest { .. }));
+    let alloc = Allocator::new(&master, 4, SIZE, PoolConstraints::default()).unwrap();
+    assign(&mut rx, &alloc);
+    let mut got = 0u64;
+    while let Some(b) = alloc.alloc() {
+        rx.pass_unfilled(b, &[]).unwrap();
+    }
+    while got < 50 {
+        match next(&mut rx) {
+            Event::MoveReceived { buffer, meta } => {
+                assert!(check(&buffer, seq_of(&meta)));
+                got += 1;
+                if got + 4 <= 50 {
+                    rx.pass_unfilled(buffer, &[]).unwrap();
+                }
+            }
+            ev => panic!("master: unexpected {ev:?}"),
+        }
+    }
+    rx.teardown().unwrap();
+    assert!(matches!(next(&mut rx), Event::Closed { .. }));
+    let master_stats = rx.link_stats().unwrap();
+    let filler_stats = filler.join().unwrap();
+    assert_eq!(master_stats.payload_sent, 0, "{master_stats:?}");
+    assert_eq!(filler_stats.payload_received, 0, "{filler_stats:?}");
+    assert_eq!(master_stats.payload_received, 50 * SIZE as u64);
+}
+
+/// Nobody listening, and an address in use: typed errors.
+#[test]
+fn endpoint_errors() {
+    let d = Domain::new("d");
+    let (ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
+    let again = Channel::create(&d, &Endpoint::tcp(addr), ChannelSetup::default());
+    assert_eq!(again.unwrap_err(), Error::EndpointInUse);
+    drop(ch);
+    let err = Channel::bind(&d, &Endpoint::tcp(addr), BindParams::default()).unwrap_err();
+    assert_eq!(err, Error::EndpointNotListening);
+}
+
+/// A bind the creator cannot accept is refused with the reason; the
+/// creator keeps listening and accepts the next binder.
+#[test]
+fn refused_bind_then_success() {
+    let d = Domain::new("creator");
+    let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
+    let binder = std::thread::spawn(move || {
+        let d = Domain::new("binder");
+        let params = BindParams { trust: Some(TrustLevel::Half), ..BindParams::default() };
+        let mut bad = Channel::bind(&d, &Endpoint::tcp(addr), params).unwrap();
+        match next(&mut bad) {
+            Event::Error(Error::BindRefused(why)) => assert!(why.contains("trust"), "{why}"),
+            ev => panic!("expected a refusal, got {ev:?}"),
+        }
+        let mut good = Channel::bind(&d, &Endpoint::tcp(addr), BindParams::default()).unwrap();
+        assert!(matches!(next(&mut good), Event::Bound));
+        assert!(matches!(next(&mut good), Event::Closed { by_peer: true }));
+    });
+    assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
+    ch.teardown().unwrap();
+    assert!(matches!(next(&mut ch), Event::Closed { .. }));
+    binder.join().unwrap();
+}
+
+// ------------------------------------------------------------ hostile peer
+
+/// A peer that speaks the wire format by hand (docs: backend/net.rs).
+struct RawPeer {
+    s: TcpStream,
+}
+
+impl RawPeer {
+    /// Connect and bind (any role, any trust): the creator's answer is
+    /// read and must be an acceptance.
+    fn bind(addr: SocketAddr) -> RawPeer {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        // FRY1, kind 1: role generic, trust any, max meta 224, no constraints.
+        let mut req = b"FRY1\x01\x00\xff".to_vec();
+        req.extend_from_slice(&224u16.to_le_bytes());
+        req.extend_from_slice(&[0u8; 24]);
+        let mut framed = (req.len() as u16).to_le_bytes().to_vec();
+        framed.extend_from_slice(&req);
+        s.write_all(&framed).unwrap();
+        let mut len = [0u8; 2];
+        s.read_exact(&mut len).unwrap();
+        let mut reply = vec![0u8; usize::from(u16::from_le_bytes(len))];
+        s.read_exact(&mut reply).unwrap();
+        assert_eq!(&reply[..5], b"FRY1\x02", "bind accepted");
+        RawPeer { s }
+    }
+
+    // One argument per header field of the wire format, in its order.
+    #[allow(clippy::too_many_arguments)]
+    fn frame(&mut self, kind: u8, flags: u8, index: u32, aux: u64, pool: u128, meta: &[u8], payload: &[u8]) {
+        let mut f = vec![kind, flags];
+        f.extend_from_slice(&(meta.len() as u16).to_le_bytes());
+        f.extend_from_slice(&index.to_le_bytes());
+        f.extend_from_slice(&aux.to_le_bytes());
+        f.extend_from_slice(&pool.to_le_bytes());
+        f.extend_from_slice(meta);
+        f.extend_from_slice(payload);
+        // The victim may close as soon as it has seen enough.
+        let _ = self.s.write_all(&f);
+    }
+
+    /// Read frames until a pool assignment arrives; accept it.
+    fn accept_pool(&mut self) -> (u128, usize) {
+        loop {
+            let mut h = [0u8; 32];
+            self.s.read_exact(&mut h).unwrap();
+            let meta = usize::from(u16::from_le_bytes([h[2], h[3]]));
+            let mut skip = vec![0u8; meta];
+            self.s.read_exact(&mut skip).unwrap();
+            if h[0] == 5 {
+                let pool = u128::from_le_bytes(h[16..32].try_into().unwrap());
+                let size = u64::from_le_bytes(h[8..16].try_into().unwrap()) as usize;
+                self.frame(6, 1, 0, 0, pool, &[], &[]);
+                return (pool, size);
+            }
+        }
+    }
+}
+
+/// Each malformed or hostile frame closes the channel with a protocol
+/// error on the receiving side; the victim's buffers are intact and its own.
+#[test]
+fn hostile_frames_are_protocol_errors() {
+    type Attack = fn(&mut RawPeer, u128, usize);
+    let attacks: [(&str, Attack); 8] = [
+        ("unknown frame type", |p, pool, _| p.frame(42, 0, 0, 0, pool, &[], &[])),
+        ("buffer index out of range", |p, pool, size| p.frame(3, 2, 99, size as u64, pool, &[], &vec![0; size])),
+        ("payload length not the pool's", |p, pool, size| p.frame(3, 2, 0, 100, pool, &[], &vec![0; size])),
+        ("unknown pool", |p, _, size| p.frame(3, 2, 0, size as u64, 12345, &[], &vec![0; size])),
+        ("meta too long", |p, pool, _| p.frame(3, 0, 0, 0, pool, &[1; 300], &[])),
+        ("move against the direction", |p, pool, size| p.frame(1, 2, 0, size as u64, pool, &[], &vec![0; size])),
+        ("pass of a buffer the victim owns", |p, pool, size| {
+            p.frame(3, 2, 0, size as u64, pool, &[], &vec![0xee; size])
+        }),
+        ("release of a copy never sent", |p, pool, _| p.frame(4, 0, 1, 0, pool, &[], &[])),
+    ];
+    for (what, attack) in attacks {
+        let d = Domain::new("victim");
+        let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
+        let peer = std::thread::spawn(move || {
+            let mut p = RawPeer::bind(addr);
+            let (pool, size) = p.accept_pool();
+            attack(&mut p, pool, size);
+            // Stay until the victim hangs up.
+            let mut sink = [0u8; 4096];
+            while matches!(p.s.read(&mut sink), Ok(n) if n > 0) {}
+        });
+        assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
+        let alloc = Allocator::new(&d, 2, 4096, PoolConstraints::default()).unwrap();
+        let mut mine = alloc.alloc().unwrap();
+        fill(mine.as_mut_slice().unwrap(), 5);
+        assign(&mut ch, &alloc);
+        match error_within(&mut ch, T) {
+            Error::Protocol(why) => eprintln!("{what}: {why}"),
+            e => panic!("{what}: expected a protocol error, got {e:?}"),
+        }
+        assert_eq!(ch.state(), ChannelState::Closed, "{what}");
+        assert!(check(&mine, 5), "{what}: the victim's buffer changed");
+        assert!(mine.as_mut_slice().is_ok(), "{what}: the buffer is still ours");
+        drop(ch);
+        peer.join().unwrap();
+    }
+}
+
+// --------------------------------------------------------- other processes
+
+fn spawn_child(role: &str, addr: SocketAddr) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "net_child", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("FERRY_NET_ROLE", role)
+        .env("FERRY_NET_ADDR", addr.to_string())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn child")
+}
+
+fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(t.elapsed() < T, "child did not exit");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The peer process. Roles: `echo` (check every moved buffer, write the
+/// sequence number + 1 into it, pass it back; hold copies until the
+/// teardown), `hold` (keep everything and wait to be killed).
+#[test]
+#[ignore = "run as a child process by the other tests"]
+fn net_child() {
+    let (Ok(role), Ok(addr)) = (std::env::var("FERRY_NET_ROLE"), std::env::var("FERRY_NET_ADDR")) else { return };
+    let d = Domain::new("child");
+    let ep = Endpoint::tcp_with(addr.parse().unwrap(), NetOptions::with_peer_timeout(Duration::from_secs(2)));
+    let mut ch = Channel::bind(&d, &ep, BindParams::default()).expect("bind");
+    let mut kept = Vec::new();
+    let mut copies = Vec::new();
+    loop {
+        match ch.wait(Some(Duration::from_secs(30))) {
+            Some(Event::Bound) => {}
+            Some(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).unwrap(),
+            Some(Event::MoveReceived { mut buffer, meta }) => {
+                let seq = seq_of(&meta);
+                assert!(check(&buffer, seq), "child: buffer {seq} arrived corrupted");
+                if role == "hold" {
+                    kept.push(buffer);
+                } else {
+                    fill(buffer.as_mut_slice().unwrap(), seq + 1);
+                    ch.pass(buffer, &meta).unwrap();
+                }
+            }
+            Some(Event::CopyReceived { copy, meta }) => {
+                assert!(check(&copy, seq_of(&meta)), "child: copy arrived corrupted");
+                copies.push(copy);
+            }
+            Some(Event::Closed { .. }) | None => break,
+            Some(Event::Error(e)) => panic!("child: {e}"),
+            Some(ev) => panic!("child: unexpected {ev:?}"),
+        }
+    }
+}
+
+fn start_child(d: &Domain, role: &str, options: NetOptions) -> (Channel, Child) {
+    let (mut ch, addr) = listen(d, loopback(), TrustLevel::Full, options);
+    let child = spawn_child(role, addr);
+    assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
+    (ch, child)
+}
+
+/// Thousands of buffers to another process and back, checked both ways.
+#[test]
+fn echo_between_processes() {
+    let d = Domain::new("parent");
+    let (mut ch, mut child) = start_child(&d, "echo", NetOptions::default());
+    let alloc = Allocator::new(&d, 16, SIZE, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    let total = 2000u64;
+    let (mut sent, mut back) = (0u64, 0u64);
+    while back < total {
+        while sent < total {
+            let Some(mut b) = alloc.alloc() else { break };
+            fill(b.as_mut_slice().unwrap(), sent);
+            ch.move_buffer(b, &sent.to_le_bytes()).unwrap();
+            sent += 1;
+        }
+        match next(&mut ch) {
+            Event::BufferPassed { buffer, meta } => {
+                assert!(check(&buffer, seq_of(&meta) + 1));
+                back += 1;
+            }
+            ev => panic!("parent: unexpected {ev:?}"),
+        }
+    }
+    ch.teardown().unwrap();
+    assert!(matches!(next(&mut ch), Event::Closed { by_peer: false }));
+    assert_eq!(alloc.available(), 16);
+    assert!(wait_exit(&mut child).success());
+}
+
+/// `kill -9` of the peer while it holds moved buffers and read-only
+/// copies: an error event in bounded time, every buffer back in the
+/// allocator, the copied buffer writable again.
+#[test]
+fn killed_peer_returns_everything() {
+    let d = Domain::new("parent");
+    let (mut ch, mut child) = start_child(&d, "hold", NetOptions::with_peer_timeout(Duration::from_secs(2)));
+    let alloc = Allocator::new(&d, 8, SIZE, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    for seq in 0..6u64 {
+        let mut b = alloc.alloc().unwrap();
+        fill(b.as_mut_slice().unwrap(), seq);
+        ch.move_buffer(b, &seq.to_le_bytes()).unwrap();
+    }
+    let mut kept = alloc.alloc().unwrap();
+    fill(kept.as_mut_slice().unwrap(), 9);
+    ch.copy(&kept, &9u64.to_le_bytes()).unwrap();
+    ch.flush().unwrap();
+    // Let the child take everything in, then kill it.
+    std::thread::sleep(Duration::from_millis(300));
+    child.kill().unwrap();
+    let t = Instant::now();
+    let e = error_within(&mut ch, T);
+    assert!(matches!(e, Error::PeerGone | Error::PeerUnresponsive(_)), "{e:?}");
+    assert!(t.elapsed() < Duration::from_secs(5), "noticed after {:?}", t.elapsed());
+    assert_eq!(alloc.available(), 7, "the six moved buffers are back");
+    assert!(kept.as_mut_slice().is_ok(), "the copy held by the dead peer is void");
+    let _ = child.wait();
+}
