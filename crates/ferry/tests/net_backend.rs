@@ -2,6 +2,8 @@
 //! processes (the test binary runs itself again as the peer, `net_child`),
 //! real kills, hostile peers speaking raw frames, IPv4 and IPv6.
 
+mod support;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
@@ -12,20 +14,10 @@ use ferry::{
     NetOptions, PoolConstraints, Role, TrustLevel,
 };
 
+use support::payload::{check, fill};
+
 const T: Duration = Duration::from_secs(10);
 const SIZE: usize = 64 << 10;
-
-fn fill(buf: &mut [u8], seq: u64) {
-    for (i, c) in buf.chunks_exact_mut(8).enumerate() {
-        c.copy_from_slice(&(seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64).to_le_bytes());
-    }
-}
-
-fn check(buf: &[u8], seq: u64) -> bool {
-    buf.chunks_exact(8)
-        .enumerate()
-        .all(|(i, c)| c == (seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64).to_le_bytes())
-}
 
 fn seq_of(meta: &[u8]) -> u64 {
     u64::from_le_bytes(meta[..8].try_into().unwrap())
@@ -390,14 +382,7 @@ fn spawn_child(role: &str, addr: SocketAddr) -> Child {
 }
 
 fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        assert!(t.elapsed() < T, "child did not exit");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    support::payload::wait_exit(child, T)
 }
 
 /// The peer process. Roles: `echo` (check every moved buffer, write the

@@ -3,6 +3,8 @@
 //! test here crosses a process boundary: pools travel as memfds, the data
 //! path is the shared rings, and crashes are real `kill -9`s.
 
+mod support;
+
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -11,6 +13,8 @@ use ferry::{
     Allocator, BindParams, BufferState, Channel, ChannelSetup, ChannelState, Direction, Domain, Endpoint, Error, Event,
     PoolConstraints, Role, TrustLevel,
 };
+
+use support::payload::{check, fill};
 
 const T: Duration = Duration::from_secs(10);
 const SIZE: usize = 64 << 10;
@@ -32,18 +36,6 @@ fn spawn_child(role: &str, name: &str) -> Child {
         .expect("spawn child")
 }
 
-fn fill(buf: &mut [u8], seq: u64) {
-    for (i, c) in buf.chunks_exact_mut(8).enumerate() {
-        c.copy_from_slice(&(seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64).to_le_bytes());
-    }
-}
-
-fn check(buf: &[u8], seq: u64) -> bool {
-    buf.chunks_exact(8)
-        .enumerate()
-        .all(|(i, c)| c == (seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i as u64).to_le_bytes())
-}
-
 /// Create a TX master channel on a fresh endpoint, start the child with
 /// `role` on it, and wait for the child to bind.
 fn start(domain: &Domain, role: &str, trust: TrustLevel) -> (Channel, Child) {
@@ -63,14 +55,7 @@ fn assign(ch: &mut Channel, alloc: &Allocator) {
 }
 
 fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        assert!(t.elapsed() < T, "child did not exit");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    support::payload::wait_exit(child, T)
 }
 
 /// The peer side. Roles: `echo` (verify every moved buffer, pass it back,

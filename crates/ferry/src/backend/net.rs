@@ -450,6 +450,18 @@ impl NetLink {
         }
     }
 
+    /// Room for one more frame within the queue depth (`QueueFull`: the
+    /// peer is not taking our data fast enough).
+    fn make_room(&mut self) -> Result<()> {
+        if self.out.len() >= self.depth {
+            self.flush()?;
+            if self.out.len() >= self.depth {
+                return Err(Error::QueueFull);
+            }
+        }
+        Ok(())
+    }
+
     fn queue(&mut self, msg: &Message, with_payload: bool) -> Result<()> {
         self.check()?;
         let mut f =
@@ -764,22 +776,12 @@ impl Link for NetLink {
     }
 
     fn send(&mut self, msg: &Message) -> Result<()> {
-        if self.out.len() >= self.depth {
-            self.flush()?;
-            if self.out.len() >= self.depth {
-                return Err(Error::QueueFull);
-            }
-        }
+        self.make_room()?;
         self.queue(msg, true)
     }
 
     fn send_unfilled(&mut self, msg: &Message) -> Result<()> {
-        if self.out.len() >= self.depth {
-            self.flush()?;
-            if self.out.len() >= self.depth {
-                return Err(Error::QueueFull);
-            }
-        }
+        self.make_room()?;
         self.queue(msg, false)
     }
 
