@@ -175,7 +175,8 @@ pub struct BenchArgs {
     /// Trust level of the channel (fbufs-table: the level of the "secured" rows, default half).
     #[arg(long, value_enum)]
     pub trust: Option<Trust>,
-    /// The sender writes and the receiver reads every payload byte.
+    /// The sender writes every payload byte (a pattern) and the receiver checks every byte, as
+    /// the peers do.
     #[arg(long)]
     pub touch: bool,
     /// One JSON object per measured point on stdout.

@@ -39,7 +39,7 @@ pub struct EchoSpec {
     pub role: EchoRole,
     /// Spin instead of sleeping.
     pub busy: bool,
-    /// Read every payload byte (standard echo).
+    /// Check every payload byte against the sender's pattern (standard echo; `--touch`).
     pub touch: bool,
 }
 
@@ -109,8 +109,10 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
                 pin::to_cpu(1);
                 let _keep = echo_domain;
                 match spec.role {
+                    // --touch: the echo checks every byte against the sender's pattern, as the
+                    // peers' echoes do (reading alone would be less work than theirs).
                     EchoRole::Standard => {
-                        echo::serve(&mut sink, EchoOptions { busy: spec.busy, touch: spec.touch, verify: false })
+                        echo::serve(&mut sink, EchoOptions { busy: spec.busy, touch: false, verify: spec.touch })
                     }
                     EchoRole::Fbufs => super::fbufs::serve(&mut sink, spec.busy),
                 }
@@ -144,7 +146,7 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
         args.push("--busy-poll".into());
     }
     if spec.touch && spec.role == EchoRole::Standard {
-        args.push("--touch".into());
+        args.push("--verify".into());
     }
     let mut child = spawn_self(&args)?;
     let alive = |c: &mut Child| match c.try_wait() {
