@@ -309,9 +309,6 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     if a.inflight.is_some_and(|n| n == 0 || n > 16384) {
         return Err(usage("--inflight must be between 1 and 16384"));
     }
-    if backend == Backend::Net {
-        return Err(usage("--backend net: net backend not built yet (use local or shm)"));
-    }
     if a.idle_us > 0 && a.experiment != Experiment::Rtt {
         return Err(usage("--idle-us applies to rtt only"));
     }
@@ -330,16 +327,15 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     if a.compare && !backend.is_ferry() {
         return Err(usage("--compare runs Ferry against its baselines: choose a Ferry --backend (local or shm)"));
     }
-    if let Some(p) = &a.peer {
-        if backend != Backend::Shm {
-            return Err(usage("--peer needs --backend shm (an echo process started by hand)"));
+    if a.peer.is_some() {
+        if !matches!(backend, Backend::Shm | Backend::Net) {
+            return Err(usage("--peer needs --backend shm or net (an echo process started by hand)"));
         }
         if !matches!(a.experiment, Experiment::Rtt | Experiment::Throughput) {
             return Err(usage(
                 "--peer applies to rtt and throughput (the other experiments start their own processes)",
             ));
         }
-        crate::echo::parse_endpoint(p)?;
     }
     if backend.is_ferry() {
         check_pool_sizes(&a.sizes)?;
@@ -399,7 +395,6 @@ mod tests {
             &["rtt", "--backend", "carrier-pigeon"],
             &["rtt", "--size", "1000"],
             &["rtt", "--size", "2048"],
-            &["rtt", "--backend", "net"],
             &["rtt", "--runs", "0"],
             &["throughput", "--inflight", "0"],
             &["throughput", "--idle-us", "10"],
@@ -408,7 +403,6 @@ mod tests {
             &["rtt", "--compare", "--backend", "uds-copy"],
             &["rtt", "--peer", "shm@x"],
             &["fbufs-table", "--backend", "shm", "--peer", "shm@x"],
-            &["rtt", "--backend", "shm", "--peer", "nowhere"],
             &["throughput", "--backend", "eventfd"],
             &["rtt", "--plot", "x.png"],
             &["rtt", "--busy-poll", "--blocking"],

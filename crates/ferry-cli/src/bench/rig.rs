@@ -4,7 +4,9 @@
 //! process started by hand (`--peer`).
 //!
 //! Adding a backend is one arm in [`process_endpoint`] (the endpoint the
-//! source creates, and the descriptor the echo process binds to).
+//! source creates or `--peer` names, and the descriptor the echo process
+//! binds to); everything else (spawning the echo, pools, teardown, a peer
+//! that dies) is shared.
 
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
@@ -58,12 +60,19 @@ pub struct Rig {
     echo: Echo,
 }
 
-/// The endpoint a process backend's source creates, and the descriptor the
-/// echo process binds to (`ferry echo --endpoint …`).
-fn process_endpoint(backend: Backend, name: &str) -> Result<(Endpoint, String), CliError> {
+/// How a process backend is reached: the endpoint the source creates — a
+/// fresh one, or the one named by `--peer` — and the descriptor the echo
+/// process binds to (`ferry echo --endpoint …`). The one place that knows
+/// each backend's endpoints.
+fn process_endpoint(backend: Backend, name: &str, peer: Option<&str>) -> Result<(Endpoint, String), CliError> {
     match backend {
-        Backend::Shm => Ok((Endpoint::shm_abstract(name), format!("shm@{name}"))),
-        // The TCP backend goes here: listen on 127.0.0.1:0 and hand the echo "tcp:HOST:PORT".
+        Backend::Shm => match peer {
+            Some(p) if p.starts_with("shm") => Ok((echo::parse_endpoint(p)?, p.to_string())),
+            Some(p) => Err(CliError::Usage(format!("--peer {p}: --backend shm needs shm:PATH or shm@NAME"))),
+            None => Ok((Endpoint::shm_abstract(name), format!("shm@{name}"))),
+        },
+        // The TCP backend goes here: with `--peer tcp:HOST:PORT` that endpoint, else a
+        // listener on 127.0.0.1 whose address the echo gets as "tcp:HOST:PORT".
         Backend::Net => Err(CliError::Usage("--backend net: net backend not built yet".into())),
         other => Err(CliError::Usage(format!("--backend {}: not one of Ferry's process backends", other.name()))),
     }
@@ -121,22 +130,20 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
         pin::to_cpu(0);
         return Ok(Rig { domain, source, echo: Echo::Thread(Some(handle)) });
     }
-    if let Some(peer) = peer {
-        let ep = echo::parse_endpoint(peer)?;
-        let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let name = format!("ferry-bench-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+    let (ep, descriptor) = process_endpoint(backend, &name, peer)?;
+    let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
+    if peer.is_some() {
         eprintln!(
-            "ferry bench: waiting up to {} s for the echo: start `ferry echo --endpoint {peer}`",
+            "ferry bench: waiting up to {} s for the echo: start `ferry echo --endpoint {descriptor}`",
             BY_HAND.as_secs()
         );
         wait_for(&mut source, BY_HAND, "echo process (--peer)", || Ok(()), bound)?;
         pin::to_cpu(0);
         return Ok(Rig { domain, source, echo: Echo::External });
     }
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    let name = format!("ferry-bench-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
-    let (ep, descriptor) = process_endpoint(backend, &name)?;
-    let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
     let mut args: Vec<String> = match spec.role {
         EchoRole::Standard => vec!["echo".into()],
         EchoRole::Fbufs => vec!["bench-child".into(), "fbufs-echo".into()],
@@ -295,5 +302,24 @@ pub fn check_echoed(echoed: Option<u64>, expected: u64) -> Result<(), CliError> 
     match echoed {
         Some(n) if n != expected => Err(CliError::Failed(format!("echo saw {n} moves, expected {expected}"))),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_by_backend() {
+        let (_, d) = process_endpoint(Backend::Shm, "x", None).unwrap();
+        assert_eq!(d, "shm@x");
+        let (_, d) = process_endpoint(Backend::Shm, "x", Some("shm:/tmp/e")).unwrap();
+        assert_eq!(d, "shm:/tmp/e");
+        for (b, peer) in [(Backend::Shm, Some("tcp:1.2.3.4:5")), (Backend::Net, None), (Backend::UdsCopy, None)] {
+            assert!(matches!(process_endpoint(b, "x", peer), Err(CliError::Usage(_))), "{b:?} {peer:?}");
+        }
+        let spec = EchoSpec { role: EchoRole::Standard, busy: false, touch: false };
+        let r = connect(Backend::Net, ChannelSetup::default(), spec, None);
+        assert!(matches!(r, Err(CliError::Usage(m)) if m.contains("net backend not built yet")));
     }
 }
