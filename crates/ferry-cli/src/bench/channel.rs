@@ -38,7 +38,8 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     if !a.compare {
         if !primary.is_ferry() {
             ctx.progress = Progress::new(((runs + 1) * sizes.len()) as u64, a.json);
-            for p in peers::measure(ctx, primary, &sizes)? {
+            // As given: the peer has its own default (the eventfd floor has no size at all).
+            for p in peers::measure(ctx, primary, &a.sizes)? {
                 ctx.emit(p);
             }
             return Ok(());

@@ -4,7 +4,9 @@
 //! process started by hand (`--peer`).
 //!
 //! Adding a backend is one arm in [`process_endpoint`] (the endpoint the
-//! source creates, and the descriptor the echo process binds to).
+//! source creates or `--peer` names, and the descriptor the echo process
+//! binds to); everything else (spawning the echo, pools, teardown, a peer
+//! that dies) is shared.
 
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
@@ -39,7 +41,7 @@ pub struct EchoSpec {
     pub role: EchoRole,
     /// Spin instead of sleeping.
     pub busy: bool,
-    /// Read every payload byte (standard echo).
+    /// Check every payload byte against the sender's pattern (standard echo; `--touch`).
     pub touch: bool,
     /// Both ends publish messages in batches (`Channel::set_batching`).
     pub batch: bool,
@@ -60,14 +62,25 @@ pub struct Rig {
     echo: Echo,
 }
 
-/// The endpoint a process backend's source creates, and the descriptor the
-/// echo process binds to (`ferry echo --endpoint …`).
-fn process_endpoint(backend: Backend, name: &str) -> Result<(Endpoint, String), CliError> {
+/// How a process backend is reached: the endpoint the source creates — a
+/// fresh one, or the one named by `--peer` — and the descriptor the echo
+/// process binds to (`ferry echo --endpoint …`). The one place that knows
+/// each backend's endpoints.
+fn process_endpoint(backend: Backend, name: &str, peer: Option<&str>) -> Result<(Endpoint, String), CliError> {
     match backend {
-        Backend::Shm => Ok((Endpoint::shm_abstract(name), format!("shm@{name}"))),
-        // Loopback, a port the kernel picks: the descriptor is known once
-        // the channel listens (see `connect`).
-        Backend::Net => Ok((Endpoint::tcp(([127, 0, 0, 1], 0).into()), String::new())),
+        Backend::Shm => match peer {
+            Some(p) if p.starts_with("shm") => Ok((echo::parse_endpoint(p)?, p.to_string())),
+            Some(p) => Err(CliError::Usage(format!("--peer {p}: --backend shm needs shm:PATH or shm@NAME"))),
+            None => Ok((Endpoint::shm_abstract(name), format!("shm@{name}"))),
+        },
+        // With `--peer tcp:HOST:PORT` that address; else loopback on a port
+        // the kernel picks: the descriptor is known once the channel listens
+        // (see `connect`).
+        Backend::Net => match peer {
+            Some(p) if p.starts_with("tcp:") => Ok((echo::parse_endpoint(p)?, p.to_string())),
+            Some(p) => Err(CliError::Usage(format!("--peer {p}: --backend net needs tcp:HOST:PORT"))),
+            None => Ok((Endpoint::tcp(([127, 0, 0, 1], 0).into()), String::new())),
+        },
         other => Err(CliError::Usage(format!("--backend {}: not one of Ferry's process backends", other.name()))),
     }
 }
@@ -112,9 +125,11 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
                 pin::to_cpu(1);
                 let _keep = echo_domain;
                 match spec.role {
+                    // --touch: the echo checks every byte against the sender's pattern, as the
+                    // peers' echoes do (reading alone would be less work than theirs).
                     EchoRole::Standard => echo::serve(
                         &mut sink,
-                        EchoOptions { busy: spec.busy, touch: spec.touch, verify: false, batch: spec.batch },
+                        EchoOptions { busy: spec.busy, touch: false, verify: spec.touch, batch: spec.batch },
                     ),
                     EchoRole::Fbufs => super::fbufs::serve(&mut sink, spec.busy),
                 }
@@ -124,22 +139,21 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
         source.set_batching(spec.batch)?;
         return Ok(Rig { domain, source, echo: Echo::Thread(Some(handle)) });
     }
-    if let Some(peer) = peer {
-        let ep = echo::parse_endpoint(peer)?;
-        let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let name = format!("ferry-bench-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
+    let (ep, descriptor) = process_endpoint(backend, &name, peer)?;
+    let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
+    if peer.is_some() {
         eprintln!(
-            "ferry bench: waiting up to {} s for the echo: start `ferry echo --endpoint {peer}`",
+            "ferry bench: waiting up to {} s for the echo: start `ferry echo --endpoint {descriptor}`",
             BY_HAND.as_secs()
         );
         wait_for(&mut source, BY_HAND, "echo process (--peer)", || Ok(()), bound)?;
         pin::to_cpu(0);
+        source.set_batching(spec.batch)?;
         return Ok(Rig { domain, source, echo: Echo::External });
     }
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    let name = format!("ferry-bench-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
-    let (ep, descriptor) = process_endpoint(backend, &name)?;
-    let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
     let descriptor = match source.listen_addr() {
         Some(addr) if backend == Backend::Net => format!("tcp:{addr}"),
         _ => descriptor,
@@ -153,7 +167,7 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
         args.push("--busy-poll".into());
     }
     if spec.touch && spec.role == EchoRole::Standard {
-        args.push("--touch".into());
+        args.push("--verify".into());
     }
     if spec.batch && spec.role == EchoRole::Standard {
         args.push("--batch".into());
@@ -306,5 +320,29 @@ pub fn check_echoed(echoed: Option<u64>, expected: u64) -> Result<(), CliError> 
     match echoed {
         Some(n) if n != expected => Err(CliError::Failed(format!("echo saw {n} moves, expected {expected}"))),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_by_backend() {
+        let (_, d) = process_endpoint(Backend::Shm, "x", None).unwrap();
+        assert_eq!(d, "shm@x");
+        let (_, d) = process_endpoint(Backend::Shm, "x", Some("shm:/tmp/e")).unwrap();
+        assert_eq!(d, "shm:/tmp/e");
+        let (_, d) = process_endpoint(Backend::Net, "x", Some("tcp:127.0.0.1:7000")).unwrap();
+        assert_eq!(d, "tcp:127.0.0.1:7000");
+        // Without --peer the listener's port is chosen by the kernel, so the
+        // descriptor is filled in by `connect` once the channel listens.
+        let (_, d) = process_endpoint(Backend::Net, "x", None).unwrap();
+        assert_eq!(d, "");
+        for (b, peer) in
+            [(Backend::Shm, Some("tcp:1.2.3.4:5")), (Backend::Net, Some("shm@x")), (Backend::UdsCopy, None)]
+        {
+            assert!(matches!(process_endpoint(b, "x", peer), Err(CliError::Usage(_))), "{b:?} {peer:?}");
+        }
     }
 }
