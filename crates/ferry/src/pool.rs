@@ -11,7 +11,7 @@
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::sys::{self, Access, Mapping};
@@ -182,6 +182,10 @@ pub(crate) struct PoolMemory {
     id: PoolId,
     geometry: Geometry,
     fd: OwnedFd,
+    /// Once the memory is readable by an untrusted peer (trust NONE), the
+    /// file is sealed against new writable mappings, and every writable
+    /// mapping this process makes later is a duplicate of this one.
+    writer: Mutex<Option<Mapping>>,
 }
 
 impl PoolMemory {
@@ -191,7 +195,7 @@ impl PoolMemory {
         // A pool never changes size: sealed so, no process it is shared with
         // can shrink it under another's mappings (which would SIGBUS them).
         sys::seal_size(&fd)?;
-        Ok(Arc::new(PoolMemory { id, geometry, fd }))
+        Ok(Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None) }))
     }
 
     /// This host's copy of a pool that lives on another machine (network
@@ -199,7 +203,7 @@ impl PoolMemory {
     pub(crate) fn mirror(id: PoolId, geometry: Geometry) -> Result<Arc<Self>> {
         let fd = sys::memfd(&format!("ferry-pool-{id}"), geometry.len())?;
         sys::seal_size(&fd)?;
-        Ok(Arc::new(PoolMemory { id, geometry, fd }))
+        Ok(Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None) }))
     }
 
     /// A pool received from a peer as an fd: accepted only if it is a
@@ -207,12 +211,35 @@ impl PoolMemory {
     pub(crate) fn from_peer(id: PoolId, geometry: Geometry, fd: OwnedFd) -> Result<Arc<Self>> {
         sys::check_sealed_size(&fd, geometry.len())
             .map_err(|why| Error::Protocol(format!("pool {id} received with a bad fd: {why}")))?;
-        Ok(Arc::new(PoolMemory { id, geometry, fd }))
+        Ok(Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None) }))
     }
 
     /// The memfd, to send to another process.
     pub(crate) fn fd(&self) -> &OwnedFd {
         &self.fd
+    }
+
+    /// Map the whole pool with `access`, the base aligned to `align`.
+    pub(crate) fn map(&self, access: Access, align: usize) -> Result<Mapping> {
+        let writer = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(match &*writer {
+            Some(w) => w.duplicate(access, align)?,
+            None => Mapping::map_shared(sys::borrow(&self.fd), self.geometry.len(), access, align)?,
+        })
+    }
+
+    /// An fd a peer of trust NONE may have: it can read the pool and nothing
+    /// else. The first call seals the file against every new way of writing
+    /// it (keeping one writable mapping here for later views), so neither
+    /// the fd nor a read-write reopening of it can change the memory.
+    pub(crate) fn read_only_fd(&self) -> Result<OwnedFd> {
+        let mut writer = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        if writer.is_none() {
+            let map = Mapping::map_shared(sys::borrow(&self.fd), self.geometry.len(), Access::ReadWrite, 1)?;
+            sys::seal_future_writes(&self.fd)?;
+            *writer = Some(map);
+        }
+        Ok(sys::reopen_read_only(&self.fd)?)
     }
 
     pub(crate) fn id(&self) -> PoolId {
@@ -243,7 +270,7 @@ impl PoolView {
         if !align.is_power_of_two() || align > geometry.buffer_size {
             return Err(Error::BadAlignment(alignment));
         }
-        let map = Mapping::map_shared(sys::borrow(&memory.fd), geometry.len(), initial, align)?;
+        let map = memory.map(initial, align)?;
         let read_write = (0..geometry.count).map(|_| AtomicBool::new(false)).collect();
         Ok(Arc::new(PoolView { memory, map, read_write }))
     }

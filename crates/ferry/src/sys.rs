@@ -68,6 +68,28 @@ pub(crate) fn check_sealed_size(fd: &OwnedFd, len: usize) -> Result<(), &'static
     Ok(())
 }
 
+/// Seal a memfd against every new way of writing it — writable mappings,
+/// `write`, hole punching — whoever holds an fd of it, root included
+/// (`F_SEAL_FUTURE_WRITE`), and against further seals. Mappings that are
+/// writable already stay so: the owner keeps one and duplicates it
+/// ([`Mapping::duplicate`]) for every writable view it makes later.
+pub(crate) fn seal_future_writes(fd: &OwnedFd) -> io::Result<()> {
+    use rustix::fs::SealFlags;
+    rustix::fs::fcntl_add_seals(fd, SealFlags::FUTURE_WRITE | SealFlags::SEAL)?;
+    Ok(())
+}
+
+/// A read-only fd of the same file, for a peer that may only read it
+/// (reopened through `/proc/self/fd`). A read-only fd alone does not stop
+/// its holder from reopening it read-write the same way: the file must also
+/// be sealed with [`seal_future_writes`].
+pub(crate) fn reopen_read_only(fd: &OwnedFd) -> io::Result<OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    use std::os::fd::AsRawFd;
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    Ok(rustix::fs::open(path.as_str(), OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?)
+}
+
 /// A `MAP_SHARED` mapping of `len` bytes of `fd`, read-write; for segments
 /// shared with a peer.
 pub(crate) fn map_segment(fd: &OwnedFd, len: usize) -> io::Result<Mapping> {
@@ -126,55 +148,42 @@ impl Mapping {
             Access::Read => ProtFlags::READ,
             Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
         };
-        if align <= page_size() {
-            // SAFETY: a fresh mapping chosen by the kernel (no fixed address),
-            // so it cannot alias any existing Rust object.
-            let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, 0)? };
-            let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
-            return Ok(Mapping { ptr, len });
-        }
-        // Stronger alignment: reserve len + align of inaccessible address
-        // space, place the file mapping at the first aligned address inside it
-        // with MAP_FIXED, and give back the slack on both sides.
-        let reserve = len.checked_add(align).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
-        // SAFETY: an anonymous PROT_NONE reservation at a kernel-chosen address.
-        let base = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                reserve,
-                ProtFlags::empty(),
-                MapFlags::PRIVATE | MapFlags::NORESERVE,
-            )?
-        } as usize;
-        let aligned = (base + align - 1) & !(align - 1);
-        // SAFETY: [aligned, aligned+len) lies inside the reservation we own;
-        // MAP_FIXED replaces only our own PROT_NONE pages.
-        let mapped =
-            unsafe { rustix::mm::mmap(aligned as *mut _, len, prot, MapFlags::SHARED | MapFlags::FIXED, fd, 0) };
-        let head = aligned - base;
-        let tail = reserve - head - len;
-        // SAFETY: the slack ranges are parts of our reservation that nothing
-        // else uses; unmapping them cannot affect other objects.
-        unsafe {
-            if head > 0 {
-                let _ = rustix::mm::munmap(base as *mut _, head);
-            }
-            if tail > 0 {
-                let _ = rustix::mm::munmap((aligned + len) as *mut _, tail);
-            }
-        }
-        let ptr = match mapped {
-            Ok(p) => p,
-            Err(e) => {
-                // SAFETY: the aligned part of the reservation is still ours.
-                unsafe {
-                    let _ = rustix::mm::munmap(aligned as *mut _, len);
-                }
-                return Err(e.into());
-            }
-        };
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
+        let ptr = place(len, align, |at| {
+            let (addr, flags) = match at {
+                Some(a) => (a, MapFlags::SHARED | MapFlags::FIXED),
+                None => (std::ptr::null_mut(), MapFlags::SHARED),
+            };
+            // SAFETY: either a kernel-chosen address, or (MAP_FIXED) a range
+            // inside a reservation `place` owns and nothing else uses: no
+            // existing Rust object is replaced.
+            unsafe { rustix::mm::mmap(addr, len, prot, flags, fd, 0) }
+        })?;
         Ok(Mapping { ptr, len })
+    }
+
+    /// A second mapping of the same pages (`mremap` with old size 0), with
+    /// `access` and the base aligned to `align`. Works after the file was
+    /// sealed against new writable mappings (`seal_future_writes`): the
+    /// duplicate inherits this mapping's right to write. `self` must be one
+    /// whole mapping never split by `protect`.
+    pub(crate) fn duplicate(&self, access: Access, align: usize) -> io::Result<Self> {
+        use rustix::mm::MremapFlags;
+        if !align.is_power_of_two() {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        let (src, len) = (self.ptr.as_ptr().cast(), self.len);
+        let ptr = place(len, align, |at| match at {
+            // SAFETY: old size 0 leaves `self` in place and only creates a
+            // new mapping: at a kernel-chosen address, or over a range inside
+            // the reservation `place` owns (MREMAP_FIXED).
+            Some(a) => unsafe { rustix::mm::mremap_fixed(src, 0, len, MremapFlags::MAYMOVE, a) },
+            None => unsafe { rustix::mm::mremap(src, 0, len, MremapFlags::MAYMOVE) },
+        })?;
+        let dup = Mapping { ptr, len };
+        if access != Access::ReadWrite {
+            dup.protect(0, len, access)?;
+        }
+        Ok(dup)
     }
 
     /// Base address of the mapping.
@@ -201,6 +210,57 @@ impl Mapping {
         unsafe { rustix::mm::mprotect(self.ptr.as_ptr().add(offset).cast(), len, access.prot())? };
         Ok(())
     }
+}
+
+/// Put a new mapping of `len` bytes at a base aligned to `align`. `map`
+/// makes it: at a kernel-chosen address (`None`) when the page alignment is
+/// enough, else at the given address (`Some`), the first aligned one inside a
+/// `len + align` reservation of inaccessible address space whose slack is
+/// given back afterwards.
+fn place(
+    len: usize,
+    align: usize,
+    map: impl FnOnce(Option<*mut std::ffi::c_void>) -> rustix::io::Result<*mut std::ffi::c_void>,
+) -> io::Result<NonNull<u8>> {
+    if align <= page_size() {
+        let ptr = map(None)?;
+        return NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other));
+    }
+    let reserve = len.checked_add(align).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: an anonymous PROT_NONE reservation at a kernel-chosen address.
+    let base = unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            reserve,
+            ProtFlags::empty(),
+            MapFlags::PRIVATE | MapFlags::NORESERVE,
+        )?
+    } as usize;
+    let aligned = (base + align - 1) & !(align - 1);
+    let mapped = map(Some(aligned as *mut _));
+    let head = aligned - base;
+    let tail = reserve - head - len;
+    // SAFETY: the slack ranges are parts of our reservation that nothing
+    // else uses; unmapping them cannot affect other objects.
+    unsafe {
+        if head > 0 {
+            let _ = rustix::mm::munmap(base as *mut _, head);
+        }
+        if tail > 0 {
+            let _ = rustix::mm::munmap((aligned + len) as *mut _, tail);
+        }
+    }
+    let ptr = match mapped {
+        Ok(p) => p,
+        Err(e) => {
+            // SAFETY: the aligned part of the reservation is still ours.
+            unsafe {
+                let _ = rustix::mm::munmap(aligned as *mut _, len);
+            }
+            return Err(e.into());
+        }
+    };
+    NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))
 }
 
 impl Drop for Mapping {
@@ -334,6 +394,41 @@ mod tests {
         assert!(m.protect(4096, 8192, Access::Read).is_err());
         m.protect(4096, 4096, Access::Read).unwrap();
         m.protect(4096, 4096, Access::ReadWrite).unwrap();
+    }
+
+    /// The kernel facts trust NONE rests on: after `seal_future_writes`
+    /// nobody can make the memory writable again — not through a read-only
+    /// fd, not through a read-write reopening of it, not by `mprotect` of a
+    /// read-only mapping — while the owner's duplicates of its writable
+    /// mapping still write, at any alignment.
+    #[test]
+    fn future_write_seal_leaves_only_the_owners_mappings_writable() {
+        use rustix::fs::{Mode, OFlags};
+        use std::os::fd::AsRawFd;
+        let fd = memfd("t", 8192).unwrap();
+        seal_size(&fd).unwrap();
+        let owner = Mapping::map_shared(borrow(&fd), 8192, Access::ReadWrite, 1).unwrap();
+        seal_future_writes(&fd).unwrap();
+        let ro = reopen_read_only(&fd).unwrap();
+        assert!(Mapping::map_shared(borrow(&ro), 8192, Access::ReadWrite, 1).is_err());
+        let reader = Mapping::map_shared(borrow(&ro), 8192, Access::Read, 1).unwrap();
+        assert!(reader.protect(0, 4096, Access::ReadWrite).is_err());
+        let path = format!("/proc/self/fd/{}", ro.as_raw_fd());
+        let rw = rustix::fs::open(path.as_str(), OFlags::RDWR, Mode::empty()).unwrap();
+        assert!(Mapping::map_shared(borrow(&rw), 8192, Access::ReadWrite, 1).is_err());
+        assert!(rustix::io::pwrite(&rw, b"x", 0).is_err());
+        assert!(Mapping::map_shared(borrow(&fd), 8192, Access::ReadWrite, 1).is_err());
+        let dup = owner.duplicate(Access::None, 1).unwrap();
+        dup.protect(0, 8192, Access::ReadWrite).unwrap();
+        let aligned = owner.duplicate(Access::ReadWrite, 1 << 21).unwrap();
+        assert_eq!(aligned.as_ptr() as usize % (1 << 21), 0);
+        // SAFETY: test-only raw access inside the mappings.
+        unsafe {
+            dup.as_ptr().add(10).write(7);
+            aligned.as_ptr().add(11).write(8);
+            assert_eq!(reader.as_ptr().add(10).read(), 7);
+            assert_eq!(reader.as_ptr().add(11).read(), 8);
+        }
     }
 
     #[test]

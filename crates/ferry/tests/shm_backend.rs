@@ -294,7 +294,7 @@ fn killed_peer_gives_buffers_back() {
     }
 }
 
-/// Endpoint errors: nobody listening, two creators, NONE not yet offered.
+/// Endpoint errors: nobody listening, two creators.
 #[test]
 fn bind_errors_between_processes() {
     let name = unique("err");
@@ -306,10 +306,6 @@ fn bind_errors_between_processes() {
     let _c = Channel::create(&d, &Endpoint::shm_abstract(&name), ChannelSetup::default()).unwrap();
     let e = Channel::create(&d, &Endpoint::shm_abstract(&name), ChannelSetup::default()).unwrap_err();
     assert_eq!(e, Error::EndpointInUse);
-    // NONE is not enforced yet.
-    let none = ChannelSetup { trust: TrustLevel::None, ..ChannelSetup::default() };
-    let e = Channel::create(&d, &Endpoint::shm_abstract(&unique("none")), none).unwrap_err();
-    assert!(matches!(e, Error::TrustNotSupported { .. }));
 }
 
 /// Role conflict across processes: the binder gets BindRefused, the creator

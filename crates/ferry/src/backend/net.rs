@@ -429,7 +429,7 @@ impl NetLink {
             return Ok(());
         }
         let g = memory.geometry();
-        let map = Mapping::map_shared(sys::borrow(memory.fd()), g.len(), Access::ReadWrite, 1)?;
+        let map = memory.map(Access::ReadWrite, 1)?;
         self.pools.insert(memory.id(), LinkPool { map, geometry: g, _memory: memory.clone() });
         Ok(())
     }

@@ -26,13 +26,14 @@ use std::time::{Duration, Instant};
 
 use super::setup_msg::{self, bad};
 use super::uds::{self, Conn, Listener, UnixName};
-use super::{Link, Pending, PendingSetup, SetupDone};
-use crate::channel::{negotiate, BindParams, ChannelSetup};
+use super::{Landing, Link, PayloadGate, Pending, PendingSetup, SetupDone};
+use crate::buffer::BufferId;
+use crate::channel::{negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::error::{Error, Result};
-use crate::pool::{Geometry, PoolId, PoolMemory, TrustLevel};
+use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
 use crate::ring::{self, Consumer, Producer, RingError, RingLayout, RingMemory, PUBLISH_EVERY};
-use crate::sys::{self, Mapping};
+use crate::sys::{self, Access, Mapping};
 
 /// How long a waiting end spins before it sleeps (a cross-core wake-up
 /// costs ≈ 50 µs on the machines measured, DESIGN.md §3).
@@ -63,9 +64,6 @@ impl ShmEndpoint {
     }
 
     pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
-        if setup.trust == TrustLevel::None {
-            return Err(Error::TrustNotSupported { trust: TrustLevel::None, backend: "shm" });
-        }
         let listener = Listener::bind(&self.name).map_err(|e| match e.kind() {
             std::io::ErrorKind::AddrInUse => Error::EndpointInUse,
             _ => Error::from(e),
@@ -160,7 +158,7 @@ impl CreatorPending {
         let rx = ring::attach_consumer(b, layout).map_err(ring_err)?;
         let bell = uds::doorbell()?;
         conn.send(&setup_msg::encode_accept(&neg, depth), &[fd.as_fd(), bell.as_fd()])?;
-        let link = ShmLink::new(tx, rx, conn, bell, peer_bell, neg.meta_size)?;
+        let link = ShmLink::new(tx, rx, conn, bell, peer_bell, &neg)?;
         Ok(Some((Box::new(link), neg, true)))
     }
 }
@@ -221,7 +219,7 @@ impl BinderPending {
         let tx = ring::attach_producer(b, layout).map_err(ring_err)?;
         let conn = self.conn.take().expect("polled once");
         let bell = self.bell.take().expect("polled once");
-        let link = ShmLink::new(tx, rx, conn, bell, peer_bell, neg.meta_size)?;
+        let link = ShmLink::new(tx, rx, conn, bell, peer_bell, &neg)?;
         Ok((Box::new(link), neg, false))
     }
 }
@@ -247,6 +245,18 @@ impl PendingSetup for BinderPending {
 
 // --------------------------------------------------------------------- link
 
+/// A pool on a channel of trust NONE.
+struct CopyPool {
+    geometry: Geometry,
+    /// Our memory of the pool, writable (copies land here).
+    own: Mapping,
+    /// The peer's memory of the pool, read-only; mapped once its fd came.
+    peer: Option<Mapping>,
+    /// The peer has our read-only fd of `memory`.
+    shared: bool,
+    memory: Arc<PoolMemory>,
+}
+
 /// One end of a shared-memory channel.
 pub(crate) struct ShmLink {
     tx: Producer,
@@ -258,8 +268,15 @@ pub(crate) struct ShmLink {
     /// Readable once the peer process has exited.
     peer_pidfd: Option<OwnedFd>,
     meta_size: usize,
-    /// Pool fds received ahead of their assignment request.
+    /// Pool fds received ahead of the descriptor that needs them.
     pools: HashMap<PoolId, Arc<PoolMemory>>,
+    /// Trust NONE: no memory is shared writable. Each side keeps its own
+    /// memory of every pool and gives the peer only a read-only fd of it
+    /// (sealed against new writers); a buffer that arrives is copied from
+    /// the peer's memory into ours before it is delivered.
+    untrusted: bool,
+    /// Trust NONE: the pools on this channel, ours and the peer's memory.
+    copy_pools: PoolMap<CopyPool>,
     last_liveness: Instant,
     /// Empty polls since the clock was last read.
     empty_polls: u32,
@@ -275,7 +292,7 @@ impl ShmLink {
         conn: Conn,
         bell: OwnedFd,
         peer_bell: OwnedFd,
-        meta_size: usize,
+        neg: &Negotiated,
     ) -> Result<Self> {
         let peer_pidfd = conn
             .peer_pid()
@@ -288,8 +305,10 @@ impl ShmLink {
             bell,
             peer_bell,
             peer_pidfd,
-            meta_size,
+            meta_size: neg.meta_size,
             pools: HashMap::new(),
+            untrusted: neg.trust == TrustLevel::None,
+            copy_pools: PoolMap::default(),
             last_liveness: Instant::now(),
             empty_polls: 0,
             peer_hung_up: false,
@@ -326,6 +345,94 @@ impl ShmLink {
         }
     }
 
+    /// Send a pool's fd ahead of the descriptor that names it.
+    fn send_pool(&mut self, memory: &PoolMemory, fd: &OwnedFd) -> Result<()> {
+        let msg = setup_msg::encode_pool(memory.id(), memory.geometry());
+        self.conn.send(&msg, &[fd.as_fd()]).map_err(|e| match e.raw_os_error() {
+            Some(code) if code == rustix::io::Errno::PIPE.raw_os_error() => Error::PeerGone,
+            _ => Error::from(e),
+        })
+    }
+
+    /// The peer's memory of pool `id`, sent ahead of what needs it.
+    fn peer_memory(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
+        self.read_socket(Some(id))?;
+        let memory = self.pools.remove(&id).expect("read_socket returned it");
+        if memory.geometry() != geometry {
+            return Err(Error::Protocol(format!("pool {id}: memory and assignment disagree on its geometry")));
+        }
+        Ok(memory)
+    }
+
+    /// Trust NONE: put `memory` (ours) on the link.
+    fn add_copy_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.copy_pools.entry(memory.id()) {
+            let own = memory.map(Access::ReadWrite, 1)?;
+            slot.insert(CopyPool {
+                geometry: memory.geometry(),
+                own,
+                peer: None,
+                shared: false,
+                memory: memory.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Trust NONE: before the first buffer of `pool` goes to the peer, give
+    /// the peer a read-only fd of our memory of it. Not earlier: sealing the
+    /// memory against new writers cannot be undone, and only an accepted
+    /// assignment fixes the pool's trust for good (an offer may be vetoed,
+    /// and the pool may then go to a channel of another trust).
+    fn share(&mut self, pool: PoolId) -> Result<()> {
+        let Some(p) = self.copy_pools.get_mut(&pool) else {
+            return Err(Error::Protocol(format!("buffer of pool {pool} which is not on this link")));
+        };
+        if p.shared {
+            return Ok(());
+        }
+        let memory = p.memory.clone();
+        let fd = memory.read_only_fd()?;
+        self.send_pool(&memory, &fd)?;
+        self.copy_pools.get_mut(&pool).expect("looked up above").shared = true;
+        Ok(())
+    }
+
+    /// Trust NONE: copy buffer `buf` from the peer's memory into ours (the
+    /// channel's gate has admitted it: on the channel, in range, not a
+    /// buffer this domain owns or reads).
+    fn copy_in(&mut self, buf: BufferId) -> Result<()> {
+        let Some(pool) = self.copy_pools.get(&buf.pool) else {
+            return Err(Error::Protocol(format!("buffer of pool {} which is not on this channel", buf.pool)));
+        };
+        let geometry = pool.geometry;
+        if buf.index >= geometry.count() {
+            return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
+        }
+        if pool.peer.is_none() {
+            // The peer sent its read-only fd ahead of the first buffer of
+            // the pool it sent us.
+            let memory = self.peer_memory(buf.pool, geometry)?;
+            let map = Mapping::map_shared(memory.fd().as_fd(), geometry.len(), Access::Read, 1)?;
+            self.copy_pools.get_mut(&buf.pool).expect("looked up above").peer = Some(map);
+        }
+        let pool = &self.copy_pools[&buf.pool];
+        let peer = pool.peer.as_ref().expect("mapped above");
+        let size = geometry.buffer_size();
+        let offset = buf.index as usize * size;
+        // SAFETY: both mappings are `geometry.len()` bytes and index < count,
+        // so [offset, offset + size) is inside each. The destination is our
+        // own memory of a buffer no handle of this process can read or
+        // write now (the gate: this domain holds no handle of it, and the
+        // peer owned it), and no other process can write it (the file is
+        // sealed against new writers). The source is the peer's memory,
+        // which the peer may be writing while we read: the bytes are copied
+        // as they are, never interpreted (any byte is a valid `u8`), and
+        // what is delivered is our copy, which the peer cannot change.
+        unsafe { std::ptr::copy_nonoverlapping(peer.as_ptr().add(offset), pool.own.as_ptr().add(offset), size) };
+        Ok(())
+    }
+
     /// Make the staged messages visible to the peer; ring its doorbell if
     /// it sleeps.
     fn publish(&mut self) {
@@ -359,6 +466,23 @@ impl ShmLink {
     }
 }
 
+impl ShmLink {
+    /// A message from the ring, before it goes up: under trust NONE a
+    /// buffer's bytes are copied into our memory first (unless the gate
+    /// says we hold them already).
+    fn land(&mut self, msg: Message, gate: &mut dyn PayloadGate) -> Result<Message> {
+        if !self.untrusted {
+            return Ok(msg);
+        }
+        if let Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } = &msg {
+            if gate.admit(&msg)? == Landing::Land {
+                self.copy_in(*buf)?;
+            }
+        }
+        Ok(msg)
+    }
+}
+
 impl Link for ShmLink {
     fn has_room(&mut self) -> bool {
         if self.tx.free_slots() > 0 {
@@ -373,6 +497,11 @@ impl Link for ShmLink {
     fn send(&mut self, msg: &Message) -> Result<()> {
         if self.peer_hung_up {
             return Err(Error::PeerGone);
+        }
+        if self.untrusted {
+            if let Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } = msg {
+                self.share(buf.pool)?;
+            }
         }
         self.tx.stage(|slot| msg.encode(slot)).map_err(ring_err)?;
         if !self.batching || self.tx.staged() >= PUBLISH_EVERY || *msg == Message::Teardown {
@@ -393,17 +522,17 @@ impl Link for ShmLink {
         Ok(())
     }
 
-    fn recv(&mut self, _gate: &mut dyn super::PayloadGate) -> Result<Option<Message>> {
+    fn recv(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
         let meta = self.meta_size;
         if let Some(decoded) = self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(ring_err)? {
-            return decoded.map(Some);
+            return self.land(decoded?, gate).map(Some);
         }
         // Nothing to do here for now: what we held back goes out.
         self.publish();
         if self.peer_gone(false) {
             // Whatever the peer pushed before it went is still ours to take.
             return match self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(ring_err)? {
-                Some(decoded) => decoded.map(Some),
+                Some(decoded) => self.land(decoded?, gate).map(Some),
                 None => Err(Error::PeerGone),
             };
         }
@@ -427,20 +556,30 @@ impl Link for ShmLink {
     }
 
     fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
-        let msg = setup_msg::encode_pool(memory.id(), memory.geometry());
-        self.conn.send(&msg, &[memory.fd().as_fd()]).map_err(|e| match e.raw_os_error() {
-            Some(code) if code == rustix::io::Errno::PIPE.raw_os_error() => Error::PeerGone,
-            _ => Error::from(e),
-        })
+        if self.untrusted {
+            // Its read-only fd goes with the first buffer (`share`).
+            return self.add_copy_pool(memory);
+        }
+        self.send_pool(memory, memory.fd())
     }
 
     fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
-        self.read_socket(Some(id))?;
-        let memory = self.pools.remove(&id).expect("read_socket returned it");
-        if memory.geometry() != geometry {
-            return Err(Error::Protocol(format!("pool {id}: memory and assignment disagree on its geometry")));
+        if !self.untrusted {
+            return self.peer_memory(id, geometry);
         }
-        Ok(memory)
+        // Memory of our own under the pool's id; the peer's comes with its
+        // first buffer.
+        let ours = PoolMemory::mirror(id, geometry)?;
+        self.add_copy_pool(&ours)?;
+        Ok(ours)
+    }
+
+    fn use_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        if self.untrusted {
+            return self.add_copy_pool(memory);
+        }
+        // The fd sent ahead of the offer is not needed: we have the memory.
+        self.peer_memory(memory.id(), memory.geometry()).map(drop)
     }
 
     fn close(&mut self, last: Vec<Message>) {
@@ -458,6 +597,20 @@ impl Link for ShmLink {
     }
 
     fn peer_can_die(&self) -> bool {
+        true
+    }
+
+    fn abandon(&mut self) -> bool {
+        if !self.untrusted {
+            // The peer may still be alive and writing memory we share.
+            return false;
+        }
+        // Trust NONE: each side's memory is its own, so what we lent may
+        // come back at once; the peer notices the closed rings.
+        self.tx.close();
+        self.rx.close();
+        uds::ring(&self.peer_bell);
+        self.peer_hung_up = true;
         true
     }
 
