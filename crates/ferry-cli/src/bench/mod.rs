@@ -113,7 +113,7 @@ pub enum Trust {
     Full,
     /// The sender's own view is mprotected: a guard against accidents.
     Half,
-    /// Kernel-enforced (not supported by the local and shm backends yet).
+    /// Kernel-enforced: shm and net (each side its own memory; not on the local backend).
     None,
 }
 
