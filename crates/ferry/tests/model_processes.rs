@@ -24,7 +24,9 @@
 //! processes: they count as inexpressible, as in the single-process
 //! harness when it finds no handle, and the model must then have refused.
 //!
-//! Only separate processes can show what a `kill -9` does:
+//! `batched_shm_processes_follow_the_model` runs the same with batching on
+//! at both ends of every channel (the sending end's process flushes before
+//! each delivery). Only separate processes can show what a `kill -9` does:
 //! `killed_domain_gives_back_what_it_was_lent` runs a random sequence,
 //! delivers everything, kills one domain process and checks the survivors.
 
@@ -65,18 +67,19 @@ const TRUSTS: &[Trust] = &[Trust::Full, Trust::Full, Trust::Full, Trust::Half];
 /// How long a delivery the model expects may take to cross.
 const DELIVER_WAIT_MS: u32 = 10_000;
 
-/// Random sequences of the model suite: `FERRY_MODEL_PROCESSES_CASES`, else
-/// an eighth of `FERRY_MODEL_CASES` (the single-process suites' count; CI
-/// sets 4096), else 160. A step here is a round trip to a process and a
-/// state query to all four, about a hundred times a single-process step.
+/// Random sequences of the model suite: `FERRY_MODEL_PROCESSES_CASES`,
+/// else an eighth of `FERRY_MODEL_CASES` (the count of the single-process
+/// suites, which CI sets to 4096), else 256. A step here is a round trip to
+/// one process and a state query to all four: about 25 ms per sequence.
+/// The batched suite runs half as many, the kill suite a quarter.
 fn cases() -> u32 {
     match std::env::var("FERRY_MODEL_PROCESSES_CASES").ok().and_then(|v| v.parse().ok()) {
         Some(n) => n,
-        None => (model_cases(1280) / 8).max(1),
+        None => (model_cases(2048) / 8).max(1),
     }
 }
 
-/// Kill cases: each ends in a `kill -9` and a process start.
+/// Kill sequences: each ends in a `kill -9` and a process start.
 fn kill_cases() -> u32 {
     (cases() / 4).max(1)
 }
@@ -96,6 +99,9 @@ fn config(cases: u32) -> Config {
 /// model's pools, and what the coordinator tracks across processes.
 struct Harness<'c> {
     cl: &'c mut Cluster,
+    /// Batching on at both ends of every channel; the sending end is
+    /// flushed before each delivery.
+    batched: bool,
     /// Per model pool: the library's id.
     pools: Vec<PoolId>,
     /// Per model channel: [source, sink].
@@ -114,9 +120,10 @@ struct Harness<'c> {
 type Applied = Option<Result<Option<Ev>, LibError>>;
 
 impl<'c> Harness<'c> {
-    fn new(cl: &'c mut Cluster) -> Self {
+    fn new(cl: &'c mut Cluster, batched: bool) -> Self {
         Harness {
             cl,
+            batched,
             pools: Vec::new(),
             chans: Vec::new(),
             content: HashMap::new(),
@@ -158,6 +165,10 @@ impl<'c> Harness<'c> {
         self.cl.send(sink, &wait)?;
         expect_ok(source, self.cl.recv(source, &wait)?)?;
         expect_ok(sink, self.cl.recv(sink, &wait)?)?;
+        if self.batched {
+            expect_ok(source, self.cl.call(source, &Cmd::Batching { chan })?)?;
+            expect_ok(sink, self.cl.call(sink, &Cmd::Batching { chan })?)?;
+        }
         self.chans.push([source, sink]);
         Ok(())
     }
@@ -232,10 +243,13 @@ impl<'c> Harness<'c> {
             }
             Op::Teardown { domain, chan } => self.op(domain, Cmd::Teardown { chan: chan as u32 }),
             Op::Deliver { chan, queue } => {
-                let to = match queue {
-                    Queue::Data => self.chans[chan][1],
-                    Queue::Control => self.chans[chan][0],
+                let (to, from) = match queue {
+                    Queue::Data => (self.chans[chan][1], self.chans[chan][0]),
+                    Queue::Control => (self.chans[chan][0], self.chans[chan][1]),
                 };
+                if self.batched {
+                    expect_ok(from, self.cl.call(from, &Cmd::Flush { chan: chan as u32 })?)?;
+                }
                 let cmd = Cmd::Deliver { chan: chan as u32, wait_ms: if expect { DELIVER_WAIT_MS } else { 0 } };
                 match self.cl.call(to, &cmd)? {
                     Reply::Event { event, .. } => Ok(Some(Ok(event))),
@@ -442,12 +456,12 @@ struct Run<'c> {
 
 impl<'c> Run<'c> {
     /// Reset the processes, create the pools and channels of `setup`.
-    fn start(cl: &'c mut Cluster, trusts: &[u8], stats: &mut ProcStats) -> Result<Self, String> {
+    fn start(cl: &'c mut Cluster, batched: bool, trusts: &[u8], stats: &mut ProcStats) -> Result<Self, String> {
         use_trusts(TRUSTS);
         let fds = cl.reset()?;
         stats.max_fds = stats.max_fds.max(fds.into_iter().max().unwrap_or(0));
         let m = setup(trusts);
-        let mut h = Harness::new(cl);
+        let mut h = Harness::new(cl, batched);
         for &(d, count) in &POOLS {
             h.create_pool(d, count)?;
         }
@@ -530,8 +544,14 @@ impl<'c> Run<'c> {
 }
 
 /// Run one random sequence against model and library.
-fn run_case(cl: &mut Cluster, trusts: &[u8], steps: &[RawStep], stats: &mut ProcStats) -> Result<(), String> {
-    let mut run = Run::start(cl, trusts, stats)?;
+fn run_case(
+    cl: &mut Cluster,
+    batched: bool,
+    trusts: &[u8],
+    steps: &[RawStep],
+    stats: &mut ProcStats,
+) -> Result<(), String> {
+    let mut run = Run::start(cl, batched, trusts, stats)?;
     for &raw in steps {
         let op = pick_op(&run.m, raw);
         run.step(op, stats)?;
@@ -543,24 +563,21 @@ fn strategy() -> impl Strategy<Value = (Vec<u8>, Vec<RawStep>)> {
     (vec(any::<u8>(), LINKS.len()), vec(any::<RawStep>(), 1..150))
 }
 
-/// The shared-memory backend, one process per domain, against the
-/// reference model.
-#[test]
-fn shm_processes_follow_the_model() {
+fn suite(batched: bool, n: u32) {
     let t = std::time::Instant::now();
     let cl = RefCell::new(Cluster::start("model", DOMAINS).expect("start the domain processes"));
     let stats = RefCell::new(ProcStats::default());
-    let n = cases();
     let mut runner = TestRunner::new(config(n));
     let result = runner.run(&strategy(), |(trusts, steps)| {
-        run_case(&mut cl.borrow_mut(), &trusts, &steps, &mut stats.borrow_mut()).map_err(TestCaseError::fail)
+        run_case(&mut cl.borrow_mut(), batched, &trusts, &steps, &mut stats.borrow_mut()).map_err(TestCaseError::fail)
     });
     if let Err(e) = result {
         panic!("{e}");
     }
     let mut stats = stats.into_inner();
     stats.spawned = cl.borrow().spawned;
-    eprintln!("model suite across processes: {n} sequences in {:.1?}: {stats:?}", t.elapsed());
+    let what = if batched { "batched model suite" } else { "model suite" };
+    eprintln!("{what} across processes: {n} sequences in {:.1?}: {stats:?}", t.elapsed());
     // The comparison must not pass vacuously.
     let n = n as usize;
     let s = &stats.base;
@@ -574,6 +591,21 @@ fn shm_processes_follow_the_model() {
     // died, and resets give every descriptor back.
     assert_eq!(stats.spawned, DOMAINS, "domain processes were restarted: {stats:?}");
     assert!(stats.max_fds < 32, "descriptors pile up in the domain processes: {stats:?}");
+}
+
+/// The shared-memory backend, one process per domain, against the
+/// reference model.
+#[test]
+fn shm_processes_follow_the_model() {
+    suite(false, cases());
+}
+
+/// The same with batching on at both ends of every channel: what one
+/// process holds back is published by its flush (or its poll) and then
+/// seen by the other process.
+#[test]
+fn batched_shm_processes_follow_the_model() {
+    suite(true, (cases() / 2).max(1));
 }
 
 /// After a random sequence, `kill -9` of one domain process: the survivors
@@ -609,7 +641,7 @@ fn killed_domain_gives_back_what_it_was_lent() {
 fn scripted_kill(tag: &str, ops: &[Op], victim: DomainId) -> kill::KillStats {
     let mut cl = Cluster::start(tag, DOMAINS).expect("start the domain processes");
     let mut stats = kill::KillStats::default();
-    let result = Run::start(&mut cl, &[0; LINKS.len()], &mut stats.run).and_then(|mut run| {
+    let result = Run::start(&mut cl, false, &[0; LINKS.len()], &mut stats.run).and_then(|mut run| {
         for &op in ops {
             run.step(op, &mut stats.run)?;
         }

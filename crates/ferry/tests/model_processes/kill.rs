@@ -269,7 +269,7 @@ pub fn kill_case(
     victim: u8,
     stats: &mut KillStats,
 ) -> Result<(), String> {
-    let mut run = Run::start(cl, trusts, &mut stats.run)?;
+    let mut run = Run::start(cl, false, trusts, &mut stats.run)?;
     for &raw in steps {
         let op = pick_op(&run.m, raw);
         run.step(op, &mut stats.run)?;

@@ -152,6 +152,14 @@ impl Server {
                 Some(end) => op(end.ch.teardown()),
                 None => self.no_end(chan),
             },
+            Cmd::Batching { chan } => match self.ends.get_mut(&chan) {
+                Some(end) => op(end.ch.set_batching(true)),
+                None => self.no_end(chan),
+            },
+            Cmd::Flush { chan } => match self.ends.get_mut(&chan) {
+                Some(end) => op(end.ch.flush()),
+                None => self.no_end(chan),
+            },
             Cmd::Move { chan, buf, meta_len, stamp } => self.give(chan, buf, meta_len, stamp, true),
             Cmd::Pass { chan, buf, meta_len, stamp } => self.give(chan, buf, meta_len, stamp, false),
             Cmd::Copy { chan, buf, meta_len } => self.copy(chan, buf, meta_len),

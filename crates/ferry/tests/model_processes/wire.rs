@@ -60,6 +60,10 @@ pub enum Cmd {
     /// Take every free buffer of `pool` (`Domain::alloc`), write `stamp`
     /// into each and read it back; keep them. Answered with [`Reply::Allocated`].
     AllocFree { pool: PoolId, stamp: u64 },
+    /// `set_batching(true)` on the end of `chan`.
+    Batching { chan: Chan },
+    /// `flush` the end of `chan`.
+    Flush { chan: Chan },
 }
 
 /// An error the library returned, as the model names it (if it does).
@@ -357,6 +361,8 @@ impl Cmd {
                 &mut e
             }
             Cmd::AllocFree { pool, stamp } => e.u8(16).pool(*pool).u64(*stamp),
+            Cmd::Batching { chan } => e.u8(17).u32(*chan),
+            Cmd::Flush { chan } => e.u8(18).u32(*chan),
         };
         e.0
     }
@@ -382,6 +388,8 @@ impl Cmd {
             14 => Cmd::Deliver { chan: d.u32()?, wait_ms: d.u32()? },
             15 => Cmd::State { bufs: d.list(Dec::buf)?, pools: d.list(Dec::pool)? },
             16 => Cmd::AllocFree { pool: d.pool()?, stamp: d.u64()? },
+            17 => Cmd::Batching { chan: d.u32()? },
+            18 => Cmd::Flush { chan: d.u32()? },
             t => return Err(format!("unknown command tag {t}")),
         };
         d.end()?;
