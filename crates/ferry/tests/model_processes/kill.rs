@@ -74,7 +74,7 @@ pub fn kill_and_check(run: &mut Run, k: DomainId, stats: &mut KillStats, strict:
     let open = |c: ChanId, d: DomainId| m.channel_state(c, d) != MChan::Closed;
     // `s`'s end of a channel to `k` that was open at the kill.
     let open_to_k = |c: ChanId, s: DomainId| chans[c].contains(&k) && chans[c].contains(&s) && open(c, s);
-    let before = h.query(&m, &survivors)?;
+    let before = h.query(&m, &survivors).map_err(fail)?;
 
     h.cl.kill(k).map_err(fail)?;
     stats.kills += 1;
@@ -110,7 +110,7 @@ pub fn kill_and_check(run: &mut Run, k: DomainId, stats: &mut KillStats, strict:
         }
     }
 
-    let after = h.query(&m, &survivors)?;
+    let after = h.query(&m, &survivors).map_err(fail)?;
     for (c, ends) in chans.iter().enumerate() {
         for &s in ends.iter().filter(|&&s| s != k) {
             let r = after[s].as_ref().expect("queried");
