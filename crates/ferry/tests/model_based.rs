@@ -19,9 +19,9 @@ use ferry::{
     Event as FEvent, Pool, PoolConstraints, TrustLevel,
 };
 use model::gen::{pick_op, setup, use_trusts, RawStep, DOMAINS, LINKS, META, POOLS};
+use model::lib_map::{buffer_state, cases as model_cases, channel_state, meta_bytes, reject_of, trust_level, Stats};
 use model::reference::{
-    BufId, BufferState as MState, ChanId, ChannelState as MChan, DomainId, Event as MEvent, Model, Op, Outcome, Queue,
-    Reject, Trust,
+    BufId, BufferState as MState, ChanId, DomainId, Event as MEvent, Model, Op, Outcome, Queue, Reject, Trust,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -131,43 +131,6 @@ impl Backend for Net {
             to.poll()
         }
     }
-}
-
-fn trust_level(t: Trust) -> TrustLevel {
-    match t {
-        Trust::Uninitialized => TrustLevel::Uninitialized,
-        Trust::None => TrustLevel::None,
-        Trust::Half => TrustLevel::Half,
-        Trust::Full => TrustLevel::Full,
-    }
-}
-
-/// The model's name for a library error (None: an error the model has no
-/// counterpart for, which is always a failure).
-fn reject_of(e: &Error) -> Option<Reject> {
-    Some(match e {
-        Error::NotConnected(_) => Reject::NotConnected,
-        Error::TearingDown => Reject::TearingDown,
-        Error::WrongDirection => Reject::WrongDirection,
-        Error::ForeignBuffer => Reject::ForeignBuffer,
-        Error::PoolNotAssigned(_) => Reject::PoolNotAssigned,
-        Error::PoolRemovalPending(_) => Reject::PoolRemovalPending,
-        Error::CopiesOutstanding => Reject::CopiesOutstanding,
-        Error::NotCopyHolder => Reject::NotCopyHolder,
-        Error::CopiesForwarded => Reject::CopiesForwarded,
-        Error::SameBuffer => Reject::SameBuffer,
-        Error::MetaTooLarge { .. } => Reject::MetaTooLarge,
-        Error::UnknownPool(_) => Reject::UnknownPool,
-        Error::PoolAlreadyAssigned(_) => Reject::PoolAlreadyAssigned,
-        Error::TrustMismatch { .. } => Reject::TrustMismatch,
-        Error::PoolInUse(_) => Reject::PoolInUse,
-        Error::NoPendingRequest(_) => Reject::NoPendingRequest,
-        _ => return None,
-    })
-}
-
-fn meta_bytes(len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i as u8) ^ 0x5a).collect()
 }
 
 /// The library side of a run, with the buffer handles each domain holds.
@@ -440,12 +403,7 @@ impl<B: Backend> Harness<B> {
         for buf in m.all_buffers() {
             let id = self.bid(buf);
             for d in 0..DOMAINS {
-                let want = match m.buffer_state(buf, d) {
-                    MState::Invalid => ferry::BufferState::Invalid,
-                    MState::ReadOnly => ferry::BufferState::ReadOnly,
-                    MState::ReadOnlyOwned => ferry::BufferState::ReadOnlyOwned,
-                    MState::ReadWrite => ferry::BufferState::ReadWrite,
-                };
+                let want = buffer_state(m.buffer_state(buf, d));
                 let got = self.domains[d].buffer_state(id);
                 if got != want {
                     return Err(format!("{buf:?} at d{d}: library {got:?}, model {want:?}"));
@@ -461,11 +419,7 @@ impl<B: Backend> Harness<B> {
             for side in 0..2 {
                 let d = self.chans[c].1[side];
                 let got = self.chans[c].0[side].state();
-                let want = match m.channel_state(c, d) {
-                    MChan::Connected => ferry::ChannelState::Connected,
-                    MChan::Teardown => ferry::ChannelState::Teardown,
-                    MChan::Closed => ferry::ChannelState::Closed,
-                };
+                let want = channel_state(m.channel_state(c, d));
                 if got != want {
                     return Err(format!("channel {c} at d{d}: library {got:?}, model {want:?}"));
                 }
@@ -545,17 +499,8 @@ fn run_case<B: Backend>(backend: B, trusts: &[u8], steps: &[RawStep], stats: &mu
     Ok(())
 }
 
-#[derive(Default, Debug)]
-struct Stats {
-    compared: usize,
-    accepted: usize,
-    refused: usize,
-    delivered: usize,
-    inexpressible: usize,
-}
-
 fn cases() -> u32 {
-    std::env::var("FERRY_MODEL_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1024)
+    model_cases(1024)
 }
 
 fn suite<B: Backend>(make: impl Fn() -> B) {

@@ -6,3 +6,7 @@ pub mod reference;
 /// Random operation sequences interpreted against the model.
 #[allow(dead_code)]
 pub mod gen;
+
+/// The library's names for the model's values, shared by the harnesses.
+#[allow(dead_code)]
+pub mod lib_map;

@@ -1,0 +1,88 @@
+//! What the harnesses that hold the library to the model share: the
+//! library's names for the model's values (trust levels, errors, states),
+//! the meta-data pattern, the number of random sequences, and the counters
+//! that show a suite did not pass vacuously. Unlike `reference.rs`, this
+//! file uses the `ferry` crate.
+
+use ferry::{BufferState, ChannelState, Error, TrustLevel};
+
+use super::reference::{BufferState as MState, ChannelState as MChan, Reject, Trust};
+
+/// The library's trust level for the model's.
+pub fn trust_level(t: Trust) -> TrustLevel {
+    match t {
+        Trust::Uninitialized => TrustLevel::Uninitialized,
+        Trust::None => TrustLevel::None,
+        Trust::Half => TrustLevel::Half,
+        Trust::Full => TrustLevel::Full,
+    }
+}
+
+/// The model's name for a library error (None: an error the model has no
+/// counterpart for, which is always a failure).
+pub fn reject_of(e: &Error) -> Option<Reject> {
+    Some(match e {
+        Error::NotConnected(_) => Reject::NotConnected,
+        Error::TearingDown => Reject::TearingDown,
+        Error::WrongDirection => Reject::WrongDirection,
+        Error::ForeignBuffer => Reject::ForeignBuffer,
+        Error::PoolNotAssigned(_) => Reject::PoolNotAssigned,
+        Error::PoolRemovalPending(_) => Reject::PoolRemovalPending,
+        Error::CopiesOutstanding => Reject::CopiesOutstanding,
+        Error::NotCopyHolder => Reject::NotCopyHolder,
+        Error::CopiesForwarded => Reject::CopiesForwarded,
+        Error::SameBuffer => Reject::SameBuffer,
+        Error::MetaTooLarge { .. } => Reject::MetaTooLarge,
+        Error::UnknownPool(_) => Reject::UnknownPool,
+        Error::PoolAlreadyAssigned(_) => Reject::PoolAlreadyAssigned,
+        Error::TrustMismatch { .. } => Reject::TrustMismatch,
+        Error::PoolInUse(_) => Reject::PoolInUse,
+        Error::NoPendingRequest(_) => Reject::NoPendingRequest,
+        _ => return None,
+    })
+}
+
+/// The library's buffer state for the model's.
+pub fn buffer_state(s: MState) -> BufferState {
+    match s {
+        MState::Invalid => BufferState::Invalid,
+        MState::ReadOnly => BufferState::ReadOnly,
+        MState::ReadOnlyOwned => BufferState::ReadOnlyOwned,
+        MState::ReadWrite => BufferState::ReadWrite,
+    }
+}
+
+/// The library's channel state for the model's.
+pub fn channel_state(s: MChan) -> ChannelState {
+    match s {
+        MChan::Connected => ChannelState::Connected,
+        MChan::Teardown => ChannelState::Teardown,
+        MChan::Closed => ChannelState::Closed,
+    }
+}
+
+/// The meta data of a generated operation with `len` bytes.
+pub fn meta_bytes(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u8) ^ 0x5a).collect()
+}
+
+/// Random sequences per suite: `FERRY_MODEL_CASES`, else `default`.
+pub fn cases(default: u32) -> u32 {
+    std::env::var("FERRY_MODEL_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// What a suite compared: enough of each kind shows it did not pass
+/// vacuously.
+#[derive(Default, Debug)]
+pub struct Stats {
+    /// Operations run on both model and library and compared.
+    pub compared: usize,
+    /// Operations both accepted.
+    pub accepted: usize,
+    /// Operations both refused with the same error.
+    pub refused: usize,
+    /// Messages delivered with the same event.
+    pub delivered: usize,
+    /// Operations the harness could not express with the library's handles.
+    pub inexpressible: usize,
+}
