@@ -60,9 +60,8 @@ use cluster::{endpoint_name, Cluster};
 use wire::{Cmd, Ev, LibError, Reply, StateReport};
 
 /// Trust levels of the shared-memory backend across processes, drawn
-/// uniformly (repeat an entry to weight it). `Trust::None` joins here, as
-/// one more entry, once the backend enforces it.
-const TRUSTS: &[Trust] = &[Trust::Full, Trust::Full, Trust::Full, Trust::Half];
+/// uniformly (repeat an entry to weight it).
+const TRUSTS: &[Trust] = &[Trust::Full, Trust::Full, Trust::Half, Trust::None];
 
 /// How long a delivery the model expects may take to cross.
 const DELIVER_WAIT_MS: u32 = 10_000;
