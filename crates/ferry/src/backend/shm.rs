@@ -364,18 +364,19 @@ impl ShmLink {
         Ok(memory)
     }
 
-    /// Trust NONE: put `memory` (ours) on the link.
+    /// Trust NONE: put `memory` (ours) on the link. A pool offered again
+    /// after a veto may come with new memory of ours (the domain dropped
+    /// the old): copies must land in the memory the domain now maps.
     fn add_copy_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
-        if let std::collections::hash_map::Entry::Vacant(slot) = self.copy_pools.entry(memory.id()) {
-            let own = memory.map(Access::ReadWrite, 1)?;
-            slot.insert(CopyPool {
-                geometry: memory.geometry(),
-                own,
-                peer: None,
-                shared: false,
-                memory: memory.clone(),
-            });
+        let old = self.copy_pools.get(&memory.id());
+        if old.is_some_and(|p| Arc::ptr_eq(&p.memory, memory)) {
+            return Ok(());
         }
+        let own = memory.map(Access::ReadWrite, 1)?;
+        // The peer's memory is the same as before; ours is new to the peer.
+        let peer = self.copy_pools.remove(&memory.id()).and_then(|p| p.peer);
+        let pool = CopyPool { geometry: memory.geometry(), own, peer, shared: false, memory: memory.clone() };
+        self.copy_pools.insert(memory.id(), pool);
         Ok(())
     }
 
