@@ -103,23 +103,9 @@ fn flows_at(trust: TrustLevel, at: SocketAddr) {
     assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
     let alloc = Allocator::new(&src, 8, SIZE, PoolConstraints::default()).unwrap();
     assign(&mut tx, &alloc);
+    // The sink writes seq + 1: its write must come back.
     let total = 200u64;
-    let (mut sent, mut back) = (0u64, 0u64);
-    while back < total {
-        while sent < total {
-            let Some(mut b) = alloc.alloc() else { break };
-            fill(b.as_mut_slice().unwrap(), sent);
-            tx.move_buffer(b, &sent.to_le_bytes()).unwrap();
-            sent += 1;
-        }
-        match next(&mut tx) {
-            Event::BufferPassed { buffer, meta } => {
-                assert!(check(&buffer, seq_of(&meta) + 1), "the sink's write did not come back");
-                back += 1;
-            }
-            ev => panic!("source: unexpected {ev:?}"),
-        }
-    }
+    support::payload::move_and_take_back(&mut tx, &alloc, total, |seq| seq + 1);
     // Copies: the owner reads while they are out, writes once all are back.
     let mut b = alloc.alloc().unwrap();
     fill(b.as_mut_slice().unwrap(), 7);
@@ -436,23 +422,7 @@ fn echo_between_processes() {
     let (mut ch, mut child) = start_child(&d, "echo", NetOptions::default());
     let alloc = Allocator::new(&d, 16, SIZE, PoolConstraints::default()).unwrap();
     assign(&mut ch, &alloc);
-    let total = 2000u64;
-    let (mut sent, mut back) = (0u64, 0u64);
-    while back < total {
-        while sent < total {
-            let Some(mut b) = alloc.alloc() else { break };
-            fill(b.as_mut_slice().unwrap(), sent);
-            ch.move_buffer(b, &sent.to_le_bytes()).unwrap();
-            sent += 1;
-        }
-        match next(&mut ch) {
-            Event::BufferPassed { buffer, meta } => {
-                assert!(check(&buffer, seq_of(&meta) + 1));
-                back += 1;
-            }
-            ev => panic!("parent: unexpected {ev:?}"),
-        }
-    }
+    support::payload::move_and_take_back(&mut ch, &alloc, 2000, |seq| seq + 1);
     ch.teardown().unwrap();
     assert!(matches!(next(&mut ch), Event::Closed { by_peer: false }));
     assert_eq!(alloc.available(), 16);

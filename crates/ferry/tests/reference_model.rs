@@ -730,27 +730,6 @@ fn random_sequences_keep_invariants() {
         let n = cov.counts.get(what).copied().unwrap_or(0);
         assert!(n > 0, "the generator never reached `{what}`");
     }
-    let all = [
-        Reject::NotConnected,
-        Reject::TearingDown,
-        Reject::WrongDirection,
-        Reject::ForeignBuffer,
-        Reject::PoolNotAssigned,
-        Reject::PoolRemovalPending,
-        Reject::CopiesOutstanding,
-        Reject::NotCopyHolder,
-        Reject::CopiesForwarded,
-        Reject::MetaTooLarge,
-        Reject::PoolAlreadyAssigned,
-        Reject::TrustMismatch,
-        Reject::UnknownPool,
-        Reject::PoolInUse,
-        Reject::NoPendingRequest,
-        Reject::SameBuffer,
-        Reject::NotADomainOfChannel,
-        Reject::InvalidArgument,
-        Reject::QueueEmpty,
-    ];
-    let missing: Vec<Reject> = all.into_iter().filter(|r| !cov.rejects.contains(r)).collect();
+    let missing: Vec<Reject> = Reject::ALL.into_iter().filter(|r| !cov.rejects.contains(r)).collect();
     assert!(missing.is_empty(), "never refused with {missing:?}");
 }

@@ -171,24 +171,7 @@ fn transmit_master_between_processes() {
     let (mut ch, mut child) = start(&d, "echo", TrustLevel::Full);
     let alloc = Allocator::new(&d, 16, SIZE, PoolConstraints::default()).unwrap();
     assign(&mut ch, &alloc);
-    let total = 2000u64;
-    let (mut sent, mut back) = (0u64, 0u64);
-    while back < total {
-        while sent < total {
-            let Some(mut b) = alloc.alloc() else { break };
-            fill(b.as_mut_slice().unwrap(), sent);
-            ch.move_buffer(b, &sent.to_le_bytes()).unwrap();
-            sent += 1;
-        }
-        match ch.wait(Some(T)) {
-            Some(Event::BufferPassed { buffer, meta }) => {
-                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
-                assert!(check(&buffer, seq));
-                back += 1;
-            }
-            ev => panic!("parent: unexpected {ev:?}"),
-        }
-    }
+    support::payload::move_and_take_back(&mut ch, &alloc, 2000, |seq| seq);
     ch.teardown().unwrap();
     assert!(matches!(ch.wait(Some(T)), Some(Event::Closed { by_peer: false })));
     assert_eq!(alloc.available(), 16);
@@ -205,25 +188,8 @@ fn batched_transmit_between_processes() {
     ch.set_batching(true).unwrap();
     let alloc = Allocator::new(&d, 64, SIZE, PoolConstraints::default()).unwrap();
     assign(&mut ch, &alloc);
-    let total = 5000u64;
-    let (mut sent, mut back) = (0u64, 0u64);
-    while back < total {
-        while sent < total {
-            let Some(mut b) = alloc.alloc() else { break };
-            fill(b.as_mut_slice().unwrap(), sent);
-            ch.move_buffer(b, &sent.to_le_bytes()).unwrap();
-            sent += 1;
-        }
-        match ch.wait(Some(T)) {
-            Some(Event::BufferPassed { buffer, meta }) => {
-                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
-                assert_eq!(seq, back, "passes arrive in order");
-                assert!(check(&buffer, seq));
-                back += 1;
-            }
-            ev => panic!("parent: unexpected {ev:?}"),
-        }
-    }
+    let order = support::payload::move_and_take_back(&mut ch, &alloc, 5000, |seq| seq);
+    assert!(order.iter().copied().eq(0..5000), "passes arrive in order");
     ch.teardown().unwrap();
     assert!(matches!(ch.wait(Some(T)), Some(Event::Closed { by_peer: false })));
     assert_eq!(alloc.available(), 64);

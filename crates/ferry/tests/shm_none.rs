@@ -273,24 +273,7 @@ fn none_flows_between_processes() {
         ch.assign_pool(alloc.pool()).unwrap();
         assert!(matches!(wait_event(&mut ch), Event::PoolAssigned(_)));
         let want = |seq: u64| if role == "write-back" { seq + 1 } else { seq };
-        let total = 300u64;
-        let (mut sent, mut back) = (0u64, 0u64);
-        while back < total {
-            while sent < total {
-                let Some(mut b) = alloc.alloc() else { break };
-                fill(b.as_mut_slice().unwrap(), sent);
-                ch.move_buffer(b, &sent.to_le_bytes()).unwrap();
-                sent += 1;
-            }
-            match wait_event(&mut ch) {
-                Event::BufferPassed { buffer, meta } => {
-                    let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
-                    assert!(check(&buffer, want(seq)), "{role}: buffer {seq} came back wrong");
-                    back += 1;
-                }
-                ev => panic!("parent: unexpected {ev:?}"),
-            }
-        }
+        support::payload::move_and_take_back(&mut ch, &alloc, 300, want);
         // Copies: the child checks and releases them; ours is read-only
         // while any is out and writable once the last comes back.
         let mut b = alloc.alloc().unwrap();

@@ -346,6 +346,32 @@ pub enum Reject {
     QueueEmpty,
 }
 
+impl Reject {
+    /// Every reason, in declaration order (what coverage checks and wire
+    /// codes enumerate).
+    pub const ALL: [Reject; 19] = [
+        Reject::NotConnected,
+        Reject::TearingDown,
+        Reject::WrongDirection,
+        Reject::ForeignBuffer,
+        Reject::PoolNotAssigned,
+        Reject::PoolRemovalPending,
+        Reject::CopiesOutstanding,
+        Reject::NotCopyHolder,
+        Reject::CopiesForwarded,
+        Reject::MetaTooLarge,
+        Reject::PoolAlreadyAssigned,
+        Reject::TrustMismatch,
+        Reject::UnknownPool,
+        Reject::PoolInUse,
+        Reject::NoPendingRequest,
+        Reject::SameBuffer,
+        Reject::NotADomainOfChannel,
+        Reject::InvalidArgument,
+        Reject::QueueEmpty,
+    ];
+}
+
 /// What the receiving side observes when a `Deliver` step runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {

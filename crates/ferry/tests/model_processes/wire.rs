@@ -182,27 +182,7 @@ pub fn read_frame(r: &mut impl Read) -> io::Result<Vec<u8>> {
 // ------------------------------------------------------------------ coding
 
 /// Every `Reject`, numbered by position (the wire code).
-const REJECTS: [Reject; 19] = [
-    Reject::NotConnected,
-    Reject::TearingDown,
-    Reject::WrongDirection,
-    Reject::ForeignBuffer,
-    Reject::PoolNotAssigned,
-    Reject::PoolRemovalPending,
-    Reject::CopiesOutstanding,
-    Reject::NotCopyHolder,
-    Reject::CopiesForwarded,
-    Reject::MetaTooLarge,
-    Reject::PoolAlreadyAssigned,
-    Reject::TrustMismatch,
-    Reject::UnknownPool,
-    Reject::PoolInUse,
-    Reject::NoPendingRequest,
-    Reject::SameBuffer,
-    Reject::NotADomainOfChannel,
-    Reject::InvalidArgument,
-    Reject::QueueEmpty,
-];
+const REJECTS: [Reject; 19] = Reject::ALL;
 
 const TRUSTS: [TrustLevel; 4] = [TrustLevel::Uninitialized, TrustLevel::None, TrustLevel::Half, TrustLevel::Full];
 const BUFFER_STATES: [BufferState; 4] =

@@ -30,3 +30,34 @@ pub fn wait_exit(child: &mut Child, limit: Duration) -> ExitStatus {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// Move `total` buffers of `alloc` over `ch`, each filled with the pattern
+/// of its sequence number (also its meta), as fast as buffers come back,
+/// and take every pass back: each must hold the pattern of `want(seq)`.
+/// Returns the sequence numbers in the order they came back. Any other
+/// event, or none within 10 s, fails the test.
+pub fn move_and_take_back(
+    ch: &mut ferry::Channel,
+    alloc: &ferry::Allocator,
+    total: u64,
+    want: impl Fn(u64) -> u64,
+) -> Vec<u64> {
+    let (mut sent, mut back) = (0u64, Vec::new());
+    while (back.len() as u64) < total {
+        while sent < total {
+            let Some(mut b) = alloc.alloc() else { break };
+            fill(b.as_mut_slice().unwrap(), sent);
+            ch.move_buffer(b, &sent.to_le_bytes()).unwrap();
+            sent += 1;
+        }
+        match ch.wait(Some(Duration::from_secs(10))) {
+            Some(ferry::Event::BufferPassed { buffer, meta }) => {
+                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                assert!(check(&buffer, want(seq)), "buffer {seq} came back with the wrong bytes");
+                back.push(seq);
+            }
+            ev => panic!("while moving buffers: unexpected {ev:?} (state {:?})", ch.state()),
+        }
+    }
+    back
+}
