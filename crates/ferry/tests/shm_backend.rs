@@ -20,9 +20,7 @@ const T: Duration = Duration::from_secs(10);
 const SIZE: usize = 64 << 10;
 
 fn unique(tag: &str) -> String {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    format!("ferry-test-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+    support::unique_name(&format!("test-{tag}"))
 }
 
 /// Start this test binary as the peer process with `role` on endpoint `name`.

@@ -23,9 +23,7 @@ const T: Duration = Duration::from_secs(10);
 const SIZE: usize = 64 << 10;
 
 fn unique(tag: &str) -> String {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    format!("ferry-none-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+    support::unique_name(&format!("none-{tag}"))
 }
 
 /// Create a master channel of trust NONE going `direction` on a fresh

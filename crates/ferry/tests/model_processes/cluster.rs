@@ -44,9 +44,7 @@ pub struct Cluster {
 }
 
 fn unique(tag: &str) -> String {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    format!("ferry-mp-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+    crate::support::unique_name(&format!("mp-{tag}"))
 }
 
 /// A fresh abstract endpoint name for a channel.

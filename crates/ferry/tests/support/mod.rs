@@ -6,3 +6,11 @@
 pub mod fault_proxy;
 pub mod netns;
 pub mod payload;
+
+/// A name no other test of any process uses at the same time (abstract
+/// socket names, endpoint names): `ferry-{tag}-{pid}-{n}`.
+pub fn unique_name(tag: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!("ferry-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
