@@ -222,8 +222,22 @@ fn endpoint_errors() {
     let again = Channel::create(&d, &Endpoint::tcp(addr), ChannelSetup::default());
     assert_eq!(again.unwrap_err(), Error::EndpointInUse);
     drop(ch);
-    let err = Channel::bind(&d, &Endpoint::tcp(addr), BindParams::default()).unwrap_err();
+    // A port nobody listens on and nobody else can take meanwhile (a
+    // freed one could be reused by a test running beside this one).
+    let holder = bound_not_listening(loopback());
+    let free = rustix::net::getsockname(&holder).unwrap();
+    let free = SocketAddr::try_from(free).unwrap();
+    let err = Channel::bind(&d, &Endpoint::tcp(free), BindParams::default()).unwrap_err();
     assert_eq!(err, Error::EndpointNotListening);
+}
+
+/// A TCP socket bound to `addr` that never listens: connecting to it is
+/// refused, and nobody else can bind its port while it lives.
+fn bound_not_listening(addr: SocketAddr) -> rustix::fd::OwnedFd {
+    use rustix::net::{bind, socket, AddressFamily, SocketType};
+    let s = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    bind(&s, &addr).unwrap();
+    s
 }
 
 /// A bind the creator cannot accept is refused with the reason; the

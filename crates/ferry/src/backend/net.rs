@@ -140,6 +140,12 @@ impl NetEndpoint {
             io::ErrorKind::ConnectionRefused => Error::EndpointNotListening,
             _ => Error::from(e),
         })?;
+        // Connecting to a free port of our own host can connect the socket
+        // to itself (TCP simultaneous open, when the kernel picks that very
+        // port as our source port): nobody is listening there.
+        if stream.local_addr()? == stream.peer_addr()? {
+            return Err(Error::EndpointNotListening);
+        }
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(SETUP_TIMEOUT))?;
         (&stream).write_all(&framed(&setup_msg::encode_bind(params)))?;
