@@ -494,8 +494,15 @@ impl Channel {
         // A copy to a peer that still holds one of this buffer from us needs
         // no payload: the buffer has been read-only since, so the peer's
         // bytes are current (the TCP backend then sends none).
+        let cross = self.lent.is_some();
         let resend = {
             let mut st = self.domain.lock();
+            if cross {
+                // Counted in the pool ledger before it goes: if we die, the
+                // owner learns that a copy may still be out.
+                let memory = st.entry(id.pool).expect("pool checked").view.memory().clone();
+                memory.ledger()?.copy_out(id.index);
+            }
             let resend = st.record(id).is_some_and(|r| r.copies_out_via(self.key) > 0);
             st.copy_sent(id, self.key);
             resend
@@ -505,7 +512,11 @@ impl Channel {
         let sent = if resend { link.send_unfilled(&msg) } else { link.send(&msg) };
         if let Err(e) = sent {
             // Peer vanished between the checks and the send: undo.
-            self.domain.lock().copy_returned(id, self.key);
+            let mut st = self.domain.lock();
+            st.copy_returned(id, self.key);
+            if cross {
+                st.entry(id.pool).expect("pool checked").view.memory().copy_back(id.index);
+            }
             return Err(e);
         }
         Ok(())
@@ -841,7 +852,16 @@ impl Channel {
         make: impl FnOnce(BufferId, Meta) -> Message,
     ) -> Result<(), Refused<Buffer>> {
         let id = buffer.id();
-        self.domain.lock().give_away(id);
+        {
+            let mut st = self.domain.lock();
+            if self.lent.is_some() {
+                if let Err(e) = st.note_lending(id, self.key) {
+                    drop(st);
+                    return Err(Refused::new(e, buffer));
+                }
+            }
+            st.give_away(id);
+        }
         let msg = make(id, Meta::new(meta).expect("meta checked"));
         let link = self.link_mut();
         let sent = if unfilled { link.send_unfilled(&msg) } else { link.send(&msg) };
@@ -896,15 +916,18 @@ impl Channel {
         for id in ids {
             match self.release_id(id) {
                 Ok(()) => {}
-                Err(Error::CopiesForwarded | Error::QueueFull) => self.domain.lock().defer_release(self.key, id),
+                Err(Error::CopiesForwarded | Error::QueueFull) => {
+                    self.domain.lock().defer_release(self.key, id);
+                }
                 // Channel no longer connected: the copy is simply gone.
                 Err(_) => self.domain.lock().copy_released_here(id, self.key),
             }
         }
         // Clear the flag under the lock: a copy dropped meanwhile pushes its
         // entry under the same lock and sets the flag after it.
-        let st = self.domain.lock();
-        if st.nothing_deferred() {
+        let mut st = self.domain.lock();
+        st.settle_pinned();
+        if st.nothing_pending() {
             self.domain.shared.has_deferred.store(false, Ordering::Release);
         }
     }
@@ -1016,7 +1039,7 @@ impl Channel {
                     if st.record(buf).is_some_and(|r| r.is_owned()) {
                         return Err(Error::Protocol(format!("peer gave us buffer {} which we own", buf.index)));
                     }
-                    st.take_ownership(buf);
+                    st.arrived(buf, key);
                     Ok(())
                 })?;
                 if let Some(lent) = &mut self.lent {
@@ -1042,9 +1065,15 @@ impl Channel {
                 if self.direction != Direction::Tx {
                     return Err(Error::Protocol("release against the channel direction".into()));
                 }
+                let cross = self.lent.is_some();
                 let (_, writable) = self.delivered_view(buf, |st| {
-                    st.copy_returned(buf, key)
-                        .ok_or_else(|| Error::Protocol(format!("release of a copy of buffer {} never sent", buf.index)))
+                    let writable = st.copy_returned(buf, key).ok_or_else(|| {
+                        Error::Protocol(format!("release of a copy of buffer {} never sent", buf.index))
+                    })?;
+                    if cross {
+                        st.entry(buf.pool).expect("pool checked").view.memory().copy_back(buf.index);
+                    }
+                    Ok(writable)
                 })?;
                 Ok(Event::CopyReleased { buffer: buf, writable })
             }
@@ -1195,8 +1224,9 @@ impl Channel {
         if let Some(link) = self.link.as_mut() {
             link.close(pending);
         }
+        let cross = self.link.as_ref().is_some_and(|l| l.peer_can_die());
         let mut st = self.domain.lock();
-        st.forget_channel(self.key);
+        st.forget_channel(self.key, cross);
         for p in self.pools.drain(..) {
             if let Some(e) = st.entry_mut(p.id) {
                 e.channels -= 1;
@@ -1210,17 +1240,22 @@ impl Channel {
         }
     }
 
-    /// The peer process exited: what we lent it is ours again (to the free
-    /// list), and the copies it held are void.
+    /// The peer process exited: what we lent it and it still had is ours
+    /// again (to the free list), and the copies it held are void. What it
+    /// passed on to a third process stays there (the pool's ledger says so).
     fn reclaim_from_dead_peer(&mut self) {
         let mut st = self.domain.lock();
         for id in self.lent.take().unwrap_or_default() {
-            if st.record(id).is_some_and(|r| !r.is_owned()) {
+            if st.still_lent(id, self.key) {
                 st.take_ownership(id);
+                st.pin_if_copies_out(id);
                 st.free(id);
             }
         }
         st.void_copies_out(self.key);
+        if !st.nothing_pending() {
+            self.domain.shared.has_deferred.store(true, Ordering::Release);
+        }
     }
 
     fn fail(&mut self, e: Error) -> Event {

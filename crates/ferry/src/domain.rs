@@ -72,7 +72,7 @@ impl Domain {
 
     /// This domain's state of a buffer (`Invalid` for unknown pools).
     pub fn buffer_state(&self, id: BufferId) -> BufferState {
-        self.shared.lock().buffer_state(id.pool, id.index)
+        self.shared.lock_settled().buffer_state(id.pool, id.index)
     }
 
     /// The pools in this domain's pool list.
@@ -96,7 +96,7 @@ impl Domain {
     /// Take a free buffer of `pool` that this domain owns (LIFO: the most
     /// recently freed first, so its cache lines and TLB entries are warm).
     pub fn alloc(&self, pool: PoolId) -> Option<Buffer> {
-        let mut st = self.shared.lock();
+        let mut st = self.shared.lock_settled();
         let entry = st.pools.get_mut(&pool)?;
         let index = entry.free.pop()?;
         let view = entry.spare_views.pop().unwrap_or_else(|| entry.view.clone());
@@ -128,6 +128,17 @@ impl DomainShared {
         // transition is a few field updates), so poisoning is ignored.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// The lock, after unpinning the buffers whose copies are all back
+    /// (see [`DomainState::pin_if_copies_out`]): for the calls that read
+    /// or hand out buffers without a channel.
+    pub(crate) fn lock_settled(&self) -> MutexGuard<'_, DomainState> {
+        let mut st = self.lock();
+        if self.has_deferred.load(Ordering::Acquire) {
+            st.settle_pinned();
+        }
+        st
+    }
 }
 
 /// Per-domain record of one buffer.
@@ -144,6 +155,11 @@ pub(crate) struct BufRecord {
     free_when_writable: bool,
     /// Protection currently applied to this buffer in this domain's view.
     applied: Option<Access>,
+    /// The channel the buffer last arrived on (moved or passed to us).
+    arrived_via: Option<ChanKey>,
+    /// The channel to a peer process we last gave it away on, and the
+    /// pool ledger's departure count then (see [`crate::ledger`]).
+    lent_on: Option<(ChanKey, u32)>,
 }
 
 fn count(list: &[(ChanKey, u32)], chan: ChanKey) -> u32 {
@@ -303,7 +319,19 @@ pub(crate) struct DomainState {
     /// Copies whose handles were dropped: to be released over their channel
     /// the next time that channel runs.
     deferred_releases: Vec<(ChanKey, BufferId)>,
+    /// Owned buffers kept read-only after a peer process died, while copies
+    /// of them may still be read by live processes (see [`PINNED`]).
+    pinned: Vec<BufferId>,
+    /// Closed channels of which we still hold copies, and whether their
+    /// peer was another process: a copy dropped now is released here.
+    orphan_chans: Vec<(ChanKey, bool)>,
 }
+
+/// Pseudo channel under which an owner counts one copy out while the pool
+/// ledger says copies of the buffer sent between processes are not back,
+/// after a process died that may have made or forwarded some: the owner
+/// cannot know which, so it waits until none is out (see [`crate::ledger`]).
+const PINNED: ChanKey = ChanKey::MAX;
 
 impl DomainState {
     pub(crate) fn buffer_state(&self, pool: PoolId, index: u32) -> BufferState {
@@ -417,6 +445,40 @@ impl DomainState {
         Self::sync_protection(e, id.index);
     }
 
+    /// Before the owner gives buffer `id` to another process over `chan`:
+    /// note the pool ledger's departure count, so that the buffer comes back
+    /// if that process dies holding it, and not if it passed it on. If the
+    /// buffer arrived here on another channel, this is a departure the one
+    /// who lent it to us must learn of: counted first.
+    pub(crate) fn note_lending(&mut self, id: BufferId, chan: ChanKey) -> Result<()> {
+        let e = self.rec_mut(id);
+        let memory = e.view.memory();
+        let rec = &mut e.records[id.index as usize];
+        let mark = match rec.arrived_via {
+            Some(via) if via != chan => memory.ledger()?.depart(id.index),
+            _ => memory.departures(id.index),
+        };
+        rec.lent_on = Some((chan, mark));
+        Ok(())
+    }
+
+    /// A buffer this domain lent over `chan`, whose peer process died:
+    /// whether it is still with that process (not given back, not passed
+    /// on by it since).
+    pub(crate) fn still_lent(&self, id: BufferId, chan: ChanKey) -> bool {
+        let Some(e) = self.pools.get(&id.pool) else { return false };
+        let rec = &e.records[id.index as usize];
+        !rec.owned && rec.lent_on == Some((chan, e.view.memory().departures(id.index)))
+    }
+
+    /// A buffer arrived on `chan` (moved or passed): it is ours.
+    pub(crate) fn arrived(&mut self, id: BufferId, chan: ChanKey) {
+        let rec = &mut self.rec_mut(id).records[id.index as usize];
+        rec.arrived_via = Some(chan);
+        rec.lent_on = None;
+        self.take_ownership(id);
+    }
+
     /// A moved or passed buffer arrived: it is ours, read-write.
     pub(crate) fn take_ownership(&mut self, id: BufferId) {
         let e = self.rec_mut(id);
@@ -484,8 +546,44 @@ impl DomainState {
         }
     }
 
-    /// The holder of every copy sent over `chan` is gone: count them all
-    /// as released.
+    /// After a peer process died: keep owned buffer `id` read-only while
+    /// copies of it sent between processes are out (the dead process may
+    /// have made or forwarded them to live ones).
+    pub(crate) fn pin_if_copies_out(&mut self, id: BufferId) {
+        let e = self.rec_mut(id);
+        let rec = &mut e.records[id.index as usize];
+        if !rec.owned || count(&rec.copies_out, PINNED) > 0 || e.view.memory().copies(id.index) == 0 {
+            return;
+        }
+        bump(&mut rec.copies_out, PINNED);
+        Self::sync_protection(e, id.index);
+        self.pinned.push(id);
+    }
+
+    /// Unpin the buffers whose copies are all back.
+    pub(crate) fn settle_pinned(&mut self) {
+        let mut pinned = std::mem::take(&mut self.pinned);
+        pinned.retain(|&id| {
+            let Some(e) = self.pools.get_mut(&id.pool) else { return false };
+            if e.view.memory().copies(id.index) > 0 {
+                return true;
+            }
+            drop_one(&mut e.records[id.index as usize].copies_out, PINNED);
+            Self::sync_protection(e, id.index);
+            self.maybe_free(id);
+            false
+        });
+        self.pinned = pinned;
+    }
+
+    /// Whether the channels have deferred work: copy releases, or pinned
+    /// buffers to check.
+    pub(crate) fn nothing_pending(&self) -> bool {
+        self.deferred_releases.is_empty() && self.pinned.is_empty()
+    }
+
+    /// The holder of every copy sent over `chan` (to another process) is
+    /// gone: count them all as released, here and in the pool ledgers.
     pub(crate) fn void_copies_out(&mut self, chan: ChanKey) {
         let ids: Vec<BufferId> = self
             .pools
@@ -496,18 +594,38 @@ impl DomainState {
                 })
             })
             .collect();
-        for id in ids {
+        for &id in &ids {
             self.copy_returned(id, chan);
+            self.rec_mut(id).view.memory().copy_back(id.index);
+        }
+        for id in ids {
+            self.pin_if_copies_out(id);
         }
     }
 
     /// A copy handle was dropped: release it when its channel next runs.
-    pub(crate) fn nothing_deferred(&self) -> bool {
-        self.deferred_releases.is_empty()
+    /// Returns false if the copy was released at once instead (its channel
+    /// is closed).
+    pub(crate) fn defer_release(&mut self, chan: ChanKey, id: BufferId) -> bool {
+        if let Some(&(_, cross)) = self.orphan_chans.iter().find(|(c, _)| *c == chan) {
+            self.orphan_released(id, chan, cross);
+            return false;
+        }
+        self.deferred_releases.push((chan, id));
+        true
     }
 
-    pub(crate) fn defer_release(&mut self, chan: ChanKey, id: BufferId) {
-        self.deferred_releases.push((chan, id));
+    /// A copy held via a closed channel is dropped: it is gone here, and if
+    /// its sender was another process, the pool ledger learns it from us
+    /// (the sender never will).
+    fn orphan_released(&mut self, id: BufferId, chan: ChanKey, cross: bool) {
+        self.copy_released_here(id, chan);
+        if cross {
+            self.rec_mut(id).view.memory().copy_back(id.index);
+        }
+        if !self.pools.iter().any(|(_, e)| e.records.iter().any(|r| r.held_via(chan) > 0)) {
+            self.orphan_chans.retain(|(c, _)| *c != chan);
+        }
     }
 
     /// Take the deferred releases of one channel.
@@ -528,10 +646,16 @@ impl DomainState {
     }
 
     /// A channel is closed for good: copies dropped but never released over
-    /// it are forgotten (their holder no longer reads them).
-    pub(crate) fn forget_channel(&mut self, chan: ChanKey) {
+    /// it are forgotten (their holder no longer reads them); copies still
+    /// held are released here when dropped. `cross`: its peer was another
+    /// process.
+    pub(crate) fn forget_channel(&mut self, chan: ChanKey, cross: bool) {
+        self.orphan_chans.push((chan, cross));
         for id in self.take_deferred(chan) {
-            self.copy_released_here(id, chan);
+            self.orphan_released(id, chan, cross);
+        }
+        if !self.pools.iter().any(|(_, e)| e.records.iter().any(|r| r.held_via(chan) > 0)) {
+            self.orphan_chans.retain(|(c, _)| *c != chan);
         }
     }
 
@@ -665,10 +789,11 @@ pub(crate) fn create_pool(
 impl Drop for BufferCopy {
     fn drop(&mut self) {
         if let Some((domain, id, chan)) = self.release_parts() {
-            domain.lock().defer_release(chan, id);
-            // Release: a channel that sees the flag also sees the entry
-            // (it takes the lock before reading the list anyway).
-            domain.has_deferred.store(true, Ordering::Release);
+            if domain.lock().defer_release(chan, id) {
+                // Release: a channel that sees the flag also sees the entry
+                // (it takes the lock before reading the list anyway).
+                domain.has_deferred.store(true, Ordering::Release);
+            }
         }
     }
 }

@@ -83,8 +83,8 @@ pub fn net_stream_from_peer(data: &[u8]) {
     let Some((&knob, bytes)) = data.split_first() else { return };
     let (ours, theirs) = UnixStream::pair().expect("socket pair");
     let mut link = NetLink::over(std::net::TcpStream::from(OwnedFd::from(ours)), usize::from(knob) % 64);
-    let pool =
-        PoolMemory::mirror(PoolId::from_u128(0xf00d), Geometry::new(4096, 4).expect("geometry")).expect("pool memory");
+    let pool = PoolMemory::mirror(PoolId::from_u128(0xf00d), Geometry::new(4096, 4).expect("geometry"), None)
+        .expect("pool memory");
     link.use_pool(&pool).expect("pool mapped");
     let mut theirs = theirs;
     // A few KiB fit in the socket buffer at once; the end of the stream

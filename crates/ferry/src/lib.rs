@@ -57,6 +57,7 @@ mod error;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+mod ledger;
 mod pool;
 mod proto;
 mod ring;

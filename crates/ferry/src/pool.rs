@@ -11,9 +11,10 @@
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::error::{Error, Result};
+use crate::ledger::Ledger;
 use crate::sys::{self, Access, Mapping};
 
 /// Globally unique pool identifier: 128 random bits made at allocation.
@@ -186,32 +187,65 @@ pub(crate) struct PoolMemory {
     /// file is sealed against new writable mappings, and every writable
     /// mapping this process makes later is a duplicate of this one.
     writer: Mutex<Option<Mapping>>,
+    /// The custody ledger every process sharing the pool maps (made when
+    /// first needed: a pool that never leaves its process needs none).
+    ledger: OnceLock<Ledger>,
 }
 
 impl PoolMemory {
     pub(crate) fn create(geometry: Geometry) -> Result<Arc<Self>> {
-        let id = PoolId::random();
+        Self::mirror(PoolId::random(), geometry, None)
+    }
+
+    /// Memory of our own for a pool that another process has too, under the
+    /// pool's own id and geometry: a pool from another machine (network
+    /// backend), or from a peer of trust NONE, which shares no memory
+    /// writable. `ledger` is the pool's ledger if the peer shared it.
+    pub(crate) fn mirror(id: PoolId, geometry: Geometry, ledger: Option<Ledger>) -> Result<Arc<Self>> {
         let fd = sys::memfd(&format!("ferry-pool-{id}"), geometry.len())?;
         // A pool never changes size: sealed so, no process it is shared with
         // can shrink it under another's mappings (which would SIGBUS them).
         sys::seal_size(&fd)?;
-        Ok(Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None) }))
-    }
-
-    /// This host's copy of a pool that lives on another machine (network
-    /// backend): fresh memory under the pool's own id and geometry.
-    pub(crate) fn mirror(id: PoolId, geometry: Geometry) -> Result<Arc<Self>> {
-        let fd = sys::memfd(&format!("ferry-pool-{id}"), geometry.len())?;
-        sys::seal_size(&fd)?;
-        Ok(Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None) }))
+        Ok(Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None), ledger: once(ledger) }))
     }
 
     /// A pool received from a peer as an fd: accepted only if it is a
     /// memfd of exactly the announced size, sealed against resizing.
-    pub(crate) fn from_peer(id: PoolId, geometry: Geometry, fd: OwnedFd) -> Result<Arc<Self>> {
+    pub(crate) fn from_peer(id: PoolId, geometry: Geometry, fd: OwnedFd, ledger: Option<Ledger>) -> Result<Arc<Self>> {
         sys::check_sealed_size(&fd, geometry.len())
             .map_err(|why| Error::Protocol(format!("pool {id} received with a bad fd: {why}")))?;
-        Ok(Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None) }))
+        Ok(Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None), ledger: once(ledger) }))
+    }
+
+    /// The pool's custody ledger (see [`crate::ledger`]), made now if the
+    /// pool had none yet.
+    pub(crate) fn ledger(&self) -> Result<&Ledger> {
+        if let Some(l) = self.ledger.get() {
+            return Ok(l);
+        }
+        // Two threads may both make one; the first set wins, and nobody
+        // has seen the other.
+        let _ = self.ledger.set(Ledger::create(self.geometry.count())?);
+        Ok(self.ledger.get().expect("set above"))
+    }
+
+    /// [`Ledger::departures`] of buffer `index` (zero while there is no
+    /// ledger: the buffer never left the process on a forwarding channel).
+    pub(crate) fn departures(&self, index: u32) -> u32 {
+        self.ledger.get().map_or(0, |l| l.departures(index))
+    }
+
+    /// [`Ledger::copies`] of buffer `index`.
+    pub(crate) fn copies(&self, index: u32) -> u32 {
+        self.ledger.get().map_or(0, |l| l.copies(index))
+    }
+
+    /// [`Ledger::copy_back`] of buffer `index` (nothing to do without a
+    /// ledger: then no copy of it was counted).
+    pub(crate) fn copy_back(&self, index: u32) {
+        if let Some(l) = self.ledger.get() {
+            l.copy_back(index);
+        }
     }
 
     /// The memfd, to send to another process.
@@ -249,6 +283,10 @@ impl PoolMemory {
     pub(crate) fn geometry(&self) -> Geometry {
         self.geometry
     }
+}
+
+fn once<T>(v: Option<T>) -> OnceLock<T> {
+    v.map_or_else(OnceLock::new, OnceLock::from)
 }
 
 /// One domain's mapping of a pool.

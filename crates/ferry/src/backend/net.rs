@@ -834,7 +834,7 @@ impl Link for NetLink {
     }
 
     fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
-        let memory = PoolMemory::mirror(id, geometry)?;
+        let memory = PoolMemory::mirror(id, geometry, None)?;
         self.register(&memory)?;
         Ok(memory)
     }

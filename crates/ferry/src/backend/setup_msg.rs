@@ -9,6 +9,7 @@
 //! | 2 bind accepted | binder direction, binder role, creator role, trust, meta u16, queue depth u32, alignment u64, min u64, max u64 |
 //! | 3 bind refused | reason code |
 //! | 4 pool | pool id u128, buffer size u64, buffer count u32 |
+//! | 5 pool ledger | as 4 |
 //!
 //! All integers little endian. How a message is framed (a seqpacket
 //! datagram, a length prefix on a stream) is the backend's business.
@@ -23,6 +24,7 @@ pub(crate) const KIND_BIND: u8 = 1;
 pub(crate) const KIND_ACCEPT: u8 = 2;
 pub(crate) const KIND_REFUSE: u8 = 3;
 pub(crate) const KIND_POOL: u8 = 4;
+pub(crate) const KIND_LEDGER: u8 = 5;
 
 /// Longest setup message (a bind reply).
 pub(crate) const MAX_LEN: usize = 64;
@@ -222,25 +224,39 @@ pub(crate) fn parse_reply(buf: &[u8]) -> Result<(Negotiated, u32)> {
     Ok((Negotiated { binder_direction, binder_role, creator_role, trust, meta_size, constraints }, depth))
 }
 
-/// A pool's announcement (its memory travels beside it).
-pub(crate) fn encode_pool(id: PoolId, g: Geometry) -> Vec<u8> {
-    let mut w = Wire::new(KIND_POOL);
+/// Which file of a pool travels beside its announcement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PoolFile {
+    /// The pool's memory (with its ledger, if a second fd comes).
+    Memory,
+    /// Only its custody ledger (trust NONE: the memory comes later).
+    Ledger,
+}
+
+/// A pool's announcement (its file travels beside it).
+pub(crate) fn encode_pool(file: PoolFile, id: PoolId, g: Geometry) -> Vec<u8> {
+    let mut w = Wire::new(match file {
+        PoolFile::Memory => KIND_POOL,
+        PoolFile::Ledger => KIND_LEDGER,
+    });
     w.u128(id.as_u128());
     w.u64(g.buffer_size() as u64);
     w.u32(g.count());
     w.0
 }
 
-pub(crate) fn parse_pool(buf: &[u8]) -> Result<(PoolId, Geometry)> {
+pub(crate) fn parse_pool(buf: &[u8]) -> Result<(PoolFile, PoolId, Geometry)> {
     let (kind, mut r) = Reader::open(buf)?;
-    if kind != KIND_POOL {
-        return Err(bad("unexpected message after setup"));
-    }
+    let file = match kind {
+        KIND_POOL => PoolFile::Memory,
+        KIND_LEDGER => PoolFile::Ledger,
+        _ => return Err(bad("unexpected message after setup")),
+    };
     let id = PoolId::from_u128(r.u128()?);
     let size = r.usize()?;
     let count = r.u32()?;
     let geometry = Geometry::new(size, u64::from(count)).map_err(|e| bad(&e.to_string()))?;
-    Ok((id, geometry))
+    Ok((file, id, geometry))
 }
 
 #[cfg(test)]
@@ -269,7 +285,8 @@ mod tests {
         assert_eq!(parse_reply(&encode_refuse(REASONS[2])).unwrap_err(), Error::BindRefused(REASONS[2]));
         let g = Geometry::new(4096, 3).unwrap();
         let id = PoolId::from_u128(77);
-        assert_eq!(parse_pool(&encode_pool(id, g)).unwrap(), (id, g));
+        assert_eq!(parse_pool(&encode_pool(PoolFile::Memory, id, g)).unwrap(), (PoolFile::Memory, id, g));
+        assert_eq!(parse_pool(&encode_pool(PoolFile::Ledger, id, g)).unwrap(), (PoolFile::Ledger, id, g));
     }
 
     #[test]
@@ -280,8 +297,11 @@ mod tests {
         let mut bad_align = encode_bind(&BindParams::default());
         bad_align[9..17].copy_from_slice(&3u64.to_le_bytes());
         assert!(parse_bind(&bad_align).is_err());
-        for n in 0..encode_pool(PoolId::from_u128(1), Geometry::new(4096, 1).unwrap()).len() {
-            assert!(parse_pool(&encode_pool(PoolId::from_u128(1), Geometry::new(4096, 1).unwrap())[..n]).is_err());
+        for n in 0..encode_pool(PoolFile::Memory, PoolId::from_u128(1), Geometry::new(4096, 1).unwrap()).len() {
+            assert!(parse_pool(
+                &encode_pool(PoolFile::Memory, PoolId::from_u128(1), Geometry::new(4096, 1).unwrap())[..n]
+            )
+            .is_err());
         }
     }
 }

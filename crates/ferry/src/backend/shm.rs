@@ -20,16 +20,17 @@
 //! and the creator's doorbell; a pool announcement carries the pool's memfd.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::setup_msg::{self, bad};
+use super::setup_msg::{self, bad, PoolFile};
 use super::uds::{self, Conn, Listener, UnixName};
 use super::{Landing, Link, PayloadGate, Pending, PendingSetup, SetupDone};
 use crate::buffer::BufferId;
 use crate::channel::{negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::error::{Error, Result};
+use crate::ledger::Ledger;
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
 use crate::ring::{self, Consumer, Producer, RingError, RingLayout, RingMemory, PUBLISH_EVERY};
@@ -270,6 +271,8 @@ pub(crate) struct ShmLink {
     meta_size: usize,
     /// Pool fds received ahead of the descriptor that needs them.
     pools: HashMap<PoolId, Arc<PoolMemory>>,
+    /// Trust NONE: pool ledgers received ahead of the pool's offer.
+    ledgers: HashMap<PoolId, Ledger>,
     /// Trust NONE: no memory is shared writable. Each side keeps its own
     /// memory of every pool and gives the peer only a read-only fd of it
     /// (sealed against new writers); a buffer that arrives is copied from
@@ -307,6 +310,7 @@ impl ShmLink {
             peer_pidfd,
             meta_size: neg.meta_size,
             pools: HashMap::new(),
+            ledgers: HashMap::new(),
             untrusted: neg.trust == TrustLevel::None,
             copy_pools: PoolMap::default(),
             last_liveness: Instant::now(),
@@ -316,12 +320,16 @@ impl ShmLink {
         })
     }
 
-    /// Read pool offers from the socket until `want` arrives (or without
+    /// Read pool files from the socket until `want` arrives (or without
     /// waiting when `want` is `None`). Notices a hang-up.
-    fn read_socket(&mut self, want: Option<PoolId>) -> Result<()> {
+    fn read_socket(&mut self, want: Option<(PoolFile, PoolId)>) -> Result<()> {
         let deadline = Instant::now() + SETUP_TIMEOUT;
         loop {
-            if want.is_some_and(|id| self.pools.contains_key(&id)) {
+            let arrived = |link: &Self, (file, id): (PoolFile, PoolId)| match file {
+                PoolFile::Memory => link.pools.contains_key(&id),
+                PoolFile::Ledger => link.ledgers.contains_key(&id),
+            };
+            if want.is_some_and(|w| arrived(self, w)) {
                 return Ok(());
             }
             let wait = match want {
@@ -337,18 +345,27 @@ impl ShmLink {
                     return if want.is_some() { Err(Error::PeerGone) } else { Ok(()) };
                 }
                 Some((n, fds)) => {
-                    let (id, geometry) = setup_msg::parse_pool(&buf[..n])?;
-                    let fd = fds.into_iter().next().ok_or_else(|| bad("pool message without its memfd"))?;
-                    self.pools.insert(id, PoolMemory::from_peer(id, geometry, fd)?);
+                    let (file, id, geometry) = setup_msg::parse_pool(&buf[..n])?;
+                    let mut fds = fds.into_iter();
+                    let fd = fds.next().ok_or_else(|| bad("pool message without its memfd"))?;
+                    match file {
+                        PoolFile::Memory => {
+                            let ledger = fds.next().map(|l| Ledger::from_peer(l, geometry.count())).transpose()?;
+                            self.pools.insert(id, PoolMemory::from_peer(id, geometry, fd, ledger)?);
+                        }
+                        PoolFile::Ledger => {
+                            self.ledgers.insert(id, Ledger::from_peer(fd, geometry.count())?);
+                        }
+                    }
                 }
             }
         }
     }
 
-    /// Send a pool's fd ahead of the descriptor that names it.
-    fn send_pool(&mut self, memory: &PoolMemory, fd: &OwnedFd) -> Result<()> {
-        let msg = setup_msg::encode_pool(memory.id(), memory.geometry());
-        self.conn.send(&msg, &[fd.as_fd()]).map_err(|e| match e.raw_os_error() {
+    /// Send one of a pool's files ahead of the descriptor that needs it.
+    fn send_pool(&mut self, file: PoolFile, memory: &PoolMemory, fds: &[BorrowedFd<'_>]) -> Result<()> {
+        let msg = setup_msg::encode_pool(file, memory.id(), memory.geometry());
+        self.conn.send(&msg, fds).map_err(|e| match e.raw_os_error() {
             Some(code) if code == rustix::io::Errno::PIPE.raw_os_error() => Error::PeerGone,
             _ => Error::from(e),
         })
@@ -356,12 +373,18 @@ impl ShmLink {
 
     /// The peer's memory of pool `id`, sent ahead of what needs it.
     fn peer_memory(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
-        self.read_socket(Some(id))?;
+        self.read_socket(Some((PoolFile::Memory, id)))?;
         let memory = self.pools.remove(&id).expect("read_socket returned it");
         if memory.geometry() != geometry {
             return Err(Error::Protocol(format!("pool {id}: memory and assignment disagree on its geometry")));
         }
         Ok(memory)
+    }
+
+    /// Trust NONE: the ledger of pool `id`, sent ahead of its offer.
+    fn peer_ledger(&mut self, id: PoolId) -> Result<Ledger> {
+        self.read_socket(Some((PoolFile::Ledger, id)))?;
+        Ok(self.ledgers.remove(&id).expect("read_socket returned it"))
     }
 
     /// Trust NONE: put `memory` (ours) on the link. A pool offered again
@@ -394,7 +417,7 @@ impl ShmLink {
         }
         let memory = p.memory.clone();
         let fd = memory.read_only_fd()?;
-        self.send_pool(&memory, &fd)?;
+        self.send_pool(PoolFile::Memory, &memory, &[fd.as_fd()])?;
         self.copy_pools.get_mut(&pool).expect("looked up above").shared = true;
         Ok(())
     }
@@ -557,29 +580,35 @@ impl Link for ShmLink {
     }
 
     fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        let ledger = memory.ledger()?.fd().as_fd();
         if self.untrusted {
-            // Its read-only fd goes with the first buffer (`share`).
+            // Only the ledger now; a read-only fd of the memory goes with
+            // the first buffer (`share`).
+            self.send_pool(PoolFile::Ledger, memory, &[ledger])?;
             return self.add_copy_pool(memory);
         }
-        self.send_pool(memory, memory.fd())
+        self.send_pool(PoolFile::Memory, memory, &[memory.fd().as_fd(), ledger])
     }
 
     fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
         if !self.untrusted {
             return self.peer_memory(id, geometry);
         }
-        // Memory of our own under the pool's id; the peer's comes with its
-        // first buffer.
-        let ours = PoolMemory::mirror(id, geometry)?;
+        // Memory of our own under the pool's id, with the pool's ledger;
+        // the peer's memory comes with its first buffer.
+        let ledger = self.peer_ledger(id)?;
+        let ours = PoolMemory::mirror(id, geometry, Some(ledger))?;
         self.add_copy_pool(&ours)?;
         Ok(ours)
     }
 
     fn use_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
         if self.untrusted {
+            // We have the pool and its ledger already.
+            self.peer_ledger(memory.id())?;
             return self.add_copy_pool(memory);
         }
-        // The fd sent ahead of the offer is not needed: we have the memory.
+        // The fds sent ahead of the offer are not needed: we have the memory.
         self.peer_memory(memory.id(), memory.geometry()).map(drop)
     }
 
