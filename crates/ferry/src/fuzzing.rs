@@ -18,6 +18,22 @@ pub fn decode_slot(data: &[u8]) {
     }
 }
 
+/// A setup message from a peer (bind request, bind reply, pool
+/// announcement; `backend/setup_msg.rs`): parsing must not panic, and what
+/// parses must encode back to the same value.
+pub fn setup_message(data: &[u8]) {
+    use crate::backend::setup_msg;
+    if let Ok(params) = setup_msg::parse_bind(data) {
+        assert_eq!(setup_msg::parse_bind(&setup_msg::encode_bind(&params)), Ok(params), "bind request");
+    }
+    if let Ok((neg, depth)) = setup_msg::parse_reply(data) {
+        assert_eq!(setup_msg::parse_reply(&setup_msg::encode_accept(&neg, depth)), Ok((neg, depth)), "bind reply");
+    }
+    if let Ok((file, id, geometry)) = setup_msg::parse_pool(data) {
+        assert_eq!(setup_msg::parse_pool(&setup_msg::encode_pool(file, id, geometry)), Ok((file, id, geometry)));
+    }
+}
+
 /// A ring segment written by a hostile peer: attaching and draining it must
 /// end in messages or typed errors, never a panic or an endless loop.
 pub fn ring_from_peer(data: &[u8]) {

@@ -19,7 +19,7 @@ pub mod local;
 #[cfg(not(loom))]
 pub mod net;
 #[cfg(not(loom))]
-mod setup_msg;
+pub(crate) mod setup_msg;
 #[cfg(not(loom))]
 pub mod shm;
 #[cfg(not(loom))]
