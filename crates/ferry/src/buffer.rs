@@ -27,15 +27,16 @@ pub struct BufferId {
 
 /// Per-domain state of a buffer (seed 003 §5.1.1, Listing 6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
 pub enum BufferState {
     /// Not present in this domain.
-    Invalid,
+    Invalid = 0,
     /// A read-only copy held by this domain.
-    ReadOnly,
+    ReadOnly = 1,
     /// Owned by this domain, read-only because copies are out.
-    ReadOnlyOwned,
+    ReadOnlyOwned = 2,
     /// Owned by this domain, readable and writable.
-    ReadWrite,
+    ReadWrite = 3,
 }
 
 /// A buffer owned by this domain.

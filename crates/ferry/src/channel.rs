@@ -1330,8 +1330,18 @@ impl PayloadGate for ChannelGate<'_> {
         if buf.index >= count {
             return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
         }
+        let view = &st.entry(buf.pool).expect("pool listed on the channel").view;
         match st.buffer_state(buf.pool, buf.index) {
-            BufferState::Invalid => Ok(Landing::Land),
+            // Not here, but maybe in another domain of this process that
+            // shares the memory the bytes would land in.
+            BufferState::Invalid => match view.memory().held_elsewhere(buf.index, view) {
+                None => Ok(Landing::Land),
+                Some(BufferState::ReadOnly | BufferState::ReadOnlyOwned) if !gives => Ok(Landing::Discard),
+                Some(_) => Err(Error::Protocol(format!(
+                    "peer sent buffer {} which another domain of this process holds",
+                    buf.index
+                ))),
+            },
             BufferState::ReadWrite | BufferState::ReadOnlyOwned if gives => {
                 Err(Error::Protocol(format!("peer gave us buffer {} which we own", buf.index)))
             }

@@ -365,7 +365,7 @@ impl DomainState {
         // Reverse order so that buffer 0 is handed out first.
         let free: Vec<u32> = (0..n).rev().collect();
         for i in 0..n {
-            view.set_read_write(i, true);
+            view.set_state(i, BufferState::ReadWrite);
         }
         let trust_fixed = trust != TrustLevel::Uninitialized;
         let entry = PoolEntry {
@@ -414,7 +414,7 @@ impl DomainState {
     #[inline]
     fn sync_protection(entry: &mut PoolEntry, index: u32) {
         let rec = &mut entry.records[index as usize];
-        entry.view.set_read_write(index, rec.state() == BufferState::ReadWrite);
+        entry.view.set_state(index, rec.state());
         if !entry.trust.protects() {
             return;
         }

@@ -10,9 +10,10 @@
 
 use std::fmt;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
+use crate::buffer::BufferState;
 use crate::error::{Error, Result};
 use crate::ledger::Ledger;
 use crate::sys::{self, Access, Mapping};
@@ -190,6 +191,9 @@ pub(crate) struct PoolMemory {
     /// The custody ledger every process sharing the pool maps (made when
     /// first needed: a pool that never leaves its process needs none).
     ledger: OnceLock<Ledger>,
+    /// The views of this memory in this process's domains: a buffer that
+    /// lands from another process must not be one a domain here holds.
+    views: Mutex<Vec<Weak<PoolView>>>,
 }
 
 impl PoolMemory {
@@ -206,7 +210,14 @@ impl PoolMemory {
         // A pool never changes size: sealed so, no process it is shared with
         // can shrink it under another's mappings (which would SIGBUS them).
         sys::seal_size(&fd)?;
-        Ok(Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None), ledger: once(ledger) }))
+        Ok(Arc::new(PoolMemory {
+            id,
+            geometry,
+            fd,
+            writer: Mutex::new(None),
+            ledger: once(ledger),
+            views: Mutex::default(),
+        }))
     }
 
     /// A pool received from a peer as an fd: accepted only if it is a
@@ -214,7 +225,14 @@ impl PoolMemory {
     pub(crate) fn from_peer(id: PoolId, geometry: Geometry, fd: OwnedFd, ledger: Option<Ledger>) -> Result<Arc<Self>> {
         sys::check_sealed_size(&fd, geometry.len())
             .map_err(|why| Error::Protocol(format!("pool {id} received with a bad fd: {why}")))?;
-        Ok(Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None), ledger: once(ledger) }))
+        Ok(Arc::new(PoolMemory {
+            id,
+            geometry,
+            fd,
+            writer: Mutex::new(None),
+            ledger: once(ledger),
+            views: Mutex::default(),
+        }))
     }
 
     /// The pool's custody ledger (see [`crate::ledger`]), made now if the
@@ -227,6 +245,19 @@ impl PoolMemory {
         // has seen the other.
         let _ = self.ledger.set(Ledger::create(self.geometry.count())?);
         Ok(self.ledger.get().expect("set above"))
+    }
+
+    /// The strongest state buffer `index` has in a view of this memory other
+    /// than `ours` (another domain of this process), if any holds it.
+    pub(crate) fn held_elsewhere(&self, index: u32, ours: &PoolView) -> Option<BufferState> {
+        let views = self.views.lock().unwrap_or_else(|e| e.into_inner());
+        views
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|v| !std::ptr::eq(Arc::as_ptr(v), ours))
+            .map(|v| v.state(index))
+            .filter(|&s| s != BufferState::Invalid)
+            .max_by_key(|&s| s as u8)
     }
 
     /// [`Ledger::departures`] of buffer `index` (zero while there is no
@@ -294,10 +325,11 @@ fn once<T>(v: Option<T>) -> OnceLock<T> {
 pub(crate) struct PoolView {
     memory: Arc<PoolMemory>,
     map: Mapping,
-    /// Per buffer: this domain owns it read-write. A mirror of the state
-    /// the domain keeps under its lock, written only under that lock, so
-    /// that move and pass can check their precondition without the lock.
-    read_write: Box<[AtomicBool]>,
+    /// Per buffer: its state in this domain (a [`BufferState`] as `u8`). A
+    /// mirror of the state the domain keeps under its lock, written only
+    /// under that lock, so that move and pass can check their precondition
+    /// without the lock, and other domains of the process can see it.
+    states: Box<[AtomicU8]>,
 }
 
 impl PoolView {
@@ -309,8 +341,13 @@ impl PoolView {
             return Err(Error::BadAlignment(alignment));
         }
         let map = memory.map(initial, align)?;
-        let read_write = (0..geometry.count).map(|_| AtomicBool::new(false)).collect();
-        Ok(Arc::new(PoolView { memory, map, read_write }))
+        let states = (0..geometry.count).map(|_| AtomicU8::new(BufferState::Invalid as u8)).collect();
+        let view = Arc::new(PoolView { memory: memory.clone(), map, states });
+        let mut views = memory.views.lock().unwrap_or_else(|e| e.into_inner());
+        views.retain(|v| v.strong_count() > 0);
+        views.push(Arc::downgrade(&view));
+        drop(views);
+        Ok(view)
     }
 
     pub(crate) fn id(&self) -> PoolId {
@@ -326,17 +363,27 @@ impl PoolView {
     }
 
     /// Whether this domain owns buffer `index` read-write (as last recorded
-    /// by [`PoolView::set_read_write`]).
+    /// by [`PoolView::set_state`]).
     pub(crate) fn is_read_write(&self, index: u32) -> bool {
-        // Acquire: pairs with the Release store of the transition.
-        self.read_write.get(index as usize).is_some_and(|f| f.load(Ordering::Acquire))
+        self.state(index) == BufferState::ReadWrite
     }
 
-    /// Record whether this domain owns buffer `index` read-write; called
-    /// under the domain lock at every state transition.
-    pub(crate) fn set_read_write(&self, index: u32, rw: bool) {
-        if let Some(f) = self.read_write.get(index as usize) {
-            f.store(rw, Ordering::Release);
+    /// The state of buffer `index` in this domain, as last recorded.
+    pub(crate) fn state(&self, index: u32) -> BufferState {
+        // Acquire: pairs with the Release store of the transition.
+        match self.states.get(index as usize).map(|f| f.load(Ordering::Acquire)) {
+            Some(3) => BufferState::ReadWrite,
+            Some(2) => BufferState::ReadOnlyOwned,
+            Some(1) => BufferState::ReadOnly,
+            _ => BufferState::Invalid,
+        }
+    }
+
+    /// Record the state of buffer `index`; called under the domain lock at
+    /// every state transition.
+    pub(crate) fn set_state(&self, index: u32, state: BufferState) {
+        if let Some(f) = self.states.get(index as usize) {
+            f.store(state as u8, Ordering::Release);
         }
     }
 

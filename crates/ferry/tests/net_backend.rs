@@ -369,6 +369,55 @@ fn hostile_frames_are_protocol_errors() {
     }
 }
 
+/// A peer passes a buffer that another domain of the victim's process owns
+/// (lent to it over a local channel, in the memory both domains map): the
+/// bytes would land where that domain reads and writes, so it is a
+/// protocol error, and that domain's buffer is untouched.
+#[test]
+fn pass_of_a_buffer_a_local_neighbour_owns_is_refused() {
+    let d = Domain::new("victim");
+    let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
+    let (go, wait_go) = std::sync::mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || {
+        let mut p = RawPeer::bind(addr);
+        let (pool, size) = p.accept_pool();
+        wait_go.recv().unwrap();
+        p.frame(3, 2, 0, size as u64, pool, &[], &vec![0xee; size]);
+        let mut sink = [0u8; 4096];
+        while matches!(p.s.read(&mut sink), Ok(n) if n > 0) {}
+    });
+    assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
+    let alloc = Allocator::new(&d, 2, 4096, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+
+    // Buffer 0 goes to a neighbour domain of this process, which fills it.
+    let neighbour = Domain::new("neighbour");
+    let ep = Endpoint::local();
+    let mut tx = Channel::create(&d, &ep, ChannelSetup::default()).unwrap();
+    let mut rx = Channel::bind(&neighbour, &ep, BindParams::default()).unwrap();
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    assert!(matches!(next(&mut rx), Event::Bound));
+    tx.assign_pool(alloc.pool()).unwrap();
+    let Event::PoolAssignRequest(req) = next(&mut rx) else { panic!("no offer") };
+    rx.respond_pool(req.pool, true).unwrap();
+    assert!(matches!(next(&mut tx), Event::PoolAssigned(_)));
+    let b0 = alloc.alloc().unwrap();
+    assert_eq!(b0.id().index, 0);
+    tx.move_buffer(b0, &[]).unwrap();
+    let Event::MoveReceived { buffer: mut theirs, .. } = next(&mut rx) else { panic!("no move") };
+    fill(theirs.as_mut_slice().unwrap(), 9);
+
+    go.send(()).unwrap();
+    match error_within(&mut ch, T) {
+        Error::Protocol(why) => assert!(why.contains("another domain"), "{why}"),
+        e => panic!("expected a protocol error, got {e:?}"),
+    }
+    assert!(check(&theirs, 9), "the neighbour's buffer changed");
+    assert!(theirs.as_mut_slice().is_ok(), "the neighbour still owns it");
+    drop(ch);
+    peer.join().unwrap();
+}
+
 // --------------------------------------------------------- other processes
 
 fn spawn_child(role: &str, addr: SocketAddr) -> Child {
