@@ -500,8 +500,7 @@ impl Channel {
             if cross {
                 // Counted in the pool ledger before it goes: if we die, the
                 // owner learns that a copy may still be out.
-                let memory = st.entry(id.pool).expect("pool checked").view.memory().clone();
-                memory.ledger()?.copy_out(id.index);
+                st.entry(id.pool).expect("pool checked").view.memory().ledger()?.copy_out(id.index);
             }
             let resend = st.record(id).is_some_and(|r| r.copies_out_via(self.key) > 0);
             st.copy_sent(id, self.key);

@@ -210,14 +210,12 @@ impl PoolMemory {
         // A pool never changes size: sealed so, no process it is shared with
         // can shrink it under another's mappings (which would SIGBUS them).
         sys::seal_size(&fd)?;
-        Ok(Arc::new(PoolMemory {
-            id,
-            geometry,
-            fd,
-            writer: Mutex::new(None),
-            ledger: once(ledger),
-            views: Mutex::default(),
-        }))
+        Ok(Self::new(id, geometry, fd, ledger))
+    }
+
+    fn new(id: PoolId, geometry: Geometry, fd: OwnedFd, ledger: Option<Ledger>) -> Arc<Self> {
+        let ledger = ledger.map_or_else(OnceLock::new, OnceLock::from);
+        Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None), ledger, views: Mutex::default() })
     }
 
     /// A pool received from a peer as an fd: accepted only if it is a
@@ -225,14 +223,7 @@ impl PoolMemory {
     pub(crate) fn from_peer(id: PoolId, geometry: Geometry, fd: OwnedFd, ledger: Option<Ledger>) -> Result<Arc<Self>> {
         sys::check_sealed_size(&fd, geometry.len())
             .map_err(|why| Error::Protocol(format!("pool {id} received with a bad fd: {why}")))?;
-        Ok(Arc::new(PoolMemory {
-            id,
-            geometry,
-            fd,
-            writer: Mutex::new(None),
-            ledger: once(ledger),
-            views: Mutex::default(),
-        }))
+        Ok(Self::new(id, geometry, fd, ledger))
     }
 
     /// The pool's custody ledger (see [`crate::ledger`]), made now if the
@@ -314,10 +305,6 @@ impl PoolMemory {
     pub(crate) fn geometry(&self) -> Geometry {
         self.geometry
     }
-}
-
-fn once<T>(v: Option<T>) -> OnceLock<T> {
-    v.map_or_else(OnceLock::new, OnceLock::from)
 }
 
 /// One domain's mapping of a pool.
