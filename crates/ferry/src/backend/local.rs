@@ -14,7 +14,7 @@ use crate::channel::{negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::error::{Error, Result};
 use crate::pool::{Geometry, PoolId, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
-use crate::ring::{self, Consumer, Producer, RingError, RingLayout, PUBLISH_EVERY};
+use crate::ring::{self, Consumer, Producer, RingError, RingLayout};
 
 /// How long a waiting end spins before it sleeps. A cross-core wake-up
 /// costs about 50 µs on the machines we measured (DESIGN.md §3), so
@@ -232,7 +232,7 @@ impl Link for LocalLink {
 
     fn send(&mut self, msg: &Message) -> Result<()> {
         self.tx.stage(|slot| msg.encode(slot)).map_err(Self::ring_error)?;
-        if !self.batching || self.tx.staged() >= PUBLISH_EVERY || *msg == Message::Teardown {
+        if super::publish_now(&self.tx, self.batching, msg) {
             self.publish();
         }
         Ok(())

@@ -14,6 +14,7 @@ use crate::channel::{BindParams, ChannelSetup, Negotiated};
 use crate::error::Result;
 use crate::pool::{Geometry, PoolId, PoolMemory};
 use crate::proto::Message;
+use crate::ring::{Producer, PUBLISH_EVERY};
 
 pub mod local;
 #[cfg(not(loom))]
@@ -233,4 +234,11 @@ impl Endpoint {
             Endpoint::Net(ep) => ep.connect(params),
         }
     }
+}
+
+/// After staging `msg` on a ring: whether to publish now. Unbatched links
+/// publish every message; batched ones every [`PUBLISH_EVERY`] messages (and
+/// on `flush`, `wait` or a full ring), and a teardown marker at once.
+pub(crate) fn publish_now(tx: &Producer, batching: bool, msg: &Message) -> bool {
+    !batching || tx.staged() >= PUBLISH_EVERY || *msg == Message::Teardown
 }

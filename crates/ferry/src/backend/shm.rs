@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::ledger::Ledger;
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
-use crate::ring::{self, Consumer, Producer, RingError, RingLayout, RingMemory, PUBLISH_EVERY};
+use crate::ring::{self, Consumer, Producer, RingError, RingLayout, RingMemory};
 use crate::sys::{self, Access, Mapping};
 
 /// How long a waiting end spins before it sleeps (a cross-core wake-up
@@ -528,7 +528,7 @@ impl Link for ShmLink {
             }
         }
         self.tx.stage(|slot| msg.encode(slot)).map_err(ring_err)?;
-        if !self.batching || self.tx.staged() >= PUBLISH_EVERY || *msg == Message::Teardown {
+        if super::publish_now(&self.tx, self.batching, msg) {
             self.publish();
         }
         Ok(())
