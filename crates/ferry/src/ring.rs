@@ -1674,6 +1674,25 @@ mod loom_tests {
         eprintln!("loom {name}: {} iterations", ITERS.load(Relaxed));
     }
 
+    /// Pop `n` items (their first byte) as a blocking consumer does: when the
+    /// ring is empty, declare sleep and wait as `futex_wait(word, 1)` would,
+    /// until the word is not 1. A lost wake-up leaves it waiting forever,
+    /// which loom reports.
+    fn pop_or_sleep(c: &mut Consumer, n: usize) -> Vec<u8> {
+        let mut got = Vec::new();
+        while got.len() < n {
+            if let Some(x) = c.try_pop(|b| b[0]).unwrap() {
+                got.push(x);
+            } else if c.prepare_sleep() {
+                while c.sleep_word().load(Ordering::Acquire) == 1 {
+                    thread::yield_now();
+                }
+                c.cancel_sleep();
+            }
+        }
+        got
+    }
+
     /// Two threads, capacity 2, three items: FIFO order and contents survive
     /// wrap-around and Full; loom's UnsafeCell slots flag any slot race.
     #[test]
@@ -1757,19 +1776,7 @@ mod loom_tests {
                 }
                 p
             });
-            let mut got = Vec::new();
-            while got.len() < 2 {
-                if let Some(x) = c.try_pop(|b| b[0]).unwrap() {
-                    got.push(x);
-                } else if c.prepare_sleep() {
-                    // futex_wait(word, 1): returns once the word is not 1.
-                    while c.sleep_word().load(Ordering::Acquire) == 1 {
-                        thread::yield_now();
-                    }
-                    c.cancel_sleep();
-                }
-            }
-            assert_eq!(got, [1, 2]);
+            assert_eq!(pop_or_sleep(&mut c, 2), [1, 2]);
             drop(producer.join().unwrap());
         });
     }
@@ -1819,18 +1826,7 @@ mod loom_tests {
                 let _wake = p.publish();
                 p
             });
-            let mut got = Vec::new();
-            while got.len() < 2 {
-                if let Some(x) = c.try_pop(|b| b[0]).unwrap() {
-                    got.push(x);
-                } else if c.prepare_sleep() {
-                    while c.sleep_word().load(Ordering::Acquire) == 1 {
-                        thread::yield_now();
-                    }
-                    c.cancel_sleep();
-                }
-            }
-            assert_eq!(got, [1, 2]);
+            assert_eq!(pop_or_sleep(&mut c, 2), [1, 2]);
             drop(producer.join().unwrap());
         });
     }
