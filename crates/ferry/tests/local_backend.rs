@@ -279,6 +279,41 @@ fn seq_of(meta: &[u8]) -> u64 {
 
 const FLOW_N: u64 = 10_000;
 
+/// The transmit-master flow of [`FLOW_N`] buffers from `tx` to `rx` and
+/// back (see `transmit_master_flow_across_threads`), every byte, meta and
+/// stamp checked in order; returns the sink's end.
+fn transmit_flow(tx: &mut Channel, mut rx: Channel, alloc: &Allocator) -> Channel {
+    std::thread::scope(|s| {
+        let sink = s.spawn(move || {
+            for want in 0..FLOW_N {
+                let (mut buf, meta) = recv_move(&mut rx);
+                assert_eq!(seq_of(&meta), want, "moves arrive in order");
+                assert_eq!(mismatch(&buf, want), None, "payload of message {want}");
+                buf.as_mut_slice().expect("sink owns it read-write")[..8].copy_from_slice(&(!want).to_le_bytes());
+                rx.pass(buf, &meta).expect("pass back");
+            }
+            // With batching on, the last passes wait for a flush.
+            rx.flush().expect("flush");
+            rx
+        });
+        let (mut sent, mut back) = (0u64, 0u64);
+        while back < FLOW_N {
+            while sent < FLOW_N {
+                let Some(mut buf) = alloc.alloc() else { break };
+                fill(buf.as_mut_slice().expect("fresh buffer is writable"), sent);
+                tx.move_buffer(buf, &sent.to_le_bytes()).expect("move");
+                sent += 1;
+            }
+            let (buf, meta) = recv_pass(tx);
+            assert_eq!(seq_of(&meta), back, "passes arrive in order");
+            assert_eq!(buf[..8], (!back).to_le_bytes(), "the sink's stamp is visible to the source");
+            assert_eq!(mismatch_from(&buf, back, 1), None, "the rest of message {back} is intact");
+            back += 1;
+        }
+        sink.join().expect("sink thread")
+    })
+}
+
 /// Transmit master (seed §5.2.4): the source allocates, assigns and moves
 /// 10 000 patterned buffers (meta = sequence number) from a small pool; the
 /// sink thread checks every byte and meta in order, stamps the buffer and
@@ -293,36 +328,9 @@ fn transmit_master_flow_across_threads() {
     let pool = alloc.pool().id();
     assign(&mut tx, &mut rx, alloc.pool());
 
-    std::thread::scope(|s| {
-        let sink = s.spawn(move || {
-            for want in 0..FLOW_N {
-                let (mut buf, meta) = recv_move(&mut rx);
-                assert_eq!(seq_of(&meta), want, "moves arrive in order");
-                assert_eq!(mismatch(&buf, want), None, "payload of message {want}");
-                buf.as_mut_slice().expect("sink owns it read-write")[..8].copy_from_slice(&(!want).to_le_bytes());
-                rx.pass(buf, &meta).expect("pass back");
-            }
-            rx
-        });
-
-        let (mut sent, mut back) = (0u64, 0u64);
-        while back < FLOW_N {
-            while sent < FLOW_N {
-                let Some(mut buf) = alloc.alloc() else { break };
-                fill(buf.as_mut_slice().expect("fresh buffer is writable"), sent);
-                tx.move_buffer(buf, &sent.to_le_bytes()).expect("move");
-                sent += 1;
-            }
-            let (buf, meta) = recv_pass(&mut tx);
-            assert_eq!(seq_of(&meta), back, "passes arrive in order");
-            assert_eq!(buf[..8], (!back).to_le_bytes(), "the sink's stamp is visible to the source");
-            assert_eq!(mismatch_from(&buf, back, 1), None, "the rest of message {back} is intact");
-            back += 1;
-        }
-        let rx = sink.join().expect("sink thread");
-        assert_eq!(b.free_count(pool), 0);
-        drop(rx);
-    });
+    let rx = transmit_flow(&mut tx, rx, &alloc);
+    assert_eq!(b.free_count(pool), 0);
+    drop(rx);
     assert_eq!(alloc.available(), POOL as usize, "every buffer is back in the allocator");
     for index in 0..POOL as u32 {
         let id = BufferId { pool, index };
@@ -1916,29 +1924,6 @@ fn batched_flow_across_threads() {
     assign(&mut tx, &mut rx, alloc.pool());
     tx.set_batching(true).unwrap();
     rx.set_batching(true).unwrap();
-    std::thread::scope(|s| {
-        s.spawn(move || {
-            for want in 0..FLOW_N {
-                let (mut buf, meta) = recv_move(&mut rx);
-                assert_eq!(seq_of(&meta), want, "moves arrive in order");
-                assert_eq!(mismatch(&buf, want), None, "payload of message {want}");
-                buf.as_mut_slice().expect("sink owns it read-write")[..8].copy_from_slice(&(!want).to_le_bytes());
-                rx.pass(buf, &meta).expect("pass back");
-            }
-        });
-        let (mut sent, mut back) = (0u64, 0u64);
-        while back < FLOW_N {
-            while sent < FLOW_N {
-                let Some(mut buf) = alloc.alloc() else { break };
-                fill(buf.as_mut_slice().expect("fresh buffer is writable"), sent);
-                tx.move_buffer(buf, &sent.to_le_bytes()).expect("move");
-                sent += 1;
-            }
-            let (buf, meta) = recv_pass(&mut tx);
-            assert_eq!(seq_of(&meta), back, "passes arrive in order");
-            assert_eq!(buf[..8], (!back).to_le_bytes(), "the sink's stamp is visible to the source");
-            back += 1;
-        }
-    });
+    drop(transmit_flow(&mut tx, rx, &alloc));
     assert_eq!(alloc.available(), POOL as usize);
 }
