@@ -6,7 +6,7 @@
 use clap::Args;
 use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Event};
 
-use crate::setup::next_event;
+use crate::setup::{next_event, send_when_room};
 use crate::{pattern, pin, CliError};
 
 /// How the echo behaves.
@@ -105,24 +105,13 @@ pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
             Some(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).map_err(|e| e.to_string())?,
             Some(Event::MoveReceived { buffer, meta }) => {
                 if opts.verify {
-                    let seq = meta.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
-                    if !seq.is_some_and(|s| pattern::check(&buffer, s)) {
+                    if !pattern::seq_of(&meta).is_some_and(|s| pattern::check(&buffer, s)) {
                         return Err(format!("echo: buffer {} arrived corrupted", buffer.id().index));
                     }
                 } else if opts.touch {
                     sum = sum.wrapping_add(pattern::touch(&buffer));
                 }
-                let mut b = buffer;
-                loop {
-                    match ch.pass(b, &meta) {
-                        Ok(()) => break,
-                        Err(r) if r.error == ferry::Error::QueueFull => {
-                            b = r.into_inner();
-                            std::hint::spin_loop();
-                        }
-                        Err(r) => return Err(r.error.to_string()),
-                    }
-                }
+                send_when_room(buffer, true, |b| ch.pass(b, &meta)).map_err(|e| e.to_string())?;
                 echoed += 1;
             }
             Some(Event::CopyReceived { copy, .. }) => ch.release(copy).map_err(|r| r.error.to_string())?,

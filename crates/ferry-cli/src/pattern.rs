@@ -8,6 +8,11 @@ fn word(seq: u64, i: usize) -> u64 {
     (seq.wrapping_mul(K) ^ (i as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)).rotate_left((i % 63) as u32)
 }
 
+/// The sequence number a sender put in the first 8 bytes of the meta data.
+pub fn seq_of(meta: &[u8]) -> Option<u64> {
+    meta.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes)
+}
+
 /// Fill `buf` with the pattern of `seq`.
 pub fn fill(buf: &mut [u8], seq: u64) {
     for (i, chunk) in buf.chunks_exact_mut(8).enumerate() {

@@ -64,3 +64,27 @@ pub fn next_event(ch: &mut Channel, busy: bool) -> Option<Event> {
     }
     ch.wait(None)
 }
+
+/// Run a send (`move_buffer`, `pass`) until the queue has room: on
+/// `QueueFull` take the buffer back and try again, spinning when `busy`,
+/// yielding the core otherwise (the peer may need it to make room).
+pub fn send_when_room<T>(
+    mut buf: T,
+    busy: bool,
+    mut send: impl FnMut(T) -> Result<(), ferry::Refused<T>>,
+) -> Result<(), CliError> {
+    loop {
+        match send(buf) {
+            Ok(()) => return Ok(()),
+            Err(r) if r.error == ferry::Error::QueueFull => {
+                buf = r.into_inner();
+                if busy {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            Err(r) => return Err(r.into()),
+        }
+    }
+}

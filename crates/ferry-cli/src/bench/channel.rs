@@ -12,7 +12,7 @@ use super::point::{Head, Point};
 use super::progress::Progress;
 use super::rig::{self, EchoRole, EchoSpec, Rig};
 use super::{compare, peers, Backend, Ctx, Experiment};
-use crate::setup::next_event;
+use crate::setup::{next_event, send_when_room};
 use crate::stats::{round, Summary};
 use crate::{pattern, CliError};
 
@@ -124,22 +124,6 @@ fn ferry_point(ctx: &Ctx<'_>, backend: Backend, size: usize, kept: &mut Option<R
     Ok(point)
 }
 
-fn send(source: &mut ferry::Channel, buf: ferry::Buffer, meta: &[u8], busy: bool) -> Result<(), CliError> {
-    let mut b = buf;
-    loop {
-        match source.move_buffer(b, meta) {
-            Ok(()) => return Ok(()),
-            Err(r) if r.error == ferry::Error::QueueFull => {
-                b = r.into_inner();
-                if !busy {
-                    std::thread::yield_now();
-                }
-            }
-            Err(r) => return Err(r.into()),
-        }
-    }
-}
-
 fn head<'a>(ctx: &'a Ctx<'_>, backend: Backend, size: usize, runs: usize, unit: &'a str) -> Head<'a> {
     let a = ctx.args;
     Head {
@@ -177,7 +161,7 @@ fn rtt(
                 std::thread::sleep(idle);
             }
             let t0 = Instant::now();
-            send(&mut rig.source, buf, &(i as u64).to_le_bytes(), busy)?;
+            send_when_room(buf, busy, |b| rig.source.move_buffer(b, &(i as u64).to_le_bytes()))?;
             match next_event(&mut rig.source, busy) {
                 Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
                 ev => return Err(CliError::Failed(format!("rtt: expected the buffer back, got {ev:?}"))),
@@ -220,7 +204,7 @@ fn throughput(
                 if a.touch {
                     pattern::fill(buf.as_mut_slice()?, sent as u64);
                 }
-                send(&mut rig.source, buf, &(sent as u64).to_le_bytes(), busy)?;
+                send_when_room(buf, busy, |b| rig.source.move_buffer(b, &(sent as u64).to_le_bytes()))?;
                 sent += 1;
                 inflight += 1;
             }

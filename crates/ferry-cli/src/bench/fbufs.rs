@@ -36,7 +36,7 @@ use super::point::{Head, Point};
 use super::progress::Progress;
 use super::rig::{self, EchoRole, EchoSpec};
 use super::{compare, peers, trust_error, Backend, Ctx, Trust};
-use crate::setup::next_event;
+use crate::setup::{next_event, send_when_room};
 use crate::stats::{fit_line, round, Summary};
 use crate::CliError;
 
@@ -330,21 +330,10 @@ pub fn serve(ch: &mut Channel, busy: bool) -> Result<u64, String> {
             Some(Event::Bound | Event::PoolRemoved(_)) => {}
             Some(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).map_err(|e| e.to_string())?,
             Some(Event::MoveReceived { buffer, meta }) => {
-                let seq = meta.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
-                if !seq.is_some_and(|s| read_pages(&buffer, s)) {
+                if !crate::pattern::seq_of(&meta).is_some_and(|s| read_pages(&buffer, s)) {
                     return Err(format!("fbufs echo: buffer {} arrived with wrong page words", buffer.id().index));
                 }
-                let mut b = buffer;
-                loop {
-                    match ch.pass(b, &meta) {
-                        Ok(()) => break,
-                        Err(r) if r.error == ferry::Error::QueueFull => {
-                            b = r.into_inner();
-                            std::hint::spin_loop();
-                        }
-                        Err(r) => return Err(r.error.to_string()),
-                    }
-                }
+                send_when_room(buffer, true, |b| ch.pass(b, &meta)).map_err(|e| e.to_string())?;
                 n += 1;
             }
             Some(Event::Closed { .. }) | None => return Ok(n),

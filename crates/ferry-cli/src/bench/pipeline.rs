@@ -41,6 +41,7 @@ use serde_json::json;
 use super::point::{Head, Point};
 use super::progress::Progress;
 use super::{check_pool_sizes, compare, Backend, Ctx};
+use crate::setup::send_when_room;
 use crate::stats::{round, Summary};
 use crate::{pattern, CliError};
 
@@ -464,19 +465,6 @@ fn next(ch: &mut Channel, busy: bool) -> Option<Event> {
     crate::setup::next_event(ch, busy)
 }
 
-fn retry<T>(mut b: T, mut op: impl FnMut(T) -> Result<(), ferry::Refused<T>>) -> Result<(), CliError> {
-    loop {
-        match op(b) {
-            Ok(()) => return Ok(()),
-            Err(r) if r.error == ferry::Error::QueueFull => {
-                b = r.into_inner();
-                std::thread::yield_now();
-            }
-            Err(r) => return Err(r.into()),
-        }
-    }
-}
-
 fn ferry_stage(a: &StageArgs) -> Result<(), CliError> {
     let domain = Domain::new(&format!("stage{}", a.index));
     let ep = |i: usize| Endpoint::shm_abstract(&format!("{}-{i}", a.name));
@@ -555,7 +543,7 @@ fn producer(a: &StageArgs, domain: &Domain, mut out: Channel) -> Result<(), CliE
                 }
             };
             mark(buf.as_mut_slice()?, seq, a.touch);
-            retry(buf, |b| out.move_buffer(b, &seq.to_le_bytes()))?;
+            send_when_room(buf, false, |b| out.move_buffer(b, &seq.to_le_bytes()))?;
             seq += 1;
         }
     }
@@ -583,7 +571,7 @@ fn from_upstream(domain: &Domain, inn: &mut Channel, out: &mut Channel, ev: Even
             out.assign_pool(&pool)?;
             step(out, "pool accepted downstream", |ev| matches!(ev, Event::PoolAssigned(_)).then_some(()))?;
         }
-        Event::MoveReceived { buffer, meta } => retry(buffer, |b| out.move_buffer(b, &meta))?,
+        Event::MoveReceived { buffer, meta } => send_when_room(buffer, false, |b| out.move_buffer(b, &meta))?,
         Event::Closed { .. } => {
             out.teardown()?;
             while let Some(ev) = out.wait(Some(STEP)) {
@@ -611,7 +599,7 @@ fn forwarder(domain: &Domain, mut inn: Channel, mut out: Channel, busy: bool) ->
         while let Some(ev) = out.poll() {
             did = true;
             match ev {
-                Event::BufferPassed { buffer, meta } => retry(buffer, |b| inn.pass(b, &meta))?,
+                Event::BufferPassed { buffer, meta } => send_when_room(buffer, false, |b| inn.pass(b, &meta))?,
                 Event::Error(e) => return Err(e.into()),
                 other => return Err(CliError::Failed(format!("forwarder: unexpected {other:?} downstream"))),
             }
@@ -643,7 +631,7 @@ fn consumer(a: &StageArgs, mut inn: Channel, busy: bool) -> Result<(), CliError>
             Some(Event::MoveReceived { buffer, meta }) => {
                 check(&buffer, seq, a.touch)?;
                 seq += 1;
-                retry(buffer, |b| inn.pass(b, &meta))?;
+                send_when_room(buffer, false, |b| inn.pass(b, &meta))?;
                 if seq % per_run(a) == 0 {
                     report(&format!("done {}", seq / per_run(a)))?;
                 }
