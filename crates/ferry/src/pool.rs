@@ -270,6 +270,12 @@ impl PoolMemory {
         }
     }
 
+    /// Whether `other` is the same memory as this (the same memfd, even
+    /// when it reached this process twice as two fds).
+    pub(crate) fn same_memory(&self, other: &PoolMemory) -> bool {
+        std::ptr::eq(self, other) || sys::same_file(sys::borrow(&self.fd), sys::borrow(&other.fd))
+    }
+
     /// The memfd, to send to another process.
     pub(crate) fn fd(&self) -> &OwnedFd {
         &self.fd
@@ -374,11 +380,19 @@ impl PoolView {
         }
     }
 
-    /// Address of buffer `index` in this view.
+    /// Address of buffer `index` in this view: inside the mapping, since
+    /// `index` is checked against the count (in release builds too: callers
+    /// make slices of `buffer_size` bytes from it).
+    ///
+    /// # Panics
+    /// If `index` is out of range: handles are only ever made for buffers
+    /// of their pool, so that would be a bug in Ferry, not bad input.
+    #[inline]
     pub(crate) fn buffer_ptr(&self, index: u32) -> *mut u8 {
-        debug_assert!(index < self.geometry().count);
-        // SAFETY: index < count, so the offset stays inside the mapping.
-        unsafe { self.map.as_ptr().add(index as usize * self.geometry().buffer_size) }
+        let g = self.geometry();
+        assert!(index < g.count, "buffer index {index} out of range for a pool of {} buffers", g.count);
+        // No `unsafe` needed to compute it; in range by the check above.
+        self.map.as_ptr().wrapping_add(index as usize * g.buffer_size)
     }
 
     /// Buffer index of an address inside this view, if it is one.
@@ -462,6 +476,24 @@ mod tests {
             assert_eq!(view.index_of(unsafe { p.add(8191) }), Some(i));
         }
         assert_eq!(view.index_of(std::ptr::null()), None);
+    }
+
+    #[test]
+    #[should_panic(expected = "out of range")]
+    fn a_buffer_address_out_of_range_is_refused_in_every_build() {
+        let g = Geometry::new(4096, 2).unwrap();
+        let view = PoolView::map(PoolMemory::create(g).unwrap(), Access::ReadWrite, 0).unwrap();
+        let _ = view.buffer_ptr(2);
+    }
+
+    #[test]
+    fn same_memory_is_told_by_the_file() {
+        let g = Geometry::new(4096, 1).unwrap();
+        let a = PoolMemory::create(g).unwrap();
+        let b = PoolMemory::mirror(a.id(), g, None).unwrap();
+        let again = PoolMemory::from_peer(a.id(), g, a.fd().try_clone().unwrap(), None).unwrap();
+        assert!(a.same_memory(&a) && a.same_memory(&again) && again.same_memory(&a));
+        assert!(!a.same_memory(&b) && !b.same_memory(&again));
     }
 
     #[test]

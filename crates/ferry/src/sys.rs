@@ -68,6 +68,41 @@ pub(crate) fn check_sealed_size(fd: &OwnedFd, len: usize) -> Result<(), &'static
     Ok(())
 }
 
+/// Whether two fds name the same file (the same memory, for memfds).
+pub(crate) fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
+    match (rustix::fs::fstat(a), rustix::fs::fstat(b)) {
+        (Ok(x), Ok(y)) => x.st_dev == y.st_dev && x.st_ino == y.st_ino,
+        _ => false,
+    }
+}
+
+/// Copy buffer `index` (of `size` bytes) from one mapping of a pool to
+/// another mapping of the same geometry: how bytes cross between two
+/// memories of one pool that the ends of a channel do not share. `Err` if
+/// the range is not inside both mappings.
+///
+/// The caller guarantees that no handle of this process reads or writes
+/// the buffer in `to` meanwhile (the buffer-state layer: whoever gives the
+/// buffer away or receives it is the only one who may touch it now). `from`
+/// may be written concurrently by another process (a peer we do not
+/// trust): the bytes are copied as they are, never interpreted.
+pub(crate) fn copy_buffer(from: &Mapping, to: &Mapping, index: u32, size: usize) -> io::Result<()> {
+    let offset = (index as usize).checked_mul(size).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let end = offset.checked_add(size).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    if end > from.len() || end > to.len() {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    // SAFETY: [offset, end) lies inside both mappings (checked above), and
+    // two distinct mappings never overlap in our address space (a mapping
+    // of the same file at another address is another range). Raw pointer
+    // copies create no Rust references, so concurrent writes by another
+    // process to `from` cannot invalidate one; any byte is a valid `u8`.
+    // The destination range is not in use by this process (caller's
+    // guarantee above).
+    unsafe { std::ptr::copy_nonoverlapping(from.as_ptr().add(offset), to.as_ptr().add(offset), size) };
+    Ok(())
+}
+
 /// Seal a memfd against every new way of writing it — writable mappings,
 /// `write`, hole punching — whoever holds an fd of it, root included
 /// (`F_SEAL_FUTURE_WRITE`), and against further seals. Mappings that are

@@ -8,6 +8,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::unshared::WriteBack;
 use super::waker::Waker;
 use super::{Link, Pending, PendingSetup, SetupDone};
 use crate::channel::{negotiate, BindParams, ChannelSetup, Negotiated};
@@ -102,6 +103,7 @@ impl LocalEndpoint {
             last_out: Arc::clone(&to_binder_last),
             last_in: Arc::clone(&to_creator_last),
             batching: false,
+            write_back: WriteBack::default(),
         };
         let binder_link = LocalLink {
             tx: to_creator_tx,
@@ -113,6 +115,7 @@ impl LocalEndpoint {
             last_out: to_creator_last,
             last_in: to_binder_last,
             batching: false,
+            write_back: WriteBack::default(),
         };
         let reply: Reply = Arc::new(Mutex::new(None));
         st.offer = Some(Offer { params: *params, creator_link, reply: reply.clone(), binder: binder_waker.clone() });
@@ -194,6 +197,8 @@ pub(crate) struct LocalLink {
     last_in: Arc<Mutex<VecDeque<Message>>>,
     /// Sends are published in batches (see `Link::set_batching`).
     batching: bool,
+    /// Pools the peer has in other memory than ours (see `unshared`).
+    write_back: WriteBack,
 }
 
 impl std::fmt::Debug for LocalLink {
@@ -219,38 +224,9 @@ impl LocalLink {
     }
 }
 
-impl Link for LocalLink {
-    fn has_room(&mut self) -> bool {
-        if self.tx.free_slots() > 0 {
-            return true;
-        }
-        // Full: whatever is held back must reach the consumer so it can
-        // make room.
-        self.publish();
-        false
-    }
-
-    fn send(&mut self, msg: &Message) -> Result<()> {
-        self.tx.stage(|slot| msg.encode(slot)).map_err(Self::ring_error)?;
-        if super::publish_now(&self.tx, self.batching, msg) {
-            self.publish();
-        }
-        Ok(())
-    }
-
-    fn set_batching(&mut self, on: bool) {
-        self.batching = on;
-        if !on {
-            self.publish();
-        }
-    }
-
-    fn flush(&mut self) -> Result<()> {
-        self.publish();
-        Ok(())
-    }
-
-    fn recv(&mut self, _gate: &mut dyn super::PayloadGate) -> Result<Option<Message>> {
+impl LocalLink {
+    /// The next message from the peer, if any.
+    fn take(&mut self) -> Result<Option<Message>> {
         let meta = self.meta_size;
         match self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(Self::ring_error)? {
             Some(decoded) => decoded.map(Some),
@@ -271,6 +247,63 @@ impl Link for LocalLink {
                 Ok(None)
             }
         }
+    }
+
+    /// The memory the peer exported for pool `id`.
+    fn exported(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
+        let memory = self
+            .stash
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id)
+            .ok_or_else(|| Error::Protocol(format!("pool {id} was offered but not exported")))?;
+        if memory.geometry() != geometry {
+            return Err(Error::Protocol(format!("pool {id} offered with a geometry that differs from its memory")));
+        }
+        Ok(memory)
+    }
+}
+
+impl Link for LocalLink {
+    fn has_room(&mut self) -> bool {
+        if self.tx.free_slots() > 0 {
+            return true;
+        }
+        // Full: whatever is held back must reach the consumer so it can
+        // make room.
+        self.publish();
+        false
+    }
+
+    fn send(&mut self, msg: &Message) -> Result<()> {
+        // Copying out before we know the ring has room is harmless: if it
+        // has none, the buffer stays ours and no one reads the peer's copy.
+        self.write_back.depart(msg)?;
+        self.tx.stage(|slot| msg.encode(slot)).map_err(Self::ring_error)?;
+        if super::publish_now(&self.tx, self.batching, msg) {
+            self.publish();
+        }
+        Ok(())
+    }
+
+    fn set_batching(&mut self, on: bool) {
+        self.batching = on;
+        if !on {
+            self.publish();
+        }
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.publish();
+        Ok(())
+    }
+
+    fn recv(&mut self, gate: &mut dyn super::PayloadGate) -> Result<Option<Message>> {
+        let msg = self.take()?;
+        if let Some(msg) = &msg {
+            self.write_back.arrive(msg, gate)?;
+        }
+        Ok(msg)
     }
 
     fn wait(&mut self, timeout: Duration) {
@@ -294,16 +327,16 @@ impl Link for LocalLink {
     }
 
     fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
-        let memory = self
-            .stash
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id)
-            .ok_or_else(|| Error::Protocol(format!("pool {id} was offered but not exported")))?;
-        if memory.geometry() != geometry {
-            return Err(Error::Protocol(format!("pool {id} offered with a geometry that differs from its memory")));
-        }
+        let memory = self.exported(id, geometry)?;
+        self.write_back.imported(&memory);
         Ok(memory)
+    }
+
+    fn use_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        // We have the pool already, maybe in other memory than the peer's
+        // (one of us got it over TCP, or from another process).
+        let peers = self.exported(memory.id(), memory.geometry())?;
+        self.write_back.offered(memory, &peers)
     }
 
     fn close(&mut self, last: Vec<Message>) {

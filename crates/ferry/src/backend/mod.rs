@@ -25,6 +25,7 @@ pub(crate) mod setup_msg;
 pub mod shm;
 #[cfg(not(loom))]
 mod uds;
+mod unshared;
 mod waker;
 
 pub use local::LocalEndpoint;

@@ -431,7 +431,9 @@ impl NetLink {
     }
 
     fn register(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
-        if self.pools.contains_key(&memory.id()) {
+        // A pool offered again after a veto may come with new memory of
+        // ours (the domain dropped the old): payloads land in what it maps now.
+        if self.pools.get(&memory.id()).is_some_and(|p| Arc::ptr_eq(&p._memory, memory)) {
             return Ok(());
         }
         let g = memory.geometry();

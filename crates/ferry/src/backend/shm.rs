@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use super::setup_msg::{self, bad, PoolFile};
 use super::uds::{self, Conn, Listener, UnixName};
+use super::unshared::{carried, UnsharedPool, WriteBack};
 use super::{Landing, Link, PayloadGate, Pending, PendingSetup, SetupDone};
 use crate::buffer::BufferId;
 use crate::channel::{negotiate, BindParams, ChannelSetup, Negotiated};
@@ -34,7 +35,7 @@ use crate::ledger::Ledger;
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
 use crate::ring::{self, Consumer, Producer, RingError, RingLayout, RingMemory};
-use crate::sys::{self, Access, Mapping};
+use crate::sys::{self, Mapping};
 
 /// How long a waiting end spins before it sleeps (a cross-core wake-up
 /// costs ≈ 50 µs on the machines measured, DESIGN.md §3).
@@ -246,18 +247,6 @@ impl PendingSetup for BinderPending {
 
 // --------------------------------------------------------------------- link
 
-/// A pool on a channel of trust NONE.
-struct CopyPool {
-    geometry: Geometry,
-    /// Our memory of the pool, writable (copies land here).
-    own: Mapping,
-    /// The peer's memory of the pool, read-only; mapped once its fd came.
-    peer: Option<Mapping>,
-    /// The peer has our read-only fd of `memory`.
-    shared: bool,
-    memory: Arc<PoolMemory>,
-}
-
 /// One end of a shared-memory channel.
 pub(crate) struct ShmLink {
     tx: Producer,
@@ -279,7 +268,9 @@ pub(crate) struct ShmLink {
     /// the peer's memory into ours before it is delivered.
     untrusted: bool,
     /// Trust NONE: the pools on this channel, ours and the peer's memory.
-    copy_pools: PoolMap<CopyPool>,
+    copy_pools: PoolMap<UnsharedPool>,
+    /// Trust FULL, HALF: pools the peer has in other memory than ours.
+    write_back: WriteBack,
     last_liveness: Instant,
     /// Empty polls since the clock was last read.
     empty_polls: u32,
@@ -313,6 +304,7 @@ impl ShmLink {
             ledgers: HashMap::new(),
             untrusted: neg.trust == TrustLevel::None,
             copy_pools: PoolMap::default(),
+            write_back: WriteBack::default(),
             last_liveness: Instant::now(),
             empty_polls: 0,
             peer_hung_up: false,
@@ -395,10 +387,11 @@ impl ShmLink {
         if old.is_some_and(|p| Arc::ptr_eq(&p.memory, memory)) {
             return Ok(());
         }
-        let own = memory.map(Access::ReadWrite, 1)?;
+        let mut pool = UnsharedPool::untrusted(memory)?;
         // The peer's memory is the same as before; ours is new to the peer.
-        let peer = self.copy_pools.remove(&memory.id()).and_then(|p| p.peer);
-        let pool = CopyPool { geometry: memory.geometry(), own, peer, shared: false, memory: memory.clone() };
+        if let Some(old) = self.copy_pools.remove(&memory.id()) {
+            pool.take_peer_from(old);
+        }
         self.copy_pools.insert(memory.id(), pool);
         Ok(())
     }
@@ -429,32 +422,15 @@ impl ShmLink {
         let Some(pool) = self.copy_pools.get(&buf.pool) else {
             return Err(Error::Protocol(format!("buffer of pool {} which is not on this channel", buf.pool)));
         };
-        let geometry = pool.geometry;
-        if buf.index >= geometry.count() {
-            return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
-        }
-        if pool.peer.is_none() {
+        if !pool.has_peer() {
             // The peer sent its read-only fd ahead of the first buffer of
             // the pool it sent us.
-            let memory = self.peer_memory(buf.pool, geometry)?;
-            let map = Mapping::map_shared(memory.fd().as_fd(), geometry.len(), Access::Read, 1)?;
-            self.copy_pools.get_mut(&buf.pool).expect("looked up above").peer = Some(map);
+            let memory = self.peer_memory(buf.pool, pool.memory.geometry())?;
+            self.copy_pools.get_mut(&buf.pool).expect("looked up above").set_peer(&memory)?;
         }
-        let pool = &self.copy_pools[&buf.pool];
-        let peer = pool.peer.as_ref().expect("mapped above");
-        let size = geometry.buffer_size();
-        let offset = buf.index as usize * size;
-        // SAFETY: both mappings are `geometry.len()` bytes and index < count,
-        // so [offset, offset + size) is inside each. The destination is our
-        // own memory of a buffer no handle of this process can read or
-        // write now (the gate: this domain holds no handle of it, and the
-        // peer owned it), and no other process can write it (the file is
-        // sealed against new writers). The source is the peer's memory,
-        // which the peer may be writing while we read: the bytes are copied
-        // as they are, never interpreted (any byte is a valid `u8`), and
-        // what is delivered is our copy, which the peer cannot change.
-        unsafe { std::ptr::copy_nonoverlapping(peer.as_ptr().add(offset), pool.own.as_ptr().add(offset), size) };
-        Ok(())
+        // Our memory is sealed against every writer but us; what is
+        // delivered is our copy, which the peer cannot change.
+        self.copy_pools[&buf.pool].copy_in(buf.index)
     }
 
     /// Make the staged messages visible to the peer; ring its doorbell if
@@ -496,6 +472,7 @@ impl ShmLink {
     /// says we hold them already).
     fn land(&mut self, msg: Message, gate: &mut dyn PayloadGate) -> Result<Message> {
         if !self.untrusted {
+            self.write_back.arrive(&msg, gate)?;
             return Ok(msg);
         }
         if let Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } = &msg {
@@ -523,9 +500,11 @@ impl Link for ShmLink {
             return Err(Error::PeerGone);
         }
         if self.untrusted {
-            if let Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } = msg {
+            if let Some(buf) = carried(msg) {
                 self.share(buf.pool)?;
             }
+        } else {
+            self.write_back.depart(msg)?;
         }
         self.tx.stage(|slot| msg.encode(slot)).map_err(ring_err)?;
         if super::publish_now(&self.tx, self.batching, msg) {
@@ -592,7 +571,9 @@ impl Link for ShmLink {
 
     fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
         if !self.untrusted {
-            return self.peer_memory(id, geometry);
+            let memory = self.peer_memory(id, geometry)?;
+            self.write_back.imported(&memory);
+            return Ok(memory);
         }
         // Memory of our own under the pool's id, with the pool's ledger;
         // the peer's memory comes with its first buffer.
@@ -608,8 +589,10 @@ impl Link for ShmLink {
             self.peer_ledger(memory.id())?;
             return self.add_copy_pool(memory);
         }
-        // The fds sent ahead of the offer are not needed: we have the memory.
-        self.peer_memory(memory.id(), memory.geometry()).map(drop)
+        // We have the pool already, maybe in other memory than the peer's
+        // (one of us got it over TCP, or from another process).
+        let peers = self.peer_memory(memory.id(), memory.geometry())?;
+        self.write_back.offered(memory, &peers)
     }
 
     fn close(&mut self, last: Vec<Message>) {

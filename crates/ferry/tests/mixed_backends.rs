@@ -1,0 +1,283 @@
+//! A pool that reaches domains over different backends: its contents must
+//! survive every move, pass and copy, whatever carries it.
+//!
+//! Over TCP each end keeps its own memory of a pool; over the local and
+//! shared-memory backends the two ends normally map the same memory. When a
+//! domain already has a pool in memory of its own (it got the pool over
+//! TCP, say) and the pool then reaches it over a local or shm channel whose
+//! other end has other memory for it, that channel carries the bytes.
+//! Every domain here lives in this process; every channel is real (a local
+//! ring, an shm segment over an abstract socket, a loopback TCP connection).
+
+mod support;
+
+use std::time::Duration;
+
+use ferry::{
+    Allocator, BindParams, Buffer, Channel, ChannelSetup, Direction, Domain, Endpoint, Event, Pool, PoolConstraints,
+    TrustLevel,
+};
+use support::payload::{check, fill};
+
+const WAIT: Duration = Duration::from_secs(10);
+const SIZE: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Local,
+    Shm,
+    Tcp,
+}
+
+const KINDS: [Kind; 3] = [Kind::Local, Kind::Shm, Kind::Tcp];
+
+/// A connected channel from `source` (TX end) to `sink` (RX end).
+fn connect(kind: Kind, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
+    let setup = ChannelSetup { direction: Direction::Tx, trust, ..ChannelSetup::default() };
+    let (mut tx, mut rx) = match kind {
+        Kind::Local => {
+            let ep = Endpoint::local();
+            let tx = Channel::create(source, &ep, setup).expect("create");
+            (tx, Channel::bind(sink, &ep, BindParams::default()).expect("bind"))
+        }
+        Kind::Shm => {
+            let ep = Endpoint::shm_abstract(&support::unique_name("mixed"));
+            let tx = Channel::create(source, &ep, setup).expect("create");
+            (tx, Channel::bind(sink, &ep, BindParams::default()).expect("bind"))
+        }
+        Kind::Tcp => {
+            let tx = Channel::create(source, &Endpoint::tcp("127.0.0.1:0".parse().unwrap()), setup).expect("create");
+            let ep = Endpoint::tcp(tx.listen_addr().expect("listening"));
+            (tx, Channel::bind(sink, &ep, BindParams::default()).expect("bind"))
+        }
+    };
+    assert!(matches!(tx.wait(Some(WAIT)), Some(Event::BindRequest { .. })));
+    assert!(matches!(rx.wait(Some(WAIT)), Some(Event::Bound)));
+    (tx, rx)
+}
+
+/// Offer `pool` on `from` and answer on `to`: `accept` or veto.
+fn offer(from: &mut Channel, to: &mut Channel, pool: &Pool, accept: bool) {
+    from.assign_pool(pool).expect("assign");
+    from.flush().expect("flush");
+    match to.wait(Some(WAIT)) {
+        Some(Event::PoolAssignRequest(req)) => {
+            to.respond_pool(req.pool, accept).expect("respond");
+            to.flush().expect("flush");
+        }
+        ev => panic!("expected the assignment request, got {ev:?}"),
+    }
+    match from.wait(Some(WAIT)) {
+        Some(Event::PoolAssigned(id)) if accept => assert_eq!(id, pool.id()),
+        Some(Event::PoolVetoed(id)) if !accept => assert_eq!(id, pool.id()),
+        ev => panic!("expected the answer to the assignment, got {ev:?}"),
+    }
+}
+
+/// The pool as `domain` knows it (for offering it on).
+fn pool_in(domain: &Domain, pool: &Pool) -> Pool {
+    domain.pool(pool.id()).expect("the domain has the pool")
+}
+
+fn received(ch: &mut Channel) -> Buffer {
+    match ch.wait(Some(WAIT)) {
+        Some(Event::MoveReceived { buffer, .. }) | Some(Event::BufferPassed { buffer, .. }) => buffer,
+        ev => panic!("expected a buffer, got {ev:?}"),
+    }
+}
+
+/// Write the pattern of `seq` into `buf` and move it over `ch`.
+fn write_and_move(ch: &mut Channel, mut buf: Buffer, seq: u64) {
+    fill(buf.as_mut_slice().expect("owned read-write"), seq);
+    ch.move_buffer(buf, &[]).expect("move");
+    ch.flush().expect("flush");
+}
+
+/// Write the pattern of `seq` into `buf` and pass it back over `ch`.
+fn write_and_pass(ch: &mut Channel, mut buf: Buffer, seq: u64) {
+    fill(buf.as_mut_slice().expect("owned read-write"), seq);
+    ch.pass(buf, &[]).expect("pass");
+    ch.flush().expect("flush");
+}
+
+/// A pool vetoed on a channel, then offered again on the same channel and
+/// accepted: moves and passes carry the bytes of the moment.
+#[test]
+fn a_pool_vetoed_then_accepted_on_the_same_channel_keeps_its_contents() {
+    for kind in KINDS {
+        for trust in [TrustLevel::Full, TrustLevel::Half, TrustLevel::None] {
+            if trust == TrustLevel::None && kind == Kind::Local {
+                continue;
+            }
+            let (a, b) = (Domain::new("a"), Domain::new("b"));
+            let alloc = Allocator::new(&a, 4, SIZE, PoolConstraints::default()).unwrap();
+            let (mut tx, mut rx) = connect(kind, &a, &b, trust);
+            offer(&mut tx, &mut rx, alloc.pool(), false);
+            offer(&mut tx, &mut rx, alloc.pool(), true);
+            for round in 0..3u64 {
+                write_and_move(&mut tx, alloc.alloc().unwrap(), 10 + round);
+                let got = received(&mut rx);
+                assert!(check(&got, 10 + round), "{kind:?}/{trust:?}: the move arrived with other bytes");
+                write_and_pass(&mut rx, got, 20 + round);
+                let back = received(&mut tx);
+                assert!(check(&back, 20 + round), "{kind:?}/{trust:?}: the pass came back with other bytes");
+            }
+        }
+    }
+}
+
+/// A pool reaches C along two paths: A assigns it to B and to C, and B to
+/// C. A moves a buffer to B, B writes it and moves it on to C, C writes it
+/// and passes it back to B, B passes it back to A: every hop sees the bytes
+/// the previous owner wrote. Every combination of backends for the three
+/// channels, at trust FULL and HALF, and NONE where the backends allow it.
+#[test]
+fn a_pool_reaching_a_domain_along_two_paths_keeps_its_contents() {
+    let mut combos = 0;
+    for ab in KINDS {
+        for ac in KINDS {
+            for bc in KINDS {
+                for trust in [TrustLevel::Full, TrustLevel::Half, TrustLevel::None] {
+                    // Trust NONE needs separate address spaces' worth of
+                    // protection: the local backend refuses it.
+                    if trust == TrustLevel::None && [ab, ac, bc].contains(&Kind::Local) {
+                        continue;
+                    }
+                    two_paths(ab, ac, bc, trust);
+                    combos += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(combos, 54 + 8);
+}
+
+fn two_paths(ab: Kind, ac: Kind, bc: Kind, trust: TrustLevel) {
+    let what = format!("A-B {ab:?}, A-C {ac:?}, B-C {bc:?}, {trust:?}");
+    let (a, b, c) = (Domain::new("a"), Domain::new("b"), Domain::new("c"));
+    let alloc = Allocator::new(&a, 8, SIZE, PoolConstraints::default()).unwrap();
+    let (mut a_b, mut b_a) = connect(ab, &a, &b, trust);
+    let (mut a_c, mut c_a) = connect(ac, &a, &c, trust);
+    let (mut b_c, mut c_b) = connect(bc, &b, &c, trust);
+    offer(&mut a_b, &mut b_a, alloc.pool(), true);
+    offer(&mut a_c, &mut c_a, alloc.pool(), true);
+    offer(&mut b_c, &mut c_b, &pool_in(&b, alloc.pool()), true);
+    for round in 0..3u64 {
+        let seq = 100 * round;
+        write_and_move(&mut a_b, alloc.alloc().unwrap(), seq + 1);
+        let at_b = received(&mut b_a);
+        assert!(check(&at_b, seq + 1), "{what}: B got other bytes than A wrote");
+        write_and_move(&mut b_c, at_b, seq + 2);
+        let at_c = received(&mut c_b);
+        assert!(check(&at_c, seq + 2), "{what}: C got other bytes than B wrote");
+        write_and_pass(&mut c_b, at_c, seq + 3);
+        let back_at_b = received(&mut b_c);
+        assert!(check(&back_at_b, seq + 3), "{what}: B got other bytes back than C wrote");
+        // B has it from both A and C now; it writes it and moves it to C
+        // over the other path's way back: C passes it to A directly.
+        write_and_move(&mut b_c, back_at_b, seq + 4);
+        let at_c = received(&mut c_b);
+        assert!(check(&at_c, seq + 4), "{what}: C got other bytes than B wrote (second time)");
+        // C cannot pass it to A over a-c (A moved nothing to C on it): C
+        // passes it back to B, and B to A.
+        write_and_pass(&mut c_b, at_c, seq + 5);
+        let at_b = received(&mut b_c);
+        assert!(check(&at_b, seq + 5), "{what}: B got other bytes back than C wrote (second time)");
+        write_and_pass(&mut b_a, at_b, seq + 6);
+        let home = received(&mut a_b);
+        assert!(check(&home, seq + 6), "{what}: A got other bytes back than B wrote");
+        // And the direct path A -> C -> A.
+        write_and_move(&mut a_c, home, seq + 7);
+        let at_c = received(&mut c_a);
+        assert!(check(&at_c, seq + 7), "{what}: C got other bytes than A wrote (direct)");
+        write_and_pass(&mut c_a, at_c, seq + 8);
+        let home = received(&mut a_c);
+        assert!(check(&home, seq + 8), "{what}: A got other bytes back than C wrote (direct)");
+    }
+}
+
+/// Read-only copies along the second path: B forwards a copy it received
+/// from A to C; C reads what A wrote; the releases come back.
+#[test]
+fn a_copy_forwarded_along_a_second_path_shows_the_owners_bytes() {
+    for ab in KINDS {
+        for bc in KINDS {
+            let what = format!("A-B {ab:?}, A-C Tcp, B-C {bc:?}");
+            let (a, b, c) = (Domain::new("a"), Domain::new("b"), Domain::new("c"));
+            let alloc = Allocator::new(&a, 4, SIZE, PoolConstraints::default()).unwrap();
+            let (mut a_b, mut b_a) = connect(ab, &a, &b, TrustLevel::Full);
+            let (mut a_c, mut c_a) = connect(Kind::Tcp, &a, &c, TrustLevel::Full);
+            let (mut b_c, mut c_b) = connect(bc, &b, &c, TrustLevel::Full);
+            offer(&mut a_b, &mut b_a, alloc.pool(), true);
+            offer(&mut a_c, &mut c_a, alloc.pool(), true);
+            offer(&mut b_c, &mut c_b, &pool_in(&b, alloc.pool()), true);
+            let mut buf = alloc.alloc().unwrap();
+            fill(buf.as_mut_slice().unwrap(), 42);
+            a_b.copy(&buf, &[]).unwrap();
+            a_b.flush().unwrap();
+            let copy = match b_a.wait(Some(WAIT)) {
+                Some(Event::CopyReceived { copy, .. }) => copy,
+                ev => panic!("{what}: expected a copy, got {ev:?}"),
+            };
+            assert!(check(&copy, 42), "{what}: B's copy shows other bytes");
+            b_c.copy(&copy, &[]).unwrap();
+            b_c.flush().unwrap();
+            let fwd = match c_b.wait(Some(WAIT)) {
+                Some(Event::CopyReceived { copy, .. }) => copy,
+                ev => panic!("{what}: expected a forwarded copy, got {ev:?}"),
+            };
+            assert!(check(&fwd, 42), "{what}: C's forwarded copy shows other bytes");
+            c_b.release(fwd).unwrap();
+            c_b.flush().unwrap();
+            assert!(matches!(b_c.wait(Some(WAIT)), Some(Event::CopyReleased { .. })));
+            b_a.release(copy).unwrap();
+            b_a.flush().unwrap();
+            assert!(matches!(a_b.wait(Some(WAIT)), Some(Event::CopyReleased { writable: true, .. })));
+            fill(buf.as_mut_slice().expect("writable again"), 43);
+            write_and_move(&mut a_c, buf, 44);
+            assert!(check(&received(&mut c_a), 44), "{what}: C got other bytes than A wrote");
+        }
+    }
+}
+
+/// A ring of three domains whose channels mix all three backends: a buffer
+/// goes round and round, each domain writing it before moving it on. Each
+/// channel's pool arrives over the previous one, so every domain gets the
+/// pool once; the ring closes over a channel whose ends got it by other
+/// ways.
+#[test]
+fn a_ring_of_mixed_channels_keeps_the_contents() {
+    for order in
+        [[Kind::Tcp, Kind::Shm, Kind::Local], [Kind::Shm, Kind::Tcp, Kind::Local], [Kind::Local, Kind::Tcp, Kind::Shm]]
+    {
+        let what = format!("ring {order:?}");
+        let d = [Domain::new("r0"), Domain::new("r1"), Domain::new("r2")];
+        let alloc = Allocator::new(&d[0], 4, SIZE, PoolConstraints::default()).unwrap();
+        // Channel i goes from d[i] to d[i+1].
+        let mut chans: Vec<(Channel, Channel)> =
+            (0..3).map(|i| connect(order[i], &d[i], &d[(i + 1) % 3], TrustLevel::Full)).collect();
+        for (i, (tx, rx)) in chans.iter_mut().enumerate() {
+            offer(tx, rx, &pool_in(&d[i], alloc.pool()), true);
+        }
+        // Round and round: d0 -> d1 -> d2 -> d0 by moves, then the passes
+        // unwind back the same way.
+        let mut buf = alloc.alloc().unwrap();
+        let mut seq = 1;
+        for lap in 0..3 {
+            for (i, (tx, rx)) in chans.iter_mut().enumerate() {
+                write_and_move(tx, buf, seq);
+                buf = received(rx);
+                assert!(check(&buf, seq), "{what}: lap {lap}, hop {i}: other bytes than the sender wrote");
+                seq += 1;
+            }
+        }
+        for _ in 0..3 {
+            for i in (0..3).rev() {
+                write_and_pass(&mut chans[i].1, buf, seq);
+                buf = received(&mut chans[i].0);
+                assert!(check(&buf, seq), "{what}: pass back on channel {i}: other bytes than the sender wrote");
+                seq += 1;
+            }
+        }
+    }
+}
