@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the loom models of the SPSC ring (crates/ferry/src/ring.rs,
+# Runs the loom models of the SPSC ring (crates/ferry/src/ring/,
 # mod ring::loom_tests). --cfg loom changes the build of every crate, so it
 # gets its own target dir. Takes well under a minute after the build.
 set -euo pipefail
