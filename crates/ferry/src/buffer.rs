@@ -14,30 +14,8 @@ use std::sync::Arc;
 
 use crate::domain::{ChanKey, DomainShared};
 use crate::error::{Error, Result};
-use crate::pool::{PoolId, PoolView};
-
-/// Names one buffer: its pool and its index in the pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BufferId {
-    /// The pool.
-    pub pool: PoolId,
-    /// Index of the buffer in its pool.
-    pub index: u32,
-}
-
-/// Per-domain state of a buffer (seed 003 §5.1.1, Listing 6.1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum BufferState {
-    /// Not present in this domain.
-    Invalid = 0,
-    /// A read-only copy held by this domain.
-    ReadOnly = 1,
-    /// Owned by this domain, read-only because copies are out.
-    ReadOnlyOwned = 2,
-    /// Owned by this domain, readable and writable.
-    ReadWrite = 3,
-}
+use crate::pool::PoolView;
+pub use crate::pool::{BufferId, BufferState};
 
 /// A buffer owned by this domain.
 ///

@@ -2,8 +2,8 @@
 //! anything; a failed check is one of these variants, and operations that
 //! consume a buffer hand it back inside [`Refused`] so nothing is lost.
 
-use crate::channel::ChannelState;
 use crate::pool::{PoolId, TrustLevel};
+use crate::setup::ChannelState;
 
 /// Why an operation was refused or a channel failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

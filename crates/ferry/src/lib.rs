@@ -61,6 +61,7 @@ mod ledger;
 mod pool;
 mod proto;
 mod ring;
+mod setup;
 mod sys;
 
 pub use alloc::Allocator;
@@ -68,10 +69,9 @@ pub use backend::{Endpoint, LinkStats, LocalEndpoint};
 #[cfg(not(loom))]
 pub use backend::{NetEndpoint, NetOptions, ShmEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
-pub use channel::{
-    BindParams, Channel, ChannelConstraints, ChannelSetup, ChannelState, Direction, Event, PoolRequest, Role,
-};
+pub use channel::{Channel, Event, PoolRequest};
 pub use domain::Domain;
 pub use error::{Error, Refused, Result};
 pub use pool::{Geometry, Pool, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
+pub use setup::{BindParams, ChannelConstraints, ChannelSetup, ChannelState, Direction, Role};

@@ -13,7 +13,6 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use crate::buffer::BufferState;
 use crate::error::{Error, Result};
 use crate::ledger::Ledger;
 use crate::sys::{self, Access, Mapping};
@@ -73,6 +72,29 @@ impl fmt::Display for PoolId {
         // Short form, enough to tell pools apart in logs.
         write!(f, "{:08x}", (self.0 >> 96) as u32)
     }
+}
+
+/// Names one buffer: its pool and its index in the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BufferId {
+    /// The pool.
+    pub pool: PoolId,
+    /// Index of the buffer in its pool.
+    pub index: u32,
+}
+
+/// Per-domain state of a buffer (seed 003 §5.1.1, Listing 6.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum BufferState {
+    /// Not present in this domain.
+    Invalid = 0,
+    /// A read-only copy held by this domain.
+    ReadOnly = 1,
+    /// Owned by this domain, read-only because copies are out.
+    ReadOnlyOwned = 2,
+    /// Owned by this domain, readable and writable.
+    ReadWrite = 3,
 }
 
 /// Trust levels of channels and pools (seed 003 §4.2.4, Listing 6.1).

@@ -21,8 +21,8 @@
 use std::fmt;
 use std::ops::Deref;
 
-use crate::buffer::BufferId;
 use crate::error::Error;
+use crate::pool::BufferId;
 use crate::pool::{Geometry, PoolId, TrustLevel};
 
 /// Size of the fixed slot header.

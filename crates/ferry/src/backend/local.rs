@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use super::unshared::WriteBack;
 use super::waker::Waker;
 use super::{Link, Pending, PendingSetup, SetupDone};
-use crate::channel::{negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::error::{Error, Result};
 use crate::pool::{Geometry, PoolId, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
 use crate::ring::{self, Consumer, Producer, RingError, RingLayout};
+use crate::setup::{negotiate, BindParams, ChannelSetup, Negotiated};
 
 /// How long a waiting end spins before it sleeps. A cross-core wake-up
 /// costs about 50 µs on the machines we measured (DESIGN.md §3), so

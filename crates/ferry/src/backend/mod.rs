@@ -10,11 +10,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::channel::{BindParams, ChannelSetup, Negotiated};
 use crate::error::Result;
 use crate::pool::{Geometry, PoolId, PoolMemory};
 use crate::proto::Message;
 use crate::ring::{Producer, PUBLISH_EVERY};
+use crate::setup::{BindParams, ChannelSetup, Negotiated};
 
 pub mod local;
 #[cfg(not(loom))]

@@ -55,11 +55,11 @@ use rustix::event::{PollFd, PollFlags, Timespec};
 
 use super::setup_msg;
 use super::{Landing, Link, LinkStats, PayloadGate, Pending, PendingSetup, SetupDone};
-use crate::buffer::BufferId;
-use crate::channel::{negotiate, BindParams, ChannelSetup};
 use crate::error::{Error, Result};
+use crate::pool::BufferId;
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory};
 use crate::proto::{self, Message, Meta};
+use crate::setup::{negotiate, BindParams, ChannelSetup};
 use crate::sys::{self, Access, Mapping, RecvPart, SendPart};
 
 /// Size of a frame header.

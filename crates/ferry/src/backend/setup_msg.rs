@@ -14,10 +14,10 @@
 //! All integers little endian. How a message is framed (a seqpacket
 //! datagram, a length prefix on a stream) is the backend's business.
 
-use crate::channel::{BindParams, ChannelConstraints, Direction, Negotiated, Role};
 use crate::error::{Error, Result};
 use crate::pool::{Geometry, PoolId, TrustLevel};
 use crate::proto;
+use crate::setup::{BindParams, ChannelConstraints, Direction, Negotiated, Role};
 
 const MAGIC: &[u8; 4] = b"FRY1";
 pub(crate) const KIND_BIND: u8 = 1;

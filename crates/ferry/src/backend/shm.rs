@@ -28,13 +28,13 @@ use super::setup_msg::{self, bad, PoolFile};
 use super::uds::{self, Conn, Listener, UnixName};
 use super::unshared::{carried, UnsharedPool, WriteBack};
 use super::{Landing, Link, PayloadGate, Pending, PendingSetup, SetupDone};
-use crate::buffer::BufferId;
-use crate::channel::{negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::error::{Error, Result};
 use crate::ledger::Ledger;
+use crate::pool::BufferId;
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
 use crate::ring::{self, Consumer, Producer, RingError, RingLayout, RingMemory};
+use crate::setup::{negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::sys::{self, Mapping};
 
 /// How long a waiting end spins before it sleeps (a cross-core wake-up

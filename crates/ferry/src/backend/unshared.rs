@@ -18,8 +18,8 @@
 
 use std::sync::Arc;
 
-use crate::buffer::BufferId;
 use crate::error::{Error, Result};
+use crate::pool::BufferId;
 use crate::pool::{Geometry, PoolMap, PoolMemory};
 use crate::proto::Message;
 use crate::sys::{self, Access, Mapping};

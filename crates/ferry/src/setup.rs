@@ -1,0 +1,225 @@
+//! What a channel is set up with, and the bind negotiation (seed 003
+//! §4.2.4, §5.2.2, Listing 6.1): directions, roles, states, constraints,
+//! the creator's [`ChannelSetup`], the binder's [`BindParams`] and what
+//! negotiation settles. Below both the channels and the backends: each
+//! backend negotiates at bind time, the channel uses the result.
+
+use crate::pool::{Geometry, TrustLevel};
+use crate::proto::MAX_META_SIZE;
+
+/// Direction of data flow, seen from the local end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// The local end is the source: it moves and copies buffers.
+    Tx,
+    /// The local end is the sink: it receives, passes back and releases.
+    Rx,
+}
+
+impl Direction {
+    /// The other direction.
+    pub fn opposite(self) -> Direction {
+        match self {
+            Direction::Tx => Direction::Rx,
+            Direction::Rx => Direction::Tx,
+        }
+    }
+}
+
+/// Role of an end (seed 003 §4.2.4): the master provides the buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Let the binder decide (only at create/bind time).
+    Generic,
+    /// Provides pools.
+    Master,
+    /// Uses the master's pools.
+    Slave,
+}
+
+/// Channel states (seed 003 Listing 6.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChannelState {
+    /// Nothing set up.
+    Uninitialized,
+    /// Created, waiting for a binder (creator side).
+    Initialized,
+    /// Bind sent, waiting for the reply (binder side).
+    Binding,
+    /// Properties being negotiated.
+    BindNegotiate,
+    /// Fully operable.
+    Connected,
+    /// Teardown marker sent; in-transit messages still arrive.
+    Teardown,
+    /// Closed; resources freed.
+    Closed,
+}
+
+/// Constraints on the pools a channel accepts (seed 003 §6.2.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ChannelConstraints {
+    /// Required alignment of buffer addresses (0: page alignment).
+    pub alignment: usize,
+    /// Smallest buffer size accepted (0: any).
+    pub min_buffer_size: usize,
+    /// Largest buffer size accepted (0: any).
+    pub max_buffer_size: usize,
+}
+
+impl ChannelConstraints {
+    pub(crate) fn merge(self, other: ChannelConstraints) -> ChannelConstraints {
+        let max_nonzero = |a: usize, b: usize| match (a, b) {
+            (0, x) | (x, 0) => x,
+            (a, b) => a.min(b),
+        };
+        ChannelConstraints {
+            alignment: self.alignment.max(other.alignment),
+            min_buffer_size: self.min_buffer_size.max(other.min_buffer_size),
+            max_buffer_size: max_nonzero(self.max_buffer_size, other.max_buffer_size),
+        }
+    }
+
+    pub(crate) fn admits(&self, g: Geometry) -> bool {
+        let size = g.buffer_size();
+        size >= self.min_buffer_size
+            && (self.max_buffer_size == 0 || size <= self.max_buffer_size)
+            && (self.alignment == 0 || self.alignment <= size)
+    }
+}
+
+/// Parameters of [`Channel::create`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelSetup {
+    /// The creator's direction.
+    pub direction: Direction,
+    /// The creator's role; `Generic` lets the binder choose.
+    pub role: Role,
+    /// Trust level of the channel (never `Uninitialized`).
+    pub trust: TrustLevel,
+    /// Bytes of meta data each message may carry (≤ [`MAX_META_SIZE`]).
+    pub meta_size: usize,
+    /// Constraints on assigned pools.
+    pub constraints: ChannelConstraints,
+    /// Messages that fit in each direction's queue (power of two, 2..=65536).
+    pub queue_depth: u32,
+}
+
+impl Default for ChannelSetup {
+    fn default() -> Self {
+        ChannelSetup {
+            direction: Direction::Tx,
+            role: Role::Generic,
+            trust: TrustLevel::Full,
+            meta_size: 16,
+            constraints: ChannelConstraints::default(),
+            queue_depth: 1024,
+        }
+    }
+}
+
+/// Parameters of [`Channel::bind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BindParams {
+    /// Role the binder wants (`Generic`: whatever the creator leaves).
+    pub role: Role,
+    /// Trust level the binder requires, if any.
+    pub trust: Option<TrustLevel>,
+    /// Largest meta size the binder can take.
+    pub max_meta_size: usize,
+    /// The binder's own constraints on pools (merged with the creator's).
+    pub constraints: ChannelConstraints,
+}
+
+impl Default for BindParams {
+    fn default() -> Self {
+        BindParams {
+            role: Role::Generic,
+            trust: None,
+            max_meta_size: MAX_META_SIZE,
+            constraints: ChannelConstraints::default(),
+        }
+    }
+}
+
+/// What negotiation settled, from the binder's point of view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Negotiated {
+    pub(crate) binder_direction: Direction,
+    pub(crate) binder_role: Role,
+    pub(crate) creator_role: Role,
+    pub(crate) trust: TrustLevel,
+    pub(crate) meta_size: usize,
+    pub(crate) constraints: ChannelConstraints,
+}
+
+/// The creator's side of the bind negotiation (seed 003 §5.2.2).
+pub(crate) fn negotiate(setup: &ChannelSetup, params: &BindParams) -> Result<Negotiated, &'static str> {
+    if let Some(t) = params.trust {
+        if t != setup.trust {
+            return Err("the binder requires another trust level");
+        }
+    }
+    if setup.meta_size > params.max_meta_size {
+        return Err("the binder cannot take the channel's meta size");
+    }
+    let (creator_role, binder_role) = match (setup.role, params.role) {
+        (Role::Generic, Role::Generic) | (Role::Generic, Role::Slave) => (Role::Master, Role::Slave),
+        (Role::Generic, Role::Master) => (Role::Slave, Role::Master),
+        (Role::Master, Role::Slave | Role::Generic) => (Role::Master, Role::Slave),
+        (Role::Slave, Role::Master | Role::Generic) => (Role::Slave, Role::Master),
+        (Role::Master, Role::Master) | (Role::Slave, Role::Slave) => return Err("both ends want the same role"),
+    };
+    Ok(Negotiated {
+        binder_direction: setup.direction.opposite(),
+        binder_role,
+        creator_role,
+        trust: setup.trust,
+        meta_size: setup.meta_size,
+        constraints: setup.constraints.merge(params.constraints),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup(dir: Direction, role: Role) -> ChannelSetup {
+        ChannelSetup { direction: dir, role, ..ChannelSetup::default() }
+    }
+
+    #[test]
+    fn role_negotiation() {
+        let p = |role| BindParams { role, ..BindParams::default() };
+        let n = negotiate(&setup(Direction::Tx, Role::Generic), &p(Role::Generic)).unwrap();
+        assert_eq!((n.creator_role, n.binder_role, n.binder_direction), (Role::Master, Role::Slave, Direction::Rx));
+        let n = negotiate(&setup(Direction::Rx, Role::Generic), &p(Role::Master)).unwrap();
+        assert_eq!((n.creator_role, n.binder_role, n.binder_direction), (Role::Slave, Role::Master, Direction::Tx));
+        assert!(negotiate(&setup(Direction::Tx, Role::Master), &p(Role::Master)).is_err());
+        assert!(negotiate(&setup(Direction::Tx, Role::Slave), &p(Role::Slave)).is_err());
+        let n = negotiate(&setup(Direction::Tx, Role::Slave), &p(Role::Generic)).unwrap();
+        assert_eq!(n.binder_role, Role::Master);
+    }
+
+    #[test]
+    fn trust_and_meta_negotiation() {
+        let s = ChannelSetup { trust: TrustLevel::Half, meta_size: 64, ..ChannelSetup::default() };
+        let strict = BindParams { trust: Some(TrustLevel::Full), ..BindParams::default() };
+        assert!(negotiate(&s, &strict).is_err());
+        let small = BindParams { max_meta_size: 32, ..BindParams::default() };
+        assert!(negotiate(&s, &small).is_err());
+        let ok = negotiate(&s, &BindParams::default()).unwrap();
+        assert_eq!((ok.trust, ok.meta_size), (TrustLevel::Half, 64));
+    }
+
+    #[test]
+    fn constraints_merge() {
+        let a = ChannelConstraints { alignment: 4096, min_buffer_size: 0, max_buffer_size: 1 << 20 };
+        let b = ChannelConstraints { alignment: 8192, min_buffer_size: 8192, max_buffer_size: 0 };
+        let m = a.merge(b);
+        assert_eq!(m, ChannelConstraints { alignment: 8192, min_buffer_size: 8192, max_buffer_size: 1 << 20 });
+        assert!(m.admits(Geometry::new(8192, 1).unwrap()));
+        assert!(!m.admits(Geometry::new(4096, 1).unwrap()));
+        assert!(!m.admits(Geometry::new(1 << 21, 1).unwrap()));
+    }
+}
