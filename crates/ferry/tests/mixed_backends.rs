@@ -281,3 +281,120 @@ fn a_ring_of_mixed_channels_keeps_the_contents() {
         }
     }
 }
+
+// ------------------------------------------------------------ across processes
+
+/// The peer process of [`write_back_across_processes`]: domain C binds the
+/// two shm endpoints named in the environment, accepts every pool, and
+/// echoes every moved buffer after checking the pattern its meta names and
+/// writing the next one. Exits 0 once both channels closed with every check
+/// passed, 1 on the first wrong byte.
+#[test]
+#[ignore = "the peer process of write_back_across_processes (run by it)"]
+fn mixed_child() {
+    let (Ok(from_a), Ok(from_b)) = (std::env::var("FERRY_MIXED_A"), std::env::var("FERRY_MIXED_B")) else { return };
+    let c = Domain::new("c");
+    let mut chans: Vec<Channel> = [from_a, from_b]
+        .iter()
+        .map(|name| {
+            let mut ch = Channel::bind(&c, &Endpoint::shm_abstract(name), BindParams::default()).expect("bind");
+            assert!(matches!(ch.wait(Some(WAIT)), Some(Event::Bound)));
+            ch
+        })
+        .collect();
+    let mut open = chans.len();
+    let mut idle = std::time::Instant::now();
+    while open > 0 {
+        let mut any = false;
+        for ch in chans.iter_mut() {
+            let Some(ev) = ch.wait(Some(Duration::from_millis(1))) else { continue };
+            any = true;
+            match ev {
+                Event::PoolAssignRequest(req) => ch.respond_pool(req.pool, true).expect("accept"),
+                Event::MoveReceived { mut buffer, meta } => {
+                    let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                    if !check(&buffer, seq) {
+                        eprintln!("mixed child: buffer {seq} arrived with other bytes than its sender wrote");
+                        std::process::exit(1);
+                    }
+                    fill(buffer.as_mut_slice().expect("owned"), seq + 1);
+                    ch.pass(buffer, &(seq + 1).to_le_bytes()).expect("pass");
+                }
+                Event::Closed { .. } => open -= 1,
+                ev => panic!("mixed child: unexpected {ev:?}"),
+            }
+        }
+        if any {
+            idle = std::time::Instant::now();
+        }
+        assert!(idle.elapsed() < WAIT, "mixed child: nothing happened for {WAIT:?}");
+    }
+    std::process::exit(0);
+}
+
+/// C is another process. It gets the pool from A over shm (A's memory), and
+/// from B over shm too, but B has its own memory of the pool (its TCP
+/// mirror): C writes back across the process boundary. Every hop checks the
+/// bytes the previous owner wrote.
+#[test]
+fn write_back_across_processes() {
+    for trust in [TrustLevel::Full, TrustLevel::Half] {
+        let (a, b) = (Domain::new("a"), Domain::new("b"));
+        let alloc = Allocator::new(&a, 8, SIZE, PoolConstraints::default()).unwrap();
+        let (mut a_b, mut b_a) = connect(Kind::Tcp, &a, &b, trust);
+        let (name_a, name_b) = (support::unique_name("mixed-a"), support::unique_name("mixed-b"));
+        let setup = ChannelSetup { direction: Direction::Tx, trust, ..ChannelSetup::default() };
+        let mut a_c = Channel::create(&a, &Endpoint::shm_abstract(&name_a), setup).expect("create");
+        let mut b_c = Channel::create(&b, &Endpoint::shm_abstract(&name_b), setup).expect("create");
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "mixed_child", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("FERRY_MIXED_A", &name_a)
+            .env("FERRY_MIXED_B", &name_b)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn the peer process");
+        for ch in [&mut a_c, &mut b_c] {
+            assert!(matches!(ch.wait(Some(WAIT)), Some(Event::BindRequest { .. })));
+        }
+        offer(&mut a_b, &mut b_a, alloc.pool(), true);
+        for (ch, pool) in [(&mut a_c, alloc.pool().clone()), (&mut b_c, pool_in(&b, alloc.pool()))] {
+            ch.assign_pool(&pool).expect("assign");
+            assert!(matches!(ch.wait(Some(WAIT)), Some(Event::PoolAssigned(_))));
+        }
+        let echoed = |ch: &mut Channel, want: u64| {
+            let buf = match ch.wait(Some(WAIT)) {
+                Some(Event::BufferPassed { buffer, meta }) => {
+                    assert_eq!(u64::from_le_bytes(meta[..8].try_into().unwrap()), want);
+                    buffer
+                }
+                ev => panic!("{trust:?}: expected the echo, got {ev:?}"),
+            };
+            assert!(check(&buf, want), "{trust:?}: the echo of {want} came back with other bytes");
+            buf
+        };
+        for round in 0..16u64 {
+            let seq = 10 * round;
+            // A -> B over TCP, B -> C over shm (write-back at C), back.
+            write_and_move(&mut a_b, alloc.alloc().unwrap(), seq);
+            let mut at_b = received(&mut b_a);
+            assert!(check(&at_b, seq), "{trust:?}: B got other bytes than A wrote");
+            fill(at_b.as_mut_slice().unwrap(), seq + 1);
+            b_c.move_buffer(at_b, &(seq + 1).to_le_bytes()).expect("move");
+            let back = echoed(&mut b_c, seq + 2);
+            write_and_pass(&mut b_a, back, seq + 3);
+            let home = received(&mut a_b);
+            assert!(check(&home, seq + 3), "{trust:?}: A got other bytes back than B wrote");
+            // A -> C directly (shared memory), back.
+            let mut home = home;
+            fill(home.as_mut_slice().unwrap(), seq + 4);
+            a_c.move_buffer(home, &(seq + 4).to_le_bytes()).expect("move");
+            drop(echoed(&mut a_c, seq + 5));
+        }
+        for ch in [&mut a_c, &mut b_c] {
+            ch.teardown().expect("teardown");
+            assert!(matches!(ch.wait(Some(WAIT)), Some(Event::Closed { .. })));
+        }
+        let status = support::payload::wait_exit(&mut child, WAIT);
+        assert!(status.success(), "{trust:?}: the peer process saw wrong bytes or failed: {status:?}");
+    }
+}
