@@ -25,7 +25,7 @@ pub struct BufferId {
     pub index: u32,
 }
 
-/// Per-domain state of a buffer (seed 003 §5.1.1, Listing 6.1).
+/// Per-domain state of a buffer ([ETH-BT] §5.1.1, Listing 6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum BufferState {
@@ -262,7 +262,7 @@ impl fmt::Debug for BufferCopy {
 }
 
 /// What a copy can be made from: an owned buffer or a received copy
-/// (forwarding it, seed 003 Algorithm 9).
+/// (forwarding it, [ETH-BT] Algorithm 9).
 pub trait CopySource: Deref<Target = [u8]> + sealed::Sealed {
     /// The buffer's id.
     fn buffer_id(&self) -> BufferId;

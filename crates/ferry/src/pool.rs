@@ -1,5 +1,5 @@
 //! Pools: contiguous ranges of equal-sized buffers backed by one `memfd`
-//! (seed 003 §4.2.5, §6.2.4).
+//! ([ETH-BT] §4.2.5, §6.2.4).
 //!
 //! A pool's memory is a [`PoolMemory`] (the memfd, shareable with other
 //! processes). Each domain that knows the pool maps it once into a
@@ -75,7 +75,7 @@ impl fmt::Display for PoolId {
     }
 }
 
-/// Trust levels of channels and pools (seed 003 §4.2.4, Listing 6.1).
+/// Trust levels of channels and pools ([ETH-BT] §4.2.4, Listing 6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TrustLevel {
     /// Only for pools not yet assigned to any channel.
@@ -160,7 +160,7 @@ impl Geometry {
     }
 }
 
-/// Constraints on a new pool (seed 003 §6.4.1).
+/// Constraints on a new pool ([ETH-BT] §6.4.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolConstraints {
     /// Trust level fixed now, or `Uninitialized` to take the trust of the

@@ -1,5 +1,5 @@
 //! Backends carry the library's messages between the two ends of a channel
-//! (seed 003 §4.2.1, §6.5.1). They never change buffer states: the library
+//! ([ETH-BT] §4.2.1, §6.5.1). They never change buffer states: the library
 //! has done that before it hands a message over, and does it again on the
 //! receiving side when the backend hands the message up.
 //!
@@ -168,7 +168,7 @@ pub(crate) trait PendingSetup: Send {
 pub(crate) type Pending = Box<dyn PendingSetup>;
 
 /// Where a channel is created or bound: a backend-specific endpoint
-/// descriptor (seed 003 §4.2.2, §6.2.3).
+/// descriptor ([ETH-BT] §4.2.2, §6.2.3).
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Endpoint {
