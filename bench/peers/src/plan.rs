@@ -24,7 +24,7 @@ pub enum Experiment {
     Rtt,
     /// R runs of --moves messages with up to --inflight in flight; every run is a sample (Mops/s).
     Throughput,
-    /// [FBUFS] Table 1 transfers, copying peers only: R runs of 25 one-way messages, each with
+    /// fbufs (Table 1) transfers, copying peers only: R runs of 25 one-way messages, each with
     /// one word written per page, read whole by the echo (one word per page checked) and answered
     /// with 8 bytes; every transfer is a sample (µs), and each run's median is reported.
     Fbufs,

@@ -1,11 +1,11 @@
-//! `ferry bench`: the experiments of docs/REFERENCES.md, measured on Ferry's
+//! `ferry bench`: the experiments of the papers in docs/REFERENCES.md, measured on Ferry's
 //! backends and, side by side, on the baselines and peers of `bench/peers`.
 //!
 //! * `rtt`, `throughput` — [ETH-NET] §5.1.4/§5.1.3: a source domain and an
 //!   echo domain that passes every buffer straight back ([`channel`]).
-//! * `fbufs-table` — [FBUFS] Table 1 and its throughput-vs-size figure
+//! * `fbufs-table` — \[FBUFS\] Table 1 and its throughput-vs-size figure
 //!   ([`fbufs`]).
-//! * `pipeline` — [CONTAINER] Fig. 7: a chain of processes ([`pipeline`]).
+//! * `pipeline` — \[CONTAINER\] Fig. 7: a chain of processes ([`pipeline`]).
 //!
 //! Every figure is a distribution: we print the median with percentiles,
 //! one [`Point`] per measured point (`--json`: one JSON object per line).
@@ -43,10 +43,10 @@ pub enum Experiment {
     /// R runs of overlapping moves (--inflight at once) to an echo domain: throughput ([ETH-NET] §5.1.3).
     Throughput,
     /// Per-page cost and asymptotic throughput of one domain crossing, cached/uncached ×
-    /// volatile/secured ([FBUFS] Table 1 and its throughput-vs-size figure).
+    /// volatile/secured (fbufs, Table 1 and its throughput-vs-size figure).
     FbufsTable,
     /// A chain of N processes passing --total bytes of --size buffers end to end, against the
-    /// same chain built with pipes and read/write ([CONTAINER] Fig. 7).
+    /// same chain built with pipes and read/write (Container Shipping, Fig. 7).
     Pipeline,
 }
 

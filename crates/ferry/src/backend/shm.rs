@@ -1,5 +1,5 @@
 //! The shared-memory backend: channels between processes on one host, after
-//! the application-device-channel idea of [OS-HSC] and [OSIRIS] — the kernel takes
+//! the application-device-channel idea of [OS-HSC] and \[OSIRIS\] — the kernel takes
 //! part only in setup; then the data path is two descriptor rings in a
 //! shared segment, no system call per transfer.
 //!
