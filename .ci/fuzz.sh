@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every fuzz target for a bounded time (FUZZ_SECONDS each, default 30).
-# Needs the nightly toolchain (part of the machine image) and cargo-fuzz,
+# Needs the nightly toolchain (installed on the CI machine) and cargo-fuzz,
 # which it installs from crates.io when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."

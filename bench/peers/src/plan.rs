@@ -3,7 +3,7 @@
 
 use clap::{Args, ValueEnum};
 
-/// Round trips per rtt run (seed 003 §5.1.3/5.1.4, as `ferry bench`).
+/// Round trips per rtt run ([ETH-NET] §5.1.3/§5.1.4, as `ferry bench`).
 pub const RTT_PER_RUN: usize = 250;
 /// Transfers per fbufs run (as `ferry bench fbufs-table`).
 pub const FBUFS_PER_RUN: usize = 25;
@@ -24,7 +24,7 @@ pub enum Experiment {
     Rtt,
     /// R runs of --moves messages with up to --inflight in flight; every run is a sample (Mops/s).
     Throughput,
-    /// Seed 000 (fbufs) transfers, copying peers only: R runs of 25 one-way messages, each with
+    /// fbufs (Table 1) transfers, copying peers only: R runs of 25 one-way messages, each with
     /// one word written per page, read whole by the echo (one word per page checked) and answered
     /// with 8 bytes; every transfer is a sample (µs), and each run's median is reported.
     Fbufs,

@@ -194,7 +194,7 @@ fn check_pages(buf: &[u8], seq: u64) -> bool {
     buf.chunks(PAGE).filter(|p| p.len() >= 8).fold(true, |ok, p| ok & (p[..8] == want))
 }
 
-/// Seed 000's transfer over a copying transport: the source writes one word
+/// The \[FBUFS\] Table 1 transfer over a copying transport: the source writes one word
 /// per page and sends the message; the echo reads it whole, reads (checks)
 /// one word per page and answers with the 8-byte sequence number. One
 /// sample per transfer, from the first byte written to the answer read.

@@ -1,6 +1,6 @@
 //! `ferry demo`: Ferry's main job shown end to end with real data.
 //!
-//! Two flows of seed 003 §5.2.4 between two domains on two threads:
+//! Two flows of [ETH-BT] §5.2.4 between two domains on two threads:
 //! * transmit master — the source allocates the pool, fills buffers, moves
 //!   them; the sink verifies every byte and passes them back;
 //! * receive master — the sink allocates the pool and passes empty buffers

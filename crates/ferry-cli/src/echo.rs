@@ -1,4 +1,4 @@
-//! The echo domain of the seed-003 experiments: pass every moved buffer
+//! The echo domain of the [ETH-NET] experiments: pass every moved buffer
 //! straight back, release every copy; used as a thread by `ferry bench
 //! --backend local` and as a process (`ferry echo`) by the demo and by the
 //! benchmarks of the other backends.

@@ -2,7 +2,7 @@
 //!
 //! * `ferry demo` — moves real data with Ferry and prints what it verified
 //!   and how fast.
-//! * `ferry bench EXPERIMENT` — the seeds' experiments (see BENCHMARKS.md).
+//! * `ferry bench EXPERIMENT` — the benchmark experiments (see BENCHMARKS.md).
 //! * `ferry echo` — the echo domain of an experiment run elsewhere.
 
 use std::process::ExitCode;
@@ -28,7 +28,7 @@ struct Cli {
 enum Command {
     /// Move real data through Ferry, verify every byte, report the rate.
     Demo(demo::DemoArgs),
-    /// Run one of the seeds' experiments.
+    /// Run one of the benchmark experiments (see BENCHMARKS.md).
     Bench(bench::BenchArgs),
     /// Be the echo domain of an experiment run elsewhere: bind to the
     /// endpoint, pass every buffer back until the channel closes.

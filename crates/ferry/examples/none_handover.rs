@@ -1,5 +1,5 @@
 //! The two ways to hand a buffer over at trust NONE between processes,
-//! measured side by side per buffer size (issue 3 asks for the crossover):
+//! measured side by side per buffer size (is there a size where sealing wins?):
 //!
 //! - **copy** (what the shared-memory backend does): the sender writes the
 //!   payload into its pool buffer (resident, reused), the receiver copies it

@@ -1,4 +1,4 @@
-//! The pool allocator of seed 003 §6.4: creates a pool in a domain and hands
+//! The pool allocator of [ETH-BT] §6.4: creates a pool in a domain and hands
 //! out its free buffers, most recently freed first.
 
 use crate::buffer::Buffer;

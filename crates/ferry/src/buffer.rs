@@ -240,7 +240,7 @@ impl fmt::Debug for BufferCopy {
 }
 
 /// What a copy can be made from: an owned buffer or a received copy
-/// (forwarding it, seed 003 Algorithm 9).
+/// (forwarding it, [ETH-BT] Algorithm 9).
 pub trait CopySource: Deref<Target = [u8]> + sealed::Sealed {
     /// The buffer's id.
     fn buffer_id(&self) -> BufferId;

@@ -1,5 +1,5 @@
 //! Channels: create/bind with negotiation, pool assignment, and the buffer
-//! operations of seed 003 (Algorithms 3–10), whatever backend carries them.
+//! operations of [ETH-BT] (Algorithms 3–10), whatever backend carries them.
 //!
 //! Each operation checks its preconditions in the order given in
 //! `docs/SEMANTICS.md` and fails with the first failing check before touching
@@ -149,7 +149,7 @@ impl std::fmt::Debug for Channel {
 
 impl Channel {
     /// Create a channel on a local endpoint and wait for a binder
-    /// (seed 003 Algorithm 3). The result is `INITIALIZED`; [`poll`] it to
+    /// ([ETH-BT] Algorithm 3). The result is `INITIALIZED`; [`poll`] it to
     /// accept a bind.
     ///
     /// [`poll`]: Channel::poll
@@ -176,7 +176,7 @@ impl Channel {
         Ok(ch)
     }
 
-    /// Bind to a channel created on `endpoint` (seed 003 Algorithm 4). The
+    /// Bind to a channel created on `endpoint` ([ETH-BT] Algorithm 4). The
     /// result is `BINDING`; [`poll`](Channel::poll) it until
     /// [`Event::Bound`] (or an error event).
     pub fn bind(domain: &Domain, endpoint: &Endpoint, params: BindParams) -> Result<Channel> {
@@ -272,7 +272,7 @@ impl Channel {
 
     // -------------------------------------------------------------- operations
 
-    /// Move a buffer to the sink (seed 003 Algorithm 7): ownership goes to
+    /// Move a buffer to the sink ([ETH-BT] Algorithm 7): ownership goes to
     /// the peer. Refused operations hand the buffer back.
     pub fn move_buffer(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
@@ -282,7 +282,7 @@ impl Channel {
         }
     }
 
-    /// Pass a buffer back to the source (seed 003 Algorithm 8).
+    /// Pass a buffer back to the source ([ETH-BT] Algorithm 8).
     pub fn pass(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
         match self.check_transfer(Direction::Rx, &buffer, meta.len()) {
@@ -306,7 +306,7 @@ impl Channel {
         }
     }
 
-    /// Send a read-only copy (seed 003 Algorithm 9). The source may be a
+    /// Send a read-only copy ([ETH-BT] Algorithm 9). The source may be a
     /// buffer we own (it becomes read-only until every copy is back) or a
     /// copy we hold (forwarding it).
     pub fn copy<S: CopySource>(&mut self, source: &S, meta: &[u8]) -> Result<()> {
@@ -349,7 +349,7 @@ impl Channel {
         Ok(())
     }
 
-    /// Release a copy received over this channel (seed 003 Algorithm 10).
+    /// Release a copy received over this channel ([ETH-BT] Algorithm 10).
     pub fn release(&mut self, copy: BufferCopy) -> Result<(), Refused<BufferCopy>> {
         self.flush_deferred();
         if copy.domain_id() != self.domain.id() {
@@ -374,7 +374,7 @@ impl Channel {
         }
     }
 
-    /// Full copy (seed 003 §5.1.11): copy the bytes of `source` into
+    /// Full copy ([ETH-BT] §5.1.11): copy the bytes of `source` into
     /// `destination` (a read-write buffer of ours in a pool assigned to this
     /// channel) and move `destination`. The receiver gets a move.
     pub fn full_copy<S: CopySource>(
@@ -402,7 +402,7 @@ impl Channel {
         self.send_owned(destination, meta, false, |buf, meta| Message::Move { buf, meta })
     }
 
-    /// Start assigning a pool to this channel (seed 003 Algorithm 6,
+    /// Start assigning a pool to this channel ([ETH-BT] Algorithm 6,
     /// two-phase): completion is [`Event::PoolAssigned`] or
     /// [`Event::PoolVetoed`].
     pub fn assign_pool(&mut self, pool: &Pool) -> Result<()> {

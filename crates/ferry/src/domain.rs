@@ -1,6 +1,6 @@
 //! A protection domain's view of the bulk-transfer state: its pool list
-//! (seed 003 §6.5.3) and, for every buffer of every pool it knows, the
-//! per-domain state of seed 003 §5.1.1 with the copy bookkeeping of
+//! ([ETH-BT] §6.5.3) and, for every buffer of every pool it knows, the
+//! per-domain state of [ETH-BT] §5.1.1 with the copy bookkeeping of
 //! Algorithms 9–10. Every buffer-state transition of the library happens in
 //! this file; channels call these transitions, backends never do.
 //!

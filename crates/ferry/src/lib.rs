@@ -2,7 +2,7 @@
 //! processes and machines, with one set of ownership semantics (move, pass,
 //! copy, release) whatever carries the data.
 //!
-//! The vocabulary is that of the ETH bulk-transfer specification (seed 003):
+//! The vocabulary is that of the ETH bulk-transfer specification ([ETH-BT] in docs/REFERENCES.md):
 //! a [`Domain`] owns [`Buffer`]s that live in [`Pool`]s made by an
 //! [`Allocator`]; a [`Channel`] joins two endpoints; a pool is assigned to a
 //! channel before its buffers travel on it; [`Channel::move_buffer`] gives a

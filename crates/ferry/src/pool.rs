@@ -1,5 +1,5 @@
 //! Pools: contiguous ranges of equal-sized buffers backed by one `memfd`
-//! (seed 003 §4.2.5, §6.2.4).
+//! ([ETH-BT] §4.2.5, §6.2.4).
 //!
 //! A pool's memory is a [`PoolMemory`] (the memfd, shareable with other
 //! processes). Each domain that knows the pool maps it once into a
@@ -83,7 +83,7 @@ pub struct BufferId {
     pub index: u32,
 }
 
-/// Per-domain state of a buffer (seed 003 §5.1.1, Listing 6.1).
+/// Per-domain state of a buffer ([ETH-BT] §5.1.1, Listing 6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum BufferState {
@@ -97,7 +97,7 @@ pub enum BufferState {
     ReadWrite = 3,
 }
 
-/// Trust levels of channels and pools (seed 003 §4.2.4, Listing 6.1).
+/// Trust levels of channels and pools ([ETH-BT] §4.2.4, Listing 6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TrustLevel {
     /// Only for pools not yet assigned to any channel.
@@ -182,7 +182,7 @@ impl Geometry {
     }
 }
 
-/// Constraints on a new pool (seed 003 §6.4.1).
+/// Constraints on a new pool ([ETH-BT] §6.4.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolConstraints {
     /// Trust level fixed now, or `Uninitialized` to take the trust of the

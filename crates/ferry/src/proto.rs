@@ -1,6 +1,6 @@
 //! The library's messages and their encoding into fixed-size descriptor
 //! slots. Every message of a channel direction travels in one ordered stream
-//! (the seed's data queue source→sink and control queue sink→source), so a
+//! ([ETH-BT]'s data queue source→sink and control queue sink→source), so a
 //! teardown marker or a pool removal can never overtake a buffer.
 //!
 //! Slot layout (little endian; slot size is a power of two ≥ 64):
@@ -136,13 +136,13 @@ impl Eq for Meta {}
 /// A library message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Message {
-    /// Seed Algorithm 7 (data queue).
+    /// [ETH-BT] Algorithm 7 (data queue).
     Move { buf: BufferId, meta: Meta },
-    /// Seed Algorithm 9 (data queue).
+    /// [ETH-BT] Algorithm 9 (data queue).
     Copy { buf: BufferId, meta: Meta },
-    /// Seed Algorithm 8 (control queue).
+    /// [ETH-BT] Algorithm 8 (control queue).
     Pass { buf: BufferId, meta: Meta },
-    /// Seed Algorithm 10 (control queue).
+    /// [ETH-BT] Algorithm 10 (control queue).
     Release { buf: BufferId },
     /// Phase one of a pool assignment (Algorithm 6, §5.2.3).
     AssignRequest { pool: PoolId, geometry: Geometry, trust: TrustLevel },

@@ -1,4 +1,4 @@
-//! What a channel is set up with, and the bind negotiation (seed 003
+//! What a channel is set up with, and the bind negotiation ([ETH-BT]
 //! §4.2.4, §5.2.2, Listing 6.1): directions, roles, states, constraints,
 //! the creator's [`ChannelSetup`], the binder's [`BindParams`] and what
 //! negotiation settles. Below both the channels and the backends: each
@@ -26,7 +26,7 @@ impl Direction {
     }
 }
 
-/// Role of an end (seed 003 §4.2.4): the master provides the buffers.
+/// Role of an end ([ETH-BT] §4.2.4): the master provides the buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Role {
     /// Let the binder decide (only at create/bind time).
@@ -37,7 +37,7 @@ pub enum Role {
     Slave,
 }
 
-/// Channel states (seed 003 Listing 6.1).
+/// Channel states ([ETH-BT] Listing 6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ChannelState {
     /// Nothing set up.
@@ -56,7 +56,7 @@ pub enum ChannelState {
     Closed,
 }
 
-/// Constraints on the pools a channel accepts (seed 003 §6.2.2).
+/// Constraints on the pools a channel accepts ([ETH-BT] §6.2.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ChannelConstraints {
     /// Required alignment of buffer addresses (0: page alignment).
@@ -88,7 +88,7 @@ impl ChannelConstraints {
     }
 }
 
-/// Parameters of [`Channel::create`].
+/// Parameters of [`Channel::create`](crate::Channel::create).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChannelSetup {
     /// The creator's direction.
@@ -118,7 +118,7 @@ impl Default for ChannelSetup {
     }
 }
 
-/// Parameters of [`Channel::bind`].
+/// Parameters of [`Channel::bind`](crate::Channel::bind).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BindParams {
     /// Role the binder wants (`Generic`: whatever the creator leaves).
@@ -153,7 +153,7 @@ pub(crate) struct Negotiated {
     pub(crate) constraints: ChannelConstraints,
 }
 
-/// The creator's side of the bind negotiation (seed 003 §5.2.2).
+/// The creator's side of the bind negotiation ([ETH-BT] §5.2.2).
 pub(crate) fn negotiate(setup: &ChannelSetup, params: &BindParams) -> Result<Negotiated, &'static str> {
     if let Some(t) = params.trust {
         if t != setup.trust {

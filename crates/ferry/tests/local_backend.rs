@@ -314,7 +314,7 @@ fn transmit_flow(tx: &mut Channel, mut rx: Channel, alloc: &Allocator) -> Channe
     })
 }
 
-/// Transmit master (seed §5.2.4): the source allocates, assigns and moves
+/// Transmit master ([ETH-BT] §5.2.4): the source allocates, assigns and moves
 /// 10 000 patterned buffers (meta = sequence number) from a small pool; the
 /// sink thread checks every byte and meta in order, stamps the buffer and
 /// passes it back; the source checks the stamp. At the end every buffer is
@@ -338,7 +338,7 @@ fn transmit_master_flow_across_threads() {
     }
 }
 
-/// Receive master (seed §5.2.5): the sink creates the channel as master,
+/// Receive master ([ETH-BT] §5.2.4): the sink creates the channel as master,
 /// allocates and assigns the pool, and passes its empty buffers to the
 /// source first; the source thread fills each buffer it gets and moves it;
 /// the sink checks them and passes them back until 10 000 have travelled.

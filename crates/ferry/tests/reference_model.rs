@@ -1,5 +1,5 @@
 //! Tests of the reference model (`tests/model/reference.rs`) on its own:
-//! hand-written scenarios from seed 003 §5.2 and SEMANTICS.md, and a
+//! hand-written scenarios from [ETH-BT] §5.2 and SEMANTICS.md, and a
 //! property test that runs random operation sequences and checks the
 //! invariants after every step.
 
@@ -304,7 +304,7 @@ fn copy_cycle_keeps_owner_read_only() {
     deliver(&mut m, bc, Queue::Data);
     ok(&mut m, copy(C, cb, b));
     deliver(&mut m, cb, Queue::Data);
-    // The seed's rule would let B release (b, ab): the copies bc, cb would
+    // [ETH-BT]'s rule would let B release (b, ab): the copies bc, cb would
     // still each have a copy receiver as source, but A would be READ_WRITE.
     rej(&mut m, release(B, ab, b), Reject::CopiesForwarded);
     rej(&mut m, release(B, cb, b), Reject::CopiesForwarded);

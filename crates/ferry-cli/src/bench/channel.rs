@@ -1,4 +1,4 @@
-//! The seed-003 experiments on Ferry's channels (§5.1.4 rtt, §5.1.3
+//! The [ETH-NET] experiments on Ferry's channels (§5.1.4 rtt, §5.1.3
 //! throughput): a source and an echo domain that passes every moved buffer
 //! straight back; and the driver that runs them — alone, or alternately
 //! with the baselines of bench/peers (`--compare`).
@@ -16,7 +16,7 @@ use crate::setup::{next_event, send_when_room};
 use crate::stats::{round, Summary};
 use crate::{pattern, CliError};
 
-/// Seed 003 §5.1.3/5.1.4: operations per run.
+/// [ETH-NET] §5.1.3/§5.1.4: operations per run.
 pub const MOVES_PER_RUN: usize = 250;
 /// Buffers in the rtt pool (one is out at a time).
 const RTT_POOL: usize = 16;

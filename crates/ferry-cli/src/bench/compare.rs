@@ -43,7 +43,7 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
         return Ok(v);
     }
     let defaults: &[Backend] = match a.experiment {
-        // One copy baseline is the seed's comparison; the others are a flag away.
+        // One copy baseline is the comparison of [FBUFS] Table 1; the others are a flag away.
         Experiment::FbufsTable => &[Backend::UdsCopy],
         _ => applies,
     };

@@ -1,4 +1,4 @@
-//! `fbufs-table`: seed 000 (fbufs) Table 1 and its throughput-vs-size
+//! `fbufs-table`: \[FBUFS\] Table 1 and its throughput-vs-size
 //! figure, on Ferry.
 //!
 //! One transfer is one domain crossing, as in the paper's test: the
@@ -44,7 +44,7 @@ use crate::CliError;
 pub const TRANSFERS_PER_RUN: usize = 25;
 const PAGE: usize = 4096;
 
-/// The four rows of seed 000 Table 1.
+/// The four rows of \[FBUFS\] Table 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Variant {
     CachedVolatile,

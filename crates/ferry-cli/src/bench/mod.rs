@@ -1,11 +1,11 @@
-//! `ferry bench`: the experiments of the seeds, measured on Ferry's
+//! `ferry bench`: the experiments of the papers in docs/REFERENCES.md, measured on Ferry's
 //! backends and, side by side, on the baselines and peers of `bench/peers`.
 //!
-//! * `rtt`, `throughput` — seed 003 §5.1.4/§5.1.3: a source domain and an
+//! * `rtt`, `throughput` — [ETH-NET] §5.1.4/§5.1.3: a source domain and an
 //!   echo domain that passes every buffer straight back ([`channel`]).
-//! * `fbufs-table` — seed 000 Table 1 and its throughput-vs-size figure
+//! * `fbufs-table` — \[FBUFS\] Table 1 and its throughput-vs-size figure
 //!   ([`fbufs`]).
-//! * `pipeline` — seed 004 Fig. 7: a chain of processes ([`pipeline`]).
+//! * `pipeline` — \[CONTAINER\] Fig. 7: a chain of processes ([`pipeline`]).
 //!
 //! Every figure is a distribution: we print the median with percentiles,
 //! one [`Point`] per measured point (`--json`: one JSON object per line).
@@ -38,15 +38,15 @@ use progress::Progress;
 /// The experiments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Experiment {
-    /// R runs of 250 sequential moves to an echo domain and back: round-trip time (seed 003 §5.1.4).
+    /// R runs of 250 sequential moves to an echo domain and back: round-trip time ([ETH-NET] §5.1.4).
     Rtt,
-    /// R runs of overlapping moves (--inflight at once) to an echo domain: throughput (seed 003 §5.1.3).
+    /// R runs of overlapping moves (--inflight at once) to an echo domain: throughput ([ETH-NET] §5.1.3).
     Throughput,
     /// Per-page cost and asymptotic throughput of one domain crossing, cached/uncached ×
-    /// volatile/secured (seed 000 Table 1 and its throughput-vs-size figure).
+    /// volatile/secured (fbufs, Table 1 and its throughput-vs-size figure).
     FbufsTable,
     /// A chain of N processes passing --total bytes of --size buffers end to end, against the
-    /// same chain built with pipes and read/write (seed 004 Fig. 7).
+    /// same chain built with pipes and read/write (Container Shipping, Fig. 7).
     Pipeline,
 }
 

@@ -1,4 +1,4 @@
-//! `pipeline`: seed 004 (Container Shipping) Fig. 7 — data flowing through
+//! `pipeline`: \[CONTAINER\] (Container Shipping) Fig. 7 — data flowing through
 //! a chain of N processes — on Ferry against the same chain built with
 //! pipes and read/write.
 //!

@@ -27,7 +27,7 @@ const BY_HAND: Duration = Duration::from_secs(60);
 /// Which echo loop runs on the other end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EchoRole {
-    /// `ferry echo`: pass every buffer straight back (seed 003 §5.1).
+    /// `ferry echo`: pass every buffer straight back ([ETH-NET] §5.1).
     Standard,
     /// The fbufs receiver: read one word per page, pass back, accept pool
     /// removals ([`super::fbufs::serve`]).

@@ -18,7 +18,7 @@ use crate::ring::{self, Consumer, Producer, RingError, RingLayout};
 use crate::setup::{negotiate, BindParams, ChannelSetup, Negotiated};
 
 /// How long a waiting end spins before it sleeps. A cross-core wake-up
-/// costs about 50 µs on the machines we measured (DESIGN.md §3), so
+/// costs about 50 µs on the machines we measured (BENCHMARKS.md, eventfd), so
 /// spinning for a fraction of that keeps a busy channel off the slow path.
 const SPIN: Duration = Duration::from_micros(20);
 

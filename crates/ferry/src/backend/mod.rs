@@ -1,10 +1,10 @@
 //! Backends carry the library's messages between the two ends of a channel
-//! (seed 003 §4.2.1, §6.5.1). They never change buffer states: the library
+//! ([ETH-BT] §4.2.1, §6.5.1). They never change buffer states: the library
 //! has done that before it hands a message over, and does it again on the
 //! receiving side when the backend hands the message up.
 //!
 //! A backend provides two things: an [`Endpoint`] kind (how ends find each
-//! other and negotiate) and a [`Link`] (the connected channel's two ordered
+//! other and negotiate) and a `Link` (the connected channel's two ordered
 //! message streams plus the way pools travel).
 
 use std::sync::Arc;
@@ -169,7 +169,7 @@ pub(crate) trait PendingSetup: Send {
 pub(crate) type Pending = Box<dyn PendingSetup>;
 
 /// Where a channel is created or bound: a backend-specific endpoint
-/// descriptor (seed 003 §4.2.2, §6.2.3).
+/// descriptor ([ETH-BT] §4.2.2, §6.2.3).
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Endpoint {

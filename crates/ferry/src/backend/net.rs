@@ -1,6 +1,6 @@
-//! The network backend: channels between machines over TCP (seed 003
-//! Part II), with the transparent semantics of the other backends and
-//! without the copy the seed's transparent variant paid.
+//! The network backend: channels between machines over TCP ([ETH-NET],
+//! network bulk transfer), with the transparent semantics of the other backends and
+//! without the copy its transparent variant (§4.4.2) paid.
 //!
 //! A pool assigned over the channel is mirrored on the peer: fresh memory
 //! with the same id and geometry. Buffer *i* moved or copied arrives in the

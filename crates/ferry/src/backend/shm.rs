@@ -1,5 +1,5 @@
 //! The shared-memory backend: channels between processes on one host, after
-//! the application-device-channel idea of seeds 001/002 — the kernel takes
+//! the application-device-channel idea of [OS-HSC] and \[OSIRIS\] — the kernel takes
 //! part only in setup; then the data path is two descriptor rings in a
 //! shared segment, no system call per transfer.
 //!
@@ -38,7 +38,7 @@ use crate::setup::{negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::sys::{self, Mapping};
 
 /// How long a waiting end spins before it sleeps (a cross-core wake-up
-/// costs ≈ 50 µs on the machines measured, DESIGN.md §3).
+/// costs ≈ 50 µs on the machines measured, BENCHMARKS.md).
 const SPIN: Duration = Duration::from_micros(20);
 /// How often a busy-polling end checks that the peer still exists.
 const LIVENESS_EVERY: Duration = Duration::from_millis(2);

@@ -5,7 +5,7 @@
 //! [`HeapRegion`]) and two processes sharing a memfd mapping, where the peer
 //! may be hostile and may write anything into the region at any time.
 //!
-//! # Discipline (OSIRIS host interface, seed 002 §2.1)
+//! # Discipline (OSIRIS host interface, \[OSIRIS\] §2.1)
 //!
 //! A one-reader-one-writer FIFO of descriptors with a head and a tail: the
 //! producer alone writes `head`, the consumer alone writes `tail`, each on its

@@ -1,5 +1,5 @@
 //! Reference model of Ferry's transfer semantics: a deliberately plain
-//! transcription of `docs/SEMANTICS.md` (seed 003, Algorithms 1–10, refined
+//! transcription of `docs/SEMANTICS.md` ([ETH-BT], Algorithms 1–10, refined
 //! for asynchronous delivery). It is the oracle the model-based tests hold
 //! the real library to, so it uses std only and never the `ferry` crate.
 //!
@@ -223,7 +223,7 @@ pub enum Op {
         /// Accept (true) or veto (false).
         accept: bool,
     },
-    /// Two-phase removal of `pool` from `chan` (not in the seed).
+    /// Two-phase removal of `pool` from `chan` (not in [ETH-BT]).
     RemovePool {
         /// Caller.
         domain: DomainId,
@@ -796,7 +796,7 @@ impl Model {
         self.owner(buf) == domain && self.in_flight(buf).is_none()
     }
 
-    /// Some `(b, ·)` in `copies` (the seed's `b ∈ dom(buffer_copies)`).
+    /// Some `(b, ·)` in `copies` ([ETH-BT]'s `b ∈ dom(buffer_copies)`).
     fn has_copies(&self, buf: BufId) -> bool {
         self.copies.keys().any(|&(b, _)| b == buf)
     }
@@ -1064,7 +1064,7 @@ impl Model {
         Ok(Outcome::Done)
     }
 
-    /// Pool removal, phase one (not in the seed).
+    /// Pool removal, phase one (not in [ETH-BT]).
     fn remove_pool(&mut self, domain: DomainId, chan: ChanId, pool: PoolId) -> Result<Outcome, Reject> {
         self.check_channel(chan)?;
         let side = self.check_endpoint(chan, domain)?;
@@ -1352,7 +1352,7 @@ impl Model {
         } else {
             // "the assigner's pool returns to UNINITIALIZED trust if no channel
             // has it" — and it was never accepted anywhere: once accepted, the
-            // trust level is fixed for good (DESIGN.md §2).
+            // trust level is fixed for good (docs/SEMANTICS.md, assign pool).
             if !self.pools[pool].ever_accepted && !self.pool_on_some_channel(pool) {
                 self.pools[pool].trust = Trust::Uninitialized;
             }
