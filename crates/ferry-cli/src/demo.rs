@@ -12,28 +12,43 @@
 
 use std::time::Instant;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use ferry::{
     Allocator, BindParams, BufferState, Channel, ChannelSetup, Direction, Domain, Event, PoolConstraints, Role,
     TrustLevel,
 };
 
+use crate::args::{power_of_two, whole};
 use crate::echo::{self, EchoOptions, Transport};
 use crate::setup::{assign, connect_local, next_event};
 use crate::stats::Summary;
 use crate::{pattern, pin, CliError};
 
+/// Most bytes a flow of the demo moves (64 GiB: a few minutes per flow).
+const MAX_BYTES: u64 = 64 << 30;
+/// Largest demo buffer (64 MiB: the 64-buffer pool stays within 4 GiB).
+const MAX_BUFFER: u64 = 64 << 20;
+
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// Bytes to move per flow.
-    #[arg(long, default_value_t = 256 << 20)]
-    bytes: usize,
-    /// Buffer size (a power of two ≥ 4096).
-    #[arg(long, default_value_t = 64 << 10)]
+    /// Bytes to move per flow (at least one buffer, at most 64 GiB).
+    #[arg(long, default_value_t = 256 << 20, value_parser = whole::<u64>(4096, MAX_BYTES))]
+    bytes: u64,
+    /// Buffer size (a power of two from 4096 to 64 MiB).
+    #[arg(long, default_value_t = 64 << 10, value_parser = power_of_two(4096, MAX_BUFFER))]
     buffer_size: usize,
-    /// Trust level of the channels (full or half).
-    #[arg(long, default_value = "full")]
-    trust: String,
+    /// Trust level of the channels.
+    #[arg(long, value_enum, default_value_t = DemoTrust::Full)]
+    trust: DemoTrust,
+}
+
+/// The trust levels the demo runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DemoTrust {
+    /// No protection changes.
+    Full,
+    /// The sender's own view is protected while a buffer is away.
+    Half,
 }
 
 struct FlowReport {
@@ -46,16 +61,18 @@ struct FlowReport {
 
 pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     let size = args.buffer_size;
-    if !size.is_power_of_two() || size < 4096 {
-        return Err(CliError::Usage(format!("--buffer-size {size}: must be a power of two ≥ 4096")));
+    if args.bytes < size as u64 {
+        return Err(CliError::Usage(format!(
+            "--bytes {}: less than one buffer of --buffer-size {size}; give at least {size}",
+            args.bytes
+        )));
     }
-    let trust = match args.trust.as_str() {
-        "full" => TrustLevel::Full,
-        "half" => TrustLevel::Half,
-        other => return Err(CliError::Usage(format!("--trust {other}: the local demo supports full and half"))),
+    let (trust, trust_name) = match args.trust {
+        DemoTrust::Full => (TrustLevel::Full, "full"),
+        DemoTrust::Half => (TrustLevel::Half, "half"),
     };
-    let count = (args.bytes / size).max(1) as u64;
-    println!("Ferry demo: {} buffers of {} KiB per flow, trust {:?}", count, size >> 10, trust);
+    let count = args.bytes / size as u64;
+    println!("Ferry demo: {count} buffers of {} KiB per flow, trust {trust_name}", size >> 10);
     println!("local backend: two domains, one thread each, pinned to cores 0 and 1\n");
 
     let r = transmit_master(count, size, trust)?;

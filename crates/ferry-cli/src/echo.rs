@@ -26,7 +26,7 @@ pub struct EchoOptions {
 #[derive(Debug, Args)]
 pub struct EchoArgs {
     /// Endpoint to bind to: `shm:PATH`, `shm@ABSTRACT-NAME` or `tcp:HOST:PORT`.
-    #[arg(long)]
+    #[arg(long, value_parser = endpoint_arg)]
     endpoint: String,
     /// Spin instead of sleeping.
     #[arg(long)]
@@ -40,28 +40,35 @@ pub struct EchoArgs {
     /// Publish passes back in batches (`Channel::set_batching`).
     #[arg(long)]
     batch: bool,
-    /// Pin to this CPU.
-    #[arg(long)]
+    /// Pin to this CPU (0 to the number of CPUs less one).
+    #[arg(long, value_parser = crate::args::cpu)]
     cpu: Option<usize>,
 }
 
-/// Parse an endpoint descriptor.
-pub fn parse_endpoint(s: &str) -> Result<Endpoint, CliError> {
-    if let Some(path) = s.strip_prefix("shm:") {
+/// Parse an endpoint descriptor; the error says what is allowed (the
+/// caller names the flag).
+pub fn parse_endpoint(s: &str) -> Result<Endpoint, String> {
+    if let Some(path) = s.strip_prefix("shm:").filter(|p| !p.is_empty()) {
         return Ok(Endpoint::shm(path));
     }
-    if let Some(name) = s.strip_prefix("shm@") {
+    if let Some(name) = s.strip_prefix("shm@").filter(|n| !n.is_empty()) {
         return Ok(Endpoint::shm_abstract(name));
     }
     if let Some(hostport) = s.strip_prefix("tcp:") {
         use std::net::ToSocketAddrs;
-        let addr =
-            hostport.to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| {
-                CliError::Usage(format!("endpoint {s:?}: expected tcp:HOST:PORT (IPv6: tcp:[::1]:PORT)"))
-            })?;
-        return Ok(Endpoint::tcp(addr));
+        return hostport
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .map(Endpoint::tcp)
+            .ok_or_else(|| "not a reachable TCP address; give tcp:HOST:PORT (IPv6: tcp:[::1]:PORT)".to_string());
     }
-    Err(CliError::Usage(format!("endpoint {s:?}: expected shm:PATH, shm@NAME or tcp:HOST:PORT")))
+    Err("not an endpoint; give shm:PATH, shm@NAME or tcp:HOST:PORT".to_string())
+}
+
+/// `--endpoint`: checked when the command line is read.
+pub fn endpoint_arg(s: &str) -> Result<String, String> {
+    parse_endpoint(s).map(|_| s.to_string())
 }
 
 /// How the echo process is reached.
@@ -76,7 +83,8 @@ pub enum Transport {
 /// `ferry echo`: bind to the endpoint, echo until the peer closes, print
 /// how many buffers came through.
 pub fn run(args: &EchoArgs) -> Result<(), CliError> {
-    let ep = parse_endpoint(&args.endpoint)?;
+    let ep = parse_endpoint(&args.endpoint)
+        .map_err(|why| CliError::Usage(format!("--endpoint {}: {why}", args.endpoint)))?;
     if let Some(cpu) = args.cpu {
         pin::to_cpu(cpu);
     }

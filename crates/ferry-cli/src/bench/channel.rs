@@ -19,7 +19,7 @@ use crate::{pattern, CliError};
 /// Seed 003 §5.1.3/5.1.4: operations per run.
 pub const MOVES_PER_RUN: usize = 250;
 /// Buffers in the rtt pool (one is out at a time).
-const RTT_POOL: usize = 16;
+pub const RTT_POOL: usize = 16;
 
 fn runs(ctx: &Ctx<'_>) -> usize {
     ctx.args.runs.unwrap_or(match ctx.args.experiment {

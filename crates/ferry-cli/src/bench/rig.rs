@@ -69,20 +69,31 @@ pub struct Rig {
 fn process_endpoint(backend: Backend, name: &str, peer: Option<&str>) -> Result<(Endpoint, String), CliError> {
     match backend {
         Backend::Shm => match peer {
-            Some(p) if p.starts_with("shm") => Ok((echo::parse_endpoint(p)?, p.to_string())),
-            Some(p) => Err(CliError::Usage(format!("--peer {p}: --backend shm needs shm:PATH or shm@NAME"))),
+            Some(p) if p.starts_with("shm") => Ok((peer_endpoint(p)?, p.to_string())),
+            Some(p) => Err(CliError::Usage(format!(
+                "--peer {p}: not a shared-memory endpoint; with --backend shm give shm:PATH or shm@NAME"
+            ))),
             None => Ok((Endpoint::shm_abstract(name), format!("shm@{name}"))),
         },
         // With `--peer tcp:HOST:PORT` that address; else loopback on a port
         // the kernel picks: the descriptor is known once the channel listens
         // (see `connect`).
         Backend::Net => match peer {
-            Some(p) if p.starts_with("tcp:") => Ok((echo::parse_endpoint(p)?, p.to_string())),
-            Some(p) => Err(CliError::Usage(format!("--peer {p}: --backend net needs tcp:HOST:PORT"))),
+            Some(p) if p.starts_with("tcp:") => Ok((peer_endpoint(p)?, p.to_string())),
+            Some(p) => {
+                Err(CliError::Usage(format!("--peer {p}: not a TCP endpoint; with --backend net give tcp:HOST:PORT")))
+            }
             None => Ok((Endpoint::tcp(([127, 0, 0, 1], 0).into()), String::new())),
         },
-        other => Err(CliError::Usage(format!("--backend {}: not one of Ferry's process backends", other.name()))),
+        other => Err(CliError::Usage(format!(
+            "--backend {}: not one of Ferry's process backends; give shm or net",
+            other.name()
+        ))),
     }
+}
+
+fn peer_endpoint(p: &str) -> Result<Endpoint, CliError> {
+    echo::parse_endpoint(p).map_err(|why| CliError::Usage(format!("--peer {p}: {why}")))
 }
 
 fn wait_for<T>(
