@@ -6,7 +6,7 @@
 use clap::Args;
 use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Event};
 
-use crate::setup::{next_event, send_when_room};
+use crate::setup::{describe, describe_event, next_event, send_when_room};
 use crate::{pattern, pin, CliError};
 
 /// How the echo behaves.
@@ -128,7 +128,12 @@ pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
                 return Ok(echoed);
             }
             Some(Event::Error(e)) => return Err(e.to_string()),
-            Some(other) => return Err(format!("echo: unexpected event {other:?}")),
+            Some(other) => {
+                return Err(format!(
+                    "the echo got {}, which it does not handle; check the other side",
+                    describe_event(&other)
+                ))
+            }
         }
     }
 }
@@ -173,7 +178,10 @@ pub fn spawn_process_on(
         Some(Event::BindRequest { .. }) => Ok((source, child)),
         ev => {
             let _ = child.kill();
-            Err(CliError::Failed(format!("echo process did not bind: {ev:?}")))
+            Err(CliError::Failed(format!(
+                "the echo process did not bind: the channel gave {}; run the command again",
+                describe(&ev)
+            )))
         }
     }
 }

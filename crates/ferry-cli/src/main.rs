@@ -61,7 +61,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ferry: {e}");
+            eprintln!("ferry: {}", e.sentence());
             ExitCode::from(e.exit_code())
         }
     }
@@ -75,6 +75,15 @@ pub enum CliError {
 }
 
 impl CliError {
+    /// The message as printed: what happened, then what to do (a failed
+    /// run whose message does not say gets the general advice).
+    fn sentence(&self) -> String {
+        match self {
+            CliError::Failed(m) if !m.contains("; ") => format!("{m}; the run stopped here, run the command again"),
+            CliError::Usage(m) | CliError::Failed(m) => m.clone(),
+        }
+    }
+
     fn exit_code(&self) -> u8 {
         match self {
             CliError::Usage(_) => 2,

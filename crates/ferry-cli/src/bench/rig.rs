@@ -17,6 +17,7 @@ use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Even
 
 use super::{trust_error, Backend};
 use crate::echo::{self, EchoOptions};
+use crate::setup::{describe, describe_event};
 use crate::{pin, CliError};
 
 /// How long setup steps may take before we call the peer dead.
@@ -128,7 +129,12 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
         let mut sink = Channel::bind(&echo_domain, &ep, BindParams::default())?;
         match source.wait(Some(STEP)) {
             Some(Event::BindRequest { .. }) => {}
-            ev => return Err(CliError::Failed(format!("local channel: no bind request ({ev:?})"))),
+            ev => {
+                return Err(CliError::Failed(format!(
+                    "the local channel gave {} instead of a bind request; run the benchmark again",
+                    describe(&ev)
+                )))
+            }
         }
         let handle = std::thread::Builder::new()
             .name("echo".into())
@@ -203,8 +209,10 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
 fn bound(ev: Event) -> Option<Result<(), CliError>> {
     match ev {
         Event::BindRequest { .. } => Some(Ok(())),
-        Event::Error(e) => Some(Err(CliError::Failed(format!("echo did not bind: {e}")))),
-        other => Some(Err(CliError::Failed(format!("echo did not bind: {other:?}")))),
+        other => Some(Err(CliError::Failed(format!(
+            "the echo did not bind: the channel gave {}; run the benchmark again",
+            describe_event(&other)
+        )))),
     }
 }
 
@@ -233,7 +241,10 @@ impl Rig {
             || echo_alive(echo),
             |ev| match ev {
                 Event::PoolAssigned(p) if p == id => Some(Ok(())),
-                other => Some(Err(CliError::Failed(format!("echo did not take the pool: {other:?}")))),
+                other => Some(Err(CliError::Failed(format!(
+                    "the echo did not take the pool: the channel gave {}; run the benchmark again",
+                    describe_event(&other)
+                )))),
             },
         )
     }
@@ -250,7 +261,10 @@ impl Rig {
             || echo_alive(echo),
             |ev| match ev {
                 Event::PoolRemoved(p) if p == id => Some(Ok(())),
-                other => Some(Err(CliError::Failed(format!("echo did not remove the pool: {other:?}")))),
+                other => Some(Err(CliError::Failed(format!(
+                    "the echo did not remove the pool: the channel gave {}; run the benchmark again",
+                    describe_event(&other)
+                )))),
             },
         )
     }
@@ -264,7 +278,12 @@ impl Rig {
             match self.source.wait(Some(Duration::from_millis(100))) {
                 Some(Event::Closed { .. }) => break,
                 Some(Event::BufferPassed { .. } | Event::PoolRemoved(_)) => {}
-                Some(other) => return Err(CliError::Failed(format!("unexpected event at teardown: {other:?}"))),
+                Some(other) => {
+                    return Err(CliError::Failed(format!(
+                        "at the teardown the channel gave {}; run the benchmark again",
+                        describe_event(&other)
+                    )))
+                }
                 None if self.source.state() == ferry::ChannelState::Closed => break,
                 None if t0.elapsed() > STEP => return Err(CliError::Failed("teardown: the echo did not close".into())),
                 None => echo_alive(&mut self.echo)?,
