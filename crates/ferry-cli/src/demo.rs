@@ -32,10 +32,10 @@ const MAX_BUFFER: u64 = 64 << 20;
 #[derive(Debug, Args)]
 pub struct DemoArgs {
     /// Bytes to move per flow (at least one buffer, at most 64 GiB).
-    #[arg(long, default_value_t = 256 << 20, value_parser = whole::<u64>(4096, MAX_BYTES))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 256 << 20, value_parser = whole::<u64>(4096, MAX_BYTES))]
     bytes: u64,
     /// Buffer size (a power of two from 4096 to 64 MiB).
-    #[arg(long, default_value_t = 64 << 10, value_parser = power_of_two(4096, MAX_BUFFER))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 64 << 10, value_parser = power_of_two(4096, MAX_BUFFER))]
     buffer_size: usize,
     /// Trust level of the channels.
     #[arg(long, value_enum, default_value_t = DemoTrust::Full)]

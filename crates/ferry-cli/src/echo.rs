@@ -41,7 +41,7 @@ pub struct EchoArgs {
     #[arg(long)]
     batch: bool,
     /// Pin to this CPU (0 to the number of CPUs less one).
-    #[arg(long, value_parser = crate::args::cpu)]
+    #[arg(allow_negative_numbers = true, long, value_parser = crate::args::cpu)]
     cpu: Option<usize>,
 }
 

@@ -29,7 +29,7 @@ struct FbufsEchoArgs {
     #[arg(long, value_parser = echo::endpoint_arg)]
     endpoint: String,
     /// Pin to this CPU.
-    #[arg(long, value_parser = crate::args::cpu)]
+    #[arg(allow_negative_numbers = true, long, value_parser = crate::args::cpu)]
     cpu: Option<usize>,
     /// Spin instead of sleeping.
     #[arg(long)]

@@ -203,20 +203,20 @@ pub struct BenchArgs {
     #[arg(long, value_enum)]
     pub backend: Option<Backend>,
     /// Buffer size in bytes, at most 1 GiB (Ferry: a power of two ≥ 4096); repeatable.
-    #[arg(long = "size", value_parser = whole::<usize>(1, MAX_SIZE))]
+    #[arg(allow_negative_numbers = true, long = "size", value_parser = whole::<usize>(1, MAX_SIZE))]
     pub sizes: Vec<usize>,
     /// Runs per point (rtt: runs of 250 round trips, default 100; throughput: runs of --moves
     /// moves, default 20; fbufs-table: runs of 25 transfers per size, default 10; pipeline:
     /// runs of --total bytes, default 3); 1 to 10 000. One more warm-up run is never recorded.
-    #[arg(long, value_parser = whole::<usize>(1, MAX_RUNS))]
+    #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, MAX_RUNS))]
     pub runs: Option<usize>,
     /// Moves in flight at once (throughput: default 250; pipeline: buffers in the chain, default
     /// 16); 1 to 16 384.
-    #[arg(long, value_parser = whole::<usize>(1, MAX_INFLIGHT))]
+    #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, MAX_INFLIGHT))]
     pub inflight: Option<usize>,
     /// Moves per throughput run (default 50 000; above 64 KiB with --touch, and for the copying
     /// peers, 2 GiB per run); at least --inflight, at most 100 000 000.
-    #[arg(long, value_parser = whole::<usize>(1, MAX_MOVES))]
+    #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, MAX_MOVES))]
     pub moves: Option<usize>,
     /// Spin on the channel instead of sleeping (the default, except for pipeline).
     #[arg(long, conflicts_with = "blocking")]
@@ -248,7 +248,7 @@ pub struct BenchArgs {
     #[arg(long, value_enum, value_delimiter = ',')]
     pub against: Vec<Backend>,
     /// With --compare: how many times each is measured, alternately (1 to 100).
-    #[arg(long, default_value_t = 2, value_parser = whole::<usize>(1, 100))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 2, value_parser = whole::<usize>(1, 100))]
     pub rounds: usize,
     /// shm (net): use an echo domain started by hand (`ferry echo --endpoint ENDPOINT`, started
     /// after this command is waiting) instead of starting one; rtt and throughput only.
@@ -256,17 +256,17 @@ pub struct BenchArgs {
     pub peer: Option<String>,
     /// rtt: pause this many µs between round trips, so a blocking channel goes idle and the
     /// measured path is the doorbell/sleep path rather than the spin (0 to 10 000 000, i.e. 10 s).
-    #[arg(long, default_value_t = 0, value_parser = whole::<u64>(0, 10_000_000))]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0, value_parser = whole::<u64>(0, 10_000_000))]
     pub idle_us: u64,
     /// pipeline: bytes passed end to end per run (a multiple of --size, at most 64 GiB; default 1 GiB).
-    #[arg(long, value_parser = whole::<u64>(4096, MAX_TOTAL))]
+    #[arg(allow_negative_numbers = true, long, value_parser = whole::<u64>(4096, MAX_TOTAL))]
     pub total: Option<u64>,
     /// pipeline: processes in the chain (2 to 8); repeatable (default 2, 3, 4, 5).
-    #[arg(long = "stages", value_parser = whole::<usize>(2, 8))]
+    #[arg(allow_negative_numbers = true, long = "stages", value_parser = whole::<usize>(2, 8))]
     pub stages: Vec<usize>,
     /// Plots of throughput: draw a loopback iperf3 line at this many Gbit/s (measured elsewhere;
     /// more than 0, at most 10 000).
-    #[arg(long, value_name = "GBIT_S", value_parser = gbit_s)]
+    #[arg(allow_negative_numbers = true, long, value_name = "GBIT_S", value_parser = gbit_s)]
     pub iperf3_gbit: Option<f64>,
 }
 
