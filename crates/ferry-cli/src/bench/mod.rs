@@ -510,6 +510,19 @@ mod tests {
             &["throughput", "--backend", "eventfd"],
             &["rtt", "--plot", "x.png"],
             &["rtt", "--busy-poll", "--blocking"],
+            &["rtt", "--size", "1099511627776"],
+            &["rtt", "--size", "0"],
+            &["rtt", "--runs", "-1"],
+            &["rtt", "--moves", "100"],
+            &["rtt", "--inflight", "8"],
+            &["throughput", "--moves", "0"],
+            &["throughput", "--moves", "100"],
+            &["throughput", "--size", "1073741824"],
+            &["throughput", "--iperf3-gbit", "5"],
+            &["pipeline", "--stages", "1"],
+            &["pipeline", "--total", "0"],
+            &["rtt", "--stages", "2"],
+            &["rtt", "--rounds", "0"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }
