@@ -123,6 +123,8 @@ fn every_flag_out_of_range_is_one_line() {
         (&["bench", "rtt", "--runs", "1", "--runs", "2"], "--runs", None),
         (&["bench", "rtt", "--busy-poll", "--blocking"], "--blocking", None),
         (&["bench", "pipeline", "--stages", "9"], "--stages", Some("9")),
+        (&["bench", "fbufs-table", "--size", "4096", "--runs", "1"], "--size", Some("4096")),
+        (&["bench", "fbufs-table", "--touch"], "--touch", None),
         (&["bench", "pipeline", "--total", "0"], "--total", Some("0")),
         (&["bench", "pipeline", "--total", "5000", "--runs", "1"], "--total", Some("5000")),
         (&["bench", "throughput", "--plot", "/nonexistent-dir/x.svg"], "--plot", Some("/nonexistent-dir/x.svg")),

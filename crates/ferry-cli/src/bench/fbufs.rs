@@ -92,13 +92,15 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let a = ctx.args;
     if a.touch {
         return Err(CliError::Usage(
-            "fbufs-table: --touch does not apply (every transfer writes and reads one word per page, as in seed 000)"
+            "--touch does not apply to fbufs-table (every transfer writes and reads one word per page, as in seed 000); leave it out"
                 .into(),
         ));
     }
     let secured = a.trust();
     if secured == Trust::Full {
-        return Err(CliError::Usage("fbufs-table: --trust sets the secured rows: half or none".into()));
+        return Err(CliError::Usage(
+            "--trust full: in fbufs-table --trust sets the secured rows, which protect; give half or none".into(),
+        ));
     }
     let backend = a.backend();
     let sizes = if a.sizes.is_empty() { default_sizes() } else { a.sizes.clone() };
@@ -108,7 +110,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         probe_trust(backend, secured)?;
     } else if !matches!(backend, Backend::UdsCopy | Backend::TcpCopy | Backend::PipeCopy) {
         return Err(CliError::Usage(format!(
-            "fbufs-table --backend {}: use local or shm (Ferry), or a copy baseline (uds-copy, tcp-copy, pipe-copy)",
+            "--backend {}: fbufs-table does not run on it; give local or shm (Ferry), or a copy baseline (uds-copy, tcp-copy, pipe-copy)",
             backend.name()
         )));
     }
@@ -310,7 +312,7 @@ fn slope_point(
         }
     }
     let s = Summary::of(&slopes).ok_or_else(|| {
-        CliError::Usage("fbufs-table: the per-page cost needs at least two different --size values".into())
+        CliError::Usage("fbufs-table: the per-page cost needs two different sizes; give --size at least twice".into())
     })?;
     let intercept = Summary::of(&intercepts).map_or(0.0, |i| i.median);
     let asymptotic = if s.median > 0.0 { json!(gbit(PAGE, s.median)) } else { Value::Null };

@@ -383,6 +383,17 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     only("--inflight", a.inflight.is_some(), windowed, "throughput and pipeline")?;
     only("--stages", !a.stages.is_empty(), exp == Experiment::Pipeline, "pipeline")?;
     only("--total", a.total.is_some(), exp == Experiment::Pipeline, "pipeline")?;
+    if exp == Experiment::FbufsTable && !a.sizes.is_empty() {
+        let mut distinct = a.sizes.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() < 2 {
+            return Err(usage(format!(
+                "--size {}: fbufs-table fits its per-page cost over two sizes or more; give --size at least twice, with different sizes",
+                a.sizes[0]
+            )));
+        }
+    }
     if a.iperf3_gbit.is_some() && a.plot.is_none() {
         return Err(usage("--iperf3-gbit draws a line into the plot; give --plot FILE.svg too"));
     }
@@ -523,6 +534,8 @@ mod tests {
             &["pipeline", "--total", "0"],
             &["rtt", "--stages", "2"],
             &["rtt", "--rounds", "0"],
+            &["fbufs-table", "--size", "4096"],
+            &["fbufs-table", "--size", "4096", "--size", "4096"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }

@@ -103,7 +103,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         (Some(Backend::PipeCopy), false) => vec![Variant::Pipe],
         (Some(b), _) => {
             return Err(CliError::Usage(format!(
-                "pipeline --backend {}: the stages are processes; use shm (Ferry) or pipe-copy (pipes), or neither for both",
+                "--backend {}: the pipeline's stages are processes; give shm (Ferry) or pipe-copy (pipes), or neither for both",
                 b.name()
             )))
         }
