@@ -135,11 +135,12 @@ impl Point {
             _ => "",
         };
         let gbit = self.num("gbit_s_median").map_or(String::new(), |g| format!(", {g} Gbit/s{note}"));
+        let n = self.num("samples").unwrap_or(0.0);
         let asym = self.num("asymptotic_gbit_s").map_or(String::new(), |g| format!(", asymptotic {g} Gbit/s"));
         format!(
-            "{what}: median {m:>9.3} {} (p5 {p5:.3}, p95 {p95:.3}, p99 {p99:.3}; {} samples){gbit}{asym}",
+            "{what}: median {m:>9.3} {} (p5 {p5:.3}, p95 {p95:.3}, p99 {p99:.3}; {n} sample{}){gbit}{asym}",
             self.unit_text(),
-            self.num("samples").unwrap_or(0.0)
+            if n == 1.0 { "" } else { "s" }
         )
     }
 }
