@@ -162,7 +162,9 @@ pub fn spawn_process_on(
     };
     let exe = std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own executable: {e}")))?;
     let mut cmd = std::process::Command::new(exe);
-    cmd.args(["echo", "--endpoint", &endpoint, "--cpu", "1"]);
+    // CPU 1, or the only one there is.
+    let cpu = (1 % pin::cpus()).to_string();
+    cmd.args(["echo", "--endpoint", &endpoint, "--cpu", &cpu]);
     for (on, flag) in
         [(opts.busy, "--busy-poll"), (opts.touch, "--touch"), (opts.verify, "--verify"), (opts.batch, "--batch")]
     {

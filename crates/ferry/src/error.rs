@@ -296,6 +296,9 @@ mod tests {
             Error::UnknownPool(PoolId::from_u128(1)).to_string(),
             Error::UnknownPool(PoolId::from_u128(2)).to_string()
         );
+        // Ids whose halves fold to zero still print something that tells them apart.
+        let same_halves = PoolId::from_u128((5 << 64) | 5).to_string();
+        assert_eq!(same_halves, format!("{:032x}", (5u128 << 64) | 5));
     }
 
     #[test]

@@ -179,7 +179,8 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
         EchoRole::Standard => vec!["echo".into()],
         EchoRole::Fbufs => vec!["bench-child".into(), "fbufs-echo".into()],
     };
-    args.extend(["--endpoint".into(), descriptor, "--cpu".into(), "1".into()]);
+    // CPU 1, or the only one there is (`--cpu` takes only CPUs this machine has).
+    args.extend(["--endpoint".into(), descriptor, "--cpu".into(), (1 % pin::cpus()).to_string()]);
     if spec.busy {
         args.push("--busy-poll".into());
     }
