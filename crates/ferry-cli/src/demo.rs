@@ -12,28 +12,43 @@
 
 use std::time::Instant;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use ferry::{
     Allocator, BindParams, BufferState, Channel, ChannelSetup, Direction, Domain, Event, PoolConstraints, Role,
     TrustLevel,
 };
 
+use crate::args::{power_of_two, whole};
 use crate::echo::{self, EchoOptions, Transport};
-use crate::setup::{assign, connect_local, next_event};
+use crate::setup::{assign, connect_local, describe, next_event};
 use crate::stats::Summary;
 use crate::{pattern, pin, CliError};
 
+/// Most bytes a flow of the demo moves (64 GiB: a few minutes per flow).
+const MAX_BYTES: u64 = 64 << 30;
+/// Largest demo buffer (64 MiB: the 64-buffer pool stays within 4 GiB).
+const MAX_BUFFER: u64 = 64 << 20;
+
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// Bytes to move per flow.
-    #[arg(long, default_value_t = 256 << 20)]
-    bytes: usize,
-    /// Buffer size (a power of two ≥ 4096).
-    #[arg(long, default_value_t = 64 << 10)]
+    /// Bytes to move per flow (at least one buffer, at most 64 GiB).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 256 << 20, value_parser = whole::<u64>(4096, MAX_BYTES))]
+    bytes: u64,
+    /// Buffer size (a power of two from 4096 to 64 MiB).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 64 << 10, value_parser = power_of_two(4096, MAX_BUFFER))]
     buffer_size: usize,
-    /// Trust level of the channels (full or half).
-    #[arg(long, default_value = "full")]
-    trust: String,
+    /// Trust level of the channels.
+    #[arg(long, value_enum, default_value_t = DemoTrust::Full)]
+    trust: DemoTrust,
+}
+
+/// The trust levels the demo runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DemoTrust {
+    /// No protection changes.
+    Full,
+    /// The sender's own view is protected while a buffer is away.
+    Half,
 }
 
 struct FlowReport {
@@ -46,16 +61,22 @@ struct FlowReport {
 
 pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     let size = args.buffer_size;
-    if !size.is_power_of_two() || size < 4096 {
-        return Err(CliError::Usage(format!("--buffer-size {size}: must be a power of two ≥ 4096")));
+    if args.bytes < size as u64 {
+        return Err(CliError::Usage(format!(
+            "--bytes {}: less than one buffer of --buffer-size {size}; give at least {size}",
+            args.bytes
+        )));
     }
-    let trust = match args.trust.as_str() {
-        "full" => TrustLevel::Full,
-        "half" => TrustLevel::Half,
-        other => return Err(CliError::Usage(format!("--trust {other}: the local demo supports full and half"))),
+    let (trust, trust_name) = match args.trust {
+        DemoTrust::Full => (TrustLevel::Full, "full"),
+        DemoTrust::Half => (TrustLevel::Half, "half"),
     };
-    let count = (args.bytes / size).max(1) as u64;
-    println!("Ferry demo: {} buffers of {} KiB per flow, trust {:?}", count, size >> 10, trust);
+    let count = args.bytes / size as u64;
+    println!(
+        "Ferry demo: {count} buffer{} of {} KiB per flow, trust {trust_name}",
+        if count == 1 { "" } else { "s" },
+        size >> 10
+    );
     println!("local backend: two domains, one thread each, pinned to cores 0 and 1\n");
 
     let r = transmit_master(count, size, trust)?;
@@ -71,37 +92,60 @@ pub fn run(args: &DemoArgs) -> Result<(), CliError> {
     report("over TCP       ", &r);
     if let Some(s) = stats {
         println!(
-            "  {} MiB sent straight from buffers, {} MiB received straight into buffers, {} bytes staged in user space, \
+            "  {} sent straight from buffers, {} received straight into buffers, {} bytes staged in user space, \
              {} frames in {} sendmsg calls",
-            s.payload_sent >> 20,
-            s.payload_received >> 20,
+            amount(s.payload_sent),
+            amount(s.payload_received),
             s.payload_staged,
             s.frames_sent,
             s.send_calls
         );
         if s.payload_staged != 0 {
-            return Err(CliError::Failed("payload bytes were copied in user space".into()));
+            return Err(CliError::Failed(format!(
+                "{} payload bytes were copied in user space over TCP, where none should be; the zero-copy path is broken",
+                s.payload_staged
+            )));
         }
     }
     println!("\nall checks passed: every byte arrived intact, ownership came back, nothing was copied by Ferry");
     Ok(())
 }
 
+/// Bytes for people: whole MiB from 1 MiB up, else KiB.
+fn amount(bytes: u64) -> String {
+    if bytes >= 1 << 20 {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{} KiB", bytes >> 10)
+    }
+}
+
+/// The source got something other than a buffer back.
+fn source_got(ev: &Option<Event>) -> CliError {
+    CliError::Failed(format!("the source expected a buffer back but got {}; {AGAIN}", describe(ev)))
+}
+
+/// What to do when a flow fails.
+const AGAIN: &str = "run the demo again";
+
 /// Tear the source's channel down and wait until it is closed.
 fn close(source: &mut Channel) -> Result<(), CliError> {
     source.teardown()?;
     match source.wait(Some(std::time::Duration::from_secs(10))) {
         Some(Event::Closed { .. }) => Ok(()),
-        ev => Err(CliError::Failed(format!("teardown did not complete: {ev:?}"))),
+        ev => {
+            Err(CliError::Failed(format!("the teardown did not complete: the channel gave {}; {AGAIN}", describe(&ev))))
+        }
     }
 }
 
 fn report(name: &str, r: &FlowReport) {
     let gbs = r.bytes as f64 / r.secs / 1e9;
     print!(
-        "{name}: {} buffers, {} MiB moved and verified byte by byte in {:.3} s = {:.2} GB/s ({:.0} buffers/s)",
+        "{name}: {} buffer{}, {} moved and verified byte by byte in {:.3} s = {:.2} GB/s ({:.0} buffers/s)",
         r.buffers,
-        r.bytes >> 20,
+        if r.buffers == 1 { "" } else { "s" },
+        amount(r.bytes),
         r.secs,
         gbs,
         r.buffers as f64 / r.secs
@@ -144,13 +188,13 @@ fn verifying_sink(mut sink: Channel, expect: u64) -> Result<u64, String> {
                 verified += 1;
                 sink.pass(buffer, &[]).map_err(|e| e.to_string())?;
             }
-            ev => return Err(format!("sink: unexpected {ev:?}")),
+            ev => return Err(format!("the sink expected a moved buffer but got {}; {AGAIN}", describe(&ev))),
         }
     }
     // Stay until the source closes.
     match next_event(&mut sink, false) {
         Some(Event::Closed { .. }) => Ok(verified),
-        ev => Err(format!("sink: expected the close, got {ev:?}")),
+        ev => Err(format!("the sink expected the close but got {}; {AGAIN}", describe(&ev))),
     }
 }
 
@@ -182,7 +226,7 @@ fn transmit_master(count: u64, size: usize, trust: TrustLevel) -> Result<FlowRep
                 }
                 back += 1;
             }
-            ev => return Err(CliError::Failed(format!("source: unexpected {ev:?}"))),
+            ev => return Err(source_got(&ev)),
         }
     }
     let secs = t0.elapsed().as_secs_f64();
@@ -192,7 +236,13 @@ fn transmit_master(count: u64, size: usize, trust: TrustLevel) -> Result<FlowRep
     if verified != count || alloc.available() != 64 {
         return Err(CliError::Failed(format!("verified {verified}/{count}, {} of 64 buffers home", alloc.available())));
     }
-    Ok(FlowReport { buffers: count, bytes: count * size as u64, secs, rtt_us: Summary::of(&rtts), in_flight: 64 })
+    Ok(FlowReport {
+        buffers: count,
+        bytes: count * size as u64,
+        secs,
+        rtt_us: Summary::of(&rtts),
+        in_flight: count.min(64) as usize,
+    })
 }
 
 fn receive_master(count: u64, size: usize, trust: TrustLevel) -> Result<FlowReport, CliError> {
@@ -221,7 +271,7 @@ fn receive_master(count: u64, size: usize, trust: TrustLevel) -> Result<FlowRepo
                 source.move_buffer(buffer, &sent.to_le_bytes())?;
                 sent += 1;
             }
-            ev => return Err(CliError::Failed(format!("source: unexpected {ev:?}"))),
+            ev => return Err(source_got(&ev)),
         }
     }
     source.teardown()?;
@@ -230,7 +280,7 @@ fn receive_master(count: u64, size: usize, trust: TrustLevel) -> Result<FlowRepo
         match source.wait(Some(std::time::Duration::from_secs(10))) {
             Some(Event::BufferPassed { .. }) => continue,
             Some(Event::Closed { .. }) => break,
-            ev => return Err(CliError::Failed(format!("source: unexpected {ev:?} at teardown"))),
+            ev => return Err(CliError::Failed(format!("at the teardown the source got {}; {AGAIN}", describe(&ev)))),
         }
     }
     let secs = t0.elapsed().as_secs_f64();
@@ -239,7 +289,7 @@ fn receive_master(count: u64, size: usize, trust: TrustLevel) -> Result<FlowRepo
     if verified != count {
         return Err(CliError::Failed(format!("verified {verified}/{count}")));
     }
-    Ok(FlowReport { buffers: count, bytes: count * size as u64, secs, rtt_us: None, in_flight: 64 })
+    Ok(FlowReport { buffers: count, bytes: count * size as u64, secs, rtt_us: None, in_flight: count.min(64) as usize })
 }
 
 fn copies(size: usize, trust: TrustLevel) -> Result<(), CliError> {
@@ -252,7 +302,9 @@ fn copies(size: usize, trust: TrustLevel) -> Result<(), CliError> {
     let ok_ro = a.buffer_state(buf.id()) == BufferState::ReadOnlyOwned && buf.as_mut_slice().is_err();
     let copy = match holder.wait(Some(std::time::Duration::from_secs(10))) {
         Some(Event::CopyReceived { copy, .. }) => copy,
-        ev => return Err(CliError::Failed(format!("holder: unexpected {ev:?}"))),
+        ev => {
+            return Err(CliError::Failed(format!("the copy holder expected a copy but got {}; {AGAIN}", describe(&ev))))
+        }
     };
     let intact = pattern::check(&copy, 99) && b.buffer_state(copy.id()) == BufferState::ReadOnly;
     holder.release(copy)?;
@@ -294,7 +346,12 @@ fn between_processes(
     source.assign_pool(alloc.pool())?;
     match source.wait(Some(std::time::Duration::from_secs(10))) {
         Some(Event::PoolAssigned(_)) => {}
-        ev => return Err(CliError::Failed(format!("the echo process did not take the pool: {ev:?}"))),
+        ev => {
+            return Err(CliError::Failed(format!(
+                "the echo process did not take the pool: the channel gave {}; {AGAIN}",
+                describe(&ev)
+            )))
+        }
     }
     pin::to_cpu(0);
     let t0 = Instant::now();
@@ -314,7 +371,7 @@ fn between_processes(
                 }
                 back += 1;
             }
-            ev => return Err(CliError::Failed(format!("source: unexpected {ev:?}"))),
+            ev => return Err(source_got(&ev)),
         }
     }
     let secs = t0.elapsed().as_secs_f64();
@@ -328,5 +385,14 @@ fn between_processes(
     if alloc.available() != 64 {
         return Err(CliError::Failed(format!("{} of 64 buffers came home", alloc.available())));
     }
-    Ok((FlowReport { buffers: count, bytes: count * size as u64, secs, rtt_us: None, in_flight: 64 }, stats))
+    Ok((
+        FlowReport {
+            buffers: count,
+            bytes: count * size as u64,
+            secs,
+            rtt_us: None,
+            in_flight: count.min(64) as usize,
+        },
+        stats,
+    ))
 }

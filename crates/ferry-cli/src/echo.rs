@@ -6,7 +6,7 @@
 use clap::Args;
 use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Event};
 
-use crate::setup::{next_event, send_when_room};
+use crate::setup::{describe, describe_event, next_event, send_when_room};
 use crate::{pattern, pin, CliError};
 
 /// How the echo behaves.
@@ -26,7 +26,7 @@ pub struct EchoOptions {
 #[derive(Debug, Args)]
 pub struct EchoArgs {
     /// Endpoint to bind to: `shm:PATH`, `shm@ABSTRACT-NAME` or `tcp:HOST:PORT`.
-    #[arg(long)]
+    #[arg(long, value_parser = endpoint_arg)]
     endpoint: String,
     /// Spin instead of sleeping.
     #[arg(long)]
@@ -40,28 +40,35 @@ pub struct EchoArgs {
     /// Publish passes back in batches (`Channel::set_batching`).
     #[arg(long)]
     batch: bool,
-    /// Pin to this CPU.
-    #[arg(long)]
+    /// Pin to this CPU (0 to the number of CPUs less one).
+    #[arg(allow_negative_numbers = true, long, value_parser = crate::args::cpu)]
     cpu: Option<usize>,
 }
 
-/// Parse an endpoint descriptor.
-pub fn parse_endpoint(s: &str) -> Result<Endpoint, CliError> {
-    if let Some(path) = s.strip_prefix("shm:") {
+/// Parse an endpoint descriptor; the error says what is allowed (the
+/// caller names the flag).
+pub fn parse_endpoint(s: &str) -> Result<Endpoint, String> {
+    if let Some(path) = s.strip_prefix("shm:").filter(|p| !p.is_empty()) {
         return Ok(Endpoint::shm(path));
     }
-    if let Some(name) = s.strip_prefix("shm@") {
+    if let Some(name) = s.strip_prefix("shm@").filter(|n| !n.is_empty()) {
         return Ok(Endpoint::shm_abstract(name));
     }
     if let Some(hostport) = s.strip_prefix("tcp:") {
         use std::net::ToSocketAddrs;
-        let addr =
-            hostport.to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| {
-                CliError::Usage(format!("endpoint {s:?}: expected tcp:HOST:PORT (IPv6: tcp:[::1]:PORT)"))
-            })?;
-        return Ok(Endpoint::tcp(addr));
+        return hostport
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .map(Endpoint::tcp)
+            .ok_or_else(|| "not a reachable TCP address; give tcp:HOST:PORT (IPv6: tcp:[::1]:PORT)".to_string());
     }
-    Err(CliError::Usage(format!("endpoint {s:?}: expected shm:PATH, shm@NAME or tcp:HOST:PORT")))
+    Err("not an endpoint; give shm:PATH, shm@NAME or tcp:HOST:PORT".to_string())
+}
+
+/// `--endpoint`: checked when the command line is read.
+pub fn endpoint_arg(s: &str) -> Result<String, String> {
+    parse_endpoint(s).map(|_| s.to_string())
 }
 
 /// How the echo process is reached.
@@ -76,7 +83,8 @@ pub enum Transport {
 /// `ferry echo`: bind to the endpoint, echo until the peer closes, print
 /// how many buffers came through.
 pub fn run(args: &EchoArgs) -> Result<(), CliError> {
-    let ep = parse_endpoint(&args.endpoint)?;
+    let ep = parse_endpoint(&args.endpoint)
+        .map_err(|why| CliError::Usage(format!("--endpoint {}: {why}", args.endpoint)))?;
     if let Some(cpu) = args.cpu {
         pin::to_cpu(cpu);
     }
@@ -120,7 +128,12 @@ pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
                 return Ok(echoed);
             }
             Some(Event::Error(e)) => return Err(e.to_string()),
-            Some(other) => return Err(format!("echo: unexpected event {other:?}")),
+            Some(other) => {
+                return Err(format!(
+                    "the echo got {}, which it does not handle; check the other side",
+                    describe_event(&other)
+                ))
+            }
         }
     }
 }
@@ -149,7 +162,9 @@ pub fn spawn_process_on(
     };
     let exe = std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own executable: {e}")))?;
     let mut cmd = std::process::Command::new(exe);
-    cmd.args(["echo", "--endpoint", &endpoint, "--cpu", "1"]);
+    // CPU 1, or the only one there is.
+    let cpu = (1 % pin::cpus()).to_string();
+    cmd.args(["echo", "--endpoint", &endpoint, "--cpu", &cpu]);
     for (on, flag) in
         [(opts.busy, "--busy-poll"), (opts.touch, "--touch"), (opts.verify, "--verify"), (opts.batch, "--batch")]
     {
@@ -165,7 +180,10 @@ pub fn spawn_process_on(
         Some(Event::BindRequest { .. }) => Ok((source, child)),
         ev => {
             let _ = child.kill();
-            Err(CliError::Failed(format!("echo process did not bind: {ev:?}")))
+            Err(CliError::Failed(format!(
+                "the echo process did not bind: the channel gave {}; run the command again",
+                describe(&ev)
+            )))
         }
     }
 }

@@ -7,8 +7,10 @@
 
 use std::process::ExitCode;
 
+use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
 
+mod args;
 mod bench;
 mod demo;
 mod echo;
@@ -39,7 +41,17 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // Help and version go to stdout as clap writes them.
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => e.exit(),
+        Err(e) if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
+        Err(e) => {
+            let sub = std::env::args().nth(1).filter(|a| ["demo", "bench", "echo"].contains(&a.as_str()));
+            eprintln!("ferry: {}", args::usage_line(&e, sub.as_deref()));
+            return ExitCode::from(2);
+        }
+    };
     let result = match cli.command {
         Command::Demo(args) => demo::run(&args),
         Command::Bench(args) => bench::run(&args),
@@ -49,7 +61,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("ferry: {e}");
+            eprintln!("ferry: {}", e.sentence());
             ExitCode::from(e.exit_code())
         }
     }
@@ -63,6 +75,15 @@ pub enum CliError {
 }
 
 impl CliError {
+    /// The message as printed: what happened, then what to do (a failed
+    /// run whose message does not say gets the general advice).
+    fn sentence(&self) -> String {
+        match self {
+            CliError::Failed(m) if !m.contains("; ") => format!("{m}; the run stopped here, run the command again"),
+            CliError::Usage(m) | CliError::Failed(m) => m.clone(),
+        }
+    }
+
     fn exit_code(&self) -> u8 {
         match self {
             CliError::Usage(_) => 2,

@@ -10,7 +10,35 @@ use crate::CliError;
 const STEP: Duration = Duration::from_secs(10);
 
 fn unexpected(what: &str, ev: Option<Event>) -> CliError {
-    CliError::Failed(format!("while waiting for {what}: got {ev:?}"))
+    CliError::Failed(format!("while waiting for {what} the channel gave {}; run the command again", describe(&ev)))
+}
+
+/// What an event is, in words (for messages: never Rust's debug form).
+pub fn describe_event(ev: &Event) -> String {
+    match ev {
+        Event::BindRequest { .. } => "a bind request".into(),
+        Event::Bound => "the reply to our bind".into(),
+        Event::PoolAssignRequest(req) => format!("a request to assign pool {}", req.pool),
+        Event::PoolAssigned(id) => format!("the assignment of pool {id}"),
+        Event::PoolVetoed(id) => format!("a refusal of pool {id}"),
+        Event::PoolRemoved(id) => format!("the removal of pool {id}"),
+        Event::PoolRemoveRefused(id) => format!("a refusal to remove pool {id}"),
+        Event::MoveReceived { buffer, .. } => format!("buffer {} moved to us", buffer.id().index),
+        Event::BufferPassed { buffer, .. } => format!("buffer {} passed back", buffer.id().index),
+        Event::CopyReceived { copy, .. } => format!("a read-only copy of buffer {}", copy.id().index),
+        Event::CopyReleased { buffer, .. } => format!("the release of a copy of buffer {}", buffer.index),
+        Event::Closed { by_peer: true } => "the close of the channel by the peer".into(),
+        Event::Closed { by_peer: false } => "the close of the channel".into(),
+        Event::Error(e) => format!("an error ({e})"),
+    }
+}
+
+/// What a wait returned, in words: an event, or nothing in time.
+pub fn describe(ev: &Option<Event>) -> String {
+    match ev {
+        Some(ev) => describe_event(ev),
+        None => "nothing in time (the peer may be stuck or gone)".into(),
+    }
 }
 
 /// Create a channel in `creator` and bind `binder` to it, both in this

@@ -11,7 +11,7 @@ use crate::setup::ChannelState;
 pub enum Error {
     // --- pool geometry and setup -------------------------------------------------
     /// Buffer size must be a power of two and a multiple of the page size.
-    #[error("buffer size {size} is not a power of two multiple of the page size ({page})")]
+    #[error("buffer size {size} is not a power of two of at least the page size ({page} bytes); choose one such as {page}, 65536 or 1048576")]
     BadBufferSize {
         /// The size asked for.
         size: usize,
@@ -19,7 +19,7 @@ pub enum Error {
         page: usize,
     },
     /// A pool needs at least one buffer, and must fit in the address space.
-    #[error("buffer count {count} is out of range (1..={max})")]
+    #[error("a pool of {count} buffers of this size is not possible (1 to {max}, at most 1 TiB in all); ask for fewer or smaller buffers")]
     BadBufferCount {
         /// The count asked for.
         count: u64,
@@ -27,13 +27,13 @@ pub enum Error {
         max: u64,
     },
     /// An alignment that is not a power of two, or larger than the buffer size.
-    #[error("alignment {0} must be a power of two no larger than the buffer size")]
+    #[error("alignment {0} is not a power of two no larger than the buffer size; give such a power of two")]
     BadAlignment(usize),
     /// A setup parameter is invalid (the message says which).
-    #[error("invalid argument: {0}")]
+    #[error("a setup parameter is invalid: {0}; correct it and try again")]
     InvalidArgument(&'static str),
     /// The trust level is not supported by this backend.
-    #[error("trust level {trust:?} is not supported by the {backend} backend")]
+    #[error("trust level {} is not supported by the {backend} backend; choose another trust level or backend", trust_name(.trust))]
     TrustNotSupported {
         /// The level asked for.
         trust: TrustLevel,
@@ -41,55 +41,57 @@ pub enum Error {
         backend: &'static str,
     },
     /// A system call failed.
-    #[error("system call failed: {0}")]
+    #[error("the operating system refused a call ({0}); check memory, open-file and mapping limits and permissions")]
     Os(String),
 
     // --- endpoints and binding ---------------------------------------------------
     /// The endpoint already has a channel created on it.
-    #[error("endpoint already in use")]
+    #[error(
+        "the endpoint already has a channel created on it; create the channel on another endpoint, or bind to this one"
+    )]
     EndpointInUse,
     /// Bind to an endpoint that nobody created a channel on.
-    #[error("no channel is listening on that endpoint")]
+    #[error("no channel is listening on that endpoint; create a channel there first, or check the endpoint's name or address")]
     EndpointNotListening,
     /// The creator refused the bind (the message says why).
-    #[error("bind refused: {0}")]
+    #[error("the channel's creator refused the bind: {0}; bind with parameters it accepts")]
     BindRefused(&'static str),
 
     // --- channel-level preconditions (checked first) -------------------------------
     /// The channel is not connected (still binding, or closed).
-    #[error("channel is not connected (state {0:?})")]
+    #[error("the channel is not connected ({}); wait until it is bound, or open a new channel if it closed", state_words(.0))]
     NotConnected(ChannelState),
     /// The channel is tearing down: no new messages may be sent.
-    #[error("channel is tearing down")]
+    #[error("the channel is tearing down and takes no new messages; open a new channel to send more")]
     TearingDown,
     /// Move/copy need the local side to be the source (TX); pass/release the sink (RX).
-    #[error("operation not allowed in this channel direction")]
+    #[error("this operation belongs to the other end of the channel (move and copy to the source, pass and release to the sink); call it there")]
     WrongDirection,
 
     // --- buffer preconditions -----------------------------------------------------
     /// The buffer (or pool) handle belongs to another domain.
-    #[error("buffer belongs to another domain")]
+    #[error("the buffer or pool belongs to another domain; use it only in the domain that holds it")]
     ForeignBuffer,
     /// The buffer's pool is not assigned to this channel.
-    #[error("pool {0} is not assigned to this channel")]
+    #[error("pool {0} is not assigned to this channel; assign it and wait for the peer's acceptance first")]
     PoolNotAssigned(PoolId),
     /// A removal of the pool from this channel is pending.
-    #[error("pool {0} is being removed from this channel")]
+    #[error("pool {0} is being removed from this channel; wait until it is removed, then assign it again")]
     PoolRemovalPending(PoolId),
     /// Move and pass need read-write ownership; read-only copies are still out.
-    #[error("read-only copies of the buffer are still out")]
+    #[error("read-only copies of the buffer are still out; wait until every copy is released before writing, moving or passing it")]
     CopiesOutstanding,
     /// Release of a copy that was not received over this channel.
-    #[error("this copy was not received over this channel")]
+    #[error("this copy was not received over this channel; release it on the channel it arrived on")]
     NotCopyHolder,
     /// Releasing this copy would strand a copy forwarded from it.
-    #[error("a copy forwarded from this one is still out; it must come back first")]
+    #[error("a copy forwarded from this one is still out; release this one after that copy has come back")]
     CopiesForwarded,
     /// Full copy into its own source.
-    #[error("full copy source and destination are the same buffer")]
+    #[error("the source and the destination of the full copy are the same buffer; copy into another buffer")]
     SameBuffer,
     /// Meta data longer than the channel's meta size.
-    #[error("meta data of {len} bytes exceeds the channel's meta size {max}")]
+    #[error("meta data of {len} bytes exceeds the channel's meta size of {max} bytes; send at most {max} bytes, or create the channel with a larger meta size")]
     MetaTooLarge {
         /// Length given.
         len: usize,
@@ -99,13 +101,13 @@ pub enum Error {
 
     // --- pool assignment -----------------------------------------------------------
     /// The pool handle does not belong to this domain's pool list.
-    #[error("pool {0} is not known to this domain")]
+    #[error("pool {0} is not known to this domain; use a pool this domain made or accepted")]
     UnknownPool(PoolId),
     /// The pool is already assigned to (or pending on) this channel.
-    #[error("pool {0} is already assigned to this channel")]
+    #[error("pool {0} is already assigned to this channel (or its assignment is pending); use it as it is")]
     PoolAlreadyAssigned(PoolId),
     /// The pool's trust level differs from the channel's.
-    #[error("pool trust {pool:?} does not match channel trust {channel:?}")]
+    #[error("the pool's trust level {} differs from the channel's {}; use a pool made with the channel's trust level", trust_name(.pool), trust_name(.channel))]
     TrustMismatch {
         /// The pool's trust.
         pool: TrustLevel,
@@ -113,40 +115,66 @@ pub enum Error {
         channel: TrustLevel,
     },
     /// The pool still has copies out over this channel.
-    #[error("pool {0} still has copies out over this channel")]
+    #[error("pool {0} still has copies out over this channel; remove it after they are released")]
     PoolInUse(PoolId),
     /// No pool-assignment request for that pool is waiting for an answer.
-    #[error("no assignment request for pool {0} is pending")]
+    #[error("no assignment request for pool {0} is waiting for an answer; answer only pool-assignment requests that arrived")]
     NoPendingRequest(PoolId),
 
     // --- backend ---------------------------------------------------------------------
     /// The backend's queue is full; try again after polling the channel.
-    #[error("queue full")]
+    #[error("the channel's queue is full; poll the channel so the peer can take messages, then try again")]
     QueueFull,
     /// The peer went away (closed, crashed or unreachable).
-    #[error("peer is gone")]
+    #[error("the peer went away (closed, crashed or unreachable); open a new channel to go on")]
     PeerGone,
     /// The peer sent nothing (not even a keep-alive) or took none of our
     /// data for this long: it is treated as dead.
-    #[error("peer unresponsive for {0:?}")]
+    #[error("the peer sent nothing and took no data for {:.1} s, so it is treated as dead; check the peer and the network, then open a new channel", .0.as_secs_f64())]
     PeerUnresponsive(std::time::Duration),
     /// The peer sent something malformed or impossible; the channel is closed.
-    #[error("protocol violation by peer: {0}")]
+    #[error("the peer sent something malformed or impossible ({0}), so the channel was closed; check that both sides run the same version of Ferry")]
     Protocol(String),
     /// Waiting timed out.
-    #[error("timed out")]
+    #[error("waiting timed out; wait longer, or check that the peer is still working")]
     TimedOut,
+}
+
+/// A trust level in words (the library's spelling of seed 003's levels).
+fn trust_name(t: &TrustLevel) -> &'static str {
+    match t {
+        TrustLevel::Uninitialized => "UNINITIALIZED",
+        TrustLevel::None => "NONE",
+        TrustLevel::Half => "HALF",
+        TrustLevel::Full => "FULL",
+    }
+}
+
+/// What a channel in `state` is doing, in words.
+fn state_words(state: &ChannelState) -> &'static str {
+    match state {
+        ChannelState::Uninitialized => "it was never set up",
+        ChannelState::Initialized => "it is waiting for a peer to bind",
+        ChannelState::Binding => "it is waiting for the answer to its bind",
+        ChannelState::BindNegotiate => "its properties are still being negotiated",
+        ChannelState::Connected => "it is connected",
+        ChannelState::Teardown => "it is tearing down",
+        ChannelState::Closed => "it is closed",
+    }
+}
+
+impl Error {
+    /// A failed system call of `rustix`, as an [`Error::Os`]: the
+    /// `rustix` error type stays out of the public API.
+    #[allow(dead_code)]
+    pub(crate) fn from_errno(e: rustix::io::Errno) -> Self {
+        Error::Os(std::io::Error::from(e).to_string())
+    }
 }
 
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
         Error::Os(e.to_string())
-    }
-}
-
-impl From<rustix::io::Errno> for Error {
-    fn from(e: rustix::io::Errno) -> Self {
-        Error::Os(std::io::Error::from(e).to_string())
     }
 }
 
@@ -191,3 +219,91 @@ impl<T> From<Refused<T>> for Error {
 
 /// Result alias for the library.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// One value of every variant.
+    fn every_variant() -> Vec<Error> {
+        let pool = PoolId::from_u128(3);
+        vec![
+            Error::BadBufferSize { size: 1000, page: 4096 },
+            Error::BadBufferCount { count: 16, max: 1 },
+            Error::BadAlignment(3),
+            Error::InvalidArgument("queue depth must be a power of two in 2..=65536"),
+            Error::TrustNotSupported { trust: TrustLevel::None, backend: "local" },
+            Error::Os(std::io::Error::from_raw_os_error(12).to_string()),
+            Error::EndpointInUse,
+            Error::EndpointNotListening,
+            Error::BindRefused("trust level mismatch"),
+            Error::NotConnected(ChannelState::BindNegotiate),
+            Error::TearingDown,
+            Error::WrongDirection,
+            Error::ForeignBuffer,
+            Error::PoolNotAssigned(pool),
+            Error::PoolRemovalPending(pool),
+            Error::CopiesOutstanding,
+            Error::NotCopyHolder,
+            Error::CopiesForwarded,
+            Error::SameBuffer,
+            Error::MetaTooLarge { len: 50, max: 16 },
+            Error::UnknownPool(pool),
+            Error::PoolAlreadyAssigned(pool),
+            Error::TrustMismatch { pool: TrustLevel::Half, channel: TrustLevel::Full },
+            Error::PoolInUse(pool),
+            Error::NoPendingRequest(pool),
+            Error::QueueFull,
+            Error::PeerGone,
+            Error::PeerUnresponsive(Duration::from_millis(5200)),
+            Error::Protocol("frame type 122: unknown".into()),
+            Error::TimedOut,
+        ]
+    }
+
+    /// Every message is one lowercase sentence (it follows a program's name
+    /// or another message's colon) that says what happened, then after a
+    /// semicolon what to do; no Rust syntax or type names leak into it.
+    #[test]
+    fn every_message_says_what_happened_and_what_to_do() {
+        for e in every_variant() {
+            let text = e.to_string();
+            let first = text.chars().next().expect("not empty");
+            assert!(first.is_lowercase() || first.is_ascii_digit(), "not lowercase: {text}");
+            assert!(!text.ends_with('.') && !text.contains('\n'), "not one sentence: {text}");
+            let (what, todo) = text.split_once("; ").unwrap_or_else(|| panic!("no advice: {text}"));
+            assert!(what.len() > 10 && todo.len() > 10, "{text}");
+            for debug in
+                ["Some(", "None)", "Error(", "PoolId(", "{", "}", "\"", "::", "BindNegotiate", "Half", "Full", "5.2s"]
+            {
+                assert!(!text.contains(debug), "{debug:?} in {text}");
+            }
+        }
+    }
+
+    #[test]
+    fn values_are_named_in_words() {
+        let s = Error::NotConnected(ChannelState::Closed).to_string();
+        assert!(s.contains("it is closed"), "{s}");
+        let s = Error::TrustMismatch { pool: TrustLevel::Half, channel: TrustLevel::Full }.to_string();
+        assert!(s.contains("HALF") && s.contains("FULL"), "{s}");
+        let s = Error::PeerUnresponsive(Duration::from_millis(5200)).to_string();
+        assert!(s.contains("5.2 s"), "{s}");
+        let s = Error::PoolNotAssigned(PoolId::from_u128(3)).to_string();
+        assert!(s.contains("pool 0000000000000003 "), "{s}");
+        assert_ne!(
+            Error::UnknownPool(PoolId::from_u128(1)).to_string(),
+            Error::UnknownPool(PoolId::from_u128(2)).to_string()
+        );
+        // Ids whose halves fold to zero still print something that tells them apart.
+        let same_halves = PoolId::from_u128((5 << 64) | 5).to_string();
+        assert_eq!(same_halves, format!("{:032x}", (5u128 << 64) | 5));
+    }
+
+    #[test]
+    fn os_errors_keep_the_reason() {
+        let e = Error::from_errno(rustix::io::Errno::NOMEM);
+        assert!(matches!(&e, Error::Os(why) if why.contains("os error 12")), "{e}");
+    }
+}

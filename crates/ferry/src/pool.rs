@@ -69,8 +69,15 @@ impl fmt::Debug for PoolId {
 
 impl fmt::Display for PoolId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Short form, enough to tell pools apart in logs.
-        write!(f, "{:08x}", (self.0 >> 96) as u32)
+        // Short form: 16 hex digits folding all 128 bits, so ids that differ
+        // anywhere (random ones, and small ones made with `from_u128`)
+        // print differently; the full 32 digits when the fold would be zero.
+        let fold = (self.0 >> 64) as u64 ^ self.0 as u64;
+        if fold == 0 && self.0 != 0 {
+            write!(f, "{:032x}", self.0)
+        } else {
+            write!(f, "{fold:016x}")
+        }
     }
 }
 

@@ -12,14 +12,14 @@ use super::point::{Head, Point};
 use super::progress::Progress;
 use super::rig::{self, EchoRole, EchoSpec, Rig};
 use super::{compare, peers, Backend, Ctx, Experiment};
-use crate::setup::{next_event, send_when_room};
+use crate::setup::{describe, next_event, send_when_room};
 use crate::stats::{round, Summary};
 use crate::{pattern, CliError};
 
 /// [ETH-NET] §5.1.3/§5.1.4: operations per run.
 pub const MOVES_PER_RUN: usize = 250;
 /// Buffers in the rtt pool (one is out at a time).
-const RTT_POOL: usize = 16;
+pub const RTT_POOL: usize = 16;
 
 fn runs(ctx: &Ctx<'_>) -> usize {
     ctx.args.runs.unwrap_or(match ctx.args.experiment {
@@ -37,19 +37,19 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let runs = runs(ctx);
     if !a.compare {
         if !primary.is_ferry() {
-            ctx.progress = Progress::new(((runs + 1) * sizes.len()) as u64, a.json);
+            ctx.progress = Progress::new((runs * sizes.len()) as u64, a.json);
             // As given: the peer has its own default (the eventfd floor has no size at all).
             for p in peers::measure(ctx, primary, &a.sizes)? {
                 ctx.emit(p);
             }
             return Ok(());
         }
-        ctx.progress = Progress::new(((runs + 1) * sizes.len()) as u64, a.json);
+        ctx.progress = Progress::new((runs * sizes.len()) as u64, a.json);
     }
     let others = if a.compare { compare::baselines(a)? } else { Vec::new() };
     let rounds = if a.compare { a.rounds } else { 1 };
     if a.compare {
-        let per_round = (runs + 1) * sizes.len() * (1 + others.len());
+        let per_round = runs * sizes.len() * (1 + others.len());
         ctx.progress = Progress::new((per_round * rounds) as u64, a.json);
     }
     let mut kept: Option<Rig> = None;
@@ -64,7 +64,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
             for &b in &others {
                 // The eventfd floor has no payload: once per round.
                 if b == Backend::Eventfd && i > 0 {
-                    ctx.progress.inc((runs + 1) as u64);
+                    ctx.progress.inc(runs as u64);
                     continue;
                 }
                 ctx.progress.say(format!("{} {} {size} B", a.experiment.name(), b.name()));
@@ -164,14 +164,21 @@ fn rtt(
             send_when_room(buf, busy, |b| rig.source.move_buffer(b, &(i as u64).to_le_bytes()))?;
             match next_event(&mut rig.source, busy) {
                 Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
-                ev => return Err(CliError::Failed(format!("rtt: expected the buffer back, got {ev:?}"))),
+                ev => {
+                    return Err(CliError::Failed(format!(
+                        "rtt: the source expected the buffer back but got {}; run the benchmark again",
+                        describe(&ev)
+                    )))
+                }
             }
             let dt = t0.elapsed();
             if run > 0 {
                 samples.push(dt.as_secs_f64() * 1e6);
             }
         }
-        ctx.progress.inc(1);
+        if run > 0 {
+            ctx.progress.inc(1);
+        }
     }
     let summary = Summary::of(&samples).ok_or_else(|| CliError::Failed("no samples".into()))?;
     let extra = if a.idle_us > 0 { json!({ "idle_us": a.idle_us }) } else { json!({}) };
@@ -220,7 +227,12 @@ fn throughput(
                         got += 1;
                     }
                     None if got > 0 => break,
-                    ev => return Err(CliError::Failed(format!("throughput: expected buffers back, got {ev:?}"))),
+                    ev => {
+                        return Err(CliError::Failed(format!(
+                            "throughput: the source expected buffers back but got {}; run the benchmark again",
+                            describe(&ev)
+                        )))
+                    }
                 }
             }
         }
@@ -228,7 +240,9 @@ fn throughput(
         if run > 0 {
             rates.push(moves as f64 / secs / 1e6);
         }
-        ctx.progress.inc(1);
+        if run > 0 {
+            ctx.progress.inc(1);
+        }
     }
     let summary = Summary::of(&rates).ok_or_else(|| CliError::Failed("no samples".into()))?;
     let gbit = round(summary.median * 1e6 * size as f64 * 8.0 / 1e9);

@@ -26,10 +26,10 @@ enum Role {
 #[derive(Debug, Args)]
 struct FbufsEchoArgs {
     /// Endpoint to bind to (`shm@NAME`, `shm:PATH`).
-    #[arg(long)]
+    #[arg(long, value_parser = echo::endpoint_arg)]
     endpoint: String,
     /// Pin to this CPU.
-    #[arg(long)]
+    #[arg(allow_negative_numbers = true, long, value_parser = crate::args::cpu)]
     cpu: Option<usize>,
     /// Spin instead of sleeping.
     #[arg(long)]
@@ -61,7 +61,8 @@ pub fn run(a: &ChildArgs) -> Result<(), CliError> {
             if let Some(cpu) = e.cpu {
                 pin::to_cpu(cpu);
             }
-            let ep = echo::parse_endpoint(&e.endpoint)?;
+            let ep = echo::parse_endpoint(&e.endpoint)
+                .map_err(|why| CliError::Usage(format!("--endpoint {}: {why}", e.endpoint)))?;
             let domain = Domain::new("fbufs-receiver");
             let mut ch = Channel::bind(&domain, &ep, BindParams::default())?;
             let n = fbufs::serve(&mut ch, e.busy_poll).map_err(CliError::Failed)?;

@@ -143,6 +143,7 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
             } else {
                 format!("Ferry {}× slower", round(1.0 / faster))
             };
+            let unit = super::point::unit_text(&unit);
             println!(
                 "  {:<11} {what:>10} {unit:<7} {ferry} / {base}: {}  → {verdict}",
                 ctx.args.experiment.name(),

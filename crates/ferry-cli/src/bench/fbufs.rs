@@ -36,7 +36,7 @@ use super::point::{Head, Point};
 use super::progress::Progress;
 use super::rig::{self, EchoRole, EchoSpec};
 use super::{compare, peers, trust_error, Backend, Ctx, Trust};
-use crate::setup::{next_event, send_when_room};
+use crate::setup::{describe, describe_event, next_event, send_when_room};
 use crate::stats::{fit_line, round, Summary};
 use crate::CliError;
 
@@ -92,13 +92,15 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let a = ctx.args;
     if a.touch {
         return Err(CliError::Usage(
-            "fbufs-table: --touch does not apply (every transfer writes and reads one word per page, as in seed 000)"
+            "--touch does not apply to fbufs-table (every transfer writes and reads one word per page, as in seed 000); leave it out"
                 .into(),
         ));
     }
     let secured = a.trust();
     if secured == Trust::Full {
-        return Err(CliError::Usage("fbufs-table: --trust sets the secured rows: half or none".into()));
+        return Err(CliError::Usage(
+            "--trust full: in fbufs-table --trust sets the secured rows, which protect; give half or none".into(),
+        ));
     }
     let backend = a.backend();
     let sizes = if a.sizes.is_empty() { default_sizes() } else { a.sizes.clone() };
@@ -108,7 +110,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         probe_trust(backend, secured)?;
     } else if !matches!(backend, Backend::UdsCopy | Backend::TcpCopy | Backend::PipeCopy) {
         return Err(CliError::Usage(format!(
-            "fbufs-table --backend {}: use local or shm (Ferry), or a copy baseline (uds-copy, tcp-copy, pipe-copy)",
+            "--backend {}: fbufs-table does not run on it; give local or shm (Ferry), or a copy baseline (uds-copy, tcp-copy, pipe-copy)",
             backend.name()
         )));
     }
@@ -117,7 +119,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         copies = vec![backend];
     }
     let rounds = if a.compare { a.rounds } else { 1 };
-    let per_round = (runs + 1) * sizes.len() * (if ferry { 4 } else { 0 } + copies.len());
+    let per_round = runs * sizes.len() * (if ferry { 4 } else { 0 } + copies.len());
     ctx.progress = Progress::new((per_round * rounds) as u64, a.json);
     for round_no in 1..=rounds {
         let tag = |p: &mut Point| {
@@ -149,7 +151,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
             }
             args.extend(["--runs".into(), runs.to_string()]);
             let pts = peers::invoke(b, "fbufs", &args)?;
-            ctx.progress.inc(((runs + 1) * sizes.len()) as u64);
+            ctx.progress.inc((runs * sizes.len()) as u64);
             let mut per_run = Vec::new();
             for mut p in pts {
                 let size = p.size();
@@ -251,7 +253,12 @@ fn transfer_point(
             rig.source.move_buffer(buf, &seq.to_le_bytes())?;
             match next_event(&mut rig.source, busy) {
                 Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
-                ev => return Err(CliError::Failed(format!("fbufs: expected the buffer back, got {ev:?}"))),
+                ev => {
+                    return Err(CliError::Failed(format!(
+                        "fbufs-table: the originator expected the buffer back but got {}; run the benchmark again",
+                        describe(&ev)
+                    )))
+                }
             }
             if cached.is_none() {
                 rig.remove(alloc)?;
@@ -262,7 +269,9 @@ fn transfer_point(
             medians.push(Summary::of(&times).expect("transfers").median);
             samples.extend(times);
         }
-        ctx.progress.inc(1);
+        if run > 0 {
+            ctx.progress.inc(1);
+        }
     }
     rig::check_echoed(rig.finish()?, seq)?;
     let s = Summary::of(&samples).ok_or_else(|| CliError::Failed("no samples".into()))?;
@@ -303,7 +312,7 @@ fn slope_point(
         }
     }
     let s = Summary::of(&slopes).ok_or_else(|| {
-        CliError::Usage("fbufs-table: the per-page cost needs at least two different --size values".into())
+        CliError::Usage("fbufs-table: the per-page cost needs two different sizes; give --size at least twice".into())
     })?;
     let intercept = Summary::of(&intercepts).map_or(0.0, |i| i.median);
     let asymptotic = if s.median > 0.0 { json!(gbit(PAGE, s.median)) } else { Value::Null };
@@ -338,7 +347,9 @@ pub fn serve(ch: &mut Channel, busy: bool) -> Result<u64, String> {
             }
             Some(Event::Closed { .. }) | None => return Ok(n),
             Some(Event::Error(e)) => return Err(e.to_string()),
-            Some(other) => return Err(format!("fbufs echo: unexpected event {other:?}")),
+            Some(other) => {
+                return Err(format!("the fbufs receiver got {}, which it does not handle", describe_event(&other)))
+            }
         }
     }
 }

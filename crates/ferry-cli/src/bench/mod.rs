@@ -31,8 +31,59 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 
+use crate::args::{whole, MAX_SIZE};
 use crate::CliError;
 pub use point::Point;
+
+/// Most runs per point.
+const MAX_RUNS: u64 = 10_000;
+/// Most moves in flight.
+const MAX_INFLIGHT: u64 = 16_384;
+/// Most moves per throughput run (about a minute at Ferry's slowest rate).
+const MAX_MOVES: u64 = 100_000_000;
+/// Most bytes per pipeline run.
+const MAX_TOTAL: u64 = 64 << 30;
+
+/// `--plot`: a `.svg` file in a directory that exists.
+fn svg_path(s: &str) -> Result<PathBuf, String> {
+    let p = PathBuf::from(s);
+    if p.extension().and_then(|e| e.to_str()) != Some("svg") {
+        return Err("not an SVG file name; give a file name ending in .svg".into());
+    }
+    match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() && !d.is_dir() => {
+            Err(format!("no directory {}; give a file in a directory that exists", d.display()))
+        }
+        _ => Ok(p),
+    }
+}
+
+/// `--iperf3-gbit`: a rate in Gbit/s.
+fn gbit_s(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(g) if g > 0.0 && g <= 10_000.0 => Ok(g),
+        _ => Err("not a rate; give Gbit/s as a number more than 0 and at most 10000".into()),
+    }
+}
+
+/// Bytes of memory this machine has (`MemTotal`), if it says.
+fn memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// How many buffers of one size Ferry's pool holds in this experiment
+/// (every one is written before measuring).
+fn pool_buffers(a: &BenchArgs) -> usize {
+    match a.experiment {
+        Experiment::Rtt => channel::RTT_POOL,
+        Experiment::Throughput => a.inflight.unwrap_or(250),
+        Experiment::FbufsTable => 4,
+        Experiment::Pipeline => a.inflight.unwrap_or(16),
+    }
+}
 use progress::Progress;
 
 /// The experiments.
@@ -151,20 +202,21 @@ pub struct BenchArgs {
     /// Which transport (default: local; pipeline: shm and pipes side by side).
     #[arg(long, value_enum)]
     pub backend: Option<Backend>,
-    /// Buffer size in bytes (Ferry: a power of two ≥ 4096); repeatable.
-    #[arg(long = "size")]
+    /// Buffer size in bytes, at most 1 GiB (Ferry: a power of two ≥ 4096); repeatable.
+    #[arg(allow_negative_numbers = true, long = "size", value_parser = whole::<usize>(1, MAX_SIZE))]
     pub sizes: Vec<usize>,
     /// Runs per point (rtt: runs of 250 round trips, default 100; throughput: runs of --moves
     /// moves, default 20; fbufs-table: runs of 25 transfers per size, default 10; pipeline:
-    /// runs of --total bytes, default 3). One more warm-up run is never recorded.
-    #[arg(long)]
+    /// runs of --total bytes, default 3); 1 to 10 000. One more warm-up run is never recorded.
+    #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, MAX_RUNS))]
     pub runs: Option<usize>,
-    /// Moves in flight at once (throughput: default 250; pipeline: buffers in the chain, default 16).
-    #[arg(long)]
+    /// Moves in flight at once (throughput: default 250; pipeline: buffers in the chain, default
+    /// 16); 1 to 16 384.
+    #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, MAX_INFLIGHT))]
     pub inflight: Option<usize>,
     /// Moves per throughput run (default 50 000; above 64 KiB with --touch, and for the copying
-    /// peers, 2 GiB per run).
-    #[arg(long)]
+    /// peers, 2 GiB per run); at least --inflight, at most 100 000 000.
+    #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, MAX_MOVES))]
     pub moves: Option<usize>,
     /// Spin on the channel instead of sleeping (the default, except for pipeline).
     #[arg(long, conflicts_with = "blocking")]
@@ -186,8 +238,8 @@ pub struct BenchArgs {
     /// One JSON object per measured point on stdout.
     #[arg(long)]
     pub json: bool,
-    /// Draw the points into this SVG file.
-    #[arg(long, value_name = "FILE.svg")]
+    /// Draw the points into this SVG file (its directory must exist).
+    #[arg(long, value_name = "FILE.svg", value_parser = svg_path)]
     pub plot: Option<PathBuf>,
     /// Run Ferry and its baselines/peers alternately (--rounds times) and print the ratios.
     #[arg(long)]
@@ -195,25 +247,26 @@ pub struct BenchArgs {
     /// With --compare: the baselines/peers to run (default: every one that applies and is built).
     #[arg(long, value_enum, value_delimiter = ',')]
     pub against: Vec<Backend>,
-    /// With --compare: how many times each is measured, alternately.
-    #[arg(long, default_value_t = 2)]
+    /// With --compare: how many times each is measured, alternately (1 to 100).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 2, value_parser = whole::<usize>(1, 100))]
     pub rounds: usize,
     /// shm (net): use an echo domain started by hand (`ferry echo --endpoint ENDPOINT`, started
     /// after this command is waiting) instead of starting one; rtt and throughput only.
     #[arg(long, value_name = "ENDPOINT")]
     pub peer: Option<String>,
     /// rtt: pause this many µs between round trips, so a blocking channel goes idle and the
-    /// measured path is the doorbell/sleep path rather than the spin.
-    #[arg(long, default_value_t = 0)]
+    /// measured path is the doorbell/sleep path rather than the spin (0 to 10 000 000, i.e. 10 s).
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0, value_parser = whole::<u64>(0, 10_000_000))]
     pub idle_us: u64,
-    /// pipeline: bytes passed end to end per run (a multiple of --size).
-    #[arg(long, default_value_t = 1 << 30)]
-    pub total: u64,
-    /// pipeline: processes in the chain (2..=8); repeatable (default 2, 3, 4, 5).
-    #[arg(long = "stages")]
+    /// pipeline: bytes passed end to end per run (a multiple of --size, at most 64 GiB; default 1 GiB).
+    #[arg(allow_negative_numbers = true, long, value_parser = whole::<u64>(4096, MAX_TOTAL))]
+    pub total: Option<u64>,
+    /// pipeline: processes in the chain (2 to 8); repeatable (default 2, 3, 4, 5).
+    #[arg(allow_negative_numbers = true, long = "stages", value_parser = whole::<usize>(2, 8))]
     pub stages: Vec<usize>,
-    /// Plots of throughput: draw a loopback iperf3 line at this many Gbit/s (measured elsewhere).
-    #[arg(long, value_name = "GBIT_S")]
+    /// Plots of throughput: draw a loopback iperf3 line at this many Gbit/s (measured elsewhere;
+    /// more than 0, at most 10 000).
+    #[arg(allow_negative_numbers = true, long, value_name = "GBIT_S", value_parser = gbit_s)]
     pub iperf3_gbit: Option<f64>,
 }
 
@@ -242,6 +295,11 @@ impl BenchArgs {
         } else {
             "blocking"
         }
+    }
+
+    /// pipeline: bytes per run (default 1 GiB).
+    pub fn total(&self) -> u64 {
+        self.total.unwrap_or(1 << 30)
     }
 
     /// The trust level asked for (default full; fbufs-table: half for the secured rows).
@@ -285,7 +343,7 @@ pub fn check_pool_sizes(sizes: &[usize]) -> Result<(), CliError> {
     for &size in sizes {
         if !size.is_power_of_two() || size < 4096 {
             return Err(usage(format!(
-                "--size {size}: pool buffers must be a power of two of at least 4096 bytes (e.g. 4096, 65536, 1048576)"
+                "--size {size}: not a power of two of at least 4096 bytes, as Ferry's pool buffers are; give e.g. 4096, 65536 or 1048576"
             )));
         }
     }
@@ -295,8 +353,15 @@ pub fn check_pool_sizes(sizes: &[usize]) -> Result<(), CliError> {
 /// Map the library's "trust level not supported" to a usage error (exit 2).
 pub fn trust_error(e: ::ferry::Error) -> CliError {
     match e {
-        ::ferry::Error::TrustNotSupported { .. } => {
-            usage(format!("--trust: {e} yet; use --trust full or --trust half"))
+        ::ferry::Error::TrustNotSupported { trust, backend } => {
+            let name = match trust {
+                ::ferry::TrustLevel::None => "none",
+                ::ferry::TrustLevel::Half => "half",
+                _ => "full",
+            };
+            usage(format!(
+                "--trust {name}: the {backend} backend does not offer this trust level; give --trust full or half"
+            ))
         }
         e => e.into(),
     }
@@ -304,23 +369,36 @@ pub fn trust_error(e: ::ferry::Error) -> CliError {
 
 fn validate(a: &BenchArgs) -> Result<(), CliError> {
     let backend = a.backend();
-    if a.runs == Some(0) {
-        return Err(usage("--runs must be at least 1"));
+    let exp = a.experiment;
+    let only = |flag: &str, given: bool, applies: bool, to: &str| {
+        if given && !applies {
+            Err(usage(format!("{flag} applies to {to} only; leave it out for {}", exp.name())))
+        } else {
+            Ok(())
+        }
+    };
+    only("--idle-us", a.idle_us > 0, exp == Experiment::Rtt, "rtt")?;
+    only("--moves", a.moves.is_some(), exp == Experiment::Throughput, "throughput")?;
+    let windowed = matches!(exp, Experiment::Throughput | Experiment::Pipeline);
+    only("--inflight", a.inflight.is_some(), windowed, "throughput and pipeline")?;
+    only("--stages", !a.stages.is_empty(), exp == Experiment::Pipeline, "pipeline")?;
+    only("--total", a.total.is_some(), exp == Experiment::Pipeline, "pipeline")?;
+    if exp == Experiment::FbufsTable && !a.sizes.is_empty() {
+        let mut distinct = a.sizes.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() < 2 {
+            return Err(usage(format!(
+                "--size {}: fbufs-table fits its per-page cost over two sizes or more; give --size at least twice, with different sizes",
+                a.sizes[0]
+            )));
+        }
     }
-    if a.rounds == 0 {
-        return Err(usage("--rounds must be at least 1"));
-    }
-    if a.inflight.is_some_and(|n| n == 0 || n > 16384) {
-        return Err(usage("--inflight must be between 1 and 16384"));
-    }
-    if a.idle_us > 0 && a.experiment != Experiment::Rtt {
-        return Err(usage("--idle-us applies to rtt only"));
-    }
-    if a.idle_us > 10_000_000 {
-        return Err(usage("--idle-us: at most 10 000 000 (10 s)"));
+    if a.iperf3_gbit.is_some() && a.plot.is_none() {
+        return Err(usage("--iperf3-gbit draws a line into the plot; give --plot FILE.svg too"));
     }
     if !a.against.is_empty() && !a.compare {
-        return Err(usage("--against needs --compare"));
+        return Err(usage("--against needs --compare; add --compare"));
     }
     if let Some(b) = a.against.iter().find(|b| b.is_ferry()) {
         return Err(usage(format!(
@@ -329,28 +407,61 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
         )));
     }
     if a.compare && !backend.is_ferry() {
-        return Err(usage("--compare runs Ferry against its baselines: choose a Ferry --backend (local, shm or net)"));
+        return Err(usage(format!(
+            "--compare with --backend {}: --compare runs Ferry against its baselines; choose --backend local, shm or net",
+            backend.name()
+        )));
     }
     if a.peer.is_some() {
         if !matches!(backend, Backend::Shm | Backend::Net) {
-            return Err(usage("--peer needs --backend shm or net (an echo process started by hand)"));
+            return Err(usage("--peer needs --backend shm or net (an echo process started by hand); add one"));
         }
-        if !matches!(a.experiment, Experiment::Rtt | Experiment::Throughput) {
+        if !matches!(exp, Experiment::Rtt | Experiment::Throughput) {
             return Err(usage(
-                "--peer applies to rtt and throughput (the other experiments start their own processes)",
+                "--peer applies to rtt and throughput only (the other experiments start their own processes)",
             ));
         }
     }
     if backend.is_ferry() {
         check_pool_sizes(&a.sizes)?;
+        let window = a.inflight.unwrap_or(250);
+        if exp == Experiment::Throughput && a.moves.is_some_and(|m| m < window) {
+            return Err(usage(format!(
+                "--moves {}: fewer than the {window} moves in flight (--inflight); give at least {window}, or a smaller --inflight",
+                a.moves.unwrap_or(0)
+            )));
+        }
+        check_pool_memory(a)?;
     }
-    if backend == Backend::Eventfd && a.experiment != Experiment::Rtt {
-        return Err(usage("--backend eventfd: the wake-up floor has no payload; rtt only"));
-    }
-    if a.plot.as_ref().is_some_and(|p| p.extension().and_then(|e| e.to_str()) != Some("svg")) {
-        return Err(usage("--plot: give a file name ending in .svg"));
+    if backend == Backend::Eventfd && exp != Experiment::Rtt {
+        return Err(usage("--backend eventfd: the wake-up floor has no payload; use it with rtt only"));
     }
     Ok(())
+}
+
+/// Refuse pools that would not fit in memory: Ferry writes every buffer
+/// of its pool before measuring.
+fn check_pool_memory(a: &BenchArgs) -> Result<(), CliError> {
+    let Some(mem) = memory_bytes() else { return Ok(()) };
+    let count = pool_buffers(a) as u64;
+    for &size in &a.sizes {
+        let bytes = count.saturating_mul(size as u64);
+        if bytes > mem / 2 {
+            let most = (mem / 2 / count).next_power_of_two() / 2;
+            return Err(usage(format!(
+                "--size {size}: a pool of {count} such buffers needs {} MiB, more than half of this machine's {} MiB; \
+                 give at most --size {most}{}",
+                bytes >> 20,
+                mem >> 20,
+                if windowed_pool(a) { " or a smaller --inflight" } else { "" }
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn windowed_pool(a: &BenchArgs) -> bool {
+    matches!(a.experiment, Experiment::Throughput | Experiment::Pipeline)
 }
 
 /// `ferry bench`.
@@ -410,6 +521,21 @@ mod tests {
             &["throughput", "--backend", "eventfd"],
             &["rtt", "--plot", "x.png"],
             &["rtt", "--busy-poll", "--blocking"],
+            &["rtt", "--size", "1099511627776"],
+            &["rtt", "--size", "0"],
+            &["rtt", "--runs", "-1"],
+            &["rtt", "--moves", "100"],
+            &["rtt", "--inflight", "8"],
+            &["throughput", "--moves", "0"],
+            &["throughput", "--moves", "100"],
+            &["throughput", "--size", "1073741824"],
+            &["throughput", "--iperf3-gbit", "5"],
+            &["pipeline", "--stages", "1"],
+            &["pipeline", "--total", "0"],
+            &["rtt", "--stages", "2"],
+            &["rtt", "--rounds", "0"],
+            &["fbufs-table", "--size", "4096"],
+            &["fbufs-table", "--size", "4096", "--size", "4096"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }

@@ -140,6 +140,6 @@ pub fn measure(ctx: &Ctx<'_>, backend: Backend, sizes: &[usize]) -> Result<Vec<P
     }
     let pts = invoke(backend, a.experiment.name(), &args)?;
     let runs = a.runs.unwrap_or(if a.experiment == Experiment::Rtt { 100 } else { 20 });
-    ctx.progress.inc(((runs + 1) * sizes.len().max(1)) as u64);
+    ctx.progress.inc((runs * sizes.len().max(1)) as u64);
     Ok(pts)
 }

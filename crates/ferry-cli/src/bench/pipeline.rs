@@ -41,7 +41,7 @@ use serde_json::json;
 use super::point::{Head, Point};
 use super::progress::Progress;
 use super::{check_pool_sizes, compare, Backend, Ctx};
-use crate::setup::send_when_room;
+use crate::setup::{describe_event, send_when_room};
 use crate::stats::{round, Summary};
 use crate::{pattern, CliError};
 
@@ -103,7 +103,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         (Some(Backend::PipeCopy), false) => vec![Variant::Pipe],
         (Some(b), _) => {
             return Err(CliError::Usage(format!(
-                "pipeline --backend {}: the stages are processes; use shm (Ferry) or pipe-copy (pipes), or neither for both",
+                "--backend {}: the pipeline's stages are processes; give shm (Ferry) or pipe-copy (pipes), or neither for both",
                 b.name()
             )))
         }
@@ -114,24 +114,25 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let sizes = if a.sizes.is_empty() { vec![1 << 20] } else { a.sizes.clone() };
     check_pool_sizes(&sizes)?;
     let stages = if a.stages.is_empty() { vec![2, 3, 4, 5] } else { a.stages.clone() };
-    if let Some(n) = stages.iter().find(|n| !(2..=8).contains(*n)) {
-        return Err(CliError::Usage(format!("--stages {n}: a chain has 2 to 8 processes")));
-    }
     for &size in &sizes {
-        if a.total < size as u64 || a.total % size as u64 != 0 {
-            return Err(CliError::Usage(format!("--total {}: must be a positive multiple of --size {size}", a.total)));
+        if a.total() < size as u64 || a.total() % size as u64 != 0 {
+            return Err(CliError::Usage(format!(
+                "--total {}: not a multiple of --size {size}; give a multiple such as {}",
+                a.total(),
+                (a.total() / size as u64).max(1) * size as u64
+            )));
         }
     }
     let window = a.inflight.unwrap_or(16);
     let runs = a.runs.unwrap_or(3);
     let rounds = if variants.len() > 1 { a.rounds } else { 1 };
-    let total_units = stages.len() * sizes.len() * rounds * variants.len() * (runs + 1);
+    let total_units = stages.len() * sizes.len() * rounds * variants.len() * runs;
     ctx.progress = Progress::new(total_units as u64, a.json);
     for &size in &sizes {
         for &n in &stages {
             for round_no in 1..=rounds {
                 for &v in &variants {
-                    ctx.progress.say(format!("pipeline {n} stages {:?}", v));
+                    ctx.progress.say(format!("pipeline {n} stages {}", v.backend().name()));
                     let mut p = point(ctx, v, n, size, window, runs)?;
                     if rounds > 1 {
                         p.set("round", json!(round_no));
@@ -146,14 +147,16 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
 
 fn point(ctx: &Ctx<'_>, v: Variant, n: usize, size: usize, window: usize, runs: usize) -> Result<Point, CliError> {
     let a = ctx.args;
-    let mut chain = Chain::start(v, n, size, a.total, window, a.busy(), a.touch)?;
+    let mut chain = Chain::start(v, n, size, a.total(), window, a.busy(), a.touch)?;
     let mut rates = Vec::with_capacity(runs);
     for run in 0..=runs {
         let secs = chain.run_once()?;
         if run > 0 {
-            rates.push(a.total as f64 / secs / 1e9);
+            rates.push(a.total() as f64 / secs / 1e9);
         }
-        ctx.progress.inc(1);
+        if run > 0 {
+            ctx.progress.inc(1);
+        }
     }
     chain.stop()?;
     let s = Summary::of(&rates).ok_or_else(|| CliError::Failed("no samples".into()))?;
@@ -172,7 +175,7 @@ fn point(ctx: &Ctx<'_>, v: Variant, n: usize, size: usize, window: usize, runs: 
         unit: "GB/s",
     };
     let mut extra = json!({
-        "stages": n, "total": a.total, "copies_kernel": kernel, "gbit_s_median": round(s.median * 8.0),
+        "stages": n, "total": a.total(), "copies_kernel": kernel, "gbit_s_median": round(s.median * 8.0),
     });
     if v == Variant::Ferry {
         extra["inflight"] = json!(window);
@@ -285,7 +288,11 @@ impl Chain {
         loop {
             match self.lines.recv_timeout(Duration::from_millis(100)) {
                 Ok((at, line)) if line.starts_with(what) => return Ok(at),
-                Ok((_, line)) => return Err(CliError::Failed(format!("pipeline: consumer said {line:?}, not {what}"))),
+                Ok((_, line)) => {
+                    return Err(CliError::Failed(format!(
+                        "pipeline: the consumer stage said \"{line}\" instead of {what}; run the benchmark again"
+                    )))
+                }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     return Err(CliError::Failed(format!("pipeline: the consumer stage ended before {what}")))
@@ -383,6 +390,11 @@ fn check(buf: &[u8], seq: u64, touch: bool) -> Result<(), CliError> {
     }
 }
 
+/// A stage got an event it does not handle.
+fn stage_got(who: &str, ev: &Event) -> CliError {
+    CliError::Failed(format!("the {who} got {}, which it does not handle", describe_event(ev)))
+}
+
 fn report(line: &str) -> Result<(), CliError> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{line}").and_then(|()| out.flush()).map_err(failed("report"))
@@ -454,7 +466,12 @@ fn step<T>(ch: &mut Channel, what: &str, mut want: impl FnMut(Event) -> Option<T
         if let Some(ev) = ch.wait(Some(Duration::from_millis(100))) {
             return match ev {
                 Event::Error(e) => Err(CliError::Failed(format!("{what}: {e}"))),
-                ev => want(ev).ok_or_else(|| CliError::Failed(format!("{what}: unexpected event"))),
+                ev => {
+                    let words = describe_event(&ev);
+                    want(ev).ok_or_else(|| {
+                        CliError::Failed(format!("while waiting for the {what} the channel gave {words}"))
+                    })
+                }
             };
         }
     }
@@ -527,7 +544,7 @@ fn producer(a: &StageArgs, domain: &Domain, mut out: Channel) -> Result<(), CliE
             match e {
                 Event::BufferPassed { buffer, .. } => drop(buffer),
                 Event::Error(e) => return Err(e.into()),
-                other => return Err(CliError::Failed(format!("producer: unexpected {other:?}"))),
+                other => return Err(stage_got("producer", &other)),
             }
             ev = out.poll();
         }
@@ -582,7 +599,7 @@ fn from_upstream(domain: &Domain, inn: &mut Channel, out: &mut Channel, ev: Even
             return Ok(true);
         }
         Event::Error(e) => return Err(e.into()),
-        other => return Err(CliError::Failed(format!("forwarder: unexpected {other:?} upstream"))),
+        other => return Err(stage_got("forwarder (upstream)", &other)),
     }
     Ok(false)
 }
@@ -601,7 +618,7 @@ fn forwarder(domain: &Domain, mut inn: Channel, mut out: Channel, busy: bool) ->
             match ev {
                 Event::BufferPassed { buffer, meta } => send_when_room(buffer, false, |b| inn.pass(b, &meta))?,
                 Event::Error(e) => return Err(e.into()),
-                other => return Err(CliError::Failed(format!("forwarder: unexpected {other:?} downstream"))),
+                other => return Err(stage_got("forwarder (downstream)", &other)),
             }
         }
         if inn.state() == ferry::ChannelState::Closed {
@@ -638,7 +655,7 @@ fn consumer(a: &StageArgs, mut inn: Channel, busy: bool) -> Result<(), CliError>
             }
             Some(Event::Closed { .. }) | None => return Ok(()),
             Some(Event::Error(e)) => return Err(e.into()),
-            Some(other) => return Err(CliError::Failed(format!("consumer: unexpected {other:?}"))),
+            Some(other) => return Err(stage_got("consumer", &other)),
         }
     }
 }

@@ -94,6 +94,11 @@ impl Point {
         ["median", "p5", "p95", "p99"].map(|k| self.num(k).unwrap_or(f64::NAN))
     }
 
+    /// The unit as printed for people: the JSON's ASCII `us` is µs.
+    pub fn unit_text(&self) -> String {
+        unit_text(self.unit())
+    }
+
     /// Set (or replace) a field.
     pub fn set(&mut self, key: &str, v: Value) {
         self.0.insert(key.into(), v);
@@ -110,22 +115,41 @@ impl Point {
             self.str("trust"),
             self.str("mode")
         );
-        for (key, label) in [("variant", ""), ("stages", "stages="), ("idle_us", "idle_us=")] {
+        for (key, label, unit) in [("variant", "", ""), ("stages", "stages=", ""), ("idle_us", "idle ", " µs")] {
             if let Some(v) = self.0.get(key) {
                 let v = v.as_str().map_or_else(|| v.to_string(), str::to_string);
-                what.push_str(&format!(" {label}{v}"));
+                what.push_str(&format!(" {label}{v}{unit}"));
             }
         }
         if self.0.get("touch").and_then(Value::as_bool) == Some(true) {
             what.push_str(" touch");
         }
-        let gbit = self.num("gbit_s_median").map_or(String::new(), |g| format!(", {g} Gbit/s"));
+        // Say when no payload byte was written or read by the program (the
+        // rate is then that of handing buffers over, not of using data);
+        // fbufs-table writes and reads one word per page.
+        let untouched =
+            self.0.get("touch").and_then(Value::as_bool) == Some(false) && self.str("experiment") != "fbufs-table";
+        let note = match (untouched, self.str("experiment")) {
+            (true, "pipeline") => " (payload untouched but an 8-byte tag per buffer)",
+            (true, _) => " (payload untouched)",
+            _ => "",
+        };
+        let gbit = self.num("gbit_s_median").map_or(String::new(), |g| format!(", {g} Gbit/s{note}"));
+        let n = self.num("samples").unwrap_or(0.0);
         let asym = self.num("asymptotic_gbit_s").map_or(String::new(), |g| format!(", asymptotic {g} Gbit/s"));
         format!(
-            "{what}: median {m:>9.3} {} (p5 {p5:.3}, p95 {p95:.3}, p99 {p99:.3}; {} samples){gbit}{asym}",
-            self.unit(),
-            self.num("samples").unwrap_or(0.0)
+            "{what}: median {m:>9.3} {} (p5 {p5:.3}, p95 {p95:.3}, p99 {p99:.3}; {n} sample{}){gbit}{asym}",
+            self.unit_text(),
+            if n == 1.0 { "" } else { "s" }
         )
+    }
+}
+
+/// A JSON unit as printed for people (`us` → `µs`, `us/page` → `µs/page`).
+pub fn unit_text(unit: &str) -> String {
+    match unit.strip_prefix("us") {
+        Some(rest) => format!("µs{rest}"),
+        None => unit.to_string(),
     }
 }
 
@@ -168,6 +192,8 @@ mod tests {
         let back = Point::parse(&line).unwrap();
         assert_eq!(back.quantiles(), [2.0, 1.0, 3.0, 3.0]);
         assert!(Point::parse("not json").is_none() && Point::parse("{\"a\":1}").is_none());
-        assert!(p.text().contains("idle_us=100"), "{}", p.text());
+        assert!(p.text().contains("idle 100 µs") && p.text().contains(" µs ("), "{}", p.text());
+        assert!(!p.text().contains(" us"), "{}", p.text());
+        assert_eq!((unit_text("us/page"), unit_text("Mops/s")), ("µs/page".to_string(), "Mops/s".to_string()));
     }
 }

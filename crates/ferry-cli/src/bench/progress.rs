@@ -18,7 +18,7 @@ impl Progress {
             return Progress(None);
         }
         let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-        let style = ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} runs  {msg}")
+        let style = ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} runs  {wide_msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar());
         bar.set_style(style);
         Progress(Some(bar))

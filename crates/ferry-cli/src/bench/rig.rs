@@ -17,6 +17,7 @@ use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Even
 
 use super::{trust_error, Backend};
 use crate::echo::{self, EchoOptions};
+use crate::setup::{describe, describe_event};
 use crate::{pin, CliError};
 
 /// How long setup steps may take before we call the peer dead.
@@ -69,20 +70,31 @@ pub struct Rig {
 fn process_endpoint(backend: Backend, name: &str, peer: Option<&str>) -> Result<(Endpoint, String), CliError> {
     match backend {
         Backend::Shm => match peer {
-            Some(p) if p.starts_with("shm") => Ok((echo::parse_endpoint(p)?, p.to_string())),
-            Some(p) => Err(CliError::Usage(format!("--peer {p}: --backend shm needs shm:PATH or shm@NAME"))),
+            Some(p) if p.starts_with("shm") => Ok((peer_endpoint(p)?, p.to_string())),
+            Some(p) => Err(CliError::Usage(format!(
+                "--peer {p}: not a shared-memory endpoint; with --backend shm give shm:PATH or shm@NAME"
+            ))),
             None => Ok((Endpoint::shm_abstract(name), format!("shm@{name}"))),
         },
         // With `--peer tcp:HOST:PORT` that address; else loopback on a port
         // the kernel picks: the descriptor is known once the channel listens
         // (see `connect`).
         Backend::Net => match peer {
-            Some(p) if p.starts_with("tcp:") => Ok((echo::parse_endpoint(p)?, p.to_string())),
-            Some(p) => Err(CliError::Usage(format!("--peer {p}: --backend net needs tcp:HOST:PORT"))),
+            Some(p) if p.starts_with("tcp:") => Ok((peer_endpoint(p)?, p.to_string())),
+            Some(p) => {
+                Err(CliError::Usage(format!("--peer {p}: not a TCP endpoint; with --backend net give tcp:HOST:PORT")))
+            }
             None => Ok((Endpoint::tcp(([127, 0, 0, 1], 0).into()), String::new())),
         },
-        other => Err(CliError::Usage(format!("--backend {}: not one of Ferry's process backends", other.name()))),
+        other => Err(CliError::Usage(format!(
+            "--backend {}: not one of Ferry's process backends; give shm or net",
+            other.name()
+        ))),
     }
+}
+
+fn peer_endpoint(p: &str) -> Result<Endpoint, CliError> {
+    echo::parse_endpoint(p).map_err(|why| CliError::Usage(format!("--peer {p}: {why}")))
 }
 
 fn wait_for<T>(
@@ -117,7 +129,12 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
         let mut sink = Channel::bind(&echo_domain, &ep, BindParams::default())?;
         match source.wait(Some(STEP)) {
             Some(Event::BindRequest { .. }) => {}
-            ev => return Err(CliError::Failed(format!("local channel: no bind request ({ev:?})"))),
+            ev => {
+                return Err(CliError::Failed(format!(
+                    "the local channel gave {} instead of a bind request; run the benchmark again",
+                    describe(&ev)
+                )))
+            }
         }
         let handle = std::thread::Builder::new()
             .name("echo".into())
@@ -162,7 +179,8 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
         EchoRole::Standard => vec!["echo".into()],
         EchoRole::Fbufs => vec!["bench-child".into(), "fbufs-echo".into()],
     };
-    args.extend(["--endpoint".into(), descriptor, "--cpu".into(), "1".into()]);
+    // CPU 1, or the only one there is (`--cpu` takes only CPUs this machine has).
+    args.extend(["--endpoint".into(), descriptor, "--cpu".into(), (1 % pin::cpus()).to_string()]);
     if spec.busy {
         args.push("--busy-poll".into());
     }
@@ -192,8 +210,10 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
 fn bound(ev: Event) -> Option<Result<(), CliError>> {
     match ev {
         Event::BindRequest { .. } => Some(Ok(())),
-        Event::Error(e) => Some(Err(CliError::Failed(format!("echo did not bind: {e}")))),
-        other => Some(Err(CliError::Failed(format!("echo did not bind: {other:?}")))),
+        other => Some(Err(CliError::Failed(format!(
+            "the echo did not bind: the channel gave {}; run the benchmark again",
+            describe_event(&other)
+        )))),
     }
 }
 
@@ -222,7 +242,10 @@ impl Rig {
             || echo_alive(echo),
             |ev| match ev {
                 Event::PoolAssigned(p) if p == id => Some(Ok(())),
-                other => Some(Err(CliError::Failed(format!("echo did not take the pool: {other:?}")))),
+                other => Some(Err(CliError::Failed(format!(
+                    "the echo did not take the pool: the channel gave {}; run the benchmark again",
+                    describe_event(&other)
+                )))),
             },
         )
     }
@@ -239,7 +262,10 @@ impl Rig {
             || echo_alive(echo),
             |ev| match ev {
                 Event::PoolRemoved(p) if p == id => Some(Ok(())),
-                other => Some(Err(CliError::Failed(format!("echo did not remove the pool: {other:?}")))),
+                other => Some(Err(CliError::Failed(format!(
+                    "the echo did not remove the pool: the channel gave {}; run the benchmark again",
+                    describe_event(&other)
+                )))),
             },
         )
     }
@@ -253,7 +279,12 @@ impl Rig {
             match self.source.wait(Some(Duration::from_millis(100))) {
                 Some(Event::Closed { .. }) => break,
                 Some(Event::BufferPassed { .. } | Event::PoolRemoved(_)) => {}
-                Some(other) => return Err(CliError::Failed(format!("unexpected event at teardown: {other:?}"))),
+                Some(other) => {
+                    return Err(CliError::Failed(format!(
+                        "at the teardown the channel gave {}; run the benchmark again",
+                        describe_event(&other)
+                    )))
+                }
                 None if self.source.state() == ferry::ChannelState::Closed => break,
                 None if t0.elapsed() > STEP => return Err(CliError::Failed("teardown: the echo did not close".into())),
                 None => echo_alive(&mut self.echo)?,
