@@ -92,7 +92,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let a = ctx.args;
     if a.touch {
         return Err(CliError::Usage(
-            "--touch does not apply to fbufs-table (every transfer writes and reads one word per page, as in seed 000); leave it out"
+            "--touch does not apply to fbufs-table (every transfer writes and reads one word per page, as in the fbufs paper); leave it out"
                 .into(),
         ));
     }

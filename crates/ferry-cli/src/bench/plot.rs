@@ -332,7 +332,7 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
                 .map(|p| (short(p), p.quantiles()))
                 .collect();
             let ferry = pts.iter().map(|p| p.backend()).find(|b| !b.ends_with("-copy")).unwrap_or("copy");
-            bars(&left, &format!("Cost per page, {ferry} {mode} (seed 000 Table 1)"), &rows)?;
+            bars(&left, &format!("Cost per page, {ferry} {mode} (fbufs Table 1)"), &rows)?;
             let s = series(&pts, label, |p| {
                 let g = p.num("gbit_s_median")?;
                 let size = p.size() as f64;
