@@ -136,6 +136,31 @@ pub enum Error {
     /// Waiting timed out.
     #[error("timed out")]
     TimedOut,
+
+    // --- helpers -----------------------------------------------------------------------
+    /// [`Channel::assign_pool_and_wait`](crate::Channel::assign_pool_and_wait):
+    /// the peer (or its library, for a pool outside the channel's
+    /// constraints) vetoed the assignment.
+    #[error("the peer vetoed the assignment of pool {0}")]
+    PoolVetoed(PoolId),
+    /// A typed view of buffer memory ([`Buffer::as_slice_of`](crate::Buffer::as_slice_of)
+    /// and friends) does not fit: the byte range leaves the buffer, is not a
+    /// whole number of elements, or is not aligned for the element type.
+    #[error("cannot view {bytes} bytes at offset {offset} as [{ty}] (size {size}, alignment {align}): {why}")]
+    BadView {
+        /// The element type.
+        ty: &'static str,
+        /// Its size in bytes.
+        size: usize,
+        /// Its alignment in bytes.
+        align: usize,
+        /// Offset of the view in the buffer.
+        offset: usize,
+        /// Length of the view in bytes.
+        bytes: usize,
+        /// What does not fit.
+        why: &'static str,
+    },
 }
 
 impl From<std::io::Error> for Error {

@@ -75,3 +75,10 @@ pub use domain::Domain;
 pub use error::{Error, Refused, Result};
 pub use pool::{Geometry, Pool, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
+
+/// The [`bytemuck`](https://docs.rs/bytemuck) crate, for the typed views of
+/// buffer memory ([`Buffer::as_slice_of`] and friends): no extra dependency
+/// line is needed to name its traits or implement them for your own types.
+pub use bytemuck;
+/// Plain-old-data types, which a typed view of buffer memory may hold.
+pub use bytemuck::{Pod, Zeroable};
