@@ -20,6 +20,9 @@ use crate::pool::{Geometry, Pool, PoolId, PoolView, TrustLevel};
 use crate::proto::{Message, Meta, MAX_META_SIZE};
 use crate::sys::Access;
 
+mod connect;
+pub use connect::PoolPolicy;
+
 /// Direction of data flow, seen from the local end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Direction {
@@ -305,6 +308,8 @@ pub struct Channel {
     lent: Option<LentSet>,
     /// References of the buffer handles we gave away, for those we receive.
     spares: Spares,
+    /// The pool policy and the events the waiting helpers took (connect.rs).
+    helpers: connect::Helpers,
 }
 
 impl std::fmt::Debug for Channel {
@@ -378,6 +383,7 @@ impl Channel {
             got_teardown: false,
             lent: None,
             spares: Spares::default(),
+            helpers: connect::Helpers::default(),
         }
     }
 
@@ -614,7 +620,14 @@ impl Channel {
         let pos = self.requests.iter().position(|r| r.pool == pool).ok_or(Error::NoPendingRequest(pool))?;
         self.check_room()?;
         self.link_mut().send(&Message::AssignReply { pool, accepted: accept })?;
-        self.requests.remove(pos);
+        self.settle_request(pos, accept);
+        Ok(())
+    }
+
+    /// The answer to `self.requests[pos]` is sent (or queued): forget the
+    /// request, and list the pool if it was accepted.
+    fn settle_request(&mut self, pos: usize, accept: bool) {
+        let pool = self.requests.remove(pos).pool;
         self.detach(pool);
         if accept {
             self.chan_pool(pool).listed = true;
@@ -622,7 +635,6 @@ impl Channel {
         } else {
             self.domain.lock().remove_if_unused(pool);
         }
-        Ok(())
     }
 
     /// Start removing a pool from this channel; completion is
@@ -691,14 +703,20 @@ impl Channel {
 
     // ------------------------------------------------------------------ events
 
-    /// Deliver at most one arrival, without blocking.
+    /// Deliver at most one arrival, without blocking. Events a waiting
+    /// helper took meanwhile ([`assign_pool_and_wait`](Channel::assign_pool_and_wait))
+    /// come first, in the order they arrived.
     pub fn poll(&mut self) -> Option<Event> {
+        if let Some(ev) = self.helpers.held.pop_front() {
+            return Some(ev);
+        }
         match self.state {
             ChannelState::Initialized | ChannelState::Binding => self.poll_setup(),
             ChannelState::Connected | ChannelState::Teardown => {
                 self.flush_deferred();
                 self.flush_outbox();
-                self.poll_message()
+                let ev = self.poll_message()?;
+                Some(self.apply_pool_policy(ev))
             }
             _ => None,
         }
@@ -1266,6 +1284,20 @@ impl Channel {
     }
 }
 
+impl Channel {
+    /// At drop: a copy nobody saw goes back, now if the queue has room,
+    /// otherwise with the close (in `last`).
+    fn release_unseen(&mut self, copy: BufferCopy, last: &mut Vec<Message>) {
+        if let Err(refused) = self.release(copy) {
+            let copy = refused.into_inner();
+            let id = copy.id();
+            copy.consume();
+            self.domain.lock().copy_released_here(id, self.key);
+            last.push(Message::Release { buf: id });
+        }
+    }
+}
+
 impl Drop for Channel {
     /// Dropping a live channel is an abrupt close: messages already queued
     /// to us are taken in (moved and passed buffers become ours and go to the
@@ -1276,19 +1308,15 @@ impl Drop for Channel {
             return;
         }
         let mut last = Vec::new();
+        // Events a helper took and nobody polled are unseen too.
+        for ev in std::mem::take(&mut self.helpers.held) {
+            if let Event::CopyReceived { copy, .. } = ev {
+                self.release_unseen(copy, &mut last);
+            }
+        }
         while let Ok(Some(msg)) = self.recv() {
             match self.deliver(msg) {
-                Ok(Event::CopyReceived { copy, .. }) => {
-                    // Unseen copies go back: now if the queue has room,
-                    // otherwise with the close.
-                    if let Err(refused) = self.release(copy) {
-                        let copy = refused.into_inner();
-                        let id = copy.id();
-                        copy.consume();
-                        self.domain.lock().copy_released_here(id, self.key);
-                        last.push(Message::Release { buf: id });
-                    }
-                }
+                Ok(Event::CopyReceived { copy, .. }) => self.release_unseen(copy, &mut last),
                 Ok(_) => {}
                 Err(_) => break,
             }
