@@ -42,7 +42,23 @@ pub enum BufferState {
 /// A buffer owned by this domain.
 ///
 /// It reads as a byte slice; [`Buffer::as_mut_slice`] gives write access
-/// while no read-only copies of it are out.
+/// while no read-only copies of it are out ([`Buffer::as_slice_of`] and
+/// [`Buffer::as_mut_slice_of`] view it as plain-old-data values). Moving or
+/// passing it consumes the handle; dropping it puts the buffer back on its
+/// domain's free list.
+///
+/// ```
+/// use ferry::{Allocator, Domain, Error, PoolConstraints};
+/// let alloc = Allocator::new(&Domain::new("d"), 2, 4096, PoolConstraints::default())?;
+/// let mut buf = alloc.alloc().expect("a free buffer");
+/// assert_eq!(buf.len(), 4096);
+/// buf.as_mut_slice()?[..3].copy_from_slice(b"abc");
+/// assert_eq!(&buf[..3], b"abc");                 // reads as &[u8]
+/// let id = buf.id();
+/// drop(buf);                                     // free again
+/// assert_eq!(alloc.alloc().map(|b| b.id()), Some(id));
+/// # Ok::<(), Error>(())
+/// ```
 pub struct Buffer {
     /// `None` once the handle has been consumed by an operation.
     domain: Option<Arc<DomainShared>>,
@@ -239,7 +255,41 @@ impl Spares {
     }
 }
 
-/// A read-only copy of a buffer, received over a channel.
+/// A read-only copy of a buffer, received over a channel
+/// ([`Event::CopyReceived`](crate::Event::CopyReceived)). It reads as a byte
+/// slice and never changes while held: the owner cannot write the buffer
+/// until every copy is back. Give it back with
+/// [`Channel::release`](crate::Channel::release) (dropping it releases it
+/// the next time its channel runs), or forward it with
+/// [`Channel::copy`](crate::Channel::copy).
+///
+/// ```
+/// use std::time::Duration;
+/// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints, PoolPolicy};
+/// # let t = Duration::from_secs(10);
+/// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+/// # let ep = Endpoint::local();
+/// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+/// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+/// # tx.wait_connected(t)?;
+/// # rx.wait_connected(t)?;
+/// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+/// # let alloc = Allocator::new(&a, 2, 4096, PoolConstraints::default())?;
+/// # tx.assign_pool(alloc.pool())?;
+/// # rx.poll();
+/// # tx.poll();
+/// // `tx` and `rx` are a connected channel with a pool assigned.
+/// let mut buf = alloc.alloc().unwrap();
+/// buf.as_mut_slice()?[0] = 1;
+/// tx.copy(&buf, &[])?;
+/// let Some(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!() };
+/// assert_eq!(copy[0], 1);
+/// assert!(buf.as_mut_slice().is_err(), "the owner is read-only while the copy is out");
+/// rx.release(copy)?;
+/// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+/// assert!(buf.as_mut_slice().is_ok());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct BufferCopy {
     domain: Option<Arc<DomainShared>>,
     view: Arc<PoolView>,
