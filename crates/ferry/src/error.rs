@@ -6,6 +6,21 @@ use crate::channel::ChannelState;
 use crate::pool::{PoolId, TrustLevel};
 
 /// Why an operation was refused or a channel failed.
+///
+/// Every operation checks its preconditions before it changes anything, so
+/// an error leaves everything as it was; match on the variant to react.
+///
+/// ```
+/// use ferry::{Allocator, Domain, Error, PoolConstraints};
+/// let d = Domain::new("d");
+/// match Allocator::new(&d, 4, 1000, PoolConstraints::default()) {
+///     Err(Error::BadBufferSize { size, page }) => assert_eq!((size, page % 4096), (1000, 0)),
+///     other => panic!("{other:?}"),
+/// }
+/// // Errors print as a sentence and work with `?` and `Box<dyn Error>`.
+/// let e: Box<dyn std::error::Error> = Error::TimedOut.into();
+/// assert!(!e.to_string().is_empty());
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -177,6 +192,24 @@ impl From<rustix::io::Errno> for Error {
 
 /// An operation that consumed a value (a buffer) was refused: the value
 /// comes back unchanged with the reason.
+///
+/// ```
+/// use ferry::{Allocator, Domain, Error, PoolConstraints};
+/// let (d1, d2) = (Domain::new("d1"), Domain::new("d2"));
+/// let a1 = Allocator::new(&d1, 1, 4096, PoolConstraints::default())?;
+/// let a2 = Allocator::new(&d2, 1, 4096, PoolConstraints::default())?;
+/// let refused = a1.free(a2.alloc().unwrap()).unwrap_err(); // not d1's buffer
+/// assert_eq!(refused.error, Error::ForeignBuffer);
+/// let buf = refused.into_inner(); // nothing lost
+/// assert_eq!(buf.id().pool, a2.pool().id());
+/// // With `?`, a `Refused` becomes its `Error` (the value is dropped).
+/// fn give_back(a: &Allocator, b: ferry::Buffer) -> ferry::Result<()> {
+///     a.free(b)?;
+///     Ok(())
+/// }
+/// assert_eq!(give_back(&a1, buf), Err(Error::ForeignBuffer));
+/// # Ok::<(), Error>(())
+/// ```
 #[derive(Debug)]
 pub struct Refused<T> {
     /// Why it was refused.
