@@ -4,7 +4,7 @@
 //! receiving side when the backend hands the message up.
 //!
 //! A backend provides two things: an [`Endpoint`] kind (how ends find each
-//! other and negotiate) and a [`Link`] (the connected channel's two ordered
+//! other and negotiate) and a `Link` (the connected channel's two ordered
 //! message streams plus the way pools travel).
 
 use std::sync::Arc;
