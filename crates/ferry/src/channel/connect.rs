@@ -59,8 +59,9 @@ impl Channel {
     /// Create a channel on `endpoint` ([`Channel::create`]) and wait until
     /// a binder is connected ([`Channel::wait_connected`]): the channel is
     /// returned `Connected`, the [`Event::BindRequest`] taken.
-    /// [`Error::TimedOut`] if no binder came within `timeout` (the endpoint
-    /// is free again); the errors of [`Channel::create`].
+    /// [`Error::TimedOut`] if no binder came within `timeout` (a
+    /// shared-memory or TCP endpoint is free again; a local endpoint serves
+    /// one channel); the errors of [`Channel::create`].
     ///
     /// For a TCP endpoint on port 0, whose address the binder must learn
     /// first, call [`Channel::create`], read
@@ -98,7 +99,9 @@ impl Channel {
     /// Errors: [`Error::EndpointNotListening`] if nobody listened within
     /// `timeout`; [`Error::TimedOut`] if the creator did not answer in time;
     /// [`Error::BindRefused`] if it refused; the other errors of
-    /// [`Channel::bind`] at once.
+    /// [`Channel::bind`] at once. (Over TCP, one attempt to reach a host
+    /// that does not answer at all may take the backend's setup timeout of
+    /// 10 s, past `timeout`.)
     ///
     /// ```
     /// use std::time::Duration;
