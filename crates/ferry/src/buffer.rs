@@ -20,7 +20,23 @@ pub use crate::pool::{BufferId, BufferState};
 /// A buffer owned by this domain.
 ///
 /// It reads as a byte slice; [`Buffer::as_mut_slice`] gives write access
-/// while no read-only copies of it are out.
+/// while no read-only copies of it are out ([`Buffer::as_slice_of`] and
+/// [`Buffer::as_mut_slice_of`] view it as plain-old-data values). Moving or
+/// passing it consumes the handle; dropping it puts the buffer back on its
+/// domain's free list.
+///
+/// ```
+/// use ferry::{Allocator, Domain, Error, PoolConstraints};
+/// let alloc = Allocator::new(&Domain::new("d"), 2, 4096, PoolConstraints::default())?;
+/// let mut buf = alloc.alloc().expect("a free buffer");
+/// assert_eq!(buf.len(), 4096);
+/// buf.as_mut_slice()?[..3].copy_from_slice(b"abc");
+/// assert_eq!(&buf[..3], b"abc");                 // reads as &[u8]
+/// let id = buf.id();
+/// drop(buf);                                     // free again
+/// assert_eq!(alloc.alloc().map(|b| b.id()), Some(id));
+/// # Ok::<(), Error>(())
+/// ```
 pub struct Buffer {
     /// `None` once the handle has been consumed by an operation.
     domain: Option<Arc<DomainShared>>,
@@ -64,6 +80,55 @@ impl Buffer {
         // `Arc` we hold. No other domain has access to an owned read-write
         // buffer (Algorithm 2, invariants 2–4), so the slice is unaliased.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.view.buffer_ptr(self.index), self.len()) })
+    }
+
+    /// The whole buffer as a slice of `T`, a plain-old-data type
+    /// ([`bytemuck::Pod`], re-exported as [`ferry::Pod`](crate::Pod)).
+    /// [`Error::BadView`] if the buffer is not a whole number of `T`s.
+    ///
+    /// ```
+    /// use ferry::{Allocator, Domain, Error, PoolConstraints};
+    /// let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
+    /// let mut buf = alloc.alloc().unwrap();
+    /// buf.as_mut_slice_of::<u32>()?.iter_mut().enumerate().for_each(|(i, w)| *w = i as u32);
+    /// let words: &[u32] = buf.as_slice_of()?;
+    /// assert_eq!((words.len(), words[1023]), (1024, 1023));
+    /// // A 4096-byte buffer is not a whole number of 12-byte elements.
+    /// assert!(matches!(buf.as_slice_of::<[u32; 3]>(), Err(Error::BadView { .. })));
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
+    pub fn as_slice_of<T: bytemuck::Pod>(&self) -> Result<&[T]> {
+        typed(self, 0, None)
+    }
+
+    /// `count` elements of `T` from byte `offset`: [`Error::BadView`] if they
+    /// leave the buffer or `offset` is not aligned for `T`.
+    ///
+    /// ```
+    /// # use ferry::{Allocator, Domain, Error, PoolConstraints};
+    /// # let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
+    /// let mut buf = alloc.alloc().unwrap();
+    /// buf.slice_of_mut::<u64>(8, 2)?.copy_from_slice(&[7, 9]);
+    /// assert_eq!(buf.slice_of::<u64>(8, 2)?, &[7, 9]);
+    /// assert!(matches!(buf.slice_of::<u64>(4, 1), Err(Error::BadView { .. })));     // misaligned
+    /// assert!(matches!(buf.slice_of::<u64>(4088, 2), Err(Error::BadView { .. })));  // past the end
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
+    pub fn slice_of<T: bytemuck::Pod>(&self, offset: usize, count: usize) -> Result<&[T]> {
+        typed(self, offset, Some(count))
+    }
+
+    /// The whole buffer as a mutable slice of `T`: [`Error::CopiesOutstanding`]
+    /// as for [`as_mut_slice`](Buffer::as_mut_slice), [`Error::BadView`] as
+    /// for [`as_slice_of`](Buffer::as_slice_of).
+    pub fn as_mut_slice_of<T: bytemuck::Pod>(&mut self) -> Result<&mut [T]> {
+        typed_mut(self.as_mut_slice()?, 0, None)
+    }
+
+    /// `count` mutable elements of `T` from byte `offset` (the checks of
+    /// [`slice_of`](Buffer::slice_of) and [`as_mut_slice`](Buffer::as_mut_slice)).
+    pub fn slice_of_mut<T: bytemuck::Pod>(&mut self, offset: usize, count: usize) -> Result<&mut [T]> {
+        typed_mut(self.as_mut_slice()?, offset, Some(count))
     }
 
     pub(crate) fn domain_id(&self) -> u64 {
@@ -168,7 +233,41 @@ impl Spares {
     }
 }
 
-/// A read-only copy of a buffer, received over a channel.
+/// A read-only copy of a buffer, received over a channel
+/// ([`Event::CopyReceived`](crate::Event::CopyReceived)). It reads as a byte
+/// slice and never changes while held: the owner cannot write the buffer
+/// until every copy is back. Give it back with
+/// [`Channel::release`](crate::Channel::release) (dropping it releases it
+/// the next time its channel runs), or forward it with
+/// [`Channel::copy`](crate::Channel::copy).
+///
+/// ```
+/// use std::time::Duration;
+/// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints, PoolPolicy};
+/// # let t = Duration::from_secs(10);
+/// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+/// # let ep = Endpoint::local();
+/// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+/// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+/// # tx.wait_connected(t)?;
+/// # rx.wait_connected(t)?;
+/// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+/// # let alloc = Allocator::new(&a, 2, 4096, PoolConstraints::default())?;
+/// # tx.assign_pool(alloc.pool())?;
+/// # rx.poll();
+/// # tx.poll();
+/// // `tx` and `rx` are a connected channel with a pool assigned.
+/// let mut buf = alloc.alloc().unwrap();
+/// buf.as_mut_slice()?[0] = 1;
+/// tx.copy(&buf, &[])?;
+/// let Some(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!() };
+/// assert_eq!(copy[0], 1);
+/// assert!(buf.as_mut_slice().is_err(), "the owner is read-only while the copy is out");
+/// rx.release(copy)?;
+/// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+/// assert!(buf.as_mut_slice().is_ok());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct BufferCopy {
     domain: Option<Arc<DomainShared>>,
     view: Arc<PoolView>,
@@ -194,6 +293,16 @@ impl BufferCopy {
     /// Never true: buffers are at least a page.
     pub fn is_empty(&self) -> bool {
         false
+    }
+
+    /// The whole copy as a slice of `T` (see [`Buffer::as_slice_of`]).
+    pub fn as_slice_of<T: bytemuck::Pod>(&self) -> Result<&[T]> {
+        typed(self, 0, None)
+    }
+
+    /// `count` elements of `T` from byte `offset` (see [`Buffer::slice_of`]).
+    pub fn slice_of<T: bytemuck::Pod>(&self, offset: usize, count: usize) -> Result<&[T]> {
+        typed(self, offset, Some(count))
     }
 
     pub(crate) fn domain_id(&self) -> u64 {
@@ -239,6 +348,44 @@ impl fmt::Debug for BufferCopy {
     }
 }
 
+/// The byte range of `count` elements of `T` at `offset` in `bytes` (all of
+/// `bytes` with `None`), checked for size, bounds and alignment.
+fn view_range<T>(bytes: &[u8], offset: usize, count: Option<usize>) -> Result<std::ops::Range<usize>> {
+    let size = std::mem::size_of::<T>();
+    let align = std::mem::align_of::<T>();
+    let whole = count.is_none();
+    let len = match count {
+        Some(n) => n.checked_mul(size),
+        None => Some(bytes.len().saturating_sub(offset)),
+    };
+    let bad = |bytes: usize, why| Error::BadView { ty: std::any::type_name::<T>(), size, align, offset, bytes, why };
+    let Some(len) = len else { return Err(bad(usize::MAX, "the length overflows")) };
+    if size == 0 {
+        return Err(bad(len, "the type has no size"));
+    }
+    if offset.checked_add(len).is_none_or(|end| end > bytes.len()) {
+        return Err(bad(len, "the range leaves the buffer"));
+    }
+    if whole && len % size != 0 {
+        return Err(bad(len, "the buffer is not a whole number of elements"));
+    }
+    if (bytes.as_ptr() as usize).wrapping_add(offset) % align != 0 {
+        return Err(bad(len, "the offset is not aligned for the type"));
+    }
+    Ok(offset..offset + len)
+}
+
+fn typed<T: bytemuck::Pod>(bytes: &[u8], offset: usize, count: Option<usize>) -> Result<&[T]> {
+    let range = view_range::<T>(bytes, offset, count)?;
+    // Size and alignment are checked above: the cast cannot fail.
+    Ok(bytemuck::cast_slice(&bytes[range]))
+}
+
+fn typed_mut<T: bytemuck::Pod>(bytes: &mut [u8], offset: usize, count: Option<usize>) -> Result<&mut [T]> {
+    let range = view_range::<T>(bytes, offset, count)?;
+    Ok(bytemuck::cast_slice_mut(&mut bytes[range]))
+}
+
 /// What a copy can be made from: an owned buffer or a received copy
 /// (forwarding it, [ETH-BT] Algorithm 9).
 pub trait CopySource: Deref<Target = [u8]> + sealed::Sealed {
@@ -276,6 +423,64 @@ mod sealed {
 mod tests {
     use super::*;
     use crate::{Allocator, Domain, PoolConstraints};
+
+    fn why(e: Error) -> &'static str {
+        match e {
+            Error::BadView { why, .. } => why,
+            other => panic!("expected BadView, got {other:?}"),
+        }
+    }
+
+    /// Typed views: sizes, bounds, alignment and the ownership check, each a
+    /// typed error; the views see the same bytes as the byte slice.
+    #[test]
+    fn typed_views_are_checked() {
+        let d = Domain::new("d");
+        let a = Allocator::new(&d, 1, 8192, PoolConstraints::default()).unwrap();
+        let mut b = a.alloc().unwrap();
+        let words = b.as_mut_slice_of::<u64>().unwrap();
+        assert_eq!(words.len(), 1024);
+        words[1] = 0x0102_0304_0506_0708;
+        assert_eq!(&b[8..16], &0x0102_0304_0506_0708u64.to_ne_bytes());
+        assert_eq!(b.slice_of::<u16>(8, 4).unwrap(), bytemuck::cast_slice::<u64, u16>(&[0x0102_0304_0506_0708]));
+        assert_eq!(b.slice_of::<u64>(8192, 0).unwrap(), &[] as &[u64]);
+
+        assert_eq!(why(b.as_slice_of::<[u8; 3]>().unwrap_err()), "the buffer is not a whole number of elements");
+        assert_eq!(why(b.slice_of::<u32>(2, 1).unwrap_err()), "the offset is not aligned for the type");
+        assert_eq!(why(b.slice_of_mut::<u32>(6, 1).unwrap_err()), "the offset is not aligned for the type");
+        assert_eq!(why(b.slice_of::<u64>(8184, 2).unwrap_err()), "the range leaves the buffer");
+        assert_eq!(why(b.slice_of::<u64>(8200, 0).unwrap_err()), "the range leaves the buffer");
+        assert_eq!(why(b.slice_of::<u64>(0, usize::MAX).unwrap_err()), "the length overflows");
+        assert_eq!(why(b.as_slice_of::<()>().unwrap_err()), "the type has no size");
+        let e = b.slice_of::<u32>(2, 3).unwrap_err();
+        assert_eq!(
+            e,
+            Error::BadView {
+                ty: "u32",
+                size: 4,
+                align: 4,
+                offset: 2,
+                bytes: 12,
+                why: "the offset is not aligned for the type"
+            }
+        );
+        assert!(e.to_string().contains("12 bytes at offset 2 as [u32]"), "{e}");
+    }
+
+    /// A buffer with copies out has no mutable typed view either.
+    #[test]
+    fn mutable_typed_views_need_read_write() {
+        let d = Domain::new("d");
+        let a = Allocator::new(&d, 1, 4096, PoolConstraints::default()).unwrap();
+        let mut b = a.alloc().unwrap();
+        let key = d.new_chan_key();
+        d.lock().copy_sent(b.id(), key);
+        assert_eq!(b.as_mut_slice_of::<u32>().unwrap_err(), Error::CopiesOutstanding);
+        assert_eq!(b.slice_of_mut::<u32>(0, 1).unwrap_err(), Error::CopiesOutstanding);
+        assert_eq!(b.as_slice_of::<u32>().unwrap().len(), 1024, "reading is still allowed");
+        d.lock().copy_returned(b.id(), key);
+        assert!(b.as_mut_slice_of::<u32>().is_ok());
+    }
 
     /// A handle given away leaves its two references in the spares; the
     /// next handle received takes them instead of new ones.

@@ -21,6 +21,9 @@ use crate::proto::{Message, Meta, MAX_META_SIZE};
 use crate::setup::{BindParams, ChannelConstraints, ChannelSetup, ChannelState, Direction, Role};
 use crate::sys::Access;
 
+mod connect;
+pub use connect::PoolPolicy;
+
 /// A pool-assignment request from the peer, waiting for
 /// [`Channel::respond_pool`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +36,28 @@ pub struct PoolRequest {
     pub trust: TrustLevel,
 }
 
-/// Something that happened on a channel.
+/// Something that happened on a channel, taken with [`Channel::poll`] or
+/// [`Channel::wait`]. Events that bring a buffer or a copy hand over its
+/// handle: dropping the event gives the buffer back to its domain's free
+/// list, or releases the copy.
+///
+/// ```
+/// use ferry::{Channel, Event};
+///
+/// /// A sink's loop body: check and return what arrives.
+/// fn serve(rx: &mut Channel) -> Result<bool, Box<dyn std::error::Error>> {
+///     match rx.wait(Some(std::time::Duration::from_secs(10))) {
+///         Some(Event::MoveReceived { buffer, meta }) => rx.pass(buffer, &meta)?,
+///         Some(Event::CopyReceived { copy, .. }) => rx.release(copy)?,
+///         Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true)?,
+///         Some(Event::Closed { .. }) => return Ok(false),
+///         Some(Event::Error(e)) => return Err(e.into()),
+///         Some(_) => {}
+///         None => return Err("timed out".into()),
+///     }
+///     Ok(true)
+/// }
+/// ```
 #[derive(Debug)]
 pub enum Event {
     /// Creator: a binder connected; the channel is now connected.
@@ -109,6 +133,52 @@ struct ChanPool {
 /// One end of a channel, owned by a domain.
 ///
 /// A channel end is used from one thread at a time (`Send`, not `Sync`).
+///
+/// One end creates the channel on an [`Endpoint`], the other binds to it;
+/// once connected, a pool is assigned, then the source (TX end) moves or
+/// copies buffers and the sink (RX end) passes or releases them. The
+/// helpers [`Channel::accept`], [`Channel::connect`] and
+/// [`Channel::assign_pool_and_wait`] are the short way there; the
+/// explicit steps are [`create`](Channel::create)/[`bind`](Channel::bind),
+/// the [`Event::BindRequest`]/[`Event::Bound`] events,
+/// [`assign_pool`](Channel::assign_pool) and
+/// [`respond_pool`](Channel::respond_pool).
+///
+/// ```
+/// use std::time::Duration;
+/// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints, PoolPolicy};
+///
+/// let t = Duration::from_secs(10);
+/// let ep = Endpoint::local();
+/// let sink = {
+///     let ep = ep.clone();
+///     std::thread::spawn(move || -> ferry::Result<Vec<u8>> {
+///         let mut rx = Channel::connect(&Domain::new("sink"), &ep, BindParams::default(), t)?;
+///         rx.set_pool_policy(PoolPolicy::AcceptAll);
+///         loop {
+///             match rx.wait(Some(t)) {
+///                 Some(Event::MoveReceived { buffer, .. }) => {
+///                     let got = buffer[..5].to_vec();
+///                     rx.pass(buffer, &[]).map_err(|r| r.error)?;
+///                     return Ok(got);
+///                 }
+///                 Some(Event::PoolAssignRequest(_)) => {} // accepted by the library
+///                 other => panic!("{other:?}"),
+///             }
+///         }
+///     })
+/// };
+/// let app = Domain::new("app");
+/// let mut tx = Channel::accept(&app, &ep, ChannelSetup::default(), t)?;
+/// let alloc = Allocator::new(&app, 8, 4096, PoolConstraints::default())?;
+/// tx.assign_pool_and_wait(alloc.pool(), t)?;
+/// let mut buf = alloc.alloc().unwrap();
+/// buf.as_mut_slice()?[..5].copy_from_slice(b"hello");
+/// tx.move_buffer(buf, &[])?;
+/// assert!(matches!(tx.wait(Some(t)), Some(Event::BufferPassed { .. })));
+/// assert_eq!(sink.join().unwrap()?, b"hello");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Channel {
     domain: Domain,
     key: ChanKey,
@@ -133,6 +203,8 @@ pub struct Channel {
     lent: Option<LentSet>,
     /// References of the buffer handles we gave away, for those we receive.
     spares: Spares,
+    /// The pool policy and the events the waiting helpers took (connect.rs).
+    helpers: connect::Helpers,
 }
 
 impl std::fmt::Debug for Channel {
@@ -150,7 +222,19 @@ impl std::fmt::Debug for Channel {
 impl Channel {
     /// Create a channel on a local endpoint and wait for a binder
     /// ([ETH-BT] Algorithm 3). The result is `INITIALIZED`; [`poll`] it to
-    /// accept a bind.
+    /// accept a bind ([`Event::BindRequest`]), or
+    /// [`wait_connected`](Channel::wait_connected).
+    ///
+    /// ```
+    /// use ferry::{BindParams, Channel, ChannelSetup, ChannelState, Domain, Endpoint, Event};
+    /// let ep = Endpoint::local();
+    /// let mut tx = Channel::create(&Domain::new("a"), &ep, ChannelSetup::default())?;
+    /// assert_eq!(tx.state(), ChannelState::Initialized);
+    /// let mut rx = Channel::bind(&Domain::new("b"), &ep, BindParams::default())?;
+    /// assert!(matches!(tx.poll(), Some(Event::BindRequest { .. })));
+    /// assert_eq!(tx.state(), ChannelState::Connected);
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
     ///
     /// [`poll`]: Channel::poll
     pub fn create(domain: &Domain, endpoint: &Endpoint, setup: ChannelSetup) -> Result<Channel> {
@@ -178,7 +262,22 @@ impl Channel {
 
     /// Bind to a channel created on `endpoint` ([ETH-BT] Algorithm 4). The
     /// result is `BINDING`; [`poll`](Channel::poll) it until
-    /// [`Event::Bound`] (or an error event).
+    /// [`Event::Bound`] (or an error event). [`Error::EndpointNotListening`]
+    /// at once if nobody created a channel there
+    /// ([`Channel::connect`] retries).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::{BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, Event};
+    /// let ep = Endpoint::local();
+    /// assert_eq!(Channel::bind(&Domain::new("b"), &ep, BindParams::default()).unwrap_err(), Error::EndpointNotListening);
+    /// let mut tx = Channel::create(&Domain::new("a"), &ep, ChannelSetup::default())?;
+    /// let mut rx = Channel::bind(&Domain::new("b"), &ep, BindParams::default())?;
+    /// tx.poll(); // the creator accepts
+    /// assert!(matches!(rx.wait(Some(Duration::from_secs(10))), Some(Event::Bound)));
+    /// assert_eq!(rx.direction(), Direction::Rx); // the opposite of the creator's
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
     pub fn bind(domain: &Domain, endpoint: &Endpoint, params: BindParams) -> Result<Channel> {
         if params.constraints.alignment != 0 && !params.constraints.alignment.is_power_of_two() {
             return Err(Error::BadAlignment(params.constraints.alignment));
@@ -206,6 +305,7 @@ impl Channel {
             got_teardown: false,
             lent: None,
             spares: Spares::default(),
+            helpers: connect::Helpers::default(),
         }
     }
 
@@ -274,6 +374,34 @@ impl Channel {
 
     /// Move a buffer to the sink ([ETH-BT] Algorithm 7): ownership goes to
     /// the peer. Refused operations hand the buffer back.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use ferry::*;
+    /// # let t = Duration::from_secs(10);
+    /// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+    /// # let ep = Endpoint::local();
+    /// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// # tx.wait_connected(t)?;
+    /// # rx.wait_connected(t)?;
+    /// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+    /// # let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// # tx.assign_pool(alloc.pool())?;
+    /// # rx.poll();
+    /// # tx.poll();
+    /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
+    /// let mut buf = alloc.alloc().unwrap();
+    /// buf.as_mut_slice()?[0] = 9;
+    /// tx.move_buffer(buf, b"frame 1")?;
+    /// let Some(Event::MoveReceived { buffer, meta }) = rx.wait(Some(t)) else { panic!() };
+    /// assert_eq!((buffer[0], &meta[..]), (9, &b"frame 1"[..]));
+    /// // Refused: the buffer comes back with the reason.
+    /// let refused = rx.move_buffer(buffer, &[]).unwrap_err();
+    /// assert_eq!(refused.error, Error::WrongDirection);
+    /// let buffer = refused.into_inner();
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn move_buffer(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
         match self.check_transfer(Direction::Tx, &buffer, meta.len()) {
@@ -283,6 +411,31 @@ impl Channel {
     }
 
     /// Pass a buffer back to the source ([ETH-BT] Algorithm 8).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use ferry::*;
+    /// # let t = Duration::from_secs(10);
+    /// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+    /// # let ep = Endpoint::local();
+    /// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// # tx.wait_connected(t)?;
+    /// # rx.wait_connected(t)?;
+    /// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+    /// # let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// # tx.assign_pool(alloc.pool())?;
+    /// # rx.poll();
+    /// # tx.poll();
+    /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
+    /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
+    /// let Some(Event::MoveReceived { mut buffer, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// buffer.as_mut_slice()?[0] = 7; // the sink owns it: it may write
+    /// rx.pass(buffer, b"done")?;
+    /// let Some(Event::BufferPassed { buffer, meta }) = tx.wait(Some(t)) else { panic!() };
+    /// assert_eq!((buffer[0], &meta[..]), (7, &b"done"[..]));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn pass(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
         match self.check_transfer(Direction::Rx, &buffer, meta.len()) {
@@ -309,6 +462,32 @@ impl Channel {
     /// Send a read-only copy ([ETH-BT] Algorithm 9). The source may be a
     /// buffer we own (it becomes read-only until every copy is back) or a
     /// copy we hold (forwarding it).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use ferry::*;
+    /// # let t = Duration::from_secs(10);
+    /// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+    /// # let ep = Endpoint::local();
+    /// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// # tx.wait_connected(t)?;
+    /// # rx.wait_connected(t)?;
+    /// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+    /// # let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// # tx.assign_pool(alloc.pool())?;
+    /// # rx.poll();
+    /// # tx.poll();
+    /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
+    /// let mut buf = alloc.alloc().unwrap();
+    /// tx.copy(&buf, &[])?;
+    /// assert_eq!(buf.as_mut_slice().unwrap_err(), Error::CopiesOutstanding);
+    /// let Some(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// rx.release(copy)?;
+    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+    /// assert!(buf.as_mut_slice().is_ok());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn copy<S: CopySource>(&mut self, source: &S, meta: &[u8]) -> Result<()> {
         self.flush_deferred();
         self.check_sendable(Direction::Tx)?;
@@ -350,6 +529,36 @@ impl Channel {
     }
 
     /// Release a copy received over this channel ([ETH-BT] Algorithm 10).
+    /// Dropping a [`BufferCopy`] releases it too, the next time the channel
+    /// runs.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use ferry::*;
+    /// # let t = Duration::from_secs(10);
+    /// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+    /// # let ep = Endpoint::local();
+    /// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// # tx.wait_connected(t)?;
+    /// # rx.wait_connected(t)?;
+    /// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+    /// # let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// # tx.assign_pool(alloc.pool())?;
+    /// # rx.poll();
+    /// # tx.poll();
+    /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
+    /// let buf = alloc.alloc().unwrap();
+    /// tx.copy(&buf, &[])?;
+    /// tx.copy(&buf, &[])?; // two copies out
+    /// let Some(Event::CopyReceived { copy: first, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// let Some(Event::CopyReceived { copy: second, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// rx.release(first)?;
+    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: false, .. })));
+    /// rx.release(second)?;
+    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn release(&mut self, copy: BufferCopy) -> Result<(), Refused<BufferCopy>> {
         self.flush_deferred();
         if copy.domain_id() != self.domain.id() {
@@ -404,7 +613,27 @@ impl Channel {
 
     /// Start assigning a pool to this channel ([ETH-BT] Algorithm 6,
     /// two-phase): completion is [`Event::PoolAssigned`] or
-    /// [`Event::PoolVetoed`].
+    /// [`Event::PoolVetoed`]. [`Channel::assign_pool_and_wait`] waits for
+    /// it.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints};
+    /// let t = Duration::from_secs(10);
+    /// let (a, b) = (Domain::new("a"), Domain::new("b"));
+    /// let ep = Endpoint::local();
+    /// let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// tx.wait_connected(t)?;
+    /// rx.wait_connected(t)?;
+    /// let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// tx.assign_pool(alloc.pool())?;
+    /// let Some(Event::PoolAssignRequest(req)) = rx.wait(Some(t)) else { panic!() };
+    /// assert_eq!(req.geometry, alloc.pool().geometry());
+    /// rx.respond_pool(req.pool, true)?; // or false: a veto
+    /// assert!(matches!(tx.wait(Some(t)), Some(Event::PoolAssigned(p)) if p == alloc.pool().id()));
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
     pub fn assign_pool(&mut self, pool: &Pool) -> Result<()> {
         self.flush_deferred();
         self.check_sendable_any()?;
@@ -442,7 +671,14 @@ impl Channel {
         let pos = self.requests.iter().position(|r| r.pool == pool).ok_or(Error::NoPendingRequest(pool))?;
         self.check_room()?;
         self.link_mut().send(&Message::AssignReply { pool, accepted: accept })?;
-        self.requests.remove(pos);
+        self.settle_request(pos, accept);
+        Ok(())
+    }
+
+    /// The answer to `self.requests[pos]` is sent (or queued): forget the
+    /// request, and list the pool if it was accepted.
+    fn settle_request(&mut self, pos: usize, accept: bool) {
+        let pool = self.requests.remove(pos).pool;
         self.detach(pool);
         if accept {
             self.chan_pool(pool).listed = true;
@@ -450,7 +686,6 @@ impl Channel {
         } else {
             self.domain.lock().remove_if_unused(pool);
         }
-        Ok(())
     }
 
     /// Start removing a pool from this channel; completion is
@@ -472,6 +707,32 @@ impl Channel {
 
     /// Start a teardown: no new messages from this end; messages in transit
     /// are still delivered; [`Event::Closed`] once the peer's marker arrives.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use ferry::*;
+    /// # let t = Duration::from_secs(10);
+    /// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+    /// # let ep = Endpoint::local();
+    /// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// # tx.wait_connected(t)?;
+    /// # rx.wait_connected(t)?;
+    /// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+    /// # let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// # tx.assign_pool(alloc.pool())?;
+    /// # rx.poll();
+    /// # tx.poll();
+    /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
+    /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
+    /// tx.teardown()?;
+    /// assert_eq!(tx.move_buffer(alloc.alloc().unwrap(), &[]).unwrap_err().error, Error::TearingDown);
+    /// // The move sent before still arrives, then the close.
+    /// assert!(matches!(rx.wait(Some(t)), Some(Event::MoveReceived { .. })));
+    /// assert!(matches!(rx.wait(Some(t)), Some(Event::Closed { by_peer: true })));
+    /// assert!(matches!(tx.wait(Some(t)), Some(Event::Closed { by_peer: false })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn teardown(&mut self) -> Result<()> {
         self.flush_deferred();
         self.check_sendable_any()?;
@@ -519,14 +780,46 @@ impl Channel {
 
     // ------------------------------------------------------------------ events
 
-    /// Deliver at most one arrival, without blocking.
+    /// Deliver at most one arrival, without blocking. Events a waiting
+    /// helper took meanwhile ([`assign_pool_and_wait`](Channel::assign_pool_and_wait))
+    /// come first, in the order they arrived.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use ferry::*;
+    /// # let t = Duration::from_secs(10);
+    /// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+    /// # let ep = Endpoint::local();
+    /// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// # tx.wait_connected(t)?;
+    /// # rx.wait_connected(t)?;
+    /// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+    /// # let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// # tx.assign_pool(alloc.pool())?;
+    /// # rx.poll();
+    /// # tx.poll();
+    /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
+    /// assert!(rx.poll().is_none()); // nothing yet
+    /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
+    /// while let Some(ev) = rx.poll() {
+    ///     if let Event::MoveReceived { buffer, .. } = ev {
+    ///         rx.pass(buffer, &[])?;
+    ///     }
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn poll(&mut self) -> Option<Event> {
+        if let Some(ev) = self.helpers.held.pop_front() {
+            return Some(ev);
+        }
         match self.state {
             ChannelState::Initialized | ChannelState::Binding => self.poll_setup(),
             ChannelState::Connected | ChannelState::Teardown => {
                 self.flush_deferred();
                 self.flush_outbox();
-                self.poll_message()
+                let ev = self.poll_message()?;
+                Some(self.apply_pool_policy(ev))
             }
             _ => None,
         }
@@ -535,6 +828,28 @@ impl Channel {
     /// Wait up to `timeout` (forever with `None`) for the next event: spin
     /// briefly, then sleep until the peer wakes us. Returns `None` on
     /// timeout or when the channel is closed.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use ferry::*;
+    /// # let t = Duration::from_secs(10);
+    /// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+    /// # let ep = Endpoint::local();
+    /// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// # tx.wait_connected(t)?;
+    /// # rx.wait_connected(t)?;
+    /// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+    /// # let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// # tx.assign_pool(alloc.pool())?;
+    /// # rx.poll();
+    /// # tx.poll();
+    /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
+    /// assert!(rx.wait(Some(Duration::from_millis(1))).is_none()); // timed out
+    /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
+    /// assert!(matches!(rx.wait(Some(t)), Some(Event::MoveReceived { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn wait(&mut self, timeout: Option<Duration>) -> Option<Event> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
@@ -1094,6 +1409,20 @@ impl Channel {
     }
 }
 
+impl Channel {
+    /// At drop: a copy nobody saw goes back, now if the queue has room,
+    /// otherwise with the close (in `last`).
+    fn release_unseen(&mut self, copy: BufferCopy, last: &mut Vec<Message>) {
+        if let Err(refused) = self.release(copy) {
+            let copy = refused.into_inner();
+            let id = copy.id();
+            copy.consume();
+            self.domain.lock().copy_released_here(id, self.key);
+            last.push(Message::Release { buf: id });
+        }
+    }
+}
+
 impl Drop for Channel {
     /// Dropping a live channel is an abrupt close: messages already queued
     /// to us are taken in (moved and passed buffers become ours and go to the
@@ -1104,19 +1433,15 @@ impl Drop for Channel {
             return;
         }
         let mut last = Vec::new();
+        // Events a helper took and nobody polled are unseen too.
+        for ev in std::mem::take(&mut self.helpers.held) {
+            if let Event::CopyReceived { copy, .. } = ev {
+                self.release_unseen(copy, &mut last);
+            }
+        }
         while let Ok(Some(msg)) = self.recv() {
             match self.deliver(msg) {
-                Ok(Event::CopyReceived { copy, .. }) => {
-                    // Unseen copies go back: now if the queue has room,
-                    // otherwise with the close.
-                    if let Err(refused) = self.release(copy) {
-                        let copy = refused.into_inner();
-                        let id = copy.id();
-                        copy.consume();
-                        self.domain.lock().copy_released_here(id, self.key);
-                        last.push(Message::Release { buf: id });
-                    }
-                }
+                Ok(Event::CopyReceived { copy, .. }) => self.release_unseen(copy, &mut last),
                 Ok(_) => {}
                 Err(_) => break,
             }

@@ -6,6 +6,21 @@ use crate::pool::{PoolId, TrustLevel};
 use crate::setup::ChannelState;
 
 /// Why an operation was refused or a channel failed.
+///
+/// Every operation checks its preconditions before it changes anything, so
+/// an error leaves everything as it was; match on the variant to react.
+///
+/// ```
+/// use ferry::{Allocator, Domain, Error, PoolConstraints};
+/// let d = Domain::new("d");
+/// match Allocator::new(&d, 4, 1000, PoolConstraints::default()) {
+///     Err(Error::BadBufferSize { size, page }) => assert_eq!((size, page % 4096), (1000, 0)),
+///     other => panic!("{other:?}"),
+/// }
+/// // Errors print as a sentence and work with `?` and `Box<dyn Error>`.
+/// let e: Box<dyn std::error::Error> = Error::TimedOut.into();
+/// assert!(!e.to_string().is_empty());
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -138,9 +153,34 @@ pub enum Error {
     /// Waiting timed out.
     #[error("waiting timed out; wait longer, or check that the peer is still working")]
     TimedOut,
+
+    // --- helpers -----------------------------------------------------------------------
+    /// [`Channel::assign_pool_and_wait`](crate::Channel::assign_pool_and_wait):
+    /// the peer (or its library, for a pool outside the channel's
+    /// constraints) vetoed the assignment.
+    #[error("the peer vetoed the assignment of pool {0}; check the pool against the channel's constraints and the peer's policy")]
+    PoolVetoed(PoolId),
+    /// A typed view of buffer memory ([`Buffer::as_slice_of`](crate::Buffer::as_slice_of)
+    /// and friends) does not fit: the byte range leaves the buffer, is not a
+    /// whole number of elements, or is not aligned for the element type.
+    #[error("cannot view {bytes} bytes at offset {offset} of a buffer as elements of {ty} (size {size}, alignment {align}): {why}; choose an offset and a length that fit the buffer and the type")]
+    BadView {
+        /// The element type.
+        ty: &'static str,
+        /// Its size in bytes.
+        size: usize,
+        /// Its alignment in bytes.
+        align: usize,
+        /// Offset of the view in the buffer.
+        offset: usize,
+        /// Length of the view in bytes.
+        bytes: usize,
+        /// What does not fit.
+        why: &'static str,
+    },
 }
 
-/// A trust level in words (the library's spelling of seed 003's levels).
+/// A trust level in words (the library's spelling of [ETH-BT]'s levels).
 fn trust_name(t: &TrustLevel) -> &'static str {
     match t {
         TrustLevel::Uninitialized => "UNINITIALIZED",
@@ -180,6 +220,24 @@ impl From<std::io::Error> for Error {
 
 /// An operation that consumed a value (a buffer) was refused: the value
 /// comes back unchanged with the reason.
+///
+/// ```
+/// use ferry::{Allocator, Domain, Error, PoolConstraints};
+/// let (d1, d2) = (Domain::new("d1"), Domain::new("d2"));
+/// let a1 = Allocator::new(&d1, 1, 4096, PoolConstraints::default())?;
+/// let a2 = Allocator::new(&d2, 1, 4096, PoolConstraints::default())?;
+/// let refused = a1.free(a2.alloc().unwrap()).unwrap_err(); // not d1's buffer
+/// assert_eq!(refused.error, Error::ForeignBuffer);
+/// let buf = refused.into_inner(); // nothing lost
+/// assert_eq!(buf.id().pool, a2.pool().id());
+/// // With `?`, a `Refused` becomes its `Error` (the value is dropped).
+/// fn give_back(a: &Allocator, b: ferry::Buffer) -> ferry::Result<()> {
+///     a.free(b)?;
+///     Ok(())
+/// }
+/// assert_eq!(give_back(&a1, buf), Err(Error::ForeignBuffer));
+/// # Ok::<(), Error>(())
+/// ```
 #[derive(Debug)]
 pub struct Refused<T> {
     /// Why it was refused.
@@ -259,6 +317,8 @@ mod tests {
             Error::PeerUnresponsive(Duration::from_millis(5200)),
             Error::Protocol("frame type 122: unknown".into()),
             Error::TimedOut,
+            Error::PoolVetoed(pool),
+            Error::BadView { ty: "u64", size: 8, align: 8, offset: 4, bytes: 16, why: "the offset is not aligned" },
         ]
     }
 

@@ -9,6 +9,65 @@
 //! buffer away, [`Channel::pass`] gives it back, [`Channel::copy`] lends a
 //! read-only [`BufferCopy`], [`Channel::release`] returns it.
 //!
+//! # Getting started
+//!
+//! Ferry is not published on a registry: depend on it by path, from a
+//! checkout of its repository (Linux, Rust stable):
+//!
+//! ```toml
+//! [dependencies]
+//! ferry = { path = "path/to/ferry/crates/ferry" }
+//! ```
+//!
+//! The shortest path to a first move: the sink connects (retrying until the
+//! channel exists) and lets the library accept the pools it is offered; the
+//! source creates the channel, waits for the sink, assigns a pool and waits
+//! for the answer, then moves a buffer. Every wait has a timeout and fails
+//! with a typed [`Error`].
+//!
+//! ```
+//! use std::time::Duration;
+//! use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints, PoolPolicy};
+//!
+//! let t = Duration::from_secs(10);
+//! let ep = Endpoint::local(); // threads; Endpoint::shm(path) for processes, Endpoint::tcp(addr) for machines
+//!
+//! let sink = {
+//!     let ep = ep.clone();
+//!     std::thread::spawn(move || -> ferry::Result<u64> {
+//!         let mut rx = Channel::connect(&Domain::new("sink"), &ep, BindParams::default(), t)?;
+//!         rx.set_pool_policy(PoolPolicy::AcceptAll);
+//!         loop {
+//!             match rx.wait(Some(t)) {
+//!                 Some(Event::MoveReceived { buffer, .. }) => return Ok(buffer.as_slice_of::<u64>()?[0]),
+//!                 Some(Event::PoolAssignRequest(_)) => {} // accepted already
+//!                 other => panic!("unexpected {other:?}"),
+//!             }
+//!         }
+//!     })
+//! };
+//!
+//! let app = Domain::new("app");
+//! let mut tx = Channel::accept(&app, &ep, ChannelSetup::default(), t)?;
+//! let alloc = Allocator::new(&app, 16, 64 << 10, PoolConstraints::default())?; // 16 × 64 KiB
+//! tx.assign_pool_and_wait(alloc.pool(), t)?;
+//! let mut buf = alloc.alloc().expect("a free buffer");
+//! buf.as_mut_slice_of::<u64>()?[0] = 42; // or as_mut_slice() for bytes
+//! tx.move_buffer(buf, &[])?;
+//! assert_eq!(sink.join().unwrap()?, 42);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Runnable programs are in `crates/ferry/examples/`: `threads` (local
+//! backend), `processes_shm` and `processes_tcp` (two processes; without
+//! arguments each starts its receiver as a child process). Each moves 16 MiB
+//! and checks every byte: `cargo run -p ferry --release --example threads`.
+//!
+//! # The explicit steps
+//!
+//! The helpers above are shorthands. Spelled out, a channel is set up with
+//! its events, and a pool request answered by the application:
+//!
 //! ```
 //! use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints};
 //!
@@ -69,9 +128,16 @@ pub use backend::{Endpoint, LinkStats, LocalEndpoint};
 #[cfg(not(loom))]
 pub use backend::{NetEndpoint, NetOptions, ShmEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
-pub use channel::{Channel, Event, PoolRequest};
+pub use channel::{Channel, Event, PoolPolicy, PoolRequest};
 pub use domain::Domain;
 pub use error::{Error, Refused, Result};
 pub use pool::{Geometry, Pool, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
 pub use setup::{BindParams, ChannelConstraints, ChannelSetup, ChannelState, Direction, Role};
+
+/// The [`bytemuck`](https://docs.rs/bytemuck) crate, for the typed views of
+/// buffer memory ([`Buffer::as_slice_of`] and friends): no extra dependency
+/// line is needed to name its traits or implement them for your own types.
+pub use bytemuck;
+/// Plain-old-data types, which a typed view of buffer memory may hold.
+pub use bytemuck::{Pod, Zeroable};

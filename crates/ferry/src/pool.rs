@@ -105,11 +105,44 @@ pub enum BufferState {
 }
 
 /// Trust levels of channels and pools ([ETH-BT] §4.2.4, Listing 6.1).
+///
+/// A channel's trust is set by its creator ([`ChannelSetup::trust`](crate::ChannelSetup::trust));
+/// a pool takes the trust of the first channel it is assigned to (or is
+/// fixed by [`PoolConstraints::trust`]) and can then travel only on
+/// channels of that trust.
+///
+/// ```
+/// use std::time::Duration;
+/// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, PoolConstraints, TrustLevel};
+///
+/// // HALF: the sender's own view of a buffer it moved is inaccessible until
+/// // it comes back (a guard against accidents, not against the peer).
+/// let (a, b) = (Domain::new("a"), Domain::new("b"));
+/// let ep = Endpoint::local();
+/// let mut tx = Channel::create(&a, &ep, ChannelSetup { trust: TrustLevel::Half, ..ChannelSetup::default() })?;
+/// let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+/// tx.wait_connected(Duration::from_secs(10))?;
+/// rx.wait_connected(Duration::from_secs(10))?;
+/// assert_eq!(rx.trust(), TrustLevel::Half);
+///
+/// // A pool fixed at FULL cannot be assigned to this channel.
+/// let full = PoolConstraints { trust: TrustLevel::Full, ..PoolConstraints::default() };
+/// let alloc = Allocator::new(&a, 2, 4096, full)?;
+/// assert_eq!(
+///     tx.assign_pool(alloc.pool()),
+///     Err(Error::TrustMismatch { pool: TrustLevel::Full, channel: TrustLevel::Half })
+/// );
+/// // Trust NONE needs two processes: one address space cannot be protected from itself.
+/// let none = ChannelSetup { trust: TrustLevel::None, ..ChannelSetup::default() };
+/// assert!(matches!(Channel::create(&a, &Endpoint::local(), none), Err(Error::TrustNotSupported { .. })));
+/// # Ok::<(), ferry::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TrustLevel {
     /// Only for pools not yet assigned to any channel.
     Uninitialized,
-    /// No trust: protection enforced by the kernel (shared-memory backend).
+    /// No trust: protection enforced by the kernel (shared-memory and TCP
+    /// backends; each side has memory the other cannot write).
     None,
     /// Protection applied in the sender's own process against accidents.
     Half,
@@ -144,6 +177,16 @@ impl TrustLevel {
 }
 
 /// Shape of a pool: `count` buffers of `buffer_size` bytes each.
+///
+/// ```
+/// use ferry::{Error, Geometry};
+/// let g = Geometry::new(64 << 10, 16)?;
+/// assert_eq!((g.buffer_size(), g.count(), g.len()), (65536, 16, 1 << 20));
+/// // The buffer size is a power of two, at least a page; there is a buffer.
+/// assert!(matches!(Geometry::new(5000, 16), Err(Error::BadBufferSize { .. })));
+/// assert!(matches!(Geometry::new(4096, 0), Err(Error::BadBufferCount { .. })));
+/// # Ok::<(), ferry::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Geometry {
     buffer_size: usize,
@@ -189,7 +232,18 @@ impl Geometry {
     }
 }
 
-/// Constraints on a new pool ([ETH-BT] §6.4.1).
+/// Constraints on a new pool ([ETH-BT] §6.4.1), given to [`Allocator::new`](crate::Allocator::new).
+///
+/// ```
+/// use ferry::{Allocator, Domain, PoolConstraints, TrustLevel};
+/// let d = Domain::new("d");
+/// // Buffers at 2 MiB boundaries (huge-page friendly), trust fixed at HALF.
+/// let c = PoolConstraints { trust: TrustLevel::Half, alignment: 2 << 20 };
+/// let alloc = Allocator::new(&d, 4, 2 << 20, c)?;
+/// assert_eq!(alloc.pool().base_address() % (2 << 20), 0);
+/// assert_eq!(d.pool_trust(alloc.pool().id()), Some(TrustLevel::Half));
+/// # Ok::<(), ferry::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolConstraints {
     /// Trust level fixed now, or `Uninitialized` to take the trust of the
@@ -447,7 +501,23 @@ impl PoolView {
 }
 
 /// A handle naming a pool in one domain's pool list; what
-/// [`Channel::assign_pool`](crate::Channel::assign_pool) takes.
+/// [`Channel::assign_pool`](crate::Channel::assign_pool) takes. Made by an
+/// [`Allocator`](crate::Allocator) ([`Allocator::pool`](crate::Allocator::pool)),
+/// or for a pool a peer assigned, by [`Domain::pool`](crate::Domain::pool).
+///
+/// ```
+/// use ferry::{Allocator, Domain, PoolConstraints};
+/// let d = Domain::new("d");
+/// let alloc = Allocator::new(&d, 8, 4096, PoolConstraints::default())?;
+/// let pool = alloc.pool();
+/// assert_eq!((pool.geometry().count(), pool.geometry().buffer_size()), (8, 4096));
+/// assert_eq!(d.pools(), vec![pool.id()]);
+/// // Buffer addresses map to indices and back.
+/// let buf = alloc.alloc().unwrap();
+/// assert_eq!(pool.index_of(buf.as_ptr()), Some(buf.id().index));
+/// assert_eq!(pool.base_address() + 4096 * buf.id().index as usize, buf.as_ptr() as usize);
+/// # Ok::<(), ferry::Error>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct Pool {
     pub(crate) view: Arc<PoolView>,

@@ -88,7 +88,22 @@ impl ChannelConstraints {
     }
 }
 
-/// Parameters of [`Channel::create`](crate::Channel::create).
+/// Parameters of [`Channel::create`](crate::Channel::create); the default
+/// is a TX end, trust FULL, 16 bytes of meta data, a queue of 1024 messages
+/// each way.
+///
+/// ```
+/// use ferry::{ChannelSetup, Direction, Role, TrustLevel};
+/// // The creator receives, the binder will provide the pools.
+/// let setup = ChannelSetup {
+///     direction: Direction::Rx,
+///     role: Role::Slave,
+///     trust: TrustLevel::Half,
+///     meta_size: 32,
+///     ..ChannelSetup::default()
+/// };
+/// # let _ = setup;
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChannelSetup {
     /// The creator's direction.
@@ -118,7 +133,23 @@ impl Default for ChannelSetup {
     }
 }
 
-/// Parameters of [`Channel::bind`](crate::Channel::bind).
+/// Parameters of [`Channel::bind`](crate::Channel::bind); the default takes
+/// what the creator offers. A binder that cannot live with the creator's
+/// setup says so here, and the bind is refused
+/// ([`Error::BindRefused`](crate::Error::BindRefused)).
+///
+/// ```
+/// use std::time::Duration;
+/// use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, TrustLevel};
+///
+/// let ep = Endpoint::local();
+/// let mut creator = Channel::create(&Domain::new("a"), &ep, ChannelSetup::default())?; // trust FULL
+/// let params = BindParams { trust: Some(TrustLevel::Half), ..BindParams::default() };
+/// let mut binder = Channel::bind(&Domain::new("b"), &ep, params)?;
+/// let _ = creator.wait_connected(Duration::from_secs(1));
+/// assert!(matches!(binder.wait_connected(Duration::from_secs(10)), Err(Error::BindRefused(_))));
+/// # Ok::<(), ferry::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BindParams {
     /// Role the binder wants (`Generic`: whatever the creator leaves).

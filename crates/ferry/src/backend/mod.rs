@@ -169,7 +169,15 @@ pub(crate) trait PendingSetup: Send {
 pub(crate) type Pending = Box<dyn PendingSetup>;
 
 /// Where a channel is created or bound: a backend-specific endpoint
-/// descriptor ([ETH-BT] §4.2.2, §6.2.3).
+/// descriptor ([ETH-BT] §4.2.2, §6.2.3). The endpoint picks the backend;
+/// everything after [`Channel::create`](crate::Channel::create) and
+/// [`Channel::bind`](crate::Channel::bind) is the same whatever it is.
+///
+/// | endpoint | ends in | carries buffers by |
+/// |---|---|---|
+/// | [`Endpoint::local`] | threads of one process | sharing the pool's memory |
+/// | [`Endpoint::shm`], [`Endpoint::shm_abstract`] | processes of one host | sharing the pool's memory (a sealed memfd) |
+/// | [`Endpoint::tcp`], [`Endpoint::tcp_with`] | machines | sending the payload from and into buffer memory |
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Endpoint {
@@ -185,26 +193,77 @@ pub enum Endpoint {
 
 impl Endpoint {
     /// A fresh local endpoint: create a channel on it in one domain, bind to
-    /// it from another (threads of one process).
+    /// it from another (threads of one process). Clones name the same
+    /// endpoint; it serves one channel.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint};
+    ///
+    /// let ep = Endpoint::local();
+    /// let binder = {
+    ///     let ep = ep.clone();
+    ///     std::thread::spawn(move || Channel::connect(&Domain::new("b"), &ep, BindParams::default(), Duration::from_secs(10)))
+    /// };
+    /// let tx = Channel::accept(&Domain::new("a"), &ep, ChannelSetup::default(), Duration::from_secs(10))?;
+    /// let rx = binder.join().unwrap()?;
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
     pub fn local() -> Endpoint {
         Endpoint::Local(LocalEndpoint::new())
     }
 
     /// A shared-memory endpoint named by a socket file: `create` listens
-    /// there, `bind` connects (from another process).
+    /// there, `bind` connects (from another process). A socket file left by
+    /// a process that died is replaced; the file is removed when the
+    /// creator stops listening.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint};
+    ///
+    /// let path = std::env::temp_dir().join(format!("ferry-doc-{}.sock", std::process::id()));
+    /// let ep = Endpoint::shm(&path);
+    /// // Normally two processes; two domains of this one work the same way.
+    /// let mut tx = Channel::create(&Domain::new("a"), &ep, ChannelSetup::default())?;
+    /// let mut rx = Channel::bind(&Domain::new("b"), &ep, BindParams::default())?;
+    /// tx.wait_connected(Duration::from_secs(10))?;
+    /// rx.wait_connected(Duration::from_secs(10))?;
+    /// assert!(!path.exists(), "the listener is gone once connected");
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
     #[cfg(not(loom))]
     pub fn shm(path: impl Into<std::path::PathBuf>) -> Endpoint {
         Endpoint::Shm(ShmEndpoint::path(path))
     }
 
-    /// A shared-memory endpoint with a Linux abstract socket name.
+    /// A shared-memory endpoint with a Linux abstract socket name: no file,
+    /// and the name is free again when its listener is gone.
+    ///
+    /// ```
+    /// let ep = ferry::Endpoint::shm_abstract("my-app/frames");
+    /// ```
     #[cfg(not(loom))]
     pub fn shm_abstract(name: &str) -> Endpoint {
         Endpoint::Shm(ShmEndpoint::abstract_name(name))
     }
 
     /// A TCP endpoint (IPv4 or IPv6) with default options: `create`
-    /// listens at `addr`, `bind` connects to it.
+    /// listens at `addr`, `bind` connects to it. With port 0 the kernel
+    /// picks a port: [`Channel::listen_addr`](crate::Channel::listen_addr)
+    /// says which.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint};
+    ///
+    /// let mut tx = Channel::create(&Domain::new("a"), &Endpoint::tcp("127.0.0.1:0".parse()?), ChannelSetup::default())?;
+    /// let addr = tx.listen_addr().expect("listening");
+    /// let mut rx = Channel::bind(&Domain::new("b"), &Endpoint::tcp(addr), BindParams::default())?;
+    /// tx.wait_connected(Duration::from_secs(10))?;
+    /// rx.wait_connected(Duration::from_secs(10))?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     #[cfg(not(loom))]
     pub fn tcp(addr: std::net::SocketAddr) -> Endpoint {
         Endpoint::Net(NetEndpoint::new(addr, NetOptions::default()))

@@ -1,0 +1,320 @@
+//! The short path from nothing to the first move: helpers over the explicit
+//! operations of [`Channel`], for the common cases.
+//!
+//! - [`Channel::accept`] creates a channel and waits until a binder is
+//!   connected; [`Channel::connect`] binds, retrying while nobody listens
+//!   yet (two processes may start in any order), and waits for the reply;
+//!   [`Channel::wait_connected`] is the waiting half of both.
+//! - [`PoolPolicy::AcceptAll`] lets the library accept every pool the peer
+//!   offers; [`Channel::assign_pool_and_wait`] offers one and waits for the
+//!   answer.
+//!
+//! Nothing is lost while a helper waits: the events it takes that are not
+//! the one it waits for are kept, and [`Channel::poll`] and
+//! [`Channel::wait`] hand them out first, in the order they arrived.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::{BindParams, Channel, ChannelSetup, ChannelState, Event};
+use crate::backend::Endpoint;
+use crate::domain::Domain;
+use crate::error::{Error, Result};
+use crate::pool::Pool;
+use crate::proto::Message;
+
+/// How a channel end answers the pool-assignment requests of its peer
+/// ([`Channel::set_pool_policy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PoolPolicy {
+    /// The application answers each [`Event::PoolAssignRequest`] with
+    /// [`Channel::respond_pool`] (the default).
+    #[default]
+    Ask,
+    /// The library accepts every pool the peer offers, as the request is
+    /// delivered (the answer goes out at once, also on a backend that
+    /// batches sends). [`Event::PoolAssignRequest`] is still reported, for
+    /// information: the pool is already assigned
+    /// ([`Channel::is_assigned`] is true) and there is nothing to answer
+    /// ([`Channel::respond_pool`] would fail with
+    /// [`Error::NoPendingRequest`]). Pools the library vetoes by itself
+    /// (outside the channel's constraints) are still vetoed. A request that
+    /// arrives after this end started a teardown cannot be answered and
+    /// stays pending.
+    AcceptAll,
+}
+
+/// The helpers' state in a channel end.
+#[derive(Debug, Default)]
+pub(super) struct Helpers {
+    policy: PoolPolicy,
+    /// Events a waiting helper took, for the next `poll`.
+    pub(super) held: VecDeque<Event>,
+}
+
+/// How long [`Channel::connect`] pauses between two binds at most.
+const RETRY_MAX: Duration = Duration::from_millis(50);
+
+impl Channel {
+    /// Create a channel on `endpoint` ([`Channel::create`]) and wait until
+    /// a binder is connected ([`Channel::wait_connected`]): the channel is
+    /// returned `Connected`, the [`Event::BindRequest`] taken.
+    /// [`Error::TimedOut`] if no binder came within `timeout` (a
+    /// shared-memory or TCP endpoint is free again; a local endpoint serves
+    /// one channel); the errors of [`Channel::create`].
+    ///
+    /// For a TCP endpoint on port 0, whose address the binder must learn
+    /// first, call [`Channel::create`], read
+    /// [`listen_addr`](Channel::listen_addr), then
+    /// [`wait_connected`](Channel::wait_connected).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::{BindParams, Channel, ChannelSetup, ChannelState, Domain, Endpoint};
+    ///
+    /// let ep = Endpoint::local();
+    /// let binder = {
+    ///     let ep = ep.clone();
+    ///     std::thread::spawn(move || {
+    ///         Channel::connect(&Domain::new("receiver"), &ep, BindParams::default(), Duration::from_secs(10))
+    ///     })
+    /// };
+    /// let tx = Channel::accept(&Domain::new("sender"), &ep, ChannelSetup::default(), Duration::from_secs(10))?;
+    /// let rx = binder.join().unwrap()?;
+    /// assert_eq!((tx.state(), rx.state()), (ChannelState::Connected, ChannelState::Connected));
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
+    pub fn accept(domain: &Domain, endpoint: &Endpoint, setup: ChannelSetup, timeout: Duration) -> Result<Channel> {
+        let mut ch = Channel::create(domain, endpoint, setup)?;
+        ch.wait_connected(timeout)?;
+        Ok(ch)
+    }
+
+    /// Bind to `endpoint` ([`Channel::bind`]) and wait for the creator's
+    /// reply ([`Channel::wait_connected`]): the channel is returned
+    /// `Connected`, the [`Event::Bound`] taken. While nobody listens on the
+    /// endpoint yet, the bind is retried (pausing up to 50 ms) until
+    /// `timeout`: the creator may start after the binder.
+    ///
+    /// Errors: [`Error::EndpointNotListening`] if nobody listened within
+    /// `timeout`; [`Error::TimedOut`] if the creator did not answer in time;
+    /// [`Error::BindRefused`] if it refused; the other errors of
+    /// [`Channel::bind`] at once. (Over TCP, one attempt to reach a host
+    /// that does not answer at all may take the backend's setup timeout of
+    /// 10 s, past `timeout`.)
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::{BindParams, Channel, Domain, Endpoint, Error};
+    ///
+    /// // Nobody creates a channel on this endpoint.
+    /// let err = Channel::connect(&Domain::new("d"), &Endpoint::local(), BindParams::default(), Duration::from_millis(20));
+    /// assert_eq!(err.unwrap_err(), Error::EndpointNotListening);
+    /// ```
+    pub fn connect(domain: &Domain, endpoint: &Endpoint, params: BindParams, timeout: Duration) -> Result<Channel> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_millis(1);
+        let mut ch = loop {
+            match Channel::bind(domain, endpoint, params) {
+                Ok(ch) => break ch,
+                Err(Error::EndpointNotListening) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(Error::EndpointNotListening);
+                    }
+                    std::thread::sleep(pause.min(left));
+                    pause = (pause * 2).min(RETRY_MAX);
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        ch.wait_connected(deadline.saturating_duration_since(Instant::now()))?;
+        Ok(ch)
+    }
+
+    /// Wait until a channel being created or bound is connected, taking its
+    /// [`Event::BindRequest`] or [`Event::Bound`]. `Ok` at once if it is
+    /// connected already; [`Error::TimedOut`] after `timeout`; the error of
+    /// a failed setup ([`Error::BindRefused`], [`Error::PeerGone`], …);
+    /// [`Error::NotConnected`] for a channel that is tearing down or closed.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::{Channel, ChannelSetup, Domain, Endpoint, Error};
+    ///
+    /// let mut ch = Channel::create(&Domain::new("d"), &Endpoint::local(), ChannelSetup::default())?;
+    /// assert_eq!(ch.wait_connected(Duration::from_millis(10)), Err(Error::TimedOut)); // nobody binds
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
+    pub fn wait_connected(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.state {
+                ChannelState::Connected => return Ok(()),
+                ChannelState::Initialized | ChannelState::Binding => {}
+                s => return Err(Error::NotConnected(s)),
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.wait_unheld(left) {
+                Some(Event::BindRequest { .. } | Event::Bound) => return Ok(()),
+                Some(Event::Error(e)) => return Err(e),
+                // Nothing else arrives before the channel is connected.
+                Some(other) => self.helpers.held.push_back(other),
+                // Timed out, or closed (the next round says so).
+                None if matches!(self.state, ChannelState::Initialized | ChannelState::Binding) => {
+                    return Err(Error::TimedOut)
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// Set how this end answers the peer's pool-assignment requests (see
+    /// [`PoolPolicy`]); it applies to the requests delivered from now on.
+    /// May be set in any state, also before the channel is connected.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, PoolConstraints, PoolPolicy};
+    ///
+    /// let (a, b) = (Domain::new("sender"), Domain::new("receiver"));
+    /// let ep = Endpoint::local();
+    /// let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// rx.set_pool_policy(PoolPolicy::AcceptAll);
+    /// let t = Duration::from_secs(10);
+    /// tx.wait_connected(t)?;
+    /// rx.wait_connected(t)?;
+    ///
+    /// let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// tx.assign_pool(alloc.pool())?;
+    /// let req = rx.wait(Some(t));                 // reported, and already accepted
+    /// assert!(matches!(req, Some(ferry::Event::PoolAssignRequest(_))));
+    /// assert!(rx.is_assigned(alloc.pool().id()));
+    /// assert!(matches!(tx.wait(Some(t)), Some(ferry::Event::PoolAssigned(_))));
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
+    pub fn set_pool_policy(&mut self, policy: PoolPolicy) {
+        self.helpers.policy = policy;
+    }
+
+    /// The policy set by [`set_pool_policy`](Channel::set_pool_policy).
+    pub fn pool_policy(&self) -> PoolPolicy {
+        self.helpers.policy
+    }
+
+    /// Assign `pool` to the channel ([`Channel::assign_pool`]) and wait for
+    /// the peer's answer: `Ok` once it is assigned; [`Error::PoolVetoed`] if
+    /// the peer vetoed it; [`Error::TimedOut`] if no answer came within
+    /// `timeout` (the request stays out: its answer is delivered as an
+    /// event later); the error of a channel that failed or closed meanwhile;
+    /// the errors of [`Channel::assign_pool`] (a full queue is waited out).
+    ///
+    /// Every other event that arrives meanwhile is kept, and handed out by
+    /// the next [`poll`](Channel::poll) or [`wait`](Channel::wait), in
+    /// order (an [`Event::Error`] or [`Event::Closed`] too).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, PoolConstraints, PoolPolicy};
+    ///
+    /// let (a, b) = (Domain::new("sender"), Domain::new("receiver"));
+    /// let ep = Endpoint::local();
+    /// let t = Duration::from_secs(10);
+    /// let receiver = {
+    ///     let ep = ep.clone();
+    ///     std::thread::spawn(move || -> ferry::Result<usize> {
+    ///         let mut rx = Channel::connect(&b, &ep, BindParams::default(), t)?;
+    ///         rx.set_pool_policy(PoolPolicy::AcceptAll);
+    ///         loop {
+    ///             if let Some(ferry::Event::MoveReceived { buffer, .. }) = rx.wait(Some(t)) {
+    ///                 return Ok(buffer.len());
+    ///             }
+    ///         }
+    ///     })
+    /// };
+    /// let mut tx = Channel::accept(&a, &ep, ChannelSetup::default(), t)?;
+    /// let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// tx.assign_pool_and_wait(alloc.pool(), t)?;
+    /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
+    /// assert_eq!(receiver.join().unwrap()?, 4096);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn assign_pool_and_wait(&mut self, pool: &Pool, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut taken = Vec::new();
+        let result = self.assign_and_wait(pool, deadline, &mut taken);
+        self.helpers.held.extend(taken);
+        result
+    }
+
+    fn assign_and_wait(&mut self, pool: &Pool, deadline: Instant, taken: &mut Vec<Event>) -> Result<()> {
+        let id = pool.id();
+        // Keep what arrives (an end event too) and say why waiting stops.
+        let keep = |ev: Event, taken: &mut Vec<Event>| -> Result<()> {
+            let stop = match &ev {
+                Event::Error(e) => Err(e.clone()),
+                Event::Closed { .. } => Err(Error::NotConnected(ChannelState::Closed)),
+                _ => Ok(()),
+            };
+            taken.push(ev);
+            stop
+        };
+        loop {
+            match self.assign_pool(pool) {
+                Ok(()) => break,
+                Err(Error::QueueFull) => {
+                    // Room comes when the peer takes messages: look again soon.
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(Error::TimedOut);
+                    }
+                    if let Some(ev) = self.wait_unheld(left.min(Duration::from_millis(1))) {
+                        keep(ev, taken)?;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.wait_unheld(left) {
+                Some(Event::PoolAssigned(p)) if p == id => return Ok(()),
+                Some(Event::PoolVetoed(p)) if p == id => return Err(Error::PoolVetoed(id)),
+                Some(ev) => keep(ev, taken)?,
+                None if self.state == ChannelState::Closed => return Err(Error::NotConnected(ChannelState::Closed)),
+                None => return Err(Error::TimedOut),
+            }
+        }
+    }
+
+    /// [`Channel::wait`] for a new arrival, leaving the held events where
+    /// they are (they stay first in line).
+    fn wait_unheld(&mut self, timeout: Duration) -> Option<Event> {
+        let held = std::mem::take(&mut self.helpers.held);
+        let ev = self.wait(Some(timeout));
+        debug_assert!(self.helpers.held.is_empty(), "wait holds nothing back");
+        self.helpers.held = held;
+        ev
+    }
+
+    /// Under [`PoolPolicy::AcceptAll`], accept the pool of a request just
+    /// delivered (the reply is queued like every reply made while
+    /// delivering, so a full queue does not lose it).
+    #[inline]
+    pub(super) fn apply_pool_policy(&mut self, ev: Event) -> Event {
+        if let Event::PoolAssignRequest(req) = &ev {
+            if self.helpers.policy == PoolPolicy::AcceptAll && self.state == ChannelState::Connected {
+                if let Some(pos) = self.requests.iter().position(|r| r.pool == req.pool) {
+                    self.reply(Message::AssignReply { pool: req.pool, accepted: true });
+                    self.settle_request(pos, true);
+                    // The application does not know there is a reply to
+                    // send: a backend that batches sends it now (an error
+                    // shows at the next operation).
+                    let _ = self.link_mut().flush();
+                }
+            }
+        }
+        ev
+    }
+}
