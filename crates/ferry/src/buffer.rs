@@ -180,6 +180,12 @@ impl Spares {
         }
     }
 
+    /// Drop the kept references to views of pool `id` (it left the
+    /// channel: they would keep its mapping alive).
+    pub(crate) fn forget_pool(&mut self, id: PoolId) {
+        self.views.retain(|v| v.id() != id);
+    }
+
     /// A handle for a buffer that arrived (its view from [`Spares::view`]).
     pub(crate) fn buffer(&mut self, domain: &Arc<DomainShared>, view: Arc<PoolView>, index: u32) -> Buffer {
         let domain = match self.domains.pop() {

@@ -583,7 +583,7 @@ impl Channel {
         let id = pool.id();
         // Only a pool this domain created or accepted can be offered: a pool
         // merely offered to us cannot be passed on before we accept it.
-        if pool.domain != self.domain.id() || !self.domain.lock().entry(id).is_some_and(|e| e.permanent) {
+        if pool.domain.id != self.domain.id() || !self.domain.lock().entry(id).is_some_and(|e| e.permanent) {
             return Err(Error::UnknownPool(id));
         }
         let busy = self.pools.iter().any(|p| p.id == id && (p.listed || p.assigning));
@@ -615,13 +615,13 @@ impl Channel {
         self.check_room()?;
         self.link_mut().send(&Message::AssignReply { pool, accepted: accept })?;
         self.requests.remove(pos);
-        self.detach(pool);
         if accept {
+            // Listed first: the request's relation goes after the record's
+            // is counted, so the pool never looks unused in between.
             self.chan_pool(pool).listed = true;
             self.fix_pool(pool);
-        } else {
-            self.domain.lock().remove_if_unused(pool);
         }
+        self.detach(pool);
         Ok(())
     }
 
@@ -771,10 +771,25 @@ impl Channel {
         }
     }
 
-    fn detach(&self, pool: PoolId) {
-        if let Some(e) = self.domain.lock().entry_mut(pool) {
+    /// One relation of this end to `pool` (a record or a request, already
+    /// taken out) is gone. With its last one, the link and the spares drop
+    /// what they keep of the pool; the domain drops the pool if nothing
+    /// else refers to it.
+    fn detach(&mut self, pool: PoolId) {
+        let related = self.pools.iter().any(|p| p.id == pool) || self.requests.iter().any(|r| r.pool == pool);
+        if !related {
+            if let Some(link) = self.link.as_mut() {
+                link.forget_pool(pool);
+            }
+            self.spares.forget_pool(pool);
+        }
+        let mut st = self.domain.lock();
+        if let Some(e) = st.entry_mut(pool) {
             e.channels -= 1;
         }
+        let gone = st.release_if_unused(pool);
+        drop(st);
+        drop(gone);
     }
 
     /// An assignment of `pool` was accepted: our entry is permanent and the
@@ -1160,6 +1175,7 @@ impl Channel {
         // out, and the peer vetoes it likewise), so the two ends agree that
         // the pool is not assigned; either may offer it again.
         if !self.sent_teardown && self.pools.iter().any(|p| p.id == pool && p.assigning) {
+            self.link_mut().decline_pool(pool)?;
             self.reply(Message::AssignReply { pool, accepted: false });
             return Ok(Event::PoolVetoed(pool));
         }
@@ -1171,6 +1187,7 @@ impl Channel {
         if !acceptable {
             // The library vetoes by itself: wrong geometry for a known id, a
             // trust conflict, or the channel's constraints.
+            self.link_mut().decline_pool(pool)?;
             self.reply(Message::AssignReply { pool, accepted: false });
             return Ok(Event::PoolVetoed(pool));
         }
@@ -1224,19 +1241,21 @@ impl Channel {
             link.close(pending);
         }
         let cross = self.link.as_ref().is_some_and(|l| l.peer_can_die());
+        self.spares = Spares::default();
         let mut st = self.domain.lock();
         st.forget_channel(self.key, cross);
-        for p in self.pools.drain(..) {
-            if let Some(e) = st.entry_mut(p.id) {
+        let related: Vec<PoolId> =
+            self.pools.drain(..).map(|p| p.id).chain(self.requests.drain(..).map(|r| r.pool)).collect();
+        for &pool in &related {
+            if let Some(e) = st.entry_mut(pool) {
                 e.channels -= 1;
             }
         }
-        for r in self.requests.drain(..) {
-            if let Some(e) = st.entry_mut(r.pool) {
-                e.channels -= 1;
-            }
-            st.remove_if_unused(r.pool);
-        }
+        // The pools this channel was the last reference to leave the list
+        // (dropped after the lock: unmapping takes a while).
+        let gone: Vec<_> = related.into_iter().filter_map(|pool| st.release_if_unused(pool)).collect();
+        drop(st);
+        drop(gone);
     }
 
     /// The peer process exited: what we lent it and it still had is ours

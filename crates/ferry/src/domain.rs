@@ -82,10 +82,13 @@ impl Domain {
         v
     }
 
-    /// A handle to a pool in this domain's pool list.
+    /// A handle to a pool in this domain's pool list (it keeps the pool
+    /// there while it lives, like the pool's [`crate::Allocator`]).
     pub fn pool(&self, id: PoolId) -> Option<Pool> {
-        let st = self.shared.lock();
-        st.pools.get(&id).map(|e| Pool { view: e.view.clone(), domain: self.shared.id })
+        let mut st = self.shared.lock();
+        let e = st.pools.get_mut(&id)?;
+        e.handles += 1;
+        Some(Pool { view: e.view.clone(), domain: self.shared.clone() })
     }
 
     /// The trust level this domain records for a pool.
@@ -221,9 +224,13 @@ impl BufRecord {
 pub(crate) struct PoolEntry {
     pub(crate) view: Arc<PoolView>,
     pub(crate) trust: TrustLevel,
-    /// Created here, or an assignment of it was accepted: the entry stays
-    /// (a pool only offered to us leaves the list again on a veto).
+    /// Created here, or an assignment of it was accepted: this domain may
+    /// offer it on its channels (a pool only offered to us may not).
     pub(crate) permanent: bool,
+    /// Live [`Pool`] handles of the pool in this domain (an allocator holds
+    /// one). With `channels`, the buffer handles and the copies held here,
+    /// what keeps the entry in the list (see [`PoolEntry::unused`]).
+    pub(crate) handles: u32,
     /// The trust level can no longer go back to `Uninitialized` (set at
     /// creation, or some assignment was accepted).
     pub(crate) trust_fixed: bool,
@@ -239,6 +246,42 @@ pub(crate) struct PoolEntry {
 }
 
 impl PoolEntry {
+    /// No pool handle and no channel relation: the entry lives on only
+    /// while buffers or copies of it are held here. One test of two fields,
+    /// cheap enough for every dropped buffer handle.
+    #[inline]
+    fn orphaned(&self) -> bool {
+        self.handles == 0 && self.channels == 0
+    }
+
+    /// Nothing of this domain refers to the pool any more: no pool handle,
+    /// no channel relation, no copy held here (its handle live or its
+    /// release pending), and every buffer owned here is at rest on the free
+    /// list (no buffer handle; an owned buffer waiting for its copies to
+    /// come back has no handle either). Buffers this domain gave away and
+    /// copies it sent do not count: they travel only on channels the pool
+    /// is on, and after those closed, their holders have views of their
+    /// own.
+    fn unused(&self) -> bool {
+        if !self.orphaned() {
+            return false;
+        }
+        let mut resting = self.free.len();
+        for r in &self.records {
+            if !r.copies_in.is_empty() {
+                return false;
+            }
+            if r.owned && !r.free_when_writable {
+                // Owned, read-write, no handle: on the free list.
+                if resting == 0 {
+                    return false;
+                }
+                resting -= 1;
+            }
+        }
+        true
+    }
+
     /// Any copy of a buffer of this pool out over, or held via, `chan`.
     pub(crate) fn copies_on(&self, chan: ChanKey) -> bool {
         self.records.iter().any(|r| r.copies_out_via(chan) > 0 || r.held_via(chan) > 0)
@@ -357,7 +400,8 @@ impl DomainState {
         e.records.get(id.index as usize)
     }
 
-    /// Insert a pool allocated here: every buffer owned, read-write, free.
+    /// Insert a pool allocated here: every buffer owned, read-write, free;
+    /// counted with one pool handle (the caller's).
     pub(crate) fn insert_created(&mut self, view: Arc<PoolView>, trust: TrustLevel) {
         let n = view.geometry().count();
         let records =
@@ -372,6 +416,7 @@ impl DomainState {
             view,
             trust,
             permanent: true,
+            handles: 1,
             trust_fixed,
             channels: 0,
             records,
@@ -397,6 +442,7 @@ impl DomainState {
                 view,
                 trust,
                 permanent: false,
+                handles: 0,
                 trust_fixed: false,
                 channels: 0,
                 records,
@@ -515,12 +561,16 @@ impl DomainState {
         Self::sync_protection(e, id.index);
     }
 
-    /// We released a copy held via `chan`.
+    /// We released a copy held via `chan` (the pool leaves the list if
+    /// that copy was the last thing of it held here).
     pub(crate) fn copy_released_here(&mut self, id: BufferId, chan: ChanKey) {
         let e = self.rec_mut(id);
         drop_one(&mut e.records[id.index as usize].copies_in, chan);
         Self::sync_protection(e, id.index);
         self.maybe_free(id);
+        if self.rec_mut(id).orphaned() {
+            self.release_if_unused(id.pool);
+        }
     }
 
     /// A release of a copy we sent over `chan` came back. Returns whether
@@ -619,10 +669,10 @@ impl DomainState {
     /// its sender was another process, the pool ledger learns it from us
     /// (the sender never will).
     fn orphan_released(&mut self, id: BufferId, chan: ChanKey, cross: bool) {
-        self.copy_released_here(id, chan);
         if cross {
             self.rec_mut(id).view.memory().copy_back(id.index);
         }
+        self.copy_released_here(id, chan);
         if !self.pools.iter().any(|(_, e)| e.records.iter().any(|r| r.held_via(chan) > 0)) {
             self.orphan_chans.retain(|(c, _)| *c != chan);
         }
@@ -659,14 +709,15 @@ impl DomainState {
         }
     }
 
-    /// Drop a pool this domain learned only through a vetoed or failed
-    /// assignment.
-    pub(crate) fn remove_if_unused(&mut self, pool: PoolId) {
-        if let Some(e) = self.pools.get(&pool) {
-            let unused = !e.permanent && e.channels == 0 && e.records.iter().all(|r| r.state() == BufferState::Invalid);
-            if unused {
-                self.pools.remove(&pool);
-            }
+    /// Take `pool` out of the list if nothing of this domain refers to it
+    /// any more (see [`PoolEntry::unused`]): its view (mapping) goes, and
+    /// with the last view of the process, its memory and ledger fds.
+    /// Returns the entry, for the caller to drop after the lock.
+    pub(crate) fn release_if_unused(&mut self, pool: PoolId) -> Option<PoolEntry> {
+        if self.pools.get(&pool).is_some_and(PoolEntry::unused) {
+            self.pools.remove(&pool)
+        } else {
+            None
         }
     }
 }
@@ -758,19 +809,47 @@ impl IntoIterator for LentSet {
 
 /// A buffer handle was dropped: the buffer goes back to the free list (or
 /// aside until its copies are back), and its view reference is kept for the
-/// next `alloc` of the pool (at most one per buffer).
+/// next `alloc` of the pool (at most one per buffer). If nothing else of
+/// the domain refers to the pool, the pool leaves the list.
 pub(crate) fn buffer_dropped(domain: &DomainShared, id: BufferId, view: Arc<PoolView>) {
     let mut st = domain.lock();
     st.free(id);
-    let unused = match st.pools.get_mut(&id.pool) {
+    let (unused, gone) = match st.pools.get_mut(&id.pool) {
+        Some(e) if e.orphaned() => (Some(view), st.release_if_unused(id.pool)),
         Some(e) if Arc::ptr_eq(&view, &e.view) && e.spare_views.len() < e.records.len() => {
             e.spare_views.push(view);
-            None
+            (None, None)
         }
-        _ => Some(view),
+        _ => (Some(view), None),
     };
     drop(st);
     drop(unused);
+    drop(gone);
+}
+
+/// A [`Pool`] handle was dropped: one handle fewer, and the pool leaves the
+/// list if that was the last thing of the domain referring to it.
+pub(crate) fn pool_handle_dropped(domain: &DomainShared, view: &Arc<PoolView>) {
+    let mut st = domain.lock();
+    let id = view.id();
+    let gone = match st.pools.get_mut(&id) {
+        Some(e) if Arc::ptr_eq(view, &e.view) => {
+            e.handles -= 1;
+            st.release_if_unused(id)
+        }
+        _ => None,
+    };
+    drop(st);
+    drop(gone);
+}
+
+/// Another handle to the pool of `view`, counted in its entry.
+pub(crate) fn pool_handle_cloned(domain: &DomainShared, view: &Arc<PoolView>) {
+    if let Some(e) = domain.lock().pools.get_mut(&view.id()) {
+        if Arc::ptr_eq(view, &e.view) {
+            e.handles += 1;
+        }
+    }
 }
 
 /// Allocate a pool in `domain` (used by [`crate::Allocator`]).
@@ -781,7 +860,7 @@ pub(crate) fn create_pool(
     alignment: usize,
 ) -> Result<Pool> {
     let view = PoolView::map(memory, Access::ReadWrite, alignment)?;
-    let pool = Pool { view: view.clone(), domain: domain.id() };
+    let pool = Pool { view: view.clone(), domain: domain.shared.clone() };
     domain.lock().insert_created(view, trust);
     Ok(pool)
 }

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::buffer::BufferState;
+use crate::domain::DomainShared;
 use crate::error::{Error, Result};
 use crate::ledger::Ledger;
 use crate::sys::{self, Access, Mapping};
@@ -405,10 +406,32 @@ impl PoolView {
 
 /// A handle naming a pool in one domain's pool list; what
 /// [`Channel::assign_pool`](crate::Channel::assign_pool) takes.
-#[derive(Debug, Clone)]
+///
+/// While a handle lives, the pool stays in its domain's list (an
+/// [`Allocator`](crate::Allocator) holds one); see docs/SEMANTICS.md, "When
+/// a pool goes away".
 pub struct Pool {
     pub(crate) view: Arc<PoolView>,
-    pub(crate) domain: u64,
+    pub(crate) domain: Arc<DomainShared>,
+}
+
+impl Clone for Pool {
+    fn clone(&self) -> Self {
+        crate::domain::pool_handle_cloned(&self.domain, &self.view);
+        Pool { view: self.view.clone(), domain: self.domain.clone() }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        crate::domain::pool_handle_dropped(&self.domain, &self.view);
+    }
+}
+
+impl fmt::Debug for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pool").field("id", &self.view.id()).field("domain", &self.domain.id).finish()
+    }
 }
 
 impl Pool {
