@@ -935,6 +935,164 @@ mod tests {
         assert_eq!(st.pools.iter().count(), 3);
     }
 
+    fn alloc(d: &Domain, count: u64) -> crate::Allocator {
+        crate::Allocator::new(d, count, 4096, crate::PoolConstraints::default()).unwrap()
+    }
+
+    /// A connected local channel: TX end in `a`, RX end in `b`.
+    fn linked(a: &Domain, b: &Domain) -> (crate::Channel, crate::Channel) {
+        let ep = crate::Endpoint::local();
+        let mut tx = crate::Channel::create(a, &ep, crate::ChannelSetup::default()).unwrap();
+        let mut rx = crate::Channel::bind(b, &ep, crate::BindParams::default()).unwrap();
+        assert!(matches!(tx.poll(), Some(crate::Event::BindRequest { .. })));
+        assert!(matches!(rx.poll(), Some(crate::Event::Bound)));
+        (tx, rx)
+    }
+
+    /// Offer `pool` on `tx`; `rx` answers `accept`.
+    fn offer(tx: &mut crate::Channel, rx: &mut crate::Channel, pool: &Pool, accept: bool) {
+        tx.assign_pool(pool).unwrap();
+        let Some(crate::Event::PoolAssignRequest(req)) = rx.poll() else { panic!("no request") };
+        rx.respond_pool(req.pool, accept).unwrap();
+        let ev = tx.poll();
+        if accept {
+            assert!(matches!(ev, Some(crate::Event::PoolAssigned(_))), "{ev:?}");
+        } else {
+            assert!(matches!(ev, Some(crate::Event::PoolVetoed(_))), "{ev:?}");
+        }
+    }
+
+    fn closed(tx: &mut crate::Channel, rx: &mut crate::Channel) {
+        tx.teardown().unwrap();
+        assert!(matches!(rx.poll(), Some(crate::Event::Closed { by_peer: true })));
+        assert!(matches!(tx.poll(), Some(crate::Event::Closed { by_peer: false })));
+    }
+
+    /// Without channels: the allocator, every other pool handle and every
+    /// buffer handle keep the pool listed; the last of them to go takes it.
+    #[test]
+    fn a_pool_goes_with_its_last_handle() {
+        let d = Domain::new("d");
+        drop(alloc(&d, 2));
+        assert!(d.pools().is_empty(), "nothing else referred to it");
+
+        let a = alloc(&d, 2);
+        let id = a.pool().id();
+        let (b0, b1) = (a.alloc().unwrap(), a.alloc().unwrap());
+        let handle = a.pool().clone();
+        drop(a);
+        let named = d.pool(id).expect("listed");
+        drop(handle);
+        drop(b0);
+        assert_eq!(d.pools(), [id], "a buffer handle and a pool handle");
+        drop(named);
+        assert_eq!(d.pools(), [id], "a buffer handle");
+        assert_eq!(d.free_count(id), 1);
+        drop(b1);
+        assert!(d.pools().is_empty() && d.pool(id).is_none() && d.free_count(id) == 0);
+        assert_eq!(d.buffer_state(BufferId { pool: id, index: 0 }), BufferState::Invalid);
+    }
+
+    /// What counts as held in `PoolEntry::unused`: buffer handles and copies
+    /// received; not free buffers, buffers given away, copies sent, nor a
+    /// buffer whose handle was dropped while its copies are out.
+    #[test]
+    fn what_keeps_a_pool_without_handles_or_channels() {
+        let d = Domain::new("d");
+        let a = alloc(&d, 3);
+        let id = a.pool().id();
+        let b = a.alloc().unwrap();
+        let buf = |index| BufferId { pool: id, index };
+        let mut st = d.lock();
+        let unused = |st: &DomainState| st.entry(id).unwrap().unused();
+        st.entry_mut(id).unwrap().handles = 0;
+        assert!(!unused(&st), "buffer 0 has a handle");
+        st.give_away(buf(0));
+        assert!(unused(&st), "given away: at a peer, not here");
+        st.take_ownership(buf(0));
+        st.copy_sent(buf(0), 7);
+        st.free(buf(0));
+        assert!(unused(&st), "handle dropped, copies out");
+        st.copy_received(buf(1), 8);
+        assert!(!unused(&st), "a copy held here");
+        st.entry_mut(id).unwrap().records[1].copies_in.clear();
+        assert!(unused(&st));
+        st.entry_mut(id).unwrap().channels = 1;
+        assert!(!unused(&st), "on a channel");
+        st.entry_mut(id).unwrap().channels = 0;
+        st.entry_mut(id).unwrap().handles = 1;
+        drop(st);
+        drop(b);
+        drop(a);
+        assert!(d.pools().is_empty());
+    }
+
+    /// A pool created here whose allocator is gone stays while its buffers
+    /// are out at a peer over a channel it is assigned to, and while they
+    /// are back in handles here; removing it from the channel lets it go at
+    /// both ends. A pool received stays while assigned or a buffer of it is
+    /// held here.
+    #[test]
+    fn channels_and_buffers_at_a_peer_keep_a_pool() {
+        let (a, b) = (Domain::new("a"), Domain::new("b"));
+        let (mut tx, mut rx) = linked(&a, &b);
+        let al = alloc(&a, 2);
+        let id = al.pool().id();
+        offer(&mut tx, &mut rx, al.pool(), true);
+        tx.move_buffer(al.alloc().unwrap(), b"").unwrap();
+        drop(al);
+        assert_eq!((a.pools(), b.pools()), (vec![id], vec![id]), "assigned at both ends");
+        let Some(crate::Event::MoveReceived { buffer, .. }) = rx.poll() else { panic!("no move") };
+        rx.pass(buffer, b"").unwrap();
+        let Some(crate::Event::BufferPassed { buffer, .. }) = tx.poll() else { panic!("no pass") };
+        rx.remove_pool(id).unwrap();
+        assert!(matches!(tx.poll(), Some(crate::Event::PoolRemoved(_))));
+        assert!(matches!(rx.poll(), Some(crate::Event::PoolRemoved(_))));
+        assert_eq!((a.pools(), b.pools()), (vec![id], vec![]), "the passed buffer's handle is held at a");
+        drop(buffer);
+        assert!(a.pools().is_empty());
+    }
+
+    /// A received pool outlives its channel while a buffer or a copy of it
+    /// is held; the creator's goes with its allocator although a copy of
+    /// its buffer was out when the channel closed.
+    #[test]
+    fn a_closed_channel_leaves_what_is_held() {
+        let (a, b) = (Domain::new("a"), Domain::new("b"));
+        let (mut tx, mut rx) = linked(&a, &b);
+        let al = alloc(&a, 2);
+        let id = al.pool().id();
+        offer(&mut tx, &mut rx, al.pool(), true);
+        let lent = al.alloc().unwrap();
+        tx.copy(&lent, b"").unwrap();
+        tx.move_buffer(al.alloc().unwrap(), b"").unwrap();
+        let Some(crate::Event::CopyReceived { copy, .. }) = rx.poll() else { panic!("no copy") };
+        let Some(crate::Event::MoveReceived { buffer, .. }) = rx.poll() else { panic!("no move") };
+        closed(&mut tx, &mut rx);
+        drop((tx, rx));
+        drop(al);
+        assert_eq!(a.pools(), [id], "the owner's handle of the copied buffer");
+        drop(lent);
+        assert!(a.pools().is_empty(), "no handle left: the copy out went with the channel");
+        drop(buffer);
+        assert_eq!(b.pools(), [id], "the copy");
+        drop(copy);
+        assert!(b.pools().is_empty());
+    }
+
+    /// A veto: the sink forgets the pool it was offered; the source keeps
+    /// it while its allocator lives.
+    #[test]
+    fn a_vetoed_pool_stays_only_with_its_creator() {
+        let (a, b) = (Domain::new("a"), Domain::new("b"));
+        let (mut tx, mut rx) = linked(&a, &b);
+        let al = alloc(&a, 1);
+        offer(&mut tx, &mut rx, al.pool(), false);
+        assert_eq!((a.pools(), b.pools()), (vec![al.pool().id()], vec![]));
+        drop(al);
+        assert!(a.pools().is_empty());
+    }
+
     #[test]
     fn lent_set() {
         let (p, q) = (PoolId::from_u128(1), PoolId::from_u128(2));
