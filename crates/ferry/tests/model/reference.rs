@@ -860,9 +860,10 @@ impl Model {
         })
     }
 
-    /// `domain` refers to `pool` other than by its pool list entry.
-    fn domain_refers_to_pool(&self, domain: DomainId, pool: PoolId) -> bool {
-        let on_a_side = (0..self.channels.len()).any(|chan| match self.side_index(chan, domain) {
+    /// `domain`'s side of `chan` lists `pool` or has a request for it
+    /// (assignment or removal) out or unanswered.
+    pub fn side_refers_to_pool(&self, chan: ChanId, domain: DomainId, pool: PoolId) -> bool {
+        match self.side_index(chan, domain) {
             Some(side) => {
                 let s = &self.channels[chan].sides[side];
                 s.assigned.contains(&pool)
@@ -871,7 +872,12 @@ impl Model {
                     || s.remove_out.contains(&pool)
             }
             None => false,
-        });
+        }
+    }
+
+    /// `domain` refers to `pool` other than by its pool list entry.
+    fn domain_refers_to_pool(&self, domain: DomainId, pool: PoolId) -> bool {
+        let on_a_side = (0..self.channels.len()).any(|chan| self.side_refers_to_pool(chan, domain, pool));
         let has_buffer =
             self.pool_buffers(pool).into_iter().any(|b| self.owner(b) == domain || self.holds_some_copy(b, domain));
         on_a_side || has_buffer
