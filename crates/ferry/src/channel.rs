@@ -1179,7 +1179,12 @@ impl Channel {
             self.reply(Message::AssignReply { pool, accepted: false });
             return Ok(Event::PoolVetoed(pool));
         }
-        let known = self.domain.lock().entry(pool).map(|e| (e.view.geometry(), e.trust));
+        // A known pool's request relation is counted under the lock that
+        // finds it, so the pool cannot leave the list while we answer.
+        let known = self.domain.lock().entry_mut(pool).map(|e| {
+            e.channels += 1;
+            (e.view.geometry(), e.trust)
+        });
         let acceptable = match known {
             Some((g, t)) => g == geometry && (t == TrustLevel::Uninitialized || t == trust),
             None => true,
@@ -1187,21 +1192,28 @@ impl Channel {
         if !acceptable {
             // The library vetoes by itself: wrong geometry for a known id, a
             // trust conflict, or the channel's constraints.
+            if known.is_some() {
+                self.detach(pool);
+            }
             self.link_mut().decline_pool(pool)?;
             self.reply(Message::AssignReply { pool, accepted: false });
             return Ok(Event::PoolVetoed(pool));
         }
         if known.is_some() {
-            let memory = self.domain.lock().entry(pool).expect("known").view.memory().clone();
-            self.link_mut().use_pool(&memory)?;
+            let memory = self.domain.lock().entry(pool).expect("counted").view.memory().clone();
+            if let Err(e) = self.link_mut().use_pool(&memory) {
+                self.detach(pool);
+                return Err(e);
+            }
         } else {
             let memory = self.link_mut().import_pool(pool, geometry)?;
             let initial = if trust.protects() { Access::None } else { Access::ReadWrite };
             let view = PoolView::map(memory, initial, self.constraints.alignment)?;
-            self.domain.lock().insert_received(view, trust)?;
+            let mut st = self.domain.lock();
+            st.insert_received(view, trust)?;
+            st.entry_mut(pool).expect("inserted").channels += 1;
         }
-        self.domain.lock().entry_mut(pool).expect("inserted").trust = trust;
-        self.attach(pool);
+        self.domain.lock().entry_mut(pool).expect("counted").trust = trust;
         let req = PoolRequest { pool, geometry, trust };
         self.requests.push(req);
         Ok(Event::PoolAssignRequest(req))
