@@ -1253,11 +1253,17 @@ impl Channel {
             link.close(pending);
         }
         let cross = self.link.as_ref().is_some_and(|l| l.peer_can_die());
+        let related: Vec<PoolId> =
+            self.pools.drain(..).map(|p| p.id).chain(self.requests.drain(..).map(|r| r.pool)).collect();
+        // A closed end keeps nothing of its pools (it may live on unused).
+        if let Some(link) = self.link.as_mut() {
+            for &pool in &related {
+                link.forget_pool(pool);
+            }
+        }
         self.spares = Spares::default();
         let mut st = self.domain.lock();
         st.forget_channel(self.key, cross);
-        let related: Vec<PoolId> =
-            self.pools.drain(..).map(|p| p.id).chain(self.requests.drain(..).map(|r| r.pool)).collect();
         for &pool in &related {
             if let Some(e) = st.entry_mut(pool) {
                 e.channels -= 1;
