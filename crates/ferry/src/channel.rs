@@ -788,8 +788,14 @@ impl Channel {
             e.channels -= 1;
         }
         let gone = st.release_if_unused(pool);
+        let listed = st.entry(pool).is_some();
         drop(st);
         drop(gone);
+        if let (false, Some(lent)) = (related, &mut self.lent) {
+            // Buffers lent on this channel come back if the peer dies, to
+            // a domain that still has their pool: kept only for that.
+            lent.forget_pool(pool, !listed);
+        }
     }
 
     /// An assignment of `pool` was accepted: our entry is permanent and the

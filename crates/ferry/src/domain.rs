@@ -788,6 +788,16 @@ impl LentSet {
     }
 }
 
+impl LentSet {
+    /// The channel end no longer relates to `pool`: forget its buffers if
+    /// `all`, else if none of them is lent (an empty entry would only grow
+    /// the set, pool after pool).
+    pub(crate) fn forget_pool(&mut self, pool: PoolId, all: bool) {
+        self.pools.retain(|(p, words)| *p != pool || (!all && words.iter().any(|&w| w != 0)));
+        self.last = 0;
+    }
+}
+
 impl IntoIterator for LentSet {
     type Item = BufferId;
     type IntoIter = std::vec::IntoIter<BufferId>;
@@ -1111,5 +1121,23 @@ mod tests {
         let mut left: Vec<BufferId> = s.into_iter().collect();
         left.sort();
         assert_eq!(left, [id(p, 0), id(p, 200), id(q, 64)]);
+    }
+
+    /// A pool the channel end forgets leaves the set when none of its
+    /// buffers is lent, or when told to forget them all.
+    #[test]
+    fn lent_set_forgets_pools() {
+        let (p, q) = (PoolId::from_u128(1), PoolId::from_u128(2));
+        let mut s = LentSet::default();
+        assert!(s.insert(BufferId { pool: p, index: 3 }));
+        assert!(s.insert(BufferId { pool: q, index: 3 }));
+        assert!(s.remove(&BufferId { pool: q, index: 3 }));
+        s.forget_pool(q, false);
+        s.forget_pool(p, false);
+        assert_eq!(s.pools.len(), 1, "q had nothing lent; p has");
+        assert!(!s.insert(BufferId { pool: p, index: 3 }), "still lent after its pool was looked up again");
+        s.forget_pool(p, true);
+        assert!(s.pools.is_empty());
+        assert_eq!(s.into_iter().count(), 0);
     }
 }
