@@ -2,16 +2,21 @@
 //! out its free buffers, most recently freed first.
 
 use crate::buffer::Buffer;
+use crate::domain::Pool;
 use crate::domain::{self, Domain};
 use crate::error::{Error, Refused, Result};
-use crate::pool::{Geometry, Pool, PoolConstraints, PoolMemory};
+use crate::pool::{Geometry, PoolConstraints, PoolMemory};
 
 /// Allocates one pool and hands out its buffers.
 ///
 /// The free list is the domain's: a buffer that comes back (passed back,
 /// dropped, or freed here) is available again, whoever allocated it.
 /// Dropping the allocator frees nothing that is in use: buffers and the
-/// pool's mapping live as long as their handles.
+/// pool's mapping live as long as their handles. Once nothing refers to the
+/// pool any more — no allocator or [`Pool`] handle, no buffer or copy handle,
+/// no channel it is assigned to — it leaves the domain: unmapped, its fds
+/// closed, gone from [`Domain::pools`] (docs/SEMANTICS.md, "When a pool
+/// goes away").
 ///
 /// ```
 /// use ferry::{Allocator, Domain, PoolConstraints};

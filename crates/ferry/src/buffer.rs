@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 use crate::domain::{ChanKey, DomainShared};
 use crate::error::{Error, Result};
-use crate::pool::PoolView;
 pub use crate::pool::{BufferId, BufferState};
+use crate::pool::{PoolId, PoolView};
 
 /// A buffer owned by this domain.
 ///
@@ -221,6 +221,12 @@ impl Spares {
             Some(v) if Arc::ptr_eq(&v, view) => v,
             _ => view.clone(),
         }
+    }
+
+    /// Drop the kept references to views of pool `id` (it left the
+    /// channel: they would keep its mapping alive).
+    pub(crate) fn forget_pool(&mut self, id: PoolId) {
+        self.views.retain(|v| v.id() != id);
     }
 
     /// A handle for a buffer that arrived (its view from [`Spares::view`]).
@@ -464,7 +470,7 @@ mod tests {
                 why: "the offset is not aligned for the type"
             }
         );
-        assert!(e.to_string().contains("12 bytes at offset 2 as [u32]"), "{e}");
+        assert!(e.to_string().contains("12 bytes at offset 2 of a buffer as elements of u32"), "{e}");
     }
 
     /// A buffer with copies out has no mutable typed view either.

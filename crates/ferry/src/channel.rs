@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Endpoint, Landing, Link, PayloadGate, Pending};
 use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource, Spares};
+use crate::domain::Pool;
 use crate::domain::{ChanKey, Domain, DomainState, LentSet};
 use crate::error::{Error, Refused, Result};
-use crate::pool::{Geometry, Pool, PoolId, PoolView, TrustLevel};
+use crate::pool::{Geometry, PoolId, PoolView, TrustLevel};
 use crate::proto::{Message, Meta, MAX_META_SIZE};
 use crate::setup::{BindParams, ChannelConstraints, ChannelSetup, ChannelState, Direction, Role};
 use crate::sys::Access;
@@ -640,7 +641,7 @@ impl Channel {
         let id = pool.id();
         // Only a pool this domain created or accepted can be offered: a pool
         // merely offered to us cannot be passed on before we accept it.
-        if pool.domain != self.domain.id() || !self.domain.lock().entry(id).is_some_and(|e| e.permanent) {
+        if pool.domain.id != self.domain.id() || !self.domain.lock().entry(id).is_some_and(|e| e.permanent) {
             return Err(Error::UnknownPool(id));
         }
         let busy = self.pools.iter().any(|p| p.id == id && (p.listed || p.assigning));
@@ -679,13 +680,13 @@ impl Channel {
     /// request, and list the pool if it was accepted.
     fn settle_request(&mut self, pos: usize, accept: bool) {
         let pool = self.requests.remove(pos).pool;
-        self.detach(pool);
         if accept {
+            // Listed first: the request's relation goes after the record's
+            // is counted, so the pool never looks unused in between.
             self.chan_pool(pool).listed = true;
             self.fix_pool(pool);
-        } else {
-            self.domain.lock().remove_if_unused(pool);
         }
+        self.detach(pool);
     }
 
     /// Start removing a pool from this channel; completion is
@@ -914,9 +915,30 @@ impl Channel {
         }
     }
 
-    fn detach(&self, pool: PoolId) {
-        if let Some(e) = self.domain.lock().entry_mut(pool) {
+    /// One relation of this end to `pool` (a record or a request, already
+    /// taken out) is gone. With its last one, the link and the spares drop
+    /// what they keep of the pool; the domain drops the pool if nothing
+    /// else refers to it.
+    fn detach(&mut self, pool: PoolId) {
+        let related = self.pools.iter().any(|p| p.id == pool) || self.requests.iter().any(|r| r.pool == pool);
+        if !related {
+            if let Some(link) = self.link.as_mut() {
+                link.forget_pool(pool);
+            }
+            self.spares.forget_pool(pool);
+        }
+        let mut st = self.domain.lock();
+        if let Some(e) = st.entry_mut(pool) {
             e.channels -= 1;
+        }
+        let gone = st.release_if_unused(pool);
+        let listed = st.entry(pool).is_some();
+        drop(st);
+        drop(gone);
+        if let (false, Some(lent)) = (related, &mut self.lent) {
+            // Buffers lent on this channel come back if the peer dies, to
+            // a domain that still has their pool: kept only for that.
+            lent.forget_pool(pool, !listed);
         }
     }
 
@@ -1303,10 +1325,16 @@ impl Channel {
         // out, and the peer vetoes it likewise), so the two ends agree that
         // the pool is not assigned; either may offer it again.
         if !self.sent_teardown && self.pools.iter().any(|p| p.id == pool && p.assigning) {
+            self.link_mut().decline_pool(pool)?;
             self.reply(Message::AssignReply { pool, accepted: false });
             return Ok(Event::PoolVetoed(pool));
         }
-        let known = self.domain.lock().entry(pool).map(|e| (e.view.geometry(), e.trust));
+        // A known pool's request relation is counted under the lock that
+        // finds it, so the pool cannot leave the list while we answer.
+        let known = self.domain.lock().entry_mut(pool).map(|e| {
+            e.channels += 1;
+            (e.view.geometry(), e.trust)
+        });
         let acceptable = match known {
             Some((g, t)) => g == geometry && (t == TrustLevel::Uninitialized || t == trust),
             None => true,
@@ -1314,20 +1342,28 @@ impl Channel {
         if !acceptable {
             // The library vetoes by itself: wrong geometry for a known id, a
             // trust conflict, or the channel's constraints.
+            if known.is_some() {
+                self.detach(pool);
+            }
+            self.link_mut().decline_pool(pool)?;
             self.reply(Message::AssignReply { pool, accepted: false });
             return Ok(Event::PoolVetoed(pool));
         }
         if known.is_some() {
-            let memory = self.domain.lock().entry(pool).expect("known").view.memory().clone();
-            self.link_mut().use_pool(&memory)?;
+            let memory = self.domain.lock().entry(pool).expect("counted").view.memory().clone();
+            if let Err(e) = self.link_mut().use_pool(&memory) {
+                self.detach(pool);
+                return Err(e);
+            }
         } else {
             let memory = self.link_mut().import_pool(pool, geometry)?;
             let initial = if trust.protects() { Access::None } else { Access::ReadWrite };
             let view = PoolView::map(memory, initial, self.constraints.alignment)?;
-            self.domain.lock().insert_received(view, trust)?;
+            let mut st = self.domain.lock();
+            st.insert_received(view, trust)?;
+            st.entry_mut(pool).expect("inserted").channels += 1;
         }
-        self.domain.lock().entry_mut(pool).expect("inserted").trust = trust;
-        self.attach(pool);
+        self.domain.lock().entry_mut(pool).expect("counted").trust = trust;
         let req = PoolRequest { pool, geometry, trust };
         self.requests.push(req);
         Ok(Event::PoolAssignRequest(req))
@@ -1367,19 +1403,27 @@ impl Channel {
             link.close(pending);
         }
         let cross = self.link.as_ref().is_some_and(|l| l.peer_can_die());
+        let related: Vec<PoolId> =
+            self.pools.drain(..).map(|p| p.id).chain(self.requests.drain(..).map(|r| r.pool)).collect();
+        // A closed end keeps nothing of its pools (it may live on unused).
+        if let Some(link) = self.link.as_mut() {
+            for &pool in &related {
+                link.forget_pool(pool);
+            }
+        }
+        self.spares = Spares::default();
         let mut st = self.domain.lock();
         st.forget_channel(self.key, cross);
-        for p in self.pools.drain(..) {
-            if let Some(e) = st.entry_mut(p.id) {
+        for &pool in &related {
+            if let Some(e) = st.entry_mut(pool) {
                 e.channels -= 1;
             }
         }
-        for r in self.requests.drain(..) {
-            if let Some(e) = st.entry_mut(r.pool) {
-                e.channels -= 1;
-            }
-            st.remove_if_unused(r.pool);
-        }
+        // The pools this channel was the last reference to leave the list
+        // (dropped after the lock: unmapping takes a while).
+        let gone: Vec<_> = related.into_iter().filter_map(|pool| st.release_if_unused(pool)).collect();
+        drop(st);
+        drop(gone);
     }
 
     /// The peer process exited: what we lent it and it still had is ours

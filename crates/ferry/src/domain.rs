@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState};
 use crate::error::Result;
-use crate::pool::{Pool, PoolId, PoolMap, PoolMemory, PoolView, TrustLevel};
+use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory, PoolView, TrustLevel};
 use crate::sys::Access;
 
 /// Identifies a channel end inside its domain.
@@ -82,10 +82,13 @@ impl Domain {
         v
     }
 
-    /// A handle to a pool in this domain's pool list.
+    /// A handle to a pool in this domain's pool list (it keeps the pool
+    /// there while it lives, like the pool's [`crate::Allocator`]).
     pub fn pool(&self, id: PoolId) -> Option<Pool> {
-        let st = self.shared.lock();
-        st.pools.get(&id).map(|e| Pool { view: e.view.clone(), domain: self.shared.id })
+        let mut st = self.shared.lock();
+        let e = st.pools.get_mut(&id)?;
+        e.handles += 1;
+        Some(Pool { view: e.view.clone(), domain: self.shared.clone() })
     }
 
     /// The trust level this domain records for a pool.
@@ -221,9 +224,13 @@ impl BufRecord {
 pub(crate) struct PoolEntry {
     pub(crate) view: Arc<PoolView>,
     pub(crate) trust: TrustLevel,
-    /// Created here, or an assignment of it was accepted: the entry stays
-    /// (a pool only offered to us leaves the list again on a veto).
+    /// Created here, or an assignment of it was accepted: this domain may
+    /// offer it on its channels (a pool only offered to us may not).
     pub(crate) permanent: bool,
+    /// Live [`Pool`] handles of the pool in this domain (an allocator holds
+    /// one). With `channels`, the buffer handles and the copies held here,
+    /// what keeps the entry in the list (see [`PoolEntry::unused`]).
+    pub(crate) handles: u32,
     /// The trust level can no longer go back to `Uninitialized` (set at
     /// creation, or some assignment was accepted).
     pub(crate) trust_fixed: bool,
@@ -239,6 +246,42 @@ pub(crate) struct PoolEntry {
 }
 
 impl PoolEntry {
+    /// No pool handle and no channel relation: the entry lives on only
+    /// while buffers or copies of it are held here. One test of two fields,
+    /// cheap enough for every dropped buffer handle.
+    #[inline]
+    fn orphaned(&self) -> bool {
+        self.handles == 0 && self.channels == 0
+    }
+
+    /// Nothing of this domain refers to the pool any more: no pool handle,
+    /// no channel relation, no copy held here (its handle live or its
+    /// release pending), and every buffer owned here is at rest on the free
+    /// list (no buffer handle; an owned buffer waiting for its copies to
+    /// come back has no handle either). Buffers this domain gave away and
+    /// copies it sent do not count: they travel only on channels the pool
+    /// is on, and after those closed, their holders have views of their
+    /// own.
+    fn unused(&self) -> bool {
+        if !self.orphaned() {
+            return false;
+        }
+        let mut resting = self.free.len();
+        for r in &self.records {
+            if !r.copies_in.is_empty() {
+                return false;
+            }
+            if r.owned && !r.free_when_writable {
+                // Owned, read-write, no handle: on the free list.
+                if resting == 0 {
+                    return false;
+                }
+                resting -= 1;
+            }
+        }
+        true
+    }
+
     /// Any copy of a buffer of this pool out over, or held via, `chan`.
     pub(crate) fn copies_on(&self, chan: ChanKey) -> bool {
         self.records.iter().any(|r| r.copies_out_via(chan) > 0 || r.held_via(chan) > 0)
@@ -357,7 +400,8 @@ impl DomainState {
         e.records.get(id.index as usize)
     }
 
-    /// Insert a pool allocated here: every buffer owned, read-write, free.
+    /// Insert a pool allocated here: every buffer owned, read-write, free;
+    /// counted with one pool handle (the caller's).
     pub(crate) fn insert_created(&mut self, view: Arc<PoolView>, trust: TrustLevel) {
         let n = view.geometry().count();
         let records =
@@ -372,6 +416,7 @@ impl DomainState {
             view,
             trust,
             permanent: true,
+            handles: 1,
             trust_fixed,
             channels: 0,
             records,
@@ -397,6 +442,7 @@ impl DomainState {
                 view,
                 trust,
                 permanent: false,
+                handles: 0,
                 trust_fixed: false,
                 channels: 0,
                 records,
@@ -515,12 +561,16 @@ impl DomainState {
         Self::sync_protection(e, id.index);
     }
 
-    /// We released a copy held via `chan`.
+    /// We released a copy held via `chan` (the pool leaves the list if
+    /// that copy was the last thing of it held here).
     pub(crate) fn copy_released_here(&mut self, id: BufferId, chan: ChanKey) {
         let e = self.rec_mut(id);
         drop_one(&mut e.records[id.index as usize].copies_in, chan);
         Self::sync_protection(e, id.index);
         self.maybe_free(id);
+        if self.rec_mut(id).orphaned() {
+            self.release_if_unused(id.pool);
+        }
     }
 
     /// A release of a copy we sent over `chan` came back. Returns whether
@@ -619,10 +669,10 @@ impl DomainState {
     /// its sender was another process, the pool ledger learns it from us
     /// (the sender never will).
     fn orphan_released(&mut self, id: BufferId, chan: ChanKey, cross: bool) {
-        self.copy_released_here(id, chan);
         if cross {
             self.rec_mut(id).view.memory().copy_back(id.index);
         }
+        self.copy_released_here(id, chan);
         if !self.pools.iter().any(|(_, e)| e.records.iter().any(|r| r.held_via(chan) > 0)) {
             self.orphan_chans.retain(|(c, _)| *c != chan);
         }
@@ -659,14 +709,15 @@ impl DomainState {
         }
     }
 
-    /// Drop a pool this domain learned only through a vetoed or failed
-    /// assignment.
-    pub(crate) fn remove_if_unused(&mut self, pool: PoolId) {
-        if let Some(e) = self.pools.get(&pool) {
-            let unused = !e.permanent && e.channels == 0 && e.records.iter().all(|r| r.state() == BufferState::Invalid);
-            if unused {
-                self.pools.remove(&pool);
-            }
+    /// Take `pool` out of the list if nothing of this domain refers to it
+    /// any more (see [`PoolEntry::unused`]): its view (mapping) goes, and
+    /// with the last view of the process, its memory and ledger fds.
+    /// Returns the entry, for the caller to drop after the lock.
+    pub(crate) fn release_if_unused(&mut self, pool: PoolId) -> Option<PoolEntry> {
+        if self.pools.get(&pool).is_some_and(PoolEntry::unused) {
+            self.pools.remove(&pool)
+        } else {
+            None
         }
     }
 }
@@ -737,6 +788,16 @@ impl LentSet {
     }
 }
 
+impl LentSet {
+    /// The channel end no longer relates to `pool`: forget its buffers if
+    /// `all`, else if none of them is lent (an empty entry would only grow
+    /// the set, pool after pool).
+    pub(crate) fn forget_pool(&mut self, pool: PoolId, all: bool) {
+        self.pools.retain(|(p, words)| *p != pool || (!all && words.iter().any(|&w| w != 0)));
+        self.last = 0;
+    }
+}
+
 impl IntoIterator for LentSet {
     type Item = BufferId;
     type IntoIter = std::vec::IntoIter<BufferId>;
@@ -758,19 +819,47 @@ impl IntoIterator for LentSet {
 
 /// A buffer handle was dropped: the buffer goes back to the free list (or
 /// aside until its copies are back), and its view reference is kept for the
-/// next `alloc` of the pool (at most one per buffer).
+/// next `alloc` of the pool (at most one per buffer). If nothing else of
+/// the domain refers to the pool, the pool leaves the list.
 pub(crate) fn buffer_dropped(domain: &DomainShared, id: BufferId, view: Arc<PoolView>) {
     let mut st = domain.lock();
     st.free(id);
-    let unused = match st.pools.get_mut(&id.pool) {
+    let (unused, gone) = match st.pools.get_mut(&id.pool) {
+        Some(e) if e.orphaned() => (Some(view), st.release_if_unused(id.pool)),
         Some(e) if Arc::ptr_eq(&view, &e.view) && e.spare_views.len() < e.records.len() => {
             e.spare_views.push(view);
-            None
+            (None, None)
         }
-        _ => Some(view),
+        _ => (Some(view), None),
     };
     drop(st);
     drop(unused);
+    drop(gone);
+}
+
+/// A [`Pool`] handle was dropped: one handle fewer, and the pool leaves the
+/// list if that was the last thing of the domain referring to it.
+pub(crate) fn pool_handle_dropped(domain: &DomainShared, view: &Arc<PoolView>) {
+    let mut st = domain.lock();
+    let id = view.id();
+    let gone = match st.pools.get_mut(&id) {
+        Some(e) if Arc::ptr_eq(view, &e.view) => {
+            e.handles -= 1;
+            st.release_if_unused(id)
+        }
+        _ => None,
+    };
+    drop(st);
+    drop(gone);
+}
+
+/// Another handle to the pool of `view`, counted in its entry.
+pub(crate) fn pool_handle_cloned(domain: &DomainShared, view: &Arc<PoolView>) {
+    if let Some(e) = domain.lock().pools.get_mut(&view.id()) {
+        if Arc::ptr_eq(view, &e.view) {
+            e.handles += 1;
+        }
+    }
 }
 
 /// Allocate a pool in `domain` (used by [`crate::Allocator`]).
@@ -781,7 +870,7 @@ pub(crate) fn create_pool(
     alignment: usize,
 ) -> Result<Pool> {
     let view = PoolView::map(memory, Access::ReadWrite, alignment)?;
-    let pool = Pool { view: view.clone(), domain: domain.id() };
+    let pool = Pool { view: view.clone(), domain: domain.shared.clone() };
     domain.lock().insert_created(view, trust);
     Ok(pool)
 }
@@ -795,6 +884,76 @@ impl Drop for BufferCopy {
                 domain.has_deferred.store(true, Ordering::Release);
             }
         }
+    }
+}
+
+// ------------------------------------------------------------- pool handles
+
+/// A handle naming a pool in one domain's pool list; what
+/// [`Channel::assign_pool`](crate::Channel::assign_pool) takes. Made by an
+/// [`Allocator`](crate::Allocator) ([`Allocator::pool`](crate::Allocator::pool)),
+/// or for a pool a peer assigned, by [`Domain::pool`](crate::Domain::pool).
+///
+/// ```
+/// use ferry::{Allocator, Domain, PoolConstraints};
+/// let d = Domain::new("d");
+/// let alloc = Allocator::new(&d, 8, 4096, PoolConstraints::default())?;
+/// let pool = alloc.pool();
+/// assert_eq!((pool.geometry().count(), pool.geometry().buffer_size()), (8, 4096));
+/// assert_eq!(d.pools(), vec![pool.id()]);
+/// // Buffer addresses map to indices and back.
+/// let buf = alloc.alloc().unwrap();
+/// assert_eq!(pool.index_of(buf.as_ptr()), Some(buf.id().index));
+/// assert_eq!(pool.base_address() + 4096 * buf.id().index as usize, buf.as_ptr() as usize);
+/// # Ok::<(), ferry::Error>(())
+/// ```
+///
+/// While a handle lives, the pool stays in its domain's list (an
+/// [`Allocator`](crate::Allocator) holds one); see docs/SEMANTICS.md, "When
+/// a pool goes away".
+pub struct Pool {
+    pub(crate) view: Arc<PoolView>,
+    pub(crate) domain: Arc<DomainShared>,
+}
+
+impl Clone for Pool {
+    fn clone(&self) -> Self {
+        pool_handle_cloned(&self.domain, &self.view);
+        Pool { view: self.view.clone(), domain: self.domain.clone() }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        pool_handle_dropped(&self.domain, &self.view);
+    }
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").field("id", &self.view.id()).field("domain", &self.domain.id).finish()
+    }
+}
+
+impl Pool {
+    /// The pool's globally unique id.
+    pub fn id(&self) -> PoolId {
+        self.view.id()
+    }
+
+    /// The pool's shape.
+    pub fn geometry(&self) -> Geometry {
+        self.view.geometry()
+    }
+
+    /// Base address of the pool in this domain (buffers follow contiguously).
+    pub fn base_address(&self) -> usize {
+        self.view.buffer_ptr(0) as usize
+    }
+
+    /// Index of the buffer containing `addr` in this domain's view, if any.
+    pub fn index_of(&self, addr: *const u8) -> Option<u32> {
+        self.view.index_of(addr)
     }
 }
 
@@ -856,6 +1015,164 @@ mod tests {
         assert_eq!(st.pools.iter().count(), 3);
     }
 
+    fn alloc(d: &Domain, count: u64) -> crate::Allocator {
+        crate::Allocator::new(d, count, 4096, crate::PoolConstraints::default()).unwrap()
+    }
+
+    /// A connected local channel: TX end in `a`, RX end in `b`.
+    fn linked(a: &Domain, b: &Domain) -> (crate::Channel, crate::Channel) {
+        let ep = crate::Endpoint::local();
+        let mut tx = crate::Channel::create(a, &ep, crate::ChannelSetup::default()).unwrap();
+        let mut rx = crate::Channel::bind(b, &ep, crate::BindParams::default()).unwrap();
+        assert!(matches!(tx.poll(), Some(crate::Event::BindRequest { .. })));
+        assert!(matches!(rx.poll(), Some(crate::Event::Bound)));
+        (tx, rx)
+    }
+
+    /// Offer `pool` on `tx`; `rx` answers `accept`.
+    fn offer(tx: &mut crate::Channel, rx: &mut crate::Channel, pool: &Pool, accept: bool) {
+        tx.assign_pool(pool).unwrap();
+        let Some(crate::Event::PoolAssignRequest(req)) = rx.poll() else { panic!("no request") };
+        rx.respond_pool(req.pool, accept).unwrap();
+        let ev = tx.poll();
+        if accept {
+            assert!(matches!(ev, Some(crate::Event::PoolAssigned(_))), "{ev:?}");
+        } else {
+            assert!(matches!(ev, Some(crate::Event::PoolVetoed(_))), "{ev:?}");
+        }
+    }
+
+    fn closed(tx: &mut crate::Channel, rx: &mut crate::Channel) {
+        tx.teardown().unwrap();
+        assert!(matches!(rx.poll(), Some(crate::Event::Closed { by_peer: true })));
+        assert!(matches!(tx.poll(), Some(crate::Event::Closed { by_peer: false })));
+    }
+
+    /// Without channels: the allocator, every other pool handle and every
+    /// buffer handle keep the pool listed; the last of them to go takes it.
+    #[test]
+    fn a_pool_goes_with_its_last_handle() {
+        let d = Domain::new("d");
+        drop(alloc(&d, 2));
+        assert!(d.pools().is_empty(), "nothing else referred to it");
+
+        let a = alloc(&d, 2);
+        let id = a.pool().id();
+        let (b0, b1) = (a.alloc().unwrap(), a.alloc().unwrap());
+        let handle = a.pool().clone();
+        drop(a);
+        let named = d.pool(id).expect("listed");
+        drop(handle);
+        drop(b0);
+        assert_eq!(d.pools(), [id], "a buffer handle and a pool handle");
+        drop(named);
+        assert_eq!(d.pools(), [id], "a buffer handle");
+        assert_eq!(d.free_count(id), 1);
+        drop(b1);
+        assert!(d.pools().is_empty() && d.pool(id).is_none() && d.free_count(id) == 0);
+        assert_eq!(d.buffer_state(BufferId { pool: id, index: 0 }), BufferState::Invalid);
+    }
+
+    /// What counts as held in `PoolEntry::unused`: buffer handles and copies
+    /// received; not free buffers, buffers given away, copies sent, nor a
+    /// buffer whose handle was dropped while its copies are out.
+    #[test]
+    fn what_keeps_a_pool_without_handles_or_channels() {
+        let d = Domain::new("d");
+        let a = alloc(&d, 3);
+        let id = a.pool().id();
+        let b = a.alloc().unwrap();
+        let buf = |index| BufferId { pool: id, index };
+        let mut st = d.lock();
+        let unused = |st: &DomainState| st.entry(id).unwrap().unused();
+        st.entry_mut(id).unwrap().handles = 0;
+        assert!(!unused(&st), "buffer 0 has a handle");
+        st.give_away(buf(0));
+        assert!(unused(&st), "given away: at a peer, not here");
+        st.take_ownership(buf(0));
+        st.copy_sent(buf(0), 7);
+        st.free(buf(0));
+        assert!(unused(&st), "handle dropped, copies out");
+        st.copy_received(buf(1), 8);
+        assert!(!unused(&st), "a copy held here");
+        st.entry_mut(id).unwrap().records[1].copies_in.clear();
+        assert!(unused(&st));
+        st.entry_mut(id).unwrap().channels = 1;
+        assert!(!unused(&st), "on a channel");
+        st.entry_mut(id).unwrap().channels = 0;
+        st.entry_mut(id).unwrap().handles = 1;
+        drop(st);
+        drop(b);
+        drop(a);
+        assert!(d.pools().is_empty());
+    }
+
+    /// A pool created here whose allocator is gone stays while its buffers
+    /// are out at a peer over a channel it is assigned to, and while they
+    /// are back in handles here; removing it from the channel lets it go at
+    /// both ends. A pool received stays while assigned or a buffer of it is
+    /// held here.
+    #[test]
+    fn channels_and_buffers_at_a_peer_keep_a_pool() {
+        let (a, b) = (Domain::new("a"), Domain::new("b"));
+        let (mut tx, mut rx) = linked(&a, &b);
+        let al = alloc(&a, 2);
+        let id = al.pool().id();
+        offer(&mut tx, &mut rx, al.pool(), true);
+        tx.move_buffer(al.alloc().unwrap(), b"").unwrap();
+        drop(al);
+        assert_eq!((a.pools(), b.pools()), (vec![id], vec![id]), "assigned at both ends");
+        let Some(crate::Event::MoveReceived { buffer, .. }) = rx.poll() else { panic!("no move") };
+        rx.pass(buffer, b"").unwrap();
+        let Some(crate::Event::BufferPassed { buffer, .. }) = tx.poll() else { panic!("no pass") };
+        rx.remove_pool(id).unwrap();
+        assert!(matches!(tx.poll(), Some(crate::Event::PoolRemoved(_))));
+        assert!(matches!(rx.poll(), Some(crate::Event::PoolRemoved(_))));
+        assert_eq!((a.pools(), b.pools()), (vec![id], vec![]), "the passed buffer's handle is held at a");
+        drop(buffer);
+        assert!(a.pools().is_empty());
+    }
+
+    /// A received pool outlives its channel while a buffer or a copy of it
+    /// is held; the creator's goes with its allocator although a copy of
+    /// its buffer was out when the channel closed.
+    #[test]
+    fn a_closed_channel_leaves_what_is_held() {
+        let (a, b) = (Domain::new("a"), Domain::new("b"));
+        let (mut tx, mut rx) = linked(&a, &b);
+        let al = alloc(&a, 2);
+        let id = al.pool().id();
+        offer(&mut tx, &mut rx, al.pool(), true);
+        let lent = al.alloc().unwrap();
+        tx.copy(&lent, b"").unwrap();
+        tx.move_buffer(al.alloc().unwrap(), b"").unwrap();
+        let Some(crate::Event::CopyReceived { copy, .. }) = rx.poll() else { panic!("no copy") };
+        let Some(crate::Event::MoveReceived { buffer, .. }) = rx.poll() else { panic!("no move") };
+        closed(&mut tx, &mut rx);
+        drop((tx, rx));
+        drop(al);
+        assert_eq!(a.pools(), [id], "the owner's handle of the copied buffer");
+        drop(lent);
+        assert!(a.pools().is_empty(), "no handle left: the copy out went with the channel");
+        drop(buffer);
+        assert_eq!(b.pools(), [id], "the copy");
+        drop(copy);
+        assert!(b.pools().is_empty());
+    }
+
+    /// A veto: the sink forgets the pool it was offered; the source keeps
+    /// it while its allocator lives.
+    #[test]
+    fn a_vetoed_pool_stays_only_with_its_creator() {
+        let (a, b) = (Domain::new("a"), Domain::new("b"));
+        let (mut tx, mut rx) = linked(&a, &b);
+        let al = alloc(&a, 1);
+        offer(&mut tx, &mut rx, al.pool(), false);
+        assert_eq!((a.pools(), b.pools()), (vec![al.pool().id()], vec![]));
+        drop(al);
+        assert!(a.pools().is_empty());
+    }
+
     #[test]
     fn lent_set() {
         let (p, q) = (PoolId::from_u128(1), PoolId::from_u128(2));
@@ -874,5 +1191,23 @@ mod tests {
         let mut left: Vec<BufferId> = s.into_iter().collect();
         left.sort();
         assert_eq!(left, [id(p, 0), id(p, 200), id(q, 64)]);
+    }
+
+    /// A pool the channel end forgets leaves the set when none of its
+    /// buffers is lent, or when told to forget them all.
+    #[test]
+    fn lent_set_forgets_pools() {
+        let (p, q) = (PoolId::from_u128(1), PoolId::from_u128(2));
+        let mut s = LentSet::default();
+        assert!(s.insert(BufferId { pool: p, index: 3 }));
+        assert!(s.insert(BufferId { pool: q, index: 3 }));
+        assert!(s.remove(&BufferId { pool: q, index: 3 }));
+        s.forget_pool(q, false);
+        s.forget_pool(p, false);
+        assert_eq!(s.pools.len(), 1, "q had nothing lent; p has");
+        assert!(!s.insert(BufferId { pool: p, index: 3 }), "still lent after its pool was looked up again");
+        s.forget_pool(p, true);
+        assert!(s.pools.is_empty());
+        assert_eq!(s.into_iter().count(), 0);
     }
 }

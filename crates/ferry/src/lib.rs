@@ -129,9 +129,9 @@ pub use backend::{Endpoint, LinkStats, LocalEndpoint};
 pub use backend::{NetEndpoint, NetOptions, ShmEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{Channel, Event, PoolPolicy, PoolRequest};
-pub use domain::Domain;
+pub use domain::{Domain, Pool};
 pub use error::{Error, Refused, Result};
-pub use pool::{Geometry, Pool, PoolConstraints, PoolId, TrustLevel};
+pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
 pub use setup::{BindParams, ChannelConstraints, ChannelSetup, ChannelState, Direction, Role};
 

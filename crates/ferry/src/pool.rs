@@ -500,52 +500,6 @@ impl PoolView {
     }
 }
 
-/// A handle naming a pool in one domain's pool list; what
-/// [`Channel::assign_pool`](crate::Channel::assign_pool) takes. Made by an
-/// [`Allocator`](crate::Allocator) ([`Allocator::pool`](crate::Allocator::pool)),
-/// or for a pool a peer assigned, by [`Domain::pool`](crate::Domain::pool).
-///
-/// ```
-/// use ferry::{Allocator, Domain, PoolConstraints};
-/// let d = Domain::new("d");
-/// let alloc = Allocator::new(&d, 8, 4096, PoolConstraints::default())?;
-/// let pool = alloc.pool();
-/// assert_eq!((pool.geometry().count(), pool.geometry().buffer_size()), (8, 4096));
-/// assert_eq!(d.pools(), vec![pool.id()]);
-/// // Buffer addresses map to indices and back.
-/// let buf = alloc.alloc().unwrap();
-/// assert_eq!(pool.index_of(buf.as_ptr()), Some(buf.id().index));
-/// assert_eq!(pool.base_address() + 4096 * buf.id().index as usize, buf.as_ptr() as usize);
-/// # Ok::<(), ferry::Error>(())
-/// ```
-#[derive(Debug, Clone)]
-pub struct Pool {
-    pub(crate) view: Arc<PoolView>,
-    pub(crate) domain: u64,
-}
-
-impl Pool {
-    /// The pool's globally unique id.
-    pub fn id(&self) -> PoolId {
-        self.view.id()
-    }
-
-    /// The pool's shape.
-    pub fn geometry(&self) -> Geometry {
-        self.view.geometry()
-    }
-
-    /// Base address of the pool in this domain (buffers follow contiguously).
-    pub fn base_address(&self) -> usize {
-        self.view.buffer_ptr(0) as usize
-    }
-
-    /// Index of the buffer containing `addr` in this domain's view, if any.
-    pub fn index_of(&self, addr: *const u8) -> Option<u32> {
-        self.view.index_of(addr)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

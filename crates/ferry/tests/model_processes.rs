@@ -715,11 +715,16 @@ fn killed_domain_does_not_give_back_what_it_passed_on() {
 
 /// The same with a buffer that comes back: d1 moves it on to d2, d2
 /// passes it back to d1, d1 dies owning it: it is d2's (the last lender),
-/// not d0's.
+/// not d0's. (d2 keeps B1, so the pool stays in its list once the channel
+/// it came over is dead; without it, the pool would leave d2, B0 with it.)
 #[test]
 fn killed_domain_gives_back_to_the_last_lender() {
     let mut ops = pool0_on_0_and_1();
     ops.extend([
+        Op::Move { domain: 0, chan: 0, buf: B1, meta_len: 0 },
+        Op::Deliver { chan: 0, queue: Queue::Data },
+        Op::Move { domain: 1, chan: 1, buf: B1, meta_len: 0 },
+        Op::Deliver { chan: 1, queue: Queue::Data },
         Op::Move { domain: 0, chan: 0, buf: B0, meta_len: 0 },
         Op::Deliver { chan: 0, queue: Queue::Data },
         Op::Move { domain: 1, chan: 1, buf: B0, meta_len: 0 },

@@ -606,7 +606,8 @@ fn pool_removal() {
     rej(&mut m, remove(A), Reject::PoolNotAssigned);
     assert_eq!(deliver(&mut m, ab, Queue::Data), (B, Event::PoolRemoved { pool: p }));
     assert!(!m.pool_assigned(p, ab, B));
-    assert!(m.knows_pool(B, p));
+    // B refers to the pool no more: it leaves B's list (the creator keeps it).
+    assert!(!m.knows_pool(B, p) && m.knows_pool(A, p));
 
     // The peer refuses when a copy is in flight towards the requester.
     assign(&mut m, A, ab, p);

@@ -90,7 +90,7 @@ impl LocalEndpoint {
         let (to_creator_tx, to_creator_rx) = ring::heap_pair(layout);
         let (to_binder_tx, to_binder_rx) = ring::heap_pair(layout);
         let binder_waker = Arc::new(Waker::default());
-        let stash = Arc::new(Mutex::new(HashMap::new()));
+        let (to_creator_pools, to_binder_pools) = (Arc::default(), Arc::default());
         let meta = setup.meta_size;
         let (to_creator_last, to_binder_last) = (Arc::default(), Arc::default());
         let creator_link = LocalLink {
@@ -99,7 +99,8 @@ impl LocalEndpoint {
             meta_size: meta,
             me: self.shared.creator.clone(),
             peer: binder_waker.clone(),
-            stash: stash.clone(),
+            exports: Arc::clone(&to_binder_pools),
+            imports: Arc::clone(&to_creator_pools),
             last_out: Arc::clone(&to_binder_last),
             last_in: Arc::clone(&to_creator_last),
             batching: false,
@@ -111,7 +112,8 @@ impl LocalEndpoint {
             meta_size: meta,
             me: binder_waker.clone(),
             peer: self.shared.creator.clone(),
-            stash,
+            exports: to_creator_pools,
+            imports: to_binder_pools,
             last_out: to_creator_last,
             last_in: to_binder_last,
             batching: false,
@@ -189,8 +191,11 @@ pub(crate) struct LocalLink {
     /// Woken by the peer when we sleep and it sends.
     me: Arc<Waker>,
     peer: Arc<Waker>,
-    /// Pools exported by either end, waiting to be imported by the other.
-    stash: Arc<Mutex<HashMap<PoolId, Arc<PoolMemory>>>>,
+    /// Pools we exported, waiting for the peer to take them with our offer,
+    /// and those the peer exported to us: each offer's entry is taken by
+    /// its receiver, whether it imports, uses or declines the pool.
+    exports: Stash,
+    imports: Stash,
     /// Messages given to `close` that did not fit in the ring: ours to the
     /// peer, and the peer's to us (read after the ring is drained).
     last_out: Arc<Mutex<VecDeque<Message>>>,
@@ -251,12 +256,8 @@ impl LocalLink {
 
     /// The memory the peer exported for pool `id`.
     fn exported(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
-        let memory = self
-            .stash
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id)
-            .ok_or_else(|| Error::Protocol(format!("pool {id} was offered but not exported")))?;
+        let memory =
+            self.take_import(id).ok_or_else(|| Error::Protocol(format!("pool {id} was offered but not exported")))?;
         if memory.geometry() != geometry {
             return Err(Error::Protocol(format!("pool {id} offered with a geometry that differs from its memory")));
         }
@@ -322,7 +323,7 @@ impl Link for LocalLink {
     }
 
     fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
-        self.stash.lock().unwrap_or_else(|p| p.into_inner()).insert(memory.id(), memory.clone());
+        self.exports.lock().unwrap_or_else(|p| p.into_inner()).insert(memory.id(), memory.clone());
         Ok(())
     }
 
@@ -339,6 +340,15 @@ impl Link for LocalLink {
         self.write_back.offered(memory, &peers)
     }
 
+    fn forget_pool(&mut self, id: PoolId) {
+        self.write_back.forget(id);
+    }
+
+    fn decline_pool(&mut self, id: PoolId) -> Result<()> {
+        self.take_import(id);
+        Ok(())
+    }
+
     fn close(&mut self, last: Vec<Message>) {
         if !last.is_empty() {
             self.last_out.lock().unwrap_or_else(|p| p.into_inner()).extend(last);
@@ -350,6 +360,16 @@ impl Link for LocalLink {
         self.peer.wake();
     }
 }
+
+impl LocalLink {
+    /// The peer's export of pool `id`, taken out of the stash.
+    fn take_import(&self, id: PoolId) -> Option<Arc<PoolMemory>> {
+        self.imports.lock().unwrap_or_else(|p| p.into_inner()).remove(&id)
+    }
+}
+
+/// Pools one end exported, waiting for the other end to take them.
+type Stash = Arc<Mutex<HashMap<PoolId, Arc<PoolMemory>>>>;
 
 impl Drop for LocalLink {
     fn drop(&mut self) {

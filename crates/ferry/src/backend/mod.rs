@@ -78,6 +78,18 @@ pub(crate) trait Link: Send {
         let _ = memory;
         Ok(())
     }
+    /// The channel end no longer relates to pool `id` (removed, vetoed):
+    /// drop what the link keeps of it (mappings, fds), after the frames
+    /// still queued that need it.
+    fn forget_pool(&mut self, id: PoolId) {
+        let _ = id;
+    }
+    /// The library vetoed the peer's offer of pool `id` by itself, without
+    /// importing or using it: drop whatever the peer sent ahead for it.
+    fn decline_pool(&mut self, id: PoolId) -> Result<()> {
+        let _ = id;
+        Ok(())
+    }
     /// No more messages from us; wake the peer so it notices. `last` are
     /// messages that did not fit in the queue (replies, releases of copies
     /// never seen): the peer receives them after everything sent before,

@@ -368,6 +368,9 @@ pub(crate) struct NetLink {
     depth: usize,
     options: NetOptions,
     pools: PoolMap<LinkPool>,
+    /// Pools the channel forgot while queued frames still carry their
+    /// bytes: dropped from `pools` once the queue is empty.
+    retired: Vec<PoolId>,
     out: VecDeque<OutFrame>,
     /// Bytes of the front frame already sent.
     out_sent: usize,
@@ -405,6 +408,7 @@ impl NetLink {
             depth: depth as usize,
             options,
             pools: PoolMap::default(),
+            retired: Vec::new(),
             out: VecDeque::new(),
             out_sent: 0,
             out_payload: 0,
@@ -431,6 +435,7 @@ impl NetLink {
     }
 
     fn register(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        self.retired.retain(|&id| id != memory.id());
         // A pool offered again after a veto may come with new memory of
         // ours (the domain dropped the old): payloads land in what it maps now.
         if self.pools.get(&memory.id()).is_some_and(|p| Arc::ptr_eq(&p._memory, memory)) {
@@ -549,6 +554,11 @@ impl NetLink {
             self.last_progress = now;
             self.stats.send_calls += 1;
             self.consume_sent(n);
+        }
+        if self.out.is_empty() && !self.retired.is_empty() {
+            for id in std::mem::take(&mut self.retired) {
+                self.pools.remove(&id);
+            }
         }
         Ok(())
     }
@@ -843,6 +853,15 @@ impl Link for NetLink {
 
     fn use_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
         self.register(memory)
+    }
+
+    fn forget_pool(&mut self, id: PoolId) {
+        self.copied_in.retain(|b| b.pool != id);
+        if self.out.iter().any(|f| f.payload.is_some_and(|(pool, _)| pool == id)) {
+            self.retired.push(id);
+        } else {
+            self.pools.remove(&id);
+        }
     }
 
     fn close(&mut self, last: Vec<Message>) {

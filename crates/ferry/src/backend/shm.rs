@@ -595,6 +595,25 @@ impl Link for ShmLink {
         self.write_back.offered(memory, &peers)
     }
 
+    fn forget_pool(&mut self, id: PoolId) {
+        // Trust NONE: our mapping of our memory and of the peer's. (Files
+        // read ahead stay: they are for an offer still to come.)
+        self.copy_pools.remove(&id);
+        // Trust FULL, HALF: our mapping of the peer's other memory of it.
+        self.write_back.forget(id);
+    }
+
+    fn decline_pool(&mut self, id: PoolId) -> Result<()> {
+        // Take the files sent ahead of the offer, and close them.
+        if self.untrusted {
+            self.peer_ledger(id).map(drop)
+        } else {
+            self.read_socket(Some((PoolFile::Memory, id)))?;
+            self.pools.remove(&id);
+            Ok(())
+        }
+    }
+
     fn close(&mut self, last: Vec<Message>) {
         // What fits still goes through the ring; the rest is lost with the
         // link (the peer notices the hang-up either way).

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::pool::BufferId;
-use crate::pool::{Geometry, PoolMap, PoolMemory};
+use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory};
 use crate::proto::Message;
 use crate::sys::{self, Access, Mapping};
 
@@ -152,6 +152,13 @@ impl WriteBack {
         }
     }
 
+    /// The channel no longer has pool `id`: drop both mappings.
+    pub(crate) fn forget(&mut self, id: PoolId) {
+        if !self.pools.is_empty() {
+            self.pools.remove(&id);
+        }
+    }
+
     /// `msg` is about to go to the peer: a buffer of a write-back pool goes
     /// into the peer's memory first.
     #[inline]
@@ -184,7 +191,6 @@ impl WriteBack {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::PoolId;
 
     fn memories() -> (Arc<PoolMemory>, Arc<PoolMemory>) {
         let g = Geometry::new(4096, 4).unwrap();

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use super::{BindParams, Channel, ChannelSetup, ChannelState, Event};
 use crate::backend::Endpoint;
 use crate::domain::Domain;
+use crate::domain::Pool;
 use crate::error::{Error, Result};
-use crate::pool::Pool;
 use crate::proto::Message;
 
 /// How a channel end answers the pool-assignment requests of its peer

@@ -107,6 +107,14 @@
 //!   `TEARDOWN` is momentary); it observes [`Event::TeardownReceived`]. A
 //!   side that had already sent its marker becomes `CLOSED` and observes
 //!   [`Event::Closed`]. Nothing can reach a `CLOSED` side afterwards.
+//! * **Pool lifetime.** A domain other than a pool's creator keeps the pool
+//!   in its list only while it refers to it: a channel side of the domain
+//!   lists it or has a request for it (assignment or removal) out or
+//!   unanswered, or the domain owns
+//!   one of its buffers (in flight to it included) or holds a copy of one.
+//!   After any step that leaves no such reference the pool leaves the list
+//!   (the library's rule, docs/SEMANTICS.md "When a pool goes away", with
+//!   every buffer and copy handle held and the creator's allocator alive).
 //! * **Full copy** needs only the destination's pool assigned to the channel;
 //!   its delivery is an ordinary [`Event::MoveReceived`] of the destination.
 //! * **Ids.** Pools and channels are numbered from 0 in creation order; a
@@ -619,6 +627,24 @@ impl Model {
 
     /// Apply one operation. On `Err` the state is unchanged.
     pub fn apply(&mut self, op: &Op) -> Result<Outcome, Reject> {
+        let outcome = self.apply_op(op)?;
+        self.drop_unreferenced_pools();
+        Ok(outcome)
+    }
+
+    /// A domain other than the creator drops a pool it no longer refers to.
+    fn drop_unreferenced_pools(&mut self) {
+        for d in 0..self.domains {
+            let listed: Vec<PoolId> = self.pool_lists[d].keys().copied().collect();
+            for pool in listed {
+                if self.pools[pool].creator != d && !self.domain_refers_to_pool(d, pool) {
+                    self.pool_lists[d].remove(&pool);
+                }
+            }
+        }
+    }
+
+    fn apply_op(&mut self, op: &Op) -> Result<Outcome, Reject> {
         match *op {
             Op::CreatePool { domain, count } => self.create_pool(domain, count),
             Op::Connect { source, sink, trust } => self.connect(source, sink, trust),
@@ -834,15 +860,24 @@ impl Model {
         })
     }
 
-    /// `domain` refers to `pool` other than by its pool list entry.
-    fn domain_refers_to_pool(&self, domain: DomainId, pool: PoolId) -> bool {
-        let on_a_side = (0..self.channels.len()).any(|chan| match self.side_index(chan, domain) {
+    /// `domain`'s side of `chan` lists `pool` or has a request for it
+    /// (assignment or removal) out or unanswered.
+    pub fn side_refers_to_pool(&self, chan: ChanId, domain: DomainId, pool: PoolId) -> bool {
+        match self.side_index(chan, domain) {
             Some(side) => {
                 let s = &self.channels[chan].sides[side];
-                s.assigned.contains(&pool) || s.assign_out.contains(&pool) || s.assign_in.contains(&pool)
+                s.assigned.contains(&pool)
+                    || s.assign_out.contains(&pool)
+                    || s.assign_in.contains(&pool)
+                    || s.remove_out.contains(&pool)
             }
             None => false,
-        });
+        }
+    }
+
+    /// `domain` refers to `pool` other than by its pool list entry.
+    fn domain_refers_to_pool(&self, domain: DomainId, pool: PoolId) -> bool {
+        let on_a_side = (0..self.channels.len()).any(|chan| self.side_refers_to_pool(chan, domain, pool));
         let has_buffer =
             self.pool_buffers(pool).into_iter().any(|b| self.owner(b) == domain || self.holds_some_copy(b, domain));
         on_a_side || has_buffer

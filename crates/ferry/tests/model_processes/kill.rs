@@ -12,7 +12,10 @@
 //!   gave it to the dead domain, if that end was still open: owned there
 //!   again, read-write unless copies of it are held by survivors, and then
 //!   on its free list (`Domain::alloc` hands it out, writable); a buffer
-//!   it got over a channel closed since is lost with it;
+//!   it got over a channel closed since is lost with it, and so is one
+//!   whose pool leaves the survivor because nothing there refers to it any
+//!   more (SEMANTICS.md, "When a pool goes away": a pool received from the
+//!   dead domain over that end only);
 //! * every other buffer keeps its owner; copies the dead domain held are
 //!   void (their owner may write again when no survivor holds one); copies
 //!   survivors hold stay held.
@@ -127,6 +130,15 @@ pub fn kill_and_check(run: &mut Run, k: DomainId, stats: &mut KillStats) -> Resu
     let held_at = |b: BufId, s: DomainId| -> usize {
         (0..chans.len()).filter(|&c| chans[c][1] == s).map(|c| m.held_count(b, c)).sum()
     };
+    // After the kill, survivor `s` keeps pool `p` while it refers to it:
+    // it created it (the allocator lives), an end of it not to `k` has it,
+    // or a buffer of it is owned there (with a handle: not one coming back
+    // from `k`) or a copy of one held there.
+    let keeps = |s: DomainId, p: usize| -> bool {
+        m.pools[p].creator == s
+            || (0..chans.len()).any(|c| chans[c].contains(&s) && !open_to_k(c, s) && m.side_refers_to_pool(c, s, p))
+            || m.pool_buffers(p).into_iter().any(|b| m.owner(b) == s || held_at(b, s) > 0)
+    };
     // Per survivor and pool: the buffers that must be on its free list.
     let mut freed: HashMap<(DomainId, usize), BTreeSet<u32>> = HashMap::new();
     for (i, &b) in m.all_buffers().iter().enumerate() {
@@ -135,7 +147,7 @@ pub fn kill_and_check(run: &mut Run, k: DomainId, stats: &mut KillStats) -> Resu
             Some(o)
         } else {
             match h.lender.get(&b) {
-                Some(&(l, c)) if l != k && open(c, l) => Some(l),
+                Some(&(l, c)) if l != k && open(c, l) && keeps(l, b.pool) => Some(l),
                 _ => None,
             }
         };
