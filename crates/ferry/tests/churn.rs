@@ -262,3 +262,64 @@ fn tcp_channels() {
 fn tcp_pools() {
     churn_pools(Backend::Tcp, 400);
 }
+
+/// Offer `alloc`'s pool on `tx` and accept it on `rx`.
+fn assign(tx: &mut Channel, rx: &mut Channel, alloc: &Allocator, what: &str) {
+    tx.assign_pool(alloc.pool()).expect("assign");
+    match next(rx, tx) {
+        Event::PoolAssignRequest(req) => rx.respond_pool(req.pool, true).expect("accept"),
+        ev => panic!("{what}: {ev:?}"),
+    }
+    assert!(matches!(next(tx, rx), Event::PoolAssigned(_)), "{what}");
+}
+
+/// Remove `pool` from the channel `tx`-`rx`.
+fn remove(tx: &mut Channel, rx: &mut Channel, pool: ferry::PoolId, what: &str) {
+    tx.remove_pool(pool).expect("remove");
+    assert!(matches!(next(rx, tx), Event::PoolRemoved(p) if p == pool), "{what}");
+    assert!(matches!(next(tx, rx), Event::PoolRemoved(p) if p == pool), "{what}");
+}
+
+/// Pools that reach the sink over TCP first (its own memory) and then over
+/// a `backend` channel from the same source: that channel carries their
+/// bytes (write-back), and what it keeps for that goes with the pool.
+fn churn_write_back(backend: Backend, iterations: usize) {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (a, b) = (Domain::new("source"), Domain::new("sink"));
+    let (mut tcp_tx, mut tcp_rx) = connect(Backend::Tcp, &a, &b);
+    let (mut tx, mut rx) = connect(backend, &a, &b);
+    let mut before = None;
+    for i in 0..WARM_UP + iterations {
+        if i == WARM_UP {
+            before = Some(footprint());
+        }
+        let what = format!("{backend:?} write-back round {i}");
+        let alloc = Allocator::new(&a, 2, BUF, PoolConstraints::default()).expect("pool");
+        let pool = alloc.pool().id();
+        assign(&mut tcp_tx, &mut tcp_rx, &alloc, &what);
+        assign(&mut tx, &mut rx, &alloc, &what);
+        tx.move_buffer(filled(&alloc, i as u8), b"move").expect("move");
+        let Event::MoveReceived { mut buffer, .. } = next(&mut rx, &mut tx) else { panic!("{what}: no move") };
+        assert!(buffer.iter().all(|&x| x == i as u8), "{what}: the sink got other bytes");
+        buffer.as_mut_slice().expect("owned").fill(!(i as u8));
+        rx.pass(buffer, b"pass").expect("pass");
+        let Event::BufferPassed { buffer, .. } = next(&mut tx, &mut rx) else { panic!("{what}: no pass") };
+        assert!(buffer.iter().all(|&x| x == !(i as u8)), "{what}: the source got other bytes back");
+        drop(buffer);
+        remove(&mut tx, &mut rx, pool, &what);
+        remove(&mut tcp_tx, &mut tcp_rx, pool, &what);
+        drop(alloc);
+        assert!(a.pools().is_empty() && b.pools().is_empty(), "{what}: pool still listed");
+    }
+    assert_flat(&format!("{backend:?}, write-back pools"), iterations, before.unwrap(), footprint());
+}
+
+#[test]
+fn local_write_back_pools() {
+    churn_write_back(Backend::Local, 300);
+}
+
+#[test]
+fn shm_write_back_pools() {
+    churn_write_back(Backend::Shm(TrustLevel::Full), 300);
+}
