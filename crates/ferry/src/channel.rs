@@ -116,6 +116,8 @@ pub struct ChannelSetup {
     pub constraints: ChannelConstraints,
     /// Messages that fit in each direction's queue (power of two, 2..=65536).
     pub queue_depth: u32,
+    /// What the binder may make this end take on (see [`ChannelLimits`]).
+    pub limits: ChannelLimits,
 }
 
 impl Default for ChannelSetup {
@@ -127,6 +129,7 @@ impl Default for ChannelSetup {
             meta_size: 16,
             constraints: ChannelConstraints::default(),
             queue_depth: 1024,
+            limits: ChannelLimits::default(),
         }
     }
 }
@@ -142,6 +145,72 @@ pub struct BindParams {
     pub max_meta_size: usize,
     /// The binder's own constraints on pools (merged with the creator's).
     pub constraints: ChannelConstraints,
+    /// What the creator may make this end take on (see [`ChannelLimits`]).
+    /// Local: not sent to the creator.
+    pub limits: ChannelLimits,
+    /// How long the bind may take until the creator has answered: past it
+    /// the channel fails with [`Error::TimedOut`] (an [`Event::Error`]).
+    /// Default [`DEFAULT_BIND_TIMEOUT`]. Local: not sent to the creator.
+    pub timeout: Duration,
+}
+
+/// How long a bind waits for the creator's answer unless
+/// [`BindParams::timeout`] says otherwise: long enough for a creator that
+/// is busy serving other binders, short enough that a silent one is noticed.
+pub const DEFAULT_BIND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Limits on what the peer of a channel may make this end take on: pools
+/// it assigns (each one an fd and a mapping here) and their size. Checked
+/// when the peer's assignment request arrives, before anything of the pool
+/// is mapped; an offer over a limit is vetoed by the library and reported
+/// as [`Event::PoolOfferRefused`] with [`Error::LimitExceeded`], and the
+/// channel goes on. Local to each end: never sent to the peer.
+///
+/// The meta size the peer may impose is bounded by
+/// [`BindParams::max_meta_size`] (binder) and [`MAX_META_SIZE`] (both).
+///
+/// ```
+/// use ferry::{ChannelLimits, ChannelSetup};
+/// let setup = ChannelSetup {
+///     limits: ChannelLimits { max_peer_pools: 8, ..ChannelLimits::default() },
+///     ..ChannelSetup::default()
+/// };
+/// assert_eq!(setup.limits.max_peer_bytes, 16 << 30);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelLimits {
+    /// Most pools assigned by the peer at once (accepted or waiting for an
+    /// answer). Default 256: each pool costs an fd (shared memory) or a
+    /// memory file (network), and a process has 1024 fds by default.
+    pub max_peer_pools: usize,
+    /// Most bytes of pool memory assigned by the peer at once, all its
+    /// pools together (a single larger pool is refused too). Default
+    /// 16 GiB: room for many large pools on a 64-bit host, yet far from
+    /// what a hostile peer could otherwise ask us to map (terabytes).
+    pub max_peer_bytes: usize,
+}
+
+impl Default for ChannelLimits {
+    fn default() -> Self {
+        ChannelLimits { max_peer_pools: 256, max_peer_bytes: 16 << 30 }
+    }
+}
+
+impl ChannelLimits {
+    /// Whether one more pool of `geometry` fits beside `pools` pools of
+    /// `bytes` bytes: the limit it would pass otherwise.
+    pub(crate) fn admit(&self, pools: usize, bytes: usize, geometry: Geometry) -> Result<()> {
+        if pools >= self.max_peer_pools {
+            return Err(Error::LimitExceeded { what: "pools assigned by the peer", limit: self.max_peer_pools as u64 });
+        }
+        if bytes.saturating_add(geometry.len()) > self.max_peer_bytes {
+            return Err(Error::LimitExceeded {
+                what: "bytes of pools assigned by the peer",
+                limit: self.max_peer_bytes as u64,
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Default for BindParams {
@@ -151,6 +220,8 @@ impl Default for BindParams {
             trust: None,
             max_meta_size: MAX_META_SIZE,
             constraints: ChannelConstraints::default(),
+            limits: ChannelLimits::default(),
+            timeout: DEFAULT_BIND_TIMEOUT,
         }
     }
 }
@@ -263,6 +334,16 @@ pub enum Event {
     /// The channel failed (peer gone, protocol violation, bind refused);
     /// it is closed.
     Error(Error),
+    /// The library vetoed the peer's offer of a pool by itself, because
+    /// taking it would pass one of the channel's [`ChannelLimits`]
+    /// (`reason`: [`Error::LimitExceeded`]). The peer sees a veto; the
+    /// channel goes on.
+    PoolOfferRefused {
+        /// The pool offered.
+        pool: PoolId,
+        /// Why it was refused.
+        reason: Error,
+    },
 }
 
 /// One pool as this end of the channel sees it. Each end keeps its own
@@ -276,6 +357,9 @@ struct ChanPool {
     assigning: bool,
     /// Our removal request is out, no reply yet.
     removing: bool,
+    /// Listed because we accepted the peer's offer (counts against the
+    /// channel's [`ChannelLimits`]).
+    by_peer: bool,
 }
 
 /// One end of a channel, owned by a domain.
@@ -290,6 +374,8 @@ pub struct Channel {
     trust: TrustLevel,
     meta_size: usize,
     constraints: ChannelConstraints,
+    /// What the peer may make us take on.
+    limits: ChannelLimits,
     /// How we got here, until connected.
     pending: Option<Pending>,
     link: Option<Box<dyn Link>>,
@@ -345,6 +431,7 @@ impl Channel {
         ch.trust = setup.trust;
         ch.meta_size = setup.meta_size;
         ch.constraints = setup.constraints;
+        ch.limits = setup.limits;
         Ok(ch)
     }
 
@@ -356,7 +443,9 @@ impl Channel {
             return Err(Error::BadAlignment(params.constraints.alignment));
         }
         let pending = endpoint.connect(&params)?;
-        Ok(Channel::new(domain, ChannelState::Binding, pending))
+        let mut ch = Channel::new(domain, ChannelState::Binding, pending);
+        ch.limits = params.limits;
+        Ok(ch)
     }
 
     fn new(domain: &Domain, state: ChannelState, pending: Pending) -> Channel {
@@ -369,6 +458,7 @@ impl Channel {
             trust: TrustLevel::Uninitialized,
             meta_size: 0,
             constraints: ChannelConstraints::default(),
+            limits: ChannelLimits::default(),
             pending: Some(pending),
             link: None,
             pools: Vec::new(),
@@ -617,7 +707,9 @@ impl Channel {
         self.requests.remove(pos);
         self.detach(pool);
         if accept {
-            self.chan_pool(pool).listed = true;
+            let p = self.chan_pool(pool);
+            p.listed = true;
+            p.by_peer = true;
             self.fix_pool(pool);
         } else {
             self.domain.lock().remove_if_unused(pool);
@@ -747,7 +839,7 @@ impl Channel {
             Some(pos) => pos,
             None => {
                 self.attach(id);
-                self.pools.push(ChanPool { id, listed: false, assigning: false, removing: false });
+                self.pools.push(ChanPool { id, listed: false, assigning: false, removing: false, by_peer: false });
                 self.pools.len() - 1
             }
         };
@@ -1172,7 +1264,14 @@ impl Channel {
             // The library vetoes by itself: wrong geometry for a known id, a
             // trust conflict, or the channel's constraints.
             self.reply(Message::AssignReply { pool, accepted: false });
+            self.link_mut().discard_pool(pool);
             return Ok(Event::PoolVetoed(pool));
+        }
+        // The channel's limits, before anything of the pool is mapped.
+        if let Err(reason) = self.peer_pools_admit(geometry) {
+            self.reply(Message::AssignReply { pool, accepted: false });
+            self.link_mut().discard_pool(pool);
+            return Ok(Event::PoolOfferRefused { pool, reason });
         }
         if known.is_some() {
             let memory = self.domain.lock().entry(pool).expect("known").view.memory().clone();
@@ -1188,6 +1287,22 @@ impl Channel {
         let req = PoolRequest { pool, geometry, trust };
         self.requests.push(req);
         Ok(Event::PoolAssignRequest(req))
+    }
+
+    /// Whether one more pool from the peer, of `geometry`, stays within the
+    /// channel's limits (the peer's pools: accepted, or waiting for an answer).
+    fn peer_pools_admit(&self, geometry: Geometry) -> Result<()> {
+        let st = self.domain.lock();
+        let accepted = self.pools.iter().filter(|p| p.listed && p.by_peer).map(|p| p.id);
+        let (mut count, mut bytes) = (self.requests.len(), 0usize);
+        for r in &self.requests {
+            bytes = bytes.saturating_add(r.geometry.len());
+        }
+        for id in accepted {
+            count += 1;
+            bytes = bytes.saturating_add(st.entry(id).map_or(0, |e| e.view.geometry().len()));
+        }
+        self.limits.admit(count, bytes, geometry)
     }
 
     /// The view of a buffer named by the peer, checking that its pool is on

@@ -136,6 +136,15 @@ pub enum Error {
     /// Waiting timed out.
     #[error("timed out")]
     TimedOut,
+    /// The peer asked for more than one of this end's limits allows (see
+    /// [`crate::ChannelLimits`]); nothing of the request was taken on.
+    #[error("limit exceeded: at most {limit} {what}")]
+    LimitExceeded {
+        /// Which limit.
+        what: &'static str,
+        /// Its value.
+        limit: u64,
+    },
 }
 
 impl From<std::io::Error> for Error {

@@ -69,7 +69,8 @@ pub use backend::{Endpoint, LinkStats, LocalEndpoint};
 pub use backend::{NetEndpoint, NetOptions, ShmEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{
-    BindParams, Channel, ChannelConstraints, ChannelSetup, ChannelState, Direction, Event, PoolRequest, Role,
+    BindParams, Channel, ChannelConstraints, ChannelLimits, ChannelSetup, ChannelState, Direction, Event, PoolRequest,
+    Role, DEFAULT_BIND_TIMEOUT,
 };
 pub use domain::Domain;
 pub use error::{Error, Refused, Result};

@@ -71,6 +71,11 @@ pub(crate) trait Link: Send {
     /// The memory of a pool the peer exported (called when this domain
     /// does not have the pool yet).
     fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>>;
+    /// The library vetoed the peer's offer of pool `id` by itself: forget
+    /// whatever of the pool was sent ahead of the offer (without waiting).
+    fn discard_pool(&mut self, id: PoolId) {
+        let _ = id;
+    }
     /// The peer offered a pool this domain already has: its memory, for a
     /// backend that writes payloads into it.
     fn use_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {

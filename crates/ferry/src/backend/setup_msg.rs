@@ -29,12 +29,17 @@ pub(crate) const KIND_LEDGER: u8 = 5;
 /// Longest setup message (a bind reply).
 pub(crate) const MAX_LEN: usize = 64;
 
-/// Why a creator refused a bind: the strings of `negotiate`, by code.
-const REASONS: [&str; 3] = [
+/// Why a creator refused a bind: the strings of `negotiate`, and
+/// [`REFUSE_DOORBELL`], by code.
+const REASONS: [&str; 4] = [
     "the binder requires another trust level",
     "the binder cannot take the channel's meta size",
     "both ends want the same role",
+    REFUSE_DOORBELL,
 ];
+
+/// The creator's refusal of a bind request whose doorbell is not an eventfd.
+pub(crate) const REFUSE_DOORBELL: &str = "the binder's doorbell is not an eventfd";
 
 /// A setup message being written.
 pub(crate) struct Wire(pub(crate) Vec<u8>);
@@ -176,7 +181,7 @@ pub(crate) fn parse_bind(buf: &[u8]) -> Result<BindParams> {
     };
     let max_meta_size = usize::from(r.u16()?);
     let constraints = r.constraints()?;
-    Ok(BindParams { role, trust, max_meta_size, constraints })
+    Ok(BindParams { role, trust, max_meta_size, constraints, ..BindParams::default() })
 }
 
 /// The creator's acceptance, with the queue depth of both directions.
@@ -270,6 +275,7 @@ mod tests {
             trust: Some(TrustLevel::Half),
             max_meta_size: 64,
             constraints: ChannelConstraints { alignment: 4096, min_buffer_size: 4096, max_buffer_size: 1 << 20 },
+            ..BindParams::default()
         };
         assert_eq!(parse_bind(&encode_bind(&params)).unwrap(), params);
         let neg = Negotiated {
