@@ -27,6 +27,28 @@ const T: Duration = Duration::from_secs(10);
 
 // ------------------------------------------------------------ raw helpers
 
+/// Run `body` on a thread of its own and fail if it does not finish within
+/// `within`: a hang (a ring blocked on a peer's fd, a setup waiting for a
+/// silent peer) is a failure, not a stuck test. The stuck thread is left
+/// behind; the test process ends anyway.
+fn bounded(within: Duration, body: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = mpsc::channel();
+    let h = std::thread::spawn(move || {
+        body();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(within) {
+        Ok(()) => h.join().unwrap(),
+        // The body panicked: report its panic.
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(e);
+            }
+        }
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("hung: not done within {within:?}"),
+    }
+}
+
 /// A bind request as a binder sends it: generic role, any trust, the
 /// largest meta size, no constraints.
 fn bind_request() -> Vec<u8> {
@@ -53,7 +75,10 @@ fn seqpacket() -> OwnedFd {
 }
 
 fn raw_connect(name: &str) -> OwnedFd {
+    use rustix::net::sockopt::{set_socket_timeout, Timeout};
     let fd = seqpacket();
+    // A listener whose queue is full makes connect wait: not forever.
+    set_socket_timeout(&fd, Timeout::Send, Some(T)).unwrap();
     rustix::net::connect(&fd, &SocketAddrUnix::new_abstract_name(name.as_bytes()).unwrap()).unwrap();
     fd
 }
@@ -160,34 +185,36 @@ fn complete_bind(creator: &mut Channel, binder: &mut Channel) {
 /// legitimate binder that comes next.
 #[test]
 fn creator_refuses_doorbells_that_are_not_eventfds() {
-    let (pipe_r, pipe_w) = full_pipe();
-    let file_path = std::env::temp_dir().join(unique("bell-file"));
-    let file = OwnedFd::from(std::fs::File::create(&file_path).unwrap());
-    let (sock_a, _sock_b) = std::os::unix::net::UnixStream::pair().unwrap();
-    let sock = OwnedFd::from(sock_a);
-    for (what, bell) in [("full pipe", &pipe_w), ("regular file", &file), ("socket", &sock)] {
-        let (a, b) = (Domain::new("creator"), Domain::new("binder"));
-        let name = unique("bell");
-        let mut creator = shm_creator(&a, &name);
-        let hostile = raw_connect(&name);
-        send_msg(&hostile, &bind_request(), &[bell.as_fd()]);
-        // Drive the creator until the hostile binder has its answer.
-        let deadline = Instant::now() + T;
-        let reply = loop {
-            if let Some(ev) = creator.wait(Some(Duration::from_millis(20))) {
-                panic!("{what}: the creator accepted a binder whose doorbell is a {what}: {ev:?}");
-            }
-            if let Some(reply) = recv_msg(&hostile, Duration::ZERO) {
-                break reply.0;
-            }
-            assert!(Instant::now() < deadline, "{what}: no answer to the bind request");
-        };
-        assert_eq!(&reply[..5], b"FRY1\x03", "{what}: a refusal, not {reply:?}");
-        let mut binder = Channel::bind(&b, &Endpoint::shm_abstract(&name), BindParams::default()).unwrap();
-        complete_bind(&mut creator, &mut binder);
-    }
-    drop(pipe_r);
-    let _ = std::fs::remove_file(file_path);
+    bounded(3 * T, || {
+        let (pipe_r, pipe_w) = full_pipe();
+        let file_path = std::env::temp_dir().join(unique("bell-file"));
+        let file = OwnedFd::from(std::fs::File::create(&file_path).unwrap());
+        let (sock_a, _sock_b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let sock = OwnedFd::from(sock_a);
+        for (what, bell) in [("full pipe", &pipe_w), ("regular file", &file), ("socket", &sock)] {
+            let (a, b) = (Domain::new("creator"), Domain::new("binder"));
+            let name = unique("bell");
+            let mut creator = shm_creator(&a, &name);
+            let hostile = raw_connect(&name);
+            send_msg(&hostile, &bind_request(), &[bell.as_fd()]);
+            // Drive the creator until the hostile binder has its answer.
+            let deadline = Instant::now() + T;
+            let reply = loop {
+                if let Some(ev) = creator.wait(Some(Duration::from_millis(20))) {
+                    panic!("{what}: the creator accepted a binder whose doorbell is a {what}: {ev:?}");
+                }
+                if let Some(reply) = recv_msg(&hostile, Duration::ZERO) {
+                    break reply.0;
+                }
+                assert!(Instant::now() < deadline, "{what}: no answer to the bind request");
+            };
+            assert_eq!(&reply[..5], b"FRY1\x03", "{what}: a refusal, not {reply:?}");
+            let mut binder = Channel::bind(&b, &Endpoint::shm_abstract(&name), BindParams::default()).unwrap();
+            complete_bind(&mut creator, &mut binder);
+        }
+        drop(pipe_r);
+        let _ = std::fs::remove_file(file_path);
+    });
 }
 
 /// Runs a raw seqpacket proxy between a binder and a real creator that
@@ -212,22 +239,24 @@ fn doorbell_swapping_proxy(front: String, back: String, bell: OwnedFd) -> std::t
 /// with a protocol error instead of binding (and later hanging on a ring).
 #[test]
 fn binder_refuses_a_creator_doorbell_that_is_a_full_pipe() {
-    let (a, b) = (Domain::new("creator"), Domain::new("binder"));
-    let (back, front) = (unique("real"), unique("proxy"));
-    let mut creator = shm_creator(&a, &back);
-    let (_pipe_r, pipe_w) = full_pipe();
-    let proxy = doorbell_swapping_proxy(front.clone(), back, pipe_w);
-    let mut binder = Channel::bind(&b, &Endpoint::shm_abstract(&front), BindParams::default()).unwrap();
-    match creator.wait(Some(T)) {
-        Some(Event::BindRequest { .. }) => {}
-        ev => panic!("the request reaches the creator through the proxy, got {ev:?}"),
-    }
-    match binder.wait(Some(T)) {
-        Some(Event::Error(Error::Protocol(why))) => assert!(why.contains("doorbell"), "{why}"),
-        ev => panic!("expected the binder to refuse the doorbell, got {ev:?}"),
-    }
-    drop(binder);
-    proxy.join().unwrap();
+    bounded(3 * T, || {
+        let (a, b) = (Domain::new("creator"), Domain::new("binder"));
+        let (back, front) = (unique("real"), unique("proxy"));
+        let mut creator = shm_creator(&a, &back);
+        let (_pipe_r, pipe_w) = full_pipe();
+        let proxy = doorbell_swapping_proxy(front.clone(), back, pipe_w);
+        let mut binder = Channel::bind(&b, &Endpoint::shm_abstract(&front), BindParams::default()).unwrap();
+        match creator.wait(Some(T)) {
+            Some(Event::BindRequest { .. }) => {}
+            ev => panic!("the request reaches the creator through the proxy, got {ev:?}"),
+        }
+        match binder.wait(Some(T)) {
+            Some(Event::Error(Error::Protocol(why))) => assert!(why.contains("doorbell"), "{why}"),
+            ev => panic!("expected the binder to refuse the doorbell, got {ev:?}"),
+        }
+        drop(binder);
+        proxy.join().unwrap();
+    });
 }
 
 // --------------------------------------------------- shm: silent peers
@@ -236,32 +265,36 @@ fn binder_refuses_a_creator_doorbell_that_is_a_full_pipe() {
 /// legitimate binder out (more of them than the creator keeps at once).
 #[test]
 fn silent_shm_connections_do_not_block_a_binder() {
-    let (a, b) = (Domain::new("creator"), Domain::new("binder"));
-    let name = unique("silent");
-    let mut creator = shm_creator(&a, &name);
-    let mut silent = Vec::new();
-    for _ in 0..12 {
-        silent.push(raw_connect(&name));
-        assert!(creator.poll().is_none());
-    }
-    let mut binder = Channel::bind(&b, &Endpoint::shm_abstract(&name), BindParams::default()).unwrap();
-    complete_bind(&mut creator, &mut binder);
+    bounded(3 * T, || {
+        let (a, b) = (Domain::new("creator"), Domain::new("binder"));
+        let name = unique("silent");
+        let mut creator = shm_creator(&a, &name);
+        let mut silent = Vec::new();
+        for _ in 0..12 {
+            silent.push(raw_connect(&name));
+            assert!(creator.poll().is_none());
+        }
+        let mut binder = Channel::bind(&b, &Endpoint::shm_abstract(&name), BindParams::default()).unwrap();
+        complete_bind(&mut creator, &mut binder);
+    });
 }
 
 /// A creator that accepts the connection and never answers: the binder
 /// gives up with `TimedOut` after its bind timeout.
 #[test]
 fn silent_shm_creator_times_out() {
-    let b = Domain::new("binder");
-    let name = unique("mute-creator");
-    let listener = raw_listen(&name);
-    let params = BindParams { timeout: Duration::from_millis(300), ..BindParams::default() };
-    let mut binder = Channel::bind(&b, &Endpoint::shm_abstract(&name), params).unwrap();
-    let _conn = raw_accept(&listener);
-    match binder.wait(Some(T)) {
-        Some(Event::Error(Error::TimedOut)) => {}
-        ev => panic!("expected the bind to time out, got {ev:?}"),
-    }
+    bounded(3 * T, || {
+        let b = Domain::new("binder");
+        let name = unique("mute-creator");
+        let listener = raw_listen(&name);
+        let params = BindParams { timeout: Duration::from_millis(300), ..BindParams::default() };
+        let mut binder = Channel::bind(&b, &Endpoint::shm_abstract(&name), params).unwrap();
+        let _conn = raw_accept(&listener);
+        match binder.wait(Some(T)) {
+            Some(Event::Error(Error::TimedOut)) => {}
+            ev => panic!("expected the bind to time out, got {ev:?}"),
+        }
+    });
 }
 
 // ------------------------------------------------------- tcp: stalled peers
@@ -277,51 +310,55 @@ fn tcp_creator(domain: &Domain) -> (Channel, SocketAddr) {
 /// legitimate binder behind them is served at once.
 #[test]
 fn half_open_tcp_bind_requests_do_not_block_a_binder() {
-    let (a, b) = (Domain::new("creator"), Domain::new("binder"));
-    let (mut creator, addr) = tcp_creator(&a);
-    let mut stalled = Vec::new();
-    for _ in 0..2 {
-        let mut s = TcpStream::connect(addr).unwrap();
-        let req = bind_request();
-        s.write_all(&(req.len() as u16).to_le_bytes()).unwrap();
-        s.write_all(&req[..7]).unwrap();
-        stalled.push(s);
-        assert!(creator.wait(Some(Duration::from_millis(50))).is_none());
-    }
-    let mut binder = Channel::bind(&b, &Endpoint::tcp(addr), BindParams::default()).unwrap();
-    complete_bind(&mut creator, &mut binder);
+    bounded(3 * T, || {
+        let (a, b) = (Domain::new("creator"), Domain::new("binder"));
+        let (mut creator, addr) = tcp_creator(&a);
+        let mut stalled = Vec::new();
+        for _ in 0..2 {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let req = bind_request();
+            s.write_all(&(req.len() as u16).to_le_bytes()).unwrap();
+            s.write_all(&req[..7]).unwrap();
+            stalled.push(s);
+            assert!(creator.wait(Some(Duration::from_millis(50))).is_none());
+        }
+        let mut binder = Channel::bind(&b, &Endpoint::tcp(addr), BindParams::default()).unwrap();
+        complete_bind(&mut creator, &mut binder);
+    });
 }
 
 /// 200 idle connections (more than the listen backlog): a legitimate binder
 /// coming after them is served.
 #[test]
 fn idle_tcp_connections_do_not_block_a_binder() {
-    let (a, b) = (Domain::new("creator"), Domain::new("binder"));
-    let (creator, addr) = tcp_creator(&a);
-    let (tx, rx) = mpsc::channel();
-    let driver = std::thread::spawn(move || {
-        let mut creator = creator;
-        let deadline = Instant::now() + 3 * T;
-        while Instant::now() < deadline {
-            if let Some(ev) = creator.wait(Some(Duration::from_millis(100))) {
-                let _ = tx.send(format!("{ev:?}"));
-                return creator;
+    bounded(3 * T, || {
+        let (a, b) = (Domain::new("creator"), Domain::new("binder"));
+        let (creator, addr) = tcp_creator(&a);
+        let (tx, rx) = mpsc::channel();
+        let driver = std::thread::spawn(move || {
+            let mut creator = creator;
+            let deadline = Instant::now() + 3 * T;
+            while Instant::now() < deadline {
+                if let Some(ev) = creator.wait(Some(Duration::from_millis(100))) {
+                    let _ = tx.send(format!("{ev:?}"));
+                    return creator;
+                }
             }
+            let _ = tx.send("nothing".to_string());
+            creator
+        });
+        let idle: Vec<TcpStream> =
+            (0..200).filter_map(|_| TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()).collect();
+        assert!(idle.len() > 128, "only {} idle connections got in", idle.len());
+        let mut binder = Channel::bind(&b, &Endpoint::tcp(addr), BindParams::default()).unwrap();
+        match binder.wait(Some(T)) {
+            Some(Event::Bound) => {}
+            ev => panic!("the legitimate binder should be bound, got {ev:?}"),
         }
-        let _ = tx.send("nothing".to_string());
-        creator
+        let ev = rx.recv_timeout(3 * T).expect("the creator's driver answers");
+        assert!(ev.starts_with("BindRequest"), "{ev}");
+        assert_eq!(driver.join().unwrap().state(), ChannelState::Connected);
     });
-    let idle: Vec<TcpStream> =
-        (0..200).filter_map(|_| TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()).collect();
-    assert!(idle.len() > 128, "only {} idle connections got in", idle.len());
-    let mut binder = Channel::bind(&b, &Endpoint::tcp(addr), BindParams::default()).unwrap();
-    match binder.wait(Some(T)) {
-        Some(Event::Bound) => {}
-        ev => panic!("the legitimate binder should be bound, got {ev:?}"),
-    }
-    let ev = rx.recv_timeout(3 * T).expect("the creator's driver answers");
-    assert!(ev.starts_with("BindRequest"), "{ev}");
-    assert_eq!(driver.join().unwrap().state(), ChannelState::Connected);
 }
 
 // ------------------------------------------------------------- limits
@@ -378,29 +415,31 @@ fn bound_to(addr: SocketAddr, domain: &Domain) -> Channel {
 /// them, and the fds of pool memory stay bounded.
 #[test]
 fn five_thousand_pool_offers_stay_within_the_limit() {
-    const OFFERS: u32 = 5000;
-    let limit = ChannelLimits::default().max_peer_pools;
-    let frames = (0..OFFERS).map(|i| offer(u128::from(i) + 1, 4096, 1)).collect();
-    let (addr, peer) = hostile_tcp_creator(frames);
-    let b = Domain::new("binder");
-    let mut ch = bound_to(addr, &b);
-    let (mut asked, mut refused, mut most_fds) = (0usize, 0usize, 0usize);
-    while asked + refused < OFFERS as usize {
-        match ch.wait(Some(T)) {
-            Some(Event::PoolAssignRequest(_)) => asked += 1,
-            Some(Event::PoolOfferRefused { reason: Error::LimitExceeded { what, limit: l }, .. }) => {
-                assert_eq!((what, l), ("pools assigned by the peer", limit as u64));
-                refused += 1;
+    bounded(3 * T, || {
+        const OFFERS: u32 = 5000;
+        let limit = ChannelLimits::default().max_peer_pools;
+        let frames = (0..OFFERS).map(|i| offer(u128::from(i) + 1, 4096, 1)).collect();
+        let (addr, peer) = hostile_tcp_creator(frames);
+        let b = Domain::new("binder");
+        let mut ch = bound_to(addr, &b);
+        let (mut asked, mut refused, mut most_fds) = (0usize, 0usize, 0usize);
+        while asked + refused < OFFERS as usize {
+            match ch.wait(Some(T)) {
+                Some(Event::PoolAssignRequest(_)) => asked += 1,
+                Some(Event::PoolOfferRefused { reason: Error::LimitExceeded { what, limit: l }, .. }) => {
+                    assert_eq!((what, l), ("pools assigned by the peer", limit as u64));
+                    refused += 1;
+                }
+                ev => panic!("after {asked} requests and {refused} refusals: {ev:?}"),
             }
-            ev => panic!("after {asked} requests and {refused} refusals: {ev:?}"),
+            most_fds = most_fds.max(pool_fds());
         }
-        most_fds = most_fds.max(pool_fds());
-    }
-    assert_eq!((asked, refused), (limit, OFFERS as usize - limit));
-    assert!(most_fds <= limit + 4, "{most_fds} fds of pool memory open");
-    assert_eq!(ch.state(), ChannelState::Connected);
-    drop(ch);
-    peer.join().unwrap();
+        assert_eq!((asked, refused), (limit, OFFERS as usize - limit));
+        assert!(most_fds <= limit + 4, "{most_fds} fds of pool memory open");
+        assert_eq!(ch.state(), ChannelState::Connected);
+        drop(ch);
+        peer.join().unwrap();
+    });
 }
 
 /// The largest mapping in this process, from /proc/self/maps.
@@ -421,25 +460,27 @@ fn largest_mapping() -> u64 {
 /// application.
 #[test]
 fn a_terabyte_pool_offer_is_refused_unmapped() {
-    let huge = offer(1, 1 << 30, 1024);
-    let small = offer(2, 4096, 4);
-    let (addr, peer) = hostile_tcp_creator(vec![huge, small]);
-    let b = Domain::new("binder");
-    let mut ch = bound_to(addr, &b);
-    match ch.wait(Some(T)) {
-        Some(Event::PoolOfferRefused { reason: Error::LimitExceeded { what, limit }, .. }) => {
-            assert_eq!((what, limit), ("bytes of pools assigned by the peer", 16 << 30));
+    bounded(3 * T, || {
+        let huge = offer(1, 1 << 30, 1024);
+        let small = offer(2, 4096, 4);
+        let (addr, peer) = hostile_tcp_creator(vec![huge, small]);
+        let b = Domain::new("binder");
+        let mut ch = bound_to(addr, &b);
+        match ch.wait(Some(T)) {
+            Some(Event::PoolOfferRefused { reason: Error::LimitExceeded { what, limit }, .. }) => {
+                assert_eq!((what, limit), ("bytes of pools assigned by the peer", 16 << 30));
+            }
+            ev => panic!("expected the terabyte pool refused, got {ev:?}"),
         }
-        ev => panic!("expected the terabyte pool refused, got {ev:?}"),
-    }
-    assert!(largest_mapping() < 1 << 40, "a mapping of {} bytes", largest_mapping());
-    match ch.wait(Some(T)) {
-        Some(Event::PoolAssignRequest(req)) => assert_eq!(req.geometry.count(), 4),
-        ev => panic!("expected the small pool offered, got {ev:?}"),
-    }
-    assert!(largest_mapping() < 1 << 40);
-    assert_eq!(ch.state(), ChannelState::Connected);
-    assert_eq!(ch.trust(), TrustLevel::Full);
-    drop(ch);
-    peer.join().unwrap();
+        assert!(largest_mapping() < 1 << 40, "a mapping of {} bytes", largest_mapping());
+        match ch.wait(Some(T)) {
+            Some(Event::PoolAssignRequest(req)) => assert_eq!(req.geometry.count(), 4),
+            ev => panic!("expected the small pool offered, got {ev:?}"),
+        }
+        assert!(largest_mapping() < 1 << 40);
+        assert_eq!(ch.state(), ChannelState::Connected);
+        assert_eq!(ch.trust(), TrustLevel::Full);
+        drop(ch);
+        peer.join().unwrap();
+    });
 }
