@@ -178,7 +178,7 @@ fn framed(msg: &[u8]) -> Vec<u8> {
 
 /// A connection during setup, reading one length-prefixed setup message
 /// without ever reading past it (frames may follow at once).
-struct SetupConn {
+pub(crate) struct SetupConn {
     stream: TcpStream,
     buf: [u8; 2 + setup_msg::MAX_LEN],
     have: usize,
@@ -186,13 +186,13 @@ struct SetupConn {
 }
 
 impl SetupConn {
-    fn new(stream: TcpStream, deadline: Instant) -> Self {
+    pub(crate) fn new(stream: TcpStream, deadline: Instant) -> Self {
         SetupConn { stream, buf: [0; 2 + setup_msg::MAX_LEN], have: 0, deadline }
     }
 
     /// The message once it is complete; `PeerGone` at end of stream,
     /// `TimedOut` past the deadline.
-    fn poll(&mut self) -> Result<Option<&[u8]>> {
+    pub(crate) fn poll(&mut self) -> Result<Option<&[u8]>> {
         loop {
             let need = if self.have < 2 {
                 2

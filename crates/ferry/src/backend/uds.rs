@@ -280,6 +280,23 @@ mod tests {
     }
 
     #[test]
+    fn doorbells_must_be_eventfds_and_are_rung_without_waiting() {
+        let (_r, w) = rustix::pipe::pipe().unwrap();
+        assert!(check_doorbell(&w).unwrap_err().contains("pipe"));
+        // A blocking eventfd one short of its maximum: a blocking write of
+        // 1 would wait for a reader that never comes.
+        let bell = rustix::event::eventfd(0, EventfdFlags::CLOEXEC).unwrap();
+        rustix::io::write(&bell, &(u64::MAX - 1).to_ne_bytes()).unwrap();
+        check_doorbell(&bell).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            ring(&bell);
+            let _ = tx.send(());
+        });
+        rx.recv_timeout(Duration::from_secs(10)).expect("the ring returned at once");
+    }
+
+    #[test]
     fn stale_socket_files_are_replaced() {
         let dir = std::env::temp_dir().join(format!("ferry-uds-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
