@@ -84,9 +84,14 @@ fn raw_connect(name: &str) -> OwnedFd {
 }
 
 fn raw_listen(name: &str) -> OwnedFd {
+    raw_listen_queue(name, 16)
+}
+
+/// A listener whose queue takes `backlog` + 1 connections.
+fn raw_listen_queue(name: &str, backlog: i32) -> OwnedFd {
     let fd = seqpacket();
     rustix::net::bind(&fd, &SocketAddrUnix::new_abstract_name(name.as_bytes()).unwrap()).unwrap();
-    rustix::net::listen(&fd, 16).unwrap();
+    rustix::net::listen(&fd, backlog).unwrap();
     fd
 }
 
@@ -293,6 +298,23 @@ fn silent_shm_creator_times_out() {
         match binder.wait(Some(T)) {
             Some(Event::Error(Error::TimedOut)) => {}
             ev => panic!("expected the bind to time out, got {ev:?}"),
+        }
+    });
+}
+
+/// A creator that never accepts, its queue full: the bind itself gives up
+/// with `TimedOut` after the bind timeout instead of waiting in `connect`.
+#[test]
+fn shm_creator_with_a_full_queue_times_out() {
+    bounded(3 * T, || {
+        let b = Domain::new("binder");
+        let name = unique("full-queue");
+        let _listener = raw_listen_queue(&name, 0);
+        let _first = raw_connect(&name);
+        let params = BindParams { timeout: Duration::from_millis(300), ..BindParams::default() };
+        match Channel::bind(&b, &Endpoint::shm_abstract(&name), params) {
+            Err(Error::TimedOut) => {}
+            other => panic!("expected the bind to time out, got {other:?}"),
         }
     });
 }
