@@ -388,6 +388,11 @@ fn idle_tcp_connections_do_not_block_a_binder() {
 /// A hostile TCP creator: accepts one binder, then sends `frames` (pool
 /// offers) and reads whatever comes back until the binder closes.
 fn hostile_tcp_creator(frames: Vec<[u8; 32]>) -> (SocketAddr, std::thread::JoinHandle<()>) {
+    hostile_tcp_creator_answering(bind_accept(1024), frames)
+}
+
+/// A hostile TCP creator that answers the bind with `acc`.
+fn hostile_tcp_creator_answering(acc: Vec<u8>, frames: Vec<[u8; 32]>) -> (SocketAddr, std::thread::JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let peer = std::thread::spawn(move || {
@@ -395,7 +400,6 @@ fn hostile_tcp_creator(frames: Vec<[u8; 32]>) -> (SocketAddr, std::thread::JoinH
         s.set_read_timeout(Some(T)).unwrap();
         let mut req = [0u8; 2 + 33];
         s.read_exact(&mut req).unwrap();
-        let acc = bind_accept(1024);
         s.write_all(&(acc.len() as u16).to_le_bytes()).unwrap();
         s.write_all(&acc).unwrap();
         let mut reader = s.try_clone().unwrap();
@@ -504,5 +508,27 @@ fn a_terabyte_pool_offer_is_refused_unmapped() {
         assert_eq!(ch.trust(), TrustLevel::Full);
         drop(ch);
         peer.join().unwrap();
+    });
+}
+
+/// A creator's answer that settles what the binder did not ask for — a
+/// trust level it refused, a queue depth out of range — fails the bind with
+/// a protocol error.
+#[test]
+fn a_creator_answer_outside_the_request_is_refused() {
+    bounded(3 * T, || {
+        let huge_depth = bind_accept(1 << 20);
+        for (acc, trust, what) in [(bind_accept(1024), Some(TrustLevel::Half), "trust"), (huge_depth, None, "depth")] {
+            let (addr, peer) = hostile_tcp_creator_answering(acc, Vec::new());
+            let b = Domain::new("binder");
+            let params = BindParams { trust, ..BindParams::default() };
+            let mut ch = Channel::bind(&b, &Endpoint::tcp(addr), params).unwrap();
+            match ch.wait(Some(T)) {
+                Some(Event::Error(Error::Protocol(why))) => assert!(why.contains(what), "{why}"),
+                ev => panic!("{what}: expected the answer refused, got {ev:?}"),
+            }
+            drop(ch);
+            peer.join().unwrap();
+        }
     });
 }
