@@ -532,3 +532,80 @@ fn a_creator_answer_outside_the_request_is_refused() {
         }
     });
 }
+
+/// A sealed memfd of one 4 KiB buffer, as a pool's memory travels.
+fn small_pool_file() -> OwnedFd {
+    use rustix::fs::{fcntl_add_seals, ftruncate, memfd_create, MemfdFlags, SealFlags};
+    let fd = memfd_create("hostile-pool", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+    ftruncate(&fd, 4096).unwrap();
+    fcntl_add_seals(&fd, SealFlags::GROW | SealFlags::SHRINK).unwrap();
+    fd
+}
+
+/// A pool announcement (its memory file travels beside it).
+fn pool_message(id: u128) -> Vec<u8> {
+    let mut v = b"FRY1\x04".to_vec();
+    v.extend_from_slice(&id.to_le_bytes());
+    v.extend_from_slice(&4096u64.to_le_bytes());
+    v.extend_from_slice(&1u32.to_le_bytes());
+    v
+}
+
+/// Open fds of memory files named `name`.
+fn files_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().contains(name))
+        .count()
+}
+
+/// Over shared memory, pool files come on the socket ahead of their offers.
+/// A peer that sends 5000 of them, never offered, does not make the binder
+/// hold 5000 fds: it holds at most `max_peer_pools`, and the pool offered
+/// behind them fails the channel with `LimitExceeded`.
+#[test]
+fn five_thousand_pool_files_over_shm_stay_within_the_limit() {
+    bounded(3 * T, || {
+        const FILES: u128 = 5000;
+        let (a, b) = (Domain::new("creator"), Domain::new("binder"));
+        let (back, front) = (unique("real-files"), unique("proxy-files"));
+        let mut creator = shm_creator(&a, &back);
+        let listener = raw_listen(&front);
+        let proxy = std::thread::spawn(move || {
+            let from_binder = raw_accept(&listener);
+            let (request, fds) = recv_msg(&from_binder, T).expect("bind request");
+            let to_creator = raw_connect(&back);
+            send_msg(&to_creator, &request, &fds.iter().map(|f| f.as_fd()).collect::<Vec<_>>());
+            let (reply, fds) = recv_msg(&to_creator, T).expect("creator's reply");
+            send_msg(&from_binder, &reply, &fds.iter().map(|f| f.as_fd()).collect::<Vec<_>>());
+            // The hostile part: pool files nobody offers.
+            let file = small_pool_file();
+            for id in 0..FILES {
+                send_msg(&from_binder, &pool_message(1_000_000 + id), &[file.as_fd()]);
+            }
+            // Then relay what the creator sends (the real pool's file).
+            let deadline = Instant::now() + 2 * T;
+            while Instant::now() < deadline && !readable(from_binder.as_fd(), Duration::ZERO) {
+                if let Some((msg, fds)) = recv_msg(&to_creator, Duration::from_millis(50)) {
+                    send_msg(&from_binder, &msg, &fds.iter().map(|f| f.as_fd()).collect::<Vec<_>>());
+                }
+            }
+        });
+        let mut binder = Channel::bind(&b, &Endpoint::shm_abstract(&front), BindParams::default()).unwrap();
+        complete_bind(&mut creator, &mut binder);
+        let alloc = ferry::Allocator::new(&a, 2, 4096, ferry::PoolConstraints::default()).unwrap();
+        creator.assign_pool(alloc.pool()).unwrap();
+        let limit = ChannelLimits::default().max_peer_pools;
+        match binder.wait(Some(2 * T)) {
+            Some(Event::Error(Error::LimitExceeded { what, limit: l })) => {
+                assert_eq!((what, l), ("pools assigned by the peer", limit as u64));
+            }
+            ev => panic!("expected the offer behind the junk to fail the channel, got {ev:?}"),
+        }
+        let held = files_named("hostile-pool");
+        assert!(held <= limit + 1, "{held} pool files held");
+        drop(binder);
+        proxy.join().unwrap();
+    });
+}
