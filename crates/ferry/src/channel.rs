@@ -264,6 +264,28 @@ pub(crate) fn negotiate(setup: &ChannelSetup, params: &BindParams) -> Result<Neg
     })
 }
 
+/// The binder's check of the creator's answer: what it settled must be
+/// what the binder asked for (a creator could answer anything).
+pub(crate) fn check_reply(params: &BindParams, neg: &Negotiated) -> Result<()> {
+    let bad = |what: &str| Err(Error::Protocol(format!("bind reply: {what}")));
+    if params.trust.is_some_and(|t| t != neg.trust) {
+        return bad("a trust level the binder did not ask for");
+    }
+    if neg.meta_size > params.max_meta_size {
+        return bad("a meta size larger than the binder can take");
+    }
+    if params.role != Role::Generic && params.role != neg.binder_role {
+        return bad("a role the binder did not ask for");
+    }
+    if neg.binder_role == neg.creator_role || neg.binder_role == Role::Generic || neg.creator_role == Role::Generic {
+        return bad("roles that do not pair");
+    }
+    if neg.constraints.merge(params.constraints) != neg.constraints {
+        return bad("pool constraints looser than the binder's");
+    }
+    Ok(())
+}
+
 /// A pool-assignment request from the peer, waiting for
 /// [`Channel::respond_pool`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

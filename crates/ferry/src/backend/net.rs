@@ -56,7 +56,7 @@ use rustix::event::{PollFd, PollFlags, Timespec};
 use super::setup_msg;
 use super::{Landing, Link, LinkStats, PayloadGate, Pending, PendingSetup, SetupDone};
 use crate::buffer::BufferId;
-use crate::channel::{negotiate, BindParams, ChannelSetup};
+use crate::channel::{check_reply, negotiate, BindParams, ChannelSetup};
 use crate::error::{Error, Result};
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory};
 use crate::proto::{self, Message, Meta};
@@ -163,7 +163,11 @@ impl NetEndpoint {
         stream.set_write_timeout(Some(timeout))?;
         (&stream).write_all(&framed(&setup_msg::encode_bind(params)))?;
         stream.set_nonblocking(true)?;
-        Ok(Box::new(BinderPending { conn: Some(SetupConn::new(stream, deadline)), options: self.options }))
+        Ok(Box::new(BinderPending {
+            conn: Some(SetupConn::new(stream, deadline)),
+            options: self.options,
+            params: *params,
+        }))
     }
 }
 
@@ -253,11 +257,13 @@ impl CreatorPending {
         Ok(Some((Box::new(link), neg, true)))
     }
 
-    /// Take every connection waiting on the listener; shed the oldest
-    /// beyond [`MAX_HALF_OPEN`].
+    /// Take the connections waiting on the listener (a bounded number per
+    /// poll); shed the oldest beyond [`MAX_HALF_OPEN`].
     fn accept_all(&mut self) {
         let Some(listener) = &self.listener else { return };
-        while let Ok((stream, _)) = listener.accept() {
+        // Bounded, so a flood of connections cannot keep us here.
+        for _ in 0..4 * MAX_HALF_OPEN {
+            let Ok((stream, _)) = listener.accept() else { break };
             if stream.set_nonblocking(true).is_err() || stream.set_nodelay(true).is_err() {
                 continue;
             }
@@ -318,6 +324,7 @@ impl PendingSetup for CreatorPending {
 struct BinderPending {
     conn: Option<SetupConn>,
     options: NetOptions,
+    params: BindParams,
 }
 
 impl PendingSetup for BinderPending {
@@ -325,7 +332,8 @@ impl PendingSetup for BinderPending {
         let conn = self.conn.as_mut()?;
         let reply = match conn.poll() {
             Ok(None) => return None,
-            Ok(Some(reply)) => setup_msg::parse_reply(reply),
+            Ok(Some(reply)) => setup_msg::parse_reply(reply)
+                .and_then(|(neg, depth)| check_reply(&self.params, &neg).map(|()| (neg, depth))),
             Err(e) => Err(e),
         };
         let conn = self.conn.take().expect("present");

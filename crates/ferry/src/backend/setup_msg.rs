@@ -226,6 +226,9 @@ pub(crate) fn parse_reply(buf: &[u8]) -> Result<(Negotiated, u32)> {
     if meta_size > proto::MAX_META_SIZE {
         return Err(bad("meta size too large"));
     }
+    if !depth.is_power_of_two() || !(2..=65536).contains(&depth) {
+        return Err(bad("queue depth out of range"));
+    }
     Ok((Negotiated { binder_direction, binder_role, creator_role, trust, meta_size, constraints }, depth))
 }
 

@@ -28,7 +28,7 @@ use super::setup_msg::{self, bad, PoolFile};
 use super::uds::{self, Conn, Listener, UnixName};
 use super::{Landing, Link, PayloadGate, Pending, PendingSetup, SetupDone};
 use crate::buffer::BufferId;
-use crate::channel::{negotiate, BindParams, ChannelLimits, ChannelSetup, Negotiated};
+use crate::channel::{check_reply, negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::error::{Error, Result};
 use crate::ledger::Ledger;
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory, TrustLevel};
@@ -91,7 +91,7 @@ impl ShmEndpoint {
             _ => Error::from(e),
         })?;
         conn.clear_send_timeout()?;
-        Ok(Box::new(BinderPending { conn: Some(conn), bell: Some(bell), deadline, limits: params.limits }))
+        Ok(Box::new(BinderPending { conn: Some(conn), bell: Some(bell), deadline, params: *params }))
     }
 }
 
@@ -192,11 +192,14 @@ impl CreatorPending {
         Ok(Some((Box::new(link), neg, true)))
     }
 
-    /// Take every connection waiting on the listener; shed the oldest
-    /// beyond [`MAX_HALF_OPEN`] and those past their deadline.
+    /// Take the connections waiting on the listener (a bounded number per
+    /// poll); shed the oldest beyond [`MAX_HALF_OPEN`] and those past their
+    /// deadline.
     fn accept_all(&mut self) {
         let Some(listener) = &self.listener else { return };
-        while let Ok(Some(conn)) = listener.accept() {
+        // Bounded, so a flood of connections cannot keep us here.
+        for _ in 0..4 * MAX_HALF_OPEN {
+            let Ok(Some(conn)) = listener.accept() else { break };
             if self.half_open.len() == MAX_HALF_OPEN {
                 self.half_open.pop_front();
             }
@@ -255,12 +258,13 @@ struct BinderPending {
     bell: Option<OwnedFd>,
     /// The creator must have answered by then ([`BindParams::timeout`]).
     deadline: Instant,
-    limits: ChannelLimits,
+    params: BindParams,
 }
 
 impl BinderPending {
     fn finish(&mut self, buf: &[u8], fds: Vec<OwnedFd>) -> Result<SetupDone> {
         let (neg, depth) = setup_msg::parse_reply(buf)?;
+        check_reply(&self.params, &neg)?;
         let mut fds = fds.into_iter();
         let (Some(seg), Some(peer_bell)) = (fds.next(), fds.next()) else {
             return Err(bad("bind reply without segment and doorbell"));
@@ -273,7 +277,7 @@ impl BinderPending {
         let tx = ring::attach_producer(b, layout).map_err(ring_err)?;
         let conn = self.conn.take().expect("polled once");
         let bell = self.bell.take().expect("polled once");
-        let link = ShmLink::new(tx, rx, conn, bell, peer_bell, &neg, self.limits)?;
+        let link = ShmLink::new(tx, rx, conn, bell, peer_bell, &neg, self.params.limits)?;
         Ok((Box::new(link), neg, false))
     }
 }
@@ -345,7 +349,7 @@ pub(crate) struct ShmLink {
     batching: bool,
     /// What the peer may make us take on: pool files beyond these are not
     /// taken from the socket's message (their fds are closed at once).
-    limits: ChannelLimits,
+    limits: crate::channel::ChannelLimits,
     /// Pools whose offer the library vetoed before their file was read:
     /// that file is dropped when it comes (at most `max_peer_pools` ids).
     discarded: VecDeque<PoolId>,
@@ -359,7 +363,7 @@ impl ShmLink {
         bell: OwnedFd,
         peer_bell: OwnedFd,
         neg: &Negotiated,
-        limits: ChannelLimits,
+        limits: crate::channel::ChannelLimits,
     ) -> Result<Self> {
         let peer_pidfd = conn
             .peer_pid()
