@@ -37,7 +37,8 @@ pub fn setup_message(data: &[u8]) {
 /// The bytes a TCP peer sends during setup (`backend/net.rs`): a u16
 /// length and a setup message, read without ever reading past it. The
 /// first byte picks the side that reads: the creator reads a bind request
-/// (and negotiates with it), the binder the creator's reply. Reading and
+/// (and negotiates with it), the binder the creator's reply (and checks it
+/// against its request). Reading and
 /// parsing must end in a message or a typed error, never a panic or a hang.
 pub fn net_setup_from_peer(data: &[u8]) {
     use std::io::Write;
@@ -47,7 +48,7 @@ pub fn net_setup_from_peer(data: &[u8]) {
 
     use crate::backend::net::SetupConn;
     use crate::backend::setup_msg;
-    use crate::channel::{negotiate, ChannelSetup};
+    use crate::channel::{check_reply, negotiate, BindParams, ChannelSetup};
 
     let Some((&side, bytes)) = data.split_first() else { return };
     let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
@@ -65,8 +66,8 @@ pub fn net_setup_from_peer(data: &[u8]) {
                     if let Ok(params) = setup_msg::parse_bind(msg) {
                         let _ = negotiate(&ChannelSetup::default(), &params);
                     }
-                } else {
-                    let _ = setup_msg::parse_reply(msg);
+                } else if let Ok((neg, _)) = setup_msg::parse_reply(msg) {
+                    let _ = check_reply(&BindParams::default(), &neg);
                 }
                 return;
             }
