@@ -313,4 +313,38 @@ mod tests {
             .is_err());
         }
     }
+    #[test]
+    fn a_reply_must_settle_what_the_binder_asked_for() {
+        use crate::channel::{negotiate, ChannelSetup};
+        let params = BindParams {
+            role: Role::Slave,
+            trust: Some(TrustLevel::Half),
+            max_meta_size: 32,
+            constraints: ChannelConstraints { alignment: 8192, min_buffer_size: 0, max_buffer_size: 0 },
+            ..BindParams::default()
+        };
+        let s = ChannelSetup { trust: TrustLevel::Half, meta_size: 32, ..ChannelSetup::default() };
+        let good = negotiate(&s, &params).unwrap();
+        crate::channel::check_reply(&params, &good).unwrap();
+        let lies = [
+            Negotiated { trust: TrustLevel::Full, ..good },
+            Negotiated { meta_size: 64, ..good },
+            Negotiated { binder_role: Role::Master, creator_role: Role::Slave, ..good },
+            Negotiated { creator_role: Role::Slave, ..good },
+            Negotiated { constraints: ChannelConstraints::default(), ..good },
+        ];
+        for lie in lies {
+            assert!(matches!(crate::channel::check_reply(&params, &lie), Err(Error::Protocol(_))), "{lie:?}");
+        }
+    }
+
+    #[test]
+    fn limits_count_pools_and_bytes() {
+        let l = crate::channel::ChannelLimits { max_peer_pools: 2, max_peer_bytes: 1 << 20 };
+        let g = Geometry::new(4096, 16).unwrap();
+        l.admit(1, 0, g).unwrap();
+        assert!(matches!(l.admit(2, 0, g), Err(Error::LimitExceeded { limit: 2, .. })));
+        assert!(matches!(l.admit(0, (1 << 20) - 4096, g), Err(Error::LimitExceeded { limit: 1_048_576, .. })));
+        assert!(matches!(l.admit(0, usize::MAX, g), Err(Error::LimitExceeded { .. })), "no overflow");
+    }
 }
