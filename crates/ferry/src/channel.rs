@@ -1275,6 +1275,7 @@ impl Channel {
         // the pool is not assigned; either may offer it again.
         if !self.sent_teardown && self.pools.iter().any(|p| p.id == pool && p.assigning) {
             self.reply(Message::AssignReply { pool, accepted: false });
+            self.link_mut().discard_pool(pool);
             return Ok(Event::PoolVetoed(pool));
         }
         let known = self.domain.lock().entry(pool).map(|e| (e.view.geometry(), e.trust));
@@ -1291,7 +1292,10 @@ impl Channel {
         }
         // The channel's limits, before anything of the pool is mapped.
         if let Err(reason) = self.peer_pools_admit(geometry) {
-            self.reply(Message::AssignReply { pool, accepted: false });
+            // (Nothing goes out after our teardown marker.)
+            if !self.sent_teardown {
+                self.reply(Message::AssignReply { pool, accepted: false });
+            }
             self.link_mut().discard_pool(pool);
             return Ok(Event::PoolOfferRefused { pool, reason });
         }
