@@ -149,8 +149,10 @@ pub struct BindParams {
     /// Local: not sent to the creator.
     pub limits: ChannelLimits,
     /// How long the bind may take until the creator has answered: past it
-    /// the channel fails with [`Error::TimedOut`] (an [`Event::Error`]).
-    /// Default [`DEFAULT_BIND_TIMEOUT`]. Local: not sent to the creator.
+    /// the channel fails with [`Error::TimedOut`] (an [`Event::Error`]; or
+    /// [`Channel::bind`] itself returns it, when not even the connection
+    /// could be made in time). Default [`DEFAULT_BIND_TIMEOUT`]. Local: not
+    /// sent to the creator.
     pub timeout: Duration,
 }
 
