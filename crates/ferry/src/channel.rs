@@ -19,7 +19,7 @@ use crate::domain::{ChanKey, Domain, DomainState, LentSet};
 use crate::error::{Error, Refused, Result};
 use crate::pool::{Geometry, PoolId, PoolView, TrustLevel};
 use crate::proto::{Message, Meta, MAX_META_SIZE};
-use crate::setup::{BindParams, ChannelConstraints, ChannelSetup, ChannelState, Direction, Role};
+use crate::setup::{BindParams, ChannelConstraints, ChannelLimits, ChannelSetup, ChannelState, Direction, Role};
 use crate::sys::Access;
 
 mod connect;
@@ -116,6 +116,16 @@ pub enum Event {
     /// The channel failed (peer gone, protocol violation, bind refused);
     /// it is closed.
     Error(Error),
+    /// The library vetoed the peer's offer of a pool by itself, because
+    /// taking it would pass one of the channel's [`ChannelLimits`]
+    /// (`reason`: [`Error::LimitExceeded`]). The peer sees a veto; the
+    /// channel goes on.
+    PoolOfferRefused {
+        /// The pool offered.
+        pool: PoolId,
+        /// Why it was refused.
+        reason: Error,
+    },
 }
 
 /// One pool as this end of the channel sees it. Each end keeps its own
@@ -129,6 +139,9 @@ struct ChanPool {
     assigning: bool,
     /// Our removal request is out, no reply yet.
     removing: bool,
+    /// Listed because we accepted the peer's offer (counts against the
+    /// channel's [`ChannelLimits`]).
+    by_peer: bool,
 }
 
 /// One end of a channel, owned by a domain.
@@ -189,6 +202,8 @@ pub struct Channel {
     trust: TrustLevel,
     meta_size: usize,
     constraints: ChannelConstraints,
+    /// What the peer may make us take on.
+    limits: ChannelLimits,
     /// How we got here, until connected.
     pending: Option<Pending>,
     link: Option<Box<dyn Link>>,
@@ -258,6 +273,7 @@ impl Channel {
         ch.trust = setup.trust;
         ch.meta_size = setup.meta_size;
         ch.constraints = setup.constraints;
+        ch.limits = setup.limits;
         Ok(ch)
     }
 
@@ -284,7 +300,9 @@ impl Channel {
             return Err(Error::BadAlignment(params.constraints.alignment));
         }
         let pending = endpoint.connect(&params)?;
-        Ok(Channel::new(domain, ChannelState::Binding, pending))
+        let mut ch = Channel::new(domain, ChannelState::Binding, pending);
+        ch.limits = params.limits;
+        Ok(ch)
     }
 
     fn new(domain: &Domain, state: ChannelState, pending: Pending) -> Channel {
@@ -297,6 +315,7 @@ impl Channel {
             trust: TrustLevel::Uninitialized,
             meta_size: 0,
             constraints: ChannelConstraints::default(),
+            limits: ChannelLimits::default(),
             pending: Some(pending),
             link: None,
             pools: Vec::new(),
@@ -683,7 +702,9 @@ impl Channel {
         if accept {
             // Listed first: the request's relation goes after the record's
             // is counted, so the pool never looks unused in between.
-            self.chan_pool(pool).listed = true;
+            let p = self.chan_pool(pool);
+            p.listed = true;
+            p.by_peer = true;
             self.fix_pool(pool);
         }
         self.detach(pool);
@@ -891,7 +912,7 @@ impl Channel {
             Some(pos) => pos,
             None => {
                 self.attach(id);
-                self.pools.push(ChanPool { id, listed: false, assigning: false, removing: false });
+                self.pools.push(ChanPool { id, listed: false, assigning: false, removing: false, by_peer: false });
                 self.pools.len() - 1
             }
         };
@@ -1325,8 +1346,8 @@ impl Channel {
         // out, and the peer vetoes it likewise), so the two ends agree that
         // the pool is not assigned; either may offer it again.
         if !self.sent_teardown && self.pools.iter().any(|p| p.id == pool && p.assigning) {
-            self.link_mut().decline_pool(pool)?;
             self.reply(Message::AssignReply { pool, accepted: false });
+            self.link_mut().discard_pool(pool);
             return Ok(Event::PoolVetoed(pool));
         }
         // A known pool's request relation is counted under the lock that
@@ -1345,9 +1366,21 @@ impl Channel {
             if known.is_some() {
                 self.detach(pool);
             }
-            self.link_mut().decline_pool(pool)?;
             self.reply(Message::AssignReply { pool, accepted: false });
+            self.link_mut().discard_pool(pool);
             return Ok(Event::PoolVetoed(pool));
+        }
+        // The channel's limits, before anything of the pool is mapped.
+        if let Err(reason) = self.peer_pools_admit(geometry) {
+            if known.is_some() {
+                self.detach(pool);
+            }
+            // (Nothing goes out after our teardown marker.)
+            if !self.sent_teardown {
+                self.reply(Message::AssignReply { pool, accepted: false });
+            }
+            self.link_mut().discard_pool(pool);
+            return Ok(Event::PoolOfferRefused { pool, reason });
         }
         if known.is_some() {
             let memory = self.domain.lock().entry(pool).expect("counted").view.memory().clone();
@@ -1367,6 +1400,22 @@ impl Channel {
         let req = PoolRequest { pool, geometry, trust };
         self.requests.push(req);
         Ok(Event::PoolAssignRequest(req))
+    }
+
+    /// Whether one more pool from the peer, of `geometry`, stays within the
+    /// channel's limits (the peer's pools: accepted, or waiting for an answer).
+    fn peer_pools_admit(&self, geometry: Geometry) -> Result<()> {
+        let st = self.domain.lock();
+        let accepted = self.pools.iter().filter(|p| p.listed && p.by_peer).map(|p| p.id);
+        let (mut count, mut bytes) = (self.requests.len(), 0usize);
+        for r in &self.requests {
+            bytes = bytes.saturating_add(r.geometry.len());
+        }
+        for id in accepted {
+            count += 1;
+            bytes = bytes.saturating_add(st.entry(id).map_or(0, |e| e.view.geometry().len()));
+        }
+        self.limits.admit(count, bytes, geometry)
     }
 
     /// The view of a buffer named by the peer, checking that its pool is on

@@ -178,6 +178,17 @@ pub enum Error {
         /// What does not fit.
         why: &'static str,
     },
+
+    // --- limits ------------------------------------------------------------------------
+    /// The peer asked for more than one of this end's limits allows (see
+    /// [`crate::ChannelLimits`]); nothing of the request was taken on.
+    #[error("the peer asked for more than this end allows: at most {limit} {what}; raise the channel's limits (ChannelLimits) if the peer is trusted to ask for that much")]
+    LimitExceeded {
+        /// Which limit.
+        what: &'static str,
+        /// Its value.
+        limit: u64,
+    },
 }
 
 /// A trust level in words (the library's spelling of [ETH-BT]'s levels).
@@ -319,6 +330,7 @@ mod tests {
             Error::TimedOut,
             Error::PoolVetoed(pool),
             Error::BadView { ty: "u64", size: 8, align: 8, offset: 4, bytes: 16, why: "the offset is not aligned" },
+            Error::LimitExceeded { what: "pools assigned by the peer", limit: 256 },
         ]
     }
 

@@ -34,6 +34,50 @@ pub fn setup_message(data: &[u8]) {
     }
 }
 
+/// The bytes a TCP peer sends during setup (`backend/net.rs`): a u16
+/// length and a setup message, read without ever reading past it. The
+/// first byte picks the side that reads: the creator reads a bind request
+/// (and negotiates with it), the binder the creator's reply (and checks it
+/// against its request). Reading and
+/// parsing must end in a message or a typed error, never a panic or a hang.
+pub fn net_setup_from_peer(data: &[u8]) {
+    use std::io::Write;
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+    use std::time::{Duration, Instant};
+
+    use crate::backend::net::SetupConn;
+    use crate::backend::setup_msg;
+    use crate::setup::{check_reply, negotiate, BindParams, ChannelSetup};
+
+    let Some((&side, bytes)) = data.split_first() else { return };
+    let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
+    ours.set_nonblocking(true).expect("non-blocking");
+    // The stream ends after the bytes: a short message is an error, not a
+    // wait (the deadline is never reached here).
+    let _ = theirs.write_all(&bytes[..bytes.len().min(64 << 10)]);
+    drop(theirs);
+    let stream = std::net::TcpStream::from(OwnedFd::from(ours));
+    let mut conn = SetupConn::new(stream, Instant::now() + Duration::from_secs(3600));
+    for _ in 0..bytes.len() + 2 {
+        match conn.poll() {
+            Ok(Some(msg)) => {
+                if side & 1 == 0 {
+                    if let Ok(params) = setup_msg::parse_bind(msg) {
+                        let _ = negotiate(&ChannelSetup::default(), &params);
+                    }
+                } else if let Ok((neg, _)) = setup_msg::parse_reply(msg) {
+                    let _ = check_reply(&BindParams::default(), &neg);
+                }
+                return;
+            }
+            Ok(None) => {}
+            Err(_) => return,
+        }
+    }
+    panic!("setup read neither ended nor gave a message");
+}
+
 /// A ring segment written by a hostile peer: attaching and draining it must
 /// end in messages or typed errors, never a panic or an endless loop.
 pub fn ring_from_peer(data: &[u8]) {

@@ -133,7 +133,9 @@ pub use domain::{Domain, Pool};
 pub use error::{Error, Refused, Result};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
-pub use setup::{BindParams, ChannelConstraints, ChannelSetup, ChannelState, Direction, Role};
+pub use setup::{
+    BindParams, ChannelConstraints, ChannelLimits, ChannelSetup, ChannelState, Direction, Role, DEFAULT_BIND_TIMEOUT,
+};
 
 /// The [`bytemuck`](https://docs.rs/bytemuck) crate, for the typed views of
 /// buffer memory ([`Buffer::as_slice_of`] and friends): no extra dependency

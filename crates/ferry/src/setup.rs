@@ -4,6 +4,9 @@
 //! negotiation settles. Below both the channels and the backends: each
 //! backend negotiates at bind time, the channel uses the result.
 
+use std::time::Duration;
+
+use crate::error::{Error, Result};
 use crate::pool::{Geometry, TrustLevel};
 use crate::proto::MAX_META_SIZE;
 
@@ -118,6 +121,8 @@ pub struct ChannelSetup {
     pub constraints: ChannelConstraints,
     /// Messages that fit in each direction's queue (power of two, 2..=65536).
     pub queue_depth: u32,
+    /// What the binder may make this end take on (see [`ChannelLimits`]).
+    pub limits: ChannelLimits,
 }
 
 impl Default for ChannelSetup {
@@ -129,6 +134,7 @@ impl Default for ChannelSetup {
             meta_size: 16,
             constraints: ChannelConstraints::default(),
             queue_depth: 1024,
+            limits: ChannelLimits::default(),
         }
     }
 }
@@ -160,6 +166,76 @@ pub struct BindParams {
     pub max_meta_size: usize,
     /// The binder's own constraints on pools (merged with the creator's).
     pub constraints: ChannelConstraints,
+    /// What the creator may make this end take on (see [`ChannelLimits`]).
+    /// Local: not sent to the creator.
+    pub limits: ChannelLimits,
+    /// How long the bind may take until the creator has answered: past it
+    /// the channel fails with [`Error::TimedOut`] (an
+    /// [`Event::Error`](crate::Event::Error); or
+    /// [`Channel::bind`](crate::Channel::bind) itself returns it, when not
+    /// even the connection could be made in time). Default
+    /// [`DEFAULT_BIND_TIMEOUT`]. Local: not sent to the creator.
+    pub timeout: Duration,
+}
+
+/// How long a bind waits for the creator's answer unless
+/// [`BindParams::timeout`] says otherwise: long enough for a creator that
+/// is busy serving other binders, short enough that a silent one is noticed.
+pub const DEFAULT_BIND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Limits on what the peer of a channel may make this end take on: pools
+/// it assigns (each one an fd and a mapping here) and their size. Checked
+/// when the peer's assignment request arrives, before anything of the pool
+/// is mapped; an offer over a limit is vetoed by the library and reported
+/// as [`Event::PoolOfferRefused`](crate::Event::PoolOfferRefused) with
+/// [`Error::LimitExceeded`], and the channel goes on. Local to each end:
+/// never sent to the peer.
+///
+/// The meta size the peer may impose is bounded by
+/// [`BindParams::max_meta_size`] (binder) and [`MAX_META_SIZE`] (both).
+///
+/// ```
+/// use ferry::{ChannelLimits, ChannelSetup};
+/// let setup = ChannelSetup {
+///     limits: ChannelLimits { max_peer_pools: 8, ..ChannelLimits::default() },
+///     ..ChannelSetup::default()
+/// };
+/// assert_eq!(setup.limits.max_peer_bytes, 16 << 30);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelLimits {
+    /// Most pools assigned by the peer at once (accepted or waiting for an
+    /// answer). Default 256: each pool costs an fd (shared memory) or a
+    /// memory file (network), and a process has 1024 fds by default.
+    pub max_peer_pools: usize,
+    /// Most bytes of pool memory assigned by the peer at once, all its
+    /// pools together (a single larger pool is refused too). Default
+    /// 16 GiB: room for many large pools on a 64-bit host, yet far from
+    /// what a hostile peer could otherwise ask us to map (terabytes).
+    pub max_peer_bytes: usize,
+}
+
+impl Default for ChannelLimits {
+    fn default() -> Self {
+        ChannelLimits { max_peer_pools: 256, max_peer_bytes: 16 << 30 }
+    }
+}
+
+impl ChannelLimits {
+    /// Whether one more pool of `geometry` fits beside `pools` pools of
+    /// `bytes` bytes: the limit it would pass otherwise.
+    pub(crate) fn admit(&self, pools: usize, bytes: usize, geometry: Geometry) -> Result<()> {
+        if pools >= self.max_peer_pools {
+            return Err(Error::LimitExceeded { what: "pools assigned by the peer", limit: self.max_peer_pools as u64 });
+        }
+        if bytes.saturating_add(geometry.len()) > self.max_peer_bytes {
+            return Err(Error::LimitExceeded {
+                what: "bytes of pools assigned by the peer",
+                limit: self.max_peer_bytes as u64,
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Default for BindParams {
@@ -169,6 +245,8 @@ impl Default for BindParams {
             trust: None,
             max_meta_size: MAX_META_SIZE,
             constraints: ChannelConstraints::default(),
+            limits: ChannelLimits::default(),
+            timeout: DEFAULT_BIND_TIMEOUT,
         }
     }
 }
@@ -209,6 +287,28 @@ pub(crate) fn negotiate(setup: &ChannelSetup, params: &BindParams) -> Result<Neg
         meta_size: setup.meta_size,
         constraints: setup.constraints.merge(params.constraints),
     })
+}
+
+/// The binder's check of the creator's answer: what it settled must be
+/// what the binder asked for (a creator could answer anything).
+pub(crate) fn check_reply(params: &BindParams, neg: &Negotiated) -> Result<()> {
+    let bad = |what: &str| Err(Error::Protocol(format!("bind reply: {what}")));
+    if params.trust.is_some_and(|t| t != neg.trust) {
+        return bad("a trust level the binder did not ask for");
+    }
+    if neg.meta_size > params.max_meta_size {
+        return bad("a meta size larger than the binder can take");
+    }
+    if params.role != Role::Generic && params.role != neg.binder_role {
+        return bad("a role the binder did not ask for");
+    }
+    if neg.binder_role == neg.creator_role || neg.binder_role == Role::Generic || neg.creator_role == Role::Generic {
+        return bad("roles that do not pair");
+    }
+    if neg.constraints.merge(params.constraints) != neg.constraints {
+        return bad("pool constraints looser than the binder's");
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -392,6 +392,13 @@ pub(crate) fn send_parts(fd: BorrowedFd<'_>, parts: &[SendPart<'_>]) -> io::Resu
     Ok(rustix::net::sendmsg(fd, &slices, &mut control, SendFlags::DONTWAIT | SendFlags::NOSIGNAL)?)
 }
 
+/// What kind of file `fd` is, as `/proc/self/fd` shows it: a path for a
+/// file, `anon_inode:[eventfd]` for an eventfd, `pipe:[…]`, `socket:[…]`.
+pub(crate) fn fd_kind(fd: BorrowedFd<'_>) -> io::Result<std::path::PathBuf> {
+    use std::os::fd::AsRawFd;
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}
+
 /// Borrow an fd (re-exported helper so callers need not import `AsFd`).
 pub(crate) fn borrow(fd: &OwnedFd) -> BorrowedFd<'_> {
     fd.as_fd()

@@ -344,9 +344,8 @@ impl Link for LocalLink {
         self.write_back.forget(id);
     }
 
-    fn decline_pool(&mut self, id: PoolId) -> Result<()> {
+    fn discard_pool(&mut self, id: PoolId) {
         self.take_import(id);
-        Ok(())
     }
 
     fn close(&mut self, last: Vec<Message>) {

@@ -72,6 +72,11 @@ pub(crate) trait Link: Send {
     /// The memory of a pool the peer exported (called when this domain
     /// does not have the pool yet).
     fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>>;
+    /// The library vetoed the peer's offer of pool `id` by itself: forget
+    /// whatever of the pool was sent ahead of the offer (without waiting).
+    fn discard_pool(&mut self, id: PoolId) {
+        let _ = id;
+    }
     /// The peer offered a pool this domain already has: its memory, for a
     /// backend that writes payloads into it.
     fn use_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
@@ -83,12 +88,6 @@ pub(crate) trait Link: Send {
     /// still queued that need it.
     fn forget_pool(&mut self, id: PoolId) {
         let _ = id;
-    }
-    /// The library vetoed the peer's offer of pool `id` by itself, without
-    /// importing or using it: drop whatever the peer sent ahead for it.
-    fn decline_pool(&mut self, id: PoolId) -> Result<()> {
-        let _ = id;
-        Ok(())
     }
     /// No more messages from us; wake the peer so it notices. `last` are
     /// messages that did not fit in the queue (replies, releases of copies

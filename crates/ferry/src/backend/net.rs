@@ -59,7 +59,7 @@ use crate::error::{Error, Result};
 use crate::pool::BufferId;
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory};
 use crate::proto::{self, Message, Meta};
-use crate::setup::{negotiate, BindParams, ChannelSetup};
+use crate::setup::{check_reply, negotiate, BindParams, ChannelSetup};
 use crate::sys::{self, Access, Mapping, RecvPart, SendPart};
 
 /// Size of a frame header.
@@ -78,8 +78,12 @@ const BATCH_FRAMES: usize = 64;
 const BATCH_BYTES: usize = 1 << 20;
 /// Most frames in one `sendmsg` (two parts each).
 const FRAMES_PER_SEND: usize = 128;
-/// How long setup steps that the peer must answer at once may take.
+/// How long a connection to a creator may take to send its bind request
+/// (it is dropped then).
 const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections a creator keeps reading a bind request from at once;
+/// one more sheds the oldest, so stalled connectors cost a binder nothing.
+const MAX_HALF_OPEN: usize = 16;
 /// How long a closing end tries to get its last frames out.
 const CLOSE_FLUSH: Duration = Duration::from_secs(2);
 
@@ -132,12 +136,20 @@ impl NetEndpoint {
             _ => Error::from(e),
         })?;
         listener.set_nonblocking(true)?;
-        Ok(Box::new(CreatorPending { listener: Some(listener), setup: *setup, options: self.options, conn: None }))
+        Ok(Box::new(CreatorPending {
+            listener: Some(listener),
+            setup: *setup,
+            options: self.options,
+            half_open: VecDeque::new(),
+        }))
     }
 
     pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
-        let stream = TcpStream::connect_timeout(&self.addr, SETUP_TIMEOUT).map_err(|e| match e.kind() {
+        let deadline = Instant::now() + params.timeout;
+        let timeout = params.timeout.max(Duration::from_millis(1));
+        let stream = TcpStream::connect_timeout(&self.addr, timeout).map_err(|e| match e.kind() {
             io::ErrorKind::ConnectionRefused => Error::EndpointNotListening,
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::TimedOut,
             _ => Error::from(e),
         })?;
         // Connecting to a free port of our own host can connect the socket
@@ -147,10 +159,15 @@ impl NetEndpoint {
             return Err(Error::EndpointNotListening);
         }
         stream.set_nodelay(true)?;
-        stream.set_write_timeout(Some(SETUP_TIMEOUT))?;
+        // A bind request fits in any socket buffer: this write does not wait.
+        stream.set_write_timeout(Some(timeout))?;
         (&stream).write_all(&framed(&setup_msg::encode_bind(params)))?;
         stream.set_nonblocking(true)?;
-        Ok(Box::new(BinderPending { conn: Some(SetupConn::new(stream)), options: self.options }))
+        Ok(Box::new(BinderPending {
+            conn: Some(SetupConn::new(stream, deadline)),
+            options: self.options,
+            params: *params,
+        }))
     }
 }
 
@@ -165,7 +182,7 @@ fn framed(msg: &[u8]) -> Vec<u8> {
 
 /// A connection during setup, reading one length-prefixed setup message
 /// without ever reading past it (frames may follow at once).
-struct SetupConn {
+pub(crate) struct SetupConn {
     stream: TcpStream,
     buf: [u8; 2 + setup_msg::MAX_LEN],
     have: usize,
@@ -173,13 +190,13 @@ struct SetupConn {
 }
 
 impl SetupConn {
-    fn new(stream: TcpStream) -> Self {
-        SetupConn { stream, buf: [0; 2 + setup_msg::MAX_LEN], have: 0, deadline: Instant::now() + SETUP_TIMEOUT }
+    pub(crate) fn new(stream: TcpStream, deadline: Instant) -> Self {
+        SetupConn { stream, buf: [0; 2 + setup_msg::MAX_LEN], have: 0, deadline }
     }
 
     /// The message once it is complete; `PeerGone` at end of stream,
     /// `TimedOut` past the deadline.
-    fn poll(&mut self) -> Result<Option<&[u8]>> {
+    pub(crate) fn poll(&mut self) -> Result<Option<&[u8]>> {
         loop {
             let need = if self.have < 2 {
                 2
@@ -197,7 +214,7 @@ impl SetupConn {
                 Ok(0) => return Err(Error::PeerGone),
                 Ok(n) => self.have += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    return if Instant::now() > self.deadline { Err(Error::TimedOut) } else { Ok(None) };
+                    return if Instant::now() >= self.deadline { Err(Error::TimedOut) } else { Ok(None) };
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e.into()),
@@ -211,12 +228,15 @@ struct CreatorPending {
     listener: Option<TcpListener>,
     setup: ChannelSetup,
     options: NetOptions,
-    /// A binder that connected and whose request is not complete yet.
-    conn: Option<SetupConn>,
+    /// Connections whose bind request is not complete yet, oldest first (at
+    /// most [`MAX_HALF_OPEN`]), each read without waiting: whichever
+    /// request completes first is served.
+    half_open: VecDeque<SetupConn>,
 }
 
 impl CreatorPending {
-    /// Answer a complete bind request: `Ok(None)` if refused.
+    /// Answer a complete bind request: `Ok(None)` if refused or if the
+    /// binder went away.
     fn answer(&mut self, conn: SetupConn) -> Result<Option<SetupDone>> {
         let params = setup_msg::parse_bind(&conn.buf[2..conn.have])?;
         let stream = conn.stream;
@@ -228,55 +248,72 @@ impl CreatorPending {
             }
         };
         let depth = self.setup.queue_depth;
-        stream.set_nonblocking(false)?;
-        stream.set_write_timeout(Some(SETUP_TIMEOUT))?;
-        (&stream).write_all(&framed(&setup_msg::encode_accept(&neg, depth)))?;
+        // A fresh socket's buffer takes the reply at once (the stream is
+        // non-blocking: a binder that reads nothing cannot hold us here).
+        if (&stream).write_all(&framed(&setup_msg::encode_accept(&neg, depth))).is_err() {
+            return Ok(None);
+        }
         let link = NetLink::new(stream, neg.meta_size, depth, self.options)?;
         Ok(Some((Box::new(link), neg, true)))
+    }
+
+    /// Take the connections waiting on the listener (a bounded number per
+    /// poll); shed the oldest beyond [`MAX_HALF_OPEN`].
+    fn accept_all(&mut self) {
+        let Some(listener) = &self.listener else { return };
+        // Bounded, so a flood of connections cannot keep us here.
+        for _ in 0..4 * MAX_HALF_OPEN {
+            let Ok((stream, _)) = listener.accept() else { break };
+            if stream.set_nonblocking(true).is_err() || stream.set_nodelay(true).is_err() {
+                continue;
+            }
+            if self.half_open.len() == MAX_HALF_OPEN {
+                self.half_open.pop_front();
+            }
+            self.half_open.push_back(SetupConn::new(stream, Instant::now() + SETUP_TIMEOUT));
+        }
     }
 }
 
 impl PendingSetup for CreatorPending {
     fn poll(&mut self) -> Option<Result<SetupDone>> {
-        if self.conn.is_none() {
-            match self.listener.as_ref()?.accept() {
-                Ok((stream, _)) => {
-                    if stream.set_nonblocking(true).is_err() || stream.set_nodelay(true).is_err() {
-                        return None;
+        self.listener.as_ref()?;
+        self.accept_all();
+        let mut i = 0;
+        while i < self.half_open.len() {
+            match self.half_open[i].poll() {
+                Ok(None) => i += 1,
+                Ok(Some(_)) => {
+                    let conn = self.half_open.remove(i).expect("in range");
+                    match self.answer(conn) {
+                        Ok(Some(done)) => {
+                            self.listener = None;
+                            self.half_open.clear();
+                            return Some(Ok(done));
+                        }
+                        // Refused, gone, or a connector that does not speak
+                        // the protocol: drop it and keep listening.
+                        Ok(None) | Err(Error::Protocol(_)) => {}
+                        Err(e) => return Some(Err(e)),
                     }
-                    self.conn = Some(SetupConn::new(stream));
                 }
-                Err(_) => return None,
+                // The connector went away, stalled or spoke nonsense.
+                Err(_) => {
+                    self.half_open.remove(i);
+                }
             }
         }
-        let mut conn = self.conn.take()?;
-        match conn.poll() {
-            Ok(None) => {
-                self.conn = Some(conn);
-                None
-            }
-            Ok(Some(_)) => match self.answer(conn) {
-                Ok(Some(done)) => {
-                    self.listener = None;
-                    Some(Ok(done))
-                }
-                // Refused, or a connector that does not speak the protocol:
-                // drop it and keep listening for a proper binder.
-                Ok(None) | Err(Error::Protocol(_)) => None,
-                Err(e) => Some(Err(e)),
-            },
-            // The connector went away, stalled or spoke nonsense.
-            Err(_) => None,
-        }
+        None
     }
 
     fn wait(&mut self, timeout: Duration) {
-        let fd = match (&self.conn, &self.listener) {
-            (Some(c), _) => c.stream.as_fd(),
-            (None, Some(l)) => l.as_fd(),
-            (None, None) => return,
-        };
-        let _ = poll_fd(fd, PollFlags::IN, timeout);
+        let Some(listener) = &self.listener else { return };
+        let mut pfds = vec![PollFd::new(listener, PollFlags::IN)];
+        pfds.extend(self.half_open.iter().map(|c| PollFd::new(&c.stream, PollFlags::IN)));
+        // Wake for the first deadline too, to drop that connection.
+        let first = self.half_open.iter().map(|c| c.deadline).min();
+        let timeout = first.map_or(timeout, |d| timeout.min(d.saturating_duration_since(Instant::now())));
+        let _ = rustix::event::poll(&mut pfds, Some(&timespec(timeout)));
     }
 
     fn listen_addr(&self) -> Option<SocketAddr> {
@@ -287,6 +324,7 @@ impl PendingSetup for CreatorPending {
 struct BinderPending {
     conn: Option<SetupConn>,
     options: NetOptions,
+    params: BindParams,
 }
 
 impl PendingSetup for BinderPending {
@@ -294,7 +332,8 @@ impl PendingSetup for BinderPending {
         let conn = self.conn.as_mut()?;
         let reply = match conn.poll() {
             Ok(None) => return None,
-            Ok(Some(reply)) => setup_msg::parse_reply(reply),
+            Ok(Some(reply)) => setup_msg::parse_reply(reply)
+                .and_then(|(neg, depth)| check_reply(&self.params, &neg).map(|()| (neg, depth))),
             Err(e) => Err(e),
         };
         let conn = self.conn.take().expect("present");
@@ -306,16 +345,19 @@ impl PendingSetup for BinderPending {
 
     fn wait(&mut self, timeout: Duration) {
         if let Some(c) = &self.conn {
-            let _ = poll_fd(c.stream.as_fd(), PollFlags::IN, timeout);
+            let left = c.deadline.saturating_duration_since(Instant::now());
+            let _ = poll_fd(c.stream.as_fd(), PollFlags::IN, timeout.min(left));
         }
     }
 }
 
+fn timespec(t: Duration) -> Timespec {
+    Timespec { tv_sec: t.as_secs().min(i64::MAX as u64) as i64, tv_nsec: i64::from(t.subsec_nanos()) }
+}
+
 fn poll_fd(fd: std::os::fd::BorrowedFd<'_>, events: PollFlags, timeout: Duration) -> io::Result<PollFlags> {
     let mut pfd = [PollFd::from_borrowed_fd(fd, events)];
-    let ts =
-        Timespec { tv_sec: timeout.as_secs().min(i64::MAX as u64) as i64, tv_nsec: i64::from(timeout.subsec_nanos()) };
-    match rustix::event::poll(&mut pfd, Some(&ts)) {
+    match rustix::event::poll(&mut pfd, Some(&timespec(timeout))) {
         Ok(_) | Err(rustix::io::Errno::INTR) => Ok(pfd[0].revents()),
         Err(e) => Err(e.into()),
     }

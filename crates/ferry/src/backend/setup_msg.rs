@@ -29,12 +29,17 @@ pub(crate) const KIND_LEDGER: u8 = 5;
 /// Longest setup message (a bind reply).
 pub(crate) const MAX_LEN: usize = 64;
 
-/// Why a creator refused a bind: the strings of `negotiate`, by code.
-const REASONS: [&str; 3] = [
+/// Why a creator refused a bind: the strings of `negotiate`, and
+/// [`REFUSE_DOORBELL`], by code.
+const REASONS: [&str; 4] = [
     "the binder requires another trust level",
     "the binder cannot take the channel's meta size",
     "both ends want the same role",
+    REFUSE_DOORBELL,
 ];
+
+/// The creator's refusal of a bind request whose doorbell is not an eventfd.
+pub(crate) const REFUSE_DOORBELL: &str = "the binder's doorbell is not an eventfd";
 
 /// A setup message being written.
 pub(crate) struct Wire(pub(crate) Vec<u8>);
@@ -176,7 +181,7 @@ pub(crate) fn parse_bind(buf: &[u8]) -> Result<BindParams> {
     };
     let max_meta_size = usize::from(r.u16()?);
     let constraints = r.constraints()?;
-    Ok(BindParams { role, trust, max_meta_size, constraints })
+    Ok(BindParams { role, trust, max_meta_size, constraints, ..BindParams::default() })
 }
 
 /// The creator's acceptance, with the queue depth of both directions.
@@ -220,6 +225,9 @@ pub(crate) fn parse_reply(buf: &[u8]) -> Result<(Negotiated, u32)> {
     let constraints = r.constraints()?;
     if meta_size > proto::MAX_META_SIZE {
         return Err(bad("meta size too large"));
+    }
+    if !depth.is_power_of_two() || !(2..=65536).contains(&depth) {
+        return Err(bad("queue depth out of range"));
     }
     Ok((Negotiated { binder_direction, binder_role, creator_role, trust, meta_size, constraints }, depth))
 }
@@ -270,6 +278,7 @@ mod tests {
             trust: Some(TrustLevel::Half),
             max_meta_size: 64,
             constraints: ChannelConstraints { alignment: 4096, min_buffer_size: 4096, max_buffer_size: 1 << 20 },
+            ..BindParams::default()
         };
         assert_eq!(parse_bind(&encode_bind(&params)).unwrap(), params);
         let neg = Negotiated {
@@ -303,5 +312,39 @@ mod tests {
             )
             .is_err());
         }
+    }
+    #[test]
+    fn a_reply_must_settle_what_the_binder_asked_for() {
+        use crate::setup::{negotiate, ChannelSetup};
+        let params = BindParams {
+            role: Role::Slave,
+            trust: Some(TrustLevel::Half),
+            max_meta_size: 32,
+            constraints: ChannelConstraints { alignment: 8192, min_buffer_size: 0, max_buffer_size: 0 },
+            ..BindParams::default()
+        };
+        let s = ChannelSetup { trust: TrustLevel::Half, meta_size: 32, ..ChannelSetup::default() };
+        let good = negotiate(&s, &params).unwrap();
+        crate::setup::check_reply(&params, &good).unwrap();
+        let lies = [
+            Negotiated { trust: TrustLevel::Full, ..good },
+            Negotiated { meta_size: 64, ..good },
+            Negotiated { binder_role: Role::Master, creator_role: Role::Slave, ..good },
+            Negotiated { creator_role: Role::Slave, ..good },
+            Negotiated { constraints: ChannelConstraints::default(), ..good },
+        ];
+        for lie in lies {
+            assert!(matches!(crate::setup::check_reply(&params, &lie), Err(Error::Protocol(_))), "{lie:?}");
+        }
+    }
+
+    #[test]
+    fn limits_count_pools_and_bytes() {
+        let l = crate::setup::ChannelLimits { max_peer_pools: 2, max_peer_bytes: 1 << 20 };
+        let g = Geometry::new(4096, 16).unwrap();
+        l.admit(1, 0, g).unwrap();
+        assert!(matches!(l.admit(2, 0, g), Err(Error::LimitExceeded { limit: 2, .. })));
+        assert!(matches!(l.admit(0, (1 << 20) - 4096, g), Err(Error::LimitExceeded { limit: 1_048_576, .. })));
+        assert!(matches!(l.admit(0, usize::MAX, g), Err(Error::LimitExceeded { .. })), "no overflow");
     }
 }

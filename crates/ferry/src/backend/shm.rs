@@ -19,7 +19,7 @@
 //! request carries the binder's doorbell; the acceptance carries the segment
 //! and the creator's doorbell; a pool announcement carries the pool's memfd.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,7 +34,7 @@ use crate::pool::BufferId;
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
 use crate::ring::{self, Consumer, Producer, RingError, RingLayout, RingMemory};
-use crate::setup::{negotiate, BindParams, ChannelSetup, Negotiated};
+use crate::setup::{check_reply, negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::sys::{self, Mapping};
 
 /// How long a waiting end spins before it sleeps (a cross-core wake-up
@@ -45,8 +45,14 @@ const LIVENESS_EVERY: Duration = Duration::from_millis(2);
 /// Empty polls between two looks at the clock for that check (reading the
 /// clock on every empty poll cost 10% of a busy echo's time).
 const CLOCK_EVERY: u32 = 64;
-/// How long setup steps that the peer must answer at once may take.
+/// How long setup steps that the peer must answer at once may take (a
+/// connection to a creator that sends no bind request in this time is
+/// dropped).
 const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections a creator keeps waiting for their bind request at
+/// once; one more sheds the oldest, so silent connectors cannot lock a
+/// binder out.
+const MAX_HALF_OPEN: usize = 8;
 
 /// An endpoint for channels between processes: a Unix socket name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,17 +76,23 @@ impl ShmEndpoint {
             std::io::ErrorKind::AddrInUse => Error::EndpointInUse,
             _ => Error::from(e),
         })?;
-        Ok(Box::new(CreatorPending { listener: Some(listener), setup: *setup, conn: None }))
+        Ok(Box::new(CreatorPending { listener: Some(listener), setup: *setup, half_open: VecDeque::new() }))
     }
 
     pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
-        let conn = Conn::connect(&self.name).map_err(|e| match e.kind() {
+        let deadline = Instant::now() + params.timeout;
+        let conn = Conn::connect(&self.name, params.timeout).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => Error::EndpointNotListening,
+            std::io::ErrorKind::TimedOut => Error::TimedOut,
             _ => Error::from(e),
         })?;
         let bell = uds::doorbell()?;
-        conn.send(&setup_msg::encode_bind(params), &[bell.as_fd()])?;
-        Ok(Box::new(BinderPending { conn: Some(conn), bell: Some(bell) }))
+        conn.send(&setup_msg::encode_bind(params), &[bell.as_fd()]).map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock => Error::TimedOut,
+            _ => Error::from(e),
+        })?;
+        conn.clear_send_timeout()?;
+        Ok(Box::new(BinderPending { conn: Some(conn), bell: Some(bell), deadline, params: *params }))
     }
 }
 
@@ -129,19 +141,33 @@ fn ring_err(e: RingError) -> Error {
 
 // -------------------------------------------------------------------- setup
 
+/// A connection to the creator whose bind request has not come yet.
+struct HalfOpen {
+    conn: Conn,
+    /// Dropped if the request has not come by then.
+    deadline: Instant,
+}
+
 struct CreatorPending {
     /// Dropped (and its socket file removed) once a binder is accepted.
     listener: Option<Listener>,
     setup: ChannelSetup,
-    /// A binder that connected and whose request has not arrived yet.
-    conn: Option<Conn>,
+    /// Connections waiting for their bind request, oldest first (at most
+    /// [`MAX_HALF_OPEN`]). Whichever request comes first is served.
+    half_open: VecDeque<HalfOpen>,
 }
 
 impl CreatorPending {
-    /// Handle one bind request: `Ok(None)` if refused (keep listening).
+    /// Handle one bind request: `Ok(None)` if refused or if the connector
+    /// went away (keep listening); `Protocol` if it does not speak the
+    /// protocol (drop it, keep listening).
     fn answer(&mut self, conn: Conn, buf: &[u8], fds: Vec<OwnedFd>) -> Result<Option<SetupDone>> {
         let params = setup_msg::parse_bind(buf)?;
         let peer_bell = fds.into_iter().next().ok_or_else(|| bad("bind request without a doorbell"))?;
+        if uds::check_doorbell(&peer_bell).is_err() {
+            let _ = conn.send(&setup_msg::encode_refuse(setup_msg::REFUSE_DOORBELL), &[]);
+            return Ok(None);
+        }
         let neg = match negotiate(&self.setup, &params) {
             Ok(neg) => neg,
             Err(why) => {
@@ -159,61 +185,92 @@ impl CreatorPending {
         let tx = ring::attach_producer(a, layout).map_err(ring_err)?;
         let rx = ring::attach_consumer(b, layout).map_err(ring_err)?;
         let bell = uds::doorbell()?;
-        conn.send(&setup_msg::encode_accept(&neg, depth), &[fd.as_fd(), bell.as_fd()])?;
-        let link = ShmLink::new(tx, rx, conn, bell, peer_bell, &neg)?;
+        if conn.send(&setup_msg::encode_accept(&neg, depth), &[fd.as_fd(), bell.as_fd()]).is_err() {
+            // The binder went away after asking.
+            return Ok(None);
+        }
+        let link = ShmLink::new(tx, rx, conn, bell, peer_bell, &neg, self.setup.limits)?;
         Ok(Some((Box::new(link), neg, true)))
+    }
+
+    /// Take the connections waiting on the listener (a bounded number per
+    /// poll); shed the oldest beyond [`MAX_HALF_OPEN`] and those past their
+    /// deadline.
+    fn accept_all(&mut self) {
+        let Some(listener) = &self.listener else { return };
+        // Bounded, so a flood of connections cannot keep us here.
+        for _ in 0..4 * MAX_HALF_OPEN {
+            let Ok(Some(conn)) = listener.accept() else { break };
+            if self.half_open.len() == MAX_HALF_OPEN {
+                self.half_open.pop_front();
+            }
+            self.half_open.push_back(HalfOpen { conn, deadline: Instant::now() + SETUP_TIMEOUT });
+        }
+        let now = Instant::now();
+        self.half_open.retain(|h| h.deadline > now);
     }
 }
 
 impl PendingSetup for CreatorPending {
     fn poll(&mut self) -> Option<Result<SetupDone>> {
-        if self.conn.is_none() {
-            self.conn = self.listener.as_ref()?.accept().ok().flatten();
-        }
-        let conn = self.conn.take()?;
-        let mut buf = [0u8; 128];
-        match conn.recv(&mut buf, Some(Duration::ZERO)) {
-            Ok(None) => {
-                self.conn = Some(conn);
-                None
-            }
-            Ok(Some((n, fds))) if n > 0 => match self.answer(conn, &buf[..n], fds) {
-                Ok(Some(done)) => {
-                    self.listener = None;
-                    Some(Ok(done))
+        self.listener.as_ref()?;
+        self.accept_all();
+        let mut i = 0;
+        while i < self.half_open.len() {
+            let mut buf = [0u8; 128];
+            match self.half_open[i].conn.recv(&mut buf, Some(Duration::ZERO)) {
+                Ok(None) => i += 1,
+                Ok(Some((n, fds))) if n > 0 => {
+                    let h = self.half_open.remove(i).expect("in range");
+                    match self.answer(h.conn, &buf[..n], fds) {
+                        Ok(Some(done)) => {
+                            self.listener = None;
+                            self.half_open.clear();
+                            return Some(Ok(done));
+                        }
+                        // Refused, gone, or a connector that does not speak
+                        // the protocol: drop it and keep listening.
+                        Ok(None) | Err(Error::Protocol(_)) => {}
+                        Err(e) => return Some(Err(e)),
+                    }
                 }
-                // Refused, or a connector that does not speak the protocol:
-                // drop it and keep listening for a proper binder.
-                Ok(None) | Err(Error::Protocol(_)) => None,
-                Err(e) => Some(Err(e)),
-            },
-            // The connector went away before asking.
-            Ok(Some(_)) | Err(_) => None,
+                // The connector went away before asking, or sent too much.
+                Ok(Some(_)) | Err(_) => {
+                    self.half_open.remove(i);
+                }
+            }
         }
+        None
     }
 
     fn wait(&mut self, timeout: Duration) {
-        let fd = match (&self.conn, &self.listener) {
-            (Some(c), _) => c.as_fd(),
-            (None, Some(l)) => l.as_fd(),
-            (None, None) => return,
-        };
-        let _ = uds::wait_readable(&[fd], Some(timeout));
+        let Some(listener) = &self.listener else { return };
+        let mut fds = vec![listener.as_fd()];
+        fds.extend(self.half_open.iter().map(|h| h.conn.as_fd()));
+        // Wake for the first deadline too, to shed that connection.
+        let first = self.half_open.iter().map(|h| h.deadline).min();
+        let timeout = first.map_or(timeout, |d| timeout.min(d.saturating_duration_since(Instant::now())));
+        let _ = uds::wait_readable(&fds, Some(timeout));
     }
 }
 
 struct BinderPending {
     conn: Option<Conn>,
     bell: Option<OwnedFd>,
+    /// The creator must have answered by then ([`BindParams::timeout`]).
+    deadline: Instant,
+    params: BindParams,
 }
 
 impl BinderPending {
     fn finish(&mut self, buf: &[u8], fds: Vec<OwnedFd>) -> Result<SetupDone> {
         let (neg, depth) = setup_msg::parse_reply(buf)?;
+        check_reply(&self.params, &neg)?;
         let mut fds = fds.into_iter();
         let (Some(seg), Some(peer_bell)) = (fds.next(), fds.next()) else {
             return Err(bad("bind reply without segment and doorbell"));
         };
+        uds::check_doorbell(&peer_bell).map_err(|why| bad(&why))?;
         let (layout, half) = segment_geometry(neg.meta_size, depth)?;
         sys::check_sealed_size(&seg, 2 * half).map_err(|why| bad(&format!("segment: {why}")))?;
         let (a, b) = parts(sys::map_segment(&seg, 2 * half)?, half, layout);
@@ -221,7 +278,7 @@ impl BinderPending {
         let tx = ring::attach_producer(b, layout).map_err(ring_err)?;
         let conn = self.conn.take().expect("polled once");
         let bell = self.bell.take().expect("polled once");
-        let link = ShmLink::new(tx, rx, conn, bell, peer_bell, &neg)?;
+        let link = ShmLink::new(tx, rx, conn, bell, peer_bell, &neg, self.params.limits)?;
         Ok((Box::new(link), neg, false))
     }
 }
@@ -230,17 +287,21 @@ impl PendingSetup for BinderPending {
     fn poll(&mut self) -> Option<Result<SetupDone>> {
         let mut buf = [0u8; 128];
         let got = self.conn.as_ref()?.recv(&mut buf, Some(Duration::ZERO));
-        match got {
-            Ok(None) => None,
-            Ok(Some((0, _))) => Some(Err(Error::PeerGone)),
-            Ok(Some((n, fds))) => Some(self.finish(&buf[..n], fds)),
-            Err(e) => Some(Err(e.into())),
-        }
+        let done = match got {
+            Ok(None) if Instant::now() < self.deadline => return None,
+            Ok(None) => Err(Error::TimedOut),
+            Ok(Some((0, _))) => Err(Error::PeerGone),
+            Ok(Some((n, fds))) => self.finish(&buf[..n], fds),
+            Err(e) => Err(e.into()),
+        };
+        self.conn = None;
+        Some(done)
     }
 
     fn wait(&mut self, timeout: Duration) {
         if let Some(c) = &self.conn {
-            let _ = uds::wait_readable(&[c.as_fd()], Some(timeout));
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            let _ = uds::wait_readable(&[c.as_fd()], Some(timeout.min(left)));
         }
     }
 }
@@ -277,6 +338,12 @@ pub(crate) struct ShmLink {
     peer_hung_up: bool,
     /// Sends are published in batches (see `Link::set_batching`).
     batching: bool,
+    /// What the peer may make us take on: pool files beyond these are not
+    /// taken from the socket's message (their fds are closed at once).
+    limits: crate::setup::ChannelLimits,
+    /// Pools whose offer the library vetoed before their file was read:
+    /// that file is dropped when it comes (at most `max_peer_pools` ids).
+    discarded: VecDeque<PoolId>,
 }
 
 impl ShmLink {
@@ -287,6 +354,7 @@ impl ShmLink {
         bell: OwnedFd,
         peer_bell: OwnedFd,
         neg: &Negotiated,
+        limits: crate::setup::ChannelLimits,
     ) -> Result<Self> {
         let peer_pidfd = conn
             .peer_pid()
@@ -309,6 +377,8 @@ impl ShmLink {
             empty_polls: 0,
             peer_hung_up: false,
             batching: false,
+            limits,
+            discarded: VecDeque::new(),
         })
     }
 
@@ -338,6 +408,9 @@ impl ShmLink {
                 }
                 Some((n, fds)) => {
                     let (file, id, geometry) = setup_msg::parse_pool(&buf[..n])?;
+                    if !self.take_pool_file(id, geometry, want)? {
+                        continue;
+                    }
                     let mut fds = fds.into_iter();
                     let fd = fds.next().ok_or_else(|| bad("pool message without its memfd"))?;
                     match file {
@@ -351,6 +424,34 @@ impl ShmLink {
                     }
                 }
             }
+        }
+    }
+
+    /// Whether to keep the file of pool `id` that just came (its fds are
+    /// closed otherwise): not one whose offer was vetoed already, and none
+    /// beyond the channel's limits — neither larger than all the peer's
+    /// pools may be, nor more files held than the peer may have pools.
+    /// Such an offer is vetoed when it comes; an error if it is `want`.
+    fn take_pool_file(&mut self, id: PoolId, geometry: Geometry, want: Option<(PoolFile, PoolId)>) -> Result<bool> {
+        if let Some(pos) = self.discarded.iter().position(|d| *d == id) {
+            self.discarded.remove(pos);
+            return Ok(false);
+        }
+        let limits = self.limits;
+        let over = if geometry.len() > limits.max_peer_bytes {
+            Some(Error::LimitExceeded {
+                what: "bytes of pools assigned by the peer",
+                limit: limits.max_peer_bytes as u64,
+            })
+        } else if self.pools.len() + self.ledgers.len() >= limits.max_peer_pools {
+            Some(Error::LimitExceeded { what: "pools assigned by the peer", limit: limits.max_peer_pools as u64 })
+        } else {
+            None
+        };
+        match over {
+            Some(e) if want.is_some_and(|(_, w)| w == id) => Err(e),
+            Some(_) => Ok(false),
+            None => Ok(true),
         }
     }
 
@@ -569,6 +670,17 @@ impl Link for ShmLink {
         self.send_pool(PoolFile::Memory, memory, &[memory.fd().as_fd(), ledger])
     }
 
+    fn discard_pool(&mut self, id: PoolId) {
+        // The file was sent ahead of the offer: held already, or still in
+        // the socket (then dropped when read).
+        if self.pools.remove(&id).is_none() && self.ledgers.remove(&id).is_none() {
+            if self.discarded.len() >= self.limits.max_peer_pools {
+                self.discarded.pop_front();
+            }
+            self.discarded.push_back(id);
+        }
+    }
+
     fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
         if !self.untrusted {
             let memory = self.peer_memory(id, geometry)?;
@@ -601,17 +713,6 @@ impl Link for ShmLink {
         self.copy_pools.remove(&id);
         // Trust FULL, HALF: our mapping of the peer's other memory of it.
         self.write_back.forget(id);
-    }
-
-    fn decline_pool(&mut self, id: PoolId) -> Result<()> {
-        // Take the files sent ahead of the offer, and close them.
-        if self.untrusted {
-            self.peer_ledger(id).map(drop)
-        } else {
-            self.read_socket(Some((PoolFile::Memory, id)))?;
-            self.pools.remove(&id);
-            Ok(())
-        }
     }
 
     fn close(&mut self, last: Vec<Message>) {

@@ -56,7 +56,12 @@ impl Listener {
         match rustix::net::bind(&fd, &addr) {
             Ok(()) => {}
             Err(Errno::ADDRINUSE) => match name {
-                UnixName::Path(p) if Conn::connect(name).is_err() => {
+                // Nobody listens on a stale file; a live listener whose
+                // queue is full is still live.
+                UnixName::Path(p)
+                    if Conn::connect(name, Duration::from_secs(1))
+                        .is_err_and(|e| e.kind() == io::ErrorKind::ConnectionRefused) =>
+                {
                     std::fs::remove_file(p)?;
                     rustix::net::bind(&fd, &addr)?;
                 }
@@ -64,7 +69,7 @@ impl Listener {
             },
             Err(e) => return Err(e.into()),
         }
-        rustix::net::listen(&fd, 4)?;
+        rustix::net::listen(&fd, 16)?;
         set_nonblocking(&fd)?;
         let path = match name {
             UnixName::Path(p) => Some(p.clone()),
@@ -110,10 +115,25 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    pub(crate) fn connect(name: &UnixName) -> io::Result<Conn> {
+    /// Connect to `name`, waiting at most `timeout` for the listener's
+    /// queue to take us (`TimedOut` past it).
+    pub(crate) fn connect(name: &UnixName, timeout: Duration) -> io::Result<Conn> {
+        use rustix::net::sockopt::{set_socket_timeout, Timeout};
         let fd = seqpacket()?;
-        rustix::net::connect(&fd, &name.addr()?)?;
-        Ok(Conn { fd })
+        // A connect to a listener whose queue is full waits up to the send
+        // timeout (and so does a send to a peer that reads nothing).
+        set_socket_timeout(&fd, Timeout::Send, Some(timeout.max(Duration::from_millis(1))))?;
+        match rustix::net::connect(&fd, &name.addr()?) {
+            Ok(()) => Ok(Conn { fd }),
+            Err(Errno::AGAIN) => Err(io::ErrorKind::TimedOut.into()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Sends block without bound again (the setup is over).
+    pub(crate) fn clear_send_timeout(&self) -> io::Result<()> {
+        use rustix::net::sockopt::{set_socket_timeout, Timeout};
+        Ok(set_socket_timeout(&self.fd, Timeout::Send, None)?)
     }
 
     /// Send one message with up to [`MAX_FDS`] fds.
@@ -203,7 +223,20 @@ pub(crate) fn doorbell() -> io::Result<OwnedFd> {
     Ok(rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?)
 }
 
-/// Ring a doorbell.
+/// Accept a doorbell from the peer only if it is an eventfd, and make it
+/// non-blocking (the peer's flags are its own business; ours must never
+/// block): a pipe the peer keeps full, a socket or a regular file would let
+/// the peer stall or fool every ring. An eventfd whose counter the peer
+/// keeps near its maximum makes our write fail with `EAGAIN`, never wait.
+pub(crate) fn check_doorbell(fd: &OwnedFd) -> Result<(), String> {
+    let kind = crate::sys::fd_kind(fd.as_fd()).map_err(|e| format!("doorbell: cannot tell its kind ({e})"))?;
+    if kind.as_os_str() != "anon_inode:[eventfd]" {
+        return Err(format!("doorbell is not an eventfd but {}", kind.display()));
+    }
+    set_nonblocking(fd).map_err(|e| format!("doorbell: {e}"))
+}
+
+/// Ring a doorbell (an eventfd, non-blocking: [`check_doorbell`]).
 pub(crate) fn ring(fd: &OwnedFd) {
     // EAGAIN only if the counter would overflow: it is rung already.
     let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
@@ -224,7 +257,7 @@ mod tests {
         let name = UnixName::Abstract(format!("ferry-uds-test-{}", std::process::id()).into_bytes());
         let l = Listener::bind(&name).unwrap();
         assert_eq!(Listener::bind(&name).unwrap_err().kind(), io::ErrorKind::AddrInUse);
-        let c = Conn::connect(&name).unwrap();
+        let c = Conn::connect(&name, Duration::from_secs(5)).unwrap();
         let s = loop {
             if let Some(s) = l.accept().unwrap() {
                 break s;
@@ -244,6 +277,23 @@ mod tests {
         assert!(s.hung_up());
         let (n, _) = s.recv(&mut buf, Some(Duration::from_secs(5))).unwrap().unwrap();
         assert_eq!(n, 0, "EOF after the peer closed");
+    }
+
+    #[test]
+    fn doorbells_must_be_eventfds_and_are_rung_without_waiting() {
+        let (_r, w) = rustix::pipe::pipe().unwrap();
+        assert!(check_doorbell(&w).unwrap_err().contains("pipe"));
+        // A blocking eventfd one short of its maximum: a blocking write of
+        // 1 would wait for a reader that never comes.
+        let bell = rustix::event::eventfd(0, EventfdFlags::CLOEXEC).unwrap();
+        rustix::io::write(&bell, &(u64::MAX - 1).to_ne_bytes()).unwrap();
+        check_doorbell(&bell).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            ring(&bell);
+            let _ = tx.send(());
+        });
+        rx.recv_timeout(Duration::from_secs(10)).expect("the ring returned at once");
     }
 
     #[test]

@@ -330,6 +330,8 @@ impl Server {
             Event::BindRequest { .. } => Ev::BindRequest,
             Event::Bound => Ev::Bound,
             Event::Error(e) => Ev::Error { peer_gone: e == Error::PeerGone, text: format!("{e:?}") },
+            // The model's pools stay far below the channel's limits.
+            Event::PoolOfferRefused { reason, .. } => Ev::Error { peer_gone: false, text: format!("{reason:?}") },
         }
     }
 
