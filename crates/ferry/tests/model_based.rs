@@ -62,16 +62,17 @@ trait Backend {
         to.poll()
     }
     /// The name of the backend of channel `chan`, for traces.
-    fn name(&self, chan: ChanId) -> &'static str {
-        let _ = chan;
-        std::any::type_name::<Self>().rsplit("::").next().unwrap_or("?")
-    }
+    fn name(&self, chan: ChanId) -> &'static str;
 }
 
 /// The local backend: both domains in this process.
 struct Local;
 
 impl Backend for Local {
+    fn name(&self, _: ChanId) -> &'static str {
+        "local"
+    }
+
     const TRUSTS: &'static [Trust] = &[Trust::Full, Trust::Full, Trust::Full, Trust::Half];
 
     fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
@@ -91,6 +92,10 @@ impl Backend for Local {
 struct Shm;
 
 impl Backend for Shm {
+    fn name(&self, _: ChanId) -> &'static str {
+        "shm"
+    }
+
     const TRUSTS: &'static [Trust] = &[Trust::Full, Trust::Full, Trust::Half, Trust::None];
 
     fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
@@ -114,6 +119,14 @@ impl Backend for Shm {
 struct Batched<B>(B);
 
 impl<B: Backend> Backend for Batched<B> {
+    fn name(&self, chan: ChanId) -> &'static str {
+        match self.0.name(chan) {
+            "local" => "batched local",
+            "shm" => "batched shm",
+            _ => "batched",
+        }
+    }
+
     const TRUSTS: &'static [Trust] = B::TRUSTS;
 
     fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
@@ -135,6 +148,10 @@ impl<B: Backend> Backend for Batched<B> {
 struct Net;
 
 impl Backend for Net {
+    fn name(&self, _: ChanId) -> &'static str {
+        "tcp"
+    }
+
     const TRUSTS: &'static [Trust] = &[Trust::Full, Trust::Full, Trust::Half, Trust::None];
 
     fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
@@ -241,6 +258,8 @@ struct Harness<B: Backend> {
     owned: HashMap<(DomainId, BufId), Buffer>,
     copies: HashMap<(DomainId, BufId, ChanId), Vec<BufferCopy>>,
     patterns: Patterns,
+    /// The buffer the last step delivered: (to, buffer, channel).
+    arrived: Option<(DomainId, BufId, ChanId)>,
 }
 
 /// The bytes of the pattern of each seed met so far.
@@ -283,6 +302,7 @@ impl<B: Backend> Harness<B> {
             owned: HashMap::new(),
             copies: HashMap::new(),
             patterns: Patterns::default(),
+            arrived: None,
         }
     }
 
@@ -466,28 +486,27 @@ impl<B: Backend> Harness<B> {
         }
     }
 
-    /// Check that the library's event is the model's, and keep its handle:
-    /// a delivered buffer must hold the contents the model says.
-    fn take_event(&mut self, m: &Model, to: DomainId, chan: ChanId, mev: MEvent, ev: FEvent) -> Result<(), String> {
+    /// Check that the library's event is the model's, and keep its handle
+    /// (its contents are checked with all others, after the protections:
+    /// a buffer wrongly left inaccessible must fail the test, not crash it).
+    fn take_event(&mut self, to: DomainId, chan: ChanId, mev: MEvent, ev: FEvent) -> Result<(), String> {
         let mismatch = |ev: &dyn std::fmt::Debug| Err(format!("model delivered {mev:?} to d{to}, library {ev:?}"));
         let pool_of = |h: &Self, p: usize| h.pools[p].0;
-        let via = self.backend.name(chan);
-        let arrived = |buf: BufId, e: String| format!("{buf:?} delivered to d{to} over channel {chan} ({via}): {e}");
         match (mev, ev) {
             (MEvent::MoveReceived { buf, meta_len }, FEvent::MoveReceived { buffer, meta })
             | (MEvent::BufferPassed { buf, meta_len }, FEvent::BufferPassed { buffer, meta })
                 if buffer.id() == self.bid(buf) && meta[..] == meta_bytes(meta_len)[..] =>
             {
-                let checked = self.patterns.check(&buffer, m.contents(buf)).map_err(|e| arrived(buf, e));
                 self.owned.insert((to, buf), buffer);
-                checked
+                self.arrived = Some((to, buf, chan));
+                Ok(())
             }
             (MEvent::CopyReceived { buf, meta_len }, FEvent::CopyReceived { copy, meta })
                 if copy.id() == self.bid(buf) && meta[..] == meta_bytes(meta_len)[..] =>
             {
-                let checked = self.patterns.check(&copy, m.contents(buf)).map_err(|e| arrived(buf, e));
                 self.copies.entry((to, buf, chan)).or_default().push(copy);
-                checked
+                self.arrived = Some((to, buf, chan));
+                Ok(())
             }
             (MEvent::CopyReleased { buf, writable }, FEvent::CopyReleased { buffer, writable: w })
                 if buffer == self.bid(buf) && writable == w =>
@@ -581,16 +600,27 @@ impl<B: Backend> Harness<B> {
     /// model says, and `as_mut_slice` is refused exactly where the model
     /// says the owner cannot write.
     fn check_data(&mut self, m: &Model) -> Result<(), String> {
+        let arrived = self.arrived.take();
+        let via = |d: DomainId, buf: BufId, held: Option<ChanId>, e: String| match arrived {
+            // Name the channel that just delivered it.
+            Some((to, b, c)) if (to, b) == (d, buf) && held.is_none_or(|h| h == c) => {
+                format!("{buf:?} delivered to d{d} over channel {c} ({}): {e}", self.backend.name(c))
+            }
+            _ => match held {
+                None => format!("{buf:?} owned by d{d}: {e}"),
+                Some(c) => format!("{buf:?} held by d{d} via channel {c}: {e}"),
+            },
+        };
         for (&(d, buf), b) in self.owned.iter_mut() {
             let writable = m.buffer_state(buf, d) == MState::ReadWrite;
             if b.as_mut_slice().is_ok() != writable {
                 return Err(format!("{buf:?} at d{d}: as_mut_slice allowed {}, model writable {writable}", !writable));
             }
-            self.patterns.check(b, m.contents(buf)).map_err(|e| format!("{buf:?} owned by d{d}: {e}"))?;
+            self.patterns.check(b, m.contents(buf)).map_err(|e| via(d, buf, None, e))?;
         }
         for (&(d, buf, c), v) in &self.copies {
             for copy in v {
-                self.patterns.check(copy, m.contents(buf)).map_err(|e| format!("{buf:?} held by d{d} via {c}: {e}"))?;
+                self.patterns.check(copy, m.contents(buf)).map_err(|e| via(d, buf, Some(c), e))?;
             }
         }
         Ok(())
@@ -853,7 +883,7 @@ fn run_case<B: Backend>(
                             (Ok(Outcome::Delivered { to, event }), Ok(Some(ev))) => {
                                 stats.delivered += 1;
                                 let Some(Op::Deliver { chan, .. }) = op else { unreachable!() };
-                                if let Err(e) = h.take_event(&m, to, chan, event, ev) {
+                                if let Err(e) = h.take_event(to, chan, event, ev) {
                                     return Err(fail(&h, e));
                                 }
                             }
@@ -871,32 +901,34 @@ fn run_case<B: Backend>(
                 }
             }
         }
-        if let Err(e) = h.compare(&m).and_then(|()| h.check_data(&m)) {
+        if let Err(e) = h.compare(&m) {
             return Err(fail(&h, e));
         }
-        if !protections_may_change && matches!(probe, Probe::Sampled) {
-            continue;
-        }
-        let forbidden = match h.check_protection(&m) {
-            Ok(f) => f,
-            Err(e) => return Err(fail(&h, e)),
-        };
-        stats.protection_checks += usize::from(!forbidden.is_empty());
-        let probes: Vec<_> = match probe {
-            Probe::Always => forbidden,
-            Probe::Sampled => match raw {
-                Some(raw) if raw.4 % 64 == 5 && !forbidden.is_empty() => {
+        // Protections first: reading a buffer wrongly left inaccessible
+        // would crash the test process instead of failing the case.
+        if protections_may_change || matches!(probe, Probe::Always) {
+            let forbidden = match h.check_protection(&m) {
+                Ok(f) => f,
+                Err(e) => return Err(fail(&h, e)),
+            };
+            stats.protection_checks += usize::from(!forbidden.is_empty());
+            let probes: Vec<_> = match (probe, raw) {
+                (Probe::Always, _) => forbidden,
+                (Probe::Sampled, Some(raw)) if raw.4 % 64 == 5 && !forbidden.is_empty() => {
                     vec![forbidden[usize::from(raw.1) % forbidden.len()]]
                 }
-                _ => Vec::new(),
-            },
-        };
-        for (d, buf, addr) in probes {
-            stats.fault_probes += 1;
-            if !write_faults(addr) {
-                let e = format!("{buf:?} at d{d} ({:?}): a write at {addr:#x} did not fault", m.buffer_state(buf, d));
-                return Err(fail(&h, e));
+                (Probe::Sampled, _) => Vec::new(),
+            };
+            for (d, buf, addr) in probes {
+                stats.fault_probes += 1;
+                if !write_faults(addr) {
+                    let state = m.buffer_state(buf, d);
+                    return Err(fail(&h, format!("{buf:?} at d{d} ({state:?}): a write at {addr:#x} did not fault")));
+                }
             }
+        }
+        if let Err(e) = h.check_data(&m) {
+            return Err(fail(&h, e));
         }
     }
     Ok(())
