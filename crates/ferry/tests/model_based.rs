@@ -1033,7 +1033,7 @@ fn net_backend_follows_the_model() {
 #[test]
 fn mixed_backends_follow_the_model() {
     let test = "mixed_backends_follow_the_model";
-    let cases = (cases() / 4).max(1);
+    let cases = (cases() / 2).max(1);
     let stats = std::cell::RefCell::new(Stats::default());
     let links = MIXED_LINKS.len();
     let strategy = (
