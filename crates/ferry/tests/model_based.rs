@@ -649,8 +649,15 @@ impl<B: Backend> Harness<B> {
                         MState::ReadOnly | MState::ReadOnlyOwned => (true, false),
                         MState::Invalid => (false, false),
                     };
-                    let got = protection_at(maps, addr)
-                        .ok_or_else(|| format!("{buf:?} at d{d}: {addr:#x} is in no mapping"))?;
+                    let mut got = protection_at(maps, addr);
+                    if got != Some(want) {
+                        // Other tests of this process map and unmap while the
+                        // kernel lists the mappings: read them again before
+                        // blaming ours.
+                        *maps = read_maps();
+                        got = protection_at(maps, addr);
+                    }
+                    let got = got.ok_or_else(|| format!("{buf:?} at d{d}: {addr:#x} is in no mapping"))?;
                     if got != want {
                         let show = |(r, w): (bool, bool)| {
                             format!("{}{}", if r { 'r' } else { '-' }, if w { 'w' } else { '-' })
@@ -704,8 +711,7 @@ fn read_maps() -> Vec<MapRange> {
 /// (readable, writable) of the page at `addr`, if it is mapped.
 fn protection_at(maps: &[MapRange], addr: usize) -> Option<(bool, bool)> {
     let i = maps.partition_point(|&(start, ..)| start <= addr);
-    let &(start, end, r, w) = maps.get(i.checked_sub(1)?)?;
-    (start <= addr && addr < end).then_some((r, w))
+    maps[..i].iter().rev().find(|&&(start, end, ..)| start <= addr && addr < end).map(|&(_, _, r, w)| (r, w))
 }
 
 /// Whether writing one byte at `addr` faults: a forked child reads the
