@@ -20,6 +20,11 @@
 //! two domains and which trust levels it supports; everything else is the
 //! same for every backend. [`Mixed`] gives each channel its own backend, so
 //! that a pool reaches a domain along several paths over different ones.
+//!
+//! `FERRY_MODEL_CASES` sets the number of sequences per suite. Each suite
+//! prints its seed; `FERRY_MODEL_SEED` replays it. A failure is shrunk and
+//! reported with the channels (backend, trust) and the numbered steps of
+//! the smallest failing sequence.
 
 mod model;
 mod support;
