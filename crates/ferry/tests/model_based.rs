@@ -6,11 +6,28 @@
 //! every pool's assignment per end, every domain's pool list and trust.
 //! The model's invariants are checked after every step too.
 //!
+//! The data is compared as well. The owner of a read-write buffer writes a
+//! pattern into it now and then (a [`Step::Write`]; the model records its
+//! seed); every buffer delivered (move, pass, copy, full-copy destination)
+//! and, after every step, every buffer a domain holds must hold the
+//! pattern the model says, and `as_mut_slice` must be refused exactly where
+//! the model says the buffer is not writable. Where a pool's trust level
+//! protects (HALF, NONE), each buffer's page protection in each domain's
+//! mapping must match its state there (`/proc/self/maps`), and at sampled
+//! steps a forbidden write must really fault (a forked child tries it).
+//!
 //! The suite is generic over [`Backend`]: a backend says how it connects
 //! two domains and which trust levels it supports; everything else is the
-//! same for every backend.
+//! same for every backend. [`Mixed`] gives each channel its own backend, so
+//! that a pool reaches a domain along several paths over different ones.
+//!
+//! `FERRY_MODEL_CASES` sets the number of sequences per suite. Each suite
+//! prints its seed; `FERRY_MODEL_SEED` replays it. A failure is shrunk and
+//! reported with the channels (backend, trust) and the numbered steps of
+//! the smallest failing sequence.
 
 mod model;
+mod support;
 
 use std::collections::HashMap;
 
@@ -18,34 +35,49 @@ use ferry::{
     Allocator, BindParams, Buffer, BufferCopy, BufferId, Channel, ChannelSetup, Direction, Domain, Endpoint, Error,
     Event as FEvent, Pool, PoolConstraints, TrustLevel,
 };
-use model::gen::{pick_op, setup, use_trusts, RawStep, DOMAINS, LINKS, META, POOLS};
+use model::gen::{pick_step, setup_links, use_trusts, RawStep, Step, DOMAINS, LINKS, META, MIXED_LINKS, POOLS};
 use model::lib_map::{buffer_state, cases as model_cases, channel_state, meta_bytes, reject_of, trust_level, Stats};
 use model::reference::{
-    BufId, BufferState as MState, ChanId, DomainId, Event as MEvent, Model, Op, Outcome, Queue, Reject, Trust,
+    initial_seed, BufId, BufferState as MState, ChanId, DomainId, Event as MEvent, Model, Op, Outcome, Queue, Reject,
+    Trust,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
+use proptest::test_runner::{Config, RngSeed, TestRunner};
+use support::payload::fill;
+
+/// Size of every buffer of the generated pools: one page.
+const SIZE: usize = 4096;
 
 /// A backend under test: how two domains get a connected channel.
 trait Backend {
     /// Trust levels its channels support (weighted by repetition).
     const TRUSTS: &'static [Trust];
+    /// The trust levels this run draws from (by default [`Backend::TRUSTS`]).
+    fn trusts(&self) -> &'static [Trust] {
+        Self::TRUSTS
+    }
     /// Connect `source` (TX end) and `sink` (RX end); returns (source end, sink end).
     fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel);
-    /// Take the next message queued to `to` from `from` (`expect`: the
-    /// model has one queued). A backend that batches sends flushes `from`
-    /// first and waits for the bytes to cross.
-    fn deliver(&mut self, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
-        let _ = (from, expect);
+    /// Take the next message queued to `to` from `from` on channel `chan`
+    /// (`expect`: the model has one queued). A backend that batches sends
+    /// flushes `from` first and waits for the bytes to cross.
+    fn deliver(&mut self, chan: ChanId, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
+        let _ = (chan, from, expect);
         to.poll()
     }
+    /// The name of the backend of channel `chan`, for traces.
+    fn name(&self, chan: ChanId) -> &'static str;
 }
 
 /// The local backend: both domains in this process.
 struct Local;
 
 impl Backend for Local {
+    fn name(&self, _: ChanId) -> &'static str {
+        "local"
+    }
+
     const TRUSTS: &'static [Trust] = &[Trust::Full, Trust::Full, Trust::Full, Trust::Half];
 
     fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
@@ -65,6 +97,10 @@ impl Backend for Local {
 struct Shm;
 
 impl Backend for Shm {
+    fn name(&self, _: ChanId) -> &'static str {
+        "shm"
+    }
+
     const TRUSTS: &'static [Trust] = &[Trust::Full, Trust::Full, Trust::Half, Trust::None];
 
     fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
@@ -88,6 +124,14 @@ impl Backend for Shm {
 struct Batched<B>(B);
 
 impl<B: Backend> Backend for Batched<B> {
+    fn name(&self, chan: ChanId) -> &'static str {
+        match self.0.name(chan) {
+            "local" => "batched local",
+            "shm" => "batched shm",
+            _ => "batched",
+        }
+    }
+
     const TRUSTS: &'static [Trust] = B::TRUSTS;
 
     fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
@@ -97,9 +141,9 @@ impl<B: Backend> Backend for Batched<B> {
         (s, r)
     }
 
-    fn deliver(&mut self, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
+    fn deliver(&mut self, chan: ChanId, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
         from.flush().expect("flush");
-        self.0.deliver(to, from, expect)
+        self.0.deliver(chan, to, from, expect)
     }
 }
 
@@ -109,6 +153,10 @@ impl<B: Backend> Backend for Batched<B> {
 struct Net;
 
 impl Backend for Net {
+    fn name(&self, _: ChanId) -> &'static str {
+        "tcp"
+    }
+
     const TRUSTS: &'static [Trust] = &[Trust::Full, Trust::Full, Trust::Half, Trust::None];
 
     fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
@@ -123,12 +171,82 @@ impl Backend for Net {
         (s, r)
     }
 
-    fn deliver(&mut self, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
+    fn deliver(&mut self, _: ChanId, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
         from.flush().expect("flush");
         if expect {
             to.wait(Some(std::time::Duration::from_secs(10)))
         } else {
             to.poll()
+        }
+    }
+}
+
+/// The backends a [`Mixed`] run picks from, per channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Local,
+    Shm,
+    Net,
+}
+
+/// Every channel on a backend of its own, picked at random among those
+/// that support the channel's trust level (local: no NONE). A pool
+/// assigned along several paths then reaches a domain over different
+/// backends: one end of a local or shm channel may hold the pool in memory
+/// of its own (a TCP mirror) while the other maps the creator's.
+struct Mixed {
+    /// The trust levels of this run's channels.
+    trusts: &'static [Trust],
+    /// Random picks, one per channel (cycled).
+    picks: Vec<u8>,
+    /// The backend of each channel, in connection order (= channel ids).
+    kinds: Vec<Kind>,
+}
+
+impl Mixed {
+    /// Trust modes a mixed run may draw: most runs give every channel one
+    /// level, so that pools can be assigned along every path.
+    const MODES: [&'static [Trust]; 4] = [&[Trust::Full], &[Trust::Half], &[Trust::None], Shm::TRUSTS];
+
+    fn new(mode: u8, picks: Vec<u8>) -> Mixed {
+        Mixed { trusts: Self::MODES[usize::from(mode) % Self::MODES.len()], picks, kinds: Vec::new() }
+    }
+}
+
+impl Backend for Mixed {
+    const TRUSTS: &'static [Trust] = Shm::TRUSTS;
+
+    fn trusts(&self) -> &'static [Trust] {
+        self.trusts
+    }
+
+    fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
+        let kinds: &[Kind] =
+            if trust == TrustLevel::None { &[Kind::Shm, Kind::Net] } else { &[Kind::Local, Kind::Shm, Kind::Net] };
+        let pick = self.picks.get(self.kinds.len() % self.picks.len().max(1)).copied().unwrap_or(0);
+        let kind = kinds[usize::from(pick) % kinds.len()];
+        self.kinds.push(kind);
+        match kind {
+            Kind::Local => Local.connect(source, sink, trust),
+            Kind::Shm => Shm.connect(source, sink, trust),
+            Kind::Net => Net.connect(source, sink, trust),
+        }
+    }
+
+    fn deliver(&mut self, chan: ChanId, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
+        match self.kinds[chan] {
+            Kind::Local => Local.deliver(chan, to, from, expect),
+            Kind::Shm => Shm.deliver(chan, to, from, expect),
+            Kind::Net => Net.deliver(chan, to, from, expect),
+        }
+    }
+
+    fn name(&self, chan: ChanId) -> &'static str {
+        match self.kinds.get(chan) {
+            Some(Kind::Local) => "local",
+            Some(Kind::Shm) => "shm",
+            Some(Kind::Net) => "tcp",
+            None => "?",
         }
     }
 }
@@ -144,6 +262,38 @@ struct Harness<B: Backend> {
     chans: Vec<([Channel; 2], [DomainId; 2])>,
     owned: HashMap<(DomainId, BufId), Buffer>,
     copies: HashMap<(DomainId, BufId, ChanId), Vec<BufferCopy>>,
+    patterns: Patterns,
+    /// The buffer the last step delivered: (to, buffer, channel).
+    arrived: Option<(DomainId, BufId, ChanId)>,
+}
+
+/// The bytes of the pattern of each seed met so far.
+#[derive(Default)]
+struct Patterns(HashMap<u64, Vec<u8>>);
+
+impl Patterns {
+    /// Whether `bytes` hold the pattern of `seed`; else where they differ.
+    fn check(&mut self, bytes: &[u8], seed: u64) -> Result<(), String> {
+        let want = self.0.entry(seed).or_insert_with(|| {
+            let mut v = vec![0; SIZE];
+            fill(&mut v, seed);
+            v
+        });
+        if bytes == &want[..] {
+            return Ok(());
+        }
+        let first = bytes.iter().zip(want.iter()).position(|(a, b)| a != b).unwrap_or(bytes.len().min(want.len()));
+        let last = bytes.iter().zip(want.iter()).rposition(|(a, b)| a != b).unwrap_or(first);
+        let holds = self.0.iter().find(|(_, v)| v[..] == bytes[..]).map(|(s, _)| *s);
+        Err(format!(
+            "bytes {first}..={last} of {} differ from the pattern of seed {seed:#x}{}",
+            bytes.len(),
+            match holds {
+                Some(s) => format!(" (they hold the pattern of seed {s:#x})"),
+                None => String::new(),
+            }
+        ))
+    }
 }
 
 impl<B: Backend> Harness<B> {
@@ -156,6 +306,8 @@ impl<B: Backend> Harness<B> {
             chans: Vec::new(),
             owned: HashMap::new(),
             copies: HashMap::new(),
+            patterns: Patterns::default(),
+            arrived: None,
         }
     }
 
@@ -175,13 +327,14 @@ impl<B: Backend> Harness<B> {
     }
 
     fn create_pool(&mut self, domain: DomainId, count: usize) {
-        let a = Allocator::new(&self.domains[domain], count as u64, 4096, PoolConstraints::default()).expect("pool");
+        let a = Allocator::new(&self.domains[domain], count as u64, SIZE, PoolConstraints::default()).expect("pool");
         let id = a.pool().id();
         let p = self.pools.len();
         self.pools.push((id, a.pool().clone()));
         for index in 0..count {
-            let buf = a.alloc().expect("fresh pool has free buffers");
+            let mut buf = a.alloc().expect("fresh pool has free buffers");
             assert_eq!(buf.id(), BufferId { pool: id, index: index as u32 });
+            fill(buf.as_mut_slice().expect("a fresh buffer is writable"), initial_seed(p, index));
             self.owned.insert((domain, BufId { pool: p, index }), buf);
         }
         self._allocators.push(a);
@@ -333,12 +486,14 @@ impl<B: Backend> Harness<B> {
                 };
                 let [a, b] = &mut self.chans[chan].0;
                 let (to, from) = if side == 1 { (b, a) } else { (a, b) };
-                Some(Ok(self.backend.deliver(to, from, expect)))
+                Some(Ok(self.backend.deliver(chan, to, from, expect)))
             }
         }
     }
 
-    /// Check that the library's event is the model's, and keep its handle.
+    /// Check that the library's event is the model's, and keep its handle
+    /// (its contents are checked with all others, after the protections:
+    /// a buffer wrongly left inaccessible must fail the test, not crash it).
     fn take_event(&mut self, to: DomainId, chan: ChanId, mev: MEvent, ev: FEvent) -> Result<(), String> {
         let mismatch = |ev: &dyn std::fmt::Debug| Err(format!("model delivered {mev:?} to d{to}, library {ev:?}"));
         let pool_of = |h: &Self, p: usize| h.pools[p].0;
@@ -348,12 +503,14 @@ impl<B: Backend> Harness<B> {
                 if buffer.id() == self.bid(buf) && meta[..] == meta_bytes(meta_len)[..] =>
             {
                 self.owned.insert((to, buf), buffer);
+                self.arrived = Some((to, buf, chan));
                 Ok(())
             }
             (MEvent::CopyReceived { buf, meta_len }, FEvent::CopyReceived { copy, meta })
                 if copy.id() == self.bid(buf) && meta[..] == meta_bytes(meta_len)[..] =>
             {
                 self.copies.entry((to, buf, chan)).or_default().push(copy);
+                self.arrived = Some((to, buf, chan));
                 Ok(())
             }
             (MEvent::CopyReleased { buf, writable }, FEvent::CopyReleased { buffer, writable: w })
@@ -433,6 +590,161 @@ impl<B: Backend> Harness<B> {
         }
         m.check_invariants()
     }
+
+    /// A write step: `domain` writes the pattern of `seed` into `buf`
+    /// through its own handle (`None`: it has none).
+    fn write(&mut self, domain: DomainId, buf: BufId, seed: u64) -> Option<Result<Option<FEvent>, Error>> {
+        let b = self.owned.get_mut(&(domain, buf))?;
+        Some(b.as_mut_slice().map(|bytes| {
+            fill(bytes, seed);
+            None
+        }))
+    }
+
+    /// Every buffer a domain holds (owned or a copy) holds the contents the
+    /// model says, and `as_mut_slice` is refused exactly where the model
+    /// says the owner cannot write.
+    fn check_data(&mut self, m: &Model) -> Result<(), String> {
+        let arrived = self.arrived.take();
+        let via = |d: DomainId, buf: BufId, held: Option<ChanId>, e: String| match arrived {
+            // Name the channel that just delivered it.
+            Some((to, b, c)) if (to, b) == (d, buf) && held.is_none_or(|h| h == c) => {
+                format!("{buf:?} delivered to d{d} over channel {c} ({}): {e}", self.backend.name(c))
+            }
+            _ => match held {
+                None => format!("{buf:?} owned by d{d}: {e}"),
+                Some(c) => format!("{buf:?} held by d{d} via channel {c}: {e}"),
+            },
+        };
+        for (&(d, buf), b) in self.owned.iter_mut() {
+            let writable = m.buffer_state(buf, d) == MState::ReadWrite;
+            if b.as_mut_slice().is_ok() != writable {
+                return Err(format!("{buf:?} at d{d}: as_mut_slice allowed {}, model writable {writable}", !writable));
+            }
+            self.patterns.check(b, m.contents(buf)).map_err(|e| via(d, buf, None, e))?;
+        }
+        for (&(d, buf, c), v) in &self.copies {
+            for copy in v {
+                self.patterns.check(copy, m.contents(buf)).map_err(|e| via(d, buf, Some(c), e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where a domain records a protecting trust level (HALF, NONE) for a
+    /// pool, every buffer's page protection in its mapping matches the
+    /// state the model gives it there: READ_WRITE rw, READ_ONLY(_OWNED) r,
+    /// INVALID none. Returns the buffers a write must fault on, by address.
+    fn check_protection(&self, m: &Model) -> Result<Vec<(DomainId, BufId, usize)>, String> {
+        let mut maps: Option<Vec<MapRange>> = None;
+        let mut forbidden = Vec::new();
+        for (p, (id, _)) in self.pools.iter().enumerate() {
+            for d in 0..DOMAINS {
+                if !matches!(self.domains[d].pool_trust(*id), Some(TrustLevel::Half | TrustLevel::None)) {
+                    continue;
+                }
+                let pool = self.domains[d].pool(*id).expect("known");
+                let maps = maps.get_or_insert_with(read_maps);
+                for index in 0..pool.geometry().count() as usize {
+                    let buf = BufId { pool: p, index };
+                    let addr = pool.base_address() + index * SIZE;
+                    let state = m.buffer_state(buf, d);
+                    let want = match state {
+                        MState::ReadWrite => (true, true),
+                        MState::ReadOnly | MState::ReadOnlyOwned => (true, false),
+                        MState::Invalid => (false, false),
+                    };
+                    let mut got = protection_at(maps, addr);
+                    if got != Some(want) {
+                        // Other tests of this process map and unmap while the
+                        // kernel lists the mappings: read them again before
+                        // blaming ours.
+                        *maps = read_maps();
+                        got = protection_at(maps, addr);
+                    }
+                    let got = got.ok_or_else(|| format!("{buf:?} at d{d}: {addr:#x} is in no mapping"))?;
+                    if got != want {
+                        let show = |(r, w): (bool, bool)| {
+                            format!("{}{}", if r { 'r' } else { '-' }, if w { 'w' } else { '-' })
+                        };
+                        return Err(format!(
+                            "{buf:?} at d{d} ({:?} trust, {state:?}): pages {} at {addr:#x}, want {}",
+                            self.domains[d].pool_trust(*id).expect("known"),
+                            show(got),
+                            show(want)
+                        ));
+                    }
+                    if !want.1 {
+                        forbidden.push((d, buf, addr));
+                    }
+                }
+            }
+        }
+        Ok(forbidden)
+    }
+}
+
+/// One line of `/proc/self/maps`: [start, end), readable, writable.
+type MapRange = (usize, usize, bool, bool);
+
+/// The mappings of this process, sorted by address (as the kernel lists
+/// them). Parsed by hand: this runs after most steps of debug builds.
+fn read_maps() -> Vec<MapRange> {
+    let text = std::fs::read("/proc/self/maps").expect("/proc/self/maps");
+    let mut v = Vec::with_capacity(text.len() / 64);
+    for line in text.split(|&c| c == b'\n') {
+        let mut at = 0;
+        let mut hex = |stop: u8| {
+            let mut n = 0usize;
+            while let Some(&c) = line.get(at) {
+                at += 1;
+                if c == stop {
+                    break;
+                }
+                n = n << 4 | (c as char).to_digit(16).unwrap_or(0) as usize;
+            }
+            n
+        };
+        let (start, end) = (hex(b'-'), hex(b' '));
+        if let Some(perms) = line.get(at..at + 2) {
+            v.push((start, end, perms[0] == b'r', perms[1] == b'w'));
+        }
+    }
+    v
+}
+
+/// (readable, writable) of the page at `addr`, if it is mapped.
+fn protection_at(maps: &[MapRange], addr: usize) -> Option<(bool, bool)> {
+    let i = maps.partition_point(|&(start, ..)| start <= addr);
+    maps[..i].iter().rev().find(|&&(start, end, ..)| start <= addr && addr < end).map(|&(_, _, r, w)| (r, w))
+}
+
+/// Whether writing one byte at `addr` faults: a forked child reads the
+/// byte and writes it back (so a write that wrongly succeeds changes
+/// nothing, even in shared memory), then exits; the parent expects it
+/// killed by SIGSEGV. The child does nothing else: in a process with other
+/// threads only async-signal-safe work is allowed after `fork`.
+fn write_faults(addr: usize) -> bool {
+    // SAFETY: the child only touches one byte of memory mapped in this
+    // process and calls `_exit`, both async-signal-safe; the parent waits
+    // for it. `addr` is inside a pool mapping (checked by the caller
+    // against /proc/self/maps), so the access is either allowed or a fault.
+    unsafe {
+        let pid = libc::fork();
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // A fault is expected: no core dump of it.
+            libc::prctl(libc::PR_SET_DUMPABLE, 0);
+            let p = addr as *mut u8;
+            let v = std::ptr::read_volatile(p);
+            std::ptr::write_volatile(p, v);
+            libc::_exit(0);
+        }
+        let mut status = 0;
+        let r = libc::waitpid(pid, &mut status, 0);
+        assert_eq!(r, pid, "waitpid");
+        libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV
+    }
 }
 
 enum SourceRef {
@@ -440,61 +752,195 @@ enum SourceRef {
     Copy(DomainId, ChanId),
 }
 
+/// How often a run makes a forked child try the forbidden writes.
+#[derive(Clone, Copy)]
+enum Probe {
+    /// At one step in 64, one forbidden buffer.
+    Sampled,
+    /// After every step, every forbidden buffer.
+    Always,
+}
+
+/// A run's trace, one numbered step a line, with the backend of each
+/// channel.
+fn show_trace<B: Backend>(h: &Harness<B>, trace: &[Step]) -> String {
+    let mut out = String::from("\n  channels:");
+    for (c, ([end, _], [source, sink])) in h.chans.iter().enumerate() {
+        out += &format!(" {c}=d{source}->d{sink}/{}/{:?}", h.backend.name(c), end.trust());
+    }
+    for (i, step) in trace.iter().enumerate() {
+        out += &format!("\n  {i:3}: {step:?}");
+    }
+    out
+}
+
+/// Assignments a run makes before its random steps: flag number
+/// `link * POOLS.len() + pool` asks for `pool` on channel `link`, offered
+/// by an end that holds it (its creator, or a domain that accepted it
+/// earlier in the plan) and accepted, so that pools reach domains along
+/// several paths.
+struct Plan {
+    todo: Vec<(ChanId, usize)>,
+}
+
+impl Plan {
+    fn new(links: usize, flags: &[bool]) -> Plan {
+        let todo = (0..links)
+            .flat_map(|c| (0..POOLS.len()).map(move |p| (c, p)))
+            .filter(|&(c, p)| flags.get(c * POOLS.len() + p) == Some(&true))
+            .collect();
+        Plan { todo }
+    }
+
+    /// The next step of the plan in state `m`, if any is left.
+    fn next(&mut self, m: &Model) -> Option<Step> {
+        if self.todo.is_empty() {
+            return None;
+        }
+        for chan in 0..m.num_channels() {
+            for queue in [Queue::Data, Queue::Control] {
+                if m.pending(chan, queue) > 0 {
+                    return Some(Step::Op(Op::Deliver { chan, queue }));
+                }
+            }
+            let (source, sink) = m.endpoints(chan);
+            for d in [source, sink] {
+                if let Some(&pool) = m.pending_requests(chan, d).first() {
+                    return Some(Step::Op(Op::RespondAssign { domain: d, chan, pool, accept: true }));
+                }
+            }
+        }
+        while !self.todo.is_empty() {
+            let (chan, pool) = self.todo.remove(0);
+            let (source, sink) = m.endpoints(chan);
+            let holder = [source, sink].into_iter().find(|&d| m.pool_lists[d].get(&pool) == Some(&true));
+            if let Some(domain) = holder {
+                if !m.pool_assigned(pool, chan, domain) {
+                    return Some(Step::Op(Op::AssignPool { domain, chan, pool }));
+                }
+            }
+        }
+        None
+    }
+}
+
 /// Run one random sequence against model and library.
-fn run_case<B: Backend>(backend: B, trusts: &[u8], steps: &[RawStep], stats: &mut Stats) -> Result<(), String> {
-    use_trusts(B::TRUSTS);
-    let mut m = setup(trusts);
+fn run_case<B: Backend>(
+    backend: B,
+    links: &[(DomainId, DomainId)],
+    trusts: &[u8],
+    plan: &[bool],
+    steps: &[RawStep],
+    probe: Probe,
+    stats: &mut Stats,
+) -> Result<(), String> {
+    use_trusts(backend.trusts());
+    let mut m = setup_links(links, trusts);
     let mut h = Harness::new(backend);
     for &(d, count) in &POOLS {
         h.create_pool(d, count);
     }
-    for (i, &(source, sink)) in LINKS.iter().enumerate() {
+    for (i, &(source, sink)) in links.iter().enumerate() {
         h.connect(source, sink, m.channel_trust(i));
     }
     h.compare(&m)?;
     let mut trace = Vec::new();
-    for &raw in steps {
-        let op = pick_op(&m, raw);
-        trace.push(op);
+    let mut plan = Plan::new(links.len(), plan);
+    let mut raws = steps.iter().copied();
+    loop {
+        let (step, raw) = match plan.next(&m) {
+            Some(step) => (step, None),
+            None => match raws.next() {
+                Some(raw) => (pick_step(&m, raw), Some(raw)),
+                None => break,
+            },
+        };
+        trace.push(step);
         let before = m.clone();
-        let expected = m.apply(&op);
-        let fail = |what: String| format!("{what}\n  op {op:?}\n  trace {trace:?}");
+        let (op, expected) = match step {
+            Step::Op(op) => (Some(op), m.apply(&op)),
+            Step::Write { domain, buf, seed } => (None, m.write(domain, buf, seed)),
+        };
+        let fail =
+            |h: &Harness<B>, what: String| format!("{what}\n  at step {}{}", trace.len() - 1, show_trace(h, &trace));
+        // Page protections change only with buffer states and trust levels:
+        // checked after the operations the model accepted (reading the
+        // mappings after every step would double the suite's time).
+        let protections_may_change = expected.is_ok() && op.is_some();
         match (op, &expected) {
-            (Op::CreatePool { domain, count }, Ok(_)) => h.create_pool(domain, count),
-            (Op::Connect { source, sink, trust }, Ok(_)) => h.connect(source, sink, trust),
-            (Op::CreatePool { .. } | Op::Connect { .. }, Err(_)) => {}
+            (Some(Op::CreatePool { domain, count }), Ok(_)) => h.create_pool(domain, count),
+            (Some(Op::Connect { source, sink, trust }), Ok(_)) => h.connect(source, sink, trust),
+            (Some(Op::CreatePool { .. } | Op::Connect { .. }), Err(_)) => {}
             // Ids naming nothing, or a domain off the channel: not
             // expressible with the library's typed handles.
             (_, Err(Reject::InvalidArgument | Reject::NotADomainOfChannel)) => {}
-            _ => match h.apply(&op, &before, matches!(expected, Ok(Outcome::Delivered { .. }))) {
-                None => {
-                    stats.inexpressible += 1;
-                    if expected.is_ok() {
-                        return Err(fail("the model accepted an operation the harness found no handle for".into()));
+            _ => {
+                let got = match (op, step) {
+                    (Some(op), _) => h.apply(&op, &before, matches!(expected, Ok(Outcome::Delivered { .. }))),
+                    (None, Step::Write { domain, buf, seed }) => h.write(domain, buf, seed),
+                    (None, Step::Op(_)) => unreachable!(),
+                };
+                match got {
+                    None => {
+                        stats.inexpressible += 1;
+                        if expected.is_ok() {
+                            let e = "the model accepted an operation the harness found no handle for".into();
+                            return Err(fail(&h, e));
+                        }
+                    }
+                    Some(got) => {
+                        stats.compared += 1;
+                        match (expected, got) {
+                            (Ok(Outcome::Delivered { to, event }), Ok(Some(ev))) => {
+                                stats.delivered += 1;
+                                let Some(Op::Deliver { chan, .. }) = op else { unreachable!() };
+                                if let Err(e) = h.take_event(to, chan, event, ev) {
+                                    return Err(fail(&h, e));
+                                }
+                            }
+                            (Ok(Outcome::Done), Ok(None)) => {
+                                stats.accepted += 1;
+                                stats.writes += usize::from(op.is_none());
+                            }
+                            (Err(Reject::QueueEmpty), Ok(None)) => {}
+                            (Err(r), Err(e)) if reject_of(&e) == Some(r) => {
+                                stats.refused += 1;
+                            }
+                            (want, got) => return Err(fail(&h, format!("model {want:?}, library {got:?}"))),
+                        }
                     }
                 }
-                Some(got) => {
-                    stats.compared += 1;
-                    match (expected, got) {
-                        (Ok(Outcome::Delivered { to, event }), Ok(Some(ev))) => {
-                            stats.delivered += 1;
-                            let chan = match op {
-                                Op::Deliver { chan, .. } => chan,
-                                _ => unreachable!(),
-                            };
-                            h.take_event(to, chan, event, ev).map_err(fail)?;
-                        }
-                        (Ok(Outcome::Done), Ok(None)) => stats.accepted += 1,
-                        (Err(Reject::QueueEmpty), Ok(None)) => {}
-                        (Err(r), Err(e)) if reject_of(&e) == Some(r) => {
-                            stats.refused += 1;
-                        }
-                        (want, got) => return Err(fail(format!("model {want:?}, library {got:?}"))),
-                    }
-                }
-            },
+            }
         }
-        h.compare(&m).map_err(fail)?;
+        if let Err(e) = h.compare(&m) {
+            return Err(fail(&h, e));
+        }
+        // Protections first: reading a buffer wrongly left inaccessible
+        // would crash the test process instead of failing the case.
+        if protections_may_change || matches!(probe, Probe::Always) {
+            let forbidden = match h.check_protection(&m) {
+                Ok(f) => f,
+                Err(e) => return Err(fail(&h, e)),
+            };
+            stats.protection_checks += usize::from(!forbidden.is_empty());
+            let probes: Vec<_> = match (probe, raw) {
+                (Probe::Always, _) => forbidden,
+                (Probe::Sampled, Some(raw)) if raw.4 % 64 == 5 && !forbidden.is_empty() => {
+                    vec![forbidden[usize::from(raw.1) % forbidden.len()]]
+                }
+                (Probe::Sampled, _) => Vec::new(),
+            };
+            for (d, buf, addr) in probes {
+                stats.fault_probes += 1;
+                if !write_faults(addr) {
+                    let state = m.buffer_state(buf, d);
+                    return Err(fail(&h, format!("{buf:?} at d{d} ({state:?}): a write at {addr:#x} did not fault")));
+                }
+            }
+        }
+        if let Err(e) = h.check_data(&m) {
+            return Err(fail(&h, e));
+        }
     }
     Ok(())
 }
@@ -503,51 +949,138 @@ fn cases() -> u32 {
     model_cases(1024)
 }
 
-fn suite<B: Backend>(make: impl Fn() -> B) {
-    let mut stats = Stats::default();
-    let mut runner = TestRunner::new(Config { cases: cases(), failure_persistence: None, ..Config::default() });
-    let strategy = (vec(any::<u8>(), 6), vec(any::<RawStep>(), 1..150));
-    let stats_cell = std::cell::RefCell::new(&mut stats);
-    let result = runner.run(&strategy, |(trusts, steps)| {
-        run_case(make(), &trusts, &steps, &mut stats_cell.borrow_mut()).map_err(TestCaseError::fail)
+/// The seed of a suite's random sequences: `FERRY_MODEL_SEED`, else a
+/// fresh one. Printed, so that a failure can be replayed.
+fn seed(test: &str) -> u64 {
+    let seed = std::env::var("FERRY_MODEL_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(std::process::id().into());
+        h.finish()
     });
-    if let Err(e) = result {
-        panic!("{e}");
+    eprintln!("{test}: seed {seed} (replay with FERRY_MODEL_SEED={seed})");
+    seed
+}
+
+/// Run `cases` random sequences; a failure is shrunk and reported with
+/// the seed and the trace of the smallest failing sequence.
+fn run_suite<S: Strategy>(test: &str, cases: u32, strategy: S, one: impl Fn(S::Value) -> Result<(), String>)
+where
+    S::Value: std::fmt::Debug,
+{
+    let seed = seed(test);
+    let config = Config {
+        cases,
+        failure_persistence: None,
+        rng_seed: RngSeed::Fixed(seed),
+        max_shrink_iters: 4096,
+        ..Config::default()
+    };
+    let mut runner = TestRunner::new(config);
+    match runner.run(&strategy, |v| one(v).map_err(TestCaseError::fail)) {
+        Ok(()) => {}
+        // The reason names the smallest failing sequence step by step; the
+        // raw input it came from says no more.
+        Err(proptest::test_runner::TestError::Fail(why, _)) => {
+            panic!("{test} failed (seed {seed}, replay with FERRY_MODEL_SEED={seed}), smallest case: {why}")
+        }
+        Err(e) => panic!("{test} failed (seed {seed}): {e}"),
     }
+}
+
+fn suite<B: Backend>(test: &str, make: impl Fn() -> B) {
+    let stats = std::cell::RefCell::new(Stats::default());
+    let strategy = (vec(any::<u8>(), LINKS.len()), vec(any::<RawStep>(), 1..150));
+    run_suite(test, cases(), strategy, |(trusts, steps)| {
+        run_case(make(), &LINKS, &trusts, &[], &steps, Probe::Sampled, &mut stats.borrow_mut())
+    });
+    let stats = stats.into_inner();
     // The comparison must not pass vacuously.
-    eprintln!("model-based suite: {stats:?}");
+    eprintln!("{test}: {stats:?}");
     let n = cases() as usize;
     assert!(stats.accepted >= 5 * n, "too few accepted operations: {stats:?}");
     assert!(stats.refused >= 2 * n, "too few refusals: {stats:?}");
     assert!(stats.delivered >= 5 * n, "too few deliveries: {stats:?}");
+    assert!(stats.writes >= n, "too few writes: {stats:?}");
+    if B::TRUSTS.iter().any(|t| matches!(t, Trust::Half | Trust::None)) {
+        assert!(stats.protection_checks >= n, "too few protection checks: {stats:?}");
+        assert!(stats.fault_probes >= n / 16, "too few fault probes: {stats:?}");
+    }
 }
 
 /// The local backend against the reference model.
 #[test]
 fn local_backend_follows_the_model() {
-    suite(|| Local);
+    suite("local_backend_follows_the_model", || Local);
 }
 
 /// The shared-memory backend against the reference model.
 #[test]
 fn shm_backend_follows_the_model() {
-    suite(|| Shm);
+    suite("shm_backend_follows_the_model", || Shm);
 }
 
 /// The local backend with batching on, against the reference model.
 #[test]
 fn batched_local_backend_follows_the_model() {
-    suite(|| Batched(Local));
+    suite("batched_local_backend_follows_the_model", || Batched(Local));
 }
 
 /// The shared-memory backend with batching on, against the reference model.
 #[test]
 fn batched_shm_backend_follows_the_model() {
-    suite(|| Batched(Shm));
+    suite("batched_shm_backend_follows_the_model", || Batched(Shm));
 }
 
 /// The TCP backend against the reference model.
 #[test]
 fn net_backend_follows_the_model() {
-    suite(|| Net);
+    suite("net_backend_follows_the_model", || Net);
+}
+
+/// Every channel on a backend of its own (local, shm or TCP), pools
+/// reaching a domain along several paths: a domain must see the bytes
+/// the last owner wrote, whichever backends carried the buffer.
+#[test]
+fn mixed_backends_follow_the_model() {
+    let test = "mixed_backends_follow_the_model";
+    let cases = (cases() / 2).max(1);
+    let stats = std::cell::RefCell::new(Stats::default());
+    let links = MIXED_LINKS.len();
+    let strategy = (
+        (any::<u8>(), vec(any::<u8>(), links), vec(any::<u8>(), links)),
+        vec(any::<bool>(), links * POOLS.len()),
+        vec(any::<RawStep>(), 1..150),
+    );
+    run_suite(test, cases, strategy, |((mode, trusts, picks), plan, steps)| {
+        let mixed = Mixed::new(mode, picks);
+        run_case(mixed, &MIXED_LINKS, &trusts, &plan, &steps, Probe::Sampled, &mut stats.borrow_mut())
+    });
+    let stats = stats.into_inner();
+    eprintln!("{test}: {stats:?}");
+    let n = cases as usize;
+    assert!(stats.delivered >= 5 * n && stats.writes >= n, "too little compared: {stats:?}");
+}
+
+/// Page protections at HALF and NONE trust, over every backend (one per
+/// run: one pick for all channels): after every step, a forked child
+/// tries to write each buffer a domain may not write, and must fault.
+#[test]
+fn forbidden_writes_fault() {
+    let test = "forbidden_writes_fault";
+    let cases = (cases() / 256).max(2);
+    let stats = std::cell::RefCell::new(Stats::default());
+    let links = MIXED_LINKS.len();
+    let strategy = (
+        (any::<bool>(), vec(any::<u8>(), 1), vec(any::<u8>(), links)),
+        vec(any::<bool>(), links * POOLS.len()),
+        vec(any::<RawStep>(), 1..60),
+    );
+    run_suite(test, cases, strategy, |((none, picks, trusts), plan, steps)| {
+        let mixed = Mixed::new(if none { 2 } else { 1 }, picks);
+        run_case(mixed, &MIXED_LINKS, &trusts, &plan, &steps, Probe::Always, &mut stats.borrow_mut())
+    });
+    let stats = stats.into_inner();
+    eprintln!("{test}: {stats:?}");
+    assert!(stats.fault_probes >= cases as usize, "too few fault probes: {stats:?}");
 }

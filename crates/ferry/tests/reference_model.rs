@@ -9,13 +9,14 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 
 use model::reference::{
-    BufId, BufferState, ChanId, ChannelState, DomainId, Event, Model, Op, Outcome, PoolId, Queue, Reject, Trust,
+    initial_seed, BufId, BufferState, ChanId, ChannelState, DomainId, Event, Model, Op, Outcome, PoolId, Queue, Reject,
+    Trust,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
-use model::gen::{pick_op, setup, RawStep, META};
+use model::gen::{pick_step, setup, RawStep, Step, META};
 
 const A: DomainId = 0;
 const B: DomainId = 1;
@@ -495,6 +496,54 @@ fn full_copy() {
     rej(&mut m, fc(t, t), Reject::ForeignBuffer);
 }
 
+/// Contents: written only by a READ_WRITE owner (first failing check
+/// wins, a refusal changes nothing); moves, passes and copies carry them;
+/// a full copy gives the destination the source's.
+#[test]
+fn contents_follow_the_buffer() {
+    let mut m = Model::new(3, META);
+    let p = create_pool(&mut m, A, 2);
+    let ab = connect(&mut m, A, B, Trust::Half);
+    let bc = connect(&mut m, B, C, Trust::Half);
+    assign(&mut m, A, ab, p);
+    assign(&mut m, B, bc, p);
+    let (s, t) = (buf(p, 0), buf(p, 1));
+    assert_eq!((m.contents(s), m.contents(t)), (initial_seed(p, 0), initial_seed(p, 1)));
+    assert_ne!(m.contents(s), m.contents(t), "every buffer starts with its own pattern");
+    let write = |m: &mut Model, d, b, seed| m.write(d, b, seed);
+    assert_eq!(write(&mut m, A, buf(p, 2), 1), Err(Reject::InvalidArgument));
+    assert_eq!(write(&mut m, 3, s, 1), Err(Reject::InvalidArgument));
+    let before = m.clone();
+    assert_eq!(write(&mut m, B, s, 1), Err(Reject::ForeignBuffer));
+    assert_eq!(m, before);
+    assert_eq!(write(&mut m, A, s, 7), Ok(Outcome::Done));
+    // In flight nobody writes; delivered, the new owner sees A's bytes.
+    ok(&mut m, mv(A, ab, s));
+    assert_eq!(write(&mut m, A, s, 1), Err(Reject::ForeignBuffer));
+    assert_eq!(write(&mut m, B, s, 1), Err(Reject::ForeignBuffer));
+    deliver(&mut m, ab, Queue::Data);
+    assert_eq!(m.contents(s), 7);
+    assert_eq!(write(&mut m, B, s, 8), Ok(Outcome::Done));
+    // Copies out: the owner cannot write; the holder reads the owner's bytes.
+    ok(&mut m, copy(B, bc, s));
+    let before = m.clone();
+    assert_eq!(write(&mut m, B, s, 9), Err(Reject::CopiesOutstanding));
+    assert_eq!(m, before);
+    deliver(&mut m, bc, Queue::Data);
+    assert_eq!((m.buffer_state(s, C), m.contents(s)), (BufferState::ReadOnly, 8));
+    assert_eq!(write(&mut m, C, s, 9), Err(Reject::ForeignBuffer));
+    ok(&mut m, release(C, bc, s));
+    deliver(&mut m, bc, Queue::Control);
+    // A full copy: the destination takes the source's bytes at issue.
+    ok(&mut m, pass(B, ab, s));
+    deliver(&mut m, ab, Queue::Control);
+    ok(&mut m, Op::FullCopy { domain: A, chan: ab, src: s, dst: t, meta_len: 0 });
+    assert_eq!(write(&mut m, A, s, 10), Ok(Outcome::Done));
+    assert_eq!((m.contents(s), m.contents(t)), (10, 8));
+    deliver(&mut m, ab, Queue::Data);
+    assert_eq!((m.owner(t), m.contents(t)), (B, 8));
+}
+
 /// Teardown: messages ahead of the marker are delivered first; the peer
 /// answers; both sides end CLOSED; copies stay read-only.
 #[test]
@@ -658,7 +707,24 @@ fn run_case(trusts: &[u8], steps: &[RawStep], cov: &mut Coverage) -> Result<(), 
     m.check_invariants().map_err(TestCaseError::fail)?;
     let mut trace = Vec::new();
     for &raw in steps {
-        let op = pick_op(&m, raw);
+        let op = match pick_step(&m, raw) {
+            Step::Op(op) => op,
+            Step::Write { domain, buf, seed } => {
+                let before = m.clone();
+                match m.write(domain, buf, seed) {
+                    Ok(_) => {
+                        cov.bump("writes");
+                        prop_assert_eq!(m.contents(buf), seed);
+                    }
+                    Err(reject) => {
+                        cov.bump("refused_writes");
+                        prop_assert_eq!(reject, Reject::CopiesOutstanding, "the generator writes as owner");
+                        prop_assert_eq!(&m, &before, "refused write changed the state; trace {:?}", trace);
+                    }
+                }
+                continue;
+            }
+        };
         trace.push(op);
         let before = m.clone();
         let result = m.apply(&op);
@@ -727,6 +793,8 @@ fn random_sequences_keep_invariants() {
         "writable_again",
         "teardowns_completed",
         "runs_ending_with_forwarded_copies",
+        "writes",
+        "refused_writes",
     ] {
         let n = cov.counts.get(what).copied().unwrap_or(0);
         assert!(n > 0, "the generator never reached `{what}`");

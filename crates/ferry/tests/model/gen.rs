@@ -43,11 +43,22 @@ pub const LINKS: [(DomainId, DomainId); 6] = [(0, 1), (1, 2), (2, 1), (1, 0), (3
 /// Three pools and six channels: the chain 0→1→2, the cycle 1→2→1, and
 /// channels back to 0 and to/from 3.
 pub fn setup(trusts: &[u8]) -> Model {
+    setup_links(&LINKS, trusts)
+}
+
+/// Channels for runs that mix backends: from domain 0 to domain 2 directly and
+/// over 1, from 1 to 3 directly and over 2, back from 3 to 0 and from 2 to
+/// 1, so that a pool reaches a domain along several paths.
+pub const MIXED_LINKS: [(DomainId, DomainId); 7] = [(0, 1), (0, 2), (1, 2), (2, 3), (1, 3), (3, 0), (2, 1)];
+
+/// The pools of [`POOLS`] and the channels `links`, with the trust levels
+/// `trusts[i]` picks (see [`trust_of`]).
+pub fn setup_links(links: &[(DomainId, DomainId)], trusts: &[u8]) -> Model {
     let mut m = Model::new(DOMAINS, META);
     for &(domain, count) in &POOLS {
         m.apply(&Op::CreatePool { domain, count }).unwrap();
     }
-    for (i, &(source, sink)) in LINKS.iter().enumerate() {
+    for (i, &(source, sink)) in links.iter().enumerate() {
         let trust = trust_of(trusts[i]);
         m.apply(&Op::Connect { source, sink, trust }).unwrap();
     }
@@ -259,5 +270,48 @@ pub fn pick_op(m: &Model, raw: RawStep) -> Op {
         (true, Some(op), _) => op,
         (true, None, Some(op)) if kind < 94 => op,
         _ => fallback,
+    }
+}
+
+/// One step of a run that also writes buffers: an operation of the model,
+/// or a write of the pattern of `seed` into `buf` by `domain` (through its
+/// owned handle: [`Model::write`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// A model operation ([`pick_op`]).
+    Op(Op),
+    /// A write ([`Model::write`]).
+    Write {
+        /// The writing domain.
+        domain: DomainId,
+        /// The buffer.
+        buf: BufId,
+        /// The seed of the pattern written.
+        seed: u64,
+    },
+}
+
+/// Interpret one raw step for a run that writes: about one step in eight
+/// is a write by the owner of a buffer (mostly READ_WRITE, now and then
+/// READ_ONLY_OWNED, which is refused); the others are [`pick_op`]'s.
+pub fn pick_step(m: &Model, raw: RawStep) -> Step {
+    if raw.0 < 224 {
+        return Step::Op(pick_op(m, raw));
+    }
+    let (a, b) = (usize::from(raw.1), usize::from(raw.2));
+    let mut cands = Vec::new();
+    for buf in m.all_buffers() {
+        for domain in 0..m.domains {
+            let state = m.buffer_state(buf, domain);
+            if state == BufferState::ReadWrite || (b % 4 == 0 && state == BufferState::ReadOnlyOwned) {
+                cands.push((domain, buf));
+            }
+        }
+    }
+    // A seed no buffer was created with, different for most raw steps.
+    let seed = 1 << 63 | (raw.1 as u64) << 40 | (raw.2 as u64) << 24 | (raw.3 as u64) << 8 | u64::from(raw.0);
+    match choose(&cands, a) {
+        Some((domain, buf)) => Step::Write { domain, buf, seed },
+        None => Step::Op(pick_op(m, (raw.0 % 30, raw.1, raw.2, raw.3, raw.4))),
     }
 }

@@ -85,4 +85,10 @@ pub struct Stats {
     pub delivered: usize,
     /// Operations the harness could not express with the library's handles.
     pub inexpressible: usize,
+    /// Buffer writes both accepted.
+    pub writes: usize,
+    /// Steps after which some buffer's page protection was checked.
+    pub protection_checks: usize,
+    /// Forbidden writes tried in a forked child (each must fault).
+    pub fault_probes: usize,
 }

@@ -117,6 +117,13 @@
 //!   every buffer and copy handle held and the creator's allocator alive).
 //! * **Full copy** needs only the destination's pool assigned to the channel;
 //!   its delivery is an ordinary [`Event::MoveReceived`] of the destination.
+//!   The destination takes the source's contents when the full copy is
+//!   issued.
+//! * **Contents.** Each buffer has one contents, the seed of the pattern last
+//!   written into it ([`Model::write`]; [`initial_seed`] at creation). Only
+//!   a `READ_WRITE` owner writes, so every domain that can read a buffer
+//!   sees the same bytes: a move, pass or copy carries them, whatever
+//!   backend each channel uses.
 //! * **Ids.** Pools and channels are numbered from 0 in creation order; a
 //!   buffer is `(pool, index)`. Accessors panic on ids that name nothing.
 
@@ -536,6 +543,15 @@ pub struct Pool {
     pub owner: Vec<DomainId>,
     /// `in_flight`, per buffer index: the channel of the undelivered move/pass.
     pub in_flight: Vec<Option<ChanId>>,
+    /// The contents of each buffer, as the seed of the pattern last written
+    /// into it (see [`Model::write`]); [`initial_seed`] at creation.
+    pub contents: Vec<u64>,
+}
+
+/// The seed of the pattern the creator writes into buffer `index` of pool
+/// `pool` when it creates the pool: distinct for every buffer.
+pub fn initial_seed(pool: PoolId, index: usize) -> u64 {
+    0x1_0000_0000 | (pool as u64) << 16 | index as u64
 }
 
 /// What one side of a channel knows and has done.
@@ -697,6 +713,33 @@ impl Model {
     /// `buffer_ownership(b)`.
     pub fn owner(&self, buf: BufId) -> DomainId {
         self.pools[buf.pool].owner[buf.index]
+    }
+
+    /// The contents of `b`: the seed of the pattern last written into it.
+    /// Every domain that can read `b` (its delivered owner, the holders of
+    /// its copies) sees these bytes; a move, pass or copy carries them.
+    pub fn contents(&self, buf: BufId) -> u64 {
+        self.pools[buf.pool].contents[buf.index]
+    }
+
+    /// `domain` writes the pattern of `seed` into `buf` (through its owned
+    /// handle): `InvalidArgument` for ids naming nothing, `ForeignBuffer`
+    /// unless `domain` is the delivered owner, `CopiesOutstanding` unless
+    /// the buffer is `READ_WRITE` there. Not an [`Op`]: no message, no
+    /// state change but the contents.
+    pub fn write(&mut self, domain: DomainId, buf: BufId, seed: u64) -> Result<Outcome, Reject> {
+        self.check_buffer(buf)?;
+        if domain >= self.domains {
+            return Err(Reject::InvalidArgument);
+        }
+        if !self.is_delivered_owner(buf, domain) {
+            return Err(Reject::ForeignBuffer);
+        }
+        if self.buffer_state(buf, domain) != BufferState::ReadWrite {
+            return Err(Reject::CopiesOutstanding);
+        }
+        self.pools[buf.pool].contents[buf.index] = seed;
+        Ok(Outcome::Done)
     }
 
     /// The channel of `b`'s undelivered move/pass, if any.
@@ -1003,6 +1046,7 @@ impl Model {
             ever_accepted: false,
             owner: vec![domain; count],
             in_flight: vec![None; count],
+            contents: (0..count).map(|index| initial_seed(pool, index)).collect(),
         });
         // §5.2.3 step 1: the creator knows its pool.
         self.pool_lists[domain].insert(pool, true);
@@ -1275,7 +1319,8 @@ impl Model {
             return Err(Reject::CopiesOutstanding);
         }
         self.check_meta(meta_len)?;
-        // The bytes of src go into dst (not modelled), then dst is moved (Alg. 7).
+        // The bytes of src go into dst, then dst is moved (Alg. 7).
+        self.pools[dst.pool].contents[dst.index] = self.contents(src);
         let sink = self.channels[chan].sink;
         self.pools[dst.pool].owner[dst.index] = sink;
         self.pools[dst.pool].in_flight[dst.index] = Some(chan);

@@ -1,11 +1,13 @@
 //! Test-only infrastructure shared by integration tests: a fault-injecting
-//! TCP proxy, network namespaces joined by a veth pair, and the payload
-//! pattern and child-process helpers of the multi-process tests.
+//! TCP proxy, network namespaces joined by a veth pair, the payload
+//! pattern and child-process helpers of the multi-process tests, and a
+//! TCP peer that writes raw frames.
 #![allow(dead_code)]
 
 pub mod fault_proxy;
 pub mod netns;
 pub mod payload;
+pub mod raw_peer;
 
 /// A name no other test of any process uses at the same time (abstract
 /// socket names, endpoint names): `ferry-{tag}-{pid}-{n}`.
