@@ -1352,9 +1352,12 @@ impl Channel {
         }
         // A known pool's request relation is counted under the lock that
         // finds it, so the pool cannot leave the list while we answer.
+        // A pool only offered to us so far (never created nor accepted
+        // here) has the trust of the last offer, which binds nothing: its
+        // owner may have set it back and offer it again at another.
         let known = self.domain.lock().entry_mut(pool).map(|e| {
             e.channels += 1;
-            (e.view.geometry(), e.trust)
+            (e.view.geometry(), if e.permanent { e.trust } else { TrustLevel::Uninitialized })
         });
         let acceptable = match known {
             Some((g, t)) => g == geometry && (t == TrustLevel::Uninitialized || t == trust),

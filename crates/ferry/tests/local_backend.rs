@@ -1932,3 +1932,40 @@ fn batched_flow_across_threads() {
     drop(transmit_flow(&mut tx, rx, &alloc));
     assert_eq!(alloc.available(), POOL as usize);
 }
+
+/// A pool offered to d1 on a channel d1 then tears down (the offer can no
+/// longer be answered) returns to UNINITIALIZED at its owner after a veto
+/// elsewhere, and is offered to d1 again at another trust: d1's record of
+/// the dead offer's trust is provisional (the pool's trust is fixed only by
+/// an accepted assignment), so the new offer reaches d1's application
+/// instead of being vetoed by its library, and d1 records the new trust.
+/// (Found by the model-based suite.)
+#[test]
+fn a_dead_offer_does_not_fix_the_trust_of_a_later_one() {
+    let (d0, d1, d3) = (Domain::new("d0"), Domain::new("d1"), Domain::new("d3"));
+    let alloc = new_alloc(&d0, 2);
+    let id = alloc.pool().id();
+    // d1 -> d0 at FULL: d0 (the sink) offers the pool; d1 tears down unanswered.
+    let (mut d1_tx, mut d0_rx) = link(&d1, &d0, TrustLevel::Full);
+    d0_rx.assign_pool(alloc.pool()).expect("offer");
+    assert_eq!(recv_request(&mut d1_tx).trust, TrustLevel::Full);
+    d1_tx.teardown().expect("teardown");
+    assert!(matches!(next(&mut d0_rx), Event::Closed { by_peer: true }));
+    assert_eq!(d1.pool_trust(id), Some(TrustLevel::Full), "d1 still has the offer it cannot answer");
+    // A veto elsewhere: the pool was never accepted anywhere, its trust returns.
+    let (mut d3_tx, mut d0_rx3) = link(&d3, &d0, TrustLevel::Full);
+    d0_rx3.assign_pool(alloc.pool()).expect("offer");
+    let offered = recv_request(&mut d3_tx).pool;
+    d3_tx.respond_pool(offered, false).expect("veto");
+    assert!(matches!(next(&mut d0_rx3), Event::PoolVetoed(p) if p == id));
+    assert_eq!(d0.pool_trust(id), Some(TrustLevel::Uninitialized));
+    // Offered to d1 again, at HALF.
+    let (mut d0_tx, mut d1_rx) = link(&d0, &d1, TrustLevel::Half);
+    d0_tx.assign_pool(alloc.pool()).expect("offer at HALF");
+    let req = recv_request(&mut d1_rx);
+    assert_eq!((req.pool, req.trust), (id, TrustLevel::Half));
+    assert_eq!(d1.pool_trust(id), Some(TrustLevel::Half));
+    d1_rx.respond_pool(id, true).expect("accept");
+    assert!(matches!(next(&mut d0_tx), Event::PoolAssigned(p) if p == id));
+    assert_eq!((d0.pool_trust(id), d1.pool_trust(id)), (Some(TrustLevel::Half), Some(TrustLevel::Half)));
+}

@@ -545,10 +545,12 @@ impl<B: Backend> Harness<B> {
                 if knows != m.knows_pool(d, p) {
                     return Err(format!("d{d} pool list: library {knows}, model {}", m.knows_pool(d, p)));
                 }
-                // A pool known only through a request that can no longer be
-                // answered keeps, in that domain, the trust it was offered
-                // with, while its owner may have set it back: not compared.
-                let dead_offer = m.pool_lists[d].get(&p) == Some(&false) && m.pool_trust(p) == Trust::Uninitialized;
+                // A pool known only through offers, never accepted anywhere,
+                // keeps in that domain the trust of the last offer delivered
+                // there, while its owner may have set it back, or offered it
+                // again at another trust not delivered yet: not compared
+                // (the model keeps one trust per pool).
+                let dead_offer = m.pool_lists[d].get(&p) == Some(&false) && !m.pools[p].ever_accepted;
                 if knows && !dead_offer {
                     let t = self.domains[d].pool_trust(*id).expect("known");
                     if t != trust_level(m.pool_trust(p)) {
