@@ -1969,3 +1969,31 @@ fn a_dead_offer_does_not_fix_the_trust_of_a_later_one() {
     assert!(matches!(next(&mut d0_tx), Event::PoolAssigned(p) if p == id));
     assert_eq!((d0.pool_trust(id), d1.pool_trust(id)), (Some(TrustLevel::Half), Some(TrustLevel::Half)));
 }
+
+/// A creator dropped before any binder came frees its local endpoint: a
+/// bind then finds nobody listening (at once, not after a timeout), a
+/// binder already waiting is told so, and a new channel may be created on
+/// the same endpoint.
+#[test]
+fn a_creator_that_gives_up_frees_its_local_endpoint() {
+    let (a, b) = (Domain::new("a"), Domain::new("b"));
+    let ep = Endpoint::local();
+    drop(Channel::create(&a, &ep, ChannelSetup::default()).expect("create"));
+    assert_eq!(Channel::bind(&b, &ep, BindParams::default()).unwrap_err(), Error::EndpointNotListening);
+    // A binder whose offer the creator never took.
+    let creator = Channel::create(&a, &ep, ChannelSetup::default()).expect("create again");
+    let mut binder = Channel::bind(&b, &ep, BindParams::default()).expect("bind");
+    drop(creator);
+    match binder.wait(Some(Duration::from_secs(10))) {
+        Some(Event::Error(e)) => assert_eq!(e, Error::EndpointNotListening),
+        other => panic!("expected the binder to learn that nobody listens, got {other:?}"),
+    }
+    // And the endpoint serves a new channel.
+    let (_c, _b) = {
+        let mut c = Channel::create(&a, &ep, ChannelSetup::default()).expect("create a third time");
+        let mut b2 = Channel::bind(&b, &ep, BindParams::default()).expect("bind");
+        assert!(matches!(next(&mut c), Event::BindRequest { .. }));
+        assert!(matches!(next(&mut b2), Event::Bound));
+        (c, b2)
+    };
+}

@@ -132,6 +132,23 @@ struct CreatorPending {
     setup: ChannelSetup,
 }
 
+impl Drop for CreatorPending {
+    /// A creator that gives up before a binder connected (its channel was
+    /// dropped): the endpoint is free again, and a binder whose offer it
+    /// never took learns that nobody listens any more.
+    fn drop(&mut self) {
+        let mut st = self.ep.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.connected {
+            return;
+        }
+        st.setup = None;
+        if let Some(offer) = st.offer.take() {
+            *offer.reply.lock().unwrap_or_else(|p| p.into_inner()) = Some(Err(Error::EndpointNotListening));
+            offer.binder.wake();
+        }
+    }
+}
+
 impl PendingSetup for CreatorPending {
     fn poll(&mut self) -> Option<Result<SetupDone>> {
         let mut st = self.ep.state.lock().unwrap_or_else(|p| p.into_inner());

@@ -205,7 +205,8 @@ pub enum Endpoint {
 impl Endpoint {
     /// A fresh local endpoint: create a channel on it in one domain, bind to
     /// it from another (threads of one process). Clones name the same
-    /// endpoint; it serves one channel.
+    /// endpoint; it serves one connected channel (a creator that gives up
+    /// before a binder came frees it).
     ///
     /// ```
     /// use std::time::Duration;

@@ -59,9 +59,8 @@ impl Channel {
     /// Create a channel on `endpoint` ([`Channel::create`]) and wait until
     /// a binder is connected ([`Channel::wait_connected`]): the channel is
     /// returned `Connected`, the [`Event::BindRequest`] taken.
-    /// [`Error::TimedOut`] if no binder came within `timeout` (a
-    /// shared-memory or TCP endpoint is free again; a local endpoint serves
-    /// one channel); the errors of [`Channel::create`].
+    /// [`Error::TimedOut`] if no binder came within `timeout` (the endpoint
+    /// is free again); the errors of [`Channel::create`].
     ///
     /// For a TCP endpoint on port 0, whose address the binder must learn
     /// first, call [`Channel::create`], read
