@@ -13,7 +13,7 @@ use std::ops::Deref;
 use std::sync::Arc;
 
 use crate::domain::{ChanKey, DomainShared};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, ViewMismatch};
 pub use crate::pool::{BufferId, BufferState};
 use crate::pool::{PoolId, PoolView};
 
@@ -364,7 +364,9 @@ fn view_range<T>(bytes: &[u8], offset: usize, count: Option<usize>) -> Result<st
         Some(n) => n.checked_mul(size),
         None => Some(bytes.len().saturating_sub(offset)),
     };
-    let bad = |bytes: usize, why| Error::BadView { ty: std::any::type_name::<T>(), size, align, offset, bytes, why };
+    let bad = |bytes: usize, why| {
+        Error::BadView(Box::new(ViewMismatch { ty: std::any::type_name::<T>(), size, align, offset, bytes, why }))
+    };
     let Some(len) = len else { return Err(bad(usize::MAX, "the length overflows")) };
     if size == 0 {
         return Err(bad(len, "the type has no size"));
@@ -432,7 +434,7 @@ mod tests {
 
     fn why(e: Error) -> &'static str {
         match e {
-            Error::BadView { why, .. } => why,
+            Error::BadView(m) => m.why,
             other => panic!("expected BadView, got {other:?}"),
         }
     }
@@ -461,14 +463,14 @@ mod tests {
         let e = b.slice_of::<u32>(2, 3).unwrap_err();
         assert_eq!(
             e,
-            Error::BadView {
+            Error::BadView(Box::new(crate::error::ViewMismatch {
                 ty: "u32",
                 size: 4,
                 align: 4,
                 offset: 2,
                 bytes: 12,
                 why: "the offset is not aligned for the type"
-            }
+            }))
         );
         assert!(e.to_string().contains("12 bytes at offset 2 of a buffer as elements of u32"), "{e}");
     }

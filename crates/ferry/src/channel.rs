@@ -832,16 +832,15 @@ impl Channel {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn poll(&mut self) -> Option<Event> {
-        if let Some(ev) = self.helpers.held.pop_front() {
-            return Some(ev);
+        if !self.helpers.held.is_empty() {
+            return self.helpers.held.pop_front();
         }
         match self.state {
             ChannelState::Initialized | ChannelState::Binding => self.poll_setup(),
             ChannelState::Connected | ChannelState::Teardown => {
                 self.flush_deferred();
                 self.flush_outbox();
-                let ev = self.poll_message()?;
-                Some(self.apply_pool_policy(ev))
+                self.poll_message()
             }
             _ => None,
         }
@@ -1262,7 +1261,10 @@ impl Channel {
                 })?;
                 Ok(Event::CopyReleased { buffer: buf, writable })
             }
-            Message::AssignRequest { pool, geometry, trust } => self.deliver_assign(pool, geometry, trust),
+            Message::AssignRequest { pool, geometry, trust } => {
+                let ev = self.deliver_assign(pool, geometry, trust)?;
+                Ok(self.apply_pool_policy(ev))
+            }
             Message::AssignReply { pool, accepted } => {
                 match self.pools.iter_mut().find(|p| p.id == pool && p.assigning) {
                     Some(p) => p.assigning = false,

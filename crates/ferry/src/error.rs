@@ -163,21 +163,8 @@ pub enum Error {
     /// A typed view of buffer memory ([`Buffer::as_slice_of`](crate::Buffer::as_slice_of)
     /// and friends) does not fit: the byte range leaves the buffer, is not a
     /// whole number of elements, or is not aligned for the element type.
-    #[error("cannot view {bytes} bytes at offset {offset} of a buffer as elements of {ty} (size {size}, alignment {align}): {why}; choose an offset and a length that fit the buffer and the type")]
-    BadView {
-        /// The element type.
-        ty: &'static str,
-        /// Its size in bytes.
-        size: usize,
-        /// Its alignment in bytes.
-        align: usize,
-        /// Offset of the view in the buffer.
-        offset: usize,
-        /// Length of the view in bytes.
-        bytes: usize,
-        /// What does not fit.
-        why: &'static str,
-    },
+    #[error("cannot view {} bytes at offset {} of a buffer as elements of {} (size {}, alignment {}): {}; choose an offset and a length that fit the buffer and the type", .0.bytes, .0.offset, .0.ty, .0.size, .0.align, .0.why)]
+    BadView(Box<ViewMismatch>),
 
     // --- limits ------------------------------------------------------------------------
     /// The peer asked for more than one of this end's limits allows (see
@@ -221,6 +208,24 @@ impl Error {
     pub(crate) fn from_errno(e: rustix::io::Errno) -> Self {
         Error::Os(std::io::Error::from(e).to_string())
     }
+}
+
+/// What does not fit in a typed view of buffer memory ([`Error::BadView`];
+/// boxed, so that every `Result` of the library stays small).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ViewMismatch {
+    /// The element type.
+    pub ty: &'static str,
+    /// Its size in bytes.
+    pub size: usize,
+    /// Its alignment in bytes.
+    pub align: usize,
+    /// Offset of the view in the buffer.
+    pub offset: usize,
+    /// Length of the view in bytes.
+    pub bytes: usize,
+    /// What does not fit.
+    pub why: &'static str,
 }
 
 impl From<std::io::Error> for Error {
@@ -295,6 +300,13 @@ mod tests {
     use std::time::Duration;
 
     /// One value of every variant.
+    /// Every `Result` of the library carries an `Error`: it stays small
+    /// (a large variant made each move and pass measurably slower).
+    #[test]
+    fn errors_stay_small() {
+        assert!(std::mem::size_of::<Error>() <= 32, "{}", std::mem::size_of::<Error>());
+    }
+
     fn every_variant() -> Vec<Error> {
         let pool = PoolId::from_u128(3);
         vec![
@@ -329,7 +341,14 @@ mod tests {
             Error::Protocol("frame type 122: unknown".into()),
             Error::TimedOut,
             Error::PoolVetoed(pool),
-            Error::BadView { ty: "u64", size: 8, align: 8, offset: 4, bytes: 16, why: "the offset is not aligned" },
+            Error::BadView(Box::new(ViewMismatch {
+                ty: "u64",
+                size: 8,
+                align: 8,
+                offset: 4,
+                bytes: 16,
+                why: "the offset is not aligned",
+            })),
             Error::LimitExceeded { what: "pools assigned by the peer", limit: 256 },
         ]
     }

@@ -130,7 +130,7 @@ pub use backend::{NetEndpoint, NetOptions, ShmEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{Channel, Event, PoolPolicy, PoolRequest};
 pub use domain::{Domain, Pool};
-pub use error::{Error, Refused, Result};
+pub use error::{Error, Refused, Result, ViewMismatch};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
 pub use setup::{

@@ -248,6 +248,7 @@ impl LocalLink {
 
 impl LocalLink {
     /// The next message from the peer, if any.
+    #[inline(always)]
     fn take(&mut self) -> Result<Option<Message>> {
         let meta = self.meta_size;
         match self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(Self::ring_error)? {

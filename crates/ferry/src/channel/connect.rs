@@ -300,7 +300,6 @@ impl Channel {
     /// Under [`PoolPolicy::AcceptAll`], accept the pool of a request just
     /// delivered (the reply is queued like every reply made while
     /// delivering, so a full queue does not lose it).
-    #[inline]
     pub(super) fn apply_pool_policy(&mut self, ev: Event) -> Event {
         if let Event::PoolAssignRequest(req) = &ev {
             if self.helpers.policy == PoolPolicy::AcceptAll && self.state == ChannelState::Connected {
