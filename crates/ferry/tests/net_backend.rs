@@ -4,8 +4,10 @@
 
 mod support;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use support::raw_peer::RawPeer;
+
+use std::io::Read;
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -266,63 +268,7 @@ fn refused_bind_then_success() {
 
 // ------------------------------------------------------------ hostile peer
 
-/// A peer that speaks the wire format by hand (docs: backend/net.rs).
-struct RawPeer {
-    s: TcpStream,
-}
-
-impl RawPeer {
-    /// Connect and bind (any role, any trust): the creator's answer is
-    /// read and must be an acceptance.
-    fn bind(addr: SocketAddr) -> RawPeer {
-        let mut s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(T)).unwrap();
-        // FRY1, kind 1: role generic, trust any, max meta 224, no constraints.
-        let mut req = b"FRY1\x01\x00\xff".to_vec();
-        req.extend_from_slice(&224u16.to_le_bytes());
-        req.extend_from_slice(&[0u8; 24]);
-        let mut framed = (req.len() as u16).to_le_bytes().to_vec();
-        framed.extend_from_slice(&req);
-        s.write_all(&framed).unwrap();
-        let mut len = [0u8; 2];
-        s.read_exact(&mut len).unwrap();
-        let mut reply = vec![0u8; usize::from(u16::from_le_bytes(len))];
-        s.read_exact(&mut reply).unwrap();
-        assert_eq!(&reply[..5], b"FRY1\x02", "bind accepted");
-        RawPeer { s }
-    }
-
-    // One argument per header field of the wire format, in its order.
-    #[allow(clippy::too_many_arguments)]
-    fn frame(&mut self, kind: u8, flags: u8, index: u32, aux: u64, pool: u128, meta: &[u8], payload: &[u8]) {
-        let mut f = vec![kind, flags];
-        f.extend_from_slice(&(meta.len() as u16).to_le_bytes());
-        f.extend_from_slice(&index.to_le_bytes());
-        f.extend_from_slice(&aux.to_le_bytes());
-        f.extend_from_slice(&pool.to_le_bytes());
-        f.extend_from_slice(meta);
-        f.extend_from_slice(payload);
-        // The victim may close as soon as it has seen enough.
-        let _ = self.s.write_all(&f);
-    }
-
-    /// Read frames until a pool assignment arrives; accept it.
-    fn accept_pool(&mut self) -> (u128, usize) {
-        loop {
-            let mut h = [0u8; 32];
-            self.s.read_exact(&mut h).unwrap();
-            let meta = usize::from(u16::from_le_bytes([h[2], h[3]]));
-            let mut skip = vec![0u8; meta];
-            self.s.read_exact(&mut skip).unwrap();
-            if h[0] == 5 {
-                let pool = u128::from_le_bytes(h[16..32].try_into().unwrap());
-                let size = u64::from_le_bytes(h[8..16].try_into().unwrap()) as usize;
-                self.frame(6, 1, 0, 0, pool, &[], &[]);
-                return (pool, size);
-            }
-        }
-    }
-}
+// The peer that speaks the wire format by hand is `support::raw_peer`.
 
 /// Each malformed or hostile frame closes the channel with a protocol
 /// error on the receiving side; the victim's buffers are intact and its own.
