@@ -523,6 +523,11 @@ impl<'c> Run<'c> {
                 }
             }
         }
+        // A domain whose pool left its list (nothing there referred to it
+        // any more) gave up its claim on what it lent of the pool as well:
+        // the pool may come back later, the lending does not.
+        let m = &self.m;
+        self.h.lender.retain(|b, &mut (l, _)| m.knows_pool(l, b.pool));
         self.h.compare(&self.m).map_err(|e| format!("{e}\n  op {op:?}\n  trace {:?}", self.trace))
     }
 
