@@ -21,6 +21,7 @@ use crate::pool::{Geometry, PoolId, PoolView, TrustLevel};
 use crate::proto::{Message, Meta, MAX_META_SIZE};
 use crate::setup::{BindParams, ChannelConstraints, ChannelLimits, ChannelSetup, ChannelState, Direction, Role};
 use crate::sys::Access;
+use crate::wake::{Arm, WakeSet};
 
 mod connect;
 pub use connect::PoolPolicy;
@@ -221,7 +222,18 @@ pub struct Channel {
     spares: Spares,
     /// The pool policy and the events the waiting helpers took (connect.rs).
     helpers: connect::Helpers,
+    /// Everything that wakes this end, behind the one fd of
+    /// [`AsFd`](std::os::fd::AsFd).
+    wake: WakeSet,
+    /// How long [`wait`](Channel::wait) busy-polls before it sleeps.
+    spin: Duration,
 }
+
+/// How long [`Channel::wait`] busy-polls before it sleeps, unless told
+/// otherwise ([`Channel::set_spin`]). A cross-core wake-up costs tens of
+/// microseconds on the machines measured (BENCHMARKS.md), so spinning for a
+/// fraction of that keeps a busy channel off the slow path.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(20);
 
 impl std::fmt::Debug for Channel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -266,8 +278,9 @@ impl Channel {
         if setup.constraints.alignment != 0 && !setup.constraints.alignment.is_power_of_two() {
             return Err(Error::BadAlignment(setup.constraints.alignment));
         }
+        let wake = WakeSet::new()?;
         let pending = endpoint.listen(&setup)?;
-        let mut ch = Channel::new(domain, ChannelState::Initialized, pending);
+        let mut ch = Channel::new(domain, ChannelState::Initialized, pending, wake);
         ch.direction = setup.direction;
         ch.role = setup.role;
         ch.trust = setup.trust;
@@ -299,13 +312,14 @@ impl Channel {
         if params.constraints.alignment != 0 && !params.constraints.alignment.is_power_of_two() {
             return Err(Error::BadAlignment(params.constraints.alignment));
         }
+        let wake = WakeSet::new()?;
         let pending = endpoint.connect(&params)?;
-        let mut ch = Channel::new(domain, ChannelState::Binding, pending);
+        let mut ch = Channel::new(domain, ChannelState::Binding, pending, wake);
         ch.limits = params.limits;
         Ok(ch)
     }
 
-    fn new(domain: &Domain, state: ChannelState, pending: Pending) -> Channel {
+    fn new(domain: &Domain, state: ChannelState, pending: Pending, wake: WakeSet) -> Channel {
         Channel {
             domain: domain.clone(),
             key: domain.new_chan_key(),
@@ -326,6 +340,8 @@ impl Channel {
             lent: None,
             spares: Spares::default(),
             helpers: connect::Helpers::default(),
+            wake,
+            spin: DEFAULT_SPIN,
         }
     }
 
@@ -887,15 +903,105 @@ impl Channel {
                 },
                 None => None,
             };
-            // Never sleep longer than a second at a time, so a peer that
-            // vanished without a wake-up is still noticed.
-            let slice = left.map_or(Duration::from_secs(1), |l| l.min(Duration::from_secs(1)));
-            match (&mut self.link, &mut self.pending) {
-                (Some(link), _) => link.wait(slice),
-                (None, Some(p)) => p.wait(slice),
-                _ => return None,
+            let spin = left.map_or(self.spin, |l| l.min(self.spin));
+            if !spin.is_zero() && self.link.as_mut().is_some_and(|l| l.spin(spin)) {
+                continue;
+            }
+            if !self.arm() {
+                continue;
+            }
+            // Never sleep longer than a second at a time: belt and braces
+            // for a wake-up that no fd carries.
+            self.wake.wait(left.map_or(Duration::from_secs(1), |l| l.min(Duration::from_secs(1))));
+        }
+    }
+
+    /// Prepare to wait on the channel's fd ([`AsFd`](std::os::fd::AsFd)):
+    /// call it when [`poll`](Channel::poll) returned `None`, then wait for
+    /// the fd to become readable (in `poll(2)`, an epoll set, mio, tokio's
+    /// `AsyncFd`), then `poll` again until it returns `None`, and so on.
+    ///
+    /// Returns `false` if an event may be waiting already: `poll` again
+    /// instead of waiting. `true`: the channel is armed, and its fd becomes
+    /// readable when an event may be waiting — a message from the peer,
+    /// room in a full outgoing queue, the peer's close or death, a timer of
+    /// the backend's own (TCP keep-alives, setup deadlines). Wake-ups can
+    /// be spurious; `poll` tells.
+    ///
+    /// Arming is what makes the fd work: a peer rings a channel end only
+    /// after that end declared itself asleep (one wake-up on the empty →
+    /// non-empty transition, never one per message), so a channel that is
+    /// only polled costs its peer nothing. The fd is level-triggered: it
+    /// stays readable until the next `arm`, so edge-triggered waiting works
+    /// too as long as every wake-up is followed by `poll` until `None` and
+    /// `arm`. A closed channel is always armed (nothing more will come).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use ferry::*;
+    /// use std::os::fd::AsFd;
+    /// # let t = Duration::from_secs(10);
+    /// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+    /// # let ep = Endpoint::local();
+    /// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// # tx.wait_connected(t)?;
+    /// # rx.wait_connected(t)?;
+    /// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+    /// # let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// # tx.assign_pool(alloc.pool())?;
+    /// # rx.poll();
+    /// # tx.poll();
+    /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
+    /// let readable = |ch: &Channel| {
+    ///     let mut fds = [rustix::event::PollFd::new(ch, rustix::event::PollFlags::IN)];
+    ///     rustix::event::poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 10, tv_nsec: 0 })).unwrap() == 1
+    /// };
+    /// assert!(rx.poll().is_none());
+    /// assert!(rx.arm()); // nothing waiting: rx's fd will say when
+    /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
+    /// assert!(readable(&rx));
+    /// assert!(matches!(rx.poll(), Some(Event::MoveReceived { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn arm(&mut self) -> bool {
+        if !self.helpers.held.is_empty() {
+            return false;
+        }
+        let armed = match self.state {
+            ChannelState::Initialized | ChannelState::Binding => match self.pending.as_mut() {
+                Some(p) => p.arm(&self.wake),
+                None => Arm::SLEEP,
+            },
+            ChannelState::Connected | ChannelState::Teardown => {
+                self.flush_deferred();
+                self.flush_outbox();
+                match self.link.as_mut() {
+                    Some(link) => link.arm(&self.wake),
+                    None => Arm::SLEEP,
+                }
+            }
+            _ => Arm::SLEEP,
+        };
+        match armed {
+            Arm::Ready => false,
+            Arm::Sleep { until } => {
+                self.wake.set_timer(until);
+                true
             }
         }
+    }
+
+    /// How long [`wait`](Channel::wait) busy-polls before it sleeps
+    /// ([`DEFAULT_SPIN`] unless set). Zero: sleep at once (saves a core
+    /// when latency matters less than CPU time).
+    pub fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
+    }
+
+    /// How long [`wait`](Channel::wait) busy-polls before it sleeps.
+    pub fn spin(&self) -> Duration {
+        self.spin
     }
 
     // --------------------------------------------------------------- internals
@@ -1148,10 +1254,16 @@ impl Channel {
         let pending = self.pending.as_mut()?;
         let outcome = pending.poll()?;
         match outcome {
-            Ok((link, neg, creator)) => {
+            Ok((mut link, neg, creator)) => {
+                if let Err(e) = link.register(&self.wake) {
+                    self.state = ChannelState::Closed;
+                    self.pending = None;
+                    return Some(Event::Error(e));
+                }
                 if link.peer_can_die() {
                     self.lent = Some(LentSet::default());
                 }
+                self.pending = None;
                 self.link = Some(link);
                 self.state = ChannelState::Connected;
                 self.trust = neg.trust;
@@ -1518,6 +1630,15 @@ impl Channel {
             self.domain.lock().copy_released_here(id, self.key);
             last.push(Message::Release { buf: id });
         }
+    }
+}
+
+/// The channel end's fd: readable when an event may be waiting, once the
+/// channel is armed ([`Channel::arm`], which says how to use it). The same
+/// fd for the channel's whole life, whatever its backend and state.
+impl std::os::fd::AsFd for Channel {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.wake.as_fd()
     }
 }
 

@@ -122,13 +122,14 @@ mod proto;
 mod ring;
 mod setup;
 mod sys;
+mod wake;
 
 pub use alloc::Allocator;
 pub use backend::{Endpoint, LinkStats, LocalEndpoint};
 #[cfg(not(loom))]
 pub use backend::{NetEndpoint, NetOptions, ShmEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
-pub use channel::{Channel, Event, PoolPolicy, PoolRequest};
+pub use channel::{Channel, Event, PoolPolicy, PoolRequest, DEFAULT_SPIN};
 pub use domain::{Domain, Pool};
 pub use error::{Error, Refused, Result, ViewMismatch};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};

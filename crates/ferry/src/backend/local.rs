@@ -5,22 +5,18 @@
 //! so every domain maps the same memory: zero copy by construction.
 
 use std::collections::{HashMap, VecDeque};
+use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::unshared::WriteBack;
-use super::waker::Waker;
 use super::{Link, Pending, PendingSetup, SetupDone};
 use crate::error::{Error, Result};
 use crate::pool::{Geometry, PoolId, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
 use crate::ring::{self, Consumer, Producer, RingError, RingLayout};
 use crate::setup::{negotiate, BindParams, ChannelSetup, Negotiated};
-
-/// How long a waiting end spins before it sleeps. A cross-core wake-up
-/// costs about 50 µs on the machines we measured (BENCHMARKS.md, eventfd), so
-/// spinning for a fraction of that keeps a busy channel off the slow path.
-const SPIN: Duration = Duration::from_micros(20);
+use crate::wake::{Arm, Doorbell, Interest, WakeSet};
 
 /// An in-process endpoint. Clones name the same endpoint.
 #[derive(Debug, Clone, Default)]
@@ -31,14 +27,15 @@ pub struct LocalEndpoint {
 #[derive(Debug, Default)]
 struct EpShared {
     state: Mutex<EpState>,
-    /// Wakes the creator when a bind offer arrives.
-    creator: Arc<Waker>,
 }
 
 #[derive(Debug, Default)]
 struct EpState {
     /// The creator's setup, once a channel is created here.
     setup: Option<ChannelSetup>,
+    /// Rung for the creator when a bind offer arrives (and, once
+    /// connected, when its peer sends).
+    creator: Option<Arc<Doorbell>>,
     /// A binder's offer, waiting for the creator to poll.
     offer: Option<Offer>,
     /// A binder was accepted: the endpoint is used up.
@@ -52,7 +49,7 @@ struct Offer {
     params: BindParams,
     creator_link: LocalLink,
     reply: Reply,
-    binder: Arc<Waker>,
+    binder: Arc<Doorbell>,
 }
 
 impl LocalEndpoint {
@@ -75,13 +72,17 @@ impl LocalEndpoint {
         if st.setup.is_some() {
             return Err(Error::EndpointInUse);
         }
+        let bell = Arc::new(Doorbell::new()?);
         st.setup = Some(*setup);
-        Ok(Box::new(CreatorPending { ep: self.shared.clone(), setup: *setup }))
+        st.creator = Some(bell.clone());
+        Ok(Box::new(CreatorPending { ep: self.shared.clone(), setup: *setup, bell }))
     }
 
     pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
         let mut st = self.lock();
-        let setup = st.setup.ok_or(Error::EndpointNotListening)?;
+        let (Some(setup), Some(creator_bell)) = (st.setup, st.creator.clone()) else {
+            return Err(Error::EndpointNotListening);
+        };
         if st.connected || st.offer.is_some() {
             return Err(Error::EndpointInUse);
         }
@@ -89,7 +90,7 @@ impl LocalEndpoint {
             .map_err(|_| Error::InvalidArgument("queue depth"))?;
         let (to_creator_tx, to_creator_rx) = ring::heap_pair(layout);
         let (to_binder_tx, to_binder_rx) = ring::heap_pair(layout);
-        let binder_waker = Arc::new(Waker::default());
+        let binder_bell = Arc::new(Doorbell::new()?);
         let (to_creator_pools, to_binder_pools) = (Arc::default(), Arc::default());
         let meta = setup.meta_size;
         let (to_creator_last, to_binder_last) = (Arc::default(), Arc::default());
@@ -97,8 +98,8 @@ impl LocalEndpoint {
             tx: to_binder_tx,
             rx: to_creator_rx,
             meta_size: meta,
-            me: self.shared.creator.clone(),
-            peer: binder_waker.clone(),
+            me: creator_bell.clone(),
+            peer: binder_bell.clone(),
             exports: Arc::clone(&to_binder_pools),
             imports: Arc::clone(&to_creator_pools),
             last_out: Arc::clone(&to_binder_last),
@@ -110,8 +111,8 @@ impl LocalEndpoint {
             tx: to_creator_tx,
             rx: to_binder_rx,
             meta_size: meta,
-            me: binder_waker.clone(),
-            peer: self.shared.creator.clone(),
+            me: binder_bell.clone(),
+            peer: creator_bell.clone(),
             exports: to_creator_pools,
             imports: to_binder_pools,
             last_out: to_creator_last,
@@ -120,16 +121,17 @@ impl LocalEndpoint {
             write_back: WriteBack::default(),
         };
         let reply: Reply = Arc::new(Mutex::new(None));
-        st.offer = Some(Offer { params: *params, creator_link, reply: reply.clone(), binder: binder_waker.clone() });
+        st.offer = Some(Offer { params: *params, creator_link, reply: reply.clone(), binder: binder_bell.clone() });
         drop(st);
-        self.shared.creator.wake();
-        Ok(Box::new(BinderPending { reply, link: Some(binder_link), waker: binder_waker }))
+        creator_bell.ring();
+        Ok(Box::new(BinderPending { reply, link: Some(binder_link), bell: binder_bell }))
     }
 }
 
 struct CreatorPending {
     ep: Arc<EpShared>,
     setup: ChannelSetup,
+    bell: Arc<Doorbell>,
 }
 
 impl Drop for CreatorPending {
@@ -142,9 +144,10 @@ impl Drop for CreatorPending {
             return;
         }
         st.setup = None;
+        st.creator = None;
         if let Some(offer) = st.offer.take() {
             *offer.reply.lock().unwrap_or_else(|p| p.into_inner()) = Some(Err(Error::EndpointNotListening));
-            offer.binder.wake();
+            offer.binder.ring();
         }
     }
 }
@@ -156,7 +159,7 @@ impl PendingSetup for CreatorPending {
         let outcome = negotiate(&self.setup, &offer.params);
         let answer = outcome.map_err(Error::BindRefused);
         *offer.reply.lock().unwrap_or_else(|p| p.into_inner()) = Some(answer.clone());
-        offer.binder.wake();
+        offer.binder.ring();
         match answer {
             Ok(neg) => {
                 st.connected = true;
@@ -167,19 +170,24 @@ impl PendingSetup for CreatorPending {
         }
     }
 
-    fn wait(&mut self, timeout: Duration) {
-        self.ep.creator.register();
-        if self.ep.state.lock().unwrap_or_else(|p| p.into_inner()).offer.is_some() {
-            return;
+    fn arm(&mut self, wake: &WakeSet) -> Arm {
+        if wake.watch(self.bell.fd().as_fd(), Interest::Read).is_err() {
+            return Arm::Ready;
         }
-        self.ep.creator.park(timeout);
+        // Take an old ring before looking: an offer made after the look
+        // rings again.
+        self.bell.reset();
+        if self.ep.state.lock().unwrap_or_else(|p| p.into_inner()).offer.is_some() {
+            return Arm::Ready;
+        }
+        Arm::SLEEP
     }
 }
 
 struct BinderPending {
     reply: Reply,
     link: Option<LocalLink>,
-    waker: Arc<Waker>,
+    bell: Arc<Doorbell>,
 }
 
 impl PendingSetup for BinderPending {
@@ -191,12 +199,15 @@ impl PendingSetup for BinderPending {
         }))
     }
 
-    fn wait(&mut self, timeout: Duration) {
-        self.waker.register();
-        if self.reply.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
-            return;
+    fn arm(&mut self, wake: &WakeSet) -> Arm {
+        if wake.watch(self.bell.fd().as_fd(), Interest::Read).is_err() {
+            return Arm::Ready;
         }
-        self.waker.park(timeout);
+        self.bell.reset();
+        if self.reply.lock().unwrap_or_else(|p| p.into_inner()).is_some() {
+            return Arm::Ready;
+        }
+        Arm::SLEEP
     }
 }
 
@@ -205,9 +216,10 @@ pub(crate) struct LocalLink {
     tx: Producer,
     rx: Consumer,
     meta_size: usize,
-    /// Woken by the peer when we sleep and it sends.
-    me: Arc<Waker>,
-    peer: Arc<Waker>,
+    /// Rung by the peer when we sleep and it sends (or makes room we
+    /// asked for), and the peer's.
+    me: Arc<Doorbell>,
+    peer: Arc<Doorbell>,
     /// Pools we exported, waiting for the peer to take them with our offer,
     /// and those the peer exported to us: each offer's entry is taken by
     /// its receiver, whether it imports, uses or declines the pool.
@@ -241,7 +253,7 @@ impl LocalLink {
     /// Make the staged messages visible to the peer; wake it if it sleeps.
     fn publish(&mut self) {
         if self.tx.publish() {
-            self.peer.wake();
+            self.peer.ring();
         }
     }
 }
@@ -320,24 +332,40 @@ impl Link for LocalLink {
     fn recv(&mut self, gate: &mut dyn super::PayloadGate) -> Result<Option<Message>> {
         let msg = self.take()?;
         if let Some(msg) = &msg {
+            if self.rx.take_room_request() {
+                self.peer.ring();
+            }
             self.write_back.arrive(msg, gate)?;
         }
         Ok(msg)
     }
 
-    fn wait(&mut self, timeout: Duration) {
+    fn register(&mut self, wake: &WakeSet) -> Result<()> {
+        Ok(wake.watch(self.me.fd().as_fd(), Interest::Read)?)
+    }
+
+    fn spin(&mut self, spin: Duration) -> bool {
         self.publish();
-        let start = Instant::now();
-        if self.rx.spin_for_work(SPIN.min(timeout)) {
-            return;
+        self.rx.spin_for_work(spin)
+    }
+
+    fn arm(&mut self, _wake: &WakeSet) -> Arm {
+        self.publish();
+        if self.tx.free_slots() == 0 && !self.tx.want_room() {
+            return Arm::Ready;
         }
-        self.me.register();
-        if !self.rx.prepare_sleep() || self.rx.peer_closed() {
+        // Take an old ring before declaring sleep: a ring after the
+        // declaration stays.
+        self.me.reset();
+        let sleep = self.rx.prepare_sleep();
+        if self.rx.take_room_request() {
+            self.peer.ring();
+        }
+        if !sleep || self.rx.peer_closed() {
             self.rx.cancel_sleep();
-            return;
+            return Arm::Ready;
         }
-        self.me.park(timeout.saturating_sub(start.elapsed()));
-        self.rx.cancel_sleep();
+        Arm::SLEEP
     }
 
     fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
@@ -374,7 +402,7 @@ impl Link for LocalLink {
         // messages are in place before the flag goes up.
         self.tx.close();
         self.rx.close();
-        self.peer.wake();
+        self.peer.ring();
     }
 }
 

@@ -15,6 +15,7 @@ use crate::pool::{Geometry, PoolId, PoolMemory};
 use crate::proto::Message;
 use crate::ring::{Producer, PUBLISH_EVERY};
 use crate::setup::{BindParams, ChannelSetup, Negotiated};
+use crate::wake::{Arm, WakeSet};
 
 pub mod local;
 #[cfg(not(loom))]
@@ -26,7 +27,6 @@ pub mod shm;
 #[cfg(not(loom))]
 mod uds;
 mod unshared;
-mod waker;
 
 pub use local::LocalEndpoint;
 #[cfg(not(loom))]
@@ -64,8 +64,21 @@ pub(crate) trait Link: Send {
     /// for malformed input. A backend that carries payloads asks `gate`
     /// before it writes one into our memory.
     fn recv(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>>;
-    /// Block until a message may be there, the peer closes, or `timeout`.
-    fn wait(&mut self, timeout: Duration);
+    /// Add what wakes this end to the channel's wake set (once, when the
+    /// link takes over from the setup).
+    fn register(&mut self, wake: &WakeSet) -> Result<()>;
+    /// Busy-wait up to `spin` for a message (or the peer's close): `true`
+    /// if one may be there. Backends whose waiting costs a system call
+    /// anyway do not spin.
+    fn spin(&mut self, spin: Duration) -> bool {
+        let _ = spin;
+        false
+    }
+    /// Prepare to sleep on the channel's wake set: send what is held back,
+    /// declare sleep to the peer (the ring's handshake) and, if the
+    /// outgoing queue is full, ask to be woken when it has room. `Ready`
+    /// if a message (or room, or the peer's end) may be there already.
+    fn arm(&mut self, wake: &WakeSet) -> Arm;
     /// Make a pool's memory available to the peer (before its assignment
     /// request is sent).
     fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()>;
@@ -169,8 +182,10 @@ pub(crate) type SetupDone = (Box<dyn Link>, Negotiated, bool);
 pub(crate) trait PendingSetup: Send {
     /// `Some` once the setup finished (or failed).
     fn poll(&mut self) -> Option<Result<SetupDone>>;
-    /// Block until `poll` may have news, or `timeout`.
-    fn wait(&mut self, timeout: Duration);
+    /// Add what `poll` waits for to the channel's wake set (again after
+    /// every `poll`: connections come and go); `Ready` if `poll` may have
+    /// news already.
+    fn arm(&mut self, wake: &WakeSet) -> Arm;
     /// The socket address a creator listens on (TCP), if any.
     fn listen_addr(&self) -> Option<std::net::SocketAddr> {
         None

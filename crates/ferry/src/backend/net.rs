@@ -51,7 +51,7 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::event::{PollFd, PollFlags};
 
 use super::setup_msg;
 use super::{Landing, Link, LinkStats, PayloadGate, Pending, PendingSetup, SetupDone};
@@ -61,6 +61,7 @@ use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory};
 use crate::proto::{self, Message, Meta};
 use crate::setup::{check_reply, negotiate, BindParams, ChannelSetup};
 use crate::sys::{self, Access, Mapping, RecvPart, SendPart};
+use crate::wake::{timespec, Arm, Interest, WakeSet};
 
 /// Size of a frame header.
 pub(crate) const FRAME_HEAD: usize = 32;
@@ -306,14 +307,17 @@ impl PendingSetup for CreatorPending {
         None
     }
 
-    fn wait(&mut self, timeout: Duration) {
-        let Some(listener) = &self.listener else { return };
-        let mut pfds = vec![PollFd::new(listener, PollFlags::IN)];
-        pfds.extend(self.half_open.iter().map(|c| PollFd::new(&c.stream, PollFlags::IN)));
+    fn arm(&mut self, wake: &WakeSet) -> Arm {
+        let Some(listener) = &self.listener else { return Arm::SLEEP };
+        // Closed connections leave the set by themselves.
+        let fds = std::iter::once(listener.as_fd()).chain(self.half_open.iter().map(|c| c.stream.as_fd()));
+        for fd in fds {
+            if wake.watch(fd, Interest::Read).is_err() {
+                return Arm::Ready;
+            }
+        }
         // Wake for the first deadline too, to drop that connection.
-        let first = self.half_open.iter().map(|c| c.deadline).min();
-        let timeout = first.map_or(timeout, |d| timeout.min(d.saturating_duration_since(Instant::now())));
-        let _ = rustix::event::poll(&mut pfds, Some(&timespec(timeout)));
+        Arm::Sleep { until: self.half_open.iter().map(|c| c.deadline).min() }
     }
 
     fn listen_addr(&self) -> Option<SocketAddr> {
@@ -343,16 +347,13 @@ impl PendingSetup for BinderPending {
         }))
     }
 
-    fn wait(&mut self, timeout: Duration) {
-        if let Some(c) = &self.conn {
-            let left = c.deadline.saturating_duration_since(Instant::now());
-            let _ = poll_fd(c.stream.as_fd(), PollFlags::IN, timeout.min(left));
+    fn arm(&mut self, wake: &WakeSet) -> Arm {
+        let Some(c) = &self.conn else { return Arm::SLEEP };
+        if wake.watch(c.stream.as_fd(), Interest::Read).is_err() {
+            return Arm::Ready;
         }
+        Arm::Sleep { until: Some(c.deadline) }
     }
-}
-
-fn timespec(t: Duration) -> Timespec {
-    Timespec { tv_sec: t.as_secs().min(i64::MAX as u64) as i64, tv_nsec: i64::from(t.subsec_nanos()) }
 }
 
 fn poll_fd(fd: std::os::fd::BorrowedFd<'_>, events: PollFlags, timeout: Duration) -> io::Result<PollFlags> {
@@ -427,6 +428,8 @@ pub(crate) struct NetLink {
     copied_in: std::collections::HashSet<BufferId>,
     last_rx: Instant,
     last_tx: Instant,
+    /// What the socket is watched for in the channel's wake set.
+    interest: Interest,
     /// Last time the queue was empty or bytes went out.
     last_progress: Instant,
     goodbye_seen: bool,
@@ -461,6 +464,7 @@ impl NetLink {
             copied_in: std::collections::HashSet::new(),
             last_rx: now,
             last_tx: now,
+            interest: Interest::Read,
             last_progress: now,
             goodbye_seen: false,
             closed: false,
@@ -864,18 +868,31 @@ impl Link for NetLink {
         }
     }
 
-    fn wait(&mut self, timeout: Duration) {
-        if self.gone.is_some() || self.flush().is_err() {
-            return;
+    fn register(&mut self, wake: &WakeSet) -> Result<()> {
+        wake.watch(self.stream.as_fd(), Interest::Read)?;
+        self.interest = Interest::Read;
+        Ok(())
+    }
+
+    fn arm(&mut self, wake: &WakeSet) -> Arm {
+        // An error (or a keep-alive due) is for `recv` to report or send.
+        if self.gone.is_some() || NetLink::flush(self).is_err() || self.tick().is_err() {
+            return Arm::Ready;
         }
-        // Wake for keep-alives and the liveness check on time.
-        let timeout = timeout.min(self.options.peer_timeout / 8);
-        let events = if self.out.is_empty() { PollFlags::IN } else { PollFlags::IN | PollFlags::OUT };
-        if let Ok(ready) = poll_fd(self.stream.as_fd(), events, timeout) {
-            if ready.contains(PollFlags::OUT) {
-                let _ = self.flush();
+        // Output queued: wake when the socket takes more (room, progress).
+        let interest = if self.out.is_empty() { Interest::Read } else { Interest::ReadWrite };
+        if interest != self.interest {
+            if wake.watch(self.stream.as_fd(), interest).is_err() {
+                return Arm::Ready;
             }
+            self.interest = interest;
         }
+        // Wake for the keep-alive and the liveness checks on time (`tick`
+        // acts once a limit is passed, hence the millisecond after it).
+        let timeout = self.options.peer_timeout;
+        let ours = if self.out.is_empty() { self.last_tx + timeout / 4 } else { self.last_progress + timeout };
+        let until = ours.min(self.last_rx + timeout) + Duration::from_millis(1);
+        Arm::Sleep { until: Some(until) }
     }
 
     fn flush(&mut self) -> Result<()> {

@@ -36,10 +36,8 @@ use crate::proto::{self, Message};
 use crate::ring::{self, Consumer, Producer, RingError, RingLayout, RingMemory};
 use crate::setup::{check_reply, negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::sys::{self, Mapping};
+use crate::wake::{self, Arm, Interest, WakeSet};
 
-/// How long a waiting end spins before it sleeps (a cross-core wake-up
-/// costs ≈ 50 µs on the machines measured, BENCHMARKS.md).
-const SPIN: Duration = Duration::from_micros(20);
 /// How often a busy-polling end checks that the peer still exists.
 const LIVENESS_EVERY: Duration = Duration::from_millis(2);
 /// Empty polls between two looks at the clock for that check (reading the
@@ -86,7 +84,7 @@ impl ShmEndpoint {
             std::io::ErrorKind::TimedOut => Error::TimedOut,
             _ => Error::from(e),
         })?;
-        let bell = uds::doorbell()?;
+        let bell = crate::wake::eventfd()?;
         conn.send(&setup_msg::encode_bind(params), &[bell.as_fd()]).map_err(|e| match e.kind() {
             std::io::ErrorKind::WouldBlock => Error::TimedOut,
             _ => Error::from(e),
@@ -184,7 +182,7 @@ impl CreatorPending {
         ring::init(b.clone(), layout).map_err(ring_err)?;
         let tx = ring::attach_producer(a, layout).map_err(ring_err)?;
         let rx = ring::attach_consumer(b, layout).map_err(ring_err)?;
-        let bell = uds::doorbell()?;
+        let bell = crate::wake::eventfd()?;
         if conn.send(&setup_msg::encode_accept(&neg, depth), &[fd.as_fd(), bell.as_fd()]).is_err() {
             // The binder went away after asking.
             return Ok(None);
@@ -243,14 +241,17 @@ impl PendingSetup for CreatorPending {
         None
     }
 
-    fn wait(&mut self, timeout: Duration) {
-        let Some(listener) = &self.listener else { return };
-        let mut fds = vec![listener.as_fd()];
-        fds.extend(self.half_open.iter().map(|h| h.conn.as_fd()));
+    fn arm(&mut self, wake: &WakeSet) -> Arm {
+        let Some(listener) = &self.listener else { return Arm::SLEEP };
+        // Closed connections leave the set by themselves.
+        let fds = std::iter::once(listener.as_fd()).chain(self.half_open.iter().map(|h| h.conn.as_fd()));
+        for fd in fds {
+            if wake.watch(fd, Interest::Read).is_err() {
+                return Arm::Ready;
+            }
+        }
         // Wake for the first deadline too, to shed that connection.
-        let first = self.half_open.iter().map(|h| h.deadline).min();
-        let timeout = first.map_or(timeout, |d| timeout.min(d.saturating_duration_since(Instant::now())));
-        let _ = uds::wait_readable(&fds, Some(timeout));
+        Arm::Sleep { until: self.half_open.iter().map(|h| h.deadline).min() }
     }
 }
 
@@ -298,11 +299,12 @@ impl PendingSetup for BinderPending {
         Some(done)
     }
 
-    fn wait(&mut self, timeout: Duration) {
-        if let Some(c) = &self.conn {
-            let left = self.deadline.saturating_duration_since(Instant::now());
-            let _ = uds::wait_readable(&[c.as_fd()], Some(timeout.min(left)));
+    fn arm(&mut self, wake: &WakeSet) -> Arm {
+        let Some(c) = &self.conn else { return Arm::SLEEP };
+        if wake.watch(c.as_fd(), Interest::Read).is_err() {
+            return Arm::Ready;
         }
+        Arm::Sleep { until: Some(self.deadline) }
     }
 }
 
@@ -538,7 +540,7 @@ impl ShmLink {
     /// it sleeps.
     fn publish(&mut self) {
         if self.tx.publish() {
-            uds::ring(&self.peer_bell);
+            wake::ring(&self.peer_bell);
         }
     }
 
@@ -629,6 +631,9 @@ impl Link for ShmLink {
     fn recv(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
         let meta = self.meta_size;
         if let Some(decoded) = self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(ring_err)? {
+            if self.rx.take_room_request() {
+                wake::ring(&self.peer_bell);
+            }
             return self.land(decoded?, gate).map(Some);
         }
         // Nothing to do here for now: what we held back goes out.
@@ -643,20 +648,36 @@ impl Link for ShmLink {
         Ok(None)
     }
 
-    fn wait(&mut self, timeout: Duration) {
+    fn register(&mut self, wake: &WakeSet) -> Result<()> {
+        wake.watch(self.bell.as_fd(), Interest::Read)?;
+        // Pool files come on the socket ahead of the descriptors that need
+        // them and are read then: only its hang-up (the peer process gone)
+        // wakes us.
+        Ok(wake.watch(self.conn.as_fd(), Interest::HangUp)?)
+    }
+
+    fn spin(&mut self, spin: Duration) -> bool {
         self.publish();
-        let start = Instant::now();
-        if self.rx.spin_for_work(SPIN.min(timeout)) {
-            return;
+        self.rx.spin_for_work(spin)
+    }
+
+    fn arm(&mut self, _wake: &WakeSet) -> Arm {
+        self.publish();
+        if self.tx.free_slots() == 0 && !self.tx.want_room() {
+            return Arm::Ready;
         }
-        if !self.rx.prepare_sleep() || self.peer_gone(true) {
+        // Take an old ring before declaring sleep: a ring after the
+        // declaration stays.
+        wake::reset(&self.bell);
+        let sleep = self.rx.prepare_sleep();
+        if self.rx.take_room_request() {
+            wake::ring(&self.peer_bell);
+        }
+        if !sleep || self.peer_gone(true) {
             self.rx.cancel_sleep();
-            return;
+            return Arm::Ready;
         }
-        let _ =
-            uds::wait_readable(&[self.bell.as_fd(), self.conn.as_fd()], Some(timeout.saturating_sub(start.elapsed())));
-        self.rx.cancel_sleep();
-        uds::reset(&self.bell);
+        Arm::SLEEP
     }
 
     fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
@@ -726,7 +747,7 @@ impl Link for ShmLink {
         // Publishes what is staged, then the closed flag.
         self.tx.close();
         self.rx.close();
-        uds::ring(&self.peer_bell);
+        wake::ring(&self.peer_bell);
     }
 
     fn peer_can_die(&self) -> bool {
@@ -742,7 +763,7 @@ impl Link for ShmLink {
         // come back at once; the peer notices the closed rings.
         self.tx.close();
         self.rx.close();
-        uds::ring(&self.peer_bell);
+        wake::ring(&self.peer_bell);
         self.peer_hung_up = true;
         true
     }
@@ -750,7 +771,7 @@ impl Link for ShmLink {
     fn peer_died(&mut self) -> bool {
         let Some(pidfd) = &self.peer_pidfd else { return false };
         // A pidfd polls readable once the process has exited.
-        uds::wait_readable(&[pidfd.as_fd()], Some(Duration::from_millis(50))).unwrap_or(false)
+        wake::wait_readable(&[pidfd.as_fd()], Some(Duration::from_millis(50))).unwrap_or(false)
     }
 }
 
@@ -758,6 +779,6 @@ impl Drop for ShmLink {
     fn drop(&mut self) {
         self.tx.close();
         self.rx.close();
-        uds::ring(&self.peer_bell);
+        wake::ring(&self.peer_bell);
     }
 }

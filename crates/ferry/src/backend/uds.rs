@@ -1,4 +1,4 @@
-//! Unix seqpacket sockets with fd passing, eventfds and `poll`: the setup
+//! Unix seqpacket sockets with fd passing and doorbell checks: the setup
 //! path of the shared-memory backend (the only place the kernel is involved
 //! once a channel runs), on top of rustix's safe wrappers.
 
@@ -8,7 +8,9 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rustix::event::{EventfdFlags, PollFd, PollFlags, Timespec};
+use rustix::event::{PollFd, PollFlags, Timespec};
+
+use crate::wake::wait_readable;
 use rustix::io::Errno;
 use rustix::net::{
     AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage,
@@ -204,25 +206,6 @@ impl AsFd for Conn {
     }
 }
 
-/// Wait until any of `fds` is readable or hung up; `false` on timeout.
-pub(crate) fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -> io::Result<bool> {
-    let mut pfds: Vec<PollFd<'_>> = fds.iter().map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN)).collect();
-    let ts = timeout
-        .map(|t| Timespec { tv_sec: t.as_secs().min(i64::MAX as u64) as i64, tv_nsec: i64::from(t.subsec_nanos()) });
-    loop {
-        match rustix::event::poll(&mut pfds, ts.as_ref()) {
-            Ok(n) => return Ok(n > 0),
-            Err(Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
-}
-
-/// A non-blocking eventfd: the doorbell a sleeping consumer waits on.
-pub(crate) fn doorbell() -> io::Result<OwnedFd> {
-    Ok(rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?)
-}
-
 /// Accept a doorbell from the peer only if it is an eventfd, and make it
 /// non-blocking (the peer's flags are its own business; ours must never
 /// block): a pipe the peer keeps full, a socket or a regular file would let
@@ -234,18 +217,6 @@ pub(crate) fn check_doorbell(fd: &OwnedFd) -> Result<(), String> {
         return Err(format!("doorbell is not an eventfd but {}", kind.display()));
     }
     set_nonblocking(fd).map_err(|e| format!("doorbell: {e}"))
-}
-
-/// Ring a doorbell (an eventfd, non-blocking: [`check_doorbell`]).
-pub(crate) fn ring(fd: &OwnedFd) {
-    // EAGAIN only if the counter would overflow: it is rung already.
-    let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
-}
-
-/// Reset a doorbell after waking.
-pub(crate) fn reset(fd: &OwnedFd) {
-    let mut b = [0u8; 8];
-    let _ = rustix::io::read(fd, &mut b);
 }
 
 #[cfg(test)]
@@ -263,13 +234,13 @@ mod tests {
                 break s;
             }
         };
-        let bell = doorbell().unwrap();
+        let bell = crate::wake::eventfd().unwrap();
         c.send(b"hello", &[bell.as_fd()]).unwrap();
         let mut buf = [0u8; 16];
         let (n, fds) = s.recv(&mut buf, Some(Duration::from_secs(5))).unwrap().unwrap();
         assert_eq!((&buf[..n], fds.len()), (&b"hello"[..], 1));
         // The received fd is the same eventfd.
-        ring(&bell);
+        crate::wake::ring(&bell);
         assert!(wait_readable(&[fds[0].as_fd()], Some(Duration::from_secs(5))).unwrap());
         assert_eq!(s.peer_pid().unwrap(), rustix::process::getpid());
         assert!(!s.hung_up());
@@ -285,12 +256,12 @@ mod tests {
         assert!(check_doorbell(&w).unwrap_err().contains("pipe"));
         // A blocking eventfd one short of its maximum: a blocking write of
         // 1 would wait for a reader that never comes.
-        let bell = rustix::event::eventfd(0, EventfdFlags::CLOEXEC).unwrap();
+        let bell = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC).unwrap();
         rustix::io::write(&bell, &(u64::MAX - 1).to_ne_bytes()).unwrap();
         check_doorbell(&bell).unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
-            ring(&bell);
+            crate::wake::ring(&bell);
             let _ = tx.send(());
         });
         rx.recv_timeout(Duration::from_secs(10)).expect("the ring returned at once");

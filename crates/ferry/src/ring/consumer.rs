@@ -110,6 +110,16 @@ impl Consumer {
         true
     }
 
+    /// Room handshake (see the module docs): whether the producer asked to
+    /// be woken when a slot is free (the request is taken: the caller must
+    /// wake it). Look after every pop, and after `prepare_sleep`, whose
+    /// fence makes the look certain.
+    #[inline]
+    pub(crate) fn take_room_request(&mut self) -> bool {
+        let room = self.sh.room();
+        room.load(Ordering::Relaxed) != 0 && room.swap(0, Ordering::Relaxed) != 0
+    }
+
     /// Clear the sleeping flag after waking. Relaxed: clearing only makes the
     /// producer skip wake-ups, and we are awake and about to re-check head
     /// ourselves.

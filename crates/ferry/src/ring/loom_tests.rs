@@ -227,3 +227,54 @@ fn sleep_handshake_close() {
         drop(p);
     });
 }
+
+/// The room handshake: a producer that finds the ring full asks for room
+/// and waits (as on a doorbell) until the consumer takes its request; the
+/// consumer looks for requests after every pop (unfenced) and after
+/// declaring sleep (fenced), as the links do. A lost wake-up leaves the
+/// producer waiting forever, which loom reports; so does removing the
+/// fence in `want_room` or `prepare_sleep`.
+#[test]
+fn room_handshake_never_loses_wakeup() {
+    model("room_handshake_never_loses_wakeup", || {
+        let (mut p, mut c) = heap_pair(RingLayout::new(2, 64).unwrap());
+        let producer = thread::spawn(move || {
+            for i in 0..3u8 {
+                loop {
+                    match p.try_push(|b| b[0] = i) {
+                        Ok(_) => break,
+                        Err(RingError::Full) => {
+                            if p.want_room() {
+                                // Asleep until the consumer takes the request.
+                                while p.sh.room().load(Ordering::Acquire) == 1 {
+                                    thread::yield_now();
+                                }
+                            }
+                        }
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            }
+            p
+        });
+        let mut got = Vec::new();
+        while got.len() < 3 {
+            if let Some(x) = c.try_pop(|b| b[0]).unwrap() {
+                got.push(x);
+                let _wake = c.take_room_request();
+            } else {
+                let sleep = c.prepare_sleep();
+                // Wakes the producer if it asked (the swap is the wake).
+                let _wake = c.take_room_request();
+                if sleep {
+                    while c.sleep_word().load(Ordering::Acquire) == 1 {
+                        thread::yield_now();
+                    }
+                    c.cancel_sleep();
+                }
+            }
+        }
+        assert_eq!(got, [0, 1, 2]);
+        drop(producer.join().unwrap());
+    });
+}

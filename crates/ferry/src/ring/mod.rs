@@ -40,14 +40,15 @@
 //! | offset | size | field                | written by            |
 //! |-------:|-----:|----------------------|-----------------------|
 //! |      0 |    4 | magic `0x4752_5246` ("FRRG" as LE bytes) | creator, at init |
-//! |      4 |    4 | version (`1`)        | creator, at init      |
+//! |      4 |    4 | version (`2`)        | creator, at init      |
 //! |      8 |    4 | capacity (slots)     | creator, at init      |
 //! |     12 |    4 | slot_size (bytes)    | creator, at init      |
 //! |     16 |  112 | reserved, zero       | creator, at init      |
 //! |    128 |    8 | `head: AtomicU64`    | producer only         |
 //! |    136 |  120 | padding              |                       |
 //! |    256 |    8 | `tail: AtomicU64`    | consumer only         |
-//! |    264 |  120 | padding              |                       |
+//! |    264 |    4 | `room_wanted: AtomicU32` | producer sets, consumer clears |
+//! |    268 |  116 | padding              |                       |
 //! |    384 |    4 | `consumer_sleeping: AtomicU32` (futex word) | consumer sets, producer clears |
 //! |    388 |  124 | padding              |                       |
 //! |    512 |    4 | `closed: AtomicU32` (bit 0 producer closed, bit 1 consumer closed) | each side its bit |
@@ -142,6 +143,28 @@
 //!   requested: the futex compares the word with 1 inside the kernel, which
 //!   closes the window between `prepare_sleep` returning true and the wait.
 //!
+//! * **Room handshake (a producer waiting for a free slot).** The mirror
+//!   image of the sleep handshake, for a producer that found the ring full
+//!   and wants to sleep until the consumer makes room
+//!   ([`Producer::want_room`]):
+//!
+//!   ```text
+//!   consumer (try_pop, prepare_sleep)    producer (want_room)
+//!   C1 tail.store(t+1, Release)          P1 room_wanted.store(1, SeqCst)
+//!   C2 fence(SeqCst)  [prepare_sleep]    P2 fence(SeqCst)
+//!   C3 room_wanted.load -> swap(0)       P3 tail.load(Acquire)
+//!   ```
+//!
+//!   By the same argument, a producer that sleeps (P3 saw no room) is
+//!   asked for by a consumer that reaches C2. The consumer also looks at the
+//!   flag after every pop, without the fence (C2 would cost a full barrier
+//!   per message): that load sees the flag as soon as the producer's store
+//!   is visible, which in practice is at once; the fenced look in
+//!   `prepare_sleep` makes it certain before the consumer sleeps. A
+//!   consumer that never sleeps keeps popping (the ring is full, so it has
+//!   work) and so keeps looking. The word sits on the tail's line, which the
+//!   consumer has just written: the unfenced look costs no cache miss.
+//!
 //! Recommended use (the rest of the crate):
 //!
 //! ```text
@@ -208,7 +231,7 @@ use std::sync::Arc;
 use self::sync::{AtomicU32, AtomicU64, Ordering};
 
 /// Picks std or loom atomics for the protocol words (`head`, `tail`,
-/// `consumer_sleeping`, `closed`). Header and slot words in the raw region
+/// `room_wanted`, `consumer_sleeping`, `closed`). Header and slot words in the raw region
 /// always use std atomics.
 mod sync {
     #[cfg(loom)]
@@ -226,7 +249,7 @@ const MAX_CAPACITY: u32 = 65536;
 
 /// "FRRG" as little-endian bytes.
 const MAGIC: u32 = 0x4752_5246;
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 /// Spacing of the hot words: two 64-byte lines (adjacent-line prefetch).
 const LINE: usize = 128;
@@ -239,6 +262,9 @@ const CAPACITY_OFF: usize = 8;
 const SLOT_SIZE_OFF: usize = 12;
 const HEAD_OFF: usize = LINE;
 const TAIL_OFF: usize = 2 * LINE;
+/// On the tail's line: the consumer reads it right after storing the tail,
+/// from a line it owns already.
+const ROOM_OFF: usize = 2 * LINE + 8;
 const SLEEPING_OFF: usize = 3 * LINE;
 const CLOSED_OFF: usize = 4 * LINE;
 /// Start of the slot array == size of the header.
@@ -393,6 +419,7 @@ impl fmt::Debug for HeapRegion {
 struct LoomState {
     head: AtomicU64,
     tail: AtomicU64,
+    room: AtomicU32,
     sleeping: AtomicU32,
     closed: AtomicU32,
     slots: Box<[loom::cell::UnsafeCell<[u8; MAX_SLOT]>]>,
@@ -440,6 +467,7 @@ impl Shared {
             model: loom::sync::Arc::new(LoomState {
                 head: AtomicU64::new(0),
                 tail: AtomicU64::new(0),
+                room: AtomicU32::new(0),
                 sleeping: AtomicU32::new(0),
                 closed: AtomicU32::new(0),
                 slots: (0..layout.capacity).map(|_| loom::cell::UnsafeCell::new([0u8; MAX_SLOT])).collect(),
@@ -526,6 +554,10 @@ impl Shared {
         self.raw_u64(TAIL_OFF)
     }
     #[cfg(not(loom))]
+    fn room(&self) -> &AtomicU32 {
+        self.raw_u32(ROOM_OFF)
+    }
+    #[cfg(not(loom))]
     fn sleeping(&self) -> &AtomicU32 {
         self.raw_u32(SLEEPING_OFF)
     }
@@ -541,6 +573,10 @@ impl Shared {
     #[cfg(loom)]
     fn tail(&self) -> &AtomicU64 {
         &self.model.tail
+    }
+    #[cfg(loom)]
+    fn room(&self) -> &AtomicU32 {
+        &self.model.room
     }
     #[cfg(loom)]
     fn sleeping(&self) -> &AtomicU32 {

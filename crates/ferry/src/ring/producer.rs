@@ -165,6 +165,24 @@ impl Producer {
         }
     }
 
+    /// Room handshake (see the module docs): the ring is full and we want
+    /// to sleep until the consumer makes room. Returns `true` if the caller
+    /// may sleep (still full: the consumer will wake us when it takes a
+    /// slot), `false` if there is room now (the request is withdrawn).
+    pub(crate) fn want_room(&mut self) -> bool {
+        if self.free_slots() > 0 {
+            return false;
+        }
+        self.sh.room().store(1, Ordering::SeqCst);
+        // Dekker handshake with the consumer's pop + prepare_sleep.
+        fence(Ordering::SeqCst);
+        if self.refresh_tail().is_err() || self.head.wrapping_sub(self.cached_tail) < self.sh.cap {
+            self.sh.room().store(0, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
     /// The consumer has closed its end.
     pub(crate) fn peer_closed(&self) -> bool {
         self.sh.closed().load(Ordering::Acquire) & CONSUMER_CLOSED != 0

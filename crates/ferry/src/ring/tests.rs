@@ -226,7 +226,7 @@ fn attach_validates() {
     let big = heap(layout(32, 128));
     assert!(matches!(create(Arc::new(Offset(big)), l), Err(RingError::BadLayout(_))));
     // Bad version, bad magic.
-    poke_u32(&mem, VERSION_OFF, 2);
+    poke_u32(&mem, VERSION_OFF, VERSION + 1);
     assert!(matches!(attach_consumer(mem.clone(), l), Err(RingError::BadLayout(_))));
     poke_u32(&mem, VERSION_OFF, VERSION);
     poke_u32(&mem, MAGIC_OFF, 0xdead_beef);
@@ -578,4 +578,22 @@ fn futex_sleep_wake_threaded() {
     // still cause one harmless spurious wake).
     assert!(wakes <= prepares, "wakes {wakes} prepares {prepares}");
     eprintln!("futex test: {prepares} prepare_sleep, {sleeps} sleeps, {wakes} wakes");
+}
+
+#[test]
+fn room_requests_reach_the_consumer_once() {
+    let (mut p, mut c) = heap_pair(layout(2, 64));
+    assert!(!p.want_room(), "room now: nothing to ask");
+    p.try_push(|b| b[0] = 1).unwrap();
+    p.try_push(|b| b[0] = 2).unwrap();
+    assert!(!c.take_room_request(), "nobody asked");
+    assert!(p.want_room(), "full: the producer may sleep");
+    assert_eq!(c.try_pop(|b| b[0]), Ok(Some(1)));
+    assert!(c.take_room_request(), "the first pop after the request sees it");
+    assert!(!c.take_room_request(), "and takes it: one wake-up");
+    // Room appeared between the failed push and the request: withdrawn.
+    p.try_push(|b| b[0] = 3).unwrap();
+    assert_eq!(c.try_pop(|b| b[0]), Ok(Some(2)));
+    assert!(!p.want_room());
+    assert!(!c.take_room_request());
 }
