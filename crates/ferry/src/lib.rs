@@ -120,6 +120,8 @@ mod ledger;
 mod pool;
 mod proto;
 mod ring;
+#[cfg(not(loom))]
+mod select;
 mod setup;
 mod sys;
 mod wake;
@@ -134,6 +136,8 @@ pub use domain::{Domain, Pool};
 pub use error::{Error, Refused, Result, ViewMismatch};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
+#[cfg(not(loom))]
+pub use select::{wait_any, Selector};
 pub use setup::{
     BindParams, ChannelConstraints, ChannelLimits, ChannelSetup, ChannelState, Direction, Role, DEFAULT_BIND_TIMEOUT,
 };
