@@ -47,7 +47,7 @@ pub(crate) trait Link: Send {
     }
     /// Batching on: `send` may hold messages back and publish them to the
     /// peer in batches — at the latest on `flush`, when a `recv` finds
-    /// nothing, on `wait`, when the queue is full, and on `close`. Off (the
+    /// nothing, on `arm` (every wait arms), when the queue is full, and on `close`. Off (the
     /// default for the shared-memory rings): each `send` is visible to the
     /// peer when it returns.
     fn set_batching(&mut self, on: bool) {
