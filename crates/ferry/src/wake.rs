@@ -85,9 +85,10 @@ impl Doorbell {
         ring(&self.fd);
     }
 
-    /// Take a ring that came, if any (before declaring sleep again).
-    pub(crate) fn reset(&self) {
-        reset(&self.fd);
+    /// Take a ring that came, if any (before declaring sleep again):
+    /// whether one came.
+    pub(crate) fn reset(&self) -> bool {
+        reset(&self.fd)
     }
 
     /// The eventfd, to register or send to a peer.
@@ -107,10 +108,10 @@ pub(crate) fn ring(fd: &OwnedFd) {
     let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
 }
 
-/// Take what an eventfd counted (nothing if it was not rung).
-pub(crate) fn reset(fd: &OwnedFd) {
+/// Take what an eventfd counted: whether it was rung.
+pub(crate) fn reset(fd: &OwnedFd) -> bool {
     let mut b = [0u8; 8];
-    let _ = rustix::io::read(fd, &mut b);
+    matches!(rustix::io::read(fd, &mut b), Ok(8))
 }
 
 /// One channel end's wake-up sources behind one pollable fd (see the
@@ -118,20 +119,29 @@ pub(crate) fn reset(fd: &OwnedFd) {
 #[derive(Debug)]
 pub(crate) struct WakeSet {
     epoll: OwnedFd,
-    /// Fires at the backend's deadline.
-    timer: OwnedFd,
+    /// Fires at the backend's deadline (made when first needed: a local or
+    /// shared-memory channel end never needs one once connected).
+    timer: Option<OwnedFd>,
     /// When the timer is set to fire, if it is.
     timer_at: Option<Instant>,
 }
 
 impl WakeSet {
-    /// An empty set (only its timer, disarmed).
+    /// An empty set.
     pub(crate) fn new() -> io::Result<WakeSet> {
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
-        let timer =
-            rustix::time::timerfd_create(TimerfdClockId::Monotonic, TimerfdFlags::CLOEXEC | TimerfdFlags::NONBLOCK)?;
-        epoll::add(&epoll, &timer, epoll::EventData::new_u64(0), epoll::EventFlags::IN)?;
-        Ok(WakeSet { epoll, timer, timer_at: None })
+        Ok(WakeSet { epoll, timer: None, timer_at: None })
+    }
+
+    /// The timer, made and added to the set the first time.
+    fn timer(&mut self) -> io::Result<&OwnedFd> {
+        if self.timer.is_none() {
+            let flags = TimerfdFlags::CLOEXEC | TimerfdFlags::NONBLOCK;
+            let timer = rustix::time::timerfd_create(TimerfdClockId::Monotonic, flags)?;
+            epoll::add(&self.epoll, &timer, epoll::EventData::new_u64(0), epoll::EventFlags::IN)?;
+            self.timer = Some(timer);
+        }
+        Ok(self.timer.as_ref().expect("made above"))
     }
 
     /// Wake for `fd` with `interest` (added, or changed if it is in already).
@@ -145,6 +155,8 @@ impl WakeSet {
 
     /// Fire the timer at `at` (or never). Cheap when nothing changes; a
     /// timer that fired is always re-set, which also makes it unreadable.
+    /// Without a timer (out of fds), the caller's own backstop (a bounded
+    /// sleep) still gets it there.
     pub(crate) fn set_timer(&mut self, at: Option<Instant>) {
         let now = Instant::now();
         let fired = self.timer_at.is_some_and(|t| t <= now);
@@ -161,7 +173,8 @@ impl WakeSet {
             None => timespec(Duration::ZERO),
         };
         let spec = Itimerspec { it_interval: timespec(Duration::ZERO), it_value: value };
-        if rustix::time::timerfd_settime(&self.timer, TimerfdTimerFlags::empty(), &spec).is_ok() {
+        let Ok(timer) = self.timer() else { return };
+        if rustix::time::timerfd_settime(timer, TimerfdTimerFlags::empty(), &spec).is_ok() {
             self.timer_at = at;
         }
     }

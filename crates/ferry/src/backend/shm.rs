@@ -667,13 +667,14 @@ impl Link for ShmLink {
             return Arm::Ready;
         }
         // Take an old ring before declaring sleep: a ring after the
-        // declaration stays.
-        wake::reset(&self.bell);
+        // declaration stays. If none came, the last wake-up (if any) may
+        // have been the socket's hang-up: look at it before sleeping.
+        let rung = wake::reset(&self.bell);
         let sleep = self.rx.prepare_sleep();
         if self.rx.take_room_request() {
             wake::ring(&self.peer_bell);
         }
-        if !sleep || self.peer_gone(true) {
+        if !sleep || self.peer_gone(!rung) {
             self.rx.cancel_sleep();
             return Arm::Ready;
         }
