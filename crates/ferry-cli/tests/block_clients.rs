@@ -8,7 +8,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
 /// Every wait in these tests ends within this.
@@ -57,10 +57,7 @@ impl Server {
     /// The next line the server prints (None if it ended or stayed silent
     /// for [`LIMIT`]).
     fn next_line(&self) -> Option<String> {
-        match self.lines.recv_timeout(LIMIT) {
-            Ok(l) => Some(l),
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => None,
-        }
+        self.lines.recv_timeout(LIMIT).ok()
     }
 
     /// The NBD URI of the first TCP address.
