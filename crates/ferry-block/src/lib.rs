@@ -13,6 +13,10 @@
 //! The crate sits above the library: it uses `ferry`, `ferry` knows
 //! nothing of it. `ferry block serve` (in `ferry-cli`) is its command.
 //!
+//! Applications that use Ferry reach the same stores without NBD through
+//! [`BlockClient`] ([`native`]): requests as meta data, write data moved in
+//! the client's buffers, reads returned in buffers the server fills.
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use ferry_block::{open_store, NbdServer, ServerConfig};
@@ -22,9 +26,11 @@
 //! # Ok::<(), ferry_block::Error>(())
 //! ```
 
+pub mod native;
 pub mod nbd;
 pub mod store;
 
+pub use native::{serve_channel, BlockClient, ChannelSummary, Completion, Op};
 pub use nbd::{serve_connection, ConnSummary, Listen, NbdServer, ServerConfig};
 pub use store::{open_store, parse_size, Extent, FileStore, MemStore, Store, StoreSpec, MAX_STORE_SIZE, MEM_CHUNK};
 
@@ -45,4 +51,21 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The Ferry library refused or failed (channel, pool, buffer).
+    #[error(transparent)]
+    Ferry(#[from] ferry::Error),
+    /// The block server answered the request with this errno value
+    /// (22 EINVAL: outside the store or malformed; 28 ENOSPC: a write past
+    /// the end; 5 EIO: the store failed).
+    #[error("the block server refused the request (errno {0})")]
+    Remote(u32),
+    /// Every buffer of the client's pool is in flight or held.
+    #[error("no free buffer: every buffer of the client's pool is in flight or held")]
+    NoBuffer,
+    /// No reply within the client's timeout.
+    #[error("no reply from the block server in time")]
+    TimedOut,
+    /// The peer broke the block service's protocol or closed the channel.
+    #[error("{0}")]
+    Protocol(String),
 }
