@@ -3,6 +3,11 @@
 //! `ferry block serve --store mem:1G --nbd tcp:127.0.0.1:10809` serves a
 //! store to NBD clients; it prints where it listens and one line per
 //! client when the client disconnects, and serves until it is stopped.
+//!
+//! `ferry block bench` measures the block service's throughput by request
+//! size: through Ferry channels ([`ferry_block::BlockClient`] between
+//! threads, over shm, over TCP) and through NBD over TCP loopback, against
+//! nbdkit's memory plugin driven by the same client.
 
 use std::sync::Arc;
 
@@ -10,6 +15,9 @@ use clap::{Args, Subcommand};
 use ferry_block::{open_store, parse_size, Listen, NbdServer, ServerConfig, StoreSpec};
 
 use crate::CliError;
+
+mod bench;
+use bench::BenchArgs;
 
 #[derive(Debug, Args)]
 pub struct BlockArgs {
@@ -22,6 +30,9 @@ enum BlockCommand {
     /// Serve a store to NBD clients (qemu-img, nbdcopy, nbdinfo, fio, the
     /// Linux nbd driver) until stopped.
     Serve(ServeArgs),
+    /// Throughput of the block service by request size (writes, then reads
+    /// of what was written), through Ferry channels or NBD.
+    Bench(BenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -76,6 +87,7 @@ fn export_arg(s: &str) -> Result<String, String> {
 pub fn run(args: &BlockArgs) -> Result<(), CliError> {
     match &args.command {
         BlockCommand::Serve(a) => serve(a),
+        BlockCommand::Bench(a) => bench::run(a),
     }
 }
 

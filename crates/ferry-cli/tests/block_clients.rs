@@ -296,6 +296,7 @@ fn fio_nbd_engine_verifies_crc32c() {
             "--verify=crc32c",
             "--do_verify=1",
             "--verify_fatal=1",
+            "--verify_state_save=0",
         ],
     );
     assert!(out.contains("err= 0"), "fio: {out}");
@@ -416,4 +417,29 @@ fn bad_values_get_the_one_line_usage_error() {
         assert!(!err.contains("panicked") && !err.contains("Some("), "ferry {args:?}: {err}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `ferry block bench` (smoke): every transport, JSON lines with a rate.
+#[test]
+fn block_bench_measures_every_transport() {
+    let out = ok(
+        env!("CARGO_BIN_EXE_ferry"),
+        &[
+            "block", "bench", "--via", "local", "--via", "shm", "--via", "net", "--via", "nbd", "--via", "nbdkit",
+            "--size", "65536", "--total", "4M", "--json",
+        ],
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 10, "{out}");
+    for via in ["local", "shm", "net", "nbd", "nbdkit"] {
+        for op in ["write", "read"] {
+            assert!(
+                lines
+                    .iter()
+                    .any(|l| l.contains(&format!("\"via\":\"{via}\"")) && l.contains(&format!("\"op\":\"{op}\""))),
+                "{via} {op} missing: {out}"
+            );
+        }
+    }
+    assert!(lines.iter().all(|l| l.contains("\"mb_per_s\":")), "{out}");
 }
