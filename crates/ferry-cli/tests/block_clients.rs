@@ -378,8 +378,9 @@ fn file_store_keeps_flushed_data_across_sigkill() {
     assert!(on_disk[5 << 20..6 << 20].iter().all(|&b| b == 0x3c), "the flushed write is not in the file");
     assert!(on_disk[20 << 20..(20 << 20) + (64 << 10)].iter().all(|&b| b == 0x7e), "the FUA write is not in the file");
 
-    // Restarted without --size: the file gives the size.
-    let server = Server::start(&["--store", &store, "--nbd", "tcp:127.0.0.1:0"]);
+    // Restarted without --size (the file gives the size), with O_DIRECT
+    // for aligned requests.
+    let mut server = Server::start(&["--store", &store, "--direct", "--nbd", "tcp:127.0.0.1:0"]);
     let uri = server.uri();
     let io = ok(
         "qemu-io",
@@ -389,6 +390,14 @@ fn file_store_keeps_flushed_data_across_sigkill() {
     // The map of a file store comes from SEEK_DATA/SEEK_HOLE.
     let map = ok("nbdinfo", &["--map", &uri]);
     assert!(map.lines().any(|l| l.contains("5242880") && l.contains("data")), "map: {map}");
+
+    // Four connections write, one FLUSH at the end covers them all (multi-conn).
+    let src = dir.join("src.img");
+    pattern_file(&src, 8 << 20, 3);
+    ok("nbdcopy", &["--connections=4", "--flush", src.to_str().unwrap(), &uri]);
+    server.kill();
+    let on_disk = std::fs::read(&img).expect("read image");
+    assert!(on_disk[..8 << 20] == std::fs::read(&src).expect("src")[..], "nbdcopy's flushed data is not in the file");
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
