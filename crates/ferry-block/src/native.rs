@@ -134,10 +134,23 @@ pub fn serve_channel(
     store: &dyn Store,
     timeout: Duration,
 ) -> Result<ChannelSummary, Error> {
+    let ch = accept_client(domain, endpoint, timeout)?;
+    serve_client(ch, store)
+}
+
+/// Wait for one client on `endpoint`: the channel the server end of the
+/// block service needs (receiving slave, pools of the client accepted).
+pub fn accept_client(domain: &Domain, endpoint: &Endpoint, timeout: Duration) -> Result<Channel, Error> {
     let setup =
         ChannelSetup { direction: Direction::Rx, role: Role::Slave, meta_size: META_SIZE, ..ChannelSetup::default() };
     let mut ch = Channel::accept(domain, endpoint, setup, timeout)?;
     ch.set_pool_policy(PoolPolicy::AcceptAll);
+    Ok(ch)
+}
+
+/// Serve the client of a channel [`accept_client`] gave until it closes
+/// the channel or goes away.
+pub fn serve_client(mut ch: Channel, store: &dyn Store) -> Result<ChannelSummary, Error> {
     let mut summary = ChannelSummary::default();
     loop {
         match ch.wait(Some(Duration::from_secs(1))) {

@@ -100,3 +100,39 @@ fn over_tcp() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     exercise(Endpoint::tcp(std::net::SocketAddr::from(([127, 0, 0, 1], port))));
 }
+
+/// One endpoint, several clients at once: accept, hand the channel to a
+/// thread, accept again.
+#[test]
+fn several_clients_on_one_shm_endpoint() {
+    use ferry_block::{accept_client, serve_client};
+    let path = std::env::temp_dir().join(format!("ferry-block-multi-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let ep = Endpoint::shm(&path);
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(1 << 20).unwrap());
+    let acceptor = {
+        let (ep, store) = (ep.clone(), store.clone());
+        std::thread::spawn(move || {
+            let mut served = Vec::new();
+            for _ in 0..2 {
+                let ch = accept_client(&Domain::new("block server"), &ep, T).expect("a client");
+                let store = store.clone();
+                served.push(std::thread::spawn(move || serve_client(ch, &*store)));
+            }
+            let mut n: Vec<u64> = served.into_iter().map(|h| h.join().unwrap().unwrap().requests).collect();
+            n.sort();
+            n
+        })
+    };
+    let mut a = BlockClient::connect(&Domain::new("a"), &ep, 2, 4096, T).expect("first client");
+    let mut b = BlockClient::connect(&Domain::new("b"), &ep, 2, 4096, T).expect("second client");
+    a.write(0, b"from a").unwrap();
+    b.write(8, b"from b").unwrap();
+    let mut buf = [0u8; 14];
+    a.read(0, &mut buf).unwrap();
+    assert_eq!(&buf, b"from a\0\0from b");
+    drop((a, b));
+    // INFO and a write from b; INFO, a write and a read from a.
+    assert_eq!(acceptor.join().unwrap(), vec![2, 3]);
+    let _ = std::fs::remove_file(&path);
+}

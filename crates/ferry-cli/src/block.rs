@@ -42,8 +42,12 @@ struct ServeArgs {
     store: StoreSpec,
     /// Where NBD clients connect: `tcp:HOST:PORT` or `unix:PATH` (give it
     /// more than once to listen at several places).
-    #[arg(long, required = true, value_parser = listen_arg)]
+    #[arg(long, required_unless_present = "ferry", value_parser = listen_arg)]
     nbd: Vec<Listen>,
+    /// Where clients of Ferry's own block protocol (`ferry_block::BlockClient`)
+    /// connect: `shm:PATH`, `shm@NAME` (local) or `tcp:HOST:PORT` (remote).
+    #[arg(long, value_parser = crate::echo::endpoint_arg)]
+    ferry: Vec<String>,
     /// Size of a file store: the file is created with it or extended to it
     /// (e.g. 64M, 10G).
     #[arg(long, value_parser = size_arg)]
@@ -123,7 +127,19 @@ fn serve(a: &ServeArgs) -> Result<(), CliError> {
     for s in &servers {
         println!("listening for NBD clients on {}", s.local_addr());
     }
+    for at in &a.ferry {
+        println!("listening for Ferry clients on {at}");
+    }
     let mut handles = Vec::new();
+    for at in &a.ferry {
+        let ep = crate::echo::parse_endpoint(at).map_err(|m| CliError::Usage(format!("--ferry {at}: {m}")))?;
+        let (store, at) = (store.clone(), at.clone());
+        let h = std::thread::Builder::new()
+            .name(format!("ferry accept {at}"))
+            .spawn(move || serve_ferry(&ep, &at, store))
+            .map_err(|e| CliError::Failed(format!("cannot start a thread: {e}")))?;
+        handles.push(h);
+    }
     for s in servers {
         let h = s
             .spawn(|client| println!("{client}"))
@@ -138,4 +154,46 @@ fn serve(a: &ServeArgs) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+/// Accept clients of Ferry's block protocol on `ep` until the process
+/// ends, each served on a thread of its own; one line per client when it
+/// goes.
+fn serve_ferry(ep: &ferry::Endpoint, at: &str, store: Arc<dyn ferry_block::Store>) -> Result<(), ferry_block::Error> {
+    let mut failures = 0u32;
+    let mut clients = 0u64;
+    loop {
+        let domain = ferry::Domain::new("block server");
+        let ch = match ferry_block::accept_client(&domain, ep, std::time::Duration::from_secs(3600)) {
+            Ok(ch) => ch,
+            Err(ferry_block::Error::Ferry(ferry::Error::TimedOut)) => continue,
+            Err(e) => {
+                // A client that failed during setup: keep serving the others.
+                failures += 1;
+                if failures > 1000 {
+                    return Err(e);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                continue;
+            }
+        };
+        failures = 0;
+        clients += 1;
+        let (store, name) = (store.clone(), format!("{at}#{clients}"));
+        let _ = std::thread::Builder::new().name(format!("ferry {name}")).spawn(move || {
+            let t0 = std::time::Instant::now();
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
+            match ferry_block::serve_client(ch, &*store) {
+                Ok(s) => println!(
+                    "ferry client {name} disconnected after {:.3} s: {} requests, {:.1} MiB read, {:.1} MiB written, {} errors",
+                    t0.elapsed().as_secs_f64(),
+                    s.requests,
+                    mib(s.read_bytes),
+                    mib(s.write_bytes),
+                    s.errors
+                ),
+                Err(e) => println!("ferry client {name} dropped after {:.3} s: {e}", t0.elapsed().as_secs_f64()),
+            }
+        });
+    }
 }

@@ -452,3 +452,43 @@ fn block_bench_measures_every_transport() {
     }
     assert!(lines.iter().all(|l| l.contains("\"mb_per_s\":")), "{out}");
 }
+
+/// One store, two front ends: a Ferry client writes over shared memory
+/// (`--ferry`), qemu-io reads it over NBD, and the Ferry client reads
+/// what qemu-io wrote.
+#[test]
+fn ferry_clients_and_nbd_clients_share_the_store() {
+    use ferry_block::BlockClient;
+    let dir = scratch("ferry");
+    let sock = dir.join("ferry.sock");
+    let endpoint = format!("shm:{}", sock.display());
+    let server = Server::start(&["--store", "mem:16M", "--nbd", "tcp:127.0.0.1:0", "--ferry", &endpoint]);
+    let uri = server.uri();
+    let mut c = BlockClient::connect(&ferry::Domain::new("app"), &ferry::Endpoint::shm(&sock), 4, 64 << 10, LIMIT)
+        .expect("a Ferry client connects");
+    assert_eq!(c.size(), 16 << 20);
+    c.write(2 << 20, &vec![0xa7u8; 256 << 10]).unwrap();
+    c.flush().unwrap();
+    let io = ok("qemu-io", &["-f", "raw", "-c", "read -P 0xa7 2M 256k", "-c", "write -P 0x19 4M 8k", &uri]);
+    assert!(!io.contains("Pattern verification failed"), "{io}");
+    let mut back = vec![0u8; 8 << 10];
+    c.read(4 << 20, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0x19), "the Ferry client reads what the NBD client wrote");
+    drop(c);
+    // One line for the NBD client, one for the Ferry client.
+    let t0 = Instant::now();
+    let (mut nbd_line, mut ferry_line) = (None, None);
+    while (nbd_line.is_none() || ferry_line.is_none()) && t0.elapsed() < LIMIT {
+        match server.next_line() {
+            Some(l) if l.starts_with("client tcp:") => nbd_line = Some(l),
+            Some(l) if l.starts_with("ferry client ") => ferry_line = Some(l),
+            Some(_) => {}
+            None => break,
+        }
+    }
+    assert!(nbd_line.is_some(), "no summary line for the NBD client");
+    let ferry_line = ferry_line.expect("a summary line for the Ferry client");
+    assert!(ferry_line.contains("disconnected") && ferry_line.contains("0 errors"), "{ferry_line}");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
