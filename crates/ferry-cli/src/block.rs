@@ -142,7 +142,7 @@ fn serve(a: &ServeArgs) -> Result<(), CliError> {
     }
     for s in servers {
         let h = s
-            .spawn(|client| println!("{client}"))
+            .spawn(|client| say(&client.to_string()))
             .map_err(|e| CliError::Failed(format!("cannot start a thread: {e}")))?;
         handles.push(h);
     }
@@ -184,16 +184,22 @@ fn serve_ferry(ep: &ferry::Endpoint, at: &str, store: Arc<dyn ferry_block::Store
             let t0 = std::time::Instant::now();
             let mib = |b: u64| b as f64 / (1 << 20) as f64;
             match ferry_block::serve_client(ch, &*store) {
-                Ok(s) => println!(
+                Ok(s) => say(&format!(
                     "ferry client {name} disconnected after {:.3} s: {} requests, {:.1} MiB read, {:.1} MiB written, {} errors",
                     t0.elapsed().as_secs_f64(),
                     s.requests,
                     mib(s.read_bytes),
                     mib(s.write_bytes),
                     s.errors
-                ),
-                Err(e) => println!("ferry client {name} dropped after {:.3} s: {e}", t0.elapsed().as_secs_f64()),
+                )),
+                Err(e) => say(&format!("ferry client {name} dropped after {:.3} s: {e}", t0.elapsed().as_secs_f64())),
             }
         });
     }
+}
+
+/// One line on stdout; a reader that went away does not stop the server.
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout(), "{line}");
 }
