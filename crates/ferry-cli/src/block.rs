@@ -98,6 +98,9 @@ pub fn run(args: &BlockArgs) -> Result<(), CliError> {
 fn setup_error(e: ferry_block::Error) -> CliError {
     match e {
         ferry_block::Error::BadSpec(m) => CliError::Usage(m),
+        ferry_block::Error::Io { what, source } if source.kind() == std::io::ErrorKind::AddrInUse => {
+            CliError::Failed(format!("{what}: a server listens there already; stop it or give another address"))
+        }
         other => CliError::Failed(other.to_string()),
     }
 }

@@ -492,3 +492,24 @@ fn ferry_clients_and_nbd_clients_share_the_store() {
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A Unix socket left by a killed server is taken over; one where a server
+/// answers is refused with one line.
+#[test]
+fn unix_socket_left_by_a_killed_server_is_reused_a_live_one_refused() {
+    let dir = scratch("unix");
+    let sock = dir.join("nbd.sock");
+    let at = format!("unix:{}", sock.display());
+    let mut first = Server::start(&["--store", "mem:1M", "--nbd", &at]);
+    first.kill();
+    assert!(sock.exists(), "SIGKILL leaves the socket file");
+    let second = Server::start(&["--store", "mem:2M", "--nbd", &at]);
+    let size = ok("nbdinfo", &["--size", &format!("nbd+unix:///?socket={}", sock.display())]);
+    assert_eq!(size.trim(), "2097152");
+    let out = run(env!("CARGO_BIN_EXE_ferry"), &["block", "serve", "--store", "mem:1M", "--nbd", &at]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("a server listens there already") && err.lines().count() == 1, "{err}");
+    drop(second);
+    let _ = std::fs::remove_dir_all(&dir);
+}
