@@ -101,6 +101,7 @@ const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
 const REPLY_FLAG_DONE: u16 = 1 << 0;
 const REPLY_TYPE_NONE: u16 = 0;
 const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
 const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
 
@@ -126,6 +127,9 @@ const BASE_ALLOCATION_ID: u32 = 1;
 const MAX_OPTION_DATA: u32 = 64 << 10;
 /// Longest string (export name, query) the protocol allows.
 const MAX_STRING: usize = 4096;
+/// Structured reads of at least this many bytes send the store's zero
+/// extents as holes (`NBD_REPLY_TYPE_OFFSET_HOLE`) instead of zeroes.
+const SPARSE_READ_MIN: u32 = 64 << 10;
 /// Most extents in one block status reply.
 const MAX_EXTENTS: usize = 2048;
 
@@ -871,6 +875,14 @@ impl<S: Read + Write> Session<'_, S> {
         }
         let len = req.len as usize;
         let store = self.store;
+        if self.structured && req.flags & CMD_FLAG_DF == 0 && req.len >= SPARSE_READ_MIN {
+            if let Ok(extents) = store.extents(req.offset, req.len as u64, 64) {
+                let covered: u64 = extents.iter().map(|e| e.len).sum();
+                if covered == req.len as u64 && extents.iter().any(|e| e.zero) {
+                    return self.read_sparse(req, &extents);
+                }
+            }
+        }
         let buf = self.buffer()?;
         let filled = match buf.as_mut_slice() {
             Ok(mem) => store.read_at(req.offset, &mut mem[..len]),
@@ -900,6 +912,47 @@ impl<S: Read + Write> Session<'_, S> {
             write_all_parts(&mut self.stream, &mut [IoSlice::new(&head), IoSlice::new(data)])?;
         }
         Ok(())
+    }
+
+    /// A structured read of a range with zero extents: an
+    /// `NBD_REPLY_TYPE_OFFSET_HOLE` chunk for each, an `OFFSET_DATA` chunk
+    /// (from the connection's buffer) for the rest, then a final `NONE`.
+    fn read_sparse(&mut self, req: Request, extents: &[Extent]) -> Step<()> {
+        let store = self.store;
+        let mut at = req.offset;
+        for x in extents {
+            if x.zero {
+                let mut payload = [0u8; 12];
+                payload[..8].copy_from_slice(&at.to_be_bytes());
+                payload[8..].copy_from_slice(&(x.len as u32).to_be_bytes());
+                self.chunk(req.handle, 0, REPLY_TYPE_OFFSET_HOLE, &[&payload])?;
+            } else {
+                let n = x.len as usize;
+                let buf = self.buffer()?;
+                let filled = match buf.as_mut_slice() {
+                    Ok(mem) => store.read_at(at, &mut mem[..n]),
+                    Err(e) => Err(io::Error::other(e.to_string())),
+                };
+                if let Err(e) = filled {
+                    return Ok(self.error(req.handle, nbd_errno(&e), &format!("read failed: {e}"))?);
+                }
+                let offset = at.to_be_bytes();
+                let mut head = [0u8; 20];
+                head[..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+                head[6..8].copy_from_slice(&REPLY_TYPE_OFFSET_DATA.to_be_bytes());
+                head[8..16].copy_from_slice(&req.handle.to_be_bytes());
+                head[16..].copy_from_slice(&(8 + n as u32).to_be_bytes());
+                let (_, buf) = self.buffer.as_ref().expect("made above");
+                write_all_parts(
+                    &mut self.stream,
+                    &mut [IoSlice::new(&head), IoSlice::new(&offset), IoSlice::new(&buf[..n])],
+                )?;
+            }
+            at += x.len;
+        }
+        self.summary.reads += 1;
+        self.summary.read_bytes += req.len as u64;
+        Ok(self.chunk(req.handle, REPLY_FLAG_DONE, REPLY_TYPE_NONE, &[])?)
     }
 
     fn write(&mut self, req: Request) -> Step<()> {

@@ -291,6 +291,19 @@ fn structured_reads_block_status_and_a_flush_seen_by_every_connection() {
     assert_eq!(&payload[..8], &(1u64 << 20).to_be_bytes());
     assert_eq!(&payload[8..], b"shared");
 
+    // Without DF, a read over holes sends them as OFFSET_HOLE chunks and
+    // only the data as OFFSET_DATA, then NONE with DONE.
+    c.request(0, 0, 9, (1 << 20) - (32 << 10), 64 << 10, b"");
+    let (f, t, _, p) = c.chunk();
+    let hole = [((1u64 << 20) - (32 << 10)).to_be_bytes().as_slice(), &(32u32 << 10).to_be_bytes()].concat();
+    assert_eq!((f, t, p), (0, 2, hole));
+    let (f, t, _, p) = c.chunk();
+    assert_eq!((f, t, &p[..8]), (0, 1, &(1u64 << 20).to_be_bytes()[..]));
+    assert_eq!(p.len(), 8 + (32 << 10));
+    assert_eq!(&p[8..14], b"shared");
+    assert!(p[14..].iter().all(|&b| b == 0));
+    assert_eq!(c.chunk(), (1, 0, 9, vec![]));
+
     // Block status: a hole, the 64 KiB chunk written, a hole.
     c.request(0, 7, 4, 0, 4 << 20, b"");
     let (f, t, _, p) = c.chunk();

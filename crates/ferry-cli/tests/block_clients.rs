@@ -237,6 +237,7 @@ fn qemu_io_and_qemu_img_read_write_map_convert_compare() {
     let back_head = std::fs::read(&back).expect("read back");
     assert_eq!(back_head.len(), 64 << 20);
     assert!(back_head[..8 << 20] == std::fs::read(&src).expect("src")[..], "the first 8 MiB came back changed");
+    assert!(back_head[8 << 20..].iter().all(|&b| b == 0), "the rest (zeroed or never written) reads as zeroes");
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
