@@ -9,7 +9,11 @@
 //! back with the reply in its meta data (a write's buffer unfilled: its
 //! bytes need not travel back). Many requests may be in flight, matched by
 //! request id. Local clients reach the server over shared memory (or
-//! between threads), remote ones over TCP; the code is the same.
+//! between threads), remote ones over TCP; the code is the same. (Over
+//! TCP a read costs its buffer's size twice: a move carries the buffer's
+//! bytes, so the empty buffer travels to the server before it comes back
+//! filled. Between threads and processes of one host only descriptors
+//! travel.)
 //!
 //! Request meta data (24 bytes, little-endian): op (1 byte), flags (1
 //! byte; bit 0 FUA), 2 bytes zero, length (u32), request id (u64),

@@ -16,7 +16,9 @@
 //! Every write payload is read from the socket straight into a buffer of a
 //! Ferry pool (an [`Allocator`] per connection) and written to the store
 //! from there; every read reply is sent from the buffer the store filled
-//! (one `writev` of header and buffer).
+//! (one `writev` of header and buffer). A structured read of 64 KiB or
+//! more over zero extents of the store sends those as holes
+//! (`NBD_REPLY_TYPE_OFFSET_HOLE`): only the data crosses the wire.
 //!
 //! A connection is served by [`serve_connection`], one thread each; a
 //! client that breaks the protocol loses its own connection and nothing
