@@ -341,3 +341,58 @@ fn the_store_behind_the_server_is_the_one_given() {
     store.read_at(100, &mut b).unwrap();
     assert_eq!(&b, b"abc");
 }
+
+/// Garbage in every phase (random bytes after the greeting, after the
+/// handshake, huge option lengths): each such connection ends or is
+/// answered, and the server goes on serving a well-behaved client.
+#[test]
+fn garbage_never_takes_the_server_down() {
+    let (addr, _) = server(1 << 20);
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut random = |n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    };
+    for round in 0..40 {
+        let mut c = Client::connect(&addr);
+        match round % 4 {
+            0 => c.s.write_all(&random(64 + round * 7)).unwrap(),
+            1 => {
+                // An option claiming 1 GiB of data.
+                let mut m = IHAVEOPT.to_be_bytes().to_vec();
+                m.extend_from_slice(&7u32.to_be_bytes());
+                m.extend_from_slice(&(1u32 << 30).to_be_bytes());
+                c.s.write_all(&m).unwrap();
+                assert!(c.closed());
+                continue;
+            }
+            2 => {
+                c.export_name();
+                let mut junk = random(28 * 3);
+                junk[..4].copy_from_slice(&0x2560_9513u32.to_be_bytes()); // one valid magic, wild fields
+                let _ = c.s.write_all(&junk);
+            }
+            _ => {
+                c.option(8, b"");
+                c.reply();
+                c.option(7, &random(round));
+            }
+        }
+        let _ = c.s.shutdown(std::net::Shutdown::Write);
+        // Drain whatever the server answers until it closes.
+        let mut sink = Vec::new();
+        let _ = c.s.read_to_end(&mut sink);
+    }
+    let mut ok = Client::connect(&addr);
+    ok.export_name();
+    ok.request(0, 1, 1, 0, 2, b"ok");
+    assert_eq!(ok.simple(0).0, 0);
+    ok.request(0, 0, 2, 0, 2, b"");
+    assert_eq!(ok.simple(2), (0, 2, b"ok".to_vec()));
+}
