@@ -30,7 +30,7 @@ pub mod native;
 pub mod nbd;
 pub mod store;
 
-pub use native::{accept_client, serve_channel, serve_client, BlockClient, ChannelSummary, Completion, Op};
+pub use native::{accept_client, run_proxy, serve_channel, serve_client, BlockClient, ChannelSummary, Completion, Op};
 pub use nbd::{serve_connection, ConnSummary, Listen, NbdServer, ServerConfig};
 pub use store::{open_store, parse_size, Extent, FileStore, MemStore, Store, StoreSpec, MAX_STORE_SIZE, MEM_CHUNK};
 

@@ -15,6 +15,10 @@
 //! filled. Between threads and processes of one host only descriptors
 //! travel.)
 //!
+//! [`run_proxy`] is the client proxy: user domains of one host reach it
+//! over shared memory, and it forwards their requests over one channel to
+//! a remote server, their own buffers moved on as they came.
+//!
 //! Request meta data (24 bytes, little-endian): op (1 byte), flags (1
 //! byte; bit 0 FUA), 2 bytes zero, length (u32), request id (u64),
 //! offset (u64). Reply meta data (16 bytes): request id (u64), status
@@ -47,6 +51,8 @@
 //! ```
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::{
@@ -471,4 +477,175 @@ impl Drop for BlockClient {
     fn drop(&mut self) {
         let _ = self.ch.teardown();
     }
+}
+
+/// Handles on the proxy's local clients, for [`run_proxy`].
+type Users = Vec<(Channel, Vec<ferry::PoolId>)>;
+
+/// The client proxy of the block service: user domains on this host
+/// connect to `local` (shared memory) with a [`BlockClient`]; the proxy
+/// forwards every request over one channel to the server at `remote`
+/// (over TCP) and every reply back to the user it belongs to.
+///
+/// Nothing is copied on the way: each user's pool is accepted by the proxy
+/// and assigned onward to the server's channel, a request's buffer is moved
+/// on as it came, and the reply's buffer (recognised by its pool) is passed
+/// back to its user. Runs until `stop` returns true (checked between
+/// events), or the server's channel fails.
+pub fn run_proxy(
+    domain: &Domain,
+    local: &Endpoint,
+    remote: &Endpoint,
+    timeout: Duration,
+    stop: impl Fn() -> bool,
+) -> Result<(), Error> {
+    let params = BindParams { role: Role::Master, max_meta_size: META_SIZE, ..BindParams::default() };
+    let mut upstream = Channel::connect(domain, remote, params, timeout)?;
+    let (tx, rx) = std::sync::mpsc::channel::<Channel>();
+    let running = Arc::new(AtomicBool::new(true));
+    // Stops the accepting thread however this function returns.
+    struct Stop(Arc<AtomicBool>);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            self.0.store(false, Ordering::Relaxed);
+        }
+    }
+    let _stop = Stop(running.clone());
+    {
+        let (domain, local) = (domain.clone(), local.clone());
+        std::thread::Builder::new()
+            .name("block proxy accept".into())
+            .spawn(move || loop {
+                let setup = ChannelSetup {
+                    direction: Direction::Rx,
+                    role: Role::Slave,
+                    meta_size: META_SIZE,
+                    ..ChannelSetup::default()
+                };
+                match Channel::accept(&domain, &local, setup, Duration::from_secs(1)) {
+                    Ok(ch) => {
+                        if tx.send(ch).is_err() {
+                            return;
+                        }
+                    }
+                    // Nobody came (or a client failed during setup).
+                    Err(_) => {
+                        if !running.load(Ordering::Relaxed) {
+                            return;
+                        }
+                    }
+                }
+            })
+            .map_err(|e| Error::Io { what: "cannot start the proxy's accepting thread".into(), source: e })?;
+    }
+    let mut users: Users = Vec::new();
+    while !stop() {
+        while let Ok(ch) = rx.try_recv() {
+            users.push((ch, Vec::new()));
+        }
+        let mut did = false;
+        let mut i = 0;
+        while i < users.len() {
+            let mut gone = false;
+            while let Some(ev) = users[i].0.poll() {
+                did = true;
+                match ev {
+                    Event::PoolAssignRequest(req) => {
+                        users[i].0.respond_pool(req.pool, true)?;
+                        let pool =
+                            domain.pool(req.pool).ok_or_else(|| Error::Protocol("accepted pool missing".into()))?;
+                        upstream.assign_pool(&pool)?;
+                        wait_assigned(&mut upstream, &mut users, req.pool, timeout)?;
+                        users[i].1.push(req.pool);
+                    }
+                    Event::MoveReceived { buffer, meta } => {
+                        let mut buf = buffer;
+                        loop {
+                            match upstream.move_buffer(buf, &meta) {
+                                Ok(()) => break,
+                                Err(r) if r.error == ferry::Error::QueueFull => {
+                                    buf = r.into_inner();
+                                    std::thread::yield_now();
+                                }
+                                Err(r) => return Err(r.error.into()),
+                            }
+                        }
+                    }
+                    Event::Closed { .. } | Event::Error(_) => {
+                        gone = true;
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+            if gone {
+                let (_, pools) = users.swap_remove(i);
+                for p in pools {
+                    let _ = upstream.remove_pool(p);
+                }
+            } else {
+                i += 1;
+            }
+        }
+        while let Some(ev) = upstream.poll() {
+            did = true;
+            route(ev, &mut users)?;
+        }
+        if !did {
+            if let Some(ev) = upstream.wait(Some(Duration::from_millis(1))) {
+                route(ev, &mut users)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Hand an event of the server's channel on: a reply's buffer goes back to
+/// the user whose pool it is.
+fn route(ev: Event, users: &mut Users) -> Result<(), Error> {
+    match ev {
+        Event::BufferPassed { buffer, meta } => {
+            let pool = buffer.id().pool;
+            let Some((user, _)) = users.iter_mut().find(|(_, pools)| pools.contains(&pool)) else {
+                // Its user has gone: the buffer stays here and is freed.
+                return Ok(());
+            };
+            let mut buf = buffer;
+            loop {
+                match user.pass(buf, &meta) {
+                    Ok(()) => return Ok(()),
+                    Err(r) if r.error == ferry::Error::QueueFull => {
+                        buf = r.into_inner();
+                        std::thread::yield_now();
+                    }
+                    // The user is going away: its buffer is freed here.
+                    Err(_) => return Ok(()),
+                }
+            }
+        }
+        Event::Error(e) => Err(e.into()),
+        Event::Closed { .. } => Err(Error::Protocol("the block server closed the channel".into())),
+        _ => Ok(()),
+    }
+}
+
+/// Wait for the server to accept `pool`, routing replies meanwhile.
+fn wait_assigned(
+    upstream: &mut Channel,
+    users: &mut Users,
+    pool: ferry::PoolId,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        match upstream.wait(Some(deadline.saturating_duration_since(Instant::now()))) {
+            Some(Event::PoolAssigned(p)) if p == pool => return Ok(()),
+            Some(Event::PoolVetoed(p)) if p == pool => {
+                return Err(Error::Protocol("the block server refused a client's pool".into()))
+            }
+            Some(ev) => route(ev, users)?,
+            None => {}
+        }
+    }
+    Err(Error::TimedOut)
 }

@@ -136,3 +136,50 @@ fn several_clients_on_one_shm_endpoint() {
     assert_eq!(acceptor.join().unwrap(), vec![2, 3]);
     let _ = std::fs::remove_file(&path);
 }
+
+/// The client proxy: two user domains reach it over shared memory, it
+/// forwards both over one TCP channel to the server, each reply comes back
+/// to the user whose buffer it is.
+#[test]
+fn client_proxy_forwards_two_users_over_one_tcp_channel() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let remote = Endpoint::tcp(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    let path = std::env::temp_dir().join(format!("ferry-block-proxy-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let local = Endpoint::shm(&path);
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(4 << 20).unwrap());
+    let server = start(&remote, store.clone());
+    let stop = Arc::new(AtomicBool::new(false));
+    let proxy = {
+        let (local, remote, stop) = (local.clone(), remote.clone(), stop.clone());
+        std::thread::spawn(move || {
+            ferry_block::run_proxy(&Domain::new("proxy"), &local, &remote, T, || stop.load(Ordering::Relaxed))
+        })
+    };
+    let mut a = BlockClient::connect(&Domain::new("user a"), &local, 4, 64 << 10, T).expect("user a");
+    let mut b = BlockClient::connect(&Domain::new("user b"), &local, 4, 64 << 10, T).expect("user b");
+    assert_eq!((a.size(), b.size()), (4 << 20, 4 << 20));
+    let pa = pattern(1, 200 << 10);
+    let pb = pattern(2, 200 << 10);
+    a.write(0, &pa).unwrap();
+    b.write(1 << 20, &pb).unwrap();
+    a.flush().unwrap();
+    // Each reads the other's data back through the proxy.
+    let mut got = vec![0u8; 200 << 10];
+    a.read(1 << 20, &mut got).unwrap();
+    assert!(got == pb);
+    b.read(0, &mut got).unwrap();
+    assert!(got == pa);
+    let mut direct = vec![0u8; 200 << 10];
+    store.read_at(1 << 20, &mut direct).unwrap();
+    assert!(direct == pb, "the server's store holds what user b wrote");
+    assert!(matches!(b.read(4 << 20, &mut got[..10]), Err(Error::Remote(22))));
+    drop((a, b));
+    stop.store(true, Ordering::Relaxed);
+    proxy.join().expect("proxy thread").expect("proxy ran");
+    let _ = std::fs::remove_file(&path);
+    // The proxy's channel is gone with it: the server's ends too.
+    let summary = server.join().expect("server thread").expect("served");
+    assert_eq!(summary.errors, 1, "{summary:?}");
+}
