@@ -33,6 +33,20 @@ enum BlockCommand {
     /// Throughput of the block service by request size (writes, then reads
     /// of what was written), through Ferry channels or NBD.
     Bench(BenchArgs),
+    /// The client proxy: user domains on this host connect over shared
+    /// memory, their requests go on over one channel to a remote
+    /// `ferry block serve --ferry tcp:HOST:PORT`.
+    Proxy(ProxyArgs),
+}
+
+#[derive(Debug, Args)]
+struct ProxyArgs {
+    /// Where user domains connect: `shm:PATH` or `shm@NAME`.
+    #[arg(long, value_parser = crate::echo::endpoint_arg)]
+    listen: String,
+    /// The server's Ferry endpoint: `tcp:HOST:PORT`.
+    #[arg(long, value_parser = crate::echo::endpoint_arg)]
+    server: String,
 }
 
 #[derive(Debug, Args)]
@@ -92,6 +106,7 @@ pub fn run(args: &BlockArgs) -> Result<(), CliError> {
     match &args.command {
         BlockCommand::Serve(a) => serve(a),
         BlockCommand::Bench(a) => bench::run(a),
+        BlockCommand::Proxy(a) => proxy(a),
     }
 }
 
@@ -205,4 +220,15 @@ fn serve_ferry(ep: &ferry::Endpoint, at: &str, store: Arc<dyn ferry_block::Store
 fn say(line: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stdout(), "{line}");
+}
+
+fn proxy(a: &ProxyArgs) -> Result<(), CliError> {
+    let local =
+        crate::echo::parse_endpoint(&a.listen).map_err(|m| CliError::Usage(format!("--listen {}: {m}", a.listen)))?;
+    let remote =
+        crate::echo::parse_endpoint(&a.server).map_err(|m| CliError::Usage(format!("--server {}: {m}", a.server)))?;
+    let domain = ferry::Domain::new("block proxy");
+    say(&format!("ferry block proxy: user domains connect on {}; forwarding to {}", a.listen, a.server));
+    ferry_block::run_proxy(&domain, &local, &remote, std::time::Duration::from_secs(30), || false)
+        .map_err(|e| CliError::Failed(format!("the proxy stopped: {e}")))
 }

@@ -518,3 +518,38 @@ fn unix_socket_left_by_a_killed_server_is_reused_a_live_one_refused() {
     drop(second);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The whole path of the block service: a user domain talks to a
+/// `ferry block proxy` process over shared memory, the proxy forwards over
+/// TCP to `ferry block serve --ferry`, and an NBD client of that server
+/// sees the data.
+#[test]
+fn user_domain_to_proxy_process_to_server_process() {
+    use ferry_block::BlockClient;
+    let dir = scratch("proxy");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let remote = format!("tcp:127.0.0.1:{port}");
+    let server = Server::start(&["--store", "mem:16M", "--nbd", "tcp:127.0.0.1:0", "--ferry", &remote]);
+    let sock = dir.join("proxy.sock");
+    let mut proxy = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["block", "proxy", "--listen", &format!("shm:{}", sock.display()), "--server", &remote])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start ferry block proxy");
+    let mut user = BlockClient::connect(&ferry::Domain::new("user"), &ferry::Endpoint::shm(&sock), 4, 64 << 10, LIMIT)
+        .expect("the user domain reaches the proxy");
+    assert_eq!(user.size(), 16 << 20);
+    user.write(3 << 20, &vec![0x6bu8; 100 << 10]).unwrap();
+    user.flush().unwrap();
+    let io = ok("qemu-io", &["-f", "raw", "-c", "read -P 0x6b 3M 100k", "-c", "write -P 0x2d 5M 4k", &server.uri()]);
+    assert!(!io.contains("Pattern verification failed"), "{io}");
+    let mut back = vec![0u8; 4096];
+    user.read(5 << 20, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0x2d));
+    drop(user);
+    let _ = proxy.kill();
+    let _ = proxy.wait();
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
