@@ -335,11 +335,11 @@ impl NbdServer {
 
     /// Accept clients until the process ends, each on a thread of its
     /// own; `on_end` is told about each connection when it ends. Returns
-    /// only if accepting fails for good.
+    /// only if the listening socket fails (running out of fds or memory
+    /// for a while is waited out).
     pub fn run(self, on_end: impl Fn(&ConnSummary) + Send + Sync + 'static) -> Result<(), Error> {
         let on_end = Arc::new(on_end);
         let mut unix_peers = 0u64;
-        let mut failures = 0u32;
         loop {
             let accepted: io::Result<(Box<dyn Stream>, String)> = match &self.listener {
                 Listener::Tcp(l) => l.accept().map(|(s, a)| {
@@ -352,17 +352,15 @@ impl NbdServer {
                 }),
             };
             let (stream, peer) = match accepted {
-                Ok(x) => {
-                    failures = 0;
-                    x
+                Ok(x) => x,
+                // The listening socket itself is unusable: nothing to wait for.
+                Err(e) if matches!(e.raw_os_error(), Some(9) | Some(22) | Some(88)) => {
+                    return Err(Error::Io { what: "cannot accept clients".into(), source: e });
                 }
-                // Out of fds or memory for a moment, or a client gone before
-                // it was accepted: keep serving the others.
-                Err(e) => {
-                    failures += 1;
-                    if failures > 1000 {
-                        return Err(Error::Io { what: "cannot accept clients".into(), source: e });
-                    }
+                // Out of fds or memory for a moment (many clients at once), or
+                // a client gone before it was accepted: wait a little and go
+                // on serving the others.
+                Err(_) => {
                     std::thread::sleep(Duration::from_millis(10));
                     continue;
                 }

@@ -186,11 +186,13 @@ fn serve_ferry(ep: &ferry::Endpoint, at: &str, store: Arc<dyn ferry_block::Store
             Ok(ch) => ch,
             Err(ferry_block::Error::Ferry(ferry::Error::TimedOut)) => continue,
             Err(e) => {
+                // Failing before any client came, or again and again: the
+                // endpoint cannot be listened on.
+                if clients == 0 && failures == 0 || failures > 1000 {
+                    return Err(ferry_block::Error::Protocol(format!("cannot listen for Ferry clients on {at}: {e}")));
+                }
                 // A client that failed during setup: keep serving the others.
                 failures += 1;
-                if failures > 1000 {
-                    return Err(e);
-                }
                 std::thread::sleep(std::time::Duration::from_millis(10));
                 continue;
             }
