@@ -100,7 +100,7 @@ pub fn usage_line(e: &clap::Error, command: Option<&str>) -> String {
         }
         (ErrorKind::InvalidSubcommand, _, _) => {
             let name = one(e, ContextKind::InvalidSubcommand).unwrap_or_default();
-            format!("{name}: no such command; give demo, bench or echo (see {help})")
+            format!("{name}: no such command; give demo, bench, echo or block (see {help})")
         }
         (ErrorKind::UnknownArgument, _, _) => {
             let name = one(e, ContextKind::InvalidArg).unwrap_or_default();

@@ -4,6 +4,7 @@
 //!   and how fast.
 //! * `ferry bench EXPERIMENT` — the benchmark experiments (see BENCHMARKS.md).
 //! * `ferry echo` — the echo domain of an experiment run elsewhere.
+//! * `ferry block serve` — Ferry's network block service for NBD clients.
 
 use std::process::ExitCode;
 
@@ -12,6 +13,7 @@ use clap::{Parser, Subcommand};
 
 mod args;
 mod bench;
+mod block;
 mod demo;
 mod echo;
 mod pattern;
@@ -38,6 +40,8 @@ enum Command {
     /// Internal: the processes `ferry bench` starts (fbufs receiver, pipeline stages).
     #[command(hide = true, name = "bench-child")]
     BenchChild(bench::child::ChildArgs),
+    /// Ferry's network block service: serve a store to NBD clients.
+    Block(block::BlockArgs),
 }
 
 fn main() -> ExitCode {
@@ -47,7 +51,7 @@ fn main() -> ExitCode {
         Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => e.exit(),
         Err(e) if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
         Err(e) => {
-            let sub = std::env::args().nth(1).filter(|a| ["demo", "bench", "echo"].contains(&a.as_str()));
+            let sub = std::env::args().nth(1).filter(|a| ["demo", "bench", "echo", "block"].contains(&a.as_str()));
             eprintln!("ferry: {}", args::usage_line(&e, sub.as_deref()));
             return ExitCode::from(2);
         }
@@ -57,6 +61,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(&args),
         Command::Echo(args) => echo::run(&args),
         Command::BenchChild(args) => bench::child::run(&args),
+        Command::Block(args) => block::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,1083 @@
+//! The NBD front end: a [`Store`] served to unmodified NBD clients
+//! (qemu, libnbd's tools, fio, the Linux kernel's nbd driver) over TCP or
+//! a Unix socket, as the NBD protocol specification states it.
+//!
+//! Handshake: fixed newstyle only, with `NBD_OPT_EXPORT_NAME`, `_GO`,
+//! `_INFO` (export, name, description and block size information),
+//! `_LIST`, `_ABORT`, `_STRUCTURED_REPLY`, `_LIST_META_CONTEXT` and
+//! `_SET_META_CONTEXT` (the `base:allocation` context); any other option
+//! is answered `NBD_REP_ERR_UNSUP`. Transmission: `READ`, `WRITE` (with
+//! FUA), `FLUSH`, `TRIM`, `WRITE_ZEROES` (with `NO_HOLE`), `BLOCK_STATUS`,
+//! `CACHE` and `DISC`, simple or structured replies. The server offers
+//! multi-conn: every connection works on the one store, and a FLUSH on any
+//! of them puts on stable storage every write any of them has been
+//! answered for.
+//!
+//! Every write payload is read from the socket straight into a buffer of a
+//! Ferry pool (an [`Allocator`] per connection) and written to the store
+//! from there; every read reply is sent from the buffer the store filled
+//! (one `writev` of header and buffer). A structured read of 64 KiB or
+//! more over zero extents of the store sends those as holes
+//! (`NBD_REPLY_TYPE_OFFSET_HOLE`): only the data crosses the wire.
+//!
+//! A connection is served by [`serve_connection`], one thread each; a
+//! client that breaks the protocol loses its own connection and nothing
+//! else.
+
+use std::fmt;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{TcpListener, ToSocketAddrs};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry::{Allocator, Buffer, Domain, PoolConstraints};
+
+use crate::store::{Extent, Store};
+use crate::Error;
+
+// Handshake magic numbers and flags.
+const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
+const FLAG_NO_ZEROES: u16 = 1 << 1;
+const CLIENT_FIXED_NEWSTYLE: u32 = 1 << 0;
+const CLIENT_NO_ZEROES: u32 = 1 << 1;
+
+// Options.
+const OPT_EXPORT_NAME: u32 = 1;
+const OPT_ABORT: u32 = 2;
+const OPT_LIST: u32 = 3;
+const OPT_INFO: u32 = 6;
+const OPT_GO: u32 = 7;
+const OPT_STRUCTURED_REPLY: u32 = 8;
+const OPT_LIST_META_CONTEXT: u32 = 9;
+const OPT_SET_META_CONTEXT: u32 = 10;
+
+// Option replies.
+const REP_ACK: u32 = 1;
+const REP_SERVER: u32 = 2;
+const REP_INFO: u32 = 3;
+const REP_META_CONTEXT: u32 = 4;
+const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
+const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
+
+// Information types of NBD_OPT_INFO / NBD_OPT_GO.
+const INFO_EXPORT: u16 = 0;
+const INFO_NAME: u16 = 1;
+const INFO_DESCRIPTION: u16 = 2;
+const INFO_BLOCK_SIZE: u16 = 3;
+
+// Transmission flags.
+const TF_HAS_FLAGS: u16 = 1 << 0;
+const TF_READ_ONLY: u16 = 1 << 1;
+const TF_SEND_FLUSH: u16 = 1 << 2;
+const TF_SEND_FUA: u16 = 1 << 3;
+const TF_SEND_TRIM: u16 = 1 << 5;
+const TF_SEND_WRITE_ZEROES: u16 = 1 << 6;
+const TF_SEND_DF: u16 = 1 << 7;
+const TF_CAN_MULTI_CONN: u16 = 1 << 8;
+const TF_SEND_CACHE: u16 = 1 << 10;
+
+// Requests.
+const REQUEST_MAGIC: u32 = 0x2560_9513;
+const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+const CMD_READ: u16 = 0;
+const CMD_WRITE: u16 = 1;
+const CMD_DISC: u16 = 2;
+const CMD_FLUSH: u16 = 3;
+const CMD_TRIM: u16 = 4;
+const CMD_CACHE: u16 = 5;
+const CMD_WRITE_ZEROES: u16 = 6;
+const CMD_BLOCK_STATUS: u16 = 7;
+const CMD_FLAG_FUA: u16 = 1 << 0;
+const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
+const CMD_FLAG_DF: u16 = 1 << 2;
+const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
+
+// Structured reply chunks.
+const REPLY_FLAG_DONE: u16 = 1 << 0;
+const REPLY_TYPE_NONE: u16 = 0;
+const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
+const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
+
+// Error values.
+const EPERM: u32 = 1;
+const EIO: u32 = 5;
+const ENOMEM: u32 = 12;
+const EINVAL: u32 = 22;
+const ENOSPC: u32 = 28;
+const EOVERFLOW: u32 = 75;
+
+// base:allocation states.
+const STATE_HOLE: u32 = 1 << 0;
+const STATE_ZERO: u32 = 1 << 1;
+
+/// The one metadata context, and the id it gets when selected.
+const BASE_ALLOCATION: &str = "base:allocation";
+const BASE_ALLOCATION_ID: u32 = 1;
+
+/// Option data larger than this ends the connection (every option this
+/// server knows fits in a few KiB: names and queries are at most 4096
+/// bytes).
+const MAX_OPTION_DATA: u32 = 64 << 10;
+/// Longest string (export name, query) the protocol allows.
+const MAX_STRING: usize = 4096;
+/// Structured reads of at least this many bytes send the store's zero
+/// extents as holes (`NBD_REPLY_TYPE_OFFSET_HOLE`) instead of zeroes.
+const SPARSE_READ_MIN: u32 = 64 << 10;
+/// Most extents in one block status reply.
+const MAX_EXTENTS: usize = 2048;
+
+/// Settings of a server.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The export's name; `""` is the default export.
+    pub export_name: String,
+    /// Shown to clients that ask (`NBD_INFO_DESCRIPTION`).
+    pub description: String,
+    /// Largest READ or WRITE payload, in bytes (a power of two, at least
+    /// 4096): the size of each connection's pool buffer, advertised as
+    /// the maximum block size.
+    pub max_payload: u32,
+    /// Refuse writes (`NBD_FLAG_READ_ONLY`).
+    pub read_only: bool,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            export_name: String::new(),
+            description: "Ferry block store".into(),
+            max_payload: 32 << 20,
+            read_only: false,
+        }
+    }
+}
+
+/// Where a server listens: `tcp:HOST:PORT` or `unix:PATH`.
+///
+/// ```
+/// use ferry_block::Listen;
+/// assert!(matches!("tcp:127.0.0.1:10809".parse::<Listen>()?, Listen::Tcp(_)));
+/// assert!(matches!("unix:/tmp/ferry-nbd.sock".parse::<Listen>()?, Listen::Unix(_)));
+/// assert!("udp:1".parse::<Listen>().is_err());
+/// # Ok::<(), ferry_block::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Listen {
+    /// A TCP address (port 0: the kernel picks one).
+    Tcp(std::net::SocketAddr),
+    /// A Unix stream socket at this path.
+    Unix(PathBuf),
+}
+
+impl std::str::FromStr for Listen {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let bad = |why: &str| Error::BadSpec(format!("{s}: {why}; give tcp:HOST:PORT or unix:PATH"));
+        if let Some(hostport) = s.strip_prefix("tcp:") {
+            let addr = hostport
+                .to_socket_addrs()
+                .map_err(|_| bad("not a host and port"))?
+                .next()
+                .ok_or_else(|| bad("the host has no address"))?;
+            return Ok(Listen::Tcp(addr));
+        }
+        if let Some(path) = s.strip_prefix("unix:").filter(|p| !p.is_empty()) {
+            return Ok(Listen::Unix(PathBuf::from(path)));
+        }
+        Err(bad("not a listening address"))
+    }
+}
+
+impl fmt::Display for Listen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Listen::Tcp(a) => write!(f, "tcp:{a}"),
+            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// What happened on one client connection, reported when it ends.
+#[derive(Debug, Clone, Default)]
+pub struct ConnSummary {
+    /// The client's address (`tcp:IP:PORT`, or `unix` and a number).
+    pub peer: String,
+    /// Whether the connection reached the transmission phase.
+    pub transmission: bool,
+    /// Whether structured replies were negotiated.
+    pub structured: bool,
+    /// READ requests answered with data.
+    pub reads: u64,
+    /// Bytes read.
+    pub read_bytes: u64,
+    /// WRITE requests done.
+    pub writes: u64,
+    /// Bytes written.
+    pub write_bytes: u64,
+    /// FLUSH requests done.
+    pub flushes: u64,
+    /// TRIM requests done.
+    pub trims: u64,
+    /// WRITE_ZEROES requests done.
+    pub zeroes: u64,
+    /// BLOCK_STATUS requests answered.
+    pub block_status: u64,
+    /// CACHE requests done.
+    pub caches: u64,
+    /// Requests answered with an error.
+    pub errors: u64,
+    /// How it ended, in a few words.
+    pub end: String,
+    /// How long it lasted.
+    pub elapsed: Duration,
+}
+
+impl fmt::Display for ConnSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        write!(f, "client {} {} after {:.3} s", self.peer, self.end, self.elapsed.as_secs_f64())?;
+        if !self.transmission {
+            return write!(f, " (handshake only)");
+        }
+        write!(
+            f,
+            ": {} reads ({:.1} MiB), {} writes ({:.1} MiB), {} flushes, {} trims, {} write-zeroes, {} block-status, {} cache, {} errors",
+            self.reads,
+            mib(self.read_bytes),
+            self.writes,
+            mib(self.write_bytes),
+            self.flushes,
+            self.trims,
+            self.zeroes,
+            self.block_status,
+            self.caches,
+            self.errors
+        )
+    }
+}
+
+/// A byte stream to one client.
+pub trait Stream: Read + Write + Send {}
+impl<T: Read + Write + Send> Stream for T {}
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+/// An NBD server: a listening socket and the store it serves.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use ferry_block::{MemStore, NbdServer, ServerConfig};
+/// let store = Arc::new(MemStore::new(64 << 20)?);
+/// let server = NbdServer::bind(&"tcp:127.0.0.1:0".parse()?, store, ServerConfig::default())?;
+/// println!("listening on {}", server.local_addr());
+/// server.run(|summary| eprintln!("{summary}"))?; // serves until the process ends
+/// # Ok::<(), ferry_block::Error>(())
+/// ```
+pub struct NbdServer {
+    listener: Listener,
+    store: Arc<dyn Store>,
+    config: Arc<ServerConfig>,
+}
+
+impl NbdServer {
+    /// Listen at `listen` for clients of `store`. A Unix socket path where
+    /// nobody listens any more (left by a server that was killed) is
+    /// replaced; one where a server answers is refused.
+    pub fn bind(listen: &Listen, store: Arc<dyn Store>, config: ServerConfig) -> Result<Self, Error> {
+        if !config.max_payload.is_power_of_two() || config.max_payload < 4096 {
+            return Err(Error::BadSpec(format!(
+                "maximum payload {}: give a power of two of at least 4096 bytes",
+                config.max_payload
+            )));
+        }
+        if config.export_name.len() > MAX_STRING {
+            return Err(Error::BadSpec("export name longer than 4096 bytes".into()));
+        }
+        let io_err = |e: io::Error| Error::Io { what: format!("cannot listen on {listen}"), source: e };
+        let listener = match listen {
+            Listen::Tcp(addr) => Listener::Tcp(TcpListener::bind(addr).map_err(io_err)?),
+            Listen::Unix(path) => {
+                if path.exists() && UnixStream::connect(path).is_err() {
+                    use std::os::unix::fs::FileTypeExt;
+                    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+                        let _ = std::fs::remove_file(path);
+                    }
+                }
+                Listener::Unix(UnixListener::bind(path).map_err(io_err)?, path.clone())
+            }
+        };
+        Ok(NbdServer { listener, store, config: Arc::new(config) })
+    }
+
+    /// Where the server listens (with the port the kernel picked).
+    pub fn local_addr(&self) -> Listen {
+        match &self.listener {
+            Listener::Tcp(l) => match l.local_addr() {
+                Ok(a) => Listen::Tcp(a),
+                Err(_) => Listen::Tcp(([0, 0, 0, 0], 0).into()),
+            },
+            Listener::Unix(_, p) => Listen::Unix(p.clone()),
+        }
+    }
+
+    /// Accept clients until the process ends, each on a thread of its
+    /// own; `on_end` is told about each connection when it ends. Returns
+    /// only if the listening socket fails (running out of fds or memory
+    /// for a while is waited out).
+    pub fn run(self, on_end: impl Fn(&ConnSummary) + Send + Sync + 'static) -> Result<(), Error> {
+        let on_end = Arc::new(on_end);
+        let mut unix_peers = 0u64;
+        loop {
+            let accepted: io::Result<(Box<dyn Stream>, String)> = match &self.listener {
+                Listener::Tcp(l) => l.accept().map(|(s, a)| {
+                    let _ = s.set_nodelay(true);
+                    (Box::new(s) as Box<dyn Stream>, format!("tcp:{a}"))
+                }),
+                Listener::Unix(l, _) => l.accept().map(|(s, _)| {
+                    unix_peers += 1;
+                    (Box::new(s) as Box<dyn Stream>, format!("unix#{unix_peers}"))
+                }),
+            };
+            let (stream, peer) = match accepted {
+                Ok(x) => x,
+                // The listening socket itself is unusable: nothing to wait for.
+                Err(e) if matches!(e.raw_os_error(), Some(9) | Some(22) | Some(88)) => {
+                    return Err(Error::Io { what: "cannot accept clients".into(), source: e });
+                }
+                // Out of fds or memory for a moment (many clients at once), or
+                // a client gone before it was accepted: wait a little and go
+                // on serving the others.
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            };
+            let (store, config, on_end) = (self.store.clone(), self.config.clone(), on_end.clone());
+            let spawned = std::thread::Builder::new().name(format!("nbd {peer}")).spawn(move || {
+                let summary = serve_connection(stream, &*store, &config, peer);
+                on_end(&summary);
+            });
+            if spawned.is_err() {
+                // No thread for it: the client's connection closes with the
+                // dropped closure.
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+
+    /// [`run`](NbdServer::run) on a thread of its own.
+    pub fn spawn(
+        self,
+        on_end: impl Fn(&ConnSummary) + Send + Sync + 'static,
+    ) -> io::Result<std::thread::JoinHandle<Result<(), Error>>> {
+        std::thread::Builder::new().name("nbd accept".into()).spawn(move || self.run(on_end))
+    }
+}
+
+impl Drop for NbdServer {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, path) = &self.listener {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Why a connection ends.
+enum End {
+    /// The client said so (`NBD_OPT_ABORT`, `NBD_CMD_DISC`).
+    Soft(&'static str),
+    /// The client closed the connection or broke the protocol.
+    Hard(String),
+}
+
+impl From<io::Error> for End {
+    fn from(e: io::Error) -> Self {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            End::Hard("closed the connection".into())
+        } else {
+            End::Hard(format!("connection failed ({e})"))
+        }
+    }
+}
+
+type Step<T> = Result<T, End>;
+
+/// Serve one client on `stream` until it disconnects or breaks the
+/// protocol; the summary says what it did. Never panics on anything the
+/// client sends.
+pub fn serve_connection<S: Read + Write>(
+    stream: S,
+    store: &dyn Store,
+    config: &ServerConfig,
+    peer: String,
+) -> ConnSummary {
+    let started = Instant::now();
+    let mut session = Session {
+        stream,
+        store,
+        config,
+        structured: false,
+        meta: false,
+        no_zeroes: false,
+        buffer: None,
+        summary: ConnSummary { peer, ..ConnSummary::default() },
+    };
+    let end = session.handshake().and_then(|()| {
+        session.summary.transmission = true;
+        session.transmission()
+    });
+    let mut summary = session.summary;
+    summary.structured = session.structured;
+    summary.end = match end {
+        Ok(()) | Err(End::Soft(_)) if !summary.transmission => "left (NBD_OPT_ABORT)".into(),
+        Ok(()) => "disconnected".into(),
+        Err(End::Soft(how)) => format!("disconnected ({how})"),
+        Err(End::Hard(why)) => format!("dropped: {why}"),
+    };
+    summary.elapsed = started.elapsed();
+    summary
+}
+
+struct Session<'a, S> {
+    stream: S,
+    store: &'a dyn Store,
+    config: &'a ServerConfig,
+    structured: bool,
+    /// `base:allocation` selected.
+    meta: bool,
+    no_zeroes: bool,
+    /// The connection's pool (kept alive with its one buffer) and the
+    /// buffer every payload goes through.
+    buffer: Option<(Allocator, Buffer)>,
+    summary: ConnSummary,
+}
+
+/// Read a big-endian number from the front of `data`.
+fn take<const N: usize>(data: &mut &[u8]) -> Option<[u8; N]> {
+    let (head, rest) = data.split_first_chunk::<N>()?;
+    *data = rest;
+    Some(*head)
+}
+
+fn take_u16(data: &mut &[u8]) -> Option<u16> {
+    take::<2>(data).map(u16::from_be_bytes)
+}
+
+fn take_u32(data: &mut &[u8]) -> Option<u32> {
+    take::<4>(data).map(u32::from_be_bytes)
+}
+
+/// A string of `len` bytes (UTF-8, no NUL, at most 4096 bytes).
+fn take_string(data: &mut &[u8], len: u32) -> Option<String> {
+    let len = len as usize;
+    if len > data.len() || len > MAX_STRING {
+        return None;
+    }
+    let (s, rest) = data.split_at(len);
+    *data = rest;
+    let s = std::str::from_utf8(s).ok()?;
+    (!s.contains('\0')).then(|| s.to_string())
+}
+
+/// The NBD error value for a store error.
+fn nbd_errno(e: &io::Error) -> u32 {
+    match e.raw_os_error() {
+        Some(1) | Some(13) | Some(30) => EPERM,
+        Some(12) => ENOMEM,
+        Some(22) => EINVAL,
+        Some(28) | Some(27) | Some(122) => ENOSPC,
+        Some(75) => EOVERFLOW,
+        _ => EIO,
+    }
+}
+
+/// Write all of `parts` (one `writev` in the common case).
+fn write_all_parts<W: Write>(w: &mut W, parts: &mut [IoSlice<'_>]) -> io::Result<()> {
+    let mut parts = parts;
+    while !parts.is_empty() {
+        match w.write_vectored(parts) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut parts, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+impl<S: Read + Write> Session<'_, S> {
+    fn transmission_flags(&self) -> u16 {
+        let mut flags = TF_HAS_FLAGS
+            | TF_SEND_FLUSH
+            | TF_SEND_FUA
+            | TF_SEND_TRIM
+            | TF_SEND_WRITE_ZEROES
+            | TF_CAN_MULTI_CONN
+            | TF_SEND_CACHE;
+        if self.structured {
+            flags |= TF_SEND_DF;
+        }
+        if self.config.read_only {
+            flags |= TF_READ_ONLY;
+        }
+        flags
+    }
+
+    // ----- handshake -----
+
+    fn handshake(&mut self) -> Step<()> {
+        let mut hello = [0u8; 18];
+        hello[..8].copy_from_slice(&NBDMAGIC.to_be_bytes());
+        hello[8..16].copy_from_slice(&IHAVEOPT.to_be_bytes());
+        hello[16..].copy_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+        self.stream.write_all(&hello)?;
+        let mut cf = [0u8; 4];
+        self.stream.read_exact(&mut cf)?;
+        let client_flags = u32::from_be_bytes(cf);
+        if client_flags & !(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES) != 0 {
+            return Err(End::Hard(format!("sent unknown client flags {client_flags:#x}")));
+        }
+        self.no_zeroes = client_flags & CLIENT_NO_ZEROES != 0;
+        loop {
+            let mut head = [0u8; 16];
+            self.stream.read_exact(&mut head)?;
+            let magic = u64::from_be_bytes(head[..8].try_into().expect("8 bytes"));
+            let option = u32::from_be_bytes(head[8..12].try_into().expect("4 bytes"));
+            let len = u32::from_be_bytes(head[12..].try_into().expect("4 bytes"));
+            if magic != IHAVEOPT {
+                return Err(End::Hard("sent an option without the IHAVEOPT magic".into()));
+            }
+            if len > MAX_OPTION_DATA {
+                return Err(End::Hard(format!("sent option {option} with {len} bytes of data")));
+            }
+            let mut data = vec![0u8; len as usize];
+            self.stream.read_exact(&mut data)?;
+            match option {
+                OPT_EXPORT_NAME => {
+                    let name = std::str::from_utf8(&data).unwrap_or("\u{fffd}");
+                    if name != self.config.export_name {
+                        return Err(End::Hard(format!("asked for export {name:?}, which does not exist")));
+                    }
+                    let mut reply = Vec::with_capacity(10 + 124);
+                    reply.extend_from_slice(&self.store.size().to_be_bytes());
+                    reply.extend_from_slice(&self.transmission_flags().to_be_bytes());
+                    if !self.no_zeroes {
+                        reply.resize(reply.len() + 124, 0);
+                    }
+                    self.stream.write_all(&reply)?;
+                    return Ok(());
+                }
+                OPT_ABORT => {
+                    if data.is_empty() {
+                        // The client may have gone already: no matter.
+                        let _ = self.opt_reply(option, REP_ACK, &[]);
+                        return Err(End::Soft("NBD_OPT_ABORT"));
+                    }
+                    self.opt_error(option, REP_ERR_INVALID, "NBD_OPT_ABORT takes no data")?;
+                }
+                OPT_LIST => {
+                    if !data.is_empty() {
+                        self.opt_error(option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data")?;
+                        continue;
+                    }
+                    let name = self.config.export_name.as_bytes();
+                    let mut server = Vec::with_capacity(4 + name.len());
+                    server.extend_from_slice(&(name.len() as u32).to_be_bytes());
+                    server.extend_from_slice(name);
+                    self.opt_reply(option, REP_SERVER, &server)?;
+                    self.opt_reply(option, REP_ACK, &[])?;
+                }
+                OPT_INFO | OPT_GO => {
+                    if self.info(option, &data)? && option == OPT_GO {
+                        return Ok(());
+                    }
+                }
+                OPT_STRUCTURED_REPLY => {
+                    if !data.is_empty() {
+                        self.opt_error(option, REP_ERR_INVALID, "NBD_OPT_STRUCTURED_REPLY takes no data")?;
+                        continue;
+                    }
+                    self.structured = true;
+                    self.opt_reply(option, REP_ACK, &[])?;
+                }
+                OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => self.meta_context(option, &data)?,
+                _ => self.opt_error(option, REP_ERR_UNSUP, "option not supported by this server")?,
+            }
+        }
+    }
+
+    fn opt_reply(&mut self, option: u32, kind: u32, data: &[u8]) -> io::Result<()> {
+        let mut head = [0u8; 20];
+        head[..8].copy_from_slice(&REPLY_MAGIC.to_be_bytes());
+        head[8..12].copy_from_slice(&option.to_be_bytes());
+        head[12..16].copy_from_slice(&kind.to_be_bytes());
+        head[16..].copy_from_slice(&(data.len() as u32).to_be_bytes());
+        write_all_parts(&mut self.stream, &mut [IoSlice::new(&head), IoSlice::new(data)])
+    }
+
+    fn opt_error(&mut self, option: u32, kind: u32, message: &str) -> io::Result<()> {
+        self.opt_reply(option, kind, message.as_bytes())
+    }
+
+    /// NBD_OPT_INFO and NBD_OPT_GO; true if the export was described (and
+    /// for GO the transmission phase begins).
+    fn info(&mut self, option: u32, data: &[u8]) -> Step<bool> {
+        let mut d = data;
+        let parsed = (|| {
+            let name_len = take_u32(&mut d)?;
+            let name = take_string(&mut d, name_len)?;
+            let count = take_u16(&mut d)?;
+            let mut wanted = Vec::new();
+            for _ in 0..count {
+                wanted.push(take_u16(&mut d)?);
+            }
+            d.is_empty().then_some((name, wanted))
+        })();
+        let Some((name, wanted)) = parsed else {
+            self.opt_error(option, REP_ERR_INVALID, "malformed NBD_OPT_INFO/NBD_OPT_GO data")?;
+            return Ok(false);
+        };
+        if name != self.config.export_name {
+            self.opt_error(option, REP_ERR_UNKNOWN, "no such export")?;
+            return Ok(false);
+        }
+        let mut export = INFO_EXPORT.to_be_bytes().to_vec();
+        export.extend_from_slice(&self.store.size().to_be_bytes());
+        export.extend_from_slice(&self.transmission_flags().to_be_bytes());
+        self.opt_reply(option, REP_INFO, &export)?;
+        // Block sizes go out whether asked for or not: any byte-aligned
+        // request works, 4096 is best, payloads up to max_payload.
+        let mut sizes = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+        for v in [1u32, 4096, self.config.max_payload] {
+            sizes.extend_from_slice(&v.to_be_bytes());
+        }
+        self.opt_reply(option, REP_INFO, &sizes)?;
+        if wanted.contains(&INFO_NAME) {
+            let mut r = INFO_NAME.to_be_bytes().to_vec();
+            r.extend_from_slice(self.config.export_name.as_bytes());
+            self.opt_reply(option, REP_INFO, &r)?;
+        }
+        if wanted.contains(&INFO_DESCRIPTION) {
+            let mut r = INFO_DESCRIPTION.to_be_bytes().to_vec();
+            let desc = self.config.description.as_bytes();
+            r.extend_from_slice(&desc[..desc.len().min(MAX_STRING)]);
+            self.opt_reply(option, REP_INFO, &r)?;
+        }
+        self.opt_reply(option, REP_ACK, &[])?;
+        Ok(true)
+    }
+
+    /// NBD_OPT_LIST_META_CONTEXT and NBD_OPT_SET_META_CONTEXT.
+    fn meta_context(&mut self, option: u32, data: &[u8]) -> Step<()> {
+        let list = option == OPT_LIST_META_CONTEXT;
+        if !self.structured {
+            self.opt_error(option, REP_ERR_INVALID, "negotiate structured replies first")?;
+            return Ok(());
+        }
+        let mut d = data;
+        let parsed = (|| {
+            let name_len = take_u32(&mut d)?;
+            let name = take_string(&mut d, name_len)?;
+            let count = take_u32(&mut d)?;
+            let mut queries = Vec::new();
+            for _ in 0..count {
+                let len = take_u32(&mut d)?;
+                queries.push(take_string(&mut d, len)?);
+            }
+            d.is_empty().then_some((name, queries))
+        })();
+        let Some((name, queries)) = parsed else {
+            self.opt_error(option, REP_ERR_INVALID, "malformed meta context data")?;
+            return Ok(());
+        };
+        if queries.iter().any(|q| !q.contains(':')) {
+            self.opt_error(option, REP_ERR_INVALID, "a query starts with a namespace, e.g. base:")?;
+            return Ok(());
+        }
+        if name != self.config.export_name {
+            self.opt_error(option, REP_ERR_UNKNOWN, "no such export")?;
+            return Ok(());
+        }
+        let matches = if list {
+            queries.is_empty() || queries.iter().any(|q| q == "base:" || q == BASE_ALLOCATION)
+        } else {
+            queries.iter().any(|q| q == BASE_ALLOCATION)
+        };
+        if !list {
+            self.meta = matches;
+        }
+        if matches {
+            let id = if list { 0u32 } else { BASE_ALLOCATION_ID };
+            let mut r = id.to_be_bytes().to_vec();
+            r.extend_from_slice(BASE_ALLOCATION.as_bytes());
+            self.opt_reply(option, REP_META_CONTEXT, &r)?;
+        }
+        self.opt_reply(option, REP_ACK, &[])?;
+        Ok(())
+    }
+
+    // ----- transmission -----
+
+    /// The connection's buffer, made on first use: a pool of one buffer of
+    /// `max_payload` bytes in a domain of this connection (its memory is
+    /// only touched, and so only allocated, as far as requests reach).
+    fn buffer(&mut self) -> Step<&mut Buffer> {
+        if self.buffer.is_none() {
+            let domain = Domain::new("nbd connection");
+            let made = Allocator::new(&domain, 1, self.config.max_payload as usize, PoolConstraints::default())
+                .map_err(|e| End::Hard(format!("no pool for the connection ({e})")))
+                .and_then(|a| {
+                    let b = a.alloc().ok_or_else(|| End::Hard("the connection's pool is empty".into()))?;
+                    Ok((a, b))
+                })?;
+            self.buffer = Some(made);
+        }
+        Ok(&mut self.buffer.as_mut().expect("made just now").1)
+    }
+
+    fn transmission(&mut self) -> Step<()> {
+        loop {
+            let mut head = [0u8; 28];
+            match self.stream.read_exact(&mut head) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    return Err(End::Hard("closed the connection without NBD_CMD_DISC".into()))
+                }
+                Err(e) => return Err(e.into()),
+            }
+            let magic = u32::from_be_bytes(head[..4].try_into().expect("4 bytes"));
+            if magic != REQUEST_MAGIC {
+                return Err(End::Hard(format!("sent a request with magic {magic:#x}")));
+            }
+            let flags = u16::from_be_bytes(head[4..6].try_into().expect("2 bytes"));
+            let kind = u16::from_be_bytes(head[6..8].try_into().expect("2 bytes"));
+            let handle = u64::from_be_bytes(head[8..16].try_into().expect("8 bytes"));
+            let offset = u64::from_be_bytes(head[16..24].try_into().expect("8 bytes"));
+            let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes"));
+            let req = Request { flags, handle, offset, len };
+            match kind {
+                CMD_READ => self.read(req)?,
+                CMD_WRITE => self.write(req)?,
+                CMD_DISC => return Err(End::Soft("NBD_CMD_DISC")),
+                CMD_FLUSH => self.simple_op(req, CMD_FLAG_FUA, |s| s.flush(), |c| c.flushes += 1)?,
+                CMD_TRIM => {
+                    let fua = flags & CMD_FLAG_FUA != 0;
+                    self.range_op(
+                        req,
+                        CMD_FLAG_FUA,
+                        true,
+                        EINVAL,
+                        |s| s.trim(offset, len as u64, fua),
+                        |c| c.trims += 1,
+                    )?
+                }
+                CMD_CACHE => {
+                    self.range_op(req, CMD_FLAG_FUA, false, EINVAL, |s| s.cache(offset, len as u64), |c| c.caches += 1)?
+                }
+                CMD_WRITE_ZEROES => {
+                    let fua = flags & CMD_FLAG_FUA != 0;
+                    let may_trim = flags & CMD_FLAG_NO_HOLE == 0;
+                    self.range_op(
+                        req,
+                        CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
+                        true,
+                        ENOSPC,
+                        |s| s.write_zeroes(offset, len as u64, may_trim, fua),
+                        |c| c.zeroes += 1,
+                    )?
+                }
+                CMD_BLOCK_STATUS => self.block_status(req)?,
+                _ => self.error(req.handle, EINVAL, &format!("unknown command {kind}"))?,
+            }
+        }
+    }
+
+    fn in_bounds(&self, offset: u64, len: u32) -> bool {
+        offset.checked_add(len as u64).is_some_and(|end| end <= self.store.size())
+    }
+
+    /// Answer a request with an error (structured if negotiated).
+    fn error(&mut self, handle: u64, errno: u32, message: &str) -> io::Result<()> {
+        self.summary.errors += 1;
+        if self.structured {
+            let msg = &message.as_bytes()[..message.len().min(4096)];
+            let mut payload = Vec::with_capacity(6 + msg.len());
+            payload.extend_from_slice(&errno.to_be_bytes());
+            payload.extend_from_slice(&(msg.len() as u16).to_be_bytes());
+            payload.extend_from_slice(msg);
+            self.chunk(handle, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, &[&payload])
+        } else {
+            self.simple(handle, errno, &[])
+        }
+    }
+
+    /// A simple reply, with `data` after the header.
+    fn simple(&mut self, handle: u64, errno: u32, data: &[&[u8]]) -> io::Result<()> {
+        let mut head = [0u8; 16];
+        head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+        head[4..8].copy_from_slice(&errno.to_be_bytes());
+        head[8..].copy_from_slice(&handle.to_be_bytes());
+        let mut parts: Vec<IoSlice<'_>> =
+            std::iter::once(IoSlice::new(&head)).chain(data.iter().map(|d| IoSlice::new(d))).collect();
+        write_all_parts(&mut self.stream, &mut parts)
+    }
+
+    /// One structured reply chunk whose payload is `payload` (in parts).
+    fn chunk(&mut self, handle: u64, flags: u16, kind: u16, payload: &[&[u8]]) -> io::Result<()> {
+        let len: usize = payload.iter().map(|p| p.len()).sum();
+        let mut head = [0u8; 20];
+        head[..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+        head[4..6].copy_from_slice(&flags.to_be_bytes());
+        head[6..8].copy_from_slice(&kind.to_be_bytes());
+        head[8..16].copy_from_slice(&handle.to_be_bytes());
+        head[16..].copy_from_slice(&(len as u32).to_be_bytes());
+        let mut parts: Vec<IoSlice<'_>> =
+            std::iter::once(IoSlice::new(&head)).chain(payload.iter().map(|d| IoSlice::new(d))).collect();
+        write_all_parts(&mut self.stream, &mut parts)
+    }
+
+    /// Success without data.
+    fn done(&mut self, handle: u64) -> io::Result<()> {
+        if self.structured {
+            self.chunk(handle, REPLY_FLAG_DONE, REPLY_TYPE_NONE, &[])
+        } else {
+            self.simple(handle, 0, &[])
+        }
+    }
+
+    fn read(&mut self, req: Request) -> Step<()> {
+        let allowed = if self.structured { CMD_FLAG_FUA | CMD_FLAG_DF } else { CMD_FLAG_FUA };
+        if req.flags & !allowed != 0 {
+            return Ok(self.error(req.handle, EINVAL, "flag not valid for NBD_CMD_READ")?);
+        }
+        if req.len > self.config.max_payload {
+            return Ok(self.error(req.handle, EINVAL, "read larger than the maximum block size")?);
+        }
+        if !self.in_bounds(req.offset, req.len) {
+            return Ok(self.error(req.handle, EINVAL, "read past the end of the export")?);
+        }
+        if req.len == 0 {
+            self.summary.reads += 1;
+            return Ok(self.done(req.handle)?);
+        }
+        let len = req.len as usize;
+        let store = self.store;
+        if self.structured && req.flags & CMD_FLAG_DF == 0 && req.len >= SPARSE_READ_MIN {
+            if let Ok(extents) = store.extents(req.offset, req.len as u64, 64) {
+                let covered: u64 = extents.iter().map(|e| e.len).sum();
+                if covered == req.len as u64 && extents.iter().any(|e| e.zero) {
+                    return self.read_sparse(req, &extents);
+                }
+            }
+        }
+        let buf = self.buffer()?;
+        let filled = match buf.as_mut_slice() {
+            Ok(mem) => store.read_at(req.offset, &mut mem[..len]),
+            Err(e) => Err(io::Error::other(e.to_string())),
+        };
+        if let Err(e) = filled {
+            return Ok(self.error(req.handle, nbd_errno(&e), &format!("read failed: {e}"))?);
+        }
+        self.summary.reads += 1;
+        self.summary.read_bytes += len as u64;
+        let (handle, structured) = (req.handle, self.structured);
+        let (_, buf) = self.buffer.as_ref().expect("made above");
+        let data: &[u8] = &buf[..len];
+        if structured {
+            let offset = req.offset.to_be_bytes();
+            let mut head = [0u8; 20];
+            head[..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+            head[4..6].copy_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
+            head[6..8].copy_from_slice(&REPLY_TYPE_OFFSET_DATA.to_be_bytes());
+            head[8..16].copy_from_slice(&handle.to_be_bytes());
+            head[16..].copy_from_slice(&(8 + len as u32).to_be_bytes());
+            write_all_parts(&mut self.stream, &mut [IoSlice::new(&head), IoSlice::new(&offset), IoSlice::new(data)])?;
+        } else {
+            let mut head = [0u8; 16];
+            head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+            head[8..].copy_from_slice(&handle.to_be_bytes());
+            write_all_parts(&mut self.stream, &mut [IoSlice::new(&head), IoSlice::new(data)])?;
+        }
+        Ok(())
+    }
+
+    /// A structured read of a range with zero extents: an
+    /// `NBD_REPLY_TYPE_OFFSET_HOLE` chunk for each, an `OFFSET_DATA` chunk
+    /// (from the connection's buffer) for the rest, then a final `NONE`.
+    fn read_sparse(&mut self, req: Request, extents: &[Extent]) -> Step<()> {
+        let store = self.store;
+        let mut at = req.offset;
+        for x in extents {
+            if x.zero {
+                let mut payload = [0u8; 12];
+                payload[..8].copy_from_slice(&at.to_be_bytes());
+                payload[8..].copy_from_slice(&(x.len as u32).to_be_bytes());
+                self.chunk(req.handle, 0, REPLY_TYPE_OFFSET_HOLE, &[&payload])?;
+            } else {
+                let n = x.len as usize;
+                let buf = self.buffer()?;
+                let filled = match buf.as_mut_slice() {
+                    Ok(mem) => store.read_at(at, &mut mem[..n]),
+                    Err(e) => Err(io::Error::other(e.to_string())),
+                };
+                if let Err(e) = filled {
+                    return Ok(self.error(req.handle, nbd_errno(&e), &format!("read failed: {e}"))?);
+                }
+                let offset = at.to_be_bytes();
+                let mut head = [0u8; 20];
+                head[..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+                head[6..8].copy_from_slice(&REPLY_TYPE_OFFSET_DATA.to_be_bytes());
+                head[8..16].copy_from_slice(&req.handle.to_be_bytes());
+                head[16..].copy_from_slice(&(8 + n as u32).to_be_bytes());
+                let (_, buf) = self.buffer.as_ref().expect("made above");
+                write_all_parts(
+                    &mut self.stream,
+                    &mut [IoSlice::new(&head), IoSlice::new(&offset), IoSlice::new(&buf[..n])],
+                )?;
+            }
+            at += x.len;
+        }
+        self.summary.reads += 1;
+        self.summary.read_bytes += req.len as u64;
+        Ok(self.chunk(req.handle, REPLY_FLAG_DONE, REPLY_TYPE_NONE, &[])?)
+    }
+
+    fn write(&mut self, req: Request) -> Step<()> {
+        let len = req.len as usize;
+        let max = self.config.max_payload as usize;
+        // The payload is read in any case: what follows it is the next request.
+        self.buffer()?;
+        let Session { stream, buffer, .. } = self;
+        let (_, buf) = buffer.as_mut().expect("made just now");
+        let mem = buf.as_mut_slice().map_err(|e| End::Hard(format!("connection buffer not writable ({e})")))?;
+        if len > max {
+            let mut left = len;
+            while left > 0 {
+                let n = left.min(max);
+                stream.read_exact(&mut mem[..n])?;
+                left -= n;
+            }
+            return Ok(self.error(req.handle, EINVAL, "write larger than the maximum block size")?);
+        }
+        stream.read_exact(&mut mem[..len])?;
+        if req.flags & !CMD_FLAG_FUA != 0 {
+            return Ok(self.error(req.handle, EINVAL, "flag not valid for NBD_CMD_WRITE")?);
+        }
+        if self.config.read_only {
+            return Ok(self.error(req.handle, EPERM, "the export is read-only")?);
+        }
+        if !self.in_bounds(req.offset, req.len) {
+            return Ok(self.error(req.handle, ENOSPC, "write past the end of the export")?);
+        }
+        let fua = req.flags & CMD_FLAG_FUA != 0;
+        let (_, buf) = self.buffer.as_ref().expect("made above");
+        if let Err(e) = self.store.write_at(req.offset, &buf[..len], fua) {
+            return Ok(self.error(req.handle, nbd_errno(&e), &format!("write failed: {e}"))?);
+        }
+        self.summary.writes += 1;
+        self.summary.write_bytes += len as u64;
+        Ok(self.done(req.handle)?)
+    }
+
+    /// A request without a range (FLUSH).
+    fn simple_op(
+        &mut self,
+        req: Request,
+        allowed: u16,
+        op: impl FnOnce(&dyn Store) -> io::Result<()>,
+        count: impl FnOnce(&mut ConnSummary),
+    ) -> Step<()> {
+        if req.flags & !allowed != 0 {
+            return Ok(self.error(req.handle, EINVAL, "flag not valid for this command")?);
+        }
+        if let Err(e) = op(self.store) {
+            return Ok(self.error(req.handle, nbd_errno(&e), &format!("failed: {e}"))?);
+        }
+        count(&mut self.summary);
+        Ok(self.done(req.handle)?)
+    }
+
+    /// A request on a range without payload (TRIM, CACHE, WRITE_ZEROES):
+    /// flags checked, then the range (`past_end` if it leaves the export),
+    /// then `op`.
+    #[allow(clippy::too_many_arguments)]
+    fn range_op(
+        &mut self,
+        req: Request,
+        allowed: u16,
+        writes: bool,
+        past_end: u32,
+        op: impl FnOnce(&dyn Store) -> io::Result<()>,
+        count: impl FnOnce(&mut ConnSummary),
+    ) -> Step<()> {
+        if req.flags & !allowed != 0 {
+            return Ok(self.error(req.handle, EINVAL, "flag not valid for this command")?);
+        }
+        if writes && self.config.read_only {
+            return Ok(self.error(req.handle, EPERM, "the export is read-only")?);
+        }
+        if !self.in_bounds(req.offset, req.len) {
+            return Ok(self.error(req.handle, past_end, "request past the end of the export")?);
+        }
+        if let Err(e) = op(self.store) {
+            return Ok(self.error(req.handle, nbd_errno(&e), &format!("failed: {e}"))?);
+        }
+        count(&mut self.summary);
+        Ok(self.done(req.handle)?)
+    }
+
+    fn block_status(&mut self, req: Request) -> Step<()> {
+        if req.flags & !(CMD_FLAG_REQ_ONE | CMD_FLAG_FUA) != 0 {
+            return Ok(self.error(req.handle, EINVAL, "flag not valid for NBD_CMD_BLOCK_STATUS")?);
+        }
+        if !self.structured || !self.meta {
+            return Ok(self.error(req.handle, EINVAL, "no metadata context was selected")?);
+        }
+        if req.len == 0 || !self.in_bounds(req.offset, req.len) {
+            return Ok(self.error(req.handle, EINVAL, "block status past the end of the export or empty")?);
+        }
+        let max = if req.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS };
+        let extents = match self.store.extents(req.offset, req.len as u64, max) {
+            Ok(x) if !x.is_empty() => x,
+            // Status 0 ("allocated, contents unknown") is always true.
+            Ok(_) => vec![Extent { len: req.len as u64, hole: false, zero: false }],
+            Err(e) => return Ok(self.error(req.handle, nbd_errno(&e), &format!("block status failed: {e}"))?),
+        };
+        let mut payload = Vec::with_capacity(4 + 8 * extents.len());
+        payload.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
+        let mut total = 0u64;
+        for x in extents.iter().take(max) {
+            let len = x.len.min(req.len as u64 - total);
+            if len == 0 {
+                break;
+            }
+            total += len;
+            let state = if x.hole { STATE_HOLE } else { 0 } | if x.zero { STATE_ZERO } else { 0 };
+            payload.extend_from_slice(&(len as u32).to_be_bytes());
+            payload.extend_from_slice(&state.to_be_bytes());
+        }
+        self.summary.block_status += 1;
+        Ok(self.chunk(req.handle, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, &[&payload])?)
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Request {
+    flags: u16,
+    handle: u64,
+    offset: u64,
+    len: u32,
+}

@@ -1,0 +1,398 @@
+//! The NBD server byte by byte: a client written here from the protocol
+//! specification drives a real server on a real socket, through the
+//! handshake's options and errors and the transmission phase's malformed
+//! requests. Every malformed request is answered as the specification
+//! says, and a client that breaks the protocol loses only its own
+//! connection.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_block::{MemStore, NbdServer, ServerConfig, Store};
+
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+const REP_ACK: u32 = 1;
+const REP_SERVER: u32 = 2;
+const REP_INFO: u32 = 3;
+const REP_META_CONTEXT: u32 = 4;
+const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
+const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
+const EINVAL: u32 = 22;
+const ENOSPC: u32 = 28;
+
+/// A server on a kernel-chosen port over a memory store; small payloads
+/// (64 KiB) so oversize requests are cheap.
+fn server(size: u64) -> (String, Arc<MemStore>) {
+    let store = Arc::new(MemStore::new(size).expect("store"));
+    let config = ServerConfig { max_payload: 64 << 10, ..ServerConfig::default() };
+    let server = NbdServer::bind(&"tcp:127.0.0.1:0".parse().expect("addr"), store.clone(), config).expect("bind");
+    let addr = server.local_addr().to_string();
+    server.spawn(|_| {}).expect("accept thread");
+    (addr.strip_prefix("tcp:").expect("tcp").to_string(), store)
+}
+
+struct Client {
+    s: TcpStream,
+}
+
+impl Client {
+    /// Connect and do the greeting (fixed newstyle, no zeroes).
+    fn connect(addr: &str) -> Client {
+        let s = TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
+        let mut c = Client { s };
+        let mut hello = [0u8; 18];
+        c.s.read_exact(&mut hello).expect("greeting");
+        assert_eq!(&hello[..8], b"NBDMAGIC");
+        assert_eq!(u64::from_be_bytes(hello[8..16].try_into().unwrap()), IHAVEOPT);
+        assert_eq!(u16::from_be_bytes(hello[16..].try_into().unwrap()), 0b11, "FIXED_NEWSTYLE | NO_ZEROES");
+        c.s.write_all(&3u32.to_be_bytes()).expect("client flags");
+        c
+    }
+
+    fn option(&mut self, option: u32, data: &[u8]) {
+        let mut m = IHAVEOPT.to_be_bytes().to_vec();
+        m.extend_from_slice(&option.to_be_bytes());
+        m.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        m.extend_from_slice(data);
+        self.s.write_all(&m).expect("send option");
+    }
+
+    /// One option reply: (option, type, data).
+    fn reply(&mut self) -> (u32, u32, Vec<u8>) {
+        let mut h = [0u8; 20];
+        self.s.read_exact(&mut h).expect("option reply");
+        assert_eq!(u64::from_be_bytes(h[..8].try_into().unwrap()), REPLY_MAGIC);
+        let len = u32::from_be_bytes(h[16..].try_into().unwrap());
+        let mut data = vec![0u8; len as usize];
+        self.s.read_exact(&mut data).expect("reply data");
+        (u32::from_be_bytes(h[8..12].try_into().unwrap()), u32::from_be_bytes(h[12..16].try_into().unwrap()), data)
+    }
+
+    /// NBD_OPT_EXPORT_NAME "": size and transmission flags.
+    fn export_name(&mut self) -> (u64, u16) {
+        self.option(1, b"");
+        let mut r = [0u8; 10];
+        self.s.read_exact(&mut r).expect("export reply");
+        (u64::from_be_bytes(r[..8].try_into().unwrap()), u16::from_be_bytes(r[8..].try_into().unwrap()))
+    }
+
+    fn request(&mut self, flags: u16, kind: u16, handle: u64, offset: u64, len: u32, payload: &[u8]) {
+        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
+        m.extend_from_slice(&flags.to_be_bytes());
+        m.extend_from_slice(&kind.to_be_bytes());
+        m.extend_from_slice(&handle.to_be_bytes());
+        m.extend_from_slice(&offset.to_be_bytes());
+        m.extend_from_slice(&len.to_be_bytes());
+        m.extend_from_slice(payload);
+        self.s.write_all(&m).expect("send request");
+    }
+
+    /// A simple reply: (error, handle), then `data` bytes if no error.
+    fn simple(&mut self, data: usize) -> (u32, u64, Vec<u8>) {
+        let mut h = [0u8; 16];
+        self.s.read_exact(&mut h).expect("simple reply");
+        assert_eq!(u32::from_be_bytes(h[..4].try_into().unwrap()), 0x6744_6698, "simple reply magic");
+        let err = u32::from_be_bytes(h[4..8].try_into().unwrap());
+        let mut d = vec![0u8; if err == 0 { data } else { 0 }];
+        self.s.read_exact(&mut d).expect("read data");
+        (err, u64::from_be_bytes(h[8..].try_into().unwrap()), d)
+    }
+
+    /// One structured chunk: (flags, type, handle, payload).
+    fn chunk(&mut self) -> (u16, u16, u64, Vec<u8>) {
+        let mut h = [0u8; 20];
+        self.s.read_exact(&mut h).expect("chunk");
+        assert_eq!(u32::from_be_bytes(h[..4].try_into().unwrap()), 0x668e_33ef, "structured reply magic");
+        let len = u32::from_be_bytes(h[16..].try_into().unwrap());
+        let mut d = vec![0u8; len as usize];
+        self.s.read_exact(&mut d).expect("chunk payload");
+        (
+            u16::from_be_bytes(h[4..6].try_into().unwrap()),
+            u16::from_be_bytes(h[6..8].try_into().unwrap()),
+            u64::from_be_bytes(h[8..16].try_into().unwrap()),
+            d,
+        )
+    }
+
+    /// Whether the server closed the connection.
+    fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.s.read(&mut b), Ok(0) | Err(_))
+    }
+}
+
+fn string(s: &str) -> Vec<u8> {
+    let mut v = (s.len() as u32).to_be_bytes().to_vec();
+    v.extend_from_slice(s.as_bytes());
+    v
+}
+
+#[test]
+fn options_unknown_list_info_meta_context_abort() {
+    let (addr, _) = server(1 << 20);
+    let mut c = Client::connect(&addr);
+
+    c.option(99, b"whatever data");
+    assert_eq!(c.reply(), (99, REP_ERR_UNSUP, b"option not supported by this server".to_vec()));
+    c.option(5, b""); // STARTTLS: this server has no TLS
+    assert_eq!(c.reply().1, REP_ERR_UNSUP);
+
+    // LIST: the default export "" and the ACK.
+    c.option(3, b"");
+    assert_eq!(c.reply(), (3, REP_SERVER, 0u32.to_be_bytes().to_vec()));
+    assert_eq!(c.reply(), (3, REP_ACK, vec![]));
+    c.option(3, b"x");
+    assert_eq!(c.reply().1, REP_ERR_INVALID);
+
+    // INFO: unknown export, malformed data, then the real one.
+    let mut info = string("disk7");
+    info.extend_from_slice(&0u16.to_be_bytes());
+    c.option(6, &info);
+    assert_eq!(c.reply().1, REP_ERR_UNKNOWN);
+    c.option(6, &string("")[..3]);
+    assert_eq!(c.reply().1, REP_ERR_INVALID);
+    let mut info = string("");
+    info.extend_from_slice(&1u16.to_be_bytes());
+    info.extend_from_slice(&3u16.to_be_bytes()); // NBD_INFO_BLOCK_SIZE
+    c.option(6, &info);
+    let (_, t, export) = c.reply();
+    assert_eq!((t, &export[..2]), (REP_INFO, &[0u8, 0][..]));
+    assert_eq!(u64::from_be_bytes(export[2..10].try_into().unwrap()), 1 << 20);
+    let (_, t, sizes) = c.reply();
+    assert_eq!((t, &sizes[..2]), (REP_INFO, &[0u8, 3][..]));
+    assert_eq!(sizes[2..], [[0, 0, 0, 1], 4096u32.to_be_bytes(), (64u32 << 10).to_be_bytes()].concat()[..]);
+    assert_eq!(c.reply().1, REP_ACK);
+
+    // Meta contexts need structured replies first.
+    let mut q = string("");
+    q.extend_from_slice(&1u32.to_be_bytes());
+    q.extend_from_slice(&string("base:allocation"));
+    c.option(10, &q);
+    assert_eq!(c.reply().1, REP_ERR_INVALID);
+    c.option(8, b"");
+    assert_eq!(c.reply().1, REP_ACK);
+    let mut all = string("");
+    all.extend_from_slice(&0u32.to_be_bytes());
+    c.option(9, &all); // LIST with no query: everything there is
+    let (_, t, ctx) = c.reply();
+    assert_eq!((t, &ctx[4..]), (REP_META_CONTEXT, &b"base:allocation"[..]));
+    assert_eq!(c.reply().1, REP_ACK);
+    c.option(10, &q); // SET base:allocation
+    let (_, t, ctx) = c.reply();
+    assert_eq!((t, &ctx[..4], &ctx[4..]), (REP_META_CONTEXT, &1u32.to_be_bytes()[..], &b"base:allocation"[..]));
+    assert_eq!(c.reply().1, REP_ACK);
+
+    c.option(2, b""); // ABORT: ACK, then the server closes
+    assert_eq!(c.reply(), (2, REP_ACK, vec![]));
+    assert!(c.closed());
+}
+
+#[test]
+fn unknown_client_flags_and_bad_magic_close_only_that_connection() {
+    let (addr, _) = server(1 << 20);
+    let mut bad = TcpStream::connect(&addr).expect("connect");
+    bad.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut hello = [0u8; 18];
+    bad.read_exact(&mut hello).unwrap();
+    bad.write_all(&0x80u32.to_be_bytes()).unwrap();
+    let mut c = Client { s: bad };
+    assert!(c.closed(), "unknown client flags must end the connection");
+
+    let mut ok = Client::connect(&addr);
+    ok.export_name();
+    let mut broken = Client::connect(&addr);
+    broken.export_name();
+    broken.s.write_all(&[0xde; 28]).unwrap(); // not a request
+    assert!(broken.closed());
+    ok.request(0, 1, 7, 0, 4, b"live");
+    assert_eq!(ok.simple(0).0, 0);
+    ok.request(0, 0, 8, 0, 4, b"");
+    assert_eq!(ok.simple(4), (0, 8, b"live".to_vec()));
+}
+
+#[test]
+fn malformed_requests_get_errors_and_the_connection_goes_on() {
+    let (addr, store) = server(1 << 20);
+    let mut c = Client::connect(&addr);
+    let (size, flags) = c.export_name();
+    assert_eq!(size, 1 << 20);
+    assert_ne!(flags & (1 << 8), 0, "NBD_FLAG_CAN_MULTI_CONN");
+    assert_eq!(flags & (1 << 7), 0, "no DF without structured replies");
+
+    c.request(0, 42, 1, 0, 0, b""); // unknown command
+    assert_eq!(c.simple(0), (EINVAL, 1, vec![]));
+    c.request(1 << 6, 0, 2, 0, 512, b""); // unknown flag on READ
+    assert_eq!(c.simple(512).0, EINVAL);
+    c.request(0, 0, 3, (1 << 20) - 256, 512, b""); // read past the end
+    assert_eq!(c.simple(512).0, EINVAL);
+    c.request(0, 0, 4, u64::MAX - 10, 512, b""); // offset + length overflows
+    assert_eq!(c.simple(512).0, EINVAL);
+    c.request(0, 1, 5, (1 << 20) - 2, 4, b"abcd"); // write past the end: payload read, ENOSPC
+    assert_eq!(c.simple(0), (ENOSPC, 5, vec![]));
+    c.request(0, 0, 6, 0, 128 << 10, b""); // read over the maximum payload
+    assert_eq!(c.simple(0).0, EINVAL);
+    let big = vec![0x77u8; 200 << 10];
+    c.request(0, 1, 7, 0, big.len() as u32, &big); // write over the maximum: payload skipped
+    assert_eq!(c.simple(0), (EINVAL, 7, vec![]));
+    c.request(0, 7, 8, 0, 4096, b""); // block status without a context
+    assert_eq!(c.simple(0).0, EINVAL);
+    c.request(1 << 1, 1, 9, 0, 2, b"no"); // NO_HOLE is not a WRITE flag
+    assert_eq!(c.simple(0).0, EINVAL);
+    assert_eq!(store.allocated_bytes(), 0, "no refused write reached the store");
+
+    // Still in step: a write, a zero-length read, a read.
+    c.request(1, 1, 10, 4096, 5, b"hello"); // FUA
+    assert_eq!(c.simple(0), (0, 10, vec![]));
+    c.request(0, 0, 11, 0, 0, b"");
+    assert_eq!(c.simple(0), (0, 11, vec![]));
+    c.request(0, 0, 12, 4094, 8, b"");
+    assert_eq!(c.simple(8), (0, 12, b"\0\0hello\0".to_vec()));
+    c.request(0, 2, 13, 0, 0, b""); // DISC: no reply, the server closes
+    assert!(c.closed());
+}
+
+#[test]
+fn structured_reads_block_status_and_a_flush_seen_by_every_connection() {
+    let (addr, _) = server(4 << 20);
+    let mut c = Client::connect(&addr);
+    c.option(8, b"");
+    assert_eq!(c.reply().1, REP_ACK);
+    let mut q = string("");
+    q.extend_from_slice(&1u32.to_be_bytes());
+    q.extend_from_slice(&string("base:allocation"));
+    c.option(10, &q);
+    assert_eq!(c.reply().1, REP_META_CONTEXT);
+    assert_eq!(c.reply().1, REP_ACK);
+    let mut go = string("");
+    go.extend_from_slice(&0u16.to_be_bytes());
+    c.option(7, &go);
+    let (_, t, export) = c.reply();
+    assert_eq!(t, REP_INFO);
+    let flags = u16::from_be_bytes(export[10..12].try_into().unwrap());
+    assert_ne!(flags & (1 << 7), 0, "DF offered with structured replies");
+    while c.reply().1 != REP_ACK {}
+
+    // Write through a second connection, flush through the first, read
+    // through the first: one store behind every connection.
+    let mut other = Client::connect(&addr);
+    other.export_name();
+    other.request(0, 1, 1, 1 << 20, 6, b"shared");
+    assert_eq!(other.simple(0).0, 0);
+    c.request(0, 3, 2, 0, 0, b""); // FLUSH
+    assert_eq!(c.chunk(), (1, 0, 2, vec![]));
+    c.request(1 << 2, 0, 3, 1 << 20, 6, b""); // READ with DF
+    let (f, t, h, payload) = c.chunk();
+    assert_eq!((f, t, h), (1, 1, 3), "one OFFSET_DATA chunk, DONE");
+    assert_eq!(&payload[..8], &(1u64 << 20).to_be_bytes());
+    assert_eq!(&payload[8..], b"shared");
+
+    // Without DF, a read over holes sends them as OFFSET_HOLE chunks and
+    // only the data as OFFSET_DATA, then NONE with DONE.
+    c.request(0, 0, 9, (1 << 20) - (32 << 10), 64 << 10, b"");
+    let (f, t, _, p) = c.chunk();
+    let hole = [((1u64 << 20) - (32 << 10)).to_be_bytes().as_slice(), &(32u32 << 10).to_be_bytes()].concat();
+    assert_eq!((f, t, p), (0, 2, hole));
+    let (f, t, _, p) = c.chunk();
+    assert_eq!((f, t, &p[..8]), (0, 1, &(1u64 << 20).to_be_bytes()[..]));
+    assert_eq!(p.len(), 8 + (32 << 10));
+    assert_eq!(&p[8..14], b"shared");
+    assert!(p[14..].iter().all(|&b| b == 0));
+    assert_eq!(c.chunk(), (1, 0, 9, vec![]));
+
+    // Block status: a hole, the 64 KiB chunk written, a hole.
+    c.request(0, 7, 4, 0, 4 << 20, b"");
+    let (f, t, _, p) = c.chunk();
+    assert_eq!((f, t), (1, 5));
+    assert_eq!(u32::from_be_bytes(p[..4].try_into().unwrap()), 1, "context id");
+    let ext: Vec<(u32, u32)> = p[4..]
+        .chunks(8)
+        .map(|d| (u32::from_be_bytes(d[..4].try_into().unwrap()), u32::from_be_bytes(d[4..].try_into().unwrap())))
+        .collect();
+    assert_eq!(ext, vec![(1 << 20, 3), (64 << 10, 0), ((3 << 20) - (64 << 10), 3)]);
+    c.request(1 << 3, 7, 5, 0, 4 << 20, b""); // REQ_ONE
+    let (_, _, _, p) = c.chunk();
+    assert_eq!(p.len(), 12);
+    // Errors come as an error chunk with a message.
+    c.request(0, 0, 6, 4 << 20, 1, b"");
+    let (f, t, h, p) = c.chunk();
+    assert_eq!((f, t, h), (1, (1 << 15) + 1, 6));
+    assert_eq!(u32::from_be_bytes(p[..4].try_into().unwrap()), EINVAL);
+    // Trim frees; status shows the hole again.
+    c.request(0, 4, 7, 1 << 20, 64 << 10, b"");
+    assert_eq!(c.chunk().1, 0);
+    c.request(0, 7, 8, 0, 4 << 20, b"");
+    let (_, _, _, p) = c.chunk();
+    assert_eq!(p[4..], [(4u32 << 20).to_be_bytes(), 3u32.to_be_bytes()].concat()[..]);
+}
+
+#[test]
+fn the_store_behind_the_server_is_the_one_given() {
+    let (addr, store) = server(1 << 20);
+    let mut c = Client::connect(&addr);
+    c.export_name();
+    c.request(0, 1, 1, 100, 3, b"abc");
+    assert_eq!(c.simple(0).0, 0);
+    let mut b = [0u8; 3];
+    store.read_at(100, &mut b).unwrap();
+    assert_eq!(&b, b"abc");
+}
+
+/// Garbage in every phase (random bytes after the greeting, after the
+/// handshake, huge option lengths): each such connection ends or is
+/// answered, and the server goes on serving a well-behaved client.
+#[test]
+fn garbage_never_takes_the_server_down() {
+    let (addr, _) = server(1 << 20);
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut random = |n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    };
+    for round in 0..40 {
+        let mut c = Client::connect(&addr);
+        match round % 4 {
+            0 => c.s.write_all(&random(64 + round * 7)).unwrap(),
+            1 => {
+                // An option claiming 1 GiB of data.
+                let mut m = IHAVEOPT.to_be_bytes().to_vec();
+                m.extend_from_slice(&7u32.to_be_bytes());
+                m.extend_from_slice(&(1u32 << 30).to_be_bytes());
+                c.s.write_all(&m).unwrap();
+                assert!(c.closed());
+                continue;
+            }
+            2 => {
+                c.export_name();
+                let mut junk = random(28 * 3);
+                junk[..4].copy_from_slice(&0x2560_9513u32.to_be_bytes()); // one valid magic, wild fields
+                let _ = c.s.write_all(&junk);
+            }
+            _ => {
+                c.option(8, b"");
+                c.reply();
+                c.option(7, &random(round));
+            }
+        }
+        let _ = c.s.shutdown(std::net::Shutdown::Write);
+        // Drain whatever the server answers until it closes.
+        let mut sink = Vec::new();
+        let _ = c.s.read_to_end(&mut sink);
+    }
+    let mut ok = Client::connect(&addr);
+    ok.export_name();
+    ok.request(0, 1, 1, 0, 2, b"ok");
+    assert_eq!(ok.simple(0).0, 0);
+    ok.request(0, 0, 2, 0, 2, b"");
+    assert_eq!(ok.simple(2), (0, 2, b"ok".to_vec()));
+}
