@@ -817,11 +817,17 @@ impl Consumer {
 /// A producer with a short queue fills it (QueueFull), arms: its fd is
 /// quiet while the consumer takes nothing, and becomes readable once the
 /// consumer takes messages (the ring's room handshake; TCP: the socket
-/// takes more); then the refused send goes through. Several rounds.
+/// takes more); then the refused send goes through. Every other round the
+/// consumer makes room between the refusal and the arm: arm returns
+/// `false` or the fd is readable (a producer must not sleep on room it
+/// already has).
 fn room(kind: Kind, depth: u32, size: usize) {
     let d = Domain::new("producer");
     let setup = ChannelSetup { queue_depth: depth, ..ChannelSetup::default() };
-    let (mut tx, spec, ep) = create(kind, &d, setup, Duration::from_secs(10));
+    // TCP: keep-alive timers (a quarter of the peer timeout) beyond every
+    // wait here, so only the socket wakes the producer.
+    let quiet = Duration::from_secs(60);
+    let (mut tx, spec, ep) = create(kind, &d, setup, quiet);
     let mut consumer = match kind {
         Kind::Local => {
             let (cmd, cmds) = mpsc::channel::<u64>();
@@ -846,7 +852,7 @@ fn room(kind: Kind, depth: u32, size: usize) {
             Consumer::Local(cmd, done, h)
         }
         _ => {
-            let mut peer = Peer::spawn(&spec, "cmd", Duration::from_secs(10));
+            let mut peer = Peer::spawn(&spec, "cmd", quiet);
             tx.wait_connected(T).unwrap();
             peer.expect("bound");
             peer.send("accept");
@@ -859,7 +865,7 @@ fn room(kind: Kind, depth: u32, size: usize) {
         peer.expect("accepted");
     }
     let (mut seq, mut taken) = (0u64, 0u64);
-    for round in 0..3 {
+    for round in 0..4 {
         // Fill the queue.
         let refused = loop {
             assert!(alloc.available() > 0, "round {round}: {seq} buffers sent and never a full queue");
@@ -870,14 +876,23 @@ fn room(kind: Kind, depth: u32, size: usize) {
             }
         };
         assert!(drain(&mut tx).is_empty());
-        assert!(tx.arm(), "round {round}: a full queue arms (asking for room)");
-        assert!(!readable(tx.as_fd(), Duration::ZERO), "round {round}: quiet while the consumer takes nothing");
         // TCP: the socket takes more once its buffers drain: take every
         // message surely written (those still in our out queue are not).
         let take = if kind == Kind::Tcp { seq - taken - u64::from(depth) } else { 1 };
-        consumer.take(take);
+        if round % 2 == 0 {
+            assert!(tx.arm(), "round {round}: a full queue arms (asking for room)");
+            assert!(!readable(tx.as_fd(), Duration::ZERO), "round {round}: quiet while the consumer takes nothing");
+            consumer.take(take);
+            assert!(readable(tx.as_fd(), T), "round {round}: room did not wake the producer");
+        } else {
+            // Room made between the refused send and the arm: no wake-up
+            // will come for it, so arm must say so.
+            consumer.take(take);
+            if tx.arm() {
+                assert!(readable(tx.as_fd(), T), "round {round}: room made before arming is never reported");
+            }
+        }
         taken += take;
-        assert!(readable(tx.as_fd(), T), "round {round}: room did not wake the producer");
         assert!(drain(&mut tx).is_empty());
         let mut refused = Some(refused);
         let end = Instant::now() + T;
