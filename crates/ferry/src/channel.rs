@@ -1581,6 +1581,9 @@ impl Channel {
         pending.append(&mut last);
         if let Some(link) = self.link.as_mut() {
             link.close(pending);
+            // Nothing of the link wakes a closed end: its fd stays quiet
+            // (a peer's hang-up or last ring would keep it readable).
+            link.unregister(&self.wake);
         }
         let cross = self.link.as_ref().is_some_and(|l| l.peer_can_die());
         let related: Vec<PoolId> =
