@@ -227,6 +227,9 @@ pub struct Channel {
     wake: WakeSet,
     /// How long [`wait`](Channel::wait) busy-polls before it sleeps.
     spin: Duration,
+    /// A send was refused for a full queue and no arm has reported room
+    /// since: room that came before the arm wakes nobody, so arm says so.
+    room_refused: bool,
 }
 
 /// How long [`Channel::wait`] busy-polls before it sleeps, unless told
@@ -342,6 +345,7 @@ impl Channel {
             helpers: connect::Helpers::default(),
             wake,
             spin: DEFAULT_SPIN,
+            room_refused: false,
         }
     }
 
@@ -977,7 +981,16 @@ impl Channel {
                 self.flush_deferred();
                 self.flush_outbox();
                 match self.link.as_mut() {
-                    Some(link) => link.arm(&self.wake),
+                    Some(link) => match link.arm(&self.wake) {
+                        // The link asks for a wake-up only for room that is
+                        // still missing after it armed: room that came since
+                        // a refused send is reported here.
+                        Arm::Sleep { .. } if self.room_refused && self.outbox.is_empty() && link.has_room() => {
+                            self.room_refused = false;
+                            Arm::Ready
+                        }
+                        armed => armed,
+                    },
                     None => Arm::SLEEP,
                 }
             }
@@ -1113,6 +1126,7 @@ impl Channel {
             self.flush_outbox();
         }
         if !self.outbox.is_empty() || !self.link_mut().has_room() {
+            self.room_refused = true;
             return Err(Error::QueueFull);
         }
         Ok(())
@@ -1567,6 +1581,9 @@ impl Channel {
         pending.append(&mut last);
         if let Some(link) = self.link.as_mut() {
             link.close(pending);
+            // Nothing of the link wakes a closed end: its fd stays quiet
+            // (a peer's hang-up or last ring would keep it readable).
+            link.unregister(&self.wake);
         }
         let cross = self.link.as_ref().is_some_and(|l| l.peer_can_die());
         let related: Vec<PoolId> =

@@ -318,7 +318,16 @@ impl Selector {
                 self.collect(Duration::ZERO);
                 continue;
             }
-            let left = left(deadline)?;
+            let Some(left) = left(deadline) else {
+                // Time is up, but channels may have woken meanwhile (with a
+                // zero timeout: those that made the selector's fd readable).
+                if self.collect(Duration::ZERO) == 0 {
+                    return None;
+                }
+                let found = self.serve_round();
+                self.served += usize::from(found.is_some());
+                return found;
+            };
             if !self.spin.is_zero() {
                 if let Some(found) = self.spin_all(left.map_or(self.spin, |l| l.min(self.spin))) {
                     return Some(found);

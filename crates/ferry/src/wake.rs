@@ -153,6 +153,12 @@ impl WakeSet {
         }
     }
 
+    /// Stop waking for `fd` (nothing if it is not watched).
+    pub(crate) fn unwatch(&self, fd: BorrowedFd<'_>) {
+        // ENOENT (not watched) is the only failure for an open fd.
+        let _ = epoll::delete(&self.epoll, fd);
+    }
+
     /// Fire the timer at `at` (or never). Cheap when nothing changes; a
     /// timer that fired is always re-set, which also makes it unreadable.
     /// Without a timer (out of fds), the caller's own backstop (a bounded

@@ -344,6 +344,10 @@ impl Link for LocalLink {
         Ok(wake.watch(self.me.fd().as_fd(), Interest::Read)?)
     }
 
+    fn unregister(&mut self, wake: &WakeSet) {
+        wake.unwatch(self.me.fd().as_fd());
+    }
+
     fn spin(&mut self, spin: Duration) -> bool {
         self.publish();
         self.rx.spin_for_work(spin)

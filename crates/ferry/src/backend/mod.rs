@@ -67,6 +67,9 @@ pub(crate) trait Link: Send {
     /// Add what wakes this end to the channel's wake set (once, when the
     /// link takes over from the setup).
     fn register(&mut self, wake: &WakeSet) -> Result<()>;
+    /// Take out of the channel's wake set what `register` added (the
+    /// channel is closed: nothing of the link may wake it any more).
+    fn unregister(&mut self, wake: &WakeSet);
     /// Busy-wait up to `spin` for a message (or the peer's close): `true`
     /// if one may be there. Backends whose waiting costs a system call
     /// anyway do not spin.

@@ -874,6 +874,10 @@ impl Link for NetLink {
         Ok(())
     }
 
+    fn unregister(&mut self, wake: &WakeSet) {
+        wake.unwatch(self.stream.as_fd());
+    }
+
     fn arm(&mut self, wake: &WakeSet) -> Arm {
         // An error (or a keep-alive due) is for `recv` to report or send.
         if self.gone.is_some() || NetLink::flush(self).is_err() || self.tick().is_err() {

@@ -656,6 +656,11 @@ impl Link for ShmLink {
         Ok(wake.watch(self.conn.as_fd(), Interest::HangUp)?)
     }
 
+    fn unregister(&mut self, wake: &WakeSet) {
+        wake.unwatch(self.bell.as_fd());
+        wake.unwatch(self.conn.as_fd());
+    }
+
     fn spin(&mut self, spin: Duration) -> bool {
         self.publish();
         self.rx.spin_for_work(spin)
