@@ -355,12 +355,12 @@ impl Link for LocalLink {
 
     fn arm(&mut self, _wake: &WakeSet) -> Arm {
         self.publish();
+        // Take an old ring before asking for anything: a ring after the
+        // requests (for a message or for room) stays.
+        self.me.reset();
         if self.tx.free_slots() == 0 && !self.tx.want_room() {
             return Arm::Ready;
         }
-        // Take an old ring before declaring sleep: a ring after the
-        // declaration stays.
-        self.me.reset();
         let sleep = self.rx.prepare_sleep();
         if self.rx.take_room_request() {
             self.peer.ring();

@@ -668,13 +668,14 @@ impl Link for ShmLink {
 
     fn arm(&mut self, _wake: &WakeSet) -> Arm {
         self.publish();
+        // Take an old ring before asking for anything: a ring after the
+        // requests (for a message or for room) stays. If none came, the
+        // last wake-up (if any) may have been the socket's hang-up: look at
+        // it before sleeping.
+        let rung = wake::reset(&self.bell);
         if self.tx.free_slots() == 0 && !self.tx.want_room() {
             return Arm::Ready;
         }
-        // Take an old ring before declaring sleep: a ring after the
-        // declaration stays. If none came, the last wake-up (if any) may
-        // have been the socket's hang-up: look at it before sleeping.
-        let rung = wake::reset(&self.bell);
         let sleep = self.rx.prepare_sleep();
         if self.rx.take_room_request() {
             wake::ring(&self.peer_bell);
