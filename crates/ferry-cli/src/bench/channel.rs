@@ -7,7 +7,8 @@
 //! the buffer's return — `Channel::wait` (`channel`), the channel's fd in an
 //! epoll set of our own as an application's event loop would hold it
 //! (`epoll`: poll until nothing, arm, `epoll_wait`, poll; no spin), a
-//! `Selector` (`selector`) or `wait_any` (`wait-any`) holding the one
+//! `Selector` (`selector`, spinning `ferry::DEFAULT_SPIN` before it sleeps,
+//! as `Channel::wait` does) or `wait_any` (`wait-any`) holding the one
 //! channel. Several modes are measured in turn, each a point of its own.
 
 use std::os::fd::OwnedFd;
@@ -187,6 +188,8 @@ impl Waiter {
             }
             Some(Wait::Selector) => {
                 let mut sel = Selector::new()?;
+                // Spin as Channel::wait does before sleeping (a Selector's own default is not to).
+                sel.set_spin(ferry::DEFAULT_SPIN);
                 // The selector owns what it waits on: the source goes in for
                 // the measurement and an unconnected channel stands in for it.
                 let stand_in = Channel::create(domain, &ferry::Endpoint::local(), ChannelSetup::default())?;

@@ -237,6 +237,9 @@ fn start_server(kind: Server, chans: Vec<Channel>) -> Result<Vec<JoinHandle<Resu
                 Box::new(move || {
                     // Made in the thread that waits on it: a Selector is not Send.
                     let mut sel = Selector::new().map_err(|e| format!("selector: {e}"))?;
+                    // Spin as Channel::wait and wait_any do before sleeping (a
+                    // Selector's own default is not to spin).
+                    sel.set_spin(ferry::DEFAULT_SPIN);
                     for ch in chans {
                         sel.insert(ch);
                     }
