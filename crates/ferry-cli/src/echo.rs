@@ -233,3 +233,63 @@ pub fn spawn_process_on(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use ferry::{Allocator, PoolConstraints};
+
+    use super::*;
+    use crate::setup::{assign, connect_local};
+
+    /// A source that moves every buffer of its pool before it takes any
+    /// back, over queues of two: the echo's passes find the return queue
+    /// full while more moves wait for it. An echo that waited for room
+    /// before reading on would leave both sides waiting for each other; this
+    /// one keeps reading, holds the passes back and sends them, in order,
+    /// when the source makes room.
+    #[test]
+    fn a_full_return_queue_does_not_stop_the_echo_reading() {
+        let (src_domain, echo_domain) = (Domain::new("source"), Domain::new("echo"));
+        let setup = ChannelSetup { queue_depth: 2, meta_size: 16, ..ChannelSetup::default() };
+        let (mut src, mut sink) = connect_local(&src_domain, &echo_domain, setup, BindParams::default()).unwrap();
+        let alloc = Allocator::new(&src_domain, 32, 4096, PoolConstraints::default()).unwrap();
+        assign(&mut src, &mut sink, alloc.pool()).unwrap();
+        let echo = std::thread::spawn(move || {
+            let _keep = echo_domain;
+            serve(&mut sink, EchoOptions::default())
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for seq in 0..32u64 {
+            let mut buf = alloc.alloc().expect("a free buffer");
+            loop {
+                match src.move_buffer(buf, &seq.to_le_bytes()) {
+                    Ok(()) => break,
+                    Err(r) if r.error == ferry::Error::QueueFull => {
+                        assert!(
+                            Instant::now() < deadline,
+                            "the echo stopped reading: move {seq} found no room for 10 s"
+                        );
+                        buf = r.into_inner();
+                        std::thread::yield_now();
+                    }
+                    Err(r) => panic!("move {seq}: {}", r.error),
+                }
+            }
+        }
+        for want in 0..32u64 {
+            match src.wait(Some(Duration::from_secs(10))) {
+                Some(Event::BufferPassed { meta, .. }) => assert_eq!(meta[..8], want.to_le_bytes()),
+                ev => panic!("expected buffer {want} back, got {}", describe(&ev)),
+            }
+        }
+        src.teardown().unwrap();
+        while let Some(ev) = src.wait(Some(Duration::from_secs(10))) {
+            if matches!(ev, Event::Closed { .. }) {
+                break;
+            }
+        }
+        assert_eq!(echo.join().unwrap(), Ok(32));
+    }
+}

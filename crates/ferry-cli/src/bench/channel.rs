@@ -385,3 +385,31 @@ fn throughput(
     let point = Point::new(head(ctx, backend, size, runs, "Mops/s"), summary, Some(0), extra);
     Ok((point, ((runs + 1) * moves) as u64))
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::bench::BenchArgs;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: BenchArgs,
+    }
+
+    /// Each wait mode measures its own point, and the source comes back from
+    /// the selector (the echo's count is checked at the teardown).
+    #[test]
+    fn rtt_measures_each_wait_mode() {
+        let t =
+            T::try_parse_from(["t", "rtt", "--blocking", "--runs", "1", "--wait", "channel,epoll,selector,wait-any"])
+                .unwrap();
+        let mut ctx = Ctx { args: &t.a, progress: Progress::hidden(), points: Vec::new() };
+        run(&mut ctx).unwrap();
+        let got: Vec<(&str, Option<f64>)> = ctx.points.iter().map(|p| (p.str("wait"), p.num("samples"))).collect();
+        let n = Some(MOVES_PER_RUN as f64);
+        assert_eq!(got, [("channel", n), ("epoll", n), ("selector", n), ("wait-any", n)]);
+    }
+}
