@@ -14,6 +14,11 @@
 //!   buffers), against as many independent pairs, each with an echo
 //!   thread of its own that busy-polls its channel.
 //!
+//! `--backend shm`: the clients are processes (`ferry bench-child
+//! fanin-client`) bound to shared-memory channels the server created; the
+//! round trips only (a busy client process per channel would measure the
+//! scheduler more than the server).
+//!
 //! Clients run on CPU 0, the server (or the pairs' echo threads) on CPU 1:
 //! both sides of each comparison use the same cores. Clients and busy
 //! echoes poll and, when there is nothing, yield the core (with 64 threads
@@ -85,12 +90,16 @@ impl Server {
 /// `ferry bench fanin`.
 pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let a = ctx.args;
-    if a.backend() != Backend::Local {
-        return Err(CliError::Usage(format!(
-            "--backend {}: fanin's clients are threads of this process (local backend); leave --backend out",
-            a.backend().name()
-        )));
-    }
+    let shm = match a.backend() {
+        Backend::Local => false,
+        Backend::Shm => true,
+        b => {
+            return Err(CliError::Usage(format!(
+                "--backend {}: fanin's clients are threads (local) or processes (shm); give local or shm",
+                b.name()
+            )))
+        }
+    };
     if a.compare || a.busy_poll || a.blocking || a.touch || a.no_batching {
         return Err(CliError::Usage(
             "fanin measures its own baselines, blocking server against busy pairs; leave out --compare, --busy-poll, --blocking, --touch and --no-batching".into(),
@@ -106,14 +115,18 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let runs = a.runs.unwrap_or(20);
     let waits = if a.waits.is_empty() { vec![Wait::Selector, Wait::Any] } else { a.waits.clone() };
     let servers: Vec<Server> = waits.iter().map(|&w| Server::of(w)).collect();
-    ctx.progress = Progress::new((a.rounds * 2 * (1 + servers.len()) * runs) as u64, a.json);
+    let parts = if shm { 1 } else { 2 };
+    ctx.progress = Progress::new((a.rounds * parts * (1 + servers.len()) * runs) as u64, a.json);
     for round_no in 1..=a.rounds {
         for &s in std::iter::once(&Server::One).chain(&servers) {
             let k = if s == Server::One { 1 } else { n };
             ctx.progress.say(format!("fanin round trip, {}", s.variant(k)));
-            let mut p = one_active(ctx, s, k, size, runs)?;
+            let mut p = if shm { one_active_shm(ctx, s, k, size, runs)? } else { one_active(ctx, s, k, size, runs)? };
             p.set("round", json!(round_no));
             ctx.emit(p);
+        }
+        if shm {
+            continue;
         }
         for &s in std::iter::once(&Server::Pairs).chain(&servers) {
             ctx.progress.say(format!("fanin throughput, {}", s.variant(n)));
@@ -165,6 +178,12 @@ fn serve_event(ch: &mut Channel, ev: Event, echoed: &mut u64) -> Result<bool, St
             Ok(false)
         }
         Event::Closed { .. } | Event::Error(ferry::Error::PeerGone) => Ok(true),
+        // Clients that are processes bind to the server's channels and offer their pool.
+        Event::BindRequest { .. } => {
+            ch.set_pool_policy(ferry::PoolPolicy::AcceptAll);
+            Ok(false)
+        }
+        Event::PoolAssignRequest(_) => Ok(false),
         Event::Error(e) => Err(format!("fanin server: {e}")),
         other => Err(format!("the fanin server got {}, which it does not handle", describe_event(&other))),
     }
@@ -328,24 +347,7 @@ fn one_active(ctx: &Ctx<'_>, kind: Server, n: usize, size: usize, runs: usize) -
         .name("client".into())
         .spawn(move || -> Result<Vec<f64>, String> {
             pin::to_cpu(0);
-            let mut samples = Vec::with_capacity(runs * ROUND_TRIPS);
-            for run in 0..=runs {
-                for i in 0..ROUND_TRIPS {
-                    let buf = alloc.alloc().ok_or("pool exhausted")?;
-                    if !idle.is_zero() {
-                        std::thread::sleep(idle);
-                    }
-                    let t0 = Instant::now();
-                    active.move_buffer(buf, &(i as u64).to_le_bytes()).map_err(|r| r.error.to_string())?;
-                    match active.wait(Some(STEP)) {
-                        Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
-                        ev => return Err(format!("the client expected its buffer back but got {}", describe(&ev))),
-                    }
-                    if run > 0 {
-                        samples.push(t0.elapsed().as_secs_f64() * 1e6);
-                    }
-                }
-            }
+            let samples = round_trips(&mut active, &alloc, runs, idle)?;
             close(&mut active)?;
             Ok(samples)
         })
@@ -364,6 +366,179 @@ fn one_active(ctx: &Ctx<'_>, kind: Server, n: usize, size: usize, runs: usize) -
     let s = Summary::of(&samples).ok_or_else(|| CliError::Failed("no samples".into()))?;
     let extra = json!({ "variant": kind.variant(n), "channels": n, "idle_us": ctx.args.idle_us, "active": 1 });
     Ok(Point::new(head(ctx, kind, size, runs, "us"), s, Some(0), extra))
+}
+
+/// `runs` runs (and one warm-up) of [`ROUND_TRIPS`] round trips, `idle`
+/// before each: the samples in µs.
+fn round_trips(ch: &mut Channel, alloc: &Allocator, runs: usize, idle: Duration) -> Result<Vec<f64>, String> {
+    let mut samples = Vec::with_capacity(runs * ROUND_TRIPS);
+    for run in 0..=runs {
+        for i in 0..ROUND_TRIPS {
+            let buf = alloc.alloc().ok_or("pool exhausted")?;
+            if !idle.is_zero() {
+                std::thread::sleep(idle);
+            }
+            let t0 = Instant::now();
+            ch.move_buffer(buf, &(i as u64).to_le_bytes()).map_err(|r| r.error.to_string())?;
+            match ch.wait(Some(STEP)) {
+                Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
+                ev => return Err(format!("the client expected its buffer back but got {}", describe(&ev))),
+            }
+            if run > 0 {
+                samples.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    Ok(samples)
+}
+
+/// Round trips as [`one_active`], the clients being processes over shared
+/// memory (`ferry bench-child fanin-client`): the server creates every
+/// channel; client 0 measures and prints its samples, the others bind,
+/// offer their pool and stay idle until their stdin closes.
+fn one_active_shm(ctx: &Ctx<'_>, kind: Server, n: usize, size: usize, runs: usize) -> Result<Point, CliError> {
+    use std::io::Read;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static K: AtomicU32 = AtomicU32::new(0);
+    let stem = format!("ferry-fanin-{}-{}", std::process::id(), K.fetch_add(1, Ordering::Relaxed));
+    let server = Domain::new("server");
+    let setup = ChannelSetup {
+        direction: Direction::Rx,
+        role: Role::Slave,
+        meta_size: 16,
+        queue_depth: 64,
+        ..ChannelSetup::default()
+    };
+    let exe = std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own executable: {e}")))?;
+    let mut chans = Vec::with_capacity(n);
+    let mut kids = Kids(Vec::with_capacity(n));
+    for i in 0..n {
+        let name = format!("{stem}-{i}");
+        chans.push(Channel::create(&server, &ferry::Endpoint::shm_abstract(&name), setup)?);
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args(["bench-child", "fanin-client", "--endpoint", &format!("shm@{name}"), "--size", &size.to_string()]);
+        cmd.args(["--cpu", "0", "--runs", &runs.to_string(), "--idle-us", &ctx.args.idle_us.to_string()]);
+        if i == 0 {
+            cmd.arg("--active");
+        }
+        cmd.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped());
+        kids.0.push(cmd.spawn().map_err(|e| CliError::Failed(format!("cannot start a fanin client: {e}")))?);
+    }
+    let handles = start_server(kind, chans)?;
+    // The active client's report: its samples, on one line (it ends by itself: every wait is bounded).
+    let mut text = String::new();
+    if let Some(out) = kids.0[0].stdout.as_mut() {
+        let _ = out.read_to_string(&mut text);
+    }
+    ctx.progress.inc(runs as u64);
+    // The idle clients close when their stdin does.
+    for k in &mut kids.0 {
+        drop(k.stdin.take());
+    }
+    let status = kids.wait_all();
+    let echoed = join_server(handles)?;
+    status?;
+    let samples: Vec<f64> = match text.trim().strip_prefix("samples ") {
+        Some(list) => list.split(' ').filter_map(|x| x.parse().ok()).collect(),
+        None => return Err(CliError::Failed(format!("the active fanin client said {:?}", text.trim()))),
+    };
+    let expected = ((runs + 1) * ROUND_TRIPS) as u64;
+    if echoed != expected || samples.len() != runs * ROUND_TRIPS {
+        return Err(CliError::Failed(format!(
+            "the fanin server echoed {echoed} buffers, expected {expected}; the client measured {} round trips",
+            samples.len()
+        )));
+    }
+    let s = Summary::of(&samples).ok_or_else(|| CliError::Failed("no samples".into()))?;
+    let extra = json!({ "variant": kind.variant(n), "channels": n, "idle_us": ctx.args.idle_us, "active": 1, "clients": "processes" });
+    let mut head = head(ctx, kind, size, runs, "us");
+    head.backend = "shm";
+    Ok(Point::new(head, s, Some(0), extra))
+}
+
+/// Client processes, killed if still running when dropped.
+struct Kids(Vec<std::process::Child>);
+
+impl Kids {
+    /// Wait for every one (bounded), the first failure if any.
+    fn wait_all(&mut self) -> Result<(), CliError> {
+        let t0 = Instant::now();
+        let mut first = Ok(());
+        for (i, k) in self.0.iter_mut().enumerate() {
+            let st = loop {
+                match k.try_wait() {
+                    Ok(Some(st)) => break Some(st),
+                    Ok(None) if t0.elapsed() < STEP => std::thread::sleep(Duration::from_millis(1)),
+                    _ => break None,
+                }
+            };
+            match st {
+                Some(st) if st.success() => {}
+                Some(st) => first = first.and(Err(CliError::Failed(format!("fanin client {i} failed ({st})")))),
+                None => first = first.and(Err(CliError::Failed(format!("fanin client {i} did not exit")))),
+            }
+        }
+        first
+    }
+}
+
+impl Drop for Kids {
+    fn drop(&mut self) {
+        for k in &mut self.0 {
+            if let Ok(None) = k.try_wait() {
+                let _ = k.kill();
+                let _ = k.wait();
+            }
+        }
+    }
+}
+
+/// Arguments of `ferry bench-child fanin-client` (set by `ferry bench fanin --backend shm`).
+#[derive(Debug, clap::Args)]
+pub struct ClientArgs {
+    /// The server's endpoint (`shm@NAME`).
+    #[arg(long, value_parser = crate::echo::endpoint_arg)]
+    endpoint: String,
+    #[arg(long)]
+    size: usize,
+    #[arg(long, value_parser = crate::args::cpu)]
+    cpu: Option<usize>,
+    #[arg(long)]
+    runs: usize,
+    #[arg(long)]
+    idle_us: u64,
+    /// Measure round trips (else stay idle until stdin closes).
+    #[arg(long)]
+    active: bool,
+}
+
+/// `ferry bench-child fanin-client`: bind, offer a pool, then measure round
+/// trips and print them (`samples …`) or stay idle until stdin closes; close.
+pub fn client_process(a: &ClientArgs) -> Result<(), CliError> {
+    use std::io::Read;
+    if let Some(cpu) = a.cpu {
+        pin::to_cpu(cpu);
+    }
+    let ep = crate::echo::parse_endpoint(&a.endpoint)
+        .map_err(|why| CliError::Usage(format!("--endpoint {}: {why}", a.endpoint)))?;
+    let domain = Domain::new("client");
+    let mut ch = Channel::connect(&domain, &ep, BindParams::default(), STEP)?;
+    let alloc = Allocator::new(&domain, 4, a.size, PoolConstraints::default())?;
+    ch.assign_pool_and_wait(alloc.pool(), STEP)?;
+    let mut bufs: Vec<_> = std::iter::from_fn(|| alloc.alloc()).collect();
+    for b in &mut bufs {
+        b.as_mut_slice()?.fill(1);
+    }
+    drop(bufs);
+    if a.active {
+        let samples =
+            round_trips(&mut ch, &alloc, a.runs, Duration::from_micros(a.idle_us)).map_err(CliError::Failed)?;
+        let list: Vec<String> = samples.iter().map(|x| format!("{x:.3}")).collect();
+        println!("samples {}", list.join(" "));
+    } else {
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+    }
+    close(&mut ch).map_err(CliError::Failed)
 }
 
 /// Every client keeps `window` moves in flight; the aggregate rate per run.
@@ -507,6 +682,7 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
             if ctx.args.json {
                 let mut j = json!({
                     "kind": "ratio", "experiment": "fanin", "unit": unit, "size": pts[0].size(),
+                    "backend": pts[0].backend(),
                     "ferry": v, "baseline": base_name, "ratios": med.iter().map(|r| round(*r)).collect::<Vec<_>>(),
                     "median_ratio": round(mid), "ferry_faster_by": round(faster),
                 });

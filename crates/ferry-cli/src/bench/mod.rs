@@ -103,7 +103,8 @@ pub enum Experiment {
     Pipeline,
     /// One server thread waiting on --channels channels (a Selector, or wait_any) from as many
     /// client threads: round trips with one client active (against one channel and
-    /// `Channel::wait`), and throughput with all of them busy (against as many independent pairs).
+    /// `Channel::wait`), and throughput with all of them busy (against as many independent pairs);
+    /// --backend shm: client processes, round trips only.
     Fanin,
 }
 
@@ -243,11 +244,12 @@ pub struct BenchArgs {
     pub sizes: Vec<usize>,
     /// Runs per point (rtt: runs of 250 round trips, default 100; throughput: runs of --moves
     /// moves, default 20; fbufs-table: runs of 25 transfers per size, default 10; pipeline:
-    /// runs of --total bytes, default 3); 1 to 10 000. One more warm-up run is never recorded.
+    /// runs of --total bytes, default 3; fanin: runs of 250 round trips and runs of 1000 moves
+    /// per client, default 20); 1 to 10 000. One more warm-up run is never recorded.
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, MAX_RUNS))]
     pub runs: Option<usize>,
     /// Moves in flight at once (throughput: default 250; pipeline: buffers in the chain, default
-    /// 16); 1 to 16 384.
+    /// 16; fanin: per client, default 16); 1 to 16 384.
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, MAX_INFLIGHT))]
     pub inflight: Option<usize>,
     /// Moves per throughput run (default 50 000; above 64 KiB with --touch, and for the copying
