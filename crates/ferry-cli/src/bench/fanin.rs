@@ -14,6 +14,9 @@
 //!   buffers), against as many independent pairs, each with an echo
 //!   thread of its own that busy-polls its channel.
 //!
+//! The fan-in server takes the channel that woke it and polls it until it
+//! has nothing more (as an event loop does) before it waits again.
+//!
 //! `--backend shm`: the clients are processes (`ferry bench-child
 //! fanin-client`) bound to shared-memory channels the server created; the
 //! round trips only (a busy client process per channel would measure the
@@ -189,6 +192,18 @@ fn serve_event(ch: &mut Channel, ev: Event, echoed: &mut u64) -> Result<bool, St
     }
 }
 
+/// Serve `ev`, then whatever else the channel has (poll until nothing), as
+/// an event loop does with the channel that woke it: `Ok(true)` when the
+/// channel is done.
+fn serve_drained(ch: &mut Channel, ev: Event, echoed: &mut u64) -> Result<bool, String> {
+    let mut done = serve_event(ch, ev, echoed)?;
+    while !done {
+        let Some(ev) = ch.poll() else { break };
+        done = serve_event(ch, ev, echoed)?;
+    }
+    Ok(done)
+}
+
 /// Start the server side: one thread (or one per channel for pairs) that
 /// echoes until every channel is closed; each returns how many it echoed.
 fn start_server(kind: Server, chans: Vec<Channel>) -> Result<Vec<JoinHandle<Result<u64, String>>>, CliError> {
@@ -266,7 +281,7 @@ fn start_server(kind: Server, chans: Vec<Channel>) -> Result<Vec<JoinHandle<Resu
                     while !sel.is_empty() {
                         let (key, ev) = sel.wait(Some(STEP)).ok_or_else(stuck)?;
                         let ch = sel.get_mut(key).ok_or("the selector returned a key it does not hold")?;
-                        if serve_event(ch, ev, &mut echoed)? {
+                        if serve_drained(ch, ev, &mut echoed)? {
                             drop(sel.remove(key));
                         }
                     }
@@ -286,7 +301,7 @@ fn start_server(kind: Server, chans: Vec<Channel>) -> Result<Vec<JoinHandle<Resu
                             let mut refs: Vec<&mut Channel> = chans.iter_mut().collect();
                             ferry::wait_any(&mut refs, Some(STEP)).ok_or_else(stuck)?
                         };
-                        if serve_event(&mut chans[i], ev, &mut echoed)? {
+                        if serve_drained(&mut chans[i], ev, &mut echoed)? {
                             open -= 1;
                         }
                     }
