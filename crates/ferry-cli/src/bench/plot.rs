@@ -367,15 +367,22 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
             chart(&root, &spec, &s)?;
         }
         Experiment::Fanin => {
-            let (left, right) = root.split_horizontally(430);
             let rows = |unit: &str| -> Vec<(String, [f64; 4])> {
                 pts.iter()
                     .filter(|p| p.unit() == unit && p.num("round").unwrap_or(1.0) <= 1.0)
                     .map(|p| (p.str("variant").to_string(), p.quantiles()))
                     .collect()
             };
-            bars(&left, "Round trip, one client active (µs)", &rows("us"))?;
-            bars(&right, "Every client busy (M msg/s)", &rows("Mops/s"))?;
+            let (rtt, rate) = (rows("us"), rows("Mops/s"));
+            let rtt_title = format!("Round trip, one client active, {} (µs)", pts.first().map_or("", |p| p.backend()));
+            // --backend shm measures round trips only.
+            if rate.is_empty() {
+                bars(&root, &rtt_title, &rtt)?;
+            } else {
+                let (left, right) = root.split_horizontally(430);
+                bars(&left, &rtt_title, &rtt)?;
+                bars(&right, "Every client busy (M msg/s)", &rate)?;
+            }
         }
     }
     root.present().map_err(err)?;
