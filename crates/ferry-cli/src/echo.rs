@@ -2,11 +2,19 @@
 //! straight back, release every copy; used as a thread by `ferry bench
 //! --backend local` and as a process (`ferry echo`) by the demo and by the
 //! benchmarks of the other backends.
+//!
+//! The echo never spins on a full outgoing queue: a pass that finds no room
+//! waits in a backlog, and the echo sleeps on the channel's fd (armed, so
+//! the peer's taking a slot wakes it, as does a new message) until it can
+//! send again.
+
+use std::collections::VecDeque;
+use std::time::Duration;
 
 use clap::Args;
-use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Event};
+use ferry::{BindParams, Buffer, Channel, ChannelSetup, Domain, Endpoint, Event, Meta};
 
-use crate::setup::{describe, describe_event, next_event, send_when_room};
+use crate::setup::{describe, describe_event, next_event};
 use crate::{pattern, pin, CliError};
 
 /// How the echo behaves.
@@ -100,11 +108,37 @@ pub fn run(args: &EchoArgs) -> Result<(), CliError> {
 pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
     let mut echoed = 0u64;
     let mut sum = 0u64;
+    // Passes that found the outgoing queue full, in order.
+    let mut backlog: VecDeque<(Buffer, Meta)> = VecDeque::new();
     if opts.batch && ch.state() == ferry::ChannelState::Connected {
         ch.set_batching(true).map_err(|e| e.to_string())?;
     }
     loop {
-        match next_event(ch, opts.busy) {
+        while let Some((buffer, meta)) = backlog.pop_front() {
+            match ch.pass(buffer, &meta) {
+                Ok(()) => echoed += 1,
+                Err(r) if r.error == ferry::Error::QueueFull => {
+                    backlog.push_front((r.into_inner(), meta));
+                    break;
+                }
+                Err(r) => return Err(r.error.to_string()),
+            }
+        }
+        let ev = if backlog.is_empty() {
+            next_event(ch, opts.busy)
+        } else {
+            match ch.poll() {
+                Some(ev) => Some(ev),
+                None if ch.state() == ferry::ChannelState::Closed => None,
+                None => {
+                    if !opts.busy {
+                        sleep_until_ready(ch, Duration::from_millis(100));
+                    }
+                    continue;
+                }
+            }
+        };
+        match ev {
             Some(Event::Bound) => {
                 if opts.batch {
                     ch.set_batching(true).map_err(|e| e.to_string())?;
@@ -119,8 +153,8 @@ pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
                 } else if opts.touch {
                     sum = sum.wrapping_add(pattern::touch(&buffer));
                 }
-                send_when_room(buffer, true, |b| ch.pass(b, &meta)).map_err(|e| e.to_string())?;
-                echoed += 1;
+                // In order: behind the backlog, if there is one.
+                backlog.push_back((buffer, meta));
             }
             Some(Event::CopyReceived { copy, .. }) => ch.release(copy).map_err(|r| r.error.to_string())?,
             Some(Event::Closed { .. }) | None => {
@@ -136,6 +170,18 @@ pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
             }
         }
     }
+}
+
+/// Arm `ch` and sleep on its fd until it may have an event or room in its
+/// outgoing queue (at most `limit`); at once if it may be ready already.
+fn sleep_until_ready(ch: &mut Channel, limit: Duration) {
+    if !ch.arm() {
+        return;
+    }
+    let mut fds = [rustix::event::PollFd::new(&*ch, rustix::event::PollFlags::IN)];
+    let t = rustix::event::Timespec { tv_sec: limit.as_secs() as i64, tv_nsec: limit.subsec_nanos() as i64 };
+    // A failed poll(2) (interrupted, no memory) only means we look again sooner.
+    let _ = rustix::event::poll(&mut fds, Some(&t));
 }
 
 /// Create the channel on a fresh endpoint of `transport` (shared memory, or
@@ -185,5 +231,65 @@ pub fn spawn_process_on(
                 describe(&ev)
             )))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use ferry::{Allocator, PoolConstraints};
+
+    use super::*;
+    use crate::setup::{assign, connect_local};
+
+    /// A source that moves every buffer of its pool before it takes any
+    /// back, over queues of two: the echo's passes find the return queue
+    /// full while more moves wait for it. An echo that waited for room
+    /// before reading on would leave both sides waiting for each other; this
+    /// one keeps reading, holds the passes back and sends them, in order,
+    /// when the source makes room.
+    #[test]
+    fn a_full_return_queue_does_not_stop_the_echo_reading() {
+        let (src_domain, echo_domain) = (Domain::new("source"), Domain::new("echo"));
+        let setup = ChannelSetup { queue_depth: 2, meta_size: 16, ..ChannelSetup::default() };
+        let (mut src, mut sink) = connect_local(&src_domain, &echo_domain, setup, BindParams::default()).unwrap();
+        let alloc = Allocator::new(&src_domain, 32, 4096, PoolConstraints::default()).unwrap();
+        assign(&mut src, &mut sink, alloc.pool()).unwrap();
+        let echo = std::thread::spawn(move || {
+            let _keep = echo_domain;
+            serve(&mut sink, EchoOptions::default())
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for seq in 0..32u64 {
+            let mut buf = alloc.alloc().expect("a free buffer");
+            loop {
+                match src.move_buffer(buf, &seq.to_le_bytes()) {
+                    Ok(()) => break,
+                    Err(r) if r.error == ferry::Error::QueueFull => {
+                        assert!(
+                            Instant::now() < deadline,
+                            "the echo stopped reading: move {seq} found no room for 10 s"
+                        );
+                        buf = r.into_inner();
+                        std::thread::yield_now();
+                    }
+                    Err(r) => panic!("move {seq}: {}", r.error),
+                }
+            }
+        }
+        for want in 0..32u64 {
+            match src.wait(Some(Duration::from_secs(10))) {
+                Some(Event::BufferPassed { meta, .. }) => assert_eq!(meta[..8], want.to_le_bytes()),
+                ev => panic!("expected buffer {want} back, got {}", describe(&ev)),
+            }
+        }
+        src.teardown().unwrap();
+        while let Some(ev) = src.wait(Some(Duration::from_secs(10))) {
+            if matches!(ev, Event::Closed { .. }) {
+                break;
+            }
+        }
+        assert_eq!(echo.join().unwrap(), Ok(32));
     }
 }

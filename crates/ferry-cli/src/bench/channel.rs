@@ -2,16 +2,26 @@
 //! throughput): a source and an echo domain that passes every moved buffer
 //! straight back; and the driver that runs them — alone, or alternately
 //! with the baselines of bench/peers (`--compare`).
+//!
+//! rtt `--blocking --wait MODE`: how the source sleeps between sending and
+//! the buffer's return — `Channel::wait` (`channel`), the channel's fd in an
+//! epoll set of our own as an application's event loop would hold it
+//! (`epoll`: poll until nothing, arm, `epoll_wait`, poll; no spin), a
+//! `Selector` (`selector`, spinning `ferry::DEFAULT_SPIN` before it sleeps,
+//! as `Channel::wait` does) or `wait_any` (`wait-any`) holding the one
+//! channel. Several modes are measured in turn, each a point of its own.
 
+use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use ferry::{Allocator, ChannelSetup, Direction, Event, PoolConstraints, Role};
+use ferry::{Allocator, Channel, ChannelSetup, Direction, Event, PoolConstraints, Role, Selector};
+use rustix::event::epoll;
 use serde_json::json;
 
 use super::point::{Head, Point};
 use super::progress::Progress;
 use super::rig::{self, EchoRole, EchoSpec, Rig};
-use super::{compare, peers, Backend, Ctx, Experiment};
+use super::{compare, peers, Backend, Ctx, Experiment, Wait};
 use crate::setup::{describe, next_event, send_when_room};
 use crate::stats::{round, Summary};
 use crate::{pattern, CliError};
@@ -35,6 +45,9 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let sizes = if a.sizes.is_empty() { vec![4096] } else { a.sizes.clone() };
     let primary = a.backend();
     let runs = runs(ctx);
+    let waits: Vec<Option<Wait>> =
+        if a.waits.is_empty() { vec![None] } else { a.waits.iter().copied().map(Some).collect() };
+    let nw = waits.len();
     if !a.compare {
         if !primary.is_ferry() {
             ctx.progress = Progress::new((runs * sizes.len()) as u64, a.json);
@@ -44,23 +57,26 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
             }
             return Ok(());
         }
-        ctx.progress = Progress::new((runs * sizes.len()) as u64, a.json);
+        ctx.progress = Progress::new((runs * sizes.len() * nw) as u64, a.json);
     }
     let others = if a.compare { compare::baselines(a)? } else { Vec::new() };
     let rounds = if a.compare { a.rounds } else { 1 };
     if a.compare {
-        let per_round = runs * sizes.len() * (1 + others.len());
+        let per_round = runs * sizes.len() * (nw + others.len());
         ctx.progress = Progress::new((per_round * rounds) as u64, a.json);
     }
     let mut kept: Option<Rig> = None;
     for round in 0..rounds {
         for (i, &size) in sizes.iter().enumerate() {
-            ctx.progress.say(format!("{} {} {size} B", a.experiment.name(), primary.name()));
-            let mut p = ferry_point(ctx, primary, size, &mut kept)?;
-            if a.compare {
-                p.set("round", json!(round + 1));
+            for &wait in &waits {
+                let how = wait.map_or(String::new(), |w| format!(" --wait {}", w.name()));
+                ctx.progress.say(format!("{} {} {size} B{how}", a.experiment.name(), primary.name()));
+                let mut p = ferry_point(ctx, primary, size, wait, &mut kept)?;
+                if a.compare {
+                    p.set("round", json!(round + 1));
+                }
+                ctx.emit(p);
             }
-            ctx.emit(p);
             for &b in &others {
                 // The eventfd floor has no payload: once per round.
                 if b == Backend::Eventfd && i > 0 {
@@ -83,7 +99,13 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
 }
 
 /// One point on one of Ferry's backends.
-fn ferry_point(ctx: &Ctx<'_>, backend: Backend, size: usize, kept: &mut Option<Rig>) -> Result<Point, CliError> {
+fn ferry_point(
+    ctx: &Ctx<'_>,
+    backend: Backend,
+    size: usize,
+    wait: Option<Wait>,
+    kept: &mut Option<Rig>,
+) -> Result<Point, CliError> {
     let a = ctx.args;
     let count = match a.experiment {
         Experiment::Rtt => RTT_POOL,
@@ -113,7 +135,7 @@ fn ferry_point(ctx: &Ctx<'_>, backend: Backend, size: usize, kept: &mut Option<R
     drop(bufs);
     let runs = runs(ctx);
     let (point, moved) = match a.experiment {
-        Experiment::Rtt => rtt(ctx, &mut rig, &alloc, backend, size, runs)?,
+        Experiment::Rtt => rtt(ctx, &mut rig, &alloc, backend, size, runs, wait)?,
         _ => throughput(ctx, &mut rig, &alloc, backend, size, runs)?,
     };
     if a.peer.is_some() {
@@ -138,9 +160,121 @@ fn head<'a>(ctx: &'a Ctx<'_>, backend: Backend, size: usize, runs: usize, unit: 
     }
 }
 
+/// How the source waits in rtt: the channel itself, or a waiter that holds it.
+enum Waiter {
+    /// `Channel::wait` (or the spin of `--busy-poll`).
+    Channel,
+    /// An epoll set of our own holding the channel's fd.
+    Epoll(OwnedFd),
+    /// A selector that holds the channel (under this key) for the measurement.
+    Selector(Selector, usize),
+    /// `wait_any` over the one channel.
+    WaitAny,
+}
+
+impl Waiter {
+    /// Set up `wait` for `source`; a selector takes the channel, which
+    /// [`Waiter::finish`] gives back.
+    fn new(wait: Option<Wait>, source: &mut Channel, domain: &ferry::Domain) -> Result<Waiter, CliError> {
+        Ok(match wait {
+            None | Some(Wait::Channel) => Waiter::Channel,
+            Some(Wait::Any) => Waiter::WaitAny,
+            Some(Wait::Epoll) => {
+                let ep = epoll::create(epoll::CreateFlags::CLOEXEC)
+                    .map_err(|e| CliError::Failed(format!("epoll_create: {e}")))?;
+                epoll::add(&ep, &*source, epoll::EventData::new_u64(0), epoll::EventFlags::IN)
+                    .map_err(|e| CliError::Failed(format!("epoll_ctl: {e}")))?;
+                Waiter::Epoll(ep)
+            }
+            Some(Wait::Selector) => {
+                let mut sel = Selector::new()?;
+                // Spin as Channel::wait does before sleeping (a Selector's own default is not to).
+                sel.set_spin(ferry::DEFAULT_SPIN);
+                // The selector owns what it waits on: the source goes in for
+                // the measurement and an unconnected channel stands in for it.
+                let stand_in = Channel::create(domain, &ferry::Endpoint::local(), ChannelSetup::default())?;
+                let key = sel.insert(std::mem::replace(source, stand_in));
+                Waiter::Selector(sel, key)
+            }
+        })
+    }
+
+    /// The source, wherever it is.
+    fn source<'a>(&'a mut self, rig: &'a mut Rig) -> &'a mut Channel {
+        match self {
+            Waiter::Selector(sel, key) => sel.get_mut(*key).expect("the source stays in the selector"),
+            _ => &mut rig.source,
+        }
+    }
+
+    /// The next event of the source.
+    fn next(&mut self, rig: &mut Rig, busy: bool) -> Option<Event> {
+        match self {
+            Waiter::Channel => next_event(&mut rig.source, busy),
+            Waiter::WaitAny => ferry::wait_any(&mut [&mut rig.source], None).map(|(_, ev)| ev),
+            Waiter::Selector(sel, _) => sel.wait(None).map(|(_, ev)| ev),
+            Waiter::Epoll(ep) => {
+                let ch = &mut rig.source;
+                let mut events = Vec::with_capacity(1);
+                loop {
+                    if let Some(ev) = ch.poll() {
+                        return Some(ev);
+                    }
+                    if ch.state() == ferry::ChannelState::Closed {
+                        return None;
+                    }
+                    if ch.arm() {
+                        events.clear();
+                        // A second at most: the buffer is back long before.
+                        let t = rustix::event::Timespec { tv_sec: 1, tv_nsec: 0 };
+                        match epoll::wait(&*ep, rustix::buffer::spare_capacity(&mut events), Some(&t)) {
+                            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                            Err(e) => {
+                                eprintln!("ferry bench: epoll_wait: {e}");
+                                return None;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Give the source back to the rig.
+    fn finish(self, rig: &mut Rig) {
+        if let Waiter::Selector(mut sel, key) = self {
+            if let Some(ch) = sel.remove(key) {
+                rig.source = ch;
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn rtt(
     ctx: &Ctx<'_>,
     rig: &mut Rig,
+    alloc: &Allocator,
+    backend: Backend,
+    size: usize,
+    runs: usize,
+    wait: Option<Wait>,
+) -> Result<(Point, u64), CliError> {
+    let mut waiter = Waiter::new(wait, &mut rig.source, &rig.domain)?;
+    let r = rtt_with(ctx, rig, &mut waiter, alloc, backend, size, runs);
+    waiter.finish(rig);
+    let (mut point, moved) = r?;
+    if let Some(w) = wait {
+        point.set("variant", json!(w.name()));
+        point.set("wait", json!(w.name()));
+    }
+    Ok((point, moved))
+}
+
+fn rtt_with(
+    ctx: &Ctx<'_>,
+    rig: &mut Rig,
+    waiter: &mut Waiter,
     alloc: &Allocator,
     backend: Backend,
     size: usize,
@@ -161,8 +295,9 @@ fn rtt(
                 std::thread::sleep(idle);
             }
             let t0 = Instant::now();
-            send_when_room(buf, busy, |b| rig.source.move_buffer(b, &(i as u64).to_le_bytes()))?;
-            match next_event(&mut rig.source, busy) {
+            let source = waiter.source(rig);
+            send_when_room(buf, busy, |b| source.move_buffer(b, &(i as u64).to_le_bytes()))?;
+            match waiter.next(rig, busy) {
                 Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
                 ev => {
                     return Err(CliError::Failed(format!(
@@ -249,4 +384,32 @@ fn throughput(
     let extra = json!({ "inflight": window, "moves_per_run": moves, "gbit_s_median": gbit });
     let point = Point::new(head(ctx, backend, size, runs, "Mops/s"), summary, Some(0), extra);
     Ok((point, ((runs + 1) * moves) as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::bench::BenchArgs;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: BenchArgs,
+    }
+
+    /// Each wait mode measures its own point, and the source comes back from
+    /// the selector (the echo's count is checked at the teardown).
+    #[test]
+    fn rtt_measures_each_wait_mode() {
+        let t =
+            T::try_parse_from(["t", "rtt", "--blocking", "--runs", "1", "--wait", "channel,epoll,selector,wait-any"])
+                .unwrap();
+        let mut ctx = Ctx { args: &t.a, progress: Progress::hidden(), points: Vec::new() };
+        run(&mut ctx).unwrap();
+        let got: Vec<(&str, Option<f64>)> = ctx.points.iter().map(|p| (p.str("wait"), p.num("samples"))).collect();
+        let n = Some(MOVES_PER_RUN as f64);
+        assert_eq!(got, [("channel", n), ("epoll", n), ("selector", n), ("wait-any", n)]);
+    }
 }

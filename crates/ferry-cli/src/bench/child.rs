@@ -1,11 +1,11 @@
 //! `ferry bench-child` (hidden): the processes `ferry bench` starts itself —
-//! the receiving domain of `fbufs-table` over shm, and the stages of
-//! `pipeline`. Not for people: the arguments are set by the parent.
+//! the receiving domain of `fbufs-table` over shm, the stages of
+//! `pipeline`, the client processes of `fanin --backend shm`. Not for people: the arguments are set by the parent.
 
 use clap::{Args, Subcommand};
 use ferry::{BindParams, Channel, Domain};
 
-use super::{fbufs, pipeline};
+use super::{fanin, fbufs, pipeline};
 use crate::{echo, pin, CliError};
 
 /// Arguments of `ferry bench-child`.
@@ -21,6 +21,8 @@ enum Role {
     FbufsEcho(FbufsEchoArgs),
     /// One stage of a pipeline.
     Stage(pipeline::StageArgs),
+    /// A client process of `fanin --backend shm`.
+    FaninClient(fanin::ClientArgs),
 }
 
 #[derive(Debug, Args)]
@@ -70,5 +72,6 @@ pub fn run(a: &ChildArgs) -> Result<(), CliError> {
             Ok(())
         }
         Role::Stage(s) => pipeline::stage(s),
+        Role::FaninClient(c) => fanin::client_process(c),
     }
 }

@@ -20,6 +20,8 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
         Experiment::Throughput => &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2],
         Experiment::FbufsTable => &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy],
         Experiment::Pipeline => &[Backend::PipeCopy],
+        // Its baselines are Ferry's own (one channel, independent pairs): always measured.
+        Experiment::Fanin => &[],
     };
     if !a.against.is_empty() {
         let mut v = Vec::new();
@@ -84,7 +86,8 @@ fn is_ferry(p: &Point) -> bool {
 }
 
 /// Print Ferry / baseline ratios of the medians, per round, for every pair
-/// of points measured under the same conditions.
+/// of points measured under the same conditions; for times (lower is
+/// better) the ratios of the 99th percentiles too.
 pub fn print_ratios(ctx: &Ctx<'_>) {
     let pts: Vec<&Point> = ctx
         .points
@@ -94,7 +97,8 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
         .collect();
     // (ferry label, baseline label, unit, size, stages) → per-round ratios.
     type Row = (String, String, String, usize, i64);
-    let mut rows: Vec<(Row, Vec<f64>)> = Vec::new();
+    // Per row: ratios of medians, ratios of p99s.
+    let mut rows: Vec<(Row, Vec<f64>, Vec<f64>)> = Vec::new();
     for f in pts.iter().filter(|p| is_ferry(p)) {
         let (unit, size, stages, rnd) = key(f);
         for b in pts.iter().filter(|p| !is_ferry(p)) {
@@ -102,14 +106,19 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
             if bu != unit || bst != stages || brnd != rnd || (bs != size && bs != 0) {
                 continue;
             }
-            let (fm, bm) = (f.quantiles()[0], b.quantiles()[0]);
+            let (fq, bq) = (f.quantiles(), b.quantiles());
+            let (fm, bm) = (fq[0], bq[0]);
             if !(fm > 0.0 && bm > 0.0) {
                 continue;
             }
+            let p99 = fq[3] / bq[3];
             let row = (label(f), label(b), unit.clone(), size, stages);
-            match rows.iter_mut().find(|(r, _)| *r == row) {
-                Some((_, v)) => v.push(fm / bm),
-                None => rows.push((row, vec![fm / bm])),
+            match rows.iter_mut().find(|(r, _, _)| *r == row) {
+                Some((_, v, w)) => {
+                    v.push(fm / bm);
+                    w.push(p99);
+                }
+                None => rows.push((row, vec![fm / bm], vec![p99])),
             }
         }
     }
@@ -119,11 +128,9 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
     if !ctx.args.json {
         println!("\nratios of medians, Ferry / baseline (one per round):");
     }
-    for ((ferry, base, unit, size, stages), ratios) in rows {
-        let mut sorted = ratios.clone();
-        sorted.sort_by(f64::total_cmp);
-        let k = sorted.len();
-        let mid = if k % 2 == 1 { sorted[k / 2] } else { (sorted[k / 2 - 1] + sorted[k / 2]) / 2.0 };
+    for ((ferry, base, unit, size, stages), ratios, p99s) in rows {
+        let mid = median(&ratios);
+        let p99 = lower_is_better(&unit) && p99s.iter().all(|r| r.is_finite() && *r > 0.0);
         let faster = if lower_is_better(&unit) { 1.0 / mid } else { mid };
         let what = if stages >= 0 { format!("{stages} stages") } else { format!("{size} B") };
         if ctx.args.json {
@@ -135,6 +142,10 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
             if stages >= 0 {
                 v["stages"] = json!(stages);
             }
+            if p99 {
+                v["p99_ratios"] = json!(p99s.iter().map(|r| round(*r)).collect::<Vec<_>>());
+                v["median_p99_ratio"] = json!(round(median(&p99s)));
+            }
             println!("{v}");
         } else {
             let rs: Vec<String> = ratios.iter().map(|r| format!("{}", round(*r))).collect();
@@ -144,11 +155,29 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
                 format!("Ferry {}× slower", round(1.0 / faster))
             };
             let unit = super::point::unit_text(&unit);
+            let tail = if p99 {
+                let ps: Vec<String> = p99s.iter().map(|r| format!("{}", round(*r))).collect();
+                format!("; p99 {}", ps.join(", "))
+            } else {
+                String::new()
+            };
             println!(
-                "  {:<11} {what:>10} {unit:<7} {ferry} / {base}: {}  → {verdict}",
+                "  {:<11} {what:>10} {unit:<7} {ferry} / {base}: {}  → {verdict}{tail}",
                 ctx.args.experiment.name(),
                 rs.join(", ")
             );
         }
+    }
+}
+
+/// The median of a few ratios (the mean of the middle two for an even count).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let k = s.len();
+    if k % 2 == 1 {
+        s[k / 2]
+    } else {
+        (s[k / 2 - 1] + s[k / 2]) / 2.0
     }
 }

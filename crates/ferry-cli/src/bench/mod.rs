@@ -19,6 +19,7 @@
 pub mod channel;
 pub mod child;
 pub mod compare;
+pub mod fanin;
 pub mod fbufs;
 pub mod peers;
 pub mod pipeline;
@@ -82,6 +83,7 @@ fn pool_buffers(a: &BenchArgs) -> usize {
         Experiment::Throughput => a.inflight.unwrap_or(250),
         Experiment::FbufsTable => 4,
         Experiment::Pipeline => a.inflight.unwrap_or(16),
+        Experiment::Fanin => a.inflight.unwrap_or(fanin::WINDOW),
     }
 }
 use progress::Progress;
@@ -99,6 +101,11 @@ pub enum Experiment {
     /// A chain of N processes passing --total bytes of --size buffers end to end, against the
     /// same chain built with pipes and read/write (Container Shipping, Fig. 7).
     Pipeline,
+    /// One server thread waiting on --channels channels (a Selector, or wait_any) from as many
+    /// client threads: round trips with one client active (against one channel and
+    /// `Channel::wait`), and throughput with all of them busy (against as many independent pairs);
+    /// --backend shm: client processes, round trips only.
+    Fanin,
 }
 
 impl Experiment {
@@ -109,6 +116,7 @@ impl Experiment {
             Experiment::Throughput => "throughput",
             Experiment::FbufsTable => "fbufs-table",
             Experiment::Pipeline => "pipeline",
+            Experiment::Fanin => "fanin",
         }
     }
 }
@@ -157,6 +165,33 @@ impl Backend {
     }
 }
 
+/// How the measured end waits for its next event when it sleeps (`--wait`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+pub enum Wait {
+    /// `Channel::wait`: poll, spin, arm, sleep on the channel's fd.
+    Channel,
+    /// The channel's fd in an epoll set of the benchmark's own, as an application's event loop
+    /// would: poll until nothing, `Channel::arm`, `epoll_wait`, poll.
+    Epoll,
+    /// A `ferry::Selector` holding the channel(s).
+    Selector,
+    /// `ferry::wait_any` over the channel(s).
+    #[value(name = "wait-any")]
+    Any,
+}
+
+impl Wait {
+    /// The name in output and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Wait::Channel => "channel",
+            Wait::Epoll => "epoll",
+            Wait::Selector => "selector",
+            Wait::Any => "wait-any",
+        }
+    }
+}
+
 /// Trust level of Ferry's channels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Trust {
@@ -194,7 +229,9 @@ impl Trust {
   ferry bench throughput --compare --against uds-copy --size 65536 --plot tp.svg
   ferry bench rtt --blocking --idle-us 200 --compare --against eventfd
   ferry bench fbufs-table --backend shm --compare --plot fbufs.svg
-  ferry bench pipeline --stages 2 --stages 5 --total 268435456")]
+  ferry bench rtt --blocking --idle-us 200 --wait channel,epoll,selector --compare --against eventfd
+  ferry bench pipeline --stages 2 --stages 5 --total 268435456
+  ferry bench fanin --channels 64 --idle-us 200")]
 pub struct BenchArgs {
     /// Which experiment.
     #[arg(value_enum)]
@@ -207,11 +244,12 @@ pub struct BenchArgs {
     pub sizes: Vec<usize>,
     /// Runs per point (rtt: runs of 250 round trips, default 100; throughput: runs of --moves
     /// moves, default 20; fbufs-table: runs of 25 transfers per size, default 10; pipeline:
-    /// runs of --total bytes, default 3); 1 to 10 000. One more warm-up run is never recorded.
+    /// runs of --total bytes, default 3; fanin: runs of 250 round trips and runs of 1000 moves
+    /// per client, default 20); 1 to 10 000. One more warm-up run is never recorded.
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, MAX_RUNS))]
     pub runs: Option<usize>,
     /// Moves in flight at once (throughput: default 250; pipeline: buffers in the chain, default
-    /// 16); 1 to 16 384.
+    /// 16; fanin: per client, default 16); 1 to 16 384.
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, MAX_INFLIGHT))]
     pub inflight: Option<usize>,
     /// Moves per throughput run (default 50 000; above 64 KiB with --touch, and for the copying
@@ -254,10 +292,18 @@ pub struct BenchArgs {
     /// after this command is waiting) instead of starting one; rtt and throughput only.
     #[arg(long, value_name = "ENDPOINT")]
     pub peer: Option<String>,
-    /// rtt: pause this many µs between round trips, so a blocking channel goes idle and the
+    /// rtt, fanin: pause this many µs between round trips, so a blocking channel goes idle and the
     /// measured path is the doorbell/sleep path rather than the spin (0 to 10 000 000, i.e. 10 s).
     #[arg(allow_negative_numbers = true, long, default_value_t = 0, value_parser = whole::<u64>(0, 10_000_000))]
     pub idle_us: u64,
+    /// rtt --blocking: how the source waits (default channel); fanin: how the server waits on its
+    /// channels (default selector and wait-any). Repeatable or comma-separated: each is measured
+    /// in turn, side by side.
+    #[arg(long = "wait", value_enum, value_delimiter = ',')]
+    pub waits: Vec<Wait>,
+    /// fanin: channels into the server (1 to 1024, default 64).
+    #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, 1024))]
+    pub channels: Option<usize>,
     /// pipeline: bytes passed end to end per run (a multiple of --size, at most 64 GiB; default 1 GiB).
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<u64>(4096, MAX_TOTAL))]
     pub total: Option<u64>,
@@ -377,9 +423,26 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
             Ok(())
         }
     };
-    only("--idle-us", a.idle_us > 0, exp == Experiment::Rtt, "rtt")?;
+    only("--idle-us", a.idle_us > 0, matches!(exp, Experiment::Rtt | Experiment::Fanin), "rtt and fanin")?;
+    only("--channels", a.channels.is_some(), exp == Experiment::Fanin, "fanin")?;
+    only("--wait", !a.waits.is_empty(), matches!(exp, Experiment::Rtt | Experiment::Fanin), "rtt and fanin")?;
+    if exp == Experiment::Rtt && !a.waits.is_empty() && a.busy() {
+        return Err(usage("--wait chooses how a sleeping end waits; add --blocking"));
+    }
+    if exp == Experiment::Rtt && a.waits.iter().any(|w| *w != Wait::Channel) && !a.backend().is_ferry() {
+        return Err(usage(format!(
+            "--wait: {} is not one of Ferry's backends; give --backend local, shm or net",
+            a.backend().name()
+        )));
+    }
+    if let Some(w) = a.waits.iter().find(|w| exp == Experiment::Fanin && matches!(w, Wait::Channel | Wait::Epoll)) {
+        return Err(usage(format!(
+            "--wait {}: the fanin server waits on many channels; give selector or wait-any",
+            w.name()
+        )));
+    }
     only("--moves", a.moves.is_some(), exp == Experiment::Throughput, "throughput")?;
-    let windowed = matches!(exp, Experiment::Throughput | Experiment::Pipeline);
+    let windowed = matches!(exp, Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin);
     only("--inflight", a.inflight.is_some(), windowed, "throughput and pipeline")?;
     only("--stages", !a.stages.is_empty(), exp == Experiment::Pipeline, "pipeline")?;
     only("--total", a.total.is_some(), exp == Experiment::Pipeline, "pipeline")?;
@@ -461,7 +524,7 @@ fn check_pool_memory(a: &BenchArgs) -> Result<(), CliError> {
 }
 
 fn windowed_pool(a: &BenchArgs) -> bool {
-    matches!(a.experiment, Experiment::Throughput | Experiment::Pipeline)
+    matches!(a.experiment, Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin)
 }
 
 /// `ferry bench`.
@@ -472,9 +535,12 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
         Experiment::Rtt | Experiment::Throughput => channel::run(&mut ctx)?,
         Experiment::FbufsTable => fbufs::run(&mut ctx)?,
         Experiment::Pipeline => pipeline::run(&mut ctx)?,
+        Experiment::Fanin => fanin::run(&mut ctx)?,
     }
     drop(std::mem::replace(&mut ctx.progress, Progress::hidden()));
-    if args.compare || args.experiment == Experiment::Pipeline {
+    if args.experiment == Experiment::Fanin {
+        fanin::print_ratios(&ctx);
+    } else if args.compare || args.experiment == Experiment::Pipeline {
         compare::print_ratios(&ctx);
     }
     if let Some(path) = &args.plot {
@@ -536,6 +602,14 @@ mod tests {
             &["rtt", "--rounds", "0"],
             &["fbufs-table", "--size", "4096"],
             &["fbufs-table", "--size", "4096", "--size", "4096"],
+            &["rtt", "--wait", "epoll"],
+            &["rtt", "--blocking", "--wait", "poll"],
+            &["throughput", "--blocking", "--wait", "epoll"],
+            &["rtt", "--blocking", "--channels", "4"],
+            &["fanin", "--wait", "epoll"],
+            &["fanin", "--channels", "0"],
+            &["fanin", "--channels", "1025"],
+            &["rtt", "--blocking", "--backend", "eventfd", "--wait", "selector"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }
@@ -547,6 +621,10 @@ mod tests {
             &["rtt", "--backend", "net", "--size", "4096"],
             &["pipeline", "--stages", "2", "--total", "1048576"],
             &["fbufs-table", "--plot", "f.svg"],
+            &["rtt", "--blocking", "--idle-us", "200", "--wait", "epoll", "--compare", "--against", "eventfd"],
+            &["rtt", "--blocking", "--backend", "shm", "--wait", "channel,epoll,selector,wait-any"],
+            &["fanin", "--channels", "64", "--idle-us", "200", "--wait", "selector"],
+            &["fanin", "--channels", "8", "--runs", "1", "--inflight", "4"],
         ] {
             assert!(check(good).is_ok(), "{good:?} refused");
         }

@@ -13,8 +13,9 @@
 //!   buffers are moved downstream and passed back upstream stage by stage
 //!   to the producer's free list. Nobody copies payload. Blocking mode by
 //!   default: more processes than cores, so spinning stages would take the
-//!   CPUs from each other. An inner stage waits on its upstream channel and
-//!   looks at its downstream one (returns) at least every 200 µs.
+//!   CPUs from each other. An inner stage waits on both its channels at
+//!   once (`ferry::wait_any`): buffers from upstream, returns from
+//!   downstream, whichever comes first.
 //! * **pipes** (`pipe-copy`): a shell-style chain, stage i's stdout is
 //!   stage i+1's stdin; every stage moves `--size` chunks with read()
 //!   (read fully) and write(); each pipe is enlarged to pipe-max-size
@@ -49,8 +50,6 @@ use crate::{pattern, CliError};
 const RUN_LIMIT: Duration = Duration::from_secs(300);
 /// Setup steps between stages.
 const STEP: Duration = Duration::from_secs(20);
-/// An inner Ferry stage looks at returns at least this often.
-const RETURN_POLL: Duration = Duration::from_micros(200);
 
 /// How the chain is built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -605,33 +604,34 @@ fn from_upstream(domain: &Domain, inn: &mut Channel, out: &mut Channel, ev: Even
 }
 
 fn forwarder(domain: &Domain, mut inn: Channel, mut out: Channel, busy: bool) -> Result<(), CliError> {
+    // Busy: poll both in turn. Blocking: sleep on both at once until either has an event.
     loop {
-        let mut did = false;
-        while let Some(ev) = inn.poll() {
-            did = true;
-            if from_upstream(domain, &mut inn, &mut out, ev)? {
-                return Ok(());
+        let next = if busy {
+            match inn.poll() {
+                Some(ev) => Some((0, ev)),
+                None => out.poll().map(|ev| (1, ev)),
             }
-        }
-        while let Some(ev) = out.poll() {
-            did = true;
-            match ev {
+        } else {
+            ferry::wait_any(&mut [&mut inn, &mut out], Some(STEP))
+        };
+        match next {
+            Some((0, ev)) => {
+                if from_upstream(domain, &mut inn, &mut out, ev)? {
+                    return Ok(());
+                }
+            }
+            Some((_, ev)) => match ev {
                 Event::BufferPassed { buffer, meta } => send_when_room(buffer, false, |b| inn.pass(b, &meta))?,
                 Event::Error(e) => return Err(e.into()),
                 other => return Err(stage_got("forwarder (downstream)", &other)),
-            }
-        }
-        if inn.state() == ferry::ChannelState::Closed {
-            return Err(CliError::Failed("upstream closed without a teardown".into()));
-        }
-        if did {
-            continue;
-        }
-        if busy {
-            std::hint::spin_loop();
-        } else if let Some(ev) = inn.wait(Some(RETURN_POLL)) {
-            if from_upstream(domain, &mut inn, &mut out, ev)? {
-                return Ok(());
+            },
+            None => {
+                if inn.state() == ferry::ChannelState::Closed {
+                    return Err(CliError::Failed("upstream closed without a teardown".into()));
+                }
+                if busy {
+                    std::hint::spin_loop();
+                }
             }
         }
     }

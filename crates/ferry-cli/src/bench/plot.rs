@@ -8,6 +8,8 @@
 //! * fbufs-table — the table as bars (µs per page, p5–p95) beside the
 //!   throughput-vs-size figure of every variant.
 //! * pipeline — GB/s end to end against the number of processes.
+//! * fanin — bars: round trips with one client active (µs) beside the
+//!   aggregate throughput with every client busy (M msg/s).
 //!
 //! Log axes are drawn as linear axes over log2/log10 of the values, with
 //! labels that show the values themselves.
@@ -363,6 +365,24 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
                 legend: SeriesLabelPosition::UpperRight,
             };
             chart(&root, &spec, &s)?;
+        }
+        Experiment::Fanin => {
+            let rows = |unit: &str| -> Vec<(String, [f64; 4])> {
+                pts.iter()
+                    .filter(|p| p.unit() == unit && p.num("round").unwrap_or(1.0) <= 1.0)
+                    .map(|p| (p.str("variant").to_string(), p.quantiles()))
+                    .collect()
+            };
+            let (rtt, rate) = (rows("us"), rows("Mops/s"));
+            let rtt_title = format!("Round trip, one client active, {} (µs)", pts.first().map_or("", |p| p.backend()));
+            // --backend shm measures round trips only.
+            if rate.is_empty() {
+                bars(&root, &rtt_title, &rtt)?;
+            } else {
+                let (left, right) = root.split_horizontally(430);
+                bars(&left, &rtt_title, &rtt)?;
+                bars(&right, "Every client busy (M msg/s)", &rate)?;
+            }
         }
     }
     root.present().map_err(err)?;

@@ -7,7 +7,7 @@ use std::error::Error;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use ferry::{Allocator, Channel, Event, PoolConstraints, PoolPolicy};
+use ferry::{Allocator, Buffer, Channel, Event, PoolConstraints, PoolPolicy};
 
 /// Bytes per buffer.
 pub const BUFFER_SIZE: usize = 64 << 10;
@@ -57,6 +57,15 @@ pub fn send(tx: &mut Channel, bytes: usize) -> Result<u64> {
     }
 }
 
+/// Check every byte of buffer number `seq` against the sender's pattern.
+pub fn verify(buffer: &Buffer, seq: u64) -> Result<()> {
+    let words = buffer.as_slice_of::<u64>()?;
+    match (0..words.len()).find(|&i| words[i] != word(seq, i)) {
+        Some(i) => Err(format!("buffer {seq}: byte {} differs", i * 8).into()),
+        None => Ok(()),
+    }
+}
+
 /// Receive over `rx`, a connected RX end, until the sender closes: check
 /// every byte of every buffer and pass it back. Fails on any mismatch, or
 /// if the bytes received are not `bytes` rounded up to whole buffers.
@@ -71,10 +80,7 @@ pub fn receive(rx: &mut Channel, bytes: usize) -> Result<u64> {
                 if seq != next {
                     return Err(format!("buffer {seq} arrived, {next} expected").into());
                 }
-                let words = buffer.as_slice_of::<u64>()?;
-                if let Some(i) = (0..words.len()).find(|&i| words[i] != word(seq, i)) {
-                    return Err(format!("buffer {seq}: byte {} differs", i * 8).into());
-                }
+                verify(&buffer, seq)?;
                 // The sender overwrites every byte: pass it back without
                 // its contents (over TCP, nothing travels back but the id).
                 rx.pass_unfilled(buffer, &[])?;
