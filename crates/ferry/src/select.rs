@@ -147,6 +147,11 @@ struct Entry {
 /// ([`AsFd`]) is readable when a channel may be ready: a selector can sit in
 /// another event loop.
 ///
+/// Each `wait` returns one event. A server after throughput takes the
+/// rest of a channel's burst itself (`get_mut(key)` and `poll` until
+/// `None`), as an event loop does: that saves a look at the epoll set per
+/// event, and the channel is armed only once it is drained.
+///
 /// A channel leaves with [`remove`](Selector::remove) (it is returned) or
 /// with the selector (dropped). [`get_mut`](Selector::get_mut) gives access
 /// to a channel to send on it; the channel is queued again (what it did
@@ -209,8 +214,6 @@ pub struct Selector {
     /// Events served since the epoll set was last looked at.
     served: usize,
     spin: Duration,
-    /// Room for the events of one epoll wait.
-    events: Vec<epoll::Event>,
 }
 
 impl Selector {
@@ -224,7 +227,6 @@ impl Selector {
             ready: VecDeque::new(),
             served: 0,
             spin: Duration::ZERO,
-            events: Vec::with_capacity(64),
         })
     }
 
@@ -394,11 +396,9 @@ impl Selector {
     /// Wait up to `timeout` for armed channels to wake and queue them;
     /// how many woke.
     fn collect(&mut self, timeout: Duration) -> usize {
-        let mut events = std::mem::take(&mut self.events);
-        events.clear();
-        let n = epoll::wait(&self.epoll, rustix::buffer::spare_capacity(&mut events), Some(&timespec(timeout)))
-            .unwrap_or(0);
-        for ev in &events {
+        let mut buf = [std::mem::MaybeUninit::uninit(); 64];
+        let Ok((events, _)) = epoll::wait(&self.epoll, &mut buf, Some(&timespec(timeout))) else { return 0 };
+        for ev in events.iter() {
             let key = ev.data.u64() as usize;
             if let Some(Some(entry)) = self.entries.get_mut(key) {
                 if !entry.queued {
@@ -407,8 +407,7 @@ impl Selector {
                 }
             }
         }
-        self.events = events;
-        n
+        events.len()
     }
 }
 
@@ -425,5 +424,18 @@ impl AsFd for Selector {
     /// before sleeping on this fd).
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.epoll.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_selector_can_move_to_another_thread() {
+        fn send<T: Send>(_: &T) {}
+        let s = Selector::new().unwrap();
+        send(&s);
+        std::thread::spawn(move || drop(s)).join().unwrap();
     }
 }
