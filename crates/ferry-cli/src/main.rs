@@ -4,6 +4,7 @@
 //!   and how fast.
 //! * `ferry bench EXPERIMENT` — the benchmark experiments (see BENCHMARKS.md).
 //! * `ferry echo` — the echo domain of an experiment run elsewhere.
+//! * `ferry cp SRC DST` — copy through a Ferry pool with container-shipping I/O.
 
 use std::process::ExitCode;
 
@@ -12,6 +13,7 @@ use clap::{Parser, Subcommand};
 
 mod args;
 mod bench;
+mod cp;
 mod demo;
 mod echo;
 mod pattern;
@@ -35,6 +37,8 @@ enum Command {
     /// Be the echo domain of an experiment run elsewhere: bind to the
     /// endpoint, pass every buffer back until the channel closes.
     Echo(echo::EchoArgs),
+    /// Copy SRC to DST (files, `-`, tcp:HOST:PORT, unix:PATH) through a Ferry pool, without copies in user space.
+    Cp(cp::CpArgs),
     /// Internal: the processes `ferry bench` starts (fbufs receiver, pipeline stages).
     #[command(hide = true, name = "bench-child")]
     BenchChild(bench::child::ChildArgs),
@@ -47,7 +51,7 @@ fn main() -> ExitCode {
         Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => e.exit(),
         Err(e) if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
         Err(e) => {
-            let sub = std::env::args().nth(1).filter(|a| ["demo", "bench", "echo"].contains(&a.as_str()));
+            let sub = std::env::args().nth(1).filter(|a| ["demo", "bench", "echo", "cp"].contains(&a.as_str()));
             eprintln!("ferry: {}", args::usage_line(&e, sub.as_deref()));
             return ExitCode::from(2);
         }
@@ -56,6 +60,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Echo(args) => echo::run(&args),
+        Command::Cp(args) => cp::run(&args),
         Command::BenchChild(args) => bench::child::run(&args),
     };
     match result {
