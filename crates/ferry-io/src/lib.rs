@@ -12,9 +12,14 @@
 //!   [`Filled`] buffers, [`Port::write`] takes [`Chunk`]s (or `Filled`, or
 //!   whole `Buffer`s).
 //! * [`IoError`]: a typed error naming the file and the offset.
+//! * [`Ring`]: many requests in flight on one io_uring queue (the pool
+//!   registered as fixed buffers), its completions signalled on an eventfd
+//!   that an event loop waits on beside Ferry channels.
 
 mod error;
 mod port;
+mod ring;
 
 pub use error::IoError;
 pub use port::{Chunk, Filled, Kind, Port};
+pub use ring::{Completion, Done, Mode, Ring};

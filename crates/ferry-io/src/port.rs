@@ -96,6 +96,11 @@ impl Chunk {
         &self.buffer[self.start..self.end]
     }
 
+    /// The id of the chunk's buffer.
+    pub fn buffer_id(&self) -> ferry::BufferId {
+        self.buffer.id()
+    }
+
     /// Give the buffer back (not written).
     pub fn into_buffer(self) -> Buffer {
         self.buffer
