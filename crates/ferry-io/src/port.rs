@@ -9,7 +9,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use ferry::{Allocator, Buffer};
+use ferry::{Allocator, Buffer, Domain};
 
 use crate::error::IoError;
 
@@ -549,6 +549,61 @@ impl Port {
                 } else {
                     done += n;
                     n = 0;
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// Write the chunks like [`Port::write`], but hand the kernel each
+    /// buffer's pages straight from its pool's memfd (`sendfile`) instead of
+    /// through this process's mapping of them: a stage that only forwards
+    /// buffers (a channel in, this fd out) never maps their pages in, so it
+    /// takes no page faults for them (selective mapping, as in Container
+    /// Shipping). `domain` is the one that owns the buffers. Where the fd
+    /// does not take `sendfile` (a datagram socket, an `O_APPEND` or
+    /// `O_DIRECT` file) the chunk is written as by [`Port::write`].
+    pub fn write_unmapped<C: Into<Chunk>>(
+        &mut self,
+        domain: &Domain,
+        chunks: impl IntoIterator<Item = C>,
+    ) -> Result<u64, IoError> {
+        let mut total = 0u64;
+        // No allocation on this path: nothing but the kernel's own work
+        // happens between the caller's buffers and the fd.
+        for c in chunks.into_iter().map(Into::into) {
+            let pool = match domain.pool(c.buffer_id().pool) {
+                Some(p) if self.kind != Kind::Datagram && !self.direct => p,
+                _ => {
+                    total += self.write([c])?;
+                    continue;
+                }
+            };
+            let size = pool.geometry().buffer_size() as u64;
+            let mut off = (c.buffer_id().index as u64 * size + c.start as u64) as libc::off_t;
+            let end = off + c.len() as libc::off_t;
+            let memfd = pool.memory_fd().as_raw_fd();
+            while off < end {
+                let want = (end - off) as usize;
+                // SAFETY: `off` is a valid out pointer; both fds are open (the
+                // pool lives while `pool` does). The kernel reads the memfd's
+                // pages of this buffer, which the chunk's owner holds.
+                match retry(|| unsafe { libc::sendfile(self.fd, memfd, &mut off, want) }) {
+                    Ok(0) => return Err(self.err("sendfile", io::ErrorKind::WriteZero.into())),
+                    Ok(n) => {
+                        total += n as u64;
+                        self.offset += n as u64;
+                    }
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EINVAL)
+                            && off + want as libc::off_t == end
+                            && want == c.len() =>
+                    {
+                        // This fd does not take sendfile: write it as usual.
+                        total += self.write([Chunk { buffer: c.buffer, start: c.start, end: c.end }])?;
+                        break;
+                    }
+                    Err(e) => return Err(self.err("sendfile", e)),
                 }
             }
         }
