@@ -20,6 +20,8 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
         Experiment::Throughput => &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2],
         Experiment::FbufsTable => &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy],
         Experiment::Pipeline => &[Backend::PipeCopy],
+        // Its baseline (plain read/write) is measured by the experiment itself.
+        Experiment::SocketTouch => &[],
     };
     if !a.against.is_empty() {
         let mut v = Vec::new();

@@ -26,6 +26,7 @@ pub mod plot;
 pub mod point;
 pub mod progress;
 pub mod rig;
+pub mod socket_touch;
 
 use std::path::PathBuf;
 
@@ -82,6 +83,7 @@ fn pool_buffers(a: &BenchArgs) -> usize {
         Experiment::Throughput => a.inflight.unwrap_or(250),
         Experiment::FbufsTable => 4,
         Experiment::Pipeline => a.inflight.unwrap_or(16),
+        Experiment::SocketTouch => 4,
     }
 }
 use progress::Progress;
@@ -99,6 +101,9 @@ pub enum Experiment {
     /// A chain of N processes passing --total bytes of --size buffers end to end, against the
     /// same chain built with pipes and read/write (Container Shipping, Fig. 7).
     Pipeline,
+    /// Two processes over an AF_UNIX socket, 128 KiB per I/O, the receiver touching all, half or
+    /// none of the pages, with ferry-io against plain read/write (Container Shipping, Fig. 4).
+    SocketTouch,
 }
 
 impl Experiment {
@@ -109,6 +114,7 @@ impl Experiment {
             Experiment::Throughput => "throughput",
             Experiment::FbufsTable => "fbufs-table",
             Experiment::Pipeline => "pipeline",
+            Experiment::SocketTouch => "socket-touch",
         }
     }
 }
@@ -258,7 +264,8 @@ pub struct BenchArgs {
     /// measured path is the doorbell/sleep path rather than the spin (0 to 10 000 000, i.e. 10 s).
     #[arg(allow_negative_numbers = true, long, default_value_t = 0, value_parser = whole::<u64>(0, 10_000_000))]
     pub idle_us: u64,
-    /// pipeline: bytes passed end to end per run (a multiple of --size, at most 64 GiB; default 1 GiB).
+    /// pipeline: bytes passed end to end per run (a multiple of --size, at most 64 GiB; default 1 GiB);
+    /// socket-touch: bytes sent per run (default 256 MiB).
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<u64>(4096, MAX_TOTAL))]
     pub total: Option<u64>,
     /// pipeline: processes in the chain (2 to 8); repeatable (default 2, 3, 4, 5).
@@ -382,7 +389,8 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     let windowed = matches!(exp, Experiment::Throughput | Experiment::Pipeline);
     only("--inflight", a.inflight.is_some(), windowed, "throughput and pipeline")?;
     only("--stages", !a.stages.is_empty(), exp == Experiment::Pipeline, "pipeline")?;
-    only("--total", a.total.is_some(), exp == Experiment::Pipeline, "pipeline")?;
+    let totals = matches!(exp, Experiment::Pipeline | Experiment::SocketTouch);
+    only("--total", a.total.is_some(), totals, "pipeline and socket-touch")?;
     if exp == Experiment::FbufsTable && !a.sizes.is_empty() {
         let mut distinct = a.sizes.clone();
         distinct.sort_unstable();
@@ -472,6 +480,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
         Experiment::Rtt | Experiment::Throughput => channel::run(&mut ctx)?,
         Experiment::FbufsTable => fbufs::run(&mut ctx)?,
         Experiment::Pipeline => pipeline::run(&mut ctx)?,
+        Experiment::SocketTouch => socket_touch::run(&mut ctx)?,
     }
     drop(std::mem::replace(&mut ctx.progress, Progress::hidden()));
     if args.compare || args.experiment == Experiment::Pipeline {

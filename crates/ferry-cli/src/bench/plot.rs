@@ -364,6 +364,13 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
             };
             chart(&root, &spec, &s)?;
         }
+        Experiment::SocketTouch => {
+            let rows: Vec<(String, [f64; 4])> = pts
+                .iter()
+                .map(|p| (format!("{} {} {}", p.backend(), p.size(), p.str("variant")), p.quantiles()))
+                .collect();
+            bars(&root, "Receiver over an AF_UNIX socket: GB/s by pages touched (Container Shipping Fig. 4)", &rows)?;
+        }
     }
     root.present().map_err(err)?;
     Ok(())
