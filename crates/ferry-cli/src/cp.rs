@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use clap::Args;
 use ferry::{Allocator, Domain, PoolConstraints};
-use ferry_io::{IoError, Kind, Port};
+use ferry_io::{Chunk, Filled, IoError, Kind, Port};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::CliError;
@@ -32,6 +32,8 @@ const BATCH: usize = 8;
     -               standard input (SRC) or standard output (DST)\n  \
     tcp:HOST:PORT   SRC: listen there and receive one connection; DST: connect and send\n  \
     unix:PATH       SRC: listen on a Unix socket there and receive one connection; DST: connect and send\n\n\
+    Over a socket, both ends are `ferry cp`: the stream carries each batch's length and an end\n\
+    mark, so a sender that stops early makes the receiver fail instead of reporting success.\n\
     The copy runs in a fixed pool of 16 buffers of 1 MiB (16 MiB). A progress bar is shown when\n\
     standard error is a terminal; a summary line (bytes, time, GB/s) goes to standard error.\n\
     Exit status 0 only when every byte was copied; otherwise 1, with one line naming the file.")]
@@ -134,6 +136,62 @@ fn open_destination(place: &Place, name: &str, direct: bool) -> Result<Port, Cli
     port.map_err(|e| failed(e, 0))
 }
 
+/// Between two `ferry cp`s a socket stream is framed: each batch is an
+/// 8-byte little-endian length and that many bytes, and a zero length ends
+/// the copy, so a sender that stops early is told from a finished copy.
+fn framed(place: &Place) -> bool {
+    matches!(place, Place::Tcp(_) | Place::Unix(_))
+}
+
+/// The next batch of filled buffers; empty at the end of the input.
+fn read_batch(input: &mut Port, alloc: &Allocator, framed: bool, copied: u64) -> Result<Vec<Filled>, CliError> {
+    if !framed {
+        // Files are read in full batches; a pipe, socket or terminal gives
+        // what it has, so the data flows on as it comes.
+        let read = if input.kind() == Kind::File { input.read(alloc, BATCH) } else { input.read_some(alloc, BATCH) };
+        return read.map_err(|e| failed(e, copied));
+    }
+    let header = match input.read_exact(alloc, 8) {
+        Ok(h) => h,
+        Err(IoError::UnexpectedEof { .. }) => {
+            return Err(CliError::Failed(format!(
+                "{}: the sender stopped after {copied} bytes, before the end of the copy; the copy is incomplete",
+                input.name()
+            )))
+        }
+        Err(e) => return Err(failed(e, copied)),
+    };
+    let mut word = [0u8; 8];
+    word.copy_from_slice(&header[0].bytes()[..8]);
+    drop(header);
+    let len = u64::from_le_bytes(word);
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    if len > (BATCH * BUFFER_SIZE) as u64 {
+        return Err(CliError::Failed(format!(
+            "{}: not a `ferry cp` sender (a batch of {len} bytes announced); the copy is incomplete ({copied} bytes written)",
+            input.name()
+        )));
+    }
+    input.read_exact(alloc, len).map_err(|e| failed(e, copied))
+}
+
+/// Write a batch (framed: after its length); returns the payload bytes
+/// written. An empty framed batch is the end mark.
+fn write_batch(output: &mut Port, alloc: &Allocator, framed: bool, filled: Vec<Filled>) -> Result<u64, IoError> {
+    if !framed {
+        return output.write(filled);
+    }
+    let len: u64 = filled.iter().map(|f| f.len as u64).sum();
+    let mut header =
+        alloc.alloc().ok_or_else(|| IoError::NoBuffer { name: output.name().to_string(), offset: output.offset() })?;
+    let bytes = header.as_mut_slice().map_err(|_| IoError::BufferShared { name: output.name().to_string() })?;
+    bytes[..8].copy_from_slice(&len.to_le_bytes());
+    let chunks = std::iter::once(Chunk::new(header, 0..8)?).chain(filled.into_iter().map(Chunk::from));
+    Ok(output.write(chunks)? - 8)
+}
+
 /// A directory as destination stands for the file of the source's name in it.
 fn destination_path(src: &Place, dst: PathBuf) -> PathBuf {
     match src {
@@ -180,18 +238,20 @@ pub fn run(args: &CpArgs) -> Result<(), CliError> {
     let bar = progress(total);
     let t0 = Instant::now();
     let mut copied = 0u64;
+    let (framed_in, framed_out) = (framed(&src), framed(&dst));
     loop {
-        // Files are read in full batches; a pipe, socket or terminal gives
-        // what it has, so the data flows on as it comes.
-        let read = if input.kind() == Kind::File { input.read(&alloc, BATCH) } else { input.read_some(&alloc, BATCH) };
-        let filled = read.map_err(|e| failed(e, copied))?;
+        let filled = read_batch(&mut input, &alloc, framed_in, copied)?;
         if filled.is_empty() {
             break;
         }
-        copied += output.write(filled).map_err(|e| failed(e, copied.max(output.offset())))?;
+        copied +=
+            write_batch(&mut output, &alloc, framed_out, filled).map_err(|e| failed(e, copied.max(output.offset())))?;
         if let Some(b) = &bar {
             b.set_position(copied);
         }
+    }
+    if framed_out {
+        write_batch(&mut output, &alloc, true, Vec::new()).map_err(|e| failed(e, copied))?;
     }
     drop(output); // closes a socket: the receiver sees the end
     let secs = t0.elapsed().as_secs_f64();

@@ -186,6 +186,36 @@ fn over_tcp_and_unix_sockets() {
 }
 
 #[test]
+fn a_sender_that_stops_early_fails_the_receiver() {
+    let d = dir("early");
+    // One whole batch of 5 bytes, then the connection closes without the end mark.
+    let (rx, at) = listen("tcp:127.0.0.1:0", &d.join("out"));
+    let mut s = std::net::TcpStream::connect(at.strip_prefix("tcp:").unwrap()).unwrap();
+    s.write_all(&5u64.to_le_bytes()).unwrap();
+    s.write_all(b"hello").unwrap();
+    drop(s);
+    let r = finish(rx, None);
+    assert_failed(&r, "tcp:127.0.0.1:0", "the copy is incomplete");
+    assert_eq!(std::fs::read(d.join("out")).unwrap(), b"hello", "what did arrive is kept, as cp does");
+    // The middle of a batch.
+    let (rx, at) = listen("tcp:127.0.0.1:0", &d.join("out2"));
+    let mut s = std::net::TcpStream::connect(at.strip_prefix("tcp:").unwrap()).unwrap();
+    s.write_all(&100u64.to_le_bytes()).unwrap();
+    s.write_all(b"partial").unwrap();
+    drop(s);
+    let r = finish(rx, None);
+    assert_failed(&r, "tcp:127.0.0.1:0", "93 bytes short");
+    // Not a ferry cp sender at all.
+    let (rx, at) = listen("tcp:127.0.0.1:0", &d.join("out3"));
+    let mut s = std::net::TcpStream::connect(at.strip_prefix("tcp:").unwrap()).unwrap();
+    s.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    drop(s);
+    let r = finish(rx, None);
+    assert_failed(&r, "tcp:127.0.0.1:0", "not a `ferry cp` sender");
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[test]
 fn missing_source_and_directory_source_fail_with_one_line() {
     let d = dir("errors");
     let missing = d.join("missing");
