@@ -149,6 +149,8 @@ pub struct Port {
     kind: Kind,
     offset: u64,
     direct: bool,
+    /// The pipe of [`Port::read_unmapped`], made on first use.
+    pipe: Option<(OwnedFd, OwnedFd)>,
 }
 
 /// Retry `f` while it fails with `EINTR`; a negative return is the errno.
@@ -219,7 +221,7 @@ impl Port {
         // SAFETY: `fd` was just opened and is owned by nothing else.
         let owned = unsafe { OwnedFd::from_raw_fd(fd) };
         let kind = kind_of(fd, &name)?;
-        Ok(Port { _owned: Some(owned), fd, name, kind, offset: 0, direct: flags & libc::O_DIRECT != 0 })
+        Ok(Port { _owned: Some(owned), fd, name, kind, offset: 0, direct: flags & libc::O_DIRECT != 0, pipe: None })
     }
 
     /// Open `path` for reading (buffered: through the page cache).
@@ -256,7 +258,7 @@ impl Port {
 
     fn standard(fd: RawFd, name: &str) -> Result<Port, IoError> {
         let kind = kind_of(fd, name)?;
-        Ok(Port { _owned: None, fd, name: name.to_string(), kind, offset: 0, direct: false })
+        Ok(Port { _owned: None, fd, name: name.to_string(), kind, offset: 0, direct: false, pipe: None })
     }
 
     /// Standard input (left open when the port is dropped).
@@ -276,7 +278,7 @@ impl Port {
         let name = name.into();
         let fd = owned.as_raw_fd();
         let kind = kind_of(fd, &name)?;
-        Ok(Port { _owned: Some(owned), fd, name, kind, offset: 0, direct: false })
+        Ok(Port { _owned: Some(owned), fd, name, kind, offset: 0, direct: false, pipe: None })
     }
 
     /// The name errors use.
@@ -553,6 +555,106 @@ impl Port {
             }
         }
         Ok(total)
+    }
+
+    /// Read like [`Port::read`], but the kernel puts the bytes into each
+    /// buffer's pages through its pool's memfd (`splice`, through a pipe
+    /// of this port's unless the fd is a pipe) instead of through this
+    /// process's mapping: a stage that only reads buffers in and hands them
+    /// on (an fd in, a channel out) never maps their pages in. A datagram
+    /// socket, or an fd that `splice` does not take, is read as by
+    /// [`Port::read`].
+    pub fn read_unmapped(&mut self, alloc: &Allocator, max_buffers: usize) -> Result<Vec<Filled>, IoError> {
+        if self.kind == Kind::Datagram || self.direct || max_buffers == 0 {
+            return self.read(alloc, max_buffers);
+        }
+        let pool = alloc.pool().clone();
+        let size = pool.geometry().buffer_size();
+        let memfd = pool.memory_fd().as_raw_fd();
+        let mut out: Vec<Filled> = Vec::new();
+        'buffers: while out.len() < max_buffers {
+            let Some(mut buffer) = alloc.alloc() else {
+                if out.is_empty() {
+                    return Err(IoError::NoBuffer { name: self.name.clone(), offset: self.offset });
+                }
+                break;
+            };
+            // Ownership check only: the slice is not touched.
+            if buffer.as_mut_slice().is_err() {
+                return Err(IoError::BufferShared { name: self.name.clone() });
+            }
+            let base = (buffer.id().index as usize * size) as libc::off_t;
+            let mut len = 0usize;
+            while len < size {
+                let mut off = base + len as libc::off_t;
+                let n = if self.kind == Kind::Pipe {
+                    // SAFETY: `off` is a valid in/out pointer; the kernel writes
+                    // into the memfd's pages of this buffer, which we own.
+                    retry(|| unsafe {
+                        libc::splice(self.fd, std::ptr::null_mut(), memfd, &mut off, size - len, libc::SPLICE_F_MOVE)
+                            as isize
+                    })
+                } else {
+                    self.splice_via_pipe(memfd, off, size - len)
+                };
+                match n {
+                    Ok(0) => {
+                        if len > 0 {
+                            out.push(Filled { buffer, len });
+                        }
+                        break 'buffers;
+                    }
+                    Ok(n) => {
+                        len += n;
+                        self.offset += n as u64;
+                    }
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) && out.is_empty() && len == 0 => {
+                        // This fd does not take splice: read it as usual.
+                        drop(buffer);
+                        return self.read(alloc, max_buffers);
+                    }
+                    Err(e) => return Err(self.err("splice", e)),
+                }
+            }
+            out.push(Filled { buffer, len });
+        }
+        Ok(out)
+    }
+
+    /// Move up to `max` bytes from this fd into the memfd at `off`
+    /// through the port's pipe; 0 at end of input.
+    fn splice_via_pipe(&mut self, memfd: RawFd, off: libc::off_t, max: usize) -> io::Result<usize> {
+        if self.pipe.is_none() {
+            let mut fds = [0; 2];
+            // SAFETY: room for the two fds.
+            if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: both new, owned by nothing else.
+            let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+            // SAFETY: F_SETPIPE_SZ on our own pipe (a larger pipe, fewer calls; failure is harmless).
+            unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, 1 << 20) };
+            self.pipe = Some((r, w));
+        }
+        let (r, w) = self.pipe.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd())).expect("made above");
+        // SAFETY: no pointers but the null offsets (the file position is used).
+        let n = retry(|| unsafe {
+            libc::splice(self.fd, std::ptr::null_mut(), w, std::ptr::null_mut(), max, libc::SPLICE_F_MOVE) as isize
+        })?;
+        let mut moved = 0;
+        let mut off = off;
+        while moved < n {
+            // SAFETY: `off` is a valid in/out pointer; the kernel writes into
+            // the memfd's pages of the caller's buffer.
+            let m = retry(|| unsafe {
+                libc::splice(r, std::ptr::null_mut(), memfd, &mut off, n - moved, libc::SPLICE_F_MOVE) as isize
+            })?;
+            if m == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            moved += m;
+        }
+        Ok(n)
     }
 
     /// Write the chunks like [`Port::write`], but hand the kernel each

@@ -3,7 +3,10 @@
 //! minor page faults of its thread, counted by the kernel per buffer, stay
 //! at zero, while forwarding the same way through its mapping (`write`)
 //! faults the pages in. The output is checked byte for byte both ways.
+//! The same for a stage that reads buffers in (`read_unmapped`).
 
+use std::io::Write;
+use std::os::fd::FromRawFd;
 use std::path::Path;
 use std::time::Duration;
 
@@ -101,5 +104,71 @@ fn forwarding_unmapped_takes_no_page_faults() {
     assert!(faults.1.iter().all(|&f| f >= 1), "forwarding through the mapping faults its pages in: {:?}", faults.1);
     drop(rx);
     drop(source.join());
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The other direction: a stage that reads buffers in from an fd (a file,
+/// then a pipe) to hand them on takes no page faults with
+/// `read_unmapped`, while `read` faults the fresh buffers' pages in.
+#[test]
+fn reading_unmapped_takes_no_page_faults() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-io-selective-read-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let n = COUNT as usize / 2;
+    let want: Vec<u8> = (0..n * BUF).map(|i| byte(i as u64 / BUF as u64, i % BUF)).collect();
+    std::fs::write(dir.join("in"), &want).unwrap();
+    // A fresh pool: no page of it is mapped in yet.
+    let alloc = Allocator::new(&Domain::new("reader"), COUNT, BUF, PoolConstraints::default()).unwrap();
+
+    let mut unmapped_in = Port::open(dir.join("in")).unwrap();
+    let mut mapped_in = Port::open(dir.join("in")).unwrap();
+    let (mut unmapped, mut mapped) = (Vec::new(), Vec::new());
+    let (mut faults_unmapped, mut faults_mapped) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        let before = minor_faults();
+        let f = unmapped_in.read_unmapped(&alloc, 1).unwrap();
+        faults_unmapped.push(minor_faults() - before);
+        unmapped.extend(f);
+        let before = minor_faults();
+        let f = mapped_in.read(&alloc, 1).unwrap();
+        faults_mapped.push(minor_faults() - before);
+        mapped.extend(f);
+    }
+    eprintln!("minor page faults per buffer read: unmapped {faults_unmapped:?}, through the mapping {faults_mapped:?}");
+    for got in [&unmapped, &mapped] {
+        assert_eq!(got.len(), n);
+        let bytes: Vec<u8> = got.iter().flat_map(|f| f.bytes().iter().copied()).collect();
+        assert!(bytes == want, "contents differ");
+    }
+    assert!(faults_unmapped.iter().all(|&f| f == 0), "reading without mapping touched pages: {faults_unmapped:?}");
+    assert!(
+        faults_mapped.iter().all(|&f| f >= 1),
+        "reading through the mapping faults the pages in: {faults_mapped:?}"
+    );
+    drop((unmapped, mapped));
+
+    // From a pipe: spliced straight into the memfd.
+    let mut fds = [0; 2];
+    // SAFETY: room for the two fds.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: both new, owned by nothing else.
+    let (r, w) = unsafe { (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1])) };
+    let w2 = want.clone();
+    let writer = std::thread::spawn(move || {
+        let mut w = w;
+        w.write_all(&w2).unwrap();
+    });
+    let mut p = Port::from_fd(r, "pipe").unwrap();
+    let mut got = Vec::new();
+    loop {
+        let f = p.read_unmapped(&alloc, 2).unwrap();
+        if f.is_empty() {
+            break;
+        }
+        f.iter().for_each(|x| got.extend_from_slice(x.bytes()));
+    }
+    writer.join().unwrap();
+    assert!(got == want);
+    assert_eq!(alloc.available(), COUNT as usize);
     std::fs::remove_dir_all(dir).unwrap();
 }
