@@ -5,7 +5,10 @@
 //! the pages it received (reads every word of them). The receiver reads
 //! either with plain `read(2)` into one reused buffer (`read-write`) or
 //! with ferry-io, which produces a pool buffer per read and takes it back
-//! when dropped (`ferry-io`). Both sides of the socket are the same in both
+//! when dropped (`ferry-io`), or with ferry-io's `read_unmapped`, which has
+//! the kernel splice the bytes into the pool's memfd so that pages the
+//! receiver does not touch are never mapped in (`unmapped`, the
+//! selective mapping of the paper). Both sides of the socket are the same in both
 //! variants: the kernel copies the bytes out of the socket either way (on
 //! Linux a socket cannot hand pages over), so what differs is only what the
 //! receiver does with memory.
@@ -34,6 +37,7 @@ const PAGE: usize = 4096;
 enum Variant {
     ReadWrite,
     FerryIo,
+    Unmapped,
 }
 
 impl Variant {
@@ -41,6 +45,7 @@ impl Variant {
         match self {
             Variant::ReadWrite => "read-write",
             Variant::FerryIo => "ferry-io",
+            Variant::Unmapped => "unmapped",
         }
     }
 }
@@ -114,10 +119,11 @@ fn run_once(v: Variant, size: usize, total: u64, halves: usize, alloc: &Allocato
                 got += n as u64;
             }
         }
-        Variant::FerryIo => {
+        Variant::FerryIo | Variant::Unmapped => {
             let mut port = Port::from_fd(rx, "unix:socketpair").map_err(|e| CliError::Failed(e.to_string()))?;
             while got < total {
-                let filled = port.read_some(alloc, 1).map_err(|e| CliError::Failed(e.to_string()))?;
+                let read = if v == Variant::FerryIo { port.read_some(alloc, 1) } else { port.read_unmapped(alloc, 1) };
+                let filled = read.map_err(|e| CliError::Failed(e.to_string()))?;
                 let Some(f) = filled.first() else { break };
                 sum = sum.wrapping_add(touch(f.bytes(), halves));
                 got += f.len as u64;
@@ -142,7 +148,7 @@ pub fn run(ctx: &mut Ctx) -> Result<(), CliError> {
     for &size in &sizes {
         let alloc = Allocator::new(&Domain::new("socket-touch"), 4, size, PoolConstraints::default())?;
         for (halves, touched) in [(2, "all"), (1, "half"), (0, "none")] {
-            for v in [Variant::ReadWrite, Variant::FerryIo] {
+            for v in [Variant::ReadWrite, Variant::FerryIo, Variant::Unmapped] {
                 let mut rates = Vec::with_capacity(runs);
                 for run in 0..=runs {
                     let secs = run_once(v, size, total, halves, &alloc)?;
