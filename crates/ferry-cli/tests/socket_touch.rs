@@ -6,8 +6,11 @@ use std::process::{Command, Stdio};
 
 #[test]
 fn socket_touch_prints_nine_points() {
+    let svg =
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("socket-touch-{}.svg", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["bench", "socket-touch", "--runs", "1", "--total", "8388608", "--json"])
+        .args(["bench", "socket-touch", "--runs", "1", "--total", "8388608", "--json", "--plot"])
+        .arg(&svg)
         .stdin(Stdio::null())
         .output()
         .expect("run ferry");
@@ -23,6 +26,9 @@ fn socket_touch_prints_nine_points() {
         assert!(p["median"].as_f64().is_some_and(|m| m > 0.0), "{p}");
         seen.push(format!("{} {}", p["backend"].as_str().unwrap(), p["variant"].as_str().unwrap()));
     }
+    let plot = std::fs::read_to_string(&svg).expect("the plot is written");
+    assert!(plot.contains("<svg") && plot.contains("touched=half"), "a bar per point");
+    std::fs::remove_file(&svg).unwrap();
     for b in ["read-write", "ferry-io", "unmapped"] {
         for t in ["all", "half", "none"] {
             assert!(seen.contains(&format!("{b} touched={t}")), "{b} touched={t} missing: {seen:?}");
