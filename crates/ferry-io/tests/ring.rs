@@ -254,3 +254,21 @@ fn one_epoll_set_waits_on_a_channel_and_the_ring() {
     source.join().unwrap();
     std::fs::remove_dir_all(d).unwrap();
 }
+
+#[test]
+fn dropping_the_ring_waits_for_its_requests_and_returns_their_buffers() {
+    let d = dir("drop");
+    std::fs::write(d.join("f"), data(8 * BUF, 9)).unwrap();
+    let a = Allocator::new(&Domain::new("ring"), COUNT, BUF, PoolConstraints::default()).unwrap();
+    let input = Port::open(d.join("f")).unwrap();
+    let mut ring = Ring::new(16).unwrap();
+    ring.register(&a);
+    for i in 0..8u64 {
+        ring.submit_read(&input, Some(i * BUF as u64), &a, i).unwrap();
+    }
+    assert_eq!(ring.in_flight(), 8);
+    assert_eq!(a.available(), COUNT as usize - 8, "each request holds its buffer");
+    drop(ring);
+    assert_eq!(a.available(), COUNT as usize, "all back once the kernel is done");
+    std::fs::remove_dir_all(d).unwrap();
+}
