@@ -5,6 +5,7 @@
 //! * `ferry bench EXPERIMENT` — the benchmark experiments (see BENCHMARKS.md).
 //! * `ferry echo` — the echo domain of an experiment run elsewhere.
 //! * `ferry block serve` — Ferry's network block service for NBD clients.
+//! * `ferry cp SRC DST` — copy through a Ferry pool with container-shipping I/O.
 
 use std::process::ExitCode;
 
@@ -14,6 +15,7 @@ use clap::{Parser, Subcommand};
 mod args;
 mod bench;
 mod block;
+mod cp;
 mod demo;
 mod echo;
 mod pattern;
@@ -37,6 +39,8 @@ enum Command {
     /// Be the echo domain of an experiment run elsewhere: bind to the
     /// endpoint, pass every buffer back until the channel closes.
     Echo(echo::EchoArgs),
+    /// Copy SRC to DST (files, `-`, tcp:HOST:PORT, unix:PATH) through a Ferry pool, without copies in user space.
+    Cp(cp::CpArgs),
     /// Internal: the processes `ferry bench` starts (fbufs receiver, pipeline stages).
     #[command(hide = true, name = "bench-child")]
     BenchChild(bench::child::ChildArgs),
@@ -51,7 +55,8 @@ fn main() -> ExitCode {
         Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => e.exit(),
         Err(e) if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
         Err(e) => {
-            let sub = std::env::args().nth(1).filter(|a| ["demo", "bench", "echo", "block"].contains(&a.as_str()));
+            let sub =
+                std::env::args().nth(1).filter(|a| ["demo", "bench", "echo", "block", "cp"].contains(&a.as_str()));
             eprintln!("ferry: {}", args::usage_line(&e, sub.as_deref()));
             return ExitCode::from(2);
         }
@@ -60,6 +65,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Echo(args) => echo::run(&args),
+        Command::Cp(args) => cp::run(&args),
         Command::BenchChild(args) => bench::child::run(&args),
         Command::Block(args) => block::run(&args),
     };

@@ -951,6 +951,16 @@ impl Pool {
         self.view.buffer_ptr(0) as usize
     }
 
+    /// The memfd that holds the pool's memory (buffer *i* at byte
+    /// `i * buffer_size`), for I/O that hands the kernel a buffer's pages
+    /// without mapping them in this process (`sendfile`, `splice`). Reading
+    /// or writing a buffer through it is the owner's business, as through
+    /// the buffer's slice.
+    pub fn memory_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.view.memory().fd().as_fd()
+    }
+
     /// Index of the buffer containing `addr` in this domain's view, if any.
     pub fn index_of(&self, addr: *const u8) -> Option<u32> {
         self.view.index_of(addr)

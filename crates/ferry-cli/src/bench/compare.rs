@@ -22,6 +22,8 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
         Experiment::Pipeline => &[Backend::PipeCopy],
         // Its baselines are Ferry's own (one channel, independent pairs): always measured.
         Experiment::Fanin => &[],
+        // Its baseline (plain read/write) is measured by the experiment itself.
+        Experiment::SocketTouch => &[],
     };
     if !a.against.is_empty() {
         let mut v = Vec::new();

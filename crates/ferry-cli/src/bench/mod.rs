@@ -27,6 +27,7 @@ pub mod plot;
 pub mod point;
 pub mod progress;
 pub mod rig;
+pub mod socket_touch;
 
 use std::path::PathBuf;
 
@@ -84,6 +85,7 @@ fn pool_buffers(a: &BenchArgs) -> usize {
         Experiment::FbufsTable => 4,
         Experiment::Pipeline => a.inflight.unwrap_or(16),
         Experiment::Fanin => a.inflight.unwrap_or(fanin::WINDOW),
+        Experiment::SocketTouch => 4,
     }
 }
 use progress::Progress;
@@ -106,6 +108,9 @@ pub enum Experiment {
     /// `Channel::wait`), and throughput with all of them busy (against as many independent pairs);
     /// --backend shm: client processes, round trips only.
     Fanin,
+    /// Two processes over an AF_UNIX socket, 128 KiB per I/O, the receiver touching all, half or
+    /// none of the pages, with ferry-io against plain read/write (Container Shipping, Fig. 4).
+    SocketTouch,
 }
 
 impl Experiment {
@@ -117,6 +122,7 @@ impl Experiment {
             Experiment::FbufsTable => "fbufs-table",
             Experiment::Pipeline => "pipeline",
             Experiment::Fanin => "fanin",
+            Experiment::SocketTouch => "socket-touch",
         }
     }
 }
@@ -304,7 +310,8 @@ pub struct BenchArgs {
     /// fanin: channels into the server (1 to 1024, default 64).
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, 1024))]
     pub channels: Option<usize>,
-    /// pipeline: bytes passed end to end per run (a multiple of --size, at most 64 GiB; default 1 GiB).
+    /// pipeline: bytes passed end to end per run (a multiple of --size, at most 64 GiB; default 1 GiB);
+    /// socket-touch: bytes sent per run (default 256 MiB).
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<u64>(4096, MAX_TOTAL))]
     pub total: Option<u64>,
     /// pipeline: processes in the chain (2 to 8); repeatable (default 2, 3, 4, 5).
@@ -445,7 +452,8 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     let windowed = matches!(exp, Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin);
     only("--inflight", a.inflight.is_some(), windowed, "throughput and pipeline")?;
     only("--stages", !a.stages.is_empty(), exp == Experiment::Pipeline, "pipeline")?;
-    only("--total", a.total.is_some(), exp == Experiment::Pipeline, "pipeline")?;
+    let totals = matches!(exp, Experiment::Pipeline | Experiment::SocketTouch);
+    only("--total", a.total.is_some(), totals, "pipeline and socket-touch")?;
     if exp == Experiment::FbufsTable && !a.sizes.is_empty() {
         let mut distinct = a.sizes.clone();
         distinct.sort_unstable();
@@ -536,6 +544,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
         Experiment::FbufsTable => fbufs::run(&mut ctx)?,
         Experiment::Pipeline => pipeline::run(&mut ctx)?,
         Experiment::Fanin => fanin::run(&mut ctx)?,
+        Experiment::SocketTouch => socket_touch::run(&mut ctx)?,
     }
     drop(std::mem::replace(&mut ctx.progress, Progress::hidden()));
     if args.experiment == Experiment::Fanin {

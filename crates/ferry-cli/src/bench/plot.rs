@@ -384,6 +384,13 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
                 bars(&right, "Every client busy (M msg/s)", &rate)?;
             }
         }
+        Experiment::SocketTouch => {
+            let rows: Vec<(String, [f64; 4])> = pts
+                .iter()
+                .map(|p| (format!("{} {} {}", p.backend(), p.size(), p.str("variant")), p.quantiles()))
+                .collect();
+            bars(&root, "Receiver over an AF_UNIX socket: GB/s by pages touched (Container Shipping Fig. 4)", &rows)?;
+        }
     }
     root.present().map_err(err)?;
     Ok(())
