@@ -159,20 +159,30 @@ fn ferry_channel(via: Via, size: usize, a: &BenchArgs) -> Result<Vec<Rate>, CliE
         let (mut sent, mut done) = (0u64, 0u64);
         while done < count {
             if sent < count {
-                if let Some(mut buf) = c.buffer() {
-                    if op == Op::Write {
+                if op == Op::Write {
+                    if let Some(mut buf) = c.buffer() {
                         let mem = buf.as_mut_slice()?;
                         mem[..8].copy_from_slice(&sent.to_le_bytes());
+                        c.submit(op, buf, sent * size as u64, size, false).map_err(failed("request refused"))?;
+                        sent += 1;
+                        continue;
                     }
-                    c.submit(op, buf, sent * size as u64, size, false).map_err(failed("request refused"))?;
-                    sent += 1;
-                    continue;
+                } else {
+                    match c.submit_read(sent * size as u64, size) {
+                        Ok(_) => {
+                            sent += 1;
+                            continue;
+                        }
+                        Err(ferry_block::Error::NoBuffer) => {}
+                        Err(e) => return Err(failed("request refused")(e)),
+                    }
                 }
             }
             let comp = c.complete().map_err(failed("no completion"))?;
             if let Err(e) = comp.status {
                 return Err(CliError::Failed(format!("the block server answered errno {e}")));
             }
+            c.recycle(comp.buffer).map_err(failed("cannot give a buffer back"))?;
             done += 1;
         }
         rates.push(Rate {
