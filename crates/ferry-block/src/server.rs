@@ -322,6 +322,10 @@ impl<'a> Loop<'a> {
                     } else {
                         EINVAL
                     };
+                    if status != 0 {
+                        c.summary.requests += 1;
+                        c.summary.errors += 1;
+                    }
                     let batch_id = u64::from_le_bytes(meta[8..16].try_into().expect("8 bytes"));
                     c.outbox.push_back((key, Send::PassUnfilled, buffer, reply_meta(batch_id, status, 0)));
                 } else if meta.len() >= REQUEST_META && meta[0] == Op::Info as u8 && meta[1] & FLAG_DATA_CHANNEL != 0 {

@@ -278,3 +278,48 @@ fn one_thread_serves_many_clients() {
     }
     let _ = std::fs::remove_file(&path);
 }
+
+/// Packed reads the server cannot take — more descriptors than the request
+/// buffer holds, or without a read-data channel — are refused with EINVAL
+/// and the channel goes on.
+#[test]
+fn malformed_packed_reads_are_refused() {
+    use ferry::{Allocator, BindParams, Channel, Event, PoolConstraints, Role};
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let ep = Endpoint::tcp(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(1 << 20).unwrap());
+    let server = start(&ep, store);
+    let app = Domain::new("raw client");
+    let params = BindParams { role: Role::Master, max_meta_size: 24, ..BindParams::default() };
+    let mut ch = Channel::connect(&app, &ep, params, T).expect("connect");
+    let alloc = Allocator::new(&app, 2, 4096, PoolConstraints::default()).unwrap();
+    ch.assign_pool_and_wait(alloc.pool(), T).unwrap();
+    let mut ask = |op: u8, count: u32, id: u64| {
+        let mut meta = [0u8; 24];
+        meta[0] = op;
+        meta[4..8].copy_from_slice(&count.to_le_bytes());
+        meta[8..16].copy_from_slice(&id.to_le_bytes());
+        ch.move_buffer(alloc.alloc().unwrap(), &meta).map_err(|r| r.error).unwrap();
+        loop {
+            match ch.wait(Some(T)) {
+                Some(Event::BufferPassed { meta, .. }) => {
+                    assert_eq!(u64::from_le_bytes(meta[..8].try_into().unwrap()), id);
+                    return u32::from_le_bytes(meta[8..12].try_into().unwrap());
+                }
+                None => panic!("no reply in time"),
+                Some(_) => {}
+            }
+        }
+    };
+    // No read-data channel was asked for: packed reads are refused.
+    assert_eq!(ask(6, 1, 7), 22);
+    // 1000 descriptors do not fit a 4 KiB request buffer.
+    assert_eq!(ask(6, 1000, 8), 22);
+    // An unknown op.
+    assert_eq!(ask(99, 0, 9), 22);
+    // The channel goes on: INFO is answered.
+    assert_eq!(ask(0, 0, 10), 0);
+    drop(ch);
+    let summary = server.join().expect("server thread").expect("served");
+    assert_eq!((summary.requests, summary.errors), (4, 3), "{summary:?}");
+}
