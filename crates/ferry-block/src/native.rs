@@ -74,7 +74,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -99,7 +99,7 @@ pub(crate) const OP_READ_BATCH: u8 = 6;
 /// Size of a request buffer (the smallest a pool has).
 const REQUEST_BUFFER: usize = 4096;
 /// Request buffers of a client.
-const REQUEST_BUFFERS: u64 = 16;
+const REQUEST_BUFFERS: u64 = 64;
 
 pub(crate) const EINVAL: u32 = 22;
 pub(crate) const ENOSPC: u32 = 28;
@@ -202,6 +202,8 @@ pub struct BlockClient {
     server_buffers: usize,
     /// Reads in flight on the read-data channel plus server buffers held.
     server_out: usize,
+    /// Completions taken while waiting for something else, in order.
+    stash: VecDeque<(Completion, Option<u16>)>,
 }
 
 impl BlockClient {
@@ -237,6 +239,7 @@ impl BlockClient {
             last_extra: 0,
             server_buffers: 0,
             server_out: 0,
+            stash: VecDeque::new(),
         };
         let server_ip = match endpoint {
             Endpoint::Net(ep) => Some(ep.addr().ip()),
@@ -269,7 +272,7 @@ impl BlockClient {
 
     /// Requests in flight.
     pub fn in_flight(&self) -> usize {
-        self.inflight.len()
+        self.inflight.len() + self.stash.len()
     }
 
     /// Whether reads come back in the server's buffers on a read-data
@@ -383,7 +386,7 @@ impl BlockClient {
         }
         let (mut buf, n) = match self.batch.take() {
             Some(b) => b,
-            None => (self.requests.alloc().ok_or(Error::NoBuffer)?, 0),
+            None => (self.request_buffer()?, 0),
         };
         let id = self.next_id;
         self.next_id += 1;
@@ -412,6 +415,14 @@ impl BlockClient {
     }
 
     fn next_completion(&mut self) -> Result<(Completion, Option<u16>), Error> {
+        if let Some(x) = self.stash.pop_front() {
+            return Ok(x);
+        }
+        self.arrival()
+    }
+
+    /// The next reply from the server (not from the stash).
+    fn arrival(&mut self) -> Result<(Completion, Option<u16>), Error> {
         if self.inflight.is_empty() {
             return Err(Error::BadSpec("no request in flight".into()));
         }
@@ -437,37 +448,65 @@ impl BlockClient {
                     }
                 }
             };
-            let (from, ev) = match ev {
-                Some(x) => x,
-                None => continue,
-            };
-            match ev {
-                Event::BufferPassed { buffer, meta } | Event::MoveReceived { buffer, meta } => {
-                    if meta.len() < 24 {
-                        return Err(Error::Protocol("a reply without its meta data".into()));
-                    }
-                    let id = u64::from_le_bytes(meta[..8].try_into().expect("8 bytes"));
-                    let status = u32::from_le_bytes(meta[8..12].try_into().expect("4 bytes"));
-                    let port = u32::from_le_bytes(meta[12..16].try_into().expect("4 bytes"));
-                    let extra = u64::from_le_bytes(meta[16..24].try_into().expect("8 bytes"));
-                    if from == 0 && buffer.id().pool == self.requests.pool().id() && id == 0 {
-                        // A request buffer of packed reads, back.
-                        if status != 0 {
-                            return Err(Error::Protocol(format!("the server refused packed reads (errno {status})")));
-                        }
-                        continue;
-                    }
-                    self.last_extra = extra;
-                    let Some((op, len)) = self.inflight.remove(&id) else {
-                        return Err(Error::Protocol(format!("a reply to request {id}, which is not in flight")));
-                    };
-                    let status = if status == 0 { Ok(()) } else { Err(status) };
-                    let port = u16::try_from(port).ok().filter(|&p| p != 0 && op == Op::Info);
-                    return Ok((Completion { id, op, status, buffer, len }, port));
+            if let Some((from, ev)) = ev {
+                if let Some(x) = self.take(from, ev)? {
+                    return Ok(x);
                 }
-                Event::Error(e) => return Err(e.into()),
-                Event::Closed { .. } => return Err(Error::Protocol("the server closed the channel".into())),
-                _ => {}
+            }
+        }
+    }
+
+    /// An event of the request channel (`from` 0) or the read-data
+    /// channel (1): the completion it brings, if any.
+    fn take(&mut self, from: usize, ev: Event) -> Result<Option<(Completion, Option<u16>)>, Error> {
+        match ev {
+            Event::BufferPassed { buffer, meta } | Event::MoveReceived { buffer, meta } => {
+                if meta.len() < 24 {
+                    return Err(Error::Protocol("a reply without its meta data".into()));
+                }
+                let id = u64::from_le_bytes(meta[..8].try_into().expect("8 bytes"));
+                let status = u32::from_le_bytes(meta[8..12].try_into().expect("4 bytes"));
+                let port = u32::from_le_bytes(meta[12..16].try_into().expect("4 bytes"));
+                let extra = u64::from_le_bytes(meta[16..24].try_into().expect("8 bytes"));
+                if from == 0 && buffer.id().pool == self.requests.pool().id() && id == 0 {
+                    // A request buffer of packed reads, back (to its pool).
+                    if status != 0 {
+                        return Err(Error::Protocol(format!("the server refused packed reads (errno {status})")));
+                    }
+                    return Ok(None);
+                }
+                self.last_extra = extra;
+                let Some((op, len)) = self.inflight.remove(&id) else {
+                    return Err(Error::Protocol(format!("a reply to request {id}, which is not in flight")));
+                };
+                let status = if status == 0 { Ok(()) } else { Err(status) };
+                let port = u16::try_from(port).ok().filter(|&p| p != 0 && op == Op::Info);
+                Ok(Some((Completion { id, op, status, buffer, len }, port)))
+            }
+            Event::Error(e) => Err(e.into()),
+            Event::Closed { .. } => Err(Error::Protocol("the server closed the channel".into())),
+            _ => Ok(None),
+        }
+    }
+
+    /// A free request buffer, waiting for one to come back from the
+    /// server if all are out (completions meanwhile are kept for
+    /// [`complete`](BlockClient::complete)).
+    fn request_buffer(&mut self) -> Result<Buffer, Error> {
+        self.send_batch()?;
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some(b) = self.requests.alloc() {
+                return Ok(b);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::TimedOut);
+            }
+            if let Some(ev) = self.ch.wait(Some(left)) {
+                if let Some(x) = self.take(0, ev)? {
+                    self.stash.push_back(x);
+                }
             }
         }
     }
@@ -476,13 +515,18 @@ impl BlockClient {
         self.wait_for_port(id).map(|(c, _)| c)
     }
 
+    /// The completion of `id`; the others that come first are kept for
+    /// [`complete`](BlockClient::complete).
     fn wait_for_port(&mut self, id: u64) -> Result<(Completion, Option<u16>), Error> {
+        if let Some(at) = self.stash.iter().position(|(c, _)| c.id == id) {
+            return Ok(self.stash.remove(at).expect("found"));
+        }
         loop {
-            let (c, port) = self.next_completion()?;
-            if c.id == id {
-                return Ok((c, port));
+            let x = self.arrival()?;
+            if x.0.id == id {
+                return Ok(x);
             }
-            self.recycle(c.buffer)?;
+            self.stash.push_back(x);
         }
     }
 
@@ -553,24 +597,7 @@ impl BlockClient {
     /// A request without data, in a small request buffer.
     fn control(&mut self, op: Op, offset: u64, len: u64) -> Result<(), Error> {
         let len = u32::try_from(len).map_err(|_| Error::BadSpec("at most 4 GiB less one byte per request".into()))?;
-        let buf = match self.requests.alloc() {
-            Some(b) => b,
-            None => {
-                // Every request buffer carries packed reads: wait for one.
-                self.send_batch()?;
-                let deadline = Instant::now() + self.timeout;
-                loop {
-                    if let Some(b) = self.requests.alloc() {
-                        break b;
-                    }
-                    if Instant::now() >= deadline {
-                        return Err(Error::TimedOut);
-                    }
-                    let c = self.complete()?;
-                    self.recycle(c.buffer)?;
-                }
-            }
-        };
+        let buf = self.request_buffer()?;
         let id = self.next_id;
         self.next_id += 1;
         let meta = request_meta(op, false, len, id, offset);

@@ -323,3 +323,38 @@ fn malformed_packed_reads_are_refused() {
     let summary = server.join().expect("server thread").expect("served");
     assert_eq!((summary.requests, summary.errors), (4, 3), "{summary:?}");
 }
+
+/// A flush while writes are in flight: the writes' completions are not
+/// lost, `complete` still hands them out. And many reads one after the
+/// other over TCP (each in a request buffer of its own) never run out of
+/// request buffers.
+#[test]
+fn completions_taken_while_waiting_are_kept() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let ep = Endpoint::tcp(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(1 << 20).unwrap());
+    let server = start(&ep, store);
+    let mut c = BlockClient::connect(&Domain::new("app"), &ep, 4, 64 << 10, T).expect("connect");
+    let mut ids = Vec::new();
+    for i in 0..3u64 {
+        let mut b = c.buffer().unwrap();
+        b.as_mut_slice().unwrap()[..4].copy_from_slice(b"abcd");
+        ids.push(c.submit(Op::Write, b, i << 16, 4096, false).unwrap());
+    }
+    c.flush().unwrap();
+    assert_eq!(c.in_flight(), 3);
+    let mut done: Vec<u64> = (0..3).map(|_| c.complete().expect("the write's completion").id).collect();
+    done.sort();
+    assert_eq!(done, ids);
+    for i in 0..300u64 {
+        let id = c.submit_read((i % 16) << 16, 4096).unwrap();
+        let comp = c.complete().unwrap();
+        assert_eq!((comp.id, comp.status), (id, Ok(())));
+        if i % 16 < 3 {
+            assert_eq!(&comp.buffer[..4], b"abcd");
+        }
+        c.recycle(comp.buffer).unwrap();
+    }
+    drop(c);
+    server.join().expect("server thread").expect("served");
+}
