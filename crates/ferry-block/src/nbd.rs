@@ -512,6 +512,10 @@ struct Session<'a, S> {
 
 /// Read replies sent in one write at most.
 const MAX_QUEUED_REPLIES: usize = 256;
+/// Data of the read replies sent in one write at most: small reads are
+/// gathered, large ones leave one by one from the start of the buffer
+/// (which stays in the cache).
+const MAX_QUEUED_BYTES: usize = 256 << 10;
 
 /// Read a big-endian number from the front of `data`.
 fn take<const N: usize>(data: &mut &[u8]) -> Option<[u8; N]> {
@@ -992,7 +996,7 @@ impl<S: Read + Write> Session<'_, S> {
         }
         // The data goes after the data of the replies queued before it (if
         // it fits; else those leave first).
-        if self.cursor + len > self.config.max_payload as usize {
+        if self.cursor + len > (self.config.max_payload as usize).min(MAX_QUEUED_BYTES.max(len)) {
             self.flush_replies()?;
         }
         let at = self.cursor;
@@ -1024,7 +1028,7 @@ impl<S: Read + Write> Session<'_, S> {
         self.cursor = at + len;
         // Sent now unless more requests are already here to be answered
         // in the same write.
-        if self.staged.is_empty() || self.replies.len() >= MAX_QUEUED_REPLIES {
+        if self.staged.is_empty() || self.replies.len() >= MAX_QUEUED_REPLIES || self.cursor >= MAX_QUEUED_BYTES {
             self.flush_replies()?;
         }
         Ok(())
