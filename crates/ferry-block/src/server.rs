@@ -335,7 +335,9 @@ impl<'a> Loop<'a> {
                     let mut reply = reply_meta(req_id, 0, self.store.size());
                     c.summary.requests += 1;
                     if let (Some(ip), None) = (self.data_ip, c.data) {
-                        let made = (1..=1024).contains(&count).then_some(()).and_then(|()| {
+                        // At most 1024 buffers and 1 GiB for one client.
+                        let fits = (1..=1024).contains(&count) && (size as u64).saturating_mul(count) <= 1 << 30;
+                        let made = fits.then_some(()).and_then(|()| {
                             let pool = Allocator::new(&self.domain, count, size, PoolConstraints::default()).ok()?;
                             let setup = ChannelSetup {
                                 direction: Direction::Tx,

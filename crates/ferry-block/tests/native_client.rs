@@ -319,9 +319,29 @@ fn malformed_packed_reads_are_refused() {
     assert_eq!(ask(99, 0, 9), 22);
     // The channel goes on: INFO is answered.
     assert_eq!(ask(0, 0, 10), 0);
+    // A read-data channel with a pool too large (1024 buffers of 16 MiB)
+    // is refused.
+    let mut meta = [0u8; 24];
+    meta[1] = 2;
+    meta[4..8].copy_from_slice(&(16u32 << 20).to_le_bytes());
+    meta[8..16].copy_from_slice(&11u64.to_le_bytes());
+    meta[16..24].copy_from_slice(&1024u64.to_le_bytes());
+    ch.move_buffer(alloc.alloc().unwrap(), &meta).map_err(|r| r.error).unwrap();
+    loop {
+        match ch.wait(Some(T)) {
+            Some(Event::BufferPassed { meta, .. }) => {
+                assert_eq!(u64::from_le_bytes(meta[..8].try_into().unwrap()), 11);
+                assert_eq!(u32::from_le_bytes(meta[8..12].try_into().unwrap()), 22);
+                assert_eq!(u32::from_le_bytes(meta[12..16].try_into().unwrap()), 0, "no port");
+                break;
+            }
+            None => panic!("no reply in time"),
+            Some(_) => {}
+        }
+    }
     drop(ch);
     let summary = server.join().expect("server thread").expect("served");
-    assert_eq!((summary.requests, summary.errors), (4, 3), "{summary:?}");
+    assert_eq!((summary.requests, summary.errors), (5, 4), "{summary:?}");
 }
 
 /// A flush while writes are in flight: the writes' completions are not
