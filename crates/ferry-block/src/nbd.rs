@@ -25,12 +25,14 @@
 //! else. Requests a client pipelines are taken in batches: the server
 //! looks at what waits on the socket (`MSG_PEEK`), takes the headers of
 //! every waiting request up to the first that carries a payload in one
-//! read (a payload is still read straight into the pool buffer), and
-//! sends the replies of consecutive reads in one `writev`, their data in
-//! consecutive parts of the connection's buffer.
+//! read (a payload is still read straight into the pool buffer; a write
+//! seen waiting has its header and payload taken in one `readv`), and
+//! holds the replies of reads and writes until no request waits, then
+//! sends them in one `writev`, the reads' data from consecutive parts of
+//! the connection's buffer.
 
 use std::fmt;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{TcpListener, ToSocketAddrs};
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -471,6 +473,7 @@ fn serve_peeking<S: Read + Write>(
         staged: std::collections::VecDeque::new(),
         replies: Vec::new(),
         cursor: 0,
+        payload_read: false,
     };
     let end = session.handshake().and_then(|()| {
         session.summary.transmission = true;
@@ -508,6 +511,8 @@ struct Session<'a, S> {
     replies: Vec<([u8; 28], usize, usize, usize)>,
     /// Where the next queued read's data goes in the connection's buffer.
     cursor: usize,
+    /// The next request's payload is in the connection's buffer already.
+    payload_read: bool,
 }
 
 /// Read replies sent in one write at most.
@@ -554,6 +559,20 @@ fn nbd_errno(e: &io::Error) -> u32 {
         Some(75) => EOVERFLOW,
         _ => EIO,
     }
+}
+
+/// Fill all of `parts` (one `readv` in the common case).
+fn read_all_parts<R: Read>(r: &mut R, parts: &mut [IoSliceMut<'_>]) -> io::Result<()> {
+    let mut parts = parts;
+    while !parts.is_empty() {
+        match r.read_vectored(parts) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => IoSliceMut::advance_slices(&mut parts, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Write all of `parts` (one `writev` in the common case).
@@ -819,15 +838,19 @@ impl<S: Read + Write> Session<'_, S> {
             let offset = u64::from_be_bytes(head[16..24].try_into().expect("8 bytes"));
             let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes"));
             let req = Request { flags, handle, offset, len };
-            if kind != CMD_READ {
-                // Every other request writes its own replies, or uses the
-                // connection's buffer from its start.
+            if kind == CMD_WRITE && self.cursor > 0 {
+                // A write's payload goes to the start of the connection's
+                // buffer, where queued read replies have their data. (Every
+                // other request sends the queued replies before its own.)
                 self.flush_replies()?;
             }
             match kind {
                 CMD_READ => self.read(req)?,
                 CMD_WRITE => self.write(req)?,
-                CMD_DISC => return Err(End::Soft("NBD_CMD_DISC")),
+                CMD_DISC => {
+                    self.flush_replies()?;
+                    return Err(End::Soft("NBD_CMD_DISC"));
+                }
                 CMD_FLUSH => self.simple_op(req, CMD_FLAG_FUA, |s| s.flush(), |c| c.flushes += 1)?,
                 CMD_TRIM => {
                     let fua = flags & CMD_FLAG_FUA != 0;
@@ -881,6 +904,29 @@ impl<S: Read + Write> Session<'_, S> {
                 break;
             }
         }
+        if whole == 28 && u16::from_be_bytes(look[6..8].try_into().expect("2 bytes")) == CMD_WRITE {
+            // A write is next: its header and its payload (straight into
+            // the connection's buffer) in one read.
+            let len = u32::from_be_bytes(look[24..28].try_into().expect("4 bytes")) as usize;
+            if u32::from_be_bytes(look[..4].try_into().expect("4 bytes")) == REQUEST_MAGIC
+                && len > 0
+                && len <= self.config.max_payload as usize
+            {
+                if self.cursor > 0 {
+                    self.flush_replies()?;
+                }
+                self.buffer().map_err(|e| match e {
+                    End::Hard(why) => io::Error::other(why),
+                    End::Soft(why) => io::Error::other(why),
+                })?;
+                let mut head = [0u8; 28];
+                let (_, buf) = self.buffer.as_mut().expect("made just now");
+                let mem = buf.as_mut_slice().map_err(|e| io::Error::other(e.to_string()))?;
+                read_all_parts(&mut self.stream, &mut [IoSliceMut::new(&mut head), IoSliceMut::new(&mut mem[..len])])?;
+                self.payload_read = true;
+                return Ok(head);
+            }
+        }
         if whole > 28 {
             self.stream.read_exact(&mut look[..whole])?;
             for h in look[..whole].chunks_exact(28) {
@@ -904,11 +950,13 @@ impl<S: Read + Write> Session<'_, S> {
         }
         let replies = std::mem::take(&mut self.replies);
         self.cursor = 0;
-        let (_, buf) = self.buffer.as_ref().expect("queued replies have their buffer");
+        let buf: &[u8] = self.buffer.as_ref().map_or(&[], |(_, b)| &b[..]);
         let mut parts: Vec<IoSlice<'_>> = Vec::with_capacity(replies.len() * 2);
         for (head, hlen, at, n) in &replies {
             parts.push(IoSlice::new(&head[..*hlen]));
-            parts.push(IoSlice::new(&buf[*at..*at + *n]));
+            if *n > 0 {
+                parts.push(IoSlice::new(&buf[*at..*at + *n]));
+            }
         }
         write_all_parts(&mut self.stream, &mut parts)
     }
@@ -1026,9 +1074,9 @@ impl<S: Read + Write> Session<'_, S> {
         };
         self.replies.push((head, hlen, at, len));
         self.cursor = at + len;
-        // Sent now unless more requests are already here to be answered
-        // in the same write.
-        if self.staged.is_empty() || self.replies.len() >= MAX_QUEUED_REPLIES || self.cursor >= MAX_QUEUED_BYTES {
+        // Sent with the replies that follow, once no request waits (or the
+        // queue is full).
+        if self.replies.len() >= MAX_QUEUED_REPLIES || self.cursor >= MAX_QUEUED_BYTES {
             self.flush_replies()?;
         }
         Ok(())
@@ -1080,10 +1128,11 @@ impl<S: Read + Write> Session<'_, S> {
         let max = self.config.max_payload as usize;
         // The payload is read in any case: what follows it is the next request.
         self.buffer()?;
+        let payload_read = std::mem::take(&mut self.payload_read);
         let Session { stream, buffer, .. } = self;
         let (_, buf) = buffer.as_mut().expect("made just now");
         let mem = buf.as_mut_slice().map_err(|e| End::Hard(format!("connection buffer not writable ({e})")))?;
-        if len > max {
+        if len > max && !payload_read {
             let mut left = len;
             while left > 0 {
                 let n = left.min(max);
@@ -1092,7 +1141,9 @@ impl<S: Read + Write> Session<'_, S> {
             }
             return Ok(self.error(req.handle, EINVAL, "write larger than the maximum block size")?);
         }
-        stream.read_exact(&mut mem[..len])?;
+        if !payload_read {
+            stream.read_exact(&mut mem[..len])?;
+        }
         if req.flags & !CMD_FLAG_FUA != 0 {
             return Ok(self.error(req.handle, EINVAL, "flag not valid for NBD_CMD_WRITE")?);
         }
@@ -1109,7 +1160,24 @@ impl<S: Read + Write> Session<'_, S> {
         }
         self.summary.writes += 1;
         self.summary.write_bytes += len as u64;
-        Ok(self.done(req.handle)?)
+        // The reply waits for the replies that follow, like a read's.
+        let mut head = [0u8; 28];
+        let hlen = if self.structured {
+            head[..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+            head[4..6].copy_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
+            head[6..8].copy_from_slice(&REPLY_TYPE_NONE.to_be_bytes());
+            head[8..16].copy_from_slice(&req.handle.to_be_bytes());
+            20
+        } else {
+            head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+            head[8..16].copy_from_slice(&req.handle.to_be_bytes());
+            16
+        };
+        self.replies.push((head, hlen, 0, 0));
+        if self.replies.len() >= MAX_QUEUED_REPLIES {
+            self.flush_replies()?;
+        }
+        Ok(())
     }
 
     /// A request without a range (FLUSH).

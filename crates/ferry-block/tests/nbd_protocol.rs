@@ -429,6 +429,15 @@ fn pipelined_requests_sent_in_one_write_are_answered_in_order() {
         all.extend(head(0, 200 + i, 4096 * (i + 1), 8192));
     }
     all.extend(head(3, 300, 0, 0));
+    // Writes back to back (their replies wait for each other), an empty
+    // write, a read of what they wrote, and the disconnect right behind.
+    for i in 0..3u64 {
+        all.extend(head(1, 400 + i, 65536 + i * 4096, 4096));
+        all.extend(vec![0x10 + i as u8; 4096]);
+    }
+    all.extend(head(1, 403, 0, 0));
+    all.extend(head(0, 404, 65536, 3 * 4096));
+    all.extend(head(2, 405, 0, 0));
     c.s.write_all(&all).expect("send the pipeline");
     let mut now = pattern.clone();
     for i in 0..40u64 {
@@ -445,4 +454,13 @@ fn pipelined_requests_sent_in_one_write_are_answered_in_order() {
         assert!(data[..] == now[(4096 * (i + 1)) as usize..][..8192], "read {}", 200 + i);
     }
     assert_eq!(c.simple(0), (0, 300, vec![]));
+    for i in 0..4u64 {
+        assert_eq!(c.simple(0), (0, 400 + i, vec![]));
+    }
+    let (err, handle, data) = c.simple(3 * 4096);
+    assert_eq!((err, handle), (0, 404));
+    for i in 0..3usize {
+        assert!(data[i * 4096..(i + 1) * 4096].iter().all(|&b| b == 0x10 + i as u8), "write {i}");
+    }
+    assert!(c.closed(), "NBD_CMD_DISC closes the connection after the replies");
 }
