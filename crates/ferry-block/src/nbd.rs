@@ -474,6 +474,7 @@ fn serve_peeking<S: Read + Write>(
         replies: Vec::new(),
         cursor: 0,
         payload_read: false,
+        written: 0,
     };
     let end = session.handshake().and_then(|()| {
         session.summary.transmission = true;
@@ -513,6 +514,8 @@ struct Session<'a, S> {
     cursor: usize,
     /// The next request's payload is in the connection's buffer already.
     payload_read: bool,
+    /// Bytes written by the writes whose replies are queued.
+    written: usize,
 }
 
 /// Read replies sent in one write at most.
@@ -950,6 +953,7 @@ impl<S: Read + Write> Session<'_, S> {
         }
         let replies = std::mem::take(&mut self.replies);
         self.cursor = 0;
+        self.written = 0;
         let buf: &[u8] = self.buffer.as_ref().map_or(&[], |(_, b)| &b[..]);
         let mut parts: Vec<IoSlice<'_>> = Vec::with_capacity(replies.len() * 2);
         for (head, hlen, at, n) in &replies {
@@ -1174,7 +1178,10 @@ impl<S: Read + Write> Session<'_, S> {
             16
         };
         self.replies.push((head, hlen, 0, 0));
-        if self.replies.len() >= MAX_QUEUED_REPLIES {
+        // Large writes are answered at once, so the client can send the
+        // next while this one's reply would otherwise wait.
+        self.written += len;
+        if self.replies.len() >= MAX_QUEUED_REPLIES || self.written >= MAX_QUEUED_BYTES {
             self.flush_replies()?;
         }
         Ok(())
