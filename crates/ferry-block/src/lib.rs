@@ -15,7 +15,10 @@
 //!
 //! Applications that use Ferry reach the same stores without NBD through
 //! [`BlockClient`] ([`native`]): requests as meta data, write data moved in
-//! the client's buffers, reads returned in buffers the server fills.
+//! the client's buffers, reads returned in buffers the server fills (over
+//! TCP buffers of the server's own pool, so a read's bytes cross the
+//! network once). One thread serves all of an endpoint's clients
+//! ([`server`], [`serve_endpoint`]).
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -28,10 +31,12 @@
 
 pub mod native;
 pub mod nbd;
+pub mod server;
 pub mod store;
 
-pub use native::{accept_client, run_proxy, serve_channel, serve_client, BlockClient, ChannelSummary, Completion, Op};
+pub use native::{run_proxy, BlockClient, Completion, Op};
 pub use nbd::{serve_connection, ConnSummary, Listen, NbdServer, ServerConfig};
+pub use server::{accept_client, serve_channel, serve_client, serve_endpoint, ChannelSummary, ClientReport};
 pub use store::{open_store, parse_size, Extent, FileStore, MemStore, Store, StoreSpec, MAX_STORE_SIZE, MEM_CHUNK};
 
 /// What can go wrong setting up the block service (requests that fail are

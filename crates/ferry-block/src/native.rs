@@ -2,28 +2,52 @@
 //! [`serve_channel`].
 //!
 //! As in the network block service of the ETH bulk-transfer specification,
-//! the client is the transmit master: it assigns a pool of its own to the
-//! channel and moves a buffer to the server for every request, the request
-//! in the buffer's meta data. For a write the buffer holds the data; for a
-//! read the server fills it from the store. The server passes every buffer
-//! back with the reply in its meta data (a write's buffer unfilled: its
-//! bytes need not travel back). Many requests may be in flight, matched by
-//! request id. Local clients reach the server over shared memory (or
-//! between threads), remote ones over TCP; the code is the same. (Over
-//! TCP a read costs its buffer's size twice: a move carries the buffer's
-//! bytes, so the empty buffer travels to the server before it comes back
-//! filled. Between threads and processes of one host only descriptors
-//! travel.)
+//! the client is the transmit master of its request channel: it assigns
+//! two pools of its own — data buffers (the largest request each) and
+//! small request buffers of 4 KiB — and moves a buffer to the server for
+//! every request, the request in the buffer's meta data. A write moves a
+//! data buffer holding the data; the server passes it back unfilled (its
+//! bytes need not travel back) with the reply in the meta data. Requests
+//! that carry no data (`INFO`, `FLUSH`, `TRIM`, `WRITE_ZEROES`) travel in
+//! a request buffer, answered the same way.
+//!
+//! Reads come back in buffers the server fills:
+//!
+//! * Over TCP the server is the transmit master of a second channel, the
+//!   read-data channel, which the client binds when it connects: the server
+//!   assigns a pool of its own for the client (as many buffers as the
+//!   client's, as large), and for each read fills one of them from the
+//!   store and moves it to the client, the reply in its meta data. The
+//!   client takes the data and passes the buffer back unfilled
+//!   ([`BlockClient::recycle`]): no payload. The read requests themselves
+//!   are descriptors packed into a request buffer (up to 170 in one, sent
+//!   when the client waits for a completion and none is ready, or when it
+//!   is full), which the server passes back unfilled. So a read's bytes
+//!   cross the network once, and a request costs a share of 4 KiB.
+//! * Between threads and processes of one host the buffers' memory is
+//!   shared and only descriptors travel: a read moves a data buffer of the
+//!   client's, which the server fills in place and passes back.
+//!
+//! Many requests may be in flight, matched by request id, answered in the
+//! order they are done. The server ([`crate::server`]) serves all clients
+//! of an endpoint from one thread.
 //!
 //! [`run_proxy`] is the client proxy: user domains of one host reach it
 //! over shared memory, and it forwards their requests over one channel to
-//! a remote server, their own buffers moved on as they came.
+//! a remote server, their own buffers moved on as they came (reads through
+//! the proxy still move the user's buffer both ways over TCP).
 //!
-//! Request meta data (24 bytes, little-endian): op (1 byte), flags (1
-//! byte; bit 0 FUA), 2 bytes zero, length (u32), request id (u64),
-//! offset (u64). Reply meta data (16 bytes): request id (u64), status
-//! (u32: 0 or an errno value), and for `INFO` the store size in a second
-//! u64.
+//! Request meta data (24 bytes, little-endian): op (1 byte: 0 `INFO`, 1
+//! `READ`, 2 `WRITE`, 3 `FLUSH`, 4 `TRIM`, 5 `WRITE_ZEROES`, 6 packed
+//! reads), flags (1 byte; bit 0 FUA, bit 1 with `INFO`: the client wants
+//! a read-data channel), 2 bytes zero, length (u32), request id (u64),
+//! offset (u64). `INFO` gives the client's buffer size as its length and
+//! its buffer count as its offset. Packed reads: the length is the number
+//! of descriptors at the start of the request buffer, each laid out as a
+//! request's meta data (op `READ`). Reply meta data (24 bytes): request id
+//! (u64), status (u32: 0 or an errno value), for `INFO` the TCP port of
+//! the read-data channel (u32, 0 for none), and for `INFO` the store size,
+//! for a read on the read-data channel its length (u64).
 //!
 //! ```
 //! use std::sync::Arc;
@@ -50,27 +74,36 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Allocator, BindParams, Buffer, Channel, ChannelSetup, Direction, Domain, Endpoint, Event, PoolConstraints,
-    PoolPolicy, Role,
+    Allocator, BindParams, Buffer, Channel, ChannelSetup, Direction, Domain, Endpoint, Event, LinkStats,
+    PoolConstraints, PoolPolicy, Role,
 };
 
-use crate::store::Store;
 use crate::Error;
 
 /// Bytes of request meta data.
-const REQUEST_META: usize = 24;
+pub(crate) const REQUEST_META: usize = 24;
 /// Meta size of the channel (the larger of request and reply).
-const META_SIZE: usize = 24;
+pub(crate) const META_SIZE: usize = 24;
+/// Bytes of one read descriptor in a request buffer.
+pub(crate) const DESCRIPTOR: usize = 24;
+/// Request flag: the client wants a read-data channel (with `INFO`).
+pub(crate) const FLAG_DATA_CHANNEL: u8 = 2;
+/// The op of a request buffer that carries read descriptors.
+pub(crate) const OP_READ_BATCH: u8 = 6;
+/// Size of a request buffer (the smallest a pool has).
+const REQUEST_BUFFER: usize = 4096;
+/// Request buffers of a client.
+const REQUEST_BUFFERS: u64 = 64;
 
-const EINVAL: u32 = 22;
-const ENOSPC: u32 = 28;
-const EIO: u32 = 5;
+pub(crate) const EINVAL: u32 = 22;
+pub(crate) const ENOSPC: u32 = 28;
+pub(crate) const EIO: u32 = 5;
 
 /// A request of the block service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,7 +124,7 @@ pub enum Op {
 }
 
 impl Op {
-    fn from_u8(b: u8) -> Option<Op> {
+    pub(crate) fn from_u8(b: u8) -> Option<Op> {
         Some(match b {
             0 => Op::Info,
             1 => Op::Read,
@@ -105,16 +138,24 @@ impl Op {
 }
 
 fn request_meta(op: Op, fua: bool, len: u32, id: u64, offset: u64) -> [u8; REQUEST_META] {
+    request_meta_flags(op, u8::from(fua), len, id, offset)
+}
+
+fn request_meta_flags(op: Op, flags: u8, len: u32, id: u64, offset: u64) -> [u8; REQUEST_META] {
+    request_meta_flags_op(op as u8, flags, len, id, offset)
+}
+
+fn request_meta_flags_op(op: u8, flags: u8, len: u32, id: u64, offset: u64) -> [u8; REQUEST_META] {
     let mut m = [0u8; REQUEST_META];
-    m[0] = op as u8;
-    m[1] = u8::from(fua);
+    m[0] = op;
+    m[1] = flags;
     m[4..8].copy_from_slice(&len.to_le_bytes());
     m[8..16].copy_from_slice(&id.to_le_bytes());
     m[16..24].copy_from_slice(&offset.to_le_bytes());
     m
 }
 
-fn reply_meta(id: u64, status: u32, extra: u64) -> [u8; 24] {
+pub(crate) fn reply_meta(id: u64, status: u32, extra: u64) -> [u8; 24] {
     let mut m = [0u8; 24];
     m[..8].copy_from_slice(&id.to_le_bytes());
     m[8..12].copy_from_slice(&status.to_le_bytes());
@@ -122,142 +163,34 @@ fn reply_meta(id: u64, status: u32, extra: u64) -> [u8; 24] {
     m
 }
 
-/// What a served channel did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ChannelSummary {
-    /// Requests answered (errors included).
-    pub requests: u64,
-    /// Bytes read from the store into the client's buffers.
-    pub read_bytes: u64,
-    /// Bytes written to the store from the client's buffers.
-    pub write_bytes: u64,
-    /// Requests answered with an error.
-    pub errors: u64,
-}
-
-/// Wait for one client on `endpoint` (the server creates the channel, as
-/// the receiving slave) and serve it until it closes the channel or goes
-/// away. `timeout` bounds the wait for the client.
-pub fn serve_channel(
-    domain: &Domain,
-    endpoint: &Endpoint,
-    store: &dyn Store,
-    timeout: Duration,
-) -> Result<ChannelSummary, Error> {
-    let ch = accept_client(domain, endpoint, timeout)?;
-    serve_client(ch, store)
-}
-
-/// Wait for one client on `endpoint`: the channel the server end of the
-/// block service needs (receiving slave, pools of the client accepted).
-pub fn accept_client(domain: &Domain, endpoint: &Endpoint, timeout: Duration) -> Result<Channel, Error> {
-    let setup =
-        ChannelSetup { direction: Direction::Rx, role: Role::Slave, meta_size: META_SIZE, ..ChannelSetup::default() };
-    let mut ch = Channel::accept(domain, endpoint, setup, timeout)?;
-    ch.set_pool_policy(PoolPolicy::AcceptAll);
-    Ok(ch)
-}
-
-/// Serve the client of a channel [`accept_client`] gave until it closes
-/// the channel or goes away.
-pub fn serve_client(mut ch: Channel, store: &dyn Store) -> Result<ChannelSummary, Error> {
-    let mut summary = ChannelSummary::default();
-    loop {
-        match ch.wait(Some(Duration::from_secs(1))) {
-            Some(Event::MoveReceived { mut buffer, meta }) => {
-                let (status, extra, fill) = execute(store, &mut buffer, &meta, &mut summary);
-                summary.requests += 1;
-                if status != 0 {
-                    summary.errors += 1;
-                }
-                let id = meta.get(8..16).map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
-                let reply = reply_meta(id, status, extra);
-                let mut buf = buffer;
-                loop {
-                    let sent = if fill { ch.pass(buf, &reply) } else { ch.pass_unfilled(buf, &reply) };
-                    match sent {
-                        Ok(()) => break,
-                        Err(r) if r.error == ferry::Error::QueueFull => {
-                            buf = r.into_inner();
-                            std::thread::yield_now();
-                        }
-                        Err(r) => return Err(r.error.into()),
-                    }
-                }
-            }
-            Some(Event::Closed { .. }) => return Ok(summary),
-            // The client went away: what it asked for is done or not, as
-            // answered; nothing is left for this channel to do.
-            Some(Event::Error(_)) => return Ok(summary),
-            Some(_) | None => {}
-        }
-    }
-}
-
-/// Carry out one request on `buffer`: (status, extra reply value, whether
-/// the buffer's bytes go back).
-fn execute(store: &dyn Store, buffer: &mut Buffer, meta: &[u8], summary: &mut ChannelSummary) -> (u32, u64, bool) {
-    if meta.len() < REQUEST_META || meta[2..4] != [0, 0] || meta[1] & !1 != 0 {
-        return (EINVAL, 0, false);
-    }
-    let Some(op) = Op::from_u8(meta[0]) else { return (EINVAL, 0, false) };
-    let fua = meta[1] & 1 != 0;
-    let len = u32::from_le_bytes(meta[4..8].try_into().expect("4 bytes")) as u64;
-    let offset = u64::from_le_bytes(meta[16..24].try_into().expect("8 bytes"));
-    let in_bounds = offset.checked_add(len).is_some_and(|end| end <= store.size());
-    let errno = |e: std::io::Error| match e.raw_os_error() {
-        Some(22) => EINVAL,
-        Some(28) => ENOSPC,
-        _ => EIO,
-    };
-    match op {
-        Op::Info => (0, store.size(), false),
-        Op::Flush => (store.flush().map_or_else(errno, |()| 0), 0, false),
-        _ if len > buffer.len() as u64 && matches!(op, Op::Read | Op::Write) => (EINVAL, 0, false),
-        Op::Read | Op::Trim if !in_bounds => (EINVAL, 0, false),
-        Op::Write | Op::WriteZeroes if !in_bounds => (ENOSPC, 0, false),
-        Op::Read => match buffer.as_mut_slice() {
-            Ok(mem) => match store.read_at(offset, &mut mem[..len as usize]) {
-                Ok(()) => {
-                    summary.read_bytes += len;
-                    (0, 0, true)
-                }
-                Err(e) => (errno(e), 0, false),
-            },
-            Err(_) => (EIO, 0, false),
-        },
-        Op::Write => match store.write_at(offset, &buffer[..len as usize], fua) {
-            Ok(()) => {
-                summary.write_bytes += len;
-                (0, 0, false)
-            }
-            Err(e) => (errno(e), 0, false),
-        },
-        Op::Trim => (store.trim(offset, len, fua).map_or_else(errno, |()| 0), 0, false),
-        Op::WriteZeroes => (store.write_zeroes(offset, len, true, fua).map_or_else(errno, |()| 0), 0, false),
-    }
-}
-
 /// A finished request.
 #[derive(Debug)]
 pub struct Completion {
-    /// The id [`BlockClient::submit`] returned.
+    /// The id [`BlockClient::submit`] or [`BlockClient::submit_read`] returned.
     pub id: u64,
     /// What it was.
     pub op: Op,
     /// `Ok` or the server's errno value.
     pub status: Result<(), u32>,
-    /// The buffer, back: for a read it holds the data from its start.
+    /// The buffer, back: for a read it holds the data from its start. A
+    /// read's buffer may be the server's (over TCP): give it back with
+    /// [`BlockClient::recycle`] once the data is taken.
     pub buffer: Buffer,
     /// Bytes the request covered.
     pub len: usize,
 }
 
-/// A client of the block service over one Ferry channel: a pool of its own
-/// buffers, requests moved to the server, replies matched by request id.
+/// A client of the block service over one Ferry channel (and, over TCP,
+/// a second one for read data): a pool of its own buffers, requests moved
+/// to the server, replies matched by request id.
 pub struct BlockClient {
     ch: Channel,
+    /// The read-data channel (TCP): the server moves reads' buffers here.
+    data: Option<Channel>,
     alloc: Allocator,
+    requests: Allocator,
+    /// The request buffer being filled with read descriptors, and how many.
+    batch: Option<(Buffer, usize)>,
     size: u64,
     next_id: u64,
     /// Request id → (op, length) of every request in flight.
@@ -265,12 +198,21 @@ pub struct BlockClient {
     timeout: Duration,
     /// The extra value of the last reply (the size, for INFO).
     last_extra: u64,
+    /// Buffers of the server's read-data pool.
+    server_buffers: usize,
+    /// Reads in flight on the read-data channel plus server buffers held.
+    server_out: usize,
+    /// Completions taken while waiting for something else, in order.
+    stash: VecDeque<(Completion, Option<u16>)>,
 }
 
 impl BlockClient {
     /// Connect to a server on `endpoint` with a pool of `buffers` buffers
     /// of `buffer_size` bytes (the largest request; a power of two, a
     /// multiple of the page size). `timeout` bounds every wait.
+    ///
+    /// Over TCP the client also binds the server's read-data channel, and
+    /// reads come back in `buffers` buffers of the server's pool.
     pub fn connect(
         domain: &Domain,
         endpoint: &Endpoint,
@@ -279,16 +221,47 @@ impl BlockClient {
         timeout: Duration,
     ) -> Result<BlockClient, Error> {
         let params = BindParams { role: Role::Master, max_meta_size: META_SIZE, ..BindParams::default() };
-        let mut ch = Channel::connect(domain, endpoint, params, timeout)?;
+        let mut ch = connect_retrying(domain, endpoint, params, timeout)?;
         let alloc = Allocator::new(domain, buffers, buffer_size, PoolConstraints::default())?;
+        let requests = Allocator::new(domain, REQUEST_BUFFERS, REQUEST_BUFFER, PoolConstraints::default())?;
         ch.assign_pool_and_wait(alloc.pool(), timeout)?;
-        let mut client =
-            BlockClient { ch, alloc, size: 0, next_id: 1, inflight: HashMap::new(), timeout, last_extra: 0 };
-        let buf = client.free_buffer()?;
-        let id = client.send(Op::Info, buf, 0, 0, false)?;
-        let c = client.wait_for(id)?;
+        ch.assign_pool_and_wait(requests.pool(), timeout)?;
+        let mut client = BlockClient {
+            ch,
+            data: None,
+            alloc,
+            requests,
+            batch: None,
+            size: 0,
+            next_id: 1,
+            inflight: HashMap::new(),
+            timeout,
+            last_extra: 0,
+            server_buffers: 0,
+            server_out: 0,
+            stash: VecDeque::new(),
+        };
+        let server_ip = match endpoint {
+            Endpoint::Net(ep) => Some(ep.addr().ip()),
+            _ => None,
+        };
+        let buf = client.requests.alloc().ok_or(Error::NoBuffer)?;
+        let flags = if server_ip.is_some() { FLAG_DATA_CHANNEL } else { 0 };
+        let id = client.next_id;
+        client.next_id += 1;
+        let meta = request_meta_flags(Op::Info, flags, buffer_size as u32, id, buffers);
+        client.ch.move_buffer(buf, &meta).map_err(|r| Error::from(r.error))?;
+        client.inflight.insert(id, (Op::Info, 0));
+        let (c, port) = client.wait_for_port(id)?;
         c.status.map_err(Error::Remote)?;
         client.size = client.last_extra;
+        if let (Some(ip), Some(port)) = (server_ip, port) {
+            let params = BindParams { role: Role::Slave, max_meta_size: META_SIZE, ..BindParams::default() };
+            let mut data = connect_retrying(domain, &Endpoint::tcp((ip, port).into()), params, timeout)?;
+            data.set_pool_policy(PoolPolicy::AcceptAll);
+            client.data = Some(data);
+            client.server_buffers = buffers as usize;
+        }
         Ok(client)
     }
 
@@ -299,7 +272,30 @@ impl BlockClient {
 
     /// Requests in flight.
     pub fn in_flight(&self) -> usize {
-        self.inflight.len()
+        self.inflight.len() + self.stash.len()
+    }
+
+    /// Whether reads come back in the server's buffers on a read-data
+    /// channel (over TCP) rather than in the client's own.
+    pub fn has_data_channel(&self) -> bool {
+        self.data.is_some()
+    }
+
+    /// Traffic of the client's channels so far (summed over the request
+    /// and read-data channels), over TCP; `None` between threads and
+    /// processes, where no payload travels.
+    pub fn link_stats(&self) -> Option<LinkStats> {
+        let mut s = self.ch.link_stats()?;
+        if let Some(d) = self.data.as_ref().and_then(|d| d.link_stats()) {
+            s.frames_sent += d.frames_sent;
+            s.frames_received += d.frames_received;
+            s.payload_sent += d.payload_sent;
+            s.payload_received += d.payload_received;
+            s.payload_staged += d.payload_staged;
+            s.send_calls += d.send_calls;
+            s.recv_calls += d.recv_calls;
+        }
+        Some(s)
     }
 
     /// A free buffer of the client's pool (to fill for a write), or `None`
@@ -308,8 +304,29 @@ impl BlockClient {
         self.alloc.alloc()
     }
 
-    fn free_buffer(&mut self) -> Result<Buffer, Error> {
-        self.alloc.alloc().ok_or(Error::NoBuffer)
+    /// Give back the buffer of a completed read once its data is taken:
+    /// a buffer of the server (over TCP) is passed back to it without its
+    /// bytes; one of the client's own goes back to its pool.
+    pub fn recycle(&mut self, buffer: Buffer) -> Result<(), Error> {
+        let own = [self.alloc.pool().id(), self.requests.pool().id()];
+        let Some(data) = self.data.as_mut().filter(|_| !own.contains(&buffer.id().pool)) else {
+            drop(buffer);
+            return Ok(());
+        };
+        let deadline = Instant::now() + self.timeout;
+        let mut buf = buffer;
+        loop {
+            match data.pass_unfilled(buf, &[]) {
+                Ok(()) => break,
+                Err(r) if r.error == ferry::Error::QueueFull && Instant::now() < deadline => {
+                    buf = r.into_inner();
+                    std::thread::yield_now();
+                }
+                Err(r) => return Err(r.error.into()),
+            }
+        }
+        self.server_out = self.server_out.saturating_sub(1);
+        Ok(())
     }
 
     fn send(&mut self, op: Op, buffer: Buffer, offset: u64, len: usize, fua: bool) -> Result<u64, Error> {
@@ -322,11 +339,17 @@ impl BlockClient {
         let id = self.next_id;
         self.next_id += 1;
         let meta = request_meta(op, fua, len as u32, id, offset);
+        self.move_request(buffer, &meta)?;
+        self.inflight.insert(id, (op, len));
+        Ok(id)
+    }
+
+    fn move_request(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Error> {
         let mut buf = buffer;
         let deadline = Instant::now() + self.timeout;
         loop {
-            match self.ch.move_buffer(buf, &meta) {
-                Ok(()) => break,
+            match self.ch.move_buffer(buf, meta) {
+                Ok(()) => return Ok(()),
                 Err(r) if r.error == ferry::Error::QueueFull && Instant::now() < deadline => {
                     buf = r.into_inner();
                     std::thread::yield_now();
@@ -334,8 +357,6 @@ impl BlockClient {
                 Err(r) => return Err(r.error.into()),
             }
         }
-        self.inflight.insert(id, (op, len));
-        Ok(id)
     }
 
     /// Submit a request on `buffer` (the data of a write, the space of a
@@ -344,45 +365,168 @@ impl BlockClient {
         self.send(op, buffer, offset, len, fua)
     }
 
+    /// Submit a read of `len` bytes at `offset` (at most a buffer): its id.
+    /// Over TCP the request travels as a descriptor packed with others in
+    /// a small request buffer (sent when the client waits for a completion
+    /// or the request buffer is full), and the data comes back once, in a
+    /// buffer of the server's; elsewhere a buffer of the client's pool is
+    /// moved and comes back filled. [`Error::NoBuffer`] while as many
+    /// reads are out as there are buffers.
+    pub fn submit_read(&mut self, offset: u64, len: usize) -> Result<u64, Error> {
+        let step = self.alloc.pool().geometry().buffer_size();
+        if len > step {
+            return Err(Error::BadSpec(format!("a request of {len} bytes does not fit a {step}-byte buffer")));
+        }
+        if self.data.is_none() {
+            let buf = self.alloc.alloc().ok_or(Error::NoBuffer)?;
+            return self.send(Op::Read, buf, offset, len, false);
+        }
+        if self.server_out >= self.server_buffers {
+            return Err(Error::NoBuffer);
+        }
+        let (mut buf, n) = match self.batch.take() {
+            Some(b) => b,
+            None => (self.request_buffer()?, 0),
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        let d = request_meta(Op::Read, false, len as u32, id, offset);
+        buf.as_mut_slice()?[n * DESCRIPTOR..(n + 1) * DESCRIPTOR].copy_from_slice(&d);
+        self.inflight.insert(id, (Op::Read, len));
+        self.server_out += 1;
+        self.batch = Some((buf, n + 1));
+        if (n + 2) * DESCRIPTOR > REQUEST_BUFFER {
+            self.send_batch()?;
+        }
+        Ok(id)
+    }
+
+    /// Send the request buffer of packed read descriptors, if any.
+    fn send_batch(&mut self) -> Result<(), Error> {
+        let Some((buf, n)) = self.batch.take() else { return Ok(()) };
+        let meta = request_meta_flags_op(OP_READ_BATCH, 0, n as u32, 0, 0);
+        self.move_request(buf, &meta)
+    }
+
     /// The next completion (of any request in flight), waiting up to the
     /// client's timeout.
     pub fn complete(&mut self) -> Result<Completion, Error> {
+        self.next_completion().map(|(c, _)| c)
+    }
+
+    fn next_completion(&mut self) -> Result<(Completion, Option<u16>), Error> {
+        if let Some(x) = self.stash.pop_front() {
+            return Ok(x);
+        }
+        self.arrival()
+    }
+
+    /// The next reply from the server (not from the stash).
+    fn arrival(&mut self) -> Result<(Completion, Option<u16>), Error> {
         if self.inflight.is_empty() {
             return Err(Error::BadSpec("no request in flight".into()));
         }
         let deadline = Instant::now() + self.timeout;
         loop {
+            // What is there already, before packed reads leave: under load
+            // the batch grows while completions come in.
+            let ready = match self.ch.poll() {
+                Some(ev) => Some((0, ev)),
+                None => self.data.as_mut().and_then(|d| d.poll()).map(|ev| (1, ev)),
+            };
+            let ev = match ready {
+                Some(ev) => Some(ev),
+                None => {
+                    self.send_batch()?;
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(Error::TimedOut);
+                    }
+                    match self.data.as_mut() {
+                        Some(d) => ferry::wait_any(&mut [&mut self.ch, d], Some(left)),
+                        None => self.ch.wait(Some(left)).map(|ev| (0, ev)),
+                    }
+                }
+            };
+            if let Some((from, ev)) = ev {
+                if let Some(x) = self.take(from, ev)? {
+                    return Ok(x);
+                }
+            }
+        }
+    }
+
+    /// An event of the request channel (`from` 0) or the read-data
+    /// channel (1): the completion it brings, if any.
+    fn take(&mut self, from: usize, ev: Event) -> Result<Option<(Completion, Option<u16>)>, Error> {
+        match ev {
+            Event::BufferPassed { buffer, meta } | Event::MoveReceived { buffer, meta } => {
+                if meta.len() < 24 {
+                    return Err(Error::Protocol("a reply without its meta data".into()));
+                }
+                let id = u64::from_le_bytes(meta[..8].try_into().expect("8 bytes"));
+                let status = u32::from_le_bytes(meta[8..12].try_into().expect("4 bytes"));
+                let port = u32::from_le_bytes(meta[12..16].try_into().expect("4 bytes"));
+                let extra = u64::from_le_bytes(meta[16..24].try_into().expect("8 bytes"));
+                if from == 0 && buffer.id().pool == self.requests.pool().id() && id == 0 {
+                    // A request buffer of packed reads, back (to its pool).
+                    if status != 0 {
+                        return Err(Error::Protocol(format!("the server refused packed reads (errno {status})")));
+                    }
+                    return Ok(None);
+                }
+                self.last_extra = extra;
+                let Some((op, len)) = self.inflight.remove(&id) else {
+                    return Err(Error::Protocol(format!("a reply to request {id}, which is not in flight")));
+                };
+                let status = if status == 0 { Ok(()) } else { Err(status) };
+                let port = u16::try_from(port).ok().filter(|&p| p != 0 && op == Op::Info);
+                Ok(Some((Completion { id, op, status, buffer, len }, port)))
+            }
+            Event::Error(e) => Err(e.into()),
+            Event::Closed { .. } => Err(Error::Protocol("the server closed the channel".into())),
+            _ => Ok(None),
+        }
+    }
+
+    /// A free request buffer, waiting for one to come back from the
+    /// server if all are out (completions meanwhile are kept for
+    /// [`complete`](BlockClient::complete)).
+    fn request_buffer(&mut self) -> Result<Buffer, Error> {
+        self.send_batch()?;
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some(b) = self.requests.alloc() {
+                return Ok(b);
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(Error::TimedOut);
             }
-            match self.ch.wait(Some(left)) {
-                Some(Event::BufferPassed { buffer, meta }) => {
-                    if meta.len() < 24 {
-                        return Err(Error::Protocol("a reply without its meta data".into()));
-                    }
-                    let id = u64::from_le_bytes(meta[..8].try_into().expect("8 bytes"));
-                    let status = u32::from_le_bytes(meta[8..12].try_into().expect("4 bytes"));
-                    self.last_extra = u64::from_le_bytes(meta[16..24].try_into().expect("8 bytes"));
-                    let Some((op, len)) = self.inflight.remove(&id) else {
-                        return Err(Error::Protocol(format!("a reply to request {id}, which is not in flight")));
-                    };
-                    let status = if status == 0 { Ok(()) } else { Err(status) };
-                    return Ok(Completion { id, op, status, buffer, len });
+            if let Some(ev) = self.ch.wait(Some(left)) {
+                if let Some(x) = self.take(0, ev)? {
+                    self.stash.push_back(x);
                 }
-                Some(Event::Error(e)) => return Err(e.into()),
-                Some(Event::Closed { .. }) => return Err(Error::Protocol("the server closed the channel".into())),
-                Some(_) | None => {}
             }
         }
     }
 
     fn wait_for(&mut self, id: u64) -> Result<Completion, Error> {
+        self.wait_for_port(id).map(|(c, _)| c)
+    }
+
+    /// The completion of `id`; the others that come first are kept for
+    /// [`complete`](BlockClient::complete).
+    fn wait_for_port(&mut self, id: u64) -> Result<(Completion, Option<u16>), Error> {
+        if let Some(at) = self.stash.iter().position(|(c, _)| c.id == id) {
+            return Ok(self.stash.remove(at).expect("found"));
+        }
         loop {
-            let c = self.complete()?;
-            if c.id == id {
-                return Ok(c);
+            let x = self.arrival()?;
+            if x.0.id == id {
+                return Ok(x);
             }
+            self.stash.push_back(x);
         }
     }
 
@@ -395,12 +539,15 @@ impl BlockClient {
         let mut first_error = None;
         while next < out.len() || !pending.is_empty() {
             if next < out.len() {
-                if let Some(buf) = self.alloc.alloc() {
-                    let n = step.min(out.len() - next);
-                    let id = self.send(Op::Read, buf, offset + next as u64, n, false)?;
-                    pending.insert(id, next);
-                    next += n;
-                    continue;
+                let n = step.min(out.len() - next);
+                match self.submit_read(offset + next as u64, n) {
+                    Ok(id) => {
+                        pending.insert(id, next);
+                        next += n;
+                        continue;
+                    }
+                    Err(Error::NoBuffer) if !pending.is_empty() => {}
+                    Err(e) => return Err(e),
                 }
             }
             let c = self.complete()?;
@@ -410,6 +557,7 @@ impl BlockClient {
                     Err(e) => first_error = first_error.or(Some(e)),
                 }
             }
+            self.recycle(c.buffer)?;
         }
         first_error.map_or(Ok(()), |e| Err(Error::Remote(e)))
     }
@@ -446,13 +594,14 @@ impl BlockClient {
         self.write_fua(offset, data, false)
     }
 
+    /// A request without data, in a small request buffer.
     fn control(&mut self, op: Op, offset: u64, len: u64) -> Result<(), Error> {
         let len = u32::try_from(len).map_err(|_| Error::BadSpec("at most 4 GiB less one byte per request".into()))?;
-        let buf = self.free_buffer()?;
+        let buf = self.request_buffer()?;
         let id = self.next_id;
         self.next_id += 1;
         let meta = request_meta(op, false, len, id, offset);
-        self.ch.move_buffer(buf, &meta).map_err(|r| Error::from(r.error))?;
+        self.move_request(buf, &meta)?;
         self.inflight.insert(id, (op, 0));
         self.wait_for(id)?.status.map_err(Error::Remote)
     }
@@ -473,8 +622,37 @@ impl BlockClient {
     }
 }
 
+/// [`Channel::connect`], tried again while the server's listener was
+/// replaced under a connection (several clients connecting at once: each
+/// listening channel takes one, the others' connections are reset).
+fn connect_retrying(
+    domain: &Domain,
+    endpoint: &Endpoint,
+    params: BindParams,
+    timeout: Duration,
+) -> Result<Channel, Error> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match Channel::connect(domain, endpoint, params, left) {
+            Ok(ch) => return Ok(ch),
+            Err(ferry::Error::Os(why))
+                if (why.contains("os error 104") || why.contains("os error 111") || why.contains("os error 32"))
+                    && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(ferry::Error::PeerGone) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(2)),
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 impl Drop for BlockClient {
     fn drop(&mut self) {
+        if let Some(d) = &mut self.data {
+            let _ = d.teardown();
+        }
         let _ = self.ch.teardown();
     }
 }

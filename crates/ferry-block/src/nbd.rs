@@ -22,11 +22,19 @@
 //!
 //! A connection is served by [`serve_connection`], one thread each; a
 //! client that breaks the protocol loses its own connection and nothing
-//! else.
+//! else. Requests a client pipelines are taken in batches: the server
+//! looks at what waits on the socket (`MSG_PEEK`), takes the headers of
+//! every waiting request up to the first that carries a payload in one
+//! read (a payload is still read straight into the pool buffer; a write
+//! seen waiting has its header and payload taken in one `readv`), and
+//! holds the replies of reads and writes until no request waits, then
+//! sends them in one `writev`, the reads' data from consecutive parts of
+//! the connection's buffer.
 
 use std::fmt;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{TcpListener, ToSocketAddrs};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -341,17 +349,19 @@ impl NbdServer {
         let on_end = Arc::new(on_end);
         let mut unix_peers = 0u64;
         loop {
-            let accepted: io::Result<(Box<dyn Stream>, String)> = match &self.listener {
+            let accepted: io::Result<(Box<dyn Stream>, String, RawFd)> = match &self.listener {
                 Listener::Tcp(l) => l.accept().map(|(s, a)| {
                     let _ = s.set_nodelay(true);
-                    (Box::new(s) as Box<dyn Stream>, format!("tcp:{a}"))
+                    let fd = s.as_raw_fd();
+                    (Box::new(s) as Box<dyn Stream>, format!("tcp:{a}"), fd)
                 }),
                 Listener::Unix(l, _) => l.accept().map(|(s, _)| {
                     unix_peers += 1;
-                    (Box::new(s) as Box<dyn Stream>, format!("unix#{unix_peers}"))
+                    let fd = s.as_raw_fd();
+                    (Box::new(s) as Box<dyn Stream>, format!("unix#{unix_peers}"), fd)
                 }),
             };
-            let (stream, peer) = match accepted {
+            let (stream, peer, fd) = match accepted {
                 Ok(x) => x,
                 // The listening socket itself is unusable: nothing to wait for.
                 Err(e) if matches!(e.raw_os_error(), Some(9) | Some(22) | Some(88)) => {
@@ -367,7 +377,15 @@ impl NbdServer {
             };
             let (store, config, on_end) = (self.store.clone(), self.config.clone(), on_end.clone());
             let spawned = std::thread::Builder::new().name(format!("nbd {peer}")).spawn(move || {
-                let summary = serve_connection(stream, &*store, &config, peer);
+                let peek = move |look: &mut [u8]| {
+                    // SAFETY: `fd` is the socket of `stream`, which
+                    // `serve_peeking` owns (and so keeps open) for as long
+                    // as it calls this.
+                    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+                    let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+                    rustix::net::recv(fd, look, flags).map_or(0, |(n, _)| n)
+                };
+                let summary = serve_peeking(stream, &*store, &config, peer, Some(Box::new(peek)));
                 on_end(&summary);
             });
             if spawned.is_err() {
@@ -424,6 +442,23 @@ pub fn serve_connection<S: Read + Write>(
     config: &ServerConfig,
     peer: String,
 ) -> ConnSummary {
+    serve_peeking(stream, store, config, peer, None)
+}
+
+/// Look at what waits on the socket without taking it or waiting: the
+/// bytes copied into the slice (0 if nothing waits).
+type Peek<'a> = Box<dyn FnMut(&mut [u8]) -> usize + 'a>;
+
+/// [`serve_connection`], with a way to look at the requests already
+/// waiting on the socket: then the headers of several requests are taken
+/// in one read, and the replies to consecutive reads leave in one write.
+fn serve_peeking<S: Read + Write>(
+    stream: S,
+    store: &dyn Store,
+    config: &ServerConfig,
+    peer: String,
+    peek: Option<Peek<'_>>,
+) -> ConnSummary {
     let started = Instant::now();
     let mut session = Session {
         stream,
@@ -434,6 +469,12 @@ pub fn serve_connection<S: Read + Write>(
         no_zeroes: false,
         buffer: None,
         summary: ConnSummary { peer, ..ConnSummary::default() },
+        peek,
+        staged: std::collections::VecDeque::new(),
+        replies: Vec::new(),
+        cursor: 0,
+        payload_read: false,
+        written: 0,
     };
     let end = session.handshake().and_then(|()| {
         session.summary.transmission = true;
@@ -463,7 +504,26 @@ struct Session<'a, S> {
     /// buffer every payload goes through.
     buffer: Option<(Allocator, Buffer)>,
     summary: ConnSummary,
+    peek: Option<Peek<'a>>,
+    /// Request headers taken from the socket, not yet served.
+    staged: std::collections::VecDeque<[u8; 28]>,
+    /// Read replies not yet sent: (header, header length, data offset in
+    /// the connection's buffer, data length).
+    replies: Vec<([u8; 28], usize, usize, usize)>,
+    /// Where the next queued read's data goes in the connection's buffer.
+    cursor: usize,
+    /// The next request's payload is in the connection's buffer already.
+    payload_read: bool,
+    /// Bytes written by the writes whose replies are queued.
+    written: usize,
 }
+
+/// Read replies sent in one write at most.
+const MAX_QUEUED_REPLIES: usize = 256;
+/// Data of the read replies sent in one write at most: small reads are
+/// gathered, large ones leave one by one from the start of the buffer
+/// (which stays in the cache).
+const MAX_QUEUED_BYTES: usize = 256 << 10;
 
 /// Read a big-endian number from the front of `data`.
 fn take<const N: usize>(data: &mut &[u8]) -> Option<[u8; N]> {
@@ -502,6 +562,20 @@ fn nbd_errno(e: &io::Error) -> u32 {
         Some(75) => EOVERFLOW,
         _ => EIO,
     }
+}
+
+/// Fill all of `parts` (one `readv` in the common case).
+fn read_all_parts<R: Read>(r: &mut R, parts: &mut [IoSliceMut<'_>]) -> io::Result<()> {
+    let mut parts = parts;
+    while !parts.is_empty() {
+        match r.read_vectored(parts) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => IoSliceMut::advance_slices(&mut parts, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Write all of `parts` (one `writev` in the common case).
@@ -750,14 +824,13 @@ impl<S: Read + Write> Session<'_, S> {
 
     fn transmission(&mut self) -> Step<()> {
         loop {
-            let mut head = [0u8; 28];
-            match self.stream.read_exact(&mut head) {
-                Ok(()) => {}
+            let head = match self.next_header() {
+                Ok(h) => h,
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
                     return Err(End::Hard("closed the connection without NBD_CMD_DISC".into()))
                 }
                 Err(e) => return Err(e.into()),
-            }
+            };
             let magic = u32::from_be_bytes(head[..4].try_into().expect("4 bytes"));
             if magic != REQUEST_MAGIC {
                 return Err(End::Hard(format!("sent a request with magic {magic:#x}")));
@@ -768,10 +841,19 @@ impl<S: Read + Write> Session<'_, S> {
             let offset = u64::from_be_bytes(head[16..24].try_into().expect("8 bytes"));
             let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes"));
             let req = Request { flags, handle, offset, len };
+            if kind == CMD_WRITE && self.cursor > 0 {
+                // A write's payload goes to the start of the connection's
+                // buffer, where queued read replies have their data. (Every
+                // other request sends the queued replies before its own.)
+                self.flush_replies()?;
+            }
             match kind {
                 CMD_READ => self.read(req)?,
                 CMD_WRITE => self.write(req)?,
-                CMD_DISC => return Err(End::Soft("NBD_CMD_DISC")),
+                CMD_DISC => {
+                    self.flush_replies()?;
+                    return Err(End::Soft("NBD_CMD_DISC"));
+                }
                 CMD_FLUSH => self.simple_op(req, CMD_FLAG_FUA, |s| s.flush(), |c| c.flushes += 1)?,
                 CMD_TRIM => {
                     let fua = flags & CMD_FLAG_FUA != 0;
@@ -805,6 +887,84 @@ impl<S: Read + Write> Session<'_, S> {
         }
     }
 
+    /// The next request header: a staged one, else the headers waiting
+    /// on the socket — every one up to and including the first with a
+    /// payload, so that a payload is still read straight into the
+    /// connection's buffer — else (replies sent first) wait for one.
+    fn next_header(&mut self) -> io::Result<[u8; 28]> {
+        if let Some(h) = self.staged.pop_front() {
+            return Ok(h);
+        }
+        let mut look = [0u8; 28 * 64];
+        let seen = self.peek.as_mut().map_or(0, |p| p(&mut look));
+        let mut whole = 0;
+        while whole + 28 <= seen {
+            let h = &look[whole..whole + 28];
+            whole += 28;
+            if u32::from_be_bytes(h[..4].try_into().expect("4 bytes")) != REQUEST_MAGIC
+                || u16::from_be_bytes(h[6..8].try_into().expect("2 bytes")) == CMD_WRITE
+            {
+                break;
+            }
+        }
+        if whole == 28 && u16::from_be_bytes(look[6..8].try_into().expect("2 bytes")) == CMD_WRITE {
+            // A write is next: its header and its payload (straight into
+            // the connection's buffer) in one read.
+            let len = u32::from_be_bytes(look[24..28].try_into().expect("4 bytes")) as usize;
+            if u32::from_be_bytes(look[..4].try_into().expect("4 bytes")) == REQUEST_MAGIC
+                && len > 0
+                && len <= self.config.max_payload as usize
+            {
+                if self.cursor > 0 {
+                    self.flush_replies()?;
+                }
+                self.buffer().map_err(|e| match e {
+                    End::Hard(why) => io::Error::other(why),
+                    End::Soft(why) => io::Error::other(why),
+                })?;
+                let mut head = [0u8; 28];
+                let (_, buf) = self.buffer.as_mut().expect("made just now");
+                let mem = buf.as_mut_slice().map_err(|e| io::Error::other(e.to_string()))?;
+                read_all_parts(&mut self.stream, &mut [IoSliceMut::new(&mut head), IoSliceMut::new(&mut mem[..len])])?;
+                self.payload_read = true;
+                return Ok(head);
+            }
+        }
+        if whole > 28 {
+            self.stream.read_exact(&mut look[..whole])?;
+            for h in look[..whole].chunks_exact(28) {
+                self.staged.push_back(h.try_into().expect("28 bytes"));
+            }
+            return Ok(self.staged.pop_front().expect("staged"));
+        }
+        if whole == 0 {
+            // Nothing more is waiting: the replies go before we wait.
+            self.flush_replies()?;
+        }
+        let mut head = [0u8; 28];
+        self.stream.read_exact(&mut head)?;
+        Ok(head)
+    }
+
+    /// Send the queued read replies, in one write.
+    fn flush_replies(&mut self) -> io::Result<()> {
+        if self.replies.is_empty() {
+            return Ok(());
+        }
+        let replies = std::mem::take(&mut self.replies);
+        self.cursor = 0;
+        self.written = 0;
+        let buf: &[u8] = self.buffer.as_ref().map_or(&[], |(_, b)| &b[..]);
+        let mut parts: Vec<IoSlice<'_>> = Vec::with_capacity(replies.len() * 2);
+        for (head, hlen, at, n) in &replies {
+            parts.push(IoSlice::new(&head[..*hlen]));
+            if *n > 0 {
+                parts.push(IoSlice::new(&buf[*at..*at + *n]));
+            }
+        }
+        write_all_parts(&mut self.stream, &mut parts)
+    }
+
     fn in_bounds(&self, offset: u64, len: u32) -> bool {
         offset.checked_add(len as u64).is_some_and(|end| end <= self.store.size())
     }
@@ -826,6 +986,7 @@ impl<S: Read + Write> Session<'_, S> {
 
     /// A simple reply, with `data` after the header.
     fn simple(&mut self, handle: u64, errno: u32, data: &[&[u8]]) -> io::Result<()> {
+        self.flush_replies()?;
         let mut head = [0u8; 16];
         head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
         head[4..8].copy_from_slice(&errno.to_be_bytes());
@@ -837,6 +998,7 @@ impl<S: Read + Write> Session<'_, S> {
 
     /// One structured reply chunk whose payload is `payload` (in parts).
     fn chunk(&mut self, handle: u64, flags: u16, kind: u16, payload: &[&[u8]]) -> io::Result<()> {
+        self.flush_replies()?;
         let len: usize = payload.iter().map(|p| p.len()).sum();
         let mut head = [0u8; 20];
         head[..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
@@ -879,13 +1041,20 @@ impl<S: Read + Write> Session<'_, S> {
             if let Ok(extents) = store.extents(req.offset, req.len as u64, 64) {
                 let covered: u64 = extents.iter().map(|e| e.len).sum();
                 if covered == req.len as u64 && extents.iter().any(|e| e.zero) {
+                    self.flush_replies()?;
                     return self.read_sparse(req, &extents);
                 }
             }
         }
+        // The data goes after the data of the replies queued before it (if
+        // it fits; else those leave first).
+        if self.cursor + len > (self.config.max_payload as usize).min(MAX_QUEUED_BYTES.max(len)) {
+            self.flush_replies()?;
+        }
+        let at = self.cursor;
         let buf = self.buffer()?;
         let filled = match buf.as_mut_slice() {
-            Ok(mem) => store.read_at(req.offset, &mut mem[..len]),
+            Ok(mem) => store.read_at(req.offset, &mut mem[at..at + len]),
             Err(e) => Err(io::Error::other(e.to_string())),
         };
         if let Err(e) = filled {
@@ -893,23 +1062,26 @@ impl<S: Read + Write> Session<'_, S> {
         }
         self.summary.reads += 1;
         self.summary.read_bytes += len as u64;
-        let (handle, structured) = (req.handle, self.structured);
-        let (_, buf) = self.buffer.as_ref().expect("made above");
-        let data: &[u8] = &buf[..len];
-        if structured {
-            let offset = req.offset.to_be_bytes();
-            let mut head = [0u8; 20];
+        let mut head = [0u8; 28];
+        let hlen = if self.structured {
             head[..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
             head[4..6].copy_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
             head[6..8].copy_from_slice(&REPLY_TYPE_OFFSET_DATA.to_be_bytes());
-            head[8..16].copy_from_slice(&handle.to_be_bytes());
-            head[16..].copy_from_slice(&(8 + len as u32).to_be_bytes());
-            write_all_parts(&mut self.stream, &mut [IoSlice::new(&head), IoSlice::new(&offset), IoSlice::new(data)])?;
+            head[8..16].copy_from_slice(&req.handle.to_be_bytes());
+            head[16..20].copy_from_slice(&(8 + len as u32).to_be_bytes());
+            head[20..28].copy_from_slice(&req.offset.to_be_bytes());
+            28
         } else {
-            let mut head = [0u8; 16];
             head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
-            head[8..].copy_from_slice(&handle.to_be_bytes());
-            write_all_parts(&mut self.stream, &mut [IoSlice::new(&head), IoSlice::new(data)])?;
+            head[8..16].copy_from_slice(&req.handle.to_be_bytes());
+            16
+        };
+        self.replies.push((head, hlen, at, len));
+        self.cursor = at + len;
+        // Sent with the replies that follow, once no request waits (or the
+        // queue is full).
+        if self.replies.len() >= MAX_QUEUED_REPLIES || self.cursor >= MAX_QUEUED_BYTES {
+            self.flush_replies()?;
         }
         Ok(())
     }
@@ -960,10 +1132,11 @@ impl<S: Read + Write> Session<'_, S> {
         let max = self.config.max_payload as usize;
         // The payload is read in any case: what follows it is the next request.
         self.buffer()?;
+        let payload_read = std::mem::take(&mut self.payload_read);
         let Session { stream, buffer, .. } = self;
         let (_, buf) = buffer.as_mut().expect("made just now");
         let mem = buf.as_mut_slice().map_err(|e| End::Hard(format!("connection buffer not writable ({e})")))?;
-        if len > max {
+        if len > max && !payload_read {
             let mut left = len;
             while left > 0 {
                 let n = left.min(max);
@@ -972,7 +1145,9 @@ impl<S: Read + Write> Session<'_, S> {
             }
             return Ok(self.error(req.handle, EINVAL, "write larger than the maximum block size")?);
         }
-        stream.read_exact(&mut mem[..len])?;
+        if !payload_read {
+            stream.read_exact(&mut mem[..len])?;
+        }
         if req.flags & !CMD_FLAG_FUA != 0 {
             return Ok(self.error(req.handle, EINVAL, "flag not valid for NBD_CMD_WRITE")?);
         }
@@ -989,7 +1164,27 @@ impl<S: Read + Write> Session<'_, S> {
         }
         self.summary.writes += 1;
         self.summary.write_bytes += len as u64;
-        Ok(self.done(req.handle)?)
+        // The reply waits for the replies that follow, like a read's.
+        let mut head = [0u8; 28];
+        let hlen = if self.structured {
+            head[..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+            head[4..6].copy_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
+            head[6..8].copy_from_slice(&REPLY_TYPE_NONE.to_be_bytes());
+            head[8..16].copy_from_slice(&req.handle.to_be_bytes());
+            20
+        } else {
+            head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+            head[8..16].copy_from_slice(&req.handle.to_be_bytes());
+            16
+        };
+        self.replies.push((head, hlen, 0, 0));
+        // Large writes are answered at once, so the client can send the
+        // next while this one's reply would otherwise wait.
+        self.written += len;
+        if self.replies.len() >= MAX_QUEUED_REPLIES || self.written >= MAX_QUEUED_BYTES {
+            self.flush_replies()?;
+        }
+        Ok(())
     }
 
     /// A request without a range (FLUSH).

@@ -183,3 +183,198 @@ fn client_proxy_forwards_two_users_over_one_tcp_channel() {
     let summary = server.join().expect("server thread").expect("served");
     assert_eq!(summary.errors, 1, "{summary:?}");
 }
+
+/// Over TCP a read's bytes cross the network once: the request travels as
+/// a descriptor in a small request buffer, the data comes back in a buffer
+/// of the server's on the read-data channel, and that buffer goes back
+/// without its bytes.
+#[test]
+fn tcp_reads_carry_their_data_once() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let ep = Endpoint::tcp(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(8 << 20).unwrap());
+    let data = pattern(9, 4 << 20);
+    store.write_at(0, &data, false).unwrap();
+    let server = start(&ep, store.clone());
+    let mut c = BlockClient::connect(&Domain::new("app"), &ep, 8, 256 << 10, T).expect("connect");
+    assert!(c.has_data_channel());
+    let before = c.link_stats().expect("TCP");
+    let mut back = vec![0u8; 4 << 20];
+    c.read(0, &mut back).unwrap();
+    assert!(back == data);
+    let after = c.link_stats().expect("TCP");
+    let sent = after.payload_sent - before.payload_sent;
+    let received = after.payload_received - before.payload_received;
+    // 16 reads of 256 KiB: their descriptors fit a few 4 KiB request buffers.
+    assert!(sent <= 16 * 4096, "the client sent {sent} payload bytes to read 4 MiB");
+    assert_eq!(received, 4 << 20, "the data came once");
+    drop(c);
+    let summary = server.join().expect("server thread").expect("served");
+    assert_eq!(summary.read_bytes, 4 << 20);
+}
+
+/// One thread serves every client of an endpoint: three clients at once,
+/// over shared memory and over TCP, each with requests in flight; each is
+/// reported when it goes, and the loop stops when asked.
+#[test]
+fn one_thread_serves_many_clients() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+    let path = std::env::temp_dir().join(format!("ferry-block-loop-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let eps = [Endpoint::shm(&path), Endpoint::tcp(std::net::SocketAddr::from(([127, 0, 0, 1], port)))];
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(8 << 20).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let reports = Arc::new(Mutex::new(Vec::new()));
+    let servers: Vec<_> = eps
+        .iter()
+        .map(|ep| {
+            let (ep, store, stop, reports) = (ep.clone(), store.clone(), stop.clone(), reports.clone());
+            std::thread::spawn(move || {
+                ferry_block::serve_endpoint(
+                    &Domain::new("block server"),
+                    &ep,
+                    &*store,
+                    &|| stop.load(Ordering::Relaxed),
+                    &mut |r| reports.lock().unwrap().push(r.clone()),
+                )
+            })
+        })
+        .collect();
+    // Three clients per endpoint, all connected at once, each writing and
+    // reading its own megabyte with requests in flight.
+    let clients: Vec<_> = (0..6u8)
+        .map(|i| {
+            let ep = eps[usize::from(i % 2)].clone();
+            std::thread::spawn(move || {
+                let mut c = BlockClient::connect(&Domain::new("app"), &ep, 4, 64 << 10, T).expect("connect");
+                let p = pattern(i, 1 << 20);
+                let at = u64::from(i) << 20;
+                c.write(at, &p).unwrap();
+                let mut back = vec![0u8; 1 << 20];
+                c.read(at, &mut back).unwrap();
+                assert!(back == p, "client {i} reads what it wrote");
+                c.flush().unwrap();
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().expect("client");
+    }
+    let deadline = std::time::Instant::now() + T;
+    while reports.lock().unwrap().len() < 6 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for s in servers {
+        s.join().expect("server thread").expect("served");
+    }
+    let reports = reports.lock().unwrap();
+    assert_eq!(reports.len(), 6, "{reports:?}");
+    for r in reports.iter() {
+        assert_eq!((r.summary.read_bytes, r.summary.write_bytes, r.summary.errors), (1 << 20, 1 << 20, 0), "{r:?}");
+        assert!(r.error.is_none(), "{r:?}");
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// Packed reads the server cannot take — more descriptors than the request
+/// buffer holds, or without a read-data channel — are refused with EINVAL
+/// and the channel goes on.
+#[test]
+fn malformed_packed_reads_are_refused() {
+    use ferry::{Allocator, BindParams, Channel, Event, PoolConstraints, Role};
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let ep = Endpoint::tcp(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(1 << 20).unwrap());
+    let server = start(&ep, store);
+    let app = Domain::new("raw client");
+    let params = BindParams { role: Role::Master, max_meta_size: 24, ..BindParams::default() };
+    let mut ch = Channel::connect(&app, &ep, params, T).expect("connect");
+    let alloc = Allocator::new(&app, 2, 4096, PoolConstraints::default()).unwrap();
+    ch.assign_pool_and_wait(alloc.pool(), T).unwrap();
+    let mut ask = |op: u8, count: u32, id: u64| {
+        let mut meta = [0u8; 24];
+        meta[0] = op;
+        meta[4..8].copy_from_slice(&count.to_le_bytes());
+        meta[8..16].copy_from_slice(&id.to_le_bytes());
+        ch.move_buffer(alloc.alloc().unwrap(), &meta).map_err(|r| r.error).unwrap();
+        loop {
+            match ch.wait(Some(T)) {
+                Some(Event::BufferPassed { meta, .. }) => {
+                    assert_eq!(u64::from_le_bytes(meta[..8].try_into().unwrap()), id);
+                    return u32::from_le_bytes(meta[8..12].try_into().unwrap());
+                }
+                None => panic!("no reply in time"),
+                Some(_) => {}
+            }
+        }
+    };
+    // No read-data channel was asked for: packed reads are refused.
+    assert_eq!(ask(6, 1, 7), 22);
+    // 1000 descriptors do not fit a 4 KiB request buffer.
+    assert_eq!(ask(6, 1000, 8), 22);
+    // An unknown op.
+    assert_eq!(ask(99, 0, 9), 22);
+    // The channel goes on: INFO is answered.
+    assert_eq!(ask(0, 0, 10), 0);
+    // A read-data channel with a pool too large (1024 buffers of 16 MiB)
+    // is refused.
+    let mut meta = [0u8; 24];
+    meta[1] = 2;
+    meta[4..8].copy_from_slice(&(16u32 << 20).to_le_bytes());
+    meta[8..16].copy_from_slice(&11u64.to_le_bytes());
+    meta[16..24].copy_from_slice(&1024u64.to_le_bytes());
+    ch.move_buffer(alloc.alloc().unwrap(), &meta).map_err(|r| r.error).unwrap();
+    loop {
+        match ch.wait(Some(T)) {
+            Some(Event::BufferPassed { meta, .. }) => {
+                assert_eq!(u64::from_le_bytes(meta[..8].try_into().unwrap()), 11);
+                assert_eq!(u32::from_le_bytes(meta[8..12].try_into().unwrap()), 22);
+                assert_eq!(u32::from_le_bytes(meta[12..16].try_into().unwrap()), 0, "no port");
+                break;
+            }
+            None => panic!("no reply in time"),
+            Some(_) => {}
+        }
+    }
+    drop(ch);
+    let summary = server.join().expect("server thread").expect("served");
+    assert_eq!((summary.requests, summary.errors), (5, 4), "{summary:?}");
+}
+
+/// A flush while writes are in flight: the writes' completions are not
+/// lost, `complete` still hands them out. And many reads one after the
+/// other over TCP (each in a request buffer of its own) never run out of
+/// request buffers.
+#[test]
+fn completions_taken_while_waiting_are_kept() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let ep = Endpoint::tcp(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(1 << 20).unwrap());
+    let server = start(&ep, store);
+    let mut c = BlockClient::connect(&Domain::new("app"), &ep, 4, 64 << 10, T).expect("connect");
+    let mut ids = Vec::new();
+    for i in 0..3u64 {
+        let mut b = c.buffer().unwrap();
+        b.as_mut_slice().unwrap()[..4].copy_from_slice(b"abcd");
+        ids.push(c.submit(Op::Write, b, i << 16, 4096, false).unwrap());
+    }
+    c.flush().unwrap();
+    assert_eq!(c.in_flight(), 3);
+    let mut done: Vec<u64> = (0..3).map(|_| c.complete().expect("the write's completion").id).collect();
+    done.sort();
+    assert_eq!(done, ids);
+    for i in 0..300u64 {
+        let id = c.submit_read((i % 16) << 16, 4096).unwrap();
+        let comp = c.complete().unwrap();
+        assert_eq!((comp.id, comp.status), (id, Ok(())));
+        if i % 16 < 3 {
+            assert_eq!(&comp.buffer[..4], b"abcd");
+        }
+        c.recycle(comp.buffer).unwrap();
+    }
+    drop(c);
+    server.join().expect("server thread").expect("served");
+}

@@ -396,3 +396,71 @@ fn garbage_never_takes_the_server_down() {
     ok.request(0, 0, 2, 0, 2, b"");
     assert_eq!(ok.simple(2), (0, 2, b"ok".to_vec()));
 }
+
+/// Requests that arrive together — reads, a write with its payload in the
+/// middle, a read past the end, more reads, a flush — are answered in
+/// order and correctly: the reads' replies leave together (more of them
+/// than fit the connection's 64 KiB buffer at once), the write's payload
+/// lands whole, and the error comes where it belongs.
+#[test]
+fn pipelined_requests_sent_in_one_write_are_answered_in_order() {
+    let (addr, store) = server(1 << 20);
+    let pattern: Vec<u8> = (0..1 << 20).map(|i: u32| (i.wrapping_mul(7) >> 3) as u8).collect();
+    store.write_at(0, &pattern, false).unwrap();
+    let mut c = Client::connect(&addr);
+    c.export_name();
+    let head = |kind: u16, handle: u64, offset: u64, len: u32| {
+        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
+        m.extend_from_slice(&0u16.to_be_bytes());
+        m.extend_from_slice(&kind.to_be_bytes());
+        m.extend_from_slice(&handle.to_be_bytes());
+        m.extend_from_slice(&offset.to_be_bytes());
+        m.extend_from_slice(&len.to_be_bytes());
+        m
+    };
+    let mut all = Vec::new();
+    for i in 0..40u64 {
+        all.extend(head(0, i, i * 12288, 4096));
+    }
+    all.extend(head(1, 100, 8192, 4096));
+    all.extend(vec![0xabu8; 4096]);
+    all.extend(head(0, 101, 1 << 20, 4096));
+    for i in 0..10u64 {
+        all.extend(head(0, 200 + i, 4096 * (i + 1), 8192));
+    }
+    all.extend(head(3, 300, 0, 0));
+    // Writes back to back (their replies wait for each other), an empty
+    // write, a read of what they wrote, and the disconnect right behind.
+    for i in 0..3u64 {
+        all.extend(head(1, 400 + i, 65536 + i * 4096, 4096));
+        all.extend(vec![0x10 + i as u8; 4096]);
+    }
+    all.extend(head(1, 403, 0, 0));
+    all.extend(head(0, 404, 65536, 3 * 4096));
+    all.extend(head(2, 405, 0, 0));
+    c.s.write_all(&all).expect("send the pipeline");
+    let mut now = pattern.clone();
+    for i in 0..40u64 {
+        let (err, handle, data) = c.simple(4096);
+        assert_eq!((err, handle), (0, i));
+        assert!(data[..] == pattern[(i * 12288) as usize..][..4096], "read {i}");
+    }
+    assert_eq!(c.simple(0), (0, 100, vec![]));
+    now[8192..12288].fill(0xab);
+    assert_eq!(c.simple(0), (EINVAL, 101, vec![]));
+    for i in 0..10u64 {
+        let (err, handle, data) = c.simple(8192);
+        assert_eq!((err, handle), (0, 200 + i));
+        assert!(data[..] == now[(4096 * (i + 1)) as usize..][..8192], "read {}", 200 + i);
+    }
+    assert_eq!(c.simple(0), (0, 300, vec![]));
+    for i in 0..4u64 {
+        assert_eq!(c.simple(0), (0, 400 + i, vec![]));
+    }
+    let (err, handle, data) = c.simple(3 * 4096);
+    assert_eq!((err, handle), (0, 404));
+    for i in 0..3usize {
+        assert!(data[i * 4096..(i + 1) * 4096].iter().all(|&b| b == 0x10 + i as u8), "write {i}");
+    }
+    assert!(c.closed(), "NBD_CMD_DISC closes the connection after the replies");
+}

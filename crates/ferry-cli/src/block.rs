@@ -174,48 +174,28 @@ fn serve(a: &ServeArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Accept clients of Ferry's block protocol on `ep` until the process
-/// ends, each served on a thread of its own; one line per client when it
-/// goes.
+/// Serve the clients of Ferry's block protocol on `ep` until the process
+/// ends, all from one thread (an event loop over their channels); one line
+/// per client when it goes.
 fn serve_ferry(ep: &ferry::Endpoint, at: &str, store: Arc<dyn ferry_block::Store>) -> Result<(), ferry_block::Error> {
-    let mut failures = 0u32;
-    let mut clients = 0u64;
-    loop {
-        let domain = ferry::Domain::new("block server");
-        let ch = match ferry_block::accept_client(&domain, ep, std::time::Duration::from_secs(3600)) {
-            Ok(ch) => ch,
-            Err(ferry_block::Error::Ferry(ferry::Error::TimedOut)) => continue,
-            Err(e) => {
-                // Failing before any client came, or again and again: the
-                // endpoint cannot be listened on.
-                if clients == 0 && failures == 0 || failures > 1000 {
-                    return Err(ferry_block::Error::Protocol(format!("cannot listen for Ferry clients on {at}: {e}")));
-                }
-                // A client that failed during setup: keep serving the others.
-                failures += 1;
-                std::thread::sleep(std::time::Duration::from_millis(10));
-                continue;
-            }
-        };
-        failures = 0;
-        clients += 1;
-        let (store, name) = (store.clone(), format!("{at}#{clients}"));
-        let _ = std::thread::Builder::new().name(format!("ferry {name}")).spawn(move || {
-            let t0 = std::time::Instant::now();
-            let mib = |b: u64| b as f64 / (1 << 20) as f64;
-            match ferry_block::serve_client(ch, &*store) {
-                Ok(s) => say(&format!(
-                    "ferry client {name} disconnected after {:.3} s: {} requests, {:.1} MiB read, {:.1} MiB written, {} errors",
-                    t0.elapsed().as_secs_f64(),
-                    s.requests,
-                    mib(s.read_bytes),
-                    mib(s.write_bytes),
-                    s.errors
-                )),
-                Err(e) => say(&format!("ferry client {name} dropped after {:.3} s: {e}", t0.elapsed().as_secs_f64())),
-            }
-        });
-    }
+    let domain = ferry::Domain::new("block server");
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    ferry_block::serve_endpoint(&domain, ep, &*store, &|| false, &mut |r| {
+        let s = &r.summary;
+        match &r.error {
+            None => say(&format!(
+                "ferry client {at}#{} disconnected after {:.3} s: {} requests, {:.1} MiB read, {:.1} MiB written, {} errors",
+                r.number,
+                r.connected.as_secs_f64(),
+                s.requests,
+                mib(s.read_bytes),
+                mib(s.write_bytes),
+                s.errors
+            )),
+            Some(e) => say(&format!("ferry client {at}#{} dropped after {:.3} s: {e}", r.number, r.connected.as_secs_f64())),
+        }
+    })
+    .map_err(|e| ferry_block::Error::Protocol(format!("cannot listen for Ferry clients on {at}: {e}")))
 }
 
 /// One line on stdout; a reader that went away does not stop the server.

@@ -61,6 +61,12 @@ pub struct BenchArgs {
     /// One JSON object per measured point.
     #[arg(long)]
     json: bool,
+    /// Measure a running server instead of one started here: its Ferry
+    /// endpoint (`shm:PATH`, `shm@NAME`, `tcp:HOST:PORT`) with `--via shm`
+    /// or `--via net`, its NBD address (`unix:PATH`, `tcp:HOST:PORT`) with
+    /// `--via nbd`. Its store must hold `--total` bytes; they are overwritten.
+    #[arg(long)]
+    connect: Option<String>,
 }
 
 /// `--total`: a size from 1 MiB to 4 GiB.
@@ -110,6 +116,9 @@ pub fn run(a: &BenchArgs) -> Result<(), CliError> {
     if a.sizes.iter().any(|&s| a.total < s as u64) {
         return Err(CliError::Usage("--total is smaller than a request; give at least the largest --size".into()));
     }
+    if a.connect.is_some() && a.via.iter().any(|v| matches!(v, Via::Local | Via::Nbdkit)) {
+        return Err(CliError::Usage("--connect goes with --via shm, net or nbd".into()));
+    }
     for &via in &a.via {
         for &size in &a.sizes {
             let rates = match via {
@@ -134,6 +143,12 @@ fn store(a: &BenchArgs) -> Result<Arc<dyn Store>, CliError> {
 }
 
 fn ferry_channel(via: Via, size: usize, a: &BenchArgs) -> Result<Vec<Rate>, CliError> {
+    if let Some(at) = &a.connect {
+        let ep = crate::echo::parse_endpoint(at).map_err(|m| CliError::Usage(format!("--connect {at}: {m}")))?;
+        let mut c = BlockClient::connect(&Domain::new("bench"), &ep, a.inflight as u64, size, T)
+            .map_err(failed("cannot connect to the block server"))?;
+        return drive(&mut c, via, size, a);
+    }
     let ep = match via {
         Via::Local => Endpoint::local(),
         Via::Shm => Endpoint::shm_abstract(&format!("ferry-block-bench-{}-{size}", std::process::id())),
@@ -152,6 +167,20 @@ fn ferry_channel(via: Via, size: usize, a: &BenchArgs) -> Result<Vec<Rate>, CliE
     };
     let mut c = BlockClient::connect(&Domain::new("bench"), &ep, a.inflight as u64, size, T)
         .map_err(failed("cannot connect to the block server"))?;
+    let rates = drive(&mut c, via, size, a)?;
+    drop(c);
+    match server.join() {
+        Ok(Ok(_)) => Ok(rates),
+        Ok(Err(e)) => Err(CliError::Failed(format!("the block server failed: {e}"))),
+        Err(_) => Err(CliError::Failed("the block server thread stopped".into())),
+    }
+}
+
+/// Write `--total` bytes in requests of `size`, then read them back.
+fn drive(c: &mut BlockClient, via: Via, size: usize, a: &BenchArgs) -> Result<Vec<Rate>, CliError> {
+    if c.size() < a.total {
+        return Err(CliError::Usage(format!("the store holds {} bytes, less than --total", c.size())));
+    }
     let count = a.total / size as u64;
     let mut rates = Vec::new();
     for op in [Op::Write, Op::Read] {
@@ -159,20 +188,30 @@ fn ferry_channel(via: Via, size: usize, a: &BenchArgs) -> Result<Vec<Rate>, CliE
         let (mut sent, mut done) = (0u64, 0u64);
         while done < count {
             if sent < count {
-                if let Some(mut buf) = c.buffer() {
-                    if op == Op::Write {
+                if op == Op::Write {
+                    if let Some(mut buf) = c.buffer() {
                         let mem = buf.as_mut_slice()?;
                         mem[..8].copy_from_slice(&sent.to_le_bytes());
+                        c.submit(op, buf, sent * size as u64, size, false).map_err(failed("request refused"))?;
+                        sent += 1;
+                        continue;
                     }
-                    c.submit(op, buf, sent * size as u64, size, false).map_err(failed("request refused"))?;
-                    sent += 1;
-                    continue;
+                } else {
+                    match c.submit_read(sent * size as u64, size) {
+                        Ok(_) => {
+                            sent += 1;
+                            continue;
+                        }
+                        Err(ferry_block::Error::NoBuffer) => {}
+                        Err(e) => return Err(failed("request refused")(e)),
+                    }
                 }
             }
             let comp = c.complete().map_err(failed("no completion"))?;
             if let Err(e) = comp.status {
                 return Err(CliError::Failed(format!("the block server answered errno {e}")));
             }
+            c.recycle(comp.buffer).map_err(failed("cannot give a buffer back"))?;
             done += 1;
         }
         rates.push(Rate {
@@ -183,12 +222,7 @@ fn ferry_channel(via: Via, size: usize, a: &BenchArgs) -> Result<Vec<Rate>, CliE
             secs: t0.elapsed().as_secs_f64(),
         });
     }
-    drop(c);
-    match server.join() {
-        Ok(Ok(_)) => Ok(rates),
-        Ok(Err(e)) => Err(CliError::Failed(format!("the block server failed: {e}"))),
-        Err(_) => Err(CliError::Failed("the block server thread stopped".into())),
-    }
+    Ok(rates)
 }
 
 /// nbdkit, killed when dropped.
@@ -203,11 +237,13 @@ impl Drop for Nbdkit {
 
 fn nbd(via: Via, size: usize, a: &BenchArgs) -> Result<Vec<Rate>, CliError> {
     let mut _peer = None;
-    let addr = if via == Via::Nbd {
+    let addr = if let Some(at) = &a.connect {
+        at.clone()
+    } else if via == Via::Nbd {
         let config = ServerConfig { max_payload: (size as u32).max(4096), ..ServerConfig::default() };
         let server = NbdServer::bind(&"tcp:127.0.0.1:0".parse().map_err(failed("address"))?, store(a)?, config)
             .map_err(failed("cannot listen"))?;
-        let addr = server.local_addr().to_string().trim_start_matches("tcp:").to_string();
+        let addr = server.local_addr().to_string();
         server.spawn(|_| {}).map_err(|e| CliError::Failed(format!("no thread: {e}")))?;
         addr
     } else {
@@ -224,7 +260,7 @@ fn nbd(via: Via, size: usize, a: &BenchArgs) -> Result<Vec<Rate>, CliError> {
                 CliError::Usage(format!("--via nbdkit: cannot run nbdkit ({e}); install it (scripts/setup does)"))
             })?;
         _peer = Some(Nbdkit(child));
-        format!("127.0.0.1:{port}")
+        format!("tcp:127.0.0.1:{port}")
     };
     let mut s = connect_nbd(&addr)?;
     let count = a.total / size as u64;
@@ -269,20 +305,35 @@ fn nbd(via: Via, size: usize, a: &BenchArgs) -> Result<Vec<Rate>, CliError> {
     Ok(rates)
 }
 
-/// Connect (retrying while the server starts) and do the handshake:
-/// fixed newstyle, NBD_OPT_EXPORT_NAME "", simple replies.
-fn connect_nbd(addr: &str) -> Result<TcpStream, CliError> {
+/// A connection to an NBD server.
+trait Conn: Read + Write {}
+impl<T: Read + Write> Conn for T {}
+
+/// Connect (retrying while the server starts) to `tcp:HOST:PORT` or
+/// `unix:PATH` and do the handshake: fixed newstyle, NBD_OPT_EXPORT_NAME
+/// "", simple replies.
+fn connect_nbd(addr: &str) -> Result<Box<dyn Conn>, CliError> {
     let t0 = Instant::now();
-    let mut s = loop {
-        match TcpStream::connect(addr) {
+    let io = |e: std::io::Error| CliError::Failed(format!("NBD handshake with {addr} failed: {e}"));
+    let mut s: Box<dyn Conn> = loop {
+        let tried = if let Some(path) = addr.strip_prefix("unix:") {
+            std::os::unix::net::UnixStream::connect(path).and_then(|s| {
+                s.set_read_timeout(Some(T))?;
+                Ok(Box::new(s) as Box<dyn Conn>)
+            })
+        } else {
+            TcpStream::connect(addr.strip_prefix("tcp:").unwrap_or(addr)).and_then(|s| {
+                s.set_nodelay(true)?;
+                s.set_read_timeout(Some(T))?;
+                Ok(Box::new(s) as Box<dyn Conn>)
+            })
+        };
+        match tried {
             Ok(s) => break s,
             Err(_) if t0.elapsed() < T => std::thread::sleep(Duration::from_millis(20)),
             Err(e) => return Err(CliError::Failed(format!("cannot reach the NBD server at {addr}: {e}"))),
         }
     };
-    let io = |e: std::io::Error| CliError::Failed(format!("NBD handshake with {addr} failed: {e}"));
-    s.set_nodelay(true).map_err(io)?;
-    s.set_read_timeout(Some(T)).map_err(io)?;
     let mut hello = [0u8; 18];
     s.read_exact(&mut hello).map_err(io)?;
     if &hello[..8] != b"NBDMAGIC" {
