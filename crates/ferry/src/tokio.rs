@@ -92,6 +92,18 @@ use futures_core::Stream;
 
 use crate::{Buffer, BufferCopy, Channel, ChannelState, CopySource, Error, Event, Pool, Refused, Result};
 
+/// How many times a wait looks again at once (the channel said something
+/// may be ready, and it was not yet) before it lets the other tasks of its
+/// thread run: a future that never returns `Pending` would hold its thread
+/// and its timeouts.
+const SPINS: u32 = 64;
+
+/// `Pending`, with the task woken at once: the executor runs others first.
+fn yield_to_others<T>(cx: &mut Context<'_>) -> Poll<T> {
+    cx.waker().wake_by_ref();
+    Poll::Pending
+}
+
 /// The channel behind [`AsyncFd`], which wants [`AsRawFd`].
 struct Inner(Channel);
 
@@ -131,6 +143,8 @@ impl AsyncChannel {
     ///
     /// Inside a runtime built without its I/O driver (tokio panics: build
     /// it with `enable_io` or `enable_all`).
+    // Both variants hold the channel, by value as the caller gave it.
+    #[allow(clippy::result_large_err)]
     pub fn new(channel: Channel) -> Result<AsyncChannel, Refused<Channel>> {
         if ::tokio::runtime::Handle::try_current().is_err() {
             return Err(Refused::new(Error::InvalidArgument("not inside a tokio runtime"), channel));
@@ -196,7 +210,7 @@ impl AsyncChannel {
     /// closed, or `Pending` with `cx`'s waker registered; only a `Ready`
     /// result takes an event from the channel.
     pub fn poll_next_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<Event>> {
-        loop {
+        for _ in 0..SPINS {
             let ch = self.get_mut();
             if let Some(ev) = ch.poll() {
                 return Poll::Ready(Some(ev));
@@ -211,6 +225,7 @@ impl AsyncChannel {
                 return Poll::Ready(Some(Event::Error(e)));
             }
         }
+        yield_to_others(cx)
     }
 
     /// After an armed channel: `Ready` once its fd was readable (the
@@ -257,10 +272,18 @@ impl AsyncChannel {
         mut value: T,
         mut op: impl FnMut(&mut Channel, T) -> Result<(), Refused<T>>,
     ) -> Result<(), Refused<T>> {
+        let mut tries = 0;
         loop {
             match op(self.get_mut(), value) {
                 Err(r) if r.error == Error::QueueFull => value = r.value,
                 done => return done,
+            }
+            tries += 1;
+            if tries % SPINS == 0 {
+                // Room keeps looking near: let the other tasks run.
+                let mut yielded = false;
+                poll_fn(|cx| if std::mem::replace(&mut yielded, true) { Poll::Ready(()) } else { yield_to_others(cx) })
+                    .await;
             }
             if let Err(e) = self.room().await {
                 return Err(Refused::new(e, value));
@@ -337,28 +360,31 @@ impl AsyncChannel {
     /// deadlines still apply. Other events are kept for
     /// [`next_event`](AsyncChannel::next_event). Cancel-safe.
     pub async fn wait_connected(&mut self) -> Result<()> {
-        poll_fn(|cx| loop {
-            let ch = self.get_mut();
-            match ch.state() {
-                ChannelState::Connected => return Poll::Ready(Ok(())),
-                ChannelState::Initialized | ChannelState::Binding => {}
-                s => return Poll::Ready(Err(Error::NotConnected(s))),
-            }
-            match ch.poll_unheld() {
-                Some(Event::BindRequest { .. } | Event::Bound) => return Poll::Ready(Ok(())),
-                Some(Event::Error(e)) => return Poll::Ready(Err(e)),
-                Some(other) => {
-                    ch.hold(other);
+        poll_fn(|cx| {
+            for _ in 0..SPINS {
+                let ch = self.get_mut();
+                match ch.state() {
+                    ChannelState::Connected => return Poll::Ready(Ok(())),
+                    ChannelState::Initialized | ChannelState::Binding => {}
+                    s => return Poll::Ready(Err(Error::NotConnected(s))),
+                }
+                match ch.poll_unheld() {
+                    Some(Event::BindRequest { .. } | Event::Bound) => return Poll::Ready(Ok(())),
+                    Some(Event::Error(e)) => return Poll::Ready(Err(e)),
+                    Some(other) => {
+                        ch.hold(other);
+                        continue;
+                    }
+                    // Closed meanwhile: the next round says so.
+                    None if !matches!(ch.state(), ChannelState::Initialized | ChannelState::Binding) => continue,
+                    None => {}
+                }
+                if !ch.arm_unheld() {
                     continue;
                 }
-                // Closed meanwhile: the next round says so.
-                None if !matches!(ch.state(), ChannelState::Initialized | ChannelState::Binding) => continue,
-                None => {}
+                ready!(self.poll_wake(cx))?;
             }
-            if !ch.arm_unheld() {
-                continue;
-            }
-            ready!(self.poll_wake(cx))?;
+            yield_to_others(cx)
         })
         .await
     }
@@ -376,32 +402,35 @@ impl AsyncChannel {
         let op = |ch: &mut Channel, ()| ch.assign_pool(pool).map_err(|e| Refused::new(e, ()));
         self.with_room((), op).await.map_err(|r| r.error)?;
         let id = pool.id();
-        poll_fn(|cx| loop {
-            let ch = self.get_mut();
-            match ch.poll_unheld() {
-                Some(Event::PoolAssigned(p)) if p == id => return Poll::Ready(Ok(())),
-                Some(Event::PoolVetoed(p)) if p == id => return Poll::Ready(Err(Error::PoolVetoed(id))),
-                Some(ev) => {
-                    let stop = match &ev {
-                        Event::Error(e) => Some(e.clone()),
-                        Event::Closed { .. } => Some(Error::NotConnected(ChannelState::Closed)),
-                        _ => None,
-                    };
-                    ch.hold(ev);
-                    match stop {
-                        Some(e) => return Poll::Ready(Err(e)),
-                        None => continue,
+        poll_fn(|cx| {
+            for _ in 0..SPINS {
+                let ch = self.get_mut();
+                match ch.poll_unheld() {
+                    Some(Event::PoolAssigned(p)) if p == id => return Poll::Ready(Ok(())),
+                    Some(Event::PoolVetoed(p)) if p == id => return Poll::Ready(Err(Error::PoolVetoed(id))),
+                    Some(ev) => {
+                        let stop = match &ev {
+                            Event::Error(e) => Some(e.clone()),
+                            Event::Closed { .. } => Some(Error::NotConnected(ChannelState::Closed)),
+                            _ => None,
+                        };
+                        ch.hold(ev);
+                        match stop {
+                            Some(e) => return Poll::Ready(Err(e)),
+                            None => continue,
+                        }
                     }
+                    None if ch.state() == ChannelState::Closed => {
+                        return Poll::Ready(Err(Error::NotConnected(ChannelState::Closed)))
+                    }
+                    None => {}
                 }
-                None if ch.state() == ChannelState::Closed => {
-                    return Poll::Ready(Err(Error::NotConnected(ChannelState::Closed)))
+                if !ch.arm_unheld() {
+                    continue;
                 }
-                None => {}
+                ready!(self.poll_wake(cx))?;
             }
-            if !ch.arm_unheld() {
-                continue;
-            }
-            ready!(self.poll_wake(cx))?;
+            yield_to_others(cx)
         })
         .await
     }
