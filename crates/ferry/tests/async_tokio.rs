@@ -98,12 +98,8 @@ async fn ping_pong(tx: &mut AsyncChannel, alloc: &Allocator, rounds: u64, inflig
         }
     }
     tx.teardown().await.unwrap();
-    loop {
-        match tx.next_event().await {
-            Some(Event::Closed { by_peer: false }) => break,
-            ev => panic!("source: expected the close, got {ev:?}"),
-        }
-    }
+    let ev = tx.next_event().await;
+    assert!(matches!(ev, Some(Event::Closed { by_peer: false })), "source: expected the close, got {ev:?}");
     assert!(tx.next_event().await.is_none(), "a closed channel has no more events");
     back
 }
