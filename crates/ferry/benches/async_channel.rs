@@ -1,7 +1,8 @@
 //! What async/await costs on a channel: the measured end drives a channel
 //! with the blocking API (default spin, and without spinning) or as an
 //! `AsyncChannel` in a task of tokio's multi-threaded runtime (two
-//! workers); the peer is another thread with the blocking API, passing
+//! workers; without spinning, its default, and with the blocking API's
+//! default spin); the peer is another thread with the blocking API, passing
 //! every buffer back. Local backend (two domains, two threads) and shared
 //! memory backend (the same, over an abstract socket). Two figures each:
 //! the round trip of one 4 KiB buffer (move, pass back), and the throughput
@@ -113,28 +114,32 @@ fn bench(c: &mut Criterion) {
                 drop(ch);
                 peer.join().expect("peer");
             }
-            let (ch, alloc, peer) = start(endpoint(backend), backend);
-            let ch = {
-                let _in_runtime = rt.enter();
-                AsyncChannel::new(ch).map_err(|r| r.error).expect("wrap")
-            };
-            // The channel and pool travel into a task on the runtime's
-            // workers for every measurement, and back.
-            let mut state = Some((ch, alloc));
-            group.bench_function(BenchmarkId::new("tokio task", backend), |b| {
-                b.iter_custom(|iters| {
-                    let (mut ch, alloc) = state.take().expect("ours");
-                    let task = rt.spawn(async move {
-                        let took = run_async(&mut ch, &alloc, iters, in_flight).await;
-                        (ch, alloc, took)
-                    });
-                    let (ch, alloc, took) = rt.block_on(task).expect("task");
-                    state = Some((ch, alloc));
-                    took
-                })
-            });
-            drop(state);
-            peer.join().expect("peer");
+            for spin in [Duration::ZERO, ferry::DEFAULT_SPIN] {
+                let (ch, alloc, peer) = start(endpoint(backend), backend);
+                let mut ch = {
+                    let _in_runtime = rt.enter();
+                    AsyncChannel::new(ch).map_err(|r| r.error).expect("wrap")
+                };
+                ch.set_spin(spin);
+                let name = if spin.is_zero() { "tokio task" } else { "tokio task, spin" };
+                // The channel and pool travel into a task on the runtime's
+                // workers for every measurement, and back.
+                let mut state = Some((ch, alloc));
+                group.bench_function(BenchmarkId::new(name, backend), |b| {
+                    b.iter_custom(|iters| {
+                        let (mut ch, alloc) = state.take().expect("ours");
+                        let task = rt.spawn(async move {
+                            let took = run_async(&mut ch, &alloc, iters, in_flight).await;
+                            (ch, alloc, took)
+                        });
+                        let (ch, alloc, took) = rt.block_on(task).expect("task");
+                        state = Some((ch, alloc));
+                        took
+                    })
+                });
+                drop(state);
+                peer.join().expect("peer");
+            }
         }
         group.finish();
     }

@@ -85,6 +85,7 @@ use std::future::poll_fn;
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use ::tokio::io::unix::AsyncFd;
 use ::tokio::io::Interest;
@@ -126,6 +127,8 @@ impl AsRawFd for Inner {
 /// task at a time (its methods take `&mut self`).
 pub struct AsyncChannel {
     fd: AsyncFd<Inner>,
+    /// How long `next_event` busy-polls before it arms (zero: never).
+    spin: Duration,
 }
 
 impl std::fmt::Debug for AsyncChannel {
@@ -155,7 +158,7 @@ impl AsyncChannel {
         // only through `AsyncFd::into_inner` or the drop of the `AsyncFd`,
         // both of which deregister the fd first.
         match unsafe { AsyncFd::register_with_interest(Inner(channel), Interest::READABLE) } {
-            Ok(fd) => Ok(AsyncChannel { fd }),
+            Ok(fd) => Ok(AsyncChannel { fd, spin: Duration::ZERO }),
             Err(e) => {
                 let (inner, e) = e.into_parts();
                 Err(Refused::new(e.into(), inner.0))
@@ -179,6 +182,24 @@ impl AsyncChannel {
     /// kept by a wait stay in it, first in line for [`Channel::poll`].
     pub fn into_inner(self) -> Channel {
         self.fd.into_inner().0
+    }
+
+    /// Let [`next_event`](AsyncChannel::next_event) busy-poll up to
+    /// `spin` before it arms the channel and waits for its fd, like
+    /// [`Channel::wait`] ([`Channel::set_spin`]). Zero by default: a task
+    /// never holds its worker thread, and each wait for an event that is
+    /// not there yet costs a wake-up through the kernel and the runtime's
+    /// reactor. A few microseconds take that cost off a busy channel whose
+    /// peer answers at once, at the price of the thread's time meanwhile:
+    /// for a latency-bound channel, not for a server of many channels.
+    pub fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
+    }
+
+    /// How long [`next_event`](AsyncChannel::next_event) busy-polls before
+    /// it waits (see [`set_spin`](AsyncChannel::set_spin)).
+    pub fn spin(&self) -> Duration {
+        self.spin
     }
 
     // ------------------------------------------------------------------ events
@@ -210,6 +231,8 @@ impl AsyncChannel {
     /// closed, or `Pending` with `cx`'s waker registered; only a `Ready`
     /// result takes an event from the channel.
     pub fn poll_next_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        let spin = self.spin;
+        let mut spun = spin.is_zero();
         for _ in 0..SPINS {
             let ch = self.get_mut();
             if let Some(ev) = ch.poll() {
@@ -217,6 +240,12 @@ impl AsyncChannel {
             }
             if ch.state() == ChannelState::Closed {
                 return Poll::Ready(None);
+            }
+            if !spun {
+                spun = true;
+                if ch.spin_for(spin) {
+                    continue;
+                }
             }
             if !ch.arm() {
                 continue;

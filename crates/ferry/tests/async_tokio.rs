@@ -104,8 +104,9 @@ async fn ping_pong(tx: &mut AsyncChannel, alloc: &Allocator, rounds: u64, inflig
     back
 }
 
-/// 32 local channels, each end a task of its own on a two-thread runtime:
-/// every round trip of every channel is checked byte by byte.
+/// 32 local channels, each end a task of its own on a two-thread runtime
+/// (a few of them spinning before they wait): every round trip of every
+/// channel is checked byte by byte.
 #[test]
 fn many_local_channels_one_task_each() {
     const CHANNELS: usize = 32;
@@ -115,7 +116,12 @@ fn many_local_channels_one_task_each() {
         for i in 0..CHANNELS {
             let (a, b) = (Domain::new(&format!("src{i}")), Domain::new(&format!("sink{i}")));
             let alloc = Allocator::new(&a, 8, SIZE, PoolConstraints::default()).unwrap();
-            let (mut tx, rx) = local_pair(&a, &b, &alloc, 8).await;
+            let (mut tx, mut rx) = local_pair(&a, &b, &alloc, 8).await;
+            // A few channels busy-poll a little before they wait.
+            if i % 8 == 1 {
+                tx.set_spin(ferry::DEFAULT_SPIN);
+                rx.set_spin(ferry::DEFAULT_SPIN);
+            }
             let sink = tokio::spawn(echo(rx));
             let source = tokio::spawn(async move {
                 // Some channels one buffer at a time, others pipelined.

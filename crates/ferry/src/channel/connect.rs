@@ -318,6 +318,13 @@ impl Channel {
         armed
     }
 
+    /// Busy-wait up to `spin` for an arrival, as [`Channel::wait`] does
+    /// before it sleeps: `true` if one may be there.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn spin_for(&mut self, spin: Duration) -> bool {
+        !spin.is_zero() && self.link.as_mut().is_some_and(|l| l.spin(spin))
+    }
+
     /// Keep an event a waiting helper took: [`Channel::poll`] hands it out
     /// after those held before it.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
