@@ -466,3 +466,38 @@ fn killed_peer_ends_the_wait_over_shm() {
 fn killed_peer_ends_the_wait_over_tcp() {
     killed_peer("tcp");
 }
+
+/// The runtime-neutral core: the events as a `futures_core::Stream`, which
+/// ends once the channel is closed.
+#[test]
+fn events_as_a_stream() {
+    use futures_core::Stream;
+    const TOTAL: u64 = 50;
+    runtime().block_on(async {
+        let (a, b) = (Domain::new("src"), Domain::new("sink"));
+        let alloc = Allocator::new(&a, TOTAL, SIZE, PoolConstraints::default()).unwrap();
+        let (mut tx, mut rx) = local_pair(&a, &b, &alloc, 64).await;
+        for seq in 0..TOTAL {
+            let mut buf = alloc.alloc().unwrap();
+            fill(buf.as_mut_slice().unwrap(), seq);
+            tx.move_buffer(buf, &seq.to_le_bytes()).await.unwrap();
+        }
+        tx.teardown().await.unwrap();
+        fn next(rx: &mut AsyncChannel) -> impl Future<Output = Option<Event>> + '_ {
+            poll_fn(|cx| std::pin::Pin::new(&mut *rx).poll_next(cx))
+        }
+        for want in 0..TOTAL {
+            match timeout(T, next(&mut rx)).await.unwrap() {
+                Some(Event::MoveReceived { buffer, meta }) => {
+                    assert_eq!(seq_of(&meta), want);
+                    assert!(check(&buffer, want));
+                }
+                ev => panic!("expected move {want}, got {ev:?}"),
+            }
+        }
+        assert!(matches!(timeout(T, next(&mut rx)).await.unwrap(), Some(Event::Closed { by_peer: true })));
+        assert!(timeout(T, next(&mut rx)).await.unwrap().is_none(), "the stream ends with the channel");
+        // The source learns of the close.
+        assert!(matches!(timeout(T, tx.next_event()).await.unwrap(), Some(Event::Closed { by_peer: false })));
+    });
+}
