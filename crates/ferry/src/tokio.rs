@@ -118,9 +118,11 @@ impl AsRawFd for Inner {
 /// rules, and [`next_event`](AsyncChannel::next_event) for the loop.
 ///
 /// The channel stays usable as it is ([`get_ref`](AsyncChannel::get_ref),
-/// [`get_mut`](AsyncChannel::get_mut): the operations that never wait, such
-/// as [`Channel::respond_pool`] or [`Channel::teardown`], are called there)
-/// and can be taken back ([`into_inner`](AsyncChannel::into_inner)).
+/// [`get_mut`](AsyncChannel::get_mut): the operations without an async form
+/// here, such as [`Channel::respond_pool`] or [`Channel::set_batching`], are
+/// called there; one refused with [`Error::QueueFull`] is tried again after
+/// the next event) and can be taken back
+/// ([`into_inner`](AsyncChannel::into_inner)).
 ///
 /// An `AsyncChannel` is `Send`: a task that owns it can move between the
 /// threads of a multi-threaded runtime. Like the channel, it is used by one
