@@ -501,3 +501,53 @@ fn events_as_a_stream() {
         assert!(matches!(timeout(T, tx.next_event()).await.unwrap(), Some(Event::Closed { by_peer: false })));
     });
 }
+
+/// Copies and releases through a queue of depth 2: the async `copy` and
+/// `release` wait for room; every release comes back, and the buffer is
+/// read-write again after the last.
+#[test]
+fn copies_and_releases_wait_for_room() {
+    const COPIES: u64 = 40;
+    runtime().block_on(async {
+        let (a, b) = (Domain::new("src"), Domain::new("sink"));
+        let alloc = Allocator::new(&a, 1, SIZE, PoolConstraints::default()).unwrap();
+        let (mut tx, mut rx) = local_pair(&a, &b, &alloc, 2).await;
+        let sink = tokio::spawn(async move {
+            let mut released = 0u64;
+            while let Some(ev) = rx.next_event().await {
+                match ev {
+                    Event::CopyReceived { copy, meta } => {
+                        assert!(check(&copy, 7), "copy {} corrupted", seq_of(&meta));
+                        rx.release(copy).await.unwrap();
+                        released += 1;
+                    }
+                    Event::Closed { .. } => break,
+                    ev => panic!("sink: unexpected {ev:?}"),
+                }
+            }
+            released
+        });
+        let mut buf = alloc.alloc().unwrap();
+        fill(buf.as_mut_slice().unwrap(), 7);
+        let source = async {
+            for seq in 0..COPIES {
+                tx.copy(&buf, &seq.to_le_bytes()).await.unwrap();
+            }
+            let mut back = 0;
+            while back < COPIES {
+                match tx.next_event().await {
+                    Some(Event::CopyReleased { writable, .. }) => {
+                        back += 1;
+                        assert_eq!(writable, back == COPIES, "read-write again after the last release only");
+                    }
+                    ev => panic!("source: unexpected {ev:?}"),
+                }
+            }
+            tx.teardown().await.unwrap();
+            assert!(matches!(tx.next_event().await, Some(Event::Closed { .. })));
+        };
+        timeout(T, source).await.expect("every copy released in time");
+        assert!(buf.as_mut_slice().is_ok(), "the buffer is read-write again");
+        assert_eq!(timeout(T, sink).await.unwrap().unwrap(), COPIES);
+    });
+}
