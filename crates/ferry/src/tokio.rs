@@ -222,6 +222,26 @@ impl AsyncChannel {
     /// wait; a task that serves a busy channel and must leave room for
     /// others on its thread yields now and then
     /// (`tokio::task::yield_now`).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::tokio::AsyncChannel;
+    /// use ferry::{Channel, ChannelSetup, Domain, Endpoint, Event};
+    ///
+    /// let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    /// rt.block_on(async {
+    ///     let ch = Channel::create(&Domain::new("d"), &Endpoint::local(), ChannelSetup::default())?;
+    ///     let mut ch = AsyncChannel::new(ch).map_err(|r| r.error)?;
+    ///     // Nobody binds: the timer wins, and the dropped wait took nothing.
+    ///     tokio::select! {
+    ///         ev = ch.next_event() => panic!("{ev:?}"),
+    ///         _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+    ///     }
+    ///     assert!(ch.get_mut().poll().is_none());
+    ///     Ok::<(), ferry::Error>(())
+    /// })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub async fn next_event(&mut self) -> Option<Event> {
         poll_fn(|cx| self.poll_next_event(cx)).await
     }
