@@ -1,7 +1,7 @@
 //! What async/await costs on a channel: the measured end drives a channel
 //! with the blocking API (default spin, and without spinning) or as an
-//! `AsyncChannel` in a task of tokio's multi-threaded runtime (two
-//! workers; without spinning, its default, and with the blocking API's
+//! `AsyncChannel` in a task of tokio's multi-threaded runtime (one
+//! worker; without spinning, its default, and with the blocking API's
 //! default spin); the peer is another thread with the blocking API, passing
 //! every buffer back. Local backend (two domains, two threads) and shared
 //! memory backend (the same, over an abstract socket). Two figures each:
@@ -99,7 +99,9 @@ async fn run_async(ch: &mut AsyncChannel, alloc: &Allocator, iters: u64, in_flig
 }
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    // One worker: with the peer's thread, as many threads as the blocking
+    // runs use (the development machine has two cores).
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
     for (figure, in_flight) in [("round trip 4 KiB", 1), ("throughput 4 KiB, 16 in flight", IN_FLIGHT)] {
         let mut group = c.benchmark_group(figure);
         group.throughput(Throughput::Elements(1));
