@@ -124,6 +124,8 @@ mod ring;
 mod select;
 mod setup;
 mod sys;
+#[cfg(feature = "tokio")]
+pub mod tokio;
 mod wake;
 
 pub use alloc::Allocator;

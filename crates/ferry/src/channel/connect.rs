@@ -297,6 +297,41 @@ impl Channel {
         ev
     }
 
+    /// [`Channel::poll`] for a new arrival, leaving the held events where
+    /// they are (they stay first in line). For waiting helpers outside this
+    /// module (the async ones of `ferry::tokio`).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn poll_unheld(&mut self) -> Option<Event> {
+        let held = std::mem::take(&mut self.helpers.held);
+        let ev = self.poll();
+        self.helpers.held = held;
+        ev
+    }
+
+    /// [`Channel::arm`] as if no event were held: `false` when a new arrival
+    /// (or room) may be waiting.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn arm_unheld(&mut self) -> bool {
+        let held = std::mem::take(&mut self.helpers.held);
+        let armed = self.arm();
+        self.helpers.held = held;
+        armed
+    }
+
+    /// Busy-wait up to `spin` for an arrival, as [`Channel::wait`] does
+    /// before it sleeps: `true` if one may be there.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn spin_for(&mut self, spin: Duration) -> bool {
+        !spin.is_zero() && self.link.as_mut().is_some_and(|l| l.spin(spin))
+    }
+
+    /// Keep an event a waiting helper took: [`Channel::poll`] hands it out
+    /// after those held before it.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn hold(&mut self, ev: Event) {
+        self.helpers.held.push_back(ev);
+    }
+
     /// Under [`PoolPolicy::AcceptAll`], accept the pool of a request just
     /// delivered (the reply is queued like every reply made while
     /// delivering, so a full queue does not lose it).
