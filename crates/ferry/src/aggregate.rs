@@ -257,9 +257,17 @@ impl Aggregate {
         v
     }
 
-    /// Put `other`'s bytes after this aggregate's.
+    /// Put `other`'s bytes after this aggregate's. Where this aggregate's
+    /// last fragment and `other`'s first are adjacent ranges of one buffer
+    /// (pieces of one split, joined back), they become one fragment again.
     pub fn append(&mut self, mut other: Aggregate) {
         self.len += other.len;
+        if let (Some(last), Some(first)) = (self.frags.back_mut(), other.frags.front()) {
+            if Arc::ptr_eq(&last.held, &first.held) && last.end == first.start {
+                last.end = first.end;
+                other.frags.pop_front();
+            }
+        }
         if self.frags.is_empty() {
             self.frags = other.frags;
         } else {
@@ -267,9 +275,16 @@ impl Aggregate {
         }
     }
 
-    /// Put `other`'s bytes before this aggregate's (a header).
+    /// Put `other`'s bytes before this aggregate's (a header); adjacent
+    /// ranges of one buffer merge as in [`append`](Aggregate::append).
     pub fn prepend(&mut self, mut other: Aggregate) {
         self.len += other.len;
+        if let (Some(first), Some(last)) = (self.frags.front_mut(), other.frags.back()) {
+            if Arc::ptr_eq(&first.held, &last.held) && last.end == first.start {
+                first.start = last.start;
+                other.frags.pop_back();
+            }
+        }
         while let Some(f) = other.frags.pop_back() {
             self.frags.push_front(f);
         }
@@ -662,6 +677,21 @@ mod tests {
         let mut e = Aggregate::new();
         e.prepend(j);
         assert_eq!(e.to_vec(), b"H1bodyT");
+    }
+
+    #[test]
+    fn pieces_of_one_split_merge_back() {
+        let a = alloc(1);
+        let m = agg(&a, b"0123456789");
+        let (h, t) = m.split_at(4).unwrap();
+        let j = h.clone().join(t.clone());
+        assert_eq!((j.fragments().len(), j.fragments().next().unwrap().range()), (1, 0..10));
+        let mut p = t.clone();
+        p.prepend(h.clone());
+        assert_eq!((p.fragments().len(), p.to_vec()), (1, b"0123456789".to_vec()));
+        // Not adjacent (the other order, or a gap): two fragments.
+        assert_eq!(t.clone().join(h.clone()).fragments().len(), 2);
+        assert_eq!(h.slice(0..3).unwrap().join(t.clone()).fragments().len(), 2);
     }
 
     #[test]
