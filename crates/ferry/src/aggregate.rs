@@ -115,7 +115,8 @@ impl Frag {
 /// assert_eq!(lines.by_ref().count(), 2);
 /// assert_eq!(lines.copies(), 0, "every line lies inside one fragment");
 ///
-/// drop((lines, message, payload));
+/// drop(message); // the last use of `lines` was above
+/// drop(payload);
 /// assert_eq!(alloc.available(), 4, "both buffers are back");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -322,6 +323,20 @@ impl Aggregate {
 
     /// The first `offset` bytes and the rest, sharing this aggregate's
     /// buffers; [`Error::BadRange`] if `offset` is past the end.
+    ///
+    /// ```
+    /// use ferry::{Aggregate, Allocator, Domain, Error, PoolConstraints};
+    /// let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
+    /// let whole = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"headerbody")?;
+    /// let (head, body) = whole.split_at(6)?;
+    /// assert_eq!((head.to_vec(), body.to_vec()), (b"header".to_vec(), b"body".to_vec()));
+    /// let (h, b) = (head.fragments().next().unwrap(), body.fragments().next().unwrap());
+    /// assert!(h.same_buffer(&b) && h.range() == (0..6) && b.range() == (6..10));
+    /// assert_eq!(whole.split_at(11).unwrap_err(), Error::BadRange { start: 11, end: 10, len: 10 });
+    /// drop((whole, head, body));
+    /// assert_eq!(alloc.available(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn split_at(&self, offset: usize) -> Result<(Aggregate, Aggregate)> {
         let mut head = self.clone();
         let tail = head.split_off(offset)?;
