@@ -802,12 +802,18 @@ mod tests {
 
     #[test]
     fn delimited_units() {
-        let a = alloc(4);
+        let a = alloc(6);
         let m = agg(&a, b"ab\ncd").join(agg(&a, b"e\n\n")).join(agg(&a, b"fg"));
         let mut u = m.units(Unit::Delimited(b'\n'));
         let got: Vec<Vec<u8>> = u.by_ref().map(Cow::into_owned).collect();
         assert_eq!(got, [b"ab\n".to_vec(), b"cde\n".to_vec(), b"\n".to_vec(), b"fg".to_vec()]);
         assert_eq!((u.copies(), u.copied_bytes()), (1, 4));
+        // Lines that end where their fragments end are all borrowed.
+        let lines = agg(&a, b"ab\n").join(agg(&a, b"cd\ne\n"));
+        let mut u = lines.units(Unit::Delimited(b'\n'));
+        assert!(u.by_ref().all(|l| matches!(l, Cow::Borrowed(_))));
+        assert_eq!(u.copies(), 0);
+        drop(lines);
         let m = agg(&a, b"no delimiter");
         assert_eq!(m.units(Unit::Delimited(0)).collect::<Vec<_>>(), [Cow::Borrowed(&b"no delimiter"[..])]);
     }
