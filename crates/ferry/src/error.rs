@@ -165,6 +165,20 @@ pub enum Error {
     /// whole number of elements, or is not aligned for the element type.
     #[error("cannot view {} bytes at offset {} of a buffer as elements of {} (size {}, alignment {}): {}; choose an offset and a length that fit the buffer and the type", .0.bytes, .0.offset, .0.ty, .0.size, .0.align, .0.why)]
     BadView(Box<ViewMismatch>),
+    /// A byte range that does not lie inside the buffer or
+    /// [`Aggregate`](crate::Aggregate) it names (an offset past the end, or
+    /// a start after the end).
+    #[error(
+        "the byte range {start}..{end} does not lie inside the {len} bytes it names; give a range within 0..{len}"
+    )]
+    BadRange {
+        /// First byte of the range asked for.
+        start: usize,
+        /// One past its last byte.
+        end: usize,
+        /// The length of the buffer or aggregate.
+        len: usize,
+    },
 
     // --- limits ------------------------------------------------------------------------
     /// The peer asked for more than one of this end's limits allows (see

@@ -107,6 +107,7 @@
 #[doc = include_str!("../../../README.md")]
 struct ReadmeDoctests;
 
+mod aggregate;
 mod alloc;
 pub mod backend;
 mod buffer;
@@ -128,6 +129,7 @@ mod sys;
 pub mod tokio;
 mod wake;
 
+pub use aggregate::{Aggregate, Fragment, Unit, Units};
 pub use alloc::Allocator;
 pub use backend::{Endpoint, LinkStats, LocalEndpoint};
 #[cfg(not(loom))]

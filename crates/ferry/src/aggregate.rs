@@ -1,0 +1,844 @@
+//! Buffer aggregates: a logical byte sequence made of pieces of immutable
+//! buffers, after the aggregate objects of fbufs (Druschel and Peterson,
+//! "Fbufs: A High-Bandwidth Cross-Domain Transfer Facility", §3).
+//!
+//! An [`Aggregate`] is an ordered list of fragments, each a byte range of a
+//! buffer that no one writes any more: a read-only [`BufferCopy`] or an owned
+//! [`Buffer`] handed to the aggregate, which from then on only reads it. The
+//! buffers sit behind reference counts, so splitting, clipping, joining and
+//! cloning an aggregate edit the fragment list and copy no payload byte. A
+//! buffer goes back to its owner when the last fragment that refers to it is
+//! dropped (see [`Aggregate`] for what that means for each kind of buffer).
+
+use std::borrow::Cow;
+use std::collections::VecDeque;
+use std::fmt;
+use std::io;
+use std::num::NonZeroUsize;
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::buffer::{Buffer, BufferCopy, BufferId};
+use crate::error::{Error, Refused, Result};
+
+/// The buffer behind a fragment, held read-only.
+enum Held {
+    /// An owned buffer; dropping it puts it back on its domain's free list.
+    Owned(Buffer),
+    /// A received copy; dropping it releases it the next time its channel runs.
+    Copy(BufferCopy),
+}
+
+impl Held {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Held::Owned(b) => b,
+            Held::Copy(c) => c,
+        }
+    }
+
+    fn id(&self) -> BufferId {
+        match self {
+            Held::Owned(b) => b.id(),
+            Held::Copy(c) => c.id(),
+        }
+    }
+}
+
+/// One piece of an aggregate: `held[start..end]`, never empty.
+#[derive(Clone)]
+struct Frag {
+    held: Arc<Held>,
+    start: usize,
+    end: usize,
+}
+
+impl Frag {
+    fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.held.bytes()[self.start..self.end]
+    }
+}
+
+/// A logical byte sequence made of byte ranges of immutable buffers.
+///
+/// Made from an owned [`Buffer`] or a read-only [`BufferCopy`] (whole:
+/// `Aggregate::from(buffer)`, or a byte range:
+/// [`from_buffer_range`](Aggregate::from_buffer_range),
+/// [`from_copy_range`](Aggregate::from_copy_range)), or from a few bytes
+/// copied into a buffer of the caller's ([`from_bytes_in`](Aggregate::from_bytes_in),
+/// for headers and trailers). Aggregates are joined
+/// ([`append`](Aggregate::append), [`prepend`](Aggregate::prepend),
+/// [`join`](Aggregate::join)), cut ([`split_at`](Aggregate::split_at),
+/// [`split_off`](Aggregate::split_off), [`clip_front`](Aggregate::clip_front),
+/// [`clip_back`](Aggregate::clip_back), [`truncate`](Aggregate::truncate),
+/// [`slice`](Aggregate::slice)) and cloned without copying a payload byte:
+/// each of these edits the fragment list only, and a fragment refers to its
+/// buffer through a reference count.
+///
+/// A buffer put into an aggregate is never written again through it: an
+/// owned [`Buffer`] is held read-only. When the last fragment referring to a
+/// buffer is dropped (by dropping, clipping or splitting away the aggregates
+/// that held it), the buffer goes back to its owner as if its handle were
+/// dropped: an owned `Buffer` returns to its domain's free list (or waits
+/// aside until its outstanding copies are back), a `BufferCopy` is released
+/// the next time the channel it arrived on runs.
+///
+/// The bytes are read through [`fragments`](Aggregate::fragments) (each
+/// fragment's bytes in place), [`units`](Aggregate::units) (records or
+/// lines as one slice each, copied only when one crosses a fragment
+/// boundary), or [`std::io::Read`] / [`std::io::BufRead`], which consume the
+/// aggregate from the front.
+///
+/// ```
+/// use std::borrow::Cow;
+/// use ferry::{Aggregate, Allocator, Domain, PoolConstraints, Unit};
+///
+/// let alloc = Allocator::new(&Domain::new("d"), 4, 4096, PoolConstraints::default())?;
+/// let mut body = alloc.alloc().unwrap();
+/// body.as_mut_slice()?[..12].copy_from_slice(b"one\ntwo\nthr\n");
+/// let payload = Aggregate::from_buffer_range(body, 0..12)?;
+///
+/// // A layer prepends its header, held in a buffer of its own.
+/// let mut message = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"HDR:")?;
+/// message.append(payload.clone()); // the clone shares the payload's buffer
+/// assert_eq!(message.len(), 16);
+/// assert_eq!(message.fragments().count(), 2);
+///
+/// // The receiving layer strips the header; no byte is copied.
+/// message.clip_front(4);
+/// let mut lines = message.units(Unit::Delimited(b'\n'));
+/// assert!(matches!(lines.next(), Some(Cow::Borrowed(b"one\n"))));
+/// assert_eq!(lines.by_ref().count(), 2);
+/// assert_eq!(lines.copies(), 0, "every line lies inside one fragment");
+///
+/// drop(message); // the last use of `lines` was above
+/// drop(payload);
+/// assert_eq!(alloc.available(), 4, "both buffers are back");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Default)]
+pub struct Aggregate {
+    frags: VecDeque<Frag>,
+    len: usize,
+}
+
+/// One fragment of an [`Aggregate`]: a byte range of one buffer.
+#[derive(Clone, Copy)]
+pub struct Fragment<'a> {
+    frag: &'a Frag,
+}
+
+impl<'a> Fragment<'a> {
+    /// The fragment's bytes, in the buffer's memory (never empty).
+    pub fn bytes(&self) -> &'a [u8] {
+        self.frag.bytes()
+    }
+
+    /// The buffer the bytes are in.
+    pub fn buffer_id(&self) -> BufferId {
+        self.frag.held.id()
+    }
+
+    /// The byte range of the buffer this fragment covers.
+    pub fn range(&self) -> Range<usize> {
+        self.frag.start..self.frag.end
+    }
+
+    /// Whether the buffer is a read-only copy received over a channel
+    /// (`false`: a buffer this domain owns, held read-only).
+    pub fn is_copy(&self) -> bool {
+        matches!(*self.frag.held, Held::Copy(_))
+    }
+
+    /// Whether `self` and `other` refer to the same buffer handle (one put
+    /// into an aggregate once, shared since by clones and splits).
+    pub fn same_buffer(&self, other: &Fragment<'_>) -> bool {
+        Arc::ptr_eq(&self.frag.held, &other.frag.held)
+    }
+}
+
+impl fmt::Debug for Fragment<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fragment")
+            .field("buffer", &self.buffer_id())
+            .field("range", &self.range())
+            .field("copy", &self.is_copy())
+            .finish()
+    }
+}
+
+/// `start..end` checked against `len`.
+fn check_range(range: &Range<usize>, len: usize) -> Result<()> {
+    if range.start > range.end || range.end > len {
+        return Err(Error::BadRange { start: range.start, end: range.end, len });
+    }
+    Ok(())
+}
+
+impl Aggregate {
+    /// An empty aggregate.
+    pub fn new() -> Self {
+        Aggregate::default()
+    }
+
+    fn from_held(held: Held, range: Range<usize>) -> Self {
+        let mut a = Aggregate::new();
+        if !range.is_empty() {
+            a.len = range.len();
+            a.frags.push_back(Frag { held: Arc::new(held), start: range.start, end: range.end });
+        }
+        // An empty range: `held` is dropped here and goes back at once.
+        a
+    }
+
+    /// The bytes `range` of an owned buffer, which the aggregate holds
+    /// read-only from now on. [`Error::BadRange`] (the buffer handed back)
+    /// if the range does not lie inside the buffer.
+    pub fn from_buffer_range(buffer: Buffer, range: Range<usize>) -> Result<Self, Refused<Buffer>> {
+        if let Err(e) = check_range(&range, buffer.len()) {
+            return Err(Refused::new(e, buffer));
+        }
+        Ok(Aggregate::from_held(Held::Owned(buffer), range))
+    }
+
+    /// The bytes `range` of a read-only copy. [`Error::BadRange`] (the copy
+    /// handed back) if the range does not lie inside the buffer.
+    pub fn from_copy_range(copy: BufferCopy, range: Range<usize>) -> Result<Self, Refused<BufferCopy>> {
+        if let Err(e) = check_range(&range, copy.len()) {
+            return Err(Refused::new(e, copy));
+        }
+        Ok(Aggregate::from_held(Held::Copy(copy), range))
+    }
+
+    /// `bytes` copied into the front of `buffer` (a buffer from an
+    /// allocator of the caller's choosing, typically one of small buffers
+    /// for headers and trailers), as an aggregate of `bytes.len()` bytes
+    /// holding the buffer read-only. These are the only bytes an aggregate
+    /// ever copies in. The buffer is handed back with
+    /// [`Error::CopiesOutstanding`] if copies of it are out, or
+    /// [`Error::BadRange`] if `bytes` is longer than the buffer.
+    pub fn from_bytes_in(mut buffer: Buffer, bytes: &[u8]) -> Result<Self, Refused<Buffer>> {
+        if let Err(e) = check_range(&(0..bytes.len()), buffer.len()) {
+            return Err(Refused::new(e, buffer));
+        }
+        match buffer.as_mut_slice() {
+            Ok(dst) => dst[..bytes.len()].copy_from_slice(bytes),
+            Err(e) => return Err(Refused::new(e, buffer)),
+        }
+        Ok(Aggregate::from_held(Held::Owned(buffer), 0..bytes.len()))
+    }
+
+    /// Number of bytes in the aggregate.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the aggregate holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The fragments in order; their bytes, one after the other, are the
+    /// aggregate's bytes. No fragment is empty.
+    pub fn fragments(&self) -> impl ExactSizeIterator<Item = Fragment<'_>> + DoubleEndedIterator + '_ {
+        self.frags.iter().map(|frag| Fragment { frag })
+    }
+
+    /// The aggregate's bytes, copied into one vector (for small aggregates
+    /// and checks; the other readers copy nothing or less).
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.len);
+        for f in &self.frags {
+            v.extend_from_slice(f.bytes());
+        }
+        v
+    }
+
+    /// Put `other`'s bytes after this aggregate's. Where this aggregate's
+    /// last fragment and `other`'s first are adjacent ranges of one buffer
+    /// (pieces of one split, joined back), they become one fragment again.
+    pub fn append(&mut self, mut other: Aggregate) {
+        self.len += other.len;
+        if let (Some(last), Some(first)) = (self.frags.back_mut(), other.frags.front()) {
+            if Arc::ptr_eq(&last.held, &first.held) && last.end == first.start {
+                last.end = first.end;
+                other.frags.pop_front();
+            }
+        }
+        if self.frags.is_empty() {
+            self.frags = other.frags;
+        } else {
+            self.frags.append(&mut other.frags);
+        }
+    }
+
+    /// Put `other`'s bytes before this aggregate's (a header); adjacent
+    /// ranges of one buffer merge as in [`append`](Aggregate::append).
+    pub fn prepend(&mut self, mut other: Aggregate) {
+        self.len += other.len;
+        if let (Some(first), Some(last)) = (self.frags.front_mut(), other.frags.back()) {
+            if Arc::ptr_eq(&first.held, &last.held) && last.end == first.start {
+                first.start = last.start;
+                other.frags.pop_back();
+            }
+        }
+        while let Some(f) = other.frags.pop_back() {
+            self.frags.push_front(f);
+        }
+    }
+
+    /// This aggregate's bytes followed by `other`'s.
+    pub fn join(mut self, other: Aggregate) -> Aggregate {
+        self.append(other);
+        self
+    }
+
+    /// Keep the first `at` bytes, and return the rest as a new aggregate.
+    /// A fragment that `at` falls inside is split into two fragments of the
+    /// same buffer. [`Error::BadRange`] (nothing changed) if `at` is past
+    /// the end.
+    pub fn split_off(&mut self, at: usize) -> Result<Aggregate> {
+        check_range(&(at..self.len), self.len)?;
+        let mut pos = 0;
+        let mut i = 0;
+        while i < self.frags.len() && pos + self.frags[i].len() <= at {
+            pos += self.frags[i].len();
+            i += 1;
+        }
+        let mut tail = Aggregate { frags: self.frags.split_off(i), len: self.len - at };
+        if at > pos {
+            // `at` falls inside the tail's first fragment: split it in two.
+            let front = tail.frags.front_mut().expect("at < len, so the tail has a fragment");
+            let cut = front.start + (at - pos);
+            self.frags.push_back(Frag { held: Arc::clone(&front.held), start: front.start, end: cut });
+            front.start = cut;
+        }
+        self.len = at;
+        Ok(tail)
+    }
+
+    /// The first `offset` bytes and the rest, sharing this aggregate's
+    /// buffers; [`Error::BadRange`] if `offset` is past the end.
+    ///
+    /// ```
+    /// use ferry::{Aggregate, Allocator, Domain, Error, PoolConstraints};
+    /// let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
+    /// let whole = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"headerbody")?;
+    /// let (head, body) = whole.split_at(6)?;
+    /// assert_eq!((head.to_vec(), body.to_vec()), (b"header".to_vec(), b"body".to_vec()));
+    /// let (h, b) = (head.fragments().next().unwrap(), body.fragments().next().unwrap());
+    /// assert!(h.same_buffer(&b) && h.range() == (0..6) && b.range() == (6..10));
+    /// assert_eq!(whole.split_at(11).unwrap_err(), Error::BadRange { start: 11, end: 10, len: 10 });
+    /// drop((whole, head, body));
+    /// assert_eq!(alloc.available(), 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn split_at(&self, offset: usize) -> Result<(Aggregate, Aggregate)> {
+        let mut head = self.clone();
+        let tail = head.split_off(offset)?;
+        Ok((head, tail))
+    }
+
+    /// The bytes `range` of this aggregate, sharing its buffers;
+    /// [`Error::BadRange`] if the range does not lie inside it.
+    pub fn slice(&self, range: Range<usize>) -> Result<Aggregate> {
+        check_range(&range, self.len)?;
+        let mut a = self.clone();
+        a.truncate(range.end);
+        a.clip_front(range.start);
+        Ok(a)
+    }
+
+    /// Drop the first `n` bytes (all of them if `n` is larger).
+    pub fn clip_front(&mut self, n: usize) {
+        let mut n = n.min(self.len);
+        self.len -= n;
+        while n > 0 {
+            let front = self.frags.front_mut().expect("n <= len");
+            if front.len() <= n {
+                n -= front.len();
+                self.frags.pop_front();
+            } else {
+                front.start += n;
+                n = 0;
+            }
+        }
+    }
+
+    /// Drop the last `n` bytes (all of them if `n` is larger).
+    pub fn clip_back(&mut self, n: usize) {
+        let mut n = n.min(self.len);
+        self.len -= n;
+        while n > 0 {
+            let back = self.frags.back_mut().expect("n <= len");
+            if back.len() <= n {
+                n -= back.len();
+                self.frags.pop_back();
+            } else {
+                back.end -= n;
+                n = 0;
+            }
+        }
+    }
+
+    /// Keep the first `len` bytes (nothing changes if `len` is not smaller
+    /// than [`len`](Aggregate::len)).
+    pub fn truncate(&mut self, len: usize) {
+        self.clip_back(self.len.saturating_sub(len));
+    }
+
+    /// The aggregate's bytes cut into units, each one contiguous slice:
+    /// borrowed from the buffer when the unit lies inside one fragment,
+    /// copied into a vector only when it crosses a fragment boundary
+    /// ([`Units::copies`] counts those).
+    pub fn units(&self, unit: Unit) -> Units<'_> {
+        Units { agg: self, frag: 0, off: 0, pos: 0, unit, copies: 0, copied_bytes: 0 }
+    }
+}
+
+impl From<Buffer> for Aggregate {
+    /// The whole buffer, held read-only from now on.
+    fn from(buffer: Buffer) -> Self {
+        let len = buffer.len();
+        Aggregate::from_held(Held::Owned(buffer), 0..len)
+    }
+}
+
+impl From<BufferCopy> for Aggregate {
+    /// The whole copy.
+    fn from(copy: BufferCopy) -> Self {
+        let len = copy.len();
+        Aggregate::from_held(Held::Copy(copy), 0..len)
+    }
+}
+
+impl fmt::Debug for Aggregate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Aggregate")
+            .field("len", &self.len)
+            .field("fragments", &self.fragments().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// Reads the bytes from the front, consuming them (the buffers of the
+/// bytes read go back once no fragment refers to them).
+impl io::Read for Aggregate {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            let Some(front) = self.frags.front() else { break };
+            let src = front.bytes();
+            let n = src.len().min(buf.len() - done);
+            buf[done..done + n].copy_from_slice(&src[..n]);
+            done += n;
+            self.clip_front(n);
+        }
+        Ok(done)
+    }
+}
+
+/// [`fill_buf`](io::BufRead::fill_buf) gives the first fragment's bytes in
+/// place; [`consume`](io::BufRead::consume) clips them off the front.
+impl io::BufRead for Aggregate {
+    fn fill_buf(&mut self) -> io::Result<&[u8]> {
+        Ok(self.frags.front().map_or(&[][..], Frag::bytes))
+    }
+
+    fn consume(&mut self, amt: usize) {
+        self.clip_front(amt);
+    }
+}
+
+/// [`bytes::Buf`] over the aggregate's bytes, consuming them from the front
+/// like [`std::io::Read`]: [`chunk`](bytes::Buf::chunk) is the first
+/// fragment in place, [`chunks_vectored`](bytes::Buf::chunks_vectored) the
+/// fragments in order. Advancing past the end clips everything (no panic).
+#[cfg(feature = "bytes")]
+impl bytes::Buf for Aggregate {
+    fn remaining(&self) -> usize {
+        self.len
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.frags.front().map_or(&[][..], Frag::bytes)
+    }
+
+    fn advance(&mut self, cnt: usize) {
+        self.clip_front(cnt);
+    }
+
+    fn chunks_vectored<'a>(&'a self, dst: &mut [io::IoSlice<'a>]) -> usize {
+        let mut n = 0;
+        for (slot, f) in dst.iter_mut().zip(&self.frags) {
+            *slot = io::IoSlice::new(f.bytes());
+            n += 1;
+        }
+        n
+    }
+}
+
+/// What [`Aggregate::units`] cuts the bytes into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    /// Records of this many bytes; the last one is shorter if the length is
+    /// not a multiple.
+    Fixed(NonZeroUsize),
+    /// Runs of bytes up to and including this delimiter (such as `b'\n'`);
+    /// the last run lacks the delimiter if the bytes do not end with one.
+    Delimited(u8),
+}
+
+/// The units of an aggregate, in order, each one contiguous slice
+/// ([`Aggregate::units`]). A unit is borrowed from the buffer when it lies
+/// inside one fragment, and copied into a vector when it crosses a fragment
+/// boundary; [`copies`](Units::copies) and
+/// [`copied_bytes`](Units::copied_bytes) count those copies.
+#[derive(Debug, Clone)]
+pub struct Units<'a> {
+    agg: &'a Aggregate,
+    /// Index of the fragment the next unit starts in.
+    frag: usize,
+    /// Offset of the next unit in that fragment's bytes.
+    off: usize,
+    /// Bytes before the next unit.
+    pos: usize,
+    unit: Unit,
+    copies: usize,
+    copied_bytes: usize,
+}
+
+impl Units<'_> {
+    /// How many units so far crossed a fragment boundary and were copied.
+    pub fn copies(&self) -> usize {
+        self.copies
+    }
+
+    /// How many bytes those copies held.
+    pub fn copied_bytes(&self) -> usize {
+        self.copied_bytes
+    }
+
+    /// Move the position `n` bytes on from fragment `frag`, offset `off`.
+    fn step(&mut self, mut n: usize) {
+        self.pos += n;
+        while n > 0 {
+            let left = self.agg.frags[self.frag].len() - self.off;
+            if n < left {
+                self.off += n;
+                return;
+            }
+            n -= left;
+            self.frag += 1;
+            self.off = 0;
+        }
+        if self.frag < self.agg.frags.len() && self.off == self.agg.frags[self.frag].len() {
+            self.frag += 1;
+            self.off = 0;
+        }
+    }
+
+    /// The length of the unit that starts at the current position (at
+    /// least one byte, at most what is left).
+    fn unit_len(&self) -> usize {
+        match self.unit {
+            Unit::Fixed(n) => n.get().min(self.agg.len - self.pos),
+            Unit::Delimited(d) => {
+                let mut len = 0;
+                let rest = self.agg.frags.iter().skip(self.frag).enumerate();
+                for bytes in rest.map(|(i, f)| if i == 0 { &f.bytes()[self.off..] } else { f.bytes() }) {
+                    match bytes.iter().position(|&b| b == d) {
+                        Some(i) => return len + i + 1,
+                        None => len += bytes.len(),
+                    }
+                }
+                len
+            }
+        }
+    }
+}
+
+impl<'a> Iterator for Units<'a> {
+    type Item = Cow<'a, [u8]>;
+
+    fn next(&mut self) -> Option<Cow<'a, [u8]>> {
+        let agg: &'a Aggregate = self.agg;
+        let first = agg.frags.get(self.frag)?.bytes();
+        let len = self.unit_len();
+        let here = &first[self.off..];
+        let unit = if len <= here.len() {
+            Cow::Borrowed(&here[..len])
+        } else {
+            let mut v = Vec::with_capacity(len);
+            let mut i = self.frag;
+            let mut src = here;
+            while v.len() < len {
+                let n = src.len().min(len - v.len());
+                v.extend_from_slice(&src[..n]);
+                i += 1;
+                src = agg.frags.get(i).map_or(&[][..], Frag::bytes);
+            }
+            self.copies += 1;
+            self.copied_bytes += len;
+            Cow::Owned(v)
+        };
+        self.step(len);
+        Some(unit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Allocator, Domain, PoolConstraints};
+    use std::io::{BufRead, Read};
+
+    /// An allocator of `count` 4 KiB buffers.
+    fn alloc(count: u64) -> Allocator {
+        Allocator::new(&Domain::new("agg"), count, 4096, PoolConstraints::default()).unwrap()
+    }
+
+    /// An aggregate of `bytes` in one buffer of `a`.
+    fn agg(a: &Allocator, bytes: &[u8]) -> Aggregate {
+        Aggregate::from_bytes_in(a.alloc().unwrap(), bytes).unwrap()
+    }
+
+    fn fixed(n: usize) -> Unit {
+        Unit::Fixed(NonZeroUsize::new(n).unwrap())
+    }
+
+    #[test]
+    fn construction_whole_and_ranges() {
+        let a = alloc(4);
+        let mut b = a.alloc().unwrap();
+        b.as_mut_slice().unwrap()[..4].copy_from_slice(b"wxyz");
+        let id = b.id();
+        let whole = Aggregate::from(b);
+        assert_eq!((whole.len(), whole.fragments().len()), (4096, 1));
+        let f = whole.fragments().next().unwrap();
+        assert_eq!((f.buffer_id(), f.range(), f.is_copy(), &f.bytes()[..4]), (id, 0..4096, false, &b"wxyz"[..]));
+
+        let b = a.alloc().unwrap();
+        let r = Aggregate::from_buffer_range(b, 10..4097).unwrap_err();
+        assert_eq!(r.error, Error::BadRange { start: 10, end: 4097, len: 4096 });
+        let b = r.into_inner();
+        #[allow(clippy::reversed_empty_ranges)]
+        let r = Aggregate::from_buffer_range(b, 5..4).unwrap_err();
+        assert!(matches!(r.error, Error::BadRange { .. }));
+        let part = Aggregate::from_buffer_range(r.into_inner(), 100..200).unwrap();
+        assert_eq!((part.len(), part.fragments().next().unwrap().range()), (100, 100..200));
+
+        // An empty range keeps nothing: the buffer is back at once.
+        let before = a.available();
+        let empty = Aggregate::from_buffer_range(a.alloc().unwrap(), 7..7).unwrap();
+        assert!(empty.is_empty() && empty.fragments().len() == 0);
+        assert_eq!(a.available(), before);
+        assert!(Aggregate::new().is_empty());
+    }
+
+    #[test]
+    fn from_bytes_in_checks_length_and_copies_out() {
+        let a = alloc(2);
+        let big = vec![1u8; 4097];
+        let r = Aggregate::from_bytes_in(a.alloc().unwrap(), &big).unwrap_err();
+        assert_eq!(r.error, Error::BadRange { start: 0, end: 4097, len: 4096 });
+        let b = r.into_inner();
+        let h = Aggregate::from_bytes_in(b, b"head").unwrap();
+        assert_eq!(h.to_vec(), b"head");
+
+        // A buffer with copies out cannot take the bytes: handed back.
+        let d = Domain::new("d");
+        let a = Allocator::new(&d, 1, 4096, PoolConstraints::default()).unwrap();
+        let b = a.alloc().unwrap();
+        let key = d.new_chan_key();
+        d.lock().copy_sent(b.id(), key);
+        let r = Aggregate::from_bytes_in(b, b"x").unwrap_err();
+        assert_eq!(r.error, Error::CopiesOutstanding);
+        let b = r.into_inner();
+        d.lock().copy_returned(b.id(), key);
+        assert_eq!(Aggregate::from_bytes_in(b, b"x").unwrap().to_vec(), b"x");
+    }
+
+    #[test]
+    fn buffers_go_back_when_the_last_fragment_goes() {
+        let a = alloc(3);
+        let x = agg(&a, b"0123456789");
+        let y = x.clone();
+        let (h, t) = x.split_at(4).unwrap();
+        assert_eq!(a.available(), 2);
+        drop(x);
+        drop(y);
+        drop(h);
+        assert_eq!(a.available(), 2, "the tail still refers to the buffer");
+        let mut t = t;
+        t.clip_front(100);
+        assert!(t.is_empty());
+        assert_eq!(a.available(), 3, "clipping the last byte away gave it back");
+    }
+
+    #[test]
+    fn append_prepend_join() {
+        let a = alloc(4);
+        let mut m = agg(&a, b"body");
+        m.prepend(agg(&a, b"H1"));
+        m.append(agg(&a, b"T"));
+        assert_eq!(m.to_vec(), b"H1bodyT");
+        let j = Aggregate::new().join(m.clone()).join(Aggregate::new());
+        assert_eq!((j.to_vec(), j.len(), j.fragments().len()), (b"H1bodyT".to_vec(), 7, 3));
+        let mut e = Aggregate::new();
+        e.prepend(j);
+        assert_eq!(e.to_vec(), b"H1bodyT");
+    }
+
+    #[test]
+    fn pieces_of_one_split_merge_back() {
+        let a = alloc(1);
+        let m = agg(&a, b"0123456789");
+        let (h, t) = m.split_at(4).unwrap();
+        let j = h.clone().join(t.clone());
+        assert_eq!((j.fragments().len(), j.fragments().next().unwrap().range()), (1, 0..10));
+        let mut p = t.clone();
+        p.prepend(h.clone());
+        assert_eq!((p.fragments().len(), p.to_vec()), (1, b"0123456789".to_vec()));
+        // Not adjacent (the other order, or a gap): two fragments.
+        assert_eq!(t.clone().join(h.clone()).fragments().len(), 2);
+        assert_eq!(h.slice(0..3).unwrap().join(t.clone()).fragments().len(), 2);
+    }
+
+    #[test]
+    fn split_inside_and_at_boundaries() {
+        let a = alloc(2);
+        let m = agg(&a, b"abc").join(agg(&a, b"defg"));
+        for at in 0..=7 {
+            let (h, t) = m.split_at(at).unwrap();
+            assert_eq!(h.to_vec(), &b"abcdefg"[..at]);
+            assert_eq!(t.to_vec(), &b"abcdefg"[at..]);
+            assert_eq!((h.len(), t.len()), (at, 7 - at));
+            assert!(h.fragments().chain(t.fragments()).all(|f| !f.bytes().is_empty()));
+        }
+        let (h, t) = m.split_at(1).unwrap();
+        let (hf, tf) = (h.fragments().next().unwrap(), t.fragments().next().unwrap());
+        assert!(hf.same_buffer(&tf), "one fragment split in two over the same buffer");
+        assert_eq!((hf.range(), tf.range()), (0..1, 1..3));
+        assert_eq!(addr(hf.bytes()) + 1, addr(tf.bytes()), "no bytes copied");
+        assert_eq!(m.split_at(8).unwrap_err(), Error::BadRange { start: 8, end: 7, len: 7 });
+        let mut m2 = m.clone();
+        assert!(m2.split_off(9).is_err());
+        assert_eq!(m2.to_vec(), b"abcdefg", "nothing changed on error");
+        assert_eq!(m.slice(2..5).unwrap().to_vec(), b"cde");
+        assert!(m.slice(5..8).is_err());
+    }
+
+    fn addr(b: &[u8]) -> usize {
+        b.as_ptr() as usize
+    }
+
+    #[test]
+    fn clip_and_truncate() {
+        let a = alloc(3);
+        let m = agg(&a, b"ab").join(agg(&a, b"cde")).join(agg(&a, b"f"));
+        for n in 0..=8 {
+            let mut f = m.clone();
+            f.clip_front(n);
+            assert_eq!(f.to_vec(), &b"abcdef"[n.min(6)..]);
+            let mut b = m.clone();
+            b.clip_back(n);
+            assert_eq!(b.to_vec(), &b"abcdef"[..6 - n.min(6)]);
+            let mut t = m.clone();
+            t.truncate(n);
+            assert_eq!(t.to_vec(), &b"abcdef"[..n.min(6)]);
+            assert_eq!(t.len(), n.min(6));
+        }
+    }
+
+    #[test]
+    fn read_and_bufread_consume_from_the_front() {
+        let a = alloc(3);
+        let m = agg(&a, b"ab\n").join(agg(&a, b"cd")).join(agg(&a, b"e\nf"));
+        let mut r = m.clone();
+        let mut out = [0u8; 4];
+        assert_eq!(r.read(&mut out).unwrap(), 4);
+        assert_eq!(&out, b"ab\nc");
+        let mut rest = Vec::new();
+        r.read_to_end(&mut rest).unwrap();
+        assert_eq!(rest, b"de\nf");
+        assert!(r.is_empty());
+        let lines: Vec<String> = m.clone().lines().map(|l| l.unwrap()).collect();
+        assert_eq!(lines, ["ab", "cde", "f"]);
+        let mut br = m.clone();
+        assert_eq!(br.fill_buf().unwrap(), b"ab\n", "the first fragment in place");
+        br.consume(3);
+        assert_eq!(br.fill_buf().unwrap(), b"cd");
+        drop((m, r, br));
+        assert_eq!(a.available(), 3);
+    }
+
+    #[test]
+    fn fixed_units_borrow_inside_and_copy_across() {
+        let a = alloc(3);
+        let m = agg(&a, b"abcdef").join(agg(&a, b"ghij"));
+        let mut u = m.units(fixed(3));
+        let got: Vec<Cow<[u8]>> = u.by_ref().collect();
+        assert_eq!(got.iter().map(|c| &c[..]).collect::<Vec<_>>(), [&b"abc"[..], b"def", b"ghi", b"j"]);
+        assert!(got.iter().all(|c| matches!(c, Cow::Borrowed(_))));
+        assert_eq!(u.copies(), 0);
+        let mut u = m.units(fixed(4));
+        let got: Vec<Cow<[u8]>> = u.by_ref().collect();
+        assert_eq!(got.iter().map(|c| &c[..]).collect::<Vec<_>>(), [&b"abcd"[..], b"efgh", b"ij"]);
+        assert!(matches!(got[1], Cow::Owned(_)));
+        assert_eq!((u.copies(), u.copied_bytes()), (1, 4));
+        // A unit larger than any fragment spans several.
+        let m3 = m.clone().join(agg(&a, b"k").slice(0..1).unwrap());
+        let mut u = m3.units(fixed(100));
+        assert_eq!(u.next().unwrap().as_ref(), b"abcdefghijk");
+        assert!(u.next().is_none());
+        assert_eq!(u.copies(), 1);
+        assert_eq!(Aggregate::new().units(fixed(1)).count(), 0);
+    }
+
+    #[test]
+    fn delimited_units() {
+        let a = alloc(6);
+        let m = agg(&a, b"ab\ncd").join(agg(&a, b"e\n\n")).join(agg(&a, b"fg"));
+        let mut u = m.units(Unit::Delimited(b'\n'));
+        let got: Vec<Vec<u8>> = u.by_ref().map(Cow::into_owned).collect();
+        assert_eq!(got, [b"ab\n".to_vec(), b"cde\n".to_vec(), b"\n".to_vec(), b"fg".to_vec()]);
+        assert_eq!((u.copies(), u.copied_bytes()), (1, 4));
+        // Lines that end where their fragments end are all borrowed.
+        let lines = agg(&a, b"ab\n").join(agg(&a, b"cd\ne\n"));
+        let mut u = lines.units(Unit::Delimited(b'\n'));
+        assert!(u.by_ref().all(|l| matches!(l, Cow::Borrowed(_))));
+        assert_eq!(u.copies(), 0);
+        drop(lines);
+        let m = agg(&a, b"no delimiter");
+        assert_eq!(m.units(Unit::Delimited(0)).collect::<Vec<_>>(), [Cow::Borrowed(&b"no delimiter"[..])]);
+    }
+
+    #[test]
+    fn aggregates_are_send_and_sync() {
+        fn is<T: Send + Sync>() {}
+        is::<Aggregate>();
+    }
+
+    #[cfg(feature = "bytes")]
+    #[test]
+    fn bytes_buf() {
+        use bytes::Buf;
+        let a = alloc(2);
+        let mut m = agg(&a, b"abc").join(agg(&a, b"de"));
+        let mut io = [io::IoSlice::new(&[]); 4];
+        assert_eq!(m.chunks_vectored(&mut io), 2);
+        assert_eq!((&*io[0], &*io[1]), (&b"abc"[..], &b"de"[..]));
+        assert_eq!(m.chunk(), b"abc");
+        m.advance(2);
+        assert_eq!(m.get_u8(), b'c');
+        assert_eq!(m.remaining(), 2);
+        assert_eq!(m.copy_to_bytes(2).as_ref(), b"de");
+        m.advance(10);
+        assert_eq!(m.chunk(), b"");
+    }
+}

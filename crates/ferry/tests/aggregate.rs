@@ -1,0 +1,363 @@
+//! Aggregates against a model, a layered protocol stack that must copy no
+//! payload byte, and aggregates over copies received on a real channel.
+
+use std::borrow::Cow;
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use ferry::{
+    Aggregate, Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints, PoolPolicy, Unit,
+};
+use proptest::prelude::*;
+
+const T: Duration = Duration::from_secs(10);
+
+fn fixed(n: usize) -> Unit {
+    Unit::Fixed(NonZeroUsize::new(n).unwrap())
+}
+
+/// The fragment boundaries of `a` (offsets where one fragment ends and the
+/// next begins).
+fn boundaries(a: &Aggregate) -> Vec<usize> {
+    let mut pos = 0;
+    let mut out = Vec::new();
+    for f in a.fragments() {
+        pos += f.bytes().len();
+        out.push(pos);
+    }
+    out.pop();
+    out
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A new aggregate over `start..start+len` of a fresh buffer.
+    New {
+        start: usize,
+        len: usize,
+    },
+    /// A header (or trailer) copied into a buffer of the header allocator.
+    Header {
+        target: usize,
+        bytes: Vec<u8>,
+        front: bool,
+    },
+    /// Append aggregate `b` (taken out of the list) to `a`.
+    Join {
+        a: usize,
+        b: usize,
+    },
+    /// Split `a` at `at` (modulo len + 2, so sometimes past the end).
+    Split {
+        a: usize,
+        at: usize,
+    },
+    ClipFront {
+        a: usize,
+        n: usize,
+    },
+    ClipBack {
+        a: usize,
+        n: usize,
+    },
+    Truncate {
+        a: usize,
+        n: usize,
+    },
+    Clone {
+        a: usize,
+    },
+    Drop {
+        a: usize,
+    },
+    /// Read `n` bytes from the front through `std::io::Read`.
+    Read {
+        a: usize,
+        n: usize,
+    },
+    /// Cut a clone of `a` into units of `size` bytes and check them.
+    Units {
+        a: usize,
+        size: usize,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let i = 0..16usize;
+    prop_oneof![
+        3 => (0..4096usize, 0..4096usize).prop_map(|(start, len)| Op::New { start, len: len.min(4096 - start) }),
+        2 => (i.clone(), proptest::collection::vec(any::<u8>(), 0..40), any::<bool>())
+            .prop_map(|(target, bytes, front)| Op::Header { target, bytes, front }),
+        3 => (i.clone(), i.clone()).prop_map(|(a, b)| Op::Join { a, b }),
+        3 => (i.clone(), any::<usize>()).prop_map(|(a, at)| Op::Split { a, at }),
+        1 => (i.clone(), 0..5000usize).prop_map(|(a, n)| Op::ClipFront { a, n }),
+        1 => (i.clone(), 0..5000usize).prop_map(|(a, n)| Op::ClipBack { a, n }),
+        1 => (i.clone(), 0..5000usize).prop_map(|(a, n)| Op::Truncate { a, n }),
+        2 => i.clone().prop_map(|a| Op::Clone { a }),
+        2 => i.clone().prop_map(|a| Op::Drop { a }),
+        1 => (i.clone(), 0..3000usize).prop_map(|(a, n)| Op::Read { a, n }),
+        1 => (i, 1..600usize).prop_map(|(a, size)| Op::Units { a, size }),
+    ]
+}
+
+/// Every aggregate holds its model's bytes, in non-empty fragments.
+fn check(aggs: &[Aggregate], models: &[Vec<u8>]) {
+    assert_eq!(aggs.len(), models.len());
+    for (a, m) in aggs.iter().zip(models) {
+        assert_eq!(a.len(), m.len());
+        assert_eq!(a.is_empty(), m.is_empty());
+        assert!(a.fragments().all(|f| !f.bytes().is_empty() && f.range().len() == f.bytes().len()));
+        assert_eq!(a.fragments().map(|f| f.bytes().len()).sum::<usize>(), m.len());
+        assert_eq!(&a.to_vec(), m);
+    }
+}
+
+fn run(ops: Vec<Op>) {
+    use std::io::Read;
+    let d = Domain::new("model");
+    let payload = Allocator::new(&d, 24, 4096, PoolConstraints::default()).unwrap();
+    let headers = Allocator::new(&d, 24, 4096, PoolConstraints::default()).unwrap();
+    let mut aggs: Vec<Aggregate> = Vec::new();
+    let mut models: Vec<Vec<u8>> = Vec::new();
+    let mut serial = 0u32;
+    for op in ops {
+        let n = aggs.len();
+        match op {
+            Op::New { start, len } => {
+                let Some(mut b) = payload.alloc() else { continue };
+                serial += 1;
+                for (i, x) in b.as_mut_slice().unwrap().iter_mut().enumerate() {
+                    *x = (serial.wrapping_mul(131) as usize + i * 7) as u8;
+                }
+                let bytes = b[start..start + len].to_vec();
+                aggs.push(Aggregate::from_buffer_range(b, start..start + len).unwrap());
+                models.push(bytes);
+            }
+            Op::Header { target, bytes, front } if n > 0 => {
+                let Some(b) = headers.alloc() else { continue };
+                let h = Aggregate::from_bytes_in(b, &bytes).unwrap();
+                let (a, m) = (&mut aggs[target % n], &mut models[target % n]);
+                if front {
+                    a.prepend(h);
+                    m.splice(0..0, bytes);
+                } else {
+                    a.append(h);
+                    m.extend_from_slice(&bytes);
+                }
+            }
+            Op::Join { a, b } if n > 0 => {
+                let (a, b) = (a % n, b % n);
+                if a == b {
+                    let c = aggs[a].clone();
+                    aggs[a].append(c);
+                    let m = models[a].clone();
+                    models[a].extend_from_slice(&m);
+                } else {
+                    let (tail, tm) = (aggs.remove(b), models.remove(b));
+                    let a = if a > b { a - 1 } else { a };
+                    let joined = std::mem::take(&mut aggs[a]).join(tail);
+                    aggs[a] = joined;
+                    models[a].extend_from_slice(&tm);
+                }
+            }
+            Op::Split { a, at } if n > 0 => {
+                let a = a % n;
+                let len = models[a].len();
+                let at = at % (len + 2);
+                match aggs[a].split_at(at) {
+                    Ok((h, t)) => {
+                        assert!(at <= len);
+                        let tm = models[a][at..].to_vec();
+                        models[a].truncate(at);
+                        aggs[a] = h;
+                        aggs.push(t);
+                        models.push(tm);
+                    }
+                    Err(e) => {
+                        assert!(at > len);
+                        assert_eq!(e, ferry::Error::BadRange { start: at, end: len, len });
+                    }
+                }
+            }
+            Op::ClipFront { a, n: k } if n > 0 => {
+                aggs[a % n].clip_front(k);
+                let m = &mut models[a % n];
+                m.drain(..k.min(m.len()));
+            }
+            Op::ClipBack { a, n: k } if n > 0 => {
+                aggs[a % n].clip_back(k);
+                let m = &mut models[a % n];
+                m.truncate(m.len().saturating_sub(k));
+            }
+            Op::Truncate { a, n: k } if n > 0 => {
+                aggs[a % n].truncate(k);
+                models[a % n].truncate(k);
+            }
+            Op::Clone { a } if n > 0 => {
+                aggs.push(aggs[a % n].clone());
+                models.push(models[a % n].clone());
+            }
+            Op::Drop { a } if n > 0 => {
+                aggs.remove(a % n);
+                models.remove(a % n);
+            }
+            Op::Read { a, n: k } if n > 0 => {
+                let mut out = vec![0u8; k];
+                let mut got = 0;
+                loop {
+                    let r = aggs[a % n].read(&mut out[got..]).unwrap();
+                    if r == 0 {
+                        break;
+                    }
+                    got += r;
+                }
+                let m = &mut models[a % n];
+                assert_eq!(got, k.min(m.len()));
+                assert_eq!(&out[..got], &m[..got]);
+                m.drain(..got);
+            }
+            Op::Units { a, size } if n > 0 => {
+                let agg = &aggs[a % n];
+                let cuts = boundaries(agg);
+                let mut units = agg.units(fixed(size));
+                let mut pos = 0;
+                let mut expect_copies = 0;
+                for u in units.by_ref() {
+                    let end = pos + u.len();
+                    assert_eq!(&u[..], &models[a % n][pos..end]);
+                    assert!(u.len() == size || end == agg.len(), "only the last unit is short");
+                    let crosses = cuts.iter().any(|&c| c > pos && c < end);
+                    assert_eq!(matches!(u, Cow::Owned(_)), crosses, "copied exactly when crossing a fragment");
+                    expect_copies += crosses as usize;
+                    pos = end;
+                }
+                assert_eq!(pos, agg.len());
+                assert_eq!(units.copies(), expect_copies);
+            }
+            _ => {}
+        }
+        check(&aggs, &models);
+    }
+    drop(aggs);
+    assert_eq!((payload.available(), headers.available()), (24, 24), "every buffer is back");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Random joins, splits, clips, headers, clones, drops and reads against
+    /// a `Vec<u8>` per aggregate; at the end every buffer is back.
+    #[test]
+    fn aggregates_behave_like_byte_vectors(ops in proptest::collection::vec(op(), 1..80)) {
+        run(ops);
+    }
+}
+
+/// Three layers each prepend a header; the message is cut into 4 KiB
+/// packets and reassembled; the layers strip their headers. The payload
+/// comes out as the very fragments that went in (same memory), and its
+/// 4 KiB units are all borrowed: no payload byte was copied.
+#[test]
+fn layered_stack_copies_no_payload() {
+    let d = Domain::new("stack");
+    let payload = Allocator::new(&d, 4, 64 << 10, PoolConstraints::default()).unwrap();
+    let headers = Allocator::new(&d, 4, 4096, PoolConstraints::default()).unwrap();
+    let mut msg = Aggregate::new();
+    let mut bases = Vec::new();
+    for k in 0..4u8 {
+        let mut b = payload.alloc().unwrap();
+        b.as_mut_slice().unwrap().iter_mut().enumerate().for_each(|(i, x)| *x = k ^ (i / 4096) as u8);
+        bases.push(b.as_ptr() as usize);
+        msg.append(Aggregate::from(b));
+    }
+    let total = msg.len();
+    assert_eq!(total, 256 << 10);
+
+    for layer in 1..=3u8 {
+        let h = Aggregate::from_bytes_in(headers.alloc().unwrap(), &[layer; 20]).unwrap();
+        msg.prepend(h);
+    }
+    assert_eq!(msg.len(), total + 60);
+
+    // Fragment into 4 KiB packets (the last one shorter), then reassemble.
+    let mut packets = Vec::new();
+    while msg.len() > 4096 {
+        let rest = msg.split_off(4096).unwrap();
+        packets.push(std::mem::replace(&mut msg, rest));
+    }
+    packets.push(msg);
+    assert_eq!(packets.len(), (total + 60).div_ceil(4096));
+    assert!(packets.iter().all(|p| p.len() <= 4096));
+    let mut msg = packets.into_iter().fold(Aggregate::new(), Aggregate::join);
+    assert_eq!(msg.fragments().count(), 7, "adjacent pieces of one buffer joined back into one fragment");
+
+    for layer in (1..=3u8).rev() {
+        assert_eq!(msg.slice(0..20).unwrap().to_vec(), [layer; 20]);
+        msg.clip_front(20);
+    }
+    assert_eq!(msg.len(), total);
+    let frags: Vec<_> = msg.fragments().map(|f| f.bytes().as_ptr() as usize).collect();
+    assert_eq!(frags, bases, "the payload is the buffers that went in");
+
+    let mut units = msg.units(fixed(4096));
+    let mut n = 0;
+    for (k, u) in units.by_ref().enumerate() {
+        let Cow::Borrowed(s) = u else { panic!("unit {k} was copied") };
+        assert_eq!(s.as_ptr() as usize, bases[k / 16] + (k % 16) * 4096, "unit {k} is in place");
+        assert!(s.iter().all(|&x| x == (k / 16) as u8 ^ (k % 16) as u8));
+        n += 1;
+    }
+    assert_eq!((n, units.copies(), units.copied_bytes()), (64, 0, 0));
+    drop(msg);
+    assert_eq!((payload.available(), headers.available()), (4, 4));
+}
+
+/// Copies received over a real channel go into aggregates; dropping the
+/// last aggregate that refers to a copy releases it to its owner, who can
+/// then write the buffer again.
+#[test]
+fn copies_are_released_when_the_last_fragment_goes() {
+    let (a, b) = (Domain::new("owner"), Domain::new("holder"));
+    let ep = Endpoint::local();
+    let mut tx = Channel::create(&a, &ep, ChannelSetup::default()).unwrap();
+    let mut rx = Channel::bind(&b, &ep, BindParams::default()).unwrap();
+    tx.wait_connected(T).unwrap();
+    rx.wait_connected(T).unwrap();
+    rx.set_pool_policy(PoolPolicy::AcceptAll);
+    let alloc = Allocator::new(&a, 2, 4096, PoolConstraints::default()).unwrap();
+    tx.assign_pool(alloc.pool()).unwrap();
+    rx.poll(); // accepts the pool (policy)
+    match tx.wait(Some(T)) {
+        Some(Event::PoolAssigned(_)) => {}
+        other => panic!("unexpected {other:?}"),
+    }
+
+    let mut buf = alloc.alloc().unwrap();
+    buf.as_mut_slice().unwrap()[..11].copy_from_slice(b"hello world");
+    tx.copy(&buf, &[]).unwrap();
+    let copy = loop {
+        match rx.wait(Some(T)) {
+            Some(Event::CopyReceived { copy, .. }) => break copy,
+            Some(Event::PoolAssignRequest(_)) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    let id = copy.id();
+    let whole = Aggregate::from_copy_range(copy, 0..11).unwrap();
+    let f = whole.fragments().next().unwrap();
+    assert!(f.is_copy());
+    assert_eq!((f.buffer_id(), f.range()), (id, 0..11));
+    let (hello, world) = whole.split_at(6).unwrap();
+    drop(whole);
+    assert_eq!(world.to_vec(), b"world");
+    drop(world);
+    rx.poll();
+    assert!(buf.as_mut_slice().is_err(), "`hello` still refers to the copy");
+    drop(hello);
+    rx.poll(); // the channel runs: the deferred release goes out
+    match tx.wait(Some(T)) {
+        Some(Event::CopyReleased { writable: true, .. }) => {}
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(buf.as_mut_slice().is_ok(), "the owner writes again");
+}
