@@ -326,6 +326,28 @@ impl Endpoint {
     }
 }
 
+/// Arm a creator that listens: wake for the listener, for each connection
+/// whose bind request has not come yet, and at the first such connection's
+/// deadline (to shed it). Closed connections leave the set by themselves.
+#[cfg(not(loom))]
+pub(crate) fn arm_listening<'a>(
+    wake: &WakeSet,
+    listener: std::os::fd::BorrowedFd<'a>,
+    half_open: impl Iterator<Item = (std::os::fd::BorrowedFd<'a>, std::time::Instant)>,
+) -> Arm {
+    if wake.watch(listener, crate::wake::Interest::Read).is_err() {
+        return Arm::Ready;
+    }
+    let mut first = None;
+    for (fd, deadline) in half_open {
+        if wake.watch(fd, crate::wake::Interest::Read).is_err() {
+            return Arm::Ready;
+        }
+        first = Some(first.map_or(deadline, |f: std::time::Instant| f.min(deadline)));
+    }
+    Arm::Sleep { until: first }
+}
+
 /// After staging `msg` on a ring: whether to publish now. Unbatched links
 /// publish every message; batched ones every [`PUBLISH_EVERY`] messages (and
 /// on `flush`, `wait` or a full ring), and a teardown marker at once.

@@ -243,15 +243,7 @@ impl PendingSetup for CreatorPending {
 
     fn arm(&mut self, wake: &WakeSet) -> Arm {
         let Some(listener) = &self.listener else { return Arm::SLEEP };
-        // Closed connections leave the set by themselves.
-        let fds = std::iter::once(listener.as_fd()).chain(self.half_open.iter().map(|h| h.conn.as_fd()));
-        for fd in fds {
-            if wake.watch(fd, Interest::Read).is_err() {
-                return Arm::Ready;
-            }
-        }
-        // Wake for the first deadline too, to shed that connection.
-        Arm::Sleep { until: self.half_open.iter().map(|h| h.deadline).min() }
+        super::arm_listening(wake, listener.as_fd(), self.half_open.iter().map(|h| (h.conn.as_fd(), h.deadline)))
     }
 }
 
