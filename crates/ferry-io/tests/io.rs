@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, UdpSocket};
 use std::os::fd::FromRawFd;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use ferry::{Allocator, Domain, PoolConstraints};
@@ -19,25 +19,12 @@ fn alloc() -> Allocator {
     Allocator::new(&Domain::new("io-test"), COUNT, BUF, PoolConstraints::default()).unwrap()
 }
 
-/// Deterministic, non-repeating test data.
-fn data(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
+mod common;
+use common::data;
 
-/// A fresh directory on a disk file system (O_DIRECT works there).
+/// A fresh scratch directory for one test.
 fn dir(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-io-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::dir("io", name)
 }
 
 /// A pipe: (read end, write end), as files.

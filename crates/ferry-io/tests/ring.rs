@@ -14,23 +14,12 @@ const BUF: usize = 16 << 10;
 const COUNT: u64 = 16;
 const T: Duration = Duration::from_secs(10);
 
-fn data(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
+mod common;
+use common::data;
 
+/// A fresh scratch directory for one test.
 fn dir(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-ring-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::dir("ring", name)
 }
 
 /// Read `src` with every buffer's read in flight at once, then write them
