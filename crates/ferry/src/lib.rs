@@ -112,6 +112,7 @@ mod alloc;
 pub mod backend;
 mod buffer;
 mod channel;
+mod datapath;
 mod domain;
 mod error;
 #[cfg(feature = "fuzzing")]
@@ -121,6 +122,7 @@ mod ledger;
 mod pool;
 mod proto;
 mod ring;
+mod secure;
 #[cfg(not(loom))]
 mod select;
 mod setup;
@@ -136,10 +138,12 @@ pub use backend::{Endpoint, LinkStats, LocalEndpoint};
 pub use backend::{NetEndpoint, NetOptions, ShmEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{Channel, Event, PoolPolicy, PoolRequest, DEFAULT_SPIN};
+pub use datapath::{forward_pool, DataPath, PathConfig, PathQuota};
 pub use domain::{Domain, Pool};
 pub use error::{Error, Refused, Result, ViewMismatch};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
+pub use secure::{SecureSource, Secured};
 #[cfg(not(loom))]
 pub use select::{wait_any, Selector};
 pub use setup::{
