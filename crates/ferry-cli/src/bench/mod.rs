@@ -82,7 +82,7 @@ fn pool_buffers(a: &BenchArgs) -> usize {
     match a.experiment {
         Experiment::Rtt => channel::RTT_POOL,
         Experiment::Throughput => a.inflight.unwrap_or(250),
-        Experiment::FbufsTable => 4,
+        Experiment::FbufsTable | Experiment::Fbufs => 4,
         Experiment::Pipeline => a.inflight.unwrap_or(16),
         Experiment::Fanin => a.inflight.unwrap_or(fanin::WINDOW),
         Experiment::SocketTouch => 4,
@@ -100,6 +100,10 @@ pub enum Experiment {
     /// Per-page cost and asymptotic throughput of one domain crossing, cached/uncached ×
     /// volatile/secured (fbufs, Table 1 and its throughput-vs-size figure).
     FbufsTable,
+    /// fbufs Table 1 on the data-path layer: cached = a `DataPath` pool reused, uncached = a fresh
+    /// pool per transfer; volatile = the receiver reads in place, secured = it calls `secure()`
+    /// first; against copying (--compare).
+    Fbufs,
     /// A chain of N processes passing --total bytes of --size buffers end to end, against the
     /// same chain built with pipes and read/write (Container Shipping, Fig. 7).
     Pipeline,
@@ -114,12 +118,18 @@ pub enum Experiment {
 }
 
 impl Experiment {
+    /// fbufs-table or fbufs: the per-page table and its figure.
+    pub fn is_fbufs(self) -> bool {
+        matches!(self, Experiment::FbufsTable | Experiment::Fbufs)
+    }
+
     /// The name in output and on the command line.
     pub fn name(self) -> &'static str {
         match self {
             Experiment::Rtt => "rtt",
             Experiment::Throughput => "throughput",
             Experiment::FbufsTable => "fbufs-table",
+            Experiment::Fbufs => "fbufs",
             Experiment::Pipeline => "pipeline",
             Experiment::Fanin => "fanin",
             Experiment::SocketTouch => "socket-touch",
@@ -454,14 +464,15 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     only("--stages", !a.stages.is_empty(), exp == Experiment::Pipeline, "pipeline")?;
     let totals = matches!(exp, Experiment::Pipeline | Experiment::SocketTouch);
     only("--total", a.total.is_some(), totals, "pipeline and socket-touch")?;
-    if exp == Experiment::FbufsTable && !a.sizes.is_empty() {
+    if exp.is_fbufs() && !a.sizes.is_empty() {
         let mut distinct = a.sizes.clone();
         distinct.sort_unstable();
         distinct.dedup();
         if distinct.len() < 2 {
             return Err(usage(format!(
-                "--size {}: fbufs-table fits its per-page cost over two sizes or more; give --size at least twice, with different sizes",
-                a.sizes[0]
+                "--size {}: {} fits its per-page cost over two sizes or more; give --size at least twice, with different sizes",
+                a.sizes[0],
+                exp.name()
             )));
         }
     }
@@ -541,7 +552,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
     let mut ctx = Ctx { args, progress: Progress::hidden(), points: Vec::new() };
     match args.experiment {
         Experiment::Rtt | Experiment::Throughput => channel::run(&mut ctx)?,
-        Experiment::FbufsTable => fbufs::run(&mut ctx)?,
+        Experiment::FbufsTable | Experiment::Fbufs => fbufs::run(&mut ctx)?,
         Experiment::Pipeline => pipeline::run(&mut ctx)?,
         Experiment::Fanin => fanin::run(&mut ctx)?,
         Experiment::SocketTouch => socket_touch::run(&mut ctx)?,
