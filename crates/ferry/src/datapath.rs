@@ -134,6 +134,8 @@ pub struct DataPath<C: BorrowMut<Channel> = Channel> {
     geometry: Geometry,
     /// The path's pools, oldest first.
     pools: Vec<Allocator>,
+    /// Their ids, in the same order.
+    ids: Vec<PoolId>,
 }
 
 impl<C: BorrowMut<Channel>> std::fmt::Debug for DataPath<C> {
@@ -166,12 +168,12 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
         if config.quota.max_pools == 0 || (geometry.len() as u64) > config.quota.max_bytes {
             return Err(Error::InvalidArgument("the data path's quota does not hold a single pool"));
         }
-        Ok(DataPath { domain: domain.clone(), channels, config, geometry, pools: Vec::new() })
+        Ok(DataPath { domain: domain.clone(), channels, config, geometry, pools: Vec::new(), ids: Vec::new() })
     }
 
-    /// A free buffer of the path: the most recently freed one of its oldest
-    /// pool that has a free buffer (so the buffers in use gather in the
-    /// fewest pools, and the warmest buffer of each is used first), or a
+    /// A free buffer of the path: the most recently freed one over all its
+    /// pools (LIFO: its cache lines and TLB entries are the warmest; buffers
+    /// never used yet come after every recycled one, oldest pool first), or a
     /// buffer of a new pool, made and assigned to every channel of the path
     /// now (waiting for each peer's answer up to
     /// [`PathConfig::assign_timeout`]).
@@ -184,7 +186,7 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
     /// [`Channel::assign_pool_and_wait`] (then the new pool is removed from
     /// the channels it reached, and dropped).
     pub fn alloc(&mut self) -> Result<Buffer> {
-        if let Some(b) = self.pools.iter().find_map(Allocator::alloc) {
+        if let Some(b) = self.domain.alloc_latest(&self.ids) {
             return Ok(b);
         }
         self.grow()?;
@@ -219,12 +221,13 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
             }
         }
         self.pools.push(alloc);
+        self.ids.push(id);
         Ok(id)
     }
 
     /// The path's pools, oldest first.
     pub fn pool_ids(&self) -> Vec<PoolId> {
-        self.pools.iter().map(|a| a.pool().id()).collect()
+        self.ids.clone()
     }
 
     /// A handle to the path's `i`th pool (oldest first).
@@ -389,11 +392,17 @@ mod tests {
         let b2 = path.alloc().unwrap();
         assert_eq!(path.pool_ids().len(), 2);
         assert_eq!((b0.id().pool, b1.id().pool, b2.id().pool), (p0, p0, path.pool_ids()[1]));
-        let id1 = b1.id();
+        let (id0, id1, id2) = (b0.id(), b1.id(), b2.id());
         drop(b0);
-        drop(b1);
-        assert_eq!(path.alloc().unwrap().id(), id1, "the most recently freed first");
         drop(b2);
+        drop(b1);
+        // Across the path's pools: the most recently freed first.
+        let (x, y, z) = (path.alloc().unwrap(), path.alloc().unwrap(), path.alloc().unwrap());
+        assert_eq!((x.id(), y.id(), z.id()), (id1, id2, id0), "most recently freed first, across pools");
+        assert_eq!(path.pool_ids().len(), 2);
+        let fresh = path.alloc().unwrap();
+        assert_eq!(fresh.id().index, 1, "then a buffer never used, of the second pool");
+        drop((x, y, z, fresh));
         // Round trips over the channel make no new pool.
         for _ in 0..10 {
             let b = path.alloc().unwrap();

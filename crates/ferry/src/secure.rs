@@ -116,9 +116,13 @@ impl Drop for PrivateCopy {
 
 /// What can be secured: [`Buffer`], [`BufferCopy`], [`Aggregate`].
 pub trait SecureSource: sealed::Sealed {
-    /// The bytes as they are now, in the pool's memory (volatile).
+    /// The bytes as they are now, in the pool's memory (volatile), in
+    /// order: one slice, or an aggregate's fragments.
     #[doc(hidden)]
     fn volatile_bytes(&self) -> Vec<&[u8]>;
+    /// The bytes as one slice in the pool's memory, if they are one.
+    #[doc(hidden)]
+    fn contiguous(&self) -> Option<&[u8]>;
     /// Whether no one but this domain can write the bytes.
     #[doc(hidden)]
     fn private_in_place(&self) -> bool;
@@ -135,6 +139,9 @@ impl SecureSource for Buffer {
     fn volatile_bytes(&self) -> Vec<&[u8]> {
         vec![self]
     }
+    fn contiguous(&self) -> Option<&[u8]> {
+        Some(self)
+    }
     fn private_in_place(&self) -> bool {
         let (d, v, i) = self.parts();
         secure_in_place(d, v, i)
@@ -145,6 +152,9 @@ impl SecureSource for BufferCopy {
     fn volatile_bytes(&self) -> Vec<&[u8]> {
         vec![self]
     }
+    fn contiguous(&self) -> Option<&[u8]> {
+        Some(self)
+    }
     fn private_in_place(&self) -> bool {
         let (d, v, i) = self.parts();
         secure_in_place(d, v, i)
@@ -154,6 +164,9 @@ impl SecureSource for BufferCopy {
 impl SecureSource for Aggregate {
     fn volatile_bytes(&self) -> Vec<&[u8]> {
         self.fragments().map(|f| f.bytes()).collect()
+    }
+    fn contiguous(&self) -> Option<&[u8]> {
+        None
     }
     fn private_in_place(&self) -> bool {
         // Fragments do not say whose memory they are in: always copied.
@@ -173,7 +186,8 @@ pub struct Secured<H: SecureSource> {
 
 impl<H: SecureSource> Secured<H> {
     fn new(handle: H) -> Self {
-        let copy = if handle.private_in_place() { None } else { Some(PrivateCopy::of(&handle.volatile_bytes())) };
+        let in_place = handle.contiguous().is_some() && handle.private_in_place();
+        let copy = if in_place { None } else { Some(PrivateCopy::of(&handle.volatile_bytes())) };
         Secured { handle, copy }
     }
 
@@ -202,7 +216,7 @@ impl<H: SecureSource> Deref for Secured<H> {
         match &self.copy {
             Some(c) => &c.0,
             // In place only for the single-slice handles (Buffer, BufferCopy).
-            None => self.handle.volatile_bytes().first().copied().unwrap_or_default(),
+            None => self.handle.contiguous().unwrap_or_default(),
         }
     }
 }
@@ -337,6 +351,43 @@ mod tests {
         assert!(secured.iter().all(|&x| x == 3));
         let buffer = secured.into_inner();
         assert_eq!(buffer.len(), 8192);
+    }
+
+    /// A read-only copy: under HALF its owner's view is read-only while
+    /// the copy is out, so it is secured in place; under FULL it is copied.
+    /// An aggregate is always copied, its fragments in order.
+    #[test]
+    fn copies_and_aggregates() {
+        for (trust, in_place) in [(TrustLevel::Half, true), (TrustLevel::Full, false)] {
+            let (a, b) = (Domain::new("a"), Domain::new("b"));
+            let ep = Endpoint::local();
+            let mut tx = Channel::create(&a, &ep, ChannelSetup { trust, ..ChannelSetup::default() }).unwrap();
+            let mut rx = Channel::bind(&b, &ep, BindParams::default()).unwrap();
+            tx.wait_connected(T).unwrap();
+            rx.wait_connected(T).unwrap();
+            rx.set_pool_policy(crate::PoolPolicy::AcceptAll);
+            let alloc = Allocator::new(&a, 2, 4096, PoolConstraints::default()).unwrap();
+            tx.assign_pool(alloc.pool()).unwrap();
+            assert!(matches!(rx.poll(), Some(Event::PoolAssignRequest(_))));
+            assert!(matches!(tx.poll(), Some(Event::PoolAssigned(_))));
+            let mut buf = alloc.alloc().unwrap();
+            buf.as_mut_slice().unwrap()[..5].copy_from_slice(b"hello");
+            tx.copy(&buf, &[]).unwrap();
+            let Some(Event::CopyReceived { copy, .. }) = rx.poll() else { panic!() };
+            let secured = copy.secure().unwrap();
+            assert_eq!((secured.is_copy(), &secured[..5]), (!in_place, &b"hello"[..]), "{trust:?}");
+            let first = secured.into_inner();
+            tx.copy(&buf, &[]).unwrap();
+            let Some(Event::CopyReceived { copy: second, .. }) = rx.poll() else { panic!() };
+            let agg = Aggregate::from_copy_range(first, 1..5)
+                .unwrap()
+                .join(Aggregate::from_copy_range(second, 0..1).unwrap());
+            let s = agg.secure().unwrap();
+            assert!(s.is_copy());
+            assert_eq!(&s[..], b"elloh");
+        }
+        let empty = Aggregate::new().secure().unwrap();
+        assert!(empty.is_empty());
     }
 
     /// Blocks come back to the thread's cache and are reused, never more
