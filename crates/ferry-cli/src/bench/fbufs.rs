@@ -1,5 +1,12 @@
-//! `fbufs-table`: \[FBUFS\] Table 1 and its throughput-vs-size
-//! figure, on Ferry.
+//! `fbufs-table` and `fbufs`: \[FBUFS\] Table 1 and its
+//! throughput-vs-size figure, on Ferry.
+//!
+//! `fbufs` runs the same transfers on the data-path layer: the cached rows
+//! take their buffers from a [`DataPath`] whose pool was made and assigned
+//! before the runs, and the secured rows are volatile transfers (trust as
+//! given, FULL by default) whose receiver calls `secure()` before it reads
+//! (the meta data's ninth byte asks for it). What follows describes
+//! `fbufs-table`.
 //!
 //! One transfer is one domain crossing, as in the paper's test: the
 //! originator allocates a buffer, writes one word in every page, moves it
@@ -94,10 +101,10 @@ fn probe_trust(backend: Backend, trust: Trust) -> Result<(), CliError> {
 pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let a = ctx.args;
     if a.touch {
-        return Err(CliError::Usage(
-            "--touch does not apply to fbufs-table (every transfer writes and reads one word per page, as in the fbufs paper); leave it out"
-                .into(),
-        ));
+        return Err(CliError::Usage(format!(
+            "--touch does not apply to {} (every transfer writes and reads one word per page, as in the fbufs paper); leave it out",
+            a.experiment.name()
+        )));
     }
     let layer = a.experiment == Experiment::Fbufs;
     let secured = a.trust();
@@ -114,8 +121,9 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         probe_trust(backend, secured)?;
     } else if !matches!(backend, Backend::UdsCopy | Backend::TcpCopy | Backend::PipeCopy) {
         return Err(CliError::Usage(format!(
-            "--backend {}: fbufs-table does not run on it; give local or shm (Ferry), or a copy baseline (uds-copy, tcp-copy, pipe-copy)",
-            backend.name()
+            "--backend {}: {} does not run on it; give local or shm (Ferry), or a copy baseline (uds-copy, tcp-copy, pipe-copy)",
+            backend.name(),
+            a.experiment.name()
         )));
     }
     let mut copies = if a.compare { compare::baselines(a)? } else { Vec::new() };
