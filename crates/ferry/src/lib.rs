@@ -100,6 +100,19 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+//!
+//! # Data paths and secured buffers
+//!
+//! After fbufs (Druschel and Peterson, SOSP 1993): a [`DataPath`] is an
+//! allocator whose pools are assigned along a path of channels when they
+//! are made, so transfers map nothing; it reuses the most recently freed
+//! buffer, never clears one, and stops at its [`PathQuota`] with
+//! [`Error::QuotaExceeded`]. A domain along the path passes the pools on
+//! with [`forward_pool`]. A received buffer is volatile (its sender may
+//! still write it); [`Buffer::secure`] (and [`BufferCopy::secure`],
+//! [`Aggregate::secure`]) gives bytes no other domain can change, in place
+//! where the memory is the receiver's alone, else by a private copy.
+
 #![deny(unsafe_op_in_unsafe_fn)]
 
 // The README's examples are doctests too.
