@@ -184,7 +184,10 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
     /// Errors: [`Error::QuotaExceeded`] when every buffer is in use and one
     /// more pool would exceed the quota; the errors of
     /// [`Channel::assign_pool_and_wait`] (then the new pool is removed from
-    /// the channels it reached, and dropped).
+    /// the channels it reached, and the path forgets it; after
+    /// [`Error::TimedOut`] the request stays out on the channel that did
+    /// not answer, and a late acceptance leaves the pool there, unused by
+    /// the path, until it is removed or the channel closes).
     pub fn alloc(&mut self) -> Result<Buffer> {
         if let Some(b) = self.domain.alloc_latest(&self.ids) {
             return Ok(b);
@@ -491,6 +494,48 @@ mod tests {
         drop((r, tx));
         peer.join().unwrap();
         peer2.join().unwrap();
+    }
+
+    /// A path that fans out: every pool goes on every first-hop channel
+    /// when made; buffers go down either.
+    #[test]
+    fn fan_out_assigns_every_pool_to_every_channel() {
+        let a = Domain::new("a");
+        let (t1, p1) = echo_peer(&a, 0);
+        let (t2, p2) = echo_peer(&a, 0);
+        let mut path = DataPath::new(&a, vec![t1, t2], PathConfig::new(4096, 1, quota(2))).unwrap();
+        assert_eq!(path.channel_count(), 2);
+        let (x, y) = (path.alloc().unwrap(), path.alloc().unwrap());
+        for ch in 0..2 {
+            for pool in path.pool_ids() {
+                assert!(path.channel_mut(ch).is_assigned(pool), "pool {pool} on channel {ch}");
+            }
+        }
+        for (ch, b) in [(0, x), (1, y)] {
+            path.channel_mut(ch).move_buffer(b, &[]).unwrap();
+            assert!(matches!(path.channel_mut(ch).wait(Some(T)), Some(Event::BufferPassed { .. })));
+        }
+        drop(path);
+        p1.join().unwrap();
+        p2.join().unwrap();
+    }
+
+    /// `forward_pool` for a pool never offered on the inbound channel is
+    /// refused, and nothing is assigned downstream.
+    #[test]
+    fn forwarding_an_unoffered_pool_is_refused() {
+        let (a, b) = (Domain::new("a"), Domain::new("b"));
+        let ep = Endpoint::local();
+        let mut a_tx = Channel::create(&a, &ep, ChannelSetup::default()).unwrap();
+        let mut b_rx = Channel::bind(&b, &ep, BindParams::default()).unwrap();
+        a_tx.wait_connected(T).unwrap();
+        b_rx.wait_connected(T).unwrap();
+        let (mut b_tx, peer) = echo_peer(&b, 0);
+        let stranger = PoolId::from_u128(42);
+        assert_eq!(forward_pool(&mut b_rx, stranger, &mut [&mut b_tx], T), Err(Error::NoPendingRequest(stranger)));
+        assert!(!b_tx.is_assigned(stranger));
+        drop((a_tx, b_rx, b_tx));
+        peer.join().unwrap();
     }
 
     /// A vetoed pool is not kept: the path reports the veto and has no pool.
