@@ -61,10 +61,11 @@ fn secure_in_place(domain: &DomainShared, view: &PoolView, index: u32) -> bool {
     trust.protects() && memory.held_elsewhere(index, view) != Some(BufferState::ReadWrite)
 }
 
-/// Bytes kept per thread for later copies (at most this many blocks, none
-/// larger than [`CACHE_BLOCK_MAX`]).
+/// Blocks kept per thread for later copies: at most this many, none larger
+/// than [`CACHE_BLOCK_MAX`], [`CACHE_BYTES`] in all.
 const CACHE_BLOCKS: usize = 8;
-const CACHE_BLOCK_MAX: usize = 16 << 20;
+const CACHE_BLOCK_MAX: usize = 4 << 20;
+const CACHE_BYTES: usize = 16 << 20;
 
 thread_local! {
     static CACHE: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
@@ -106,7 +107,10 @@ impl Drop for PrivateCopy {
         // A thread that is ending has no cache any more: the block is freed.
         let _ = CACHE.try_with(|c| {
             let mut c = c.borrow_mut();
-            if c.len() == CACHE_BLOCKS {
+            // The oldest blocks go first to make room.
+            while !c.is_empty()
+                && (c.len() == CACHE_BLOCKS || c.iter().map(Vec::capacity).sum::<usize>() + v.capacity() > CACHE_BYTES)
+            {
                 c.remove(0);
             }
             c.push(v);
@@ -403,5 +407,9 @@ mod tests {
         let many: Vec<_> = (0..20).map(|_| PrivateCopy::of(&[&[1u8; 100][..]])).collect();
         drop(many);
         assert!(CACHE.with(|c| c.borrow().len()) <= CACHE_BLOCKS);
+        let big = vec![7u8; 3 << 20];
+        let large: Vec<_> = (0..8).map(|_| PrivateCopy::of(&[&big[..]])).collect();
+        drop(large);
+        assert!(CACHE.with(|c| c.borrow().iter().map(Vec::capacity).sum::<usize>()) <= CACHE_BYTES);
     }
 }
