@@ -143,17 +143,21 @@ fn a_hostile_sender_cannot_change_secured_bytes_shm() {
     let first = snapshot[0];
     let volatile = |s: &ferry::Secured<Buffer>| s.handle()[0];
     assert!(eventually(|| volatile(&secured) != first), "the volatile view changes (the sender is writing)");
+    // Watch until the volatile view has changed three more times (bounded):
+    // the secured bytes stay the same throughout.
     let mut changes = 0;
     let mut last = volatile(&secured);
-    for _ in 0..50 {
-        std::thread::sleep(Duration::from_millis(2));
+    let deadline = Instant::now() + T;
+    while changes < 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
         assert!(secured[..] == snapshot[..], "secured bytes changed");
         if volatile(&secured) != last {
             changes += 1;
             last = volatile(&secured);
         }
     }
-    assert!(changes > 0, "the sender kept writing meanwhile");
+    assert_eq!(changes, 3, "the sender kept writing meanwhile");
+    assert!(secured[..] == snapshot[..], "secured bytes changed");
     stop(child);
 }
 
