@@ -1,5 +1,5 @@
 //! The block service over Ferry channels: [`BlockClient`] and
-//! [`serve_channel`].
+//! [`serve_channel`](crate::serve_channel).
 //!
 //! As in the network block service of the ETH bulk-transfer specification,
 //! the client is the transmit master of its request channel: it assigns

@@ -534,6 +534,18 @@ impl Socket {
         self.available() >= n
     }
 
+    /// Wait until something waits on the socket (or it ends or fails).
+    fn wait_readable(&self) {
+        let fd = self.fd();
+        let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+        loop {
+            match rustix::event::poll(&mut fds, None) {
+                Err(rustix::io::Errno::INTR) => {}
+                _ => return,
+            }
+        }
+    }
+
     /// Send as much of `parts` as the socket takes now: the bytes sent
     /// (0 if its buffer is full).
     fn send_now(&self, parts: &[IoSlice<'_>]) -> io::Result<usize> {
@@ -1001,7 +1013,17 @@ impl<S: Read + Write> Session<'_, S> {
             return Ok(h);
         }
         let mut look = [0u8; 28 * 64];
-        let seen = self.socket.as_ref().map_or(0, |s| s.peek(&mut look));
+        let mut seen = self.socket.as_ref().map_or(0, |s| s.peek(&mut look));
+        if seen == 0 && self.socket.is_some() {
+            // Nothing is waiting: the replies go, then wait until
+            // something is, and look at it (a write seen whole can land in
+            // the store). Nothing after the wait: the stream says why (end
+            // of file, error).
+            self.flush_replies()?;
+            let socket = self.socket.as_ref().expect("checked above");
+            socket.wait_readable();
+            seen = socket.peek(&mut look);
+        }
         let mut whole = 0;
         while whole + 28 <= seen {
             let h = &look[whole..whole + 28];

@@ -516,7 +516,11 @@ fn large_writes_land_in_the_store_and_large_reads_leave_from_it() {
     assert!(c.closed());
     let summary = summaries.recv_timeout(Duration::from_secs(30)).expect("summary");
     assert_eq!(summary.write_bytes, data.len() as u64);
-    assert!(summary.landed_bytes > 0, "no write landed in the store: {summary}");
+    // Each write arrives while the server waits for the next request: it
+    // looks at what arrived before taking it, so the payload lands too.
+    // (Not all of it need: a payload still on its way after a moment goes
+    // through the connection's buffer.)
+    assert!(summary.landed_bytes >= summary.write_bytes / 2, "writes did not land in the store: {summary}");
     assert!(summary.sent_direct_bytes > 0, "no read left from the store: {summary}");
     assert!(summary.landed_bytes <= summary.write_bytes && summary.sent_direct_bytes <= summary.read_bytes);
 }
