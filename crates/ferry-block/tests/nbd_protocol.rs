@@ -254,10 +254,11 @@ fn malformed_requests_get_errors_and_the_connection_goes_on() {
     // A write past the end: the payload is read (the next request follows
     // it) and the answer is ENOSPC, not EINVAL. The NBD specification
     // ("Error values") says a server SHOULD return ENOSPC for a write
-    // request including sectors beyond the size of the device; nbdkit and
-    // qemu-nbd do, and clients (libnbd, qemu, the kernel) report it as
-    // "no space". Reads, trims and block status past the end get EINVAL,
-    // the answer the specification leaves to the server.
+    // request including sectors beyond the size of the device. nbdkit
+    // answers so too (qemu-nbd answers EINVAL to everything past the end),
+    // and libnbd refuses such a write itself with ENOSPC before it leaves.
+    // Reads, trims and block status past the end get EINVAL (the
+    // specification leaves their answer to the server; nbdkit's too).
     c.request(0, 1, 5, (1 << 20) - 2, 4, b"abcd");
     assert_eq!(c.simple(0), (ENOSPC, 5, vec![]));
     c.request(0, 0, 6, 0, 128 << 10, b""); // read over the maximum payload
