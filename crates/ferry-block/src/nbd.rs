@@ -17,8 +17,8 @@
 //! Ferry pool (an [`Allocator`] per connection) and written to the store
 //! from there; every read reply is sent from the buffer the store filled
 //! (one `writev` of header and buffer). Stores that keep their data in
-//! memory ([`MemStore`](crate::MemStore)) save that copy: a write whose
-//! whole payload waits on the socket is received straight into the
+//! memory ([`MemStore`](crate::MemStore)) save that copy: a write of 64 KiB
+//! or more whose whole payload waits on the socket is received straight into the
 //! store's chunks (one `readv` of header and payload, [`Store::write_direct`]),
 //! and a read of 64 KiB or more is sent straight from them (one
 //! `sendmsg` that does not wait, [`Store::read_direct`]; what the socket
@@ -466,6 +466,10 @@ struct Socket {
     tcp: bool,
 }
 
+/// Smallest write payload received straight into the store: below it the
+/// copy from the connection's buffer costs less than the system calls
+/// that make sure the whole payload waits on the socket.
+const LAND_MIN: usize = 64 << 10;
 /// Largest write payload received straight into the store: the whole
 /// payload must wait on the socket first (so that no store lock is held
 /// while waiting for a client), and the socket's receive buffer must be
@@ -1091,7 +1095,7 @@ impl<S: Read + Write> Session<'_, S> {
         let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes"));
         if flags & !CMD_FLAG_FUA != 0
             || self.config.read_only
-            || len as usize > LAND_MAX
+            || !(LAND_MIN..=LAND_MAX).contains(&(len as usize))
             || !self.in_bounds(offset, len)
             || !socket.wait_for(28 + len as usize, LAND_WAIT_MS)
         {
