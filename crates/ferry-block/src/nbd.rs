@@ -18,8 +18,9 @@
 //! from there; every read reply is sent from the buffer the store filled
 //! (one `writev` of header and buffer). Stores that keep their data in
 //! memory ([`MemStore`](crate::MemStore)) save that copy: a write of 64 KiB
-//! or more whose whole payload waits on the socket is received straight into the
-//! store's chunks (one `readv` of header and payload, [`Store::write_direct`]),
+//! or more is received straight into the store's chunks as it arrives
+//! (receives that do not wait, header and payload in one when they wait
+//! together, [`Store::write_direct`]),
 //! and a read of 64 KiB or more is sent straight from them (one
 //! `sendmsg` that does not wait, [`Store::read_direct`]; what the socket
 //! does not take at once is copied into the connection's buffer and sent
@@ -390,11 +391,10 @@ impl NbdServer {
                 }
             };
             let (store, config, on_end) = (self.store.clone(), self.config.clone(), on_end.clone());
-            let tcp = matches!(self.listener, Listener::Tcp(_));
             let spawned = std::thread::Builder::new().name(format!("nbd {peer}")).spawn(move || {
                 // `fd` is the socket of `stream`, which `serve_socket` owns
                 // (and so keeps open) for as long as it uses `socket`.
-                let socket = Socket { fd, tcp };
+                let socket = Socket { fd };
                 let summary = serve_socket(stream, &*store, &config, peer, Some(socket));
                 on_end(&summary);
             });
@@ -456,28 +456,16 @@ pub fn serve_connection<S: Read + Write>(
 }
 
 /// The socket under a connection's stream, for what a byte stream cannot
-/// do: look at what waits without taking it, count it, wait until a
-/// number of bytes waits, send without waiting.
+/// do: look at what waits without taking it, wait until something waits,
+/// receive and send without waiting.
 struct Socket {
     /// Open as long as the stream it belongs to.
     fd: RawFd,
-    /// TCP (waiting for a number of bytes uses `SO_RCVLOWAT`, which Unix
-    /// sockets do not honour when polled).
-    tcp: bool,
 }
 
 /// Smallest write payload received straight into the store: below it the
-/// copy from the connection's buffer costs less than the system calls
-/// that make sure the whole payload waits on the socket.
+/// copy from the connection's buffer costs next to nothing.
 const LAND_MIN: usize = 64 << 10;
-/// Largest write payload received straight into the store: the whole
-/// payload must wait on the socket first (so that no store lock is held
-/// while waiting for a client), and the socket's receive buffer must be
-/// able to hold it.
-const LAND_MAX: usize = 1 << 20;
-/// How long a write's header waits on the socket for the rest of its
-/// payload before the payload goes through the connection's buffer.
-const LAND_WAIT_MS: i32 = 20;
 /// Reads of at least this many bytes are sent straight from stores that
 /// hand out their memory ([`Store::read_direct`]); smaller ones are
 /// gathered in the connection's buffer and leave together.
@@ -498,44 +486,18 @@ impl Socket {
         rustix::net::recv(self.fd(), look, flags).map_or(0, |(n, _)| n)
     }
 
-    /// Bytes waiting to be read.
-    fn available(&self) -> usize {
-        rustix::io::ioctl_fionread(self.fd()).map_or(0, |n| n as usize)
-    }
-
-    /// Wait up to `ms` milliseconds for `n` bytes to wait on the socket;
-    /// whether they do.
-    fn wait_for(&self, n: usize, ms: i32) -> bool {
-        if self.available() >= n {
-            return true;
-        }
-        if !self.tcp {
-            return false;
-        }
-        let set = |v: usize| {
-            let v = v as libc::c_int;
-            // SAFETY: `fd` is an open socket (see `Socket::fd`); the option
-            // value is a live c_int of the size given.
-            unsafe {
-                libc::setsockopt(
-                    self.fd,
-                    libc::SOL_SOCKET,
-                    libc::SO_RCVLOWAT,
-                    (&v as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                ) == 0
+    /// Receive into `parts` what waits on the socket, without waiting:
+    /// `None` if nothing waits, `Some(0)` at the end of the stream.
+    fn recv_now(&self, parts: &mut [IoSliceMut<'_>]) -> io::Result<Option<usize>> {
+        loop {
+            let flags = rustix::net::RecvFlags::DONTWAIT;
+            match rustix::net::recvmsg(self.fd(), parts, &mut Default::default(), flags) {
+                Ok(r) => return Ok(Some(r.bytes)),
+                Err(rustix::io::Errno::AGAIN) => return Ok(None),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
             }
-        };
-        if !set(n) {
-            return false;
         }
-        let fd = self.fd();
-        let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
-        let timeout = rustix::event::Timespec { tv_sec: 0, tv_nsec: ms as i64 * 1_000_000 };
-        let _ = rustix::event::poll(&mut fds, Some(&timeout));
-        // Back to the default, so that reads return what waits.
-        set(1);
-        self.available() >= n
     }
 
     /// Wait until something waits on the socket (or it ends or fails).
@@ -1084,39 +1046,56 @@ impl<S: Read + Write> Session<'_, S> {
     }
 
     /// Receive a write whose header `head` waits on the socket straight
-    /// into the store, header and payload in one `readv`, if the store
-    /// hands out its memory, the request is valid, and the whole payload
-    /// waits on the socket (or arrives within a moment): then the header
-    /// read, else `None` and nothing read.
+    /// into the store, if the store hands out its memory and the request
+    /// is valid: then the header read, else `None` and nothing read. The
+    /// payload is taken as it arrives, with receives that do not wait
+    /// (header and payload in one when they wait together); between them
+    /// the server waits for more with the store let go, so a client that
+    /// sends slowly holds no part of it. (A concurrent read of the range
+    /// may see part of the new bytes, as NBD allows for overlapping
+    /// requests in flight.)
     fn land_write(&mut self, head: &[u8; 28]) -> io::Result<Option<[u8; 28]>> {
         let Some(socket) = &self.socket else { return Ok(None) };
         let flags = u16::from_be_bytes(head[4..6].try_into().expect("2 bytes"));
         let offset = u64::from_be_bytes(head[16..24].try_into().expect("8 bytes"));
-        let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes"));
+        let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes")) as usize;
         if flags & !CMD_FLAG_FUA != 0
             || self.config.read_only
-            || !(LAND_MIN..=LAND_MAX).contains(&(len as usize))
-            || !self.in_bounds(offset, len)
-            || !socket.wait_for(28 + len as usize, LAND_WAIT_MS)
+            || len < LAND_MIN
+            || len > self.config.max_payload as usize
+            || !self.in_bounds(offset, len as u32)
         {
             return Ok(None);
         }
+        let store = self.store;
         let mut got = [0u8; 28];
-        let stream = &mut self.stream;
-        let landed = self.store.write_direct(offset, len as usize, &mut |parts| {
-            let mut all: Vec<IoSliceMut<'_>> = Vec::with_capacity(parts.len() + 1);
-            all.push(IoSliceMut::new(&mut got));
-            all.extend(parts.iter_mut().map(|p| IoSliceMut::new(&mut p[..])));
-            read_all_parts(stream, &mut all)
-        });
-        match landed {
-            None => Ok(None),
-            Some(r) => {
-                r?;
-                self.summary.landed_bytes += len as u64;
-                Ok(Some(got))
+        // Bytes of header and payload taken.
+        let mut have = 0;
+        while have < 28 + len {
+            let done = have.saturating_sub(28);
+            let mut taken = None;
+            let landed = store.write_direct(offset + done as u64, len - done, &mut |parts| {
+                let mut all: Vec<IoSliceMut<'_>> = Vec::with_capacity(parts.len() + 1);
+                if have < 28 {
+                    all.push(IoSliceMut::new(&mut got[have..]));
+                }
+                all.extend(parts.iter_mut().map(|p| IoSliceMut::new(&mut p[..])));
+                taken = socket.recv_now(&mut all)?;
+                Ok(())
+            });
+            match landed {
+                None if have == 0 => return Ok(None),
+                None => return Err(io::Error::other("the store no longer takes the write's payload")),
+                Some(r) => r?,
+            }
+            match taken {
+                Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Some(n) => have += n,
+                None => socket.wait_readable(),
             }
         }
+        self.summary.landed_bytes += len as u64;
+        Ok(Some(got))
     }
 
     /// Send a read reply (header `head`, then the store's bytes of the
