@@ -5,10 +5,12 @@
 //! Efficient and Portable Bulk Transfer Service" (the ETH bulk-transfer
 //! specification, chapter 7) describes. The front end here speaks the NBD
 //! protocol ([`nbd`]), so unmodified NBD clients (qemu-img, qemu-io,
-//! nbdcopy, nbdinfo, fio, the Linux nbd driver) use it; every payload goes
+//! nbdcopy, nbdinfo, fio, the Linux nbd driver) use it; a payload goes
 //! through the buffers of a Ferry pool, read from the socket into a buffer
 //! and written to the store from it, read from the store into a buffer and
-//! sent from it.
+//! sent from it — except where the store keeps its blocks in memory: then
+//! a large payload is received straight into the store and sent straight
+//! from it, one copy fewer per byte.
 //!
 //! The crate sits above the library: it uses `ferry`, `ferry` knows
 //! nothing of it. `ferry block serve` (in `ferry-cli`) is its command.

@@ -1,5 +1,5 @@
 //! The block service over Ferry channels: [`BlockClient`] and
-//! [`serve_channel`].
+//! [`serve_channel`](crate::serve_channel).
 //!
 //! As in the network block service of the ETH bulk-transfer specification,
 //! the client is the transmit master of its request channel: it assigns
@@ -34,8 +34,32 @@
 //!
 //! [`run_proxy`] is the client proxy: user domains of one host reach it
 //! over shared memory, and it forwards their requests over one channel to
-//! a remote server, their own buffers moved on as they came (reads through
-//! the proxy still move the user's buffer both ways over TCP).
+//! a remote server, their own buffers moved on as they came. A read
+//! through the proxy crosses TCP twice: the user's buffer goes to the
+//! server (its old bytes with it) and comes back filled. Why, and what
+//! would avoid it:
+//!
+//! * The proxy forwards the user's buffer with a move, and over TCP a move
+//!   carries its buffer's bytes — all of the pool's buffer size, whatever
+//!   the request's length — because a move hands the sink the contents;
+//!   the TCP wire format refuses a move without its payload. Only a pass
+//!   may go without its bytes ([`ferry::Channel::pass_unfilled`]), and the
+//!   proxy is the source on its server channel, so it cannot pass.
+//! * The direct TCP client avoids the crossing with packed read
+//!   descriptors and the server's read-data channel. The proxy could do
+//!   the same upstream, but the data would then arrive in buffers of the
+//!   server's pool, in the proxy's private memory, while the user waits
+//!   for its own shared-memory buffer: either the proxy copies the bytes
+//!   over (one memory copy in place of a second network crossing), or it
+//!   becomes the transmit master of a second channel to every user and
+//!   hands it the server's buffers — which live in memory of the TCP
+//!   backend's own mapping, not shared with the user.
+//! * The cheapest fix is a move whose contents do not matter to the sink
+//!   (a `move_unfilled` mirroring `pass_unfilled`; the wire format would
+//!   accept a move without payload): the proxy would forward read
+//!   requests without their bytes, and a read's bytes would cross TCP
+//!   once, as for a direct client. That is a change to the Ferry library's
+//!   channel API and TCP wire format.
 //!
 //! Request meta data (24 bytes, little-endian): op (1 byte: 0 `INFO`, 1
 //! `READ`, 2 `WRITE`, 3 `FLUSH`, 4 `TRIM`, 5 `WRITE_ZEROES`, 6 packed

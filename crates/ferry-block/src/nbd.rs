@@ -16,7 +16,16 @@
 //! Every write payload is read from the socket straight into a buffer of a
 //! Ferry pool (an [`Allocator`] per connection) and written to the store
 //! from there; every read reply is sent from the buffer the store filled
-//! (one `writev` of header and buffer). A structured read of 64 KiB or
+//! (one `writev` of header and buffer). Stores that keep their data in
+//! memory ([`MemStore`](crate::MemStore)) save that copy: a write of 64 KiB
+//! or more is received straight into the store's chunks as it arrives
+//! (receives that do not wait, header and payload in one when they wait
+//! together, [`Store::write_direct`]),
+//! and a read of 64 KiB or more is sent straight from them (one
+//! `sendmsg` that does not wait, [`Store::read_direct`]; what the socket
+//! does not take at once is copied into the connection's buffer and sent
+//! from there), so no client ever holds a part of the store while the
+//! server waits for it. A structured read of 64 KiB or
 //! more over zero extents of the store sends those as holes
 //! (`NBD_REPLY_TYPE_OFFSET_HOLE`): only the data crosses the wire.
 //!
@@ -244,6 +253,10 @@ pub struct ConnSummary {
     pub caches: u64,
     /// Requests answered with an error.
     pub errors: u64,
+    /// Bytes of writes received straight into the store (no copy).
+    pub landed_bytes: u64,
+    /// Bytes of reads sent straight from the store (no copy).
+    pub sent_direct_bytes: u64,
     /// How it ended, in a few words.
     pub end: String,
     /// How long it lasted.
@@ -259,7 +272,7 @@ impl fmt::Display for ConnSummary {
         }
         write!(
             f,
-            ": {} reads ({:.1} MiB), {} writes ({:.1} MiB), {} flushes, {} trims, {} write-zeroes, {} block-status, {} cache, {} errors",
+            ": {} reads ({:.1} MiB), {} writes ({:.1} MiB), {} flushes, {} trims, {} write-zeroes, {} block-status, {} cache, {} errors; {:.1} MiB received into and {:.1} MiB sent from the store without a copy",
             self.reads,
             mib(self.read_bytes),
             self.writes,
@@ -269,7 +282,9 @@ impl fmt::Display for ConnSummary {
             self.zeroes,
             self.block_status,
             self.caches,
-            self.errors
+            self.errors,
+            mib(self.landed_bytes),
+            mib(self.sent_direct_bytes)
         )
     }
 }
@@ -377,15 +392,10 @@ impl NbdServer {
             };
             let (store, config, on_end) = (self.store.clone(), self.config.clone(), on_end.clone());
             let spawned = std::thread::Builder::new().name(format!("nbd {peer}")).spawn(move || {
-                let peek = move |look: &mut [u8]| {
-                    // SAFETY: `fd` is the socket of `stream`, which
-                    // `serve_peeking` owns (and so keeps open) for as long
-                    // as it calls this.
-                    let fd = unsafe { BorrowedFd::borrow_raw(fd) };
-                    let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
-                    rustix::net::recv(fd, look, flags).map_or(0, |(n, _)| n)
-                };
-                let summary = serve_peeking(stream, &*store, &config, peer, Some(Box::new(peek)));
+                // `fd` is the socket of `stream`, which `serve_socket` owns
+                // (and so keeps open) for as long as it uses `socket`.
+                let socket = Socket { fd };
+                let summary = serve_socket(stream, &*store, &config, peer, Some(socket));
                 on_end(&summary);
             });
             if spawned.is_err() {
@@ -442,22 +452,92 @@ pub fn serve_connection<S: Read + Write>(
     config: &ServerConfig,
     peer: String,
 ) -> ConnSummary {
-    serve_peeking(stream, store, config, peer, None)
+    serve_socket(stream, store, config, peer, None)
 }
 
-/// Look at what waits on the socket without taking it or waiting: the
-/// bytes copied into the slice (0 if nothing waits).
-type Peek<'a> = Box<dyn FnMut(&mut [u8]) -> usize + 'a>;
+/// The socket under a connection's stream, for what a byte stream cannot
+/// do: look at what waits without taking it, wait until something waits,
+/// receive and send without waiting.
+struct Socket {
+    /// Open as long as the stream it belongs to.
+    fd: RawFd,
+}
 
-/// [`serve_connection`], with a way to look at the requests already
-/// waiting on the socket: then the headers of several requests are taken
-/// in one read, and the replies to consecutive reads leave in one write.
-fn serve_peeking<S: Read + Write>(
+/// Smallest write payload received straight into the store: below it the
+/// copy from the connection's buffer costs next to nothing.
+const LAND_MIN: usize = 64 << 10;
+/// Reads of at least this many bytes are sent straight from stores that
+/// hand out their memory ([`Store::read_direct`]); smaller ones are
+/// gathered in the connection's buffer and leave together.
+const DIRECT_READ_MIN: usize = 64 << 10;
+
+impl Socket {
+    fn fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: `fd` stays open as long as the stream it belongs to,
+        // which outlives the session holding this `Socket` (see
+        // `NbdServer::run`).
+        unsafe { BorrowedFd::borrow_raw(self.fd) }
+    }
+
+    /// Copy what waits on the socket into `look` without taking it or
+    /// waiting: the number of bytes (0 if nothing waits or on an error).
+    fn peek(&self, look: &mut [u8]) -> usize {
+        let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+        rustix::net::recv(self.fd(), look, flags).map_or(0, |(n, _)| n)
+    }
+
+    /// Receive into `parts` what waits on the socket, without waiting:
+    /// `None` if nothing waits, `Some(0)` at the end of the stream.
+    fn recv_now(&self, parts: &mut [IoSliceMut<'_>]) -> io::Result<Option<usize>> {
+        loop {
+            let flags = rustix::net::RecvFlags::DONTWAIT;
+            match rustix::net::recvmsg(self.fd(), parts, &mut Default::default(), flags) {
+                Ok(r) => return Ok(Some(r.bytes)),
+                Err(rustix::io::Errno::AGAIN) => return Ok(None),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Wait until something waits on the socket (or it ends or fails).
+    fn wait_readable(&self) {
+        let fd = self.fd();
+        let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+        loop {
+            match rustix::event::poll(&mut fds, None) {
+                Err(rustix::io::Errno::INTR) => {}
+                _ => return,
+            }
+        }
+    }
+
+    /// Send as much of `parts` as the socket takes now: the bytes sent
+    /// (0 if its buffer is full).
+    fn send_now(&self, parts: &[IoSlice<'_>]) -> io::Result<usize> {
+        let flags = rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL;
+        loop {
+            match rustix::net::sendmsg(self.fd(), parts, &mut Default::default(), flags) {
+                Ok(n) => return Ok(n),
+                Err(rustix::io::Errno::AGAIN) => return Ok(0),
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+/// [`serve_connection`], with the socket under the stream: then the
+/// headers of several requests are taken in one read, the replies to
+/// consecutive reads leave in one write, and (for stores that hand out
+/// their memory) write payloads are received straight into the store and
+/// large reads sent straight from it.
+fn serve_socket<S: Read + Write>(
     stream: S,
     store: &dyn Store,
     config: &ServerConfig,
     peer: String,
-    peek: Option<Peek<'_>>,
+    socket: Option<Socket>,
 ) -> ConnSummary {
     let started = Instant::now();
     let mut session = Session {
@@ -469,7 +549,8 @@ fn serve_peeking<S: Read + Write>(
         no_zeroes: false,
         buffer: None,
         summary: ConnSummary { peer, ..ConnSummary::default() },
-        peek,
+        socket,
+        landed: false,
         staged: std::collections::VecDeque::new(),
         replies: Vec::new(),
         cursor: 0,
@@ -504,7 +585,9 @@ struct Session<'a, S> {
     /// buffer every payload goes through.
     buffer: Option<(Allocator, Buffer)>,
     summary: ConnSummary,
-    peek: Option<Peek<'a>>,
+    socket: Option<Socket>,
+    /// The next request's payload is in the store already.
+    landed: bool,
     /// Request headers taken from the socket, not yet served.
     staged: std::collections::VecDeque<[u8; 28]>,
     /// Read replies not yet sent: (header, header length, data offset in
@@ -896,7 +979,17 @@ impl<S: Read + Write> Session<'_, S> {
             return Ok(h);
         }
         let mut look = [0u8; 28 * 64];
-        let seen = self.peek.as_mut().map_or(0, |p| p(&mut look));
+        let mut seen = self.socket.as_ref().map_or(0, |s| s.peek(&mut look));
+        if seen == 0 && self.socket.is_some() {
+            // Nothing is waiting: the replies go, then wait until
+            // something is, and look at it (a write seen whole can land in
+            // the store). Nothing after the wait: the stream says why (end
+            // of file, error).
+            self.flush_replies()?;
+            let socket = self.socket.as_ref().expect("checked above");
+            socket.wait_readable();
+            seen = socket.peek(&mut look);
+        }
         let mut whole = 0;
         while whole + 28 <= seen {
             let h = &look[whole..whole + 28];
@@ -917,6 +1010,12 @@ impl<S: Read + Write> Session<'_, S> {
             {
                 if self.cursor > 0 {
                     self.flush_replies()?;
+                }
+                let head: [u8; 28] = look[..28].try_into().expect("28 bytes");
+                if let Some(head) = self.land_write(&head)? {
+                    self.payload_read = true;
+                    self.landed = true;
+                    return Ok(head);
                 }
                 self.buffer().map_err(|e| match e {
                     End::Hard(why) => io::Error::other(why),
@@ -944,6 +1043,107 @@ impl<S: Read + Write> Session<'_, S> {
         let mut head = [0u8; 28];
         self.stream.read_exact(&mut head)?;
         Ok(head)
+    }
+
+    /// Receive a write whose header `head` waits on the socket straight
+    /// into the store, if the store hands out its memory and the request
+    /// is valid: then the header read, else `None` and nothing read. The
+    /// payload is taken as it arrives, with receives that do not wait
+    /// (header and payload in one when they wait together); between them
+    /// the server waits for more with the store let go, so a client that
+    /// sends slowly holds no part of it. (A concurrent read of the range
+    /// may see part of the new bytes, as NBD allows for overlapping
+    /// requests in flight.)
+    fn land_write(&mut self, head: &[u8; 28]) -> io::Result<Option<[u8; 28]>> {
+        let Some(socket) = &self.socket else { return Ok(None) };
+        let flags = u16::from_be_bytes(head[4..6].try_into().expect("2 bytes"));
+        let offset = u64::from_be_bytes(head[16..24].try_into().expect("8 bytes"));
+        let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes")) as usize;
+        if flags & !CMD_FLAG_FUA != 0
+            || self.config.read_only
+            || len < LAND_MIN
+            || len > self.config.max_payload as usize
+            || !self.in_bounds(offset, len as u32)
+        {
+            return Ok(None);
+        }
+        let store = self.store;
+        let mut got = [0u8; 28];
+        // Bytes of header and payload taken.
+        let mut have = 0;
+        while have < 28 + len {
+            let done = have.saturating_sub(28);
+            let mut taken = None;
+            let landed = store.write_direct(offset + done as u64, len - done, &mut |parts| {
+                let mut all: Vec<IoSliceMut<'_>> = Vec::with_capacity(parts.len() + 1);
+                if have < 28 {
+                    all.push(IoSliceMut::new(&mut got[have..]));
+                }
+                all.extend(parts.iter_mut().map(|p| IoSliceMut::new(&mut p[..])));
+                taken = socket.recv_now(&mut all)?;
+                Ok(())
+            });
+            match landed {
+                None if have == 0 => return Ok(None),
+                None => return Err(io::Error::other("the store no longer takes the write's payload")),
+                Some(r) => r?,
+            }
+            match taken {
+                Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Some(n) => have += n,
+                None => socket.wait_readable(),
+            }
+        }
+        self.summary.landed_bytes += len as u64;
+        Ok(Some(got))
+    }
+
+    /// Send a read reply (header `head`, then the store's bytes of the
+    /// range) straight from the store's memory, as far as the socket takes
+    /// it at once; the rest is copied into the connection's buffer and
+    /// sent from there once the store is let go. False if the store cannot
+    /// hand out its memory (nothing sent).
+    fn send_direct(&mut self, head: &[u8], offset: u64, len: usize) -> Step<bool> {
+        if self.socket.is_none() {
+            return Ok(false);
+        }
+        self.flush_replies()?;
+        self.buffer()?;
+        let Session { socket, buffer, store, .. } = self;
+        let socket = socket.as_ref().expect("checked above");
+        let (_, buf) = buffer.as_mut().expect("made above");
+        let mem = buf.as_mut_slice().map_err(|e| End::Hard(format!("connection buffer not writable ({e})")))?;
+        // Of the reply, the bytes sent at once.
+        let mut sent = 0;
+        let done = store.read_direct(offset, len, &mut |parts| {
+            let mut all: Vec<IoSlice<'_>> = Vec::with_capacity(parts.len() + 1);
+            all.push(IoSlice::new(head));
+            all.extend_from_slice(parts);
+            sent = socket.send_now(&all)?;
+            // What did not go: into the connection's buffer.
+            let mut skip = sent.saturating_sub(head.len());
+            let mut at = 0;
+            for p in parts {
+                let from = skip.min(p.len());
+                skip -= from;
+                let n = p.len() - from;
+                mem[at..at + n].copy_from_slice(&p[from..]);
+                at += n;
+            }
+            Ok(())
+        });
+        match done {
+            None => return Ok(false),
+            Some(r) => r?,
+        }
+        let data_sent = sent.saturating_sub(head.len());
+        self.summary.sent_direct_bytes += data_sent as u64;
+        if sent < head.len() + len {
+            let head_rest = &head[sent.min(head.len())..];
+            let (_, buf) = self.buffer.as_ref().expect("made above");
+            write_all_parts(&mut self.stream, &mut [IoSlice::new(head_rest), IoSlice::new(&buf[..len - data_sent])])?;
+        }
+        Ok(true)
     }
 
     /// Send the queued read replies, in one write.
@@ -1046,6 +1246,14 @@ impl<S: Read + Write> Session<'_, S> {
                 }
             }
         }
+        if len >= DIRECT_READ_MIN && self.socket.is_some() {
+            let (head, hlen) = self.read_reply_head(req, len);
+            if self.send_direct(&head[..hlen], req.offset, len)? {
+                self.summary.reads += 1;
+                self.summary.read_bytes += len as u64;
+                return Ok(());
+            }
+        }
         // The data goes after the data of the replies queued before it (if
         // it fits; else those leave first).
         if self.cursor + len > (self.config.max_payload as usize).min(MAX_QUEUED_BYTES.max(len)) {
@@ -1062,6 +1270,20 @@ impl<S: Read + Write> Session<'_, S> {
         }
         self.summary.reads += 1;
         self.summary.read_bytes += len as u64;
+        let (head, hlen) = self.read_reply_head(req, len);
+        self.replies.push((head, hlen, at, len));
+        self.cursor = at + len;
+        // Sent with the replies that follow, once no request waits (or the
+        // queue is full).
+        if self.replies.len() >= MAX_QUEUED_REPLIES || self.cursor >= MAX_QUEUED_BYTES {
+            self.flush_replies()?;
+        }
+        Ok(())
+    }
+
+    /// The header of a successful read's reply (`len` bytes of data) and
+    /// its length.
+    fn read_reply_head(&self, req: Request, len: usize) -> ([u8; 28], usize) {
         let mut head = [0u8; 28];
         let hlen = if self.structured {
             head[..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
@@ -1076,14 +1298,7 @@ impl<S: Read + Write> Session<'_, S> {
             head[8..16].copy_from_slice(&req.handle.to_be_bytes());
             16
         };
-        self.replies.push((head, hlen, at, len));
-        self.cursor = at + len;
-        // Sent with the replies that follow, once no request waits (or the
-        // queue is full).
-        if self.replies.len() >= MAX_QUEUED_REPLIES || self.cursor >= MAX_QUEUED_BYTES {
-            self.flush_replies()?;
-        }
-        Ok(())
+        (head, hlen)
     }
 
     /// A structured read of a range with zero extents: an
@@ -1133,6 +1348,7 @@ impl<S: Read + Write> Session<'_, S> {
         // The payload is read in any case: what follows it is the next request.
         self.buffer()?;
         let payload_read = std::mem::take(&mut self.payload_read);
+        let landed = std::mem::take(&mut self.landed);
         let Session { stream, buffer, .. } = self;
         let (_, buf) = buffer.as_mut().expect("made just now");
         let mem = buf.as_mut_slice().map_err(|e| End::Hard(format!("connection buffer not writable ({e})")))?;
@@ -1159,7 +1375,17 @@ impl<S: Read + Write> Session<'_, S> {
         }
         let fua = req.flags & CMD_FLAG_FUA != 0;
         let (_, buf) = self.buffer.as_ref().expect("made above");
-        if let Err(e) = self.store.write_at(req.offset, &buf[..len], fua) {
+        let stored = if landed {
+            // The payload is in the store already.
+            if fua {
+                self.store.flush()
+            } else {
+                Ok(())
+            }
+        } else {
+            self.store.write_at(req.offset, &buf[..len], fua)
+        };
+        if let Err(e) = stored {
             return Ok(self.error(req.handle, nbd_errno(&e), &format!("write failed: {e}"))?);
         }
         self.summary.writes += 1;

@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::OpenOptions;
-use std::io;
+use std::io::{self, IoSlice, IoSliceMut};
 use std::num::NonZeroU64;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -65,6 +65,39 @@ pub trait Store: Send + Sync {
     /// starting at `offset`, together at most `len` bytes and at most
     /// `max_extents` of them (at least one when `len > 0`).
     fn extents(&self, offset: u64, len: u64, max_extents: usize) -> io::Result<Vec<Extent>>;
+
+    /// Hand the store's own memory for `[offset, offset+len)` to `fill`,
+    /// which must fill every byte of the slices (say, with one `readv`
+    /// from a socket): the write then costs no copy. The range is locked
+    /// against other requests while `fill` runs, so `fill` must not wait
+    /// long (have the bytes at hand). `None`, without calling `fill`, if
+    /// the store cannot (the caller then uses [`Store::write_at`]); else
+    /// what `fill` returned (on an error the range holds some of the new
+    /// bytes). A store that keeps data in memory implements it;
+    /// the default says `None`.
+    fn write_direct(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _fill: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> io::Result<()>,
+    ) -> Option<io::Result<()>> {
+        None
+    }
+
+    /// Show `send` the bytes of `[offset, offset+len)` where they live
+    /// (holes as zeroes), for one vectored send without a copy; the range
+    /// is locked against writes while `send` runs, so `send` must not
+    /// wait long. `None`, without calling `send`, if the store cannot
+    /// (the caller then uses [`Store::read_at`]); else what `send`
+    /// returned. The default says `None`.
+    fn read_direct(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _send: &mut dyn FnMut(&[IoSlice<'_>]) -> io::Result<()>,
+    ) -> Option<io::Result<()>> {
+        None
+    }
 
     /// A hint that the range will be read soon.
     fn cache(&self, _offset: u64, _len: u64) -> io::Result<()> {
@@ -182,6 +215,11 @@ pub const MEM_CHUNK: u64 = 64 << 10;
 /// Sparse memory: a map of allocated 64 KiB chunks. Untouched chunks cost
 /// nothing and read as zeroes; trimming or zeroing a whole chunk frees it.
 ///
+/// Every chunk has a lock of its own, so [`Store::write_direct`] and
+/// [`Store::read_direct`] can hand the chunks' memory to a socket call
+/// (a write's payload received straight into the store, a read's reply
+/// sent straight from it) while requests on other chunks go on.
+///
 /// ```
 /// use ferry_block::{MemStore, Store};
 /// let s = MemStore::new(1 << 30)?;            // 1 GiB, nothing allocated
@@ -197,7 +235,18 @@ pub const MEM_CHUNK: u64 = 64 << 10;
 #[derive(Debug)]
 pub struct MemStore {
     size: u64,
-    chunks: RwLock<BTreeMap<u64, Box<[u8]>>>,
+    /// Lock order: the map, then chunks in ascending order.
+    chunks: RwLock<BTreeMap<u64, Chunk>>,
+}
+
+/// One allocated chunk of a [`MemStore`].
+type Chunk = RwLock<Box<[u8]>>;
+
+/// What a hole reads as: one chunk of zeroes.
+static ZERO_CHUNK: [u8; MEM_CHUNK as usize] = [0; MEM_CHUNK as usize];
+
+fn new_chunk() -> Chunk {
+    RwLock::new(vec![0u8; MEM_CHUNK as usize].into_boxed_slice())
 }
 
 impl MemStore {
@@ -231,12 +280,29 @@ impl MemStore {
             if whole && may_free {
                 chunks.remove(&index);
             } else if let Some(chunk) = chunks.get_mut(&index) {
-                chunk[at..at + n].fill(0);
+                chunk.get_mut().unwrap_or_else(|e| e.into_inner())[at..at + n].fill(0);
             } else if !may_free {
-                chunks.insert(index, vec![0u8; MEM_CHUNK as usize].into_boxed_slice());
+                chunks.insert(index, new_chunk());
             }
         }
         Ok(())
+    }
+
+    /// The map, read-locked, with every chunk of `[offset, offset+len)`
+    /// allocated.
+    fn allocated(&self, offset: u64, len: u64) -> std::sync::RwLockReadGuard<'_, BTreeMap<u64, Chunk>> {
+        loop {
+            let chunks = self.chunks.read().unwrap_or_else(|e| e.into_inner());
+            if pieces(offset, len).all(|(index, _, _)| chunks.contains_key(&index)) {
+                return chunks;
+            }
+            drop(chunks);
+            let mut chunks = self.chunks.write().unwrap_or_else(|e| e.into_inner());
+            for (index, _, _) in pieces(offset, len) {
+                chunks.entry(index).or_insert_with(new_chunk);
+            }
+            // A trim may free some again between the two locks: look again.
+        }
     }
 }
 
@@ -272,7 +338,7 @@ impl Store for MemStore {
         for (index, at, n) in pieces(offset, buf.len() as u64) {
             let out = &mut buf[done..done + n];
             match chunks.get(&index) {
-                Some(chunk) => out.copy_from_slice(&chunk[at..at + n]),
+                Some(chunk) => out.copy_from_slice(&chunk.read().unwrap_or_else(|e| e.into_inner())[at..at + n]),
                 None => out.fill(0),
             }
             done += n;
@@ -282,14 +348,56 @@ impl Store for MemStore {
 
     fn write_at(&self, offset: u64, buf: &[u8], _fua: bool) -> io::Result<()> {
         self.check(offset, buf.len() as u64)?;
-        let mut chunks = self.chunks.write().unwrap_or_else(|e| e.into_inner());
+        let chunks = self.allocated(offset, buf.len() as u64);
         let mut done = 0;
         for (index, at, n) in pieces(offset, buf.len() as u64) {
-            let chunk = chunks.entry(index).or_insert_with(|| vec![0u8; MEM_CHUNK as usize].into_boxed_slice());
+            let mut chunk = chunks[&index].write().unwrap_or_else(|e| e.into_inner());
             chunk[at..at + n].copy_from_slice(&buf[done..done + n]);
             done += n;
         }
         Ok(())
+    }
+
+    fn write_direct(
+        &self,
+        offset: u64,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [IoSliceMut<'_>]) -> io::Result<()>,
+    ) -> Option<io::Result<()>> {
+        self.check(offset, len as u64).ok()?;
+        let chunks = self.allocated(offset, len as u64);
+        // Ascending order, as every other holder of several chunks.
+        let mut guards: Vec<_> = pieces(offset, len as u64)
+            .map(|(index, _, _)| chunks[&index].write().unwrap_or_else(|e| e.into_inner()))
+            .collect();
+        let mut parts: Vec<IoSliceMut<'_>> = guards
+            .iter_mut()
+            .zip(pieces(offset, len as u64))
+            .map(|(chunk, (_, at, n))| IoSliceMut::new(&mut chunk[at..at + n]))
+            .collect();
+        Some(fill(&mut parts))
+    }
+
+    fn read_direct(
+        &self,
+        offset: u64,
+        len: usize,
+        send: &mut dyn FnMut(&[IoSlice<'_>]) -> io::Result<()>,
+    ) -> Option<io::Result<()>> {
+        self.check(offset, len as u64).ok()?;
+        let chunks = self.chunks.read().unwrap_or_else(|e| e.into_inner());
+        let guards: Vec<_> = pieces(offset, len as u64)
+            .map(|(index, _, _)| chunks.get(&index).map(|c| c.read().unwrap_or_else(|e| e.into_inner())))
+            .collect();
+        let parts: Vec<IoSlice<'_>> = guards
+            .iter()
+            .zip(pieces(offset, len as u64))
+            .map(|(chunk, (_, at, n))| match chunk {
+                Some(chunk) => IoSlice::new(&chunk[at..at + n]),
+                None => IoSlice::new(&ZERO_CHUNK[at..at + n]),
+            })
+            .collect();
+        Some(send(&parts))
     }
 
     fn flush(&self) -> io::Result<()> {
@@ -694,6 +802,58 @@ mod tests {
         let at = page.as_ptr().align_offset(4096);
         s.read_at(0, &mut page[at..at + 4096]).unwrap();
         assert_eq!(&page[at + 100..at + 104], b"ke\0t");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn memory_hands_out_its_chunks_for_direct_writes_and_reads() {
+        let s = MemStore::new(4 * MEM_CHUNK + 100).unwrap();
+        // A write across three chunks, filled in place through the slices.
+        let at = MEM_CHUNK - 10;
+        let len = MEM_CHUNK as usize + 20;
+        let data: Vec<u8> = (0..len).map(|i| (i * 13 % 251) as u8).collect();
+        let mut lens = Vec::new();
+        let r = s.write_direct(at, len, &mut |parts| {
+            let mut done = 0;
+            for p in parts.iter_mut() {
+                let n = p.len();
+                lens.push(n);
+                p.copy_from_slice(&data[done..done + n]);
+                done += n;
+            }
+            Ok(())
+        });
+        assert!(matches!(r, Some(Ok(()))));
+        assert_eq!(lens, vec![10, MEM_CHUNK as usize, 10], "the store's own chunks, one slice each");
+        assert_eq!(s.allocated_bytes(), 3 * MEM_CHUNK);
+        let mut back = vec![0u8; len];
+        s.read_at(at, &mut back).unwrap();
+        assert!(back == data);
+        // A read over data and a hole: the chunks' bytes, zeroes for the hole,
+        // nothing allocated by reading.
+        let mut seen = Vec::new();
+        let r = s.read_direct(2 * MEM_CHUNK, 2 * MEM_CHUNK as usize + 50, &mut |parts| {
+            for p in parts {
+                seen.extend_from_slice(p);
+            }
+            Ok(())
+        });
+        assert!(matches!(r, Some(Ok(()))));
+        assert_eq!(seen.len(), 2 * MEM_CHUNK as usize + 50);
+        assert_eq!(&seen[..10], &data[len - 10..]);
+        assert!(seen[10..].iter().all(|&b| b == 0));
+        assert_eq!(s.allocated_bytes(), 3 * MEM_CHUNK);
+        // The error of the caller's I/O comes back; past the end: None,
+        // without calling the caller.
+        let r = s.write_direct(0, 5, &mut |_| Err(io::Error::other("socket gone")));
+        assert_eq!(r.map(|r| r.is_err()), Some(true));
+        assert!(s.write_direct(4 * MEM_CHUNK, 101, &mut |_| panic!("called")).is_none());
+        assert!(s.read_direct(u64::MAX, 1, &mut |_| panic!("called")).is_none());
+        // A file store does not hand out memory: callers use read_at/write_at.
+        let dir = scratch("direct");
+        let f = FileStore::open(&dir.join("d.img"), Some(1 << 20), false).unwrap();
+        assert!(f.write_direct(0, 5, &mut |_| panic!("called")).is_none());
+        assert!(f.read_direct(0, 5, &mut |_| panic!("called")).is_none());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -336,6 +336,10 @@ def expect(name, err, f):
     sys.exit(1)
 expect("read past the end", errno.EINVAL, lambda: h.pread(4096, size - 1024))
 expect("read starting past the end", errno.EINVAL, lambda: h.pread(512, size + 4096))
+# Writes (and write-zeroes) past the end: ENOSPC, as the NBD specification
+# says a server SHOULD answer a write beyond the size of the device (as
+# nbdkit does, and libnbd itself in strict mode); everything else past the
+# end: EINVAL (nbdkit's answers too; qemu-nbd answers EINVAL to all).
 expect("write past the end", errno.ENOSPC, lambda: h.pwrite(b"x" * 4096, size - 1024))
 expect("trim past the end", errno.EINVAL, lambda: h.trim(8192, size - 4096))
 expect("zero past the end", errno.ENOSPC, lambda: h.zero(8192, size - 4096))
