@@ -20,9 +20,10 @@ use std::sync::Arc;
 
 use crate::buffer::{Buffer, BufferCopy, BufferId};
 use crate::error::{Error, Refused, Result};
+use crate::proto::FragEntry;
 
 /// The buffer behind a fragment, held read-only.
-enum Held {
+pub(crate) enum Held {
     /// An owned buffer; dropping it puts it back on its domain's free list.
     Owned(Buffer),
     /// A received copy; dropping it releases it the next time its channel runs.
@@ -30,18 +31,51 @@ enum Held {
 }
 
 impl Held {
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             Held::Owned(b) => b,
             Held::Copy(c) => c,
         }
     }
 
-    fn id(&self) -> BufferId {
+    pub(crate) fn id(&self) -> BufferId {
         match self {
             Held::Owned(b) => b.id(),
             Held::Copy(c) => c.id(),
         }
+    }
+
+    /// The domain whose handle this is.
+    pub(crate) fn domain_id(&self) -> u64 {
+        match self {
+            Held::Owned(b) => b.domain_id(),
+            Held::Copy(c) => c.domain_id(),
+        }
+    }
+}
+
+/// An aggregate taken apart for sending: its distinct buffer handles, in
+/// the order of their first fragment, and the fragment table naming them
+/// by position.
+pub(crate) struct Parts {
+    /// The distinct buffers (`None` once one has been moved away).
+    pub members: Vec<Option<Arc<Held>>>,
+    /// The fragments in order.
+    pub entries: Vec<FragEntry>,
+}
+
+impl Parts {
+    /// The aggregate of the fragments whose buffers are still here (all
+    /// of them unless some were moved away).
+    pub(crate) fn rebuild(self) -> Aggregate {
+        let mut a = Aggregate::new();
+        for e in &self.entries {
+            if let Some(Some(held)) = self.members.get(e.member as usize) {
+                let (start, end) = (e.offset as usize, (e.offset + e.len) as usize);
+                a.append(Aggregate { frags: [Frag { held: Arc::clone(held), start, end }].into(), len: end - start });
+            }
+        }
+        a
     }
 }
 
@@ -397,6 +431,46 @@ impl Aggregate {
     /// ([`Units::copies`] counts those).
     pub fn units(&self, unit: Unit) -> Units<'_> {
         Units { agg: self, frag: 0, off: 0, pos: 0, unit, copies: 0, copied_bytes: 0 }
+    }
+}
+
+impl Aggregate {
+    /// The distinct buffer handles (in the order of their first fragment)
+    /// and the fragment table, without taking the aggregate apart: for the
+    /// checks before a send.
+    pub(crate) fn distinct(&self) -> (Vec<&Arc<Held>>, Vec<FragEntry>) {
+        let mut members: Vec<&Arc<Held>> = Vec::new();
+        let mut entries = Vec::with_capacity(self.frags.len());
+        for f in &self.frags {
+            // Linear search: aggregates have few distinct buffers; a map
+            // keyed by address pays off only for hundreds.
+            let member = match members.iter().position(|m| Arc::ptr_eq(m, &f.held)) {
+                Some(i) => i,
+                None => {
+                    members.push(&f.held);
+                    members.len() - 1
+                }
+            };
+            entries.push(FragEntry { member: member as u32, offset: f.start as u64, len: f.len() as u64 });
+        }
+        (members, entries)
+    }
+
+    /// Take the aggregate apart: afterwards each member's reference count
+    /// counts this aggregate once (and every other aggregate or clone that
+    /// shares the buffer).
+    pub(crate) fn into_parts(self) -> Parts {
+        let (members, entries) = self.distinct();
+        let members = members.into_iter().map(|m| Some(Arc::clone(m))).collect();
+        drop(self);
+        Parts { members, entries }
+    }
+
+    /// The aggregate a received run describes: `members` in the order
+    /// they arrived, `entries` checked against them
+    /// ([`AggRun`](crate::proto::AggRun) did).
+    pub(crate) fn from_received(members: Vec<Held>, entries: &[FragEntry]) -> Aggregate {
+        Parts { members: members.into_iter().map(|h| Some(Arc::new(h))).collect(), entries: entries.to_vec() }.rebuild()
     }
 }
 
