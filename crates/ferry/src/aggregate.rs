@@ -434,7 +434,60 @@ impl Aggregate {
     }
 }
 
+/// A buffer handle taken back out of an aggregate
+/// ([`Aggregate::into_members`]).
+#[derive(Debug)]
+pub enum Member {
+    /// A buffer this domain owns (read-write again once no copies are out).
+    Buffer(Buffer),
+    /// A read-only copy this domain holds.
+    Copy(BufferCopy),
+}
+
 impl Aggregate {
+    /// The aggregate's buffers as handles again, one per distinct buffer in
+    /// the order of their first fragment: an owned [`Buffer`] can then be
+    /// written, moved or passed back to its sender (fbufs' buffer caching
+    /// with the channel operations), a [`BufferCopy`] released or forwarded.
+    /// Only when the aggregate is the last reference to each of them:
+    /// otherwise (a clone or a piece of a split still refers to one) the
+    /// aggregate comes back unchanged.
+    ///
+    /// ```
+    /// use ferry::{Aggregate, Allocator, Domain, Member, PoolConstraints};
+    /// let alloc = Allocator::new(&Domain::new("d"), 2, 4096, PoolConstraints::default())?;
+    /// let agg = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"abc")?;
+    /// let other = agg.clone();
+    /// let agg = agg.into_members().unwrap_err(); // `other` shares the buffer
+    /// drop(other);
+    /// let Ok(mut members) = agg.into_members() else { panic!() };
+    /// let Some(Member::Buffer(mut buf)) = members.pop() else { panic!() };
+    /// assert_eq!(&buf[..3], b"abc");
+    /// buf.as_mut_slice()?[0] = b'x'; // ours to write again
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn into_members(self) -> Result<Vec<Member>, Aggregate> {
+        let (members, entries) = self.distinct();
+        let mut refs = vec![0usize; members.len()];
+        for e in &entries {
+            refs[e.member as usize] += 1;
+        }
+        if members.iter().zip(&refs).any(|(m, n)| Arc::strong_count(m) != *n) {
+            return Err(self);
+        }
+        Ok(self
+            .into_parts()
+            .members
+            .into_iter()
+            .flatten()
+            .map(|held| match Arc::try_unwrap(held) {
+                Ok(Held::Owned(b)) => Member::Buffer(b),
+                Ok(Held::Copy(c)) => Member::Copy(c),
+                Err(_) => unreachable!("the aggregate held the only references"),
+            })
+            .collect())
+    }
+
     /// The distinct buffer handles (in the order of their first fragment)
     /// and the fragment table, without taking the aggregate apart: for the
     /// checks before a send.

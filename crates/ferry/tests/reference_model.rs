@@ -16,7 +16,7 @@ use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
-use model::gen::{pick_step, setup, RawStep, Step, META};
+use model::gen::{pick_step, setup, use_aggregates, RawStep, Step, META};
 
 const A: DomainId = 0;
 const B: DomainId = 1;
@@ -703,6 +703,7 @@ impl Coverage {
 /// Run one sequence; check the invariants after every step and that a
 /// refused operation changed nothing.
 fn run_case(trusts: &[u8], steps: &[RawStep], cov: &mut Coverage) -> Result<(), TestCaseError> {
+    use_aggregates(true);
     let mut m = setup(trusts);
     m.check_invariants().map_err(TestCaseError::fail)?;
     let mut trace = Vec::new();
@@ -742,6 +743,7 @@ fn run_case(trusts: &[u8], steps: &[RawStep], cov: &mut Coverage) -> Result<(), 
                     Op::Copy { domain, buf, .. } if before.owner(buf) != domain => cov.bump("forwarded_copies"),
                     Op::FullCopy { .. } => cov.bump("full_copies"),
                     Op::Move { .. } | Op::Pass { .. } => cov.bump("moves_and_passes"),
+                    Op::SendAggregate { .. } => cov.bump("aggregates"),
                     _ => {}
                 }
                 if let Outcome::Delivered { event, .. } = outcome {
@@ -752,6 +754,7 @@ fn run_case(trusts: &[u8], steps: &[RawStep], cov: &mut Coverage) -> Result<(), 
                         Event::PoolRemoveRefused { .. } => cov.bump("refused_removals"),
                         Event::CopyReleased { writable: true, .. } => cov.bump("writable_again"),
                         Event::Closed => cov.bump("teardowns_completed"),
+                        Event::AggregateReceived { .. } => cov.bump("aggregates_delivered"),
                         _ => {}
                     }
                 }
