@@ -1814,6 +1814,8 @@ impl Channel {
     }
 
     fn close_with(&mut self, mut last: Vec<Message>) {
+        // An aggregate run cut short by the close: its buffers go back now.
+        drop(self.assembling.take());
         self.state = ChannelState::Closed;
         let mut pending: Vec<Message> = self.outbox.drain(..).collect();
         pending.append(&mut last);
