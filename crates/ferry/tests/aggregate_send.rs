@@ -508,7 +508,7 @@ mod hostile {
     /// kept anywhere (the victim's domain lets go of the peer's pool).
     #[test]
     fn malformed_runs_are_protocol_errors() {
-        let attacks: [(&str, Attack); 10] = [
+        let attacks: [(&str, Attack); 12] = [
             ("member ordinal out of range", |p| {
                 header(p, 1, 1, 10);
                 member(p, 0);
@@ -551,6 +551,14 @@ mod hostile {
                 p.frame(MOVE, FLAG_PAYLOAD, 0, SIZE as u64, POOL, b"m", &[0; SIZE]);
             }),
             ("impossible counts", |p| header(p, 70_000, 70_000, 70_000)),
+            ("a member the victim may not receive (a pass)", |p| {
+                header(p, 1, 1, 10);
+                p.frame(3, FLAG_PAYLOAD, 0, SIZE as u64, POOL, &[], &[0; SIZE]);
+            }),
+            ("a member of a pool not on the channel", |p| {
+                header(p, 1, 1, 10);
+                p.frame(MOVE, FLAG_PAYLOAD, 0, SIZE as u64, 12345, &[], &[0; SIZE]);
+            }),
         ];
         for (what, attack) in attacks {
             let d = Domain::new("victim");

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use model::reference::{
     initial_seed, BufId, BufferState, ChanId, ChannelState, DomainId, Event, Model, Op, Outcome, PoolId, Queue, Reject,
-    Trust,
+    Trust, AGG_MAX,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -494,6 +494,59 @@ fn full_copy() {
     rej(&mut m, fc(r, s), Reject::CopiesOutstanding);
     // Source and destination both foreign: ForeignBuffer; then SameBuffer.
     rej(&mut m, fc(t, t), Reject::ForeignBuffer);
+}
+
+/// An aggregate: all checks first (a refusal changes nothing), then a move
+/// per unshared READ_WRITE owned buffer and a copy per other member, one
+/// event at the sink; forwarded on, moved buffers move again and copies
+/// are forwarded; every buffer ends where the rules say.
+#[test]
+fn aggregates_move_unshared_buffers_and_copy_the_rest() {
+    let mut m = Model::new(3, META);
+    let p = create_pool(&mut m, A, 3);
+    let q = create_pool(&mut m, A, 1);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    let bc = connect(&mut m, B, C, Trust::Full);
+    assign(&mut m, A, ab, p);
+    let (x, y, z, w) = (buf(p, 0), buf(p, 1), buf(p, 2), buf(q, 0));
+    let agg = |domain, chan, members: &[(BufId, bool)], meta_len| {
+        let mut a = [None; AGG_MAX];
+        for (slot, mbr) in a.iter_mut().zip(members) {
+            *slot = Some(*mbr);
+        }
+        Op::SendAggregate { domain, chan, members: a, meta_len }
+    };
+    // w's pool is not on the channel; meta too long; the sink cannot send.
+    rej(&mut m, agg(A, ab, &[(x, false), (w, false)], 0), Reject::PoolNotAssigned);
+    rej(&mut m, agg(A, ab, &[(x, false)], META + 1), Reject::MetaTooLarge);
+    rej(&mut m, agg(B, ab, &[(x, false)], 0), Reject::WrongDirection);
+    rej(&mut m, agg(A, ab, &[(x, false), (x, true)], 0), Reject::InvalidArgument);
+    // z has a copy out: copied even though A does not keep it.
+    ok(&mut m, copy(A, ab, z));
+    ok(&mut m, agg(A, ab, &[(x, false), (y, true), (z, false)], 2));
+    assert_eq!((m.owner(x), m.owner(y), m.owner(z)), (B, A, A));
+    assert_eq!(m.buffer_state(y, A), BufferState::ReadOnlyOwned);
+    deliver(&mut m, ab, Queue::Data); // the plain copy of z
+    let got = deliver(&mut m, ab, Queue::Data);
+    assert_eq!(
+        got,
+        (B, Event::AggregateReceived { members: [Some((x, true)), Some((y, false)), Some((z, false))], meta_len: 2 })
+    );
+    assert_eq!(m.pending(ab, Queue::Data), 0, "the whole run in one delivery");
+    // B forwards: x (its own now) moves on, the copies are forwarded.
+    assign(&mut m, B, bc, p);
+    ok(&mut m, agg(B, bc, &[(y, false), (x, false)], 0));
+    assert_eq!(m.owner(x), C);
+    let got = deliver(&mut m, bc, Queue::Data);
+    assert_eq!(got, (C, Event::AggregateReceived { members: [Some((y, false)), Some((x, true)), None], meta_len: 0 }));
+    // B cannot release y while the copy it forwarded is out.
+    rej(&mut m, release(B, ab, y), Reject::CopiesForwarded);
+    ok(&mut m, release(C, bc, y));
+    deliver(&mut m, bc, Queue::Control);
+    ok(&mut m, release(B, ab, y));
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::CopyReleased { buf: y, writable: true }));
+    assert_eq!(m.buffer_state(y, A), BufferState::ReadWrite);
+    assert_eq!(m.buffer_state(x, C), BufferState::ReadWrite);
 }
 
 /// Contents: written only by a READ_WRITE owner (first failing check

@@ -831,7 +831,8 @@ impl Link for NetLink {
     }
 
     fn room(&mut self) -> usize {
-        if self.out.len() >= self.depth {
+        // Several frames are wanted in a row: send what the socket takes.
+        if !self.out.is_empty() {
             let _ = self.flush();
         }
         self.depth.saturating_sub(self.out.len())
