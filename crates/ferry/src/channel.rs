@@ -697,7 +697,9 @@ impl Channel {
     /// table), before anything goes; a refused aggregate comes back intact
     /// ([`Error::QueueFull`]: try again once the peer has taken messages;
     /// [`Error::AggregateTooLarge`]: the run could never fit the queue).
-    /// An empty aggregate sends its meta data alone.
+    /// An empty aggregate sends its meta data alone. (Once the checks pass,
+    /// only a peer that goes away mid-send can still fail it: the
+    /// fragments of the members not sent yet come back in the `Refused`.)
     ///
     /// ```
     /// # use std::time::Duration;
