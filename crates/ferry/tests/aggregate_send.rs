@@ -350,7 +350,7 @@ fn tcp_three_domains_across_processes() {
 
 /// A connected local pair (A source, B sink accepting every pool) with a
 /// pool of A's assigned.
-fn pair(depth: u32) -> (Domain, Domain, Channel, Channel, Allocator) {
+fn pair(depth: u32, count: u64) -> (Domain, Domain, Channel, Channel, Allocator) {
     let (a, b) = (Domain::new("a"), Domain::new("b"));
     let ep = Endpoint::local();
     let setup = ChannelSetup { queue_depth: depth, meta_size: 8, ..ChannelSetup::default() };
@@ -359,7 +359,7 @@ fn pair(depth: u32) -> (Domain, Domain, Channel, Channel, Allocator) {
     tx.wait_connected(T).unwrap();
     rx.wait_connected(T).unwrap();
     rx.set_pool_policy(PoolPolicy::AcceptAll);
-    let alloc = Allocator::new(&a, 8, SIZE, PoolConstraints::default()).unwrap();
+    let alloc = Allocator::new(&a, count, SIZE, PoolConstraints::default()).unwrap();
     tx.assign_pool(alloc.pool()).unwrap();
     rx.poll();
     assert!(matches!(tx.wait(Some(T)), Some(Event::PoolAssigned(_))));
@@ -369,7 +369,7 @@ fn pair(depth: u32) -> (Domain, Domain, Channel, Channel, Allocator) {
 /// Refusals hand the aggregate back intact and send nothing.
 #[test]
 fn refused_aggregates_come_back_intact() {
-    let (a, _b, mut tx, mut rx, alloc) = pair(4);
+    let (a, _b, mut tx, mut rx, alloc) = pair(4, 8);
     let parts = |n: usize| {
         (0..n)
             .map(|i| Aggregate::from_bytes_in(alloc.alloc().unwrap(), &[i as u8; 10]).unwrap())
@@ -423,7 +423,7 @@ fn refused_aggregates_come_back_intact() {
 /// only leaves the sender's buffers read-only until the receiver drops it.
 #[test]
 fn empty_and_copy_only_aggregates() {
-    let (a, b, mut tx, mut rx, alloc) = pair(64);
+    let (a, b, mut tx, mut rx, alloc) = pair(64, 8);
     tx.send_aggregate(Aggregate::new(), b"nothing").unwrap();
     match rx.wait(Some(T)) {
         Some(Event::Aggregate { agg, meta }) => assert!(agg.is_empty() && &meta[..] == b"nothing"),
@@ -454,7 +454,7 @@ fn empty_and_copy_only_aggregates() {
 /// to the sender and frees the buffers moved to it.
 #[test]
 fn unseen_aggregates_go_back_when_the_receiver_drops() {
-    let (a, _b, mut tx, rx, alloc) = pair(64);
+    let (a, _b, mut tx, rx, alloc) = pair(64, 8);
     let kept = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"kept").unwrap();
     let moved = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"moved").unwrap();
     let id = kept.fragments().next().unwrap().buffer_id();
@@ -468,6 +468,48 @@ fn unseen_aggregates_go_back_when_the_receiver_drops() {
     }
     drop(kept);
     assert_eq!(alloc.available(), 7, "the moved buffer went with b");
+}
+
+/// Through `AsyncChannel`: aggregates whose runs need most of a small
+/// queue wait for room for the whole run while the sink drains it.
+#[cfg(feature = "tokio")]
+#[test]
+fn async_sends_wait_for_room_for_the_whole_run() {
+    use ferry::tokio::AsyncChannel;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (_a, _b, tx, rx, alloc) = pair(8, 64);
+    rt.block_on(async move {
+        let (mut tx, mut rx) = (AsyncChannel::new(tx).unwrap(), AsyncChannel::new(rx).unwrap());
+        let sink = tokio::spawn(async move {
+            let mut got = Vec::new();
+            while got.len() < 20 {
+                match rx.next_event().await {
+                    Some(Event::Aggregate { agg, meta }) => got.push((agg.to_vec(), meta[0])),
+                    ev => panic!("{ev:?}"),
+                }
+            }
+            got
+        });
+        for i in 0..20u8 {
+            // Three buffers, six fragments: a run of 1 + 3 + 3 = 7 slots of 8.
+            // (Moved buffers stay with b: 60 of the pool's 64 go.)
+            let parts: Vec<Aggregate> =
+                (0..3).map(|j| Aggregate::from_bytes_in(alloc.alloc().unwrap(), &[i, j, 0, 0]).unwrap()).collect();
+            let mut msg = Aggregate::new();
+            for range in [0..2, 2..4] {
+                for p in &parts {
+                    msg.append(p.slice(range.clone()).unwrap());
+                }
+            }
+            drop(parts);
+            tokio::time::timeout(T, tx.send_aggregate(msg, &[i])).await.unwrap().unwrap();
+        }
+        let got = tokio::time::timeout(T, sink).await.unwrap().unwrap();
+        for (i, (bytes, meta)) in got.into_iter().enumerate() {
+            let i = i as u8;
+            assert_eq!((bytes, meta), (vec![i, 0, i, 1, i, 2, 0, 0, 0, 0, 0, 0], i));
+        }
+    });
 }
 
 // ----------------------------------------------------------- hostile peers
