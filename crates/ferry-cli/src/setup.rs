@@ -31,6 +31,7 @@ pub fn describe_event(ev: &Event) -> String {
         Event::Closed { by_peer: false } => "the close of the channel".into(),
         Event::Error(e) => format!("an error ({e})"),
         Event::PoolOfferRefused { pool, reason } => format!("a pool offer (pool {pool}) refused here ({reason})"),
+        Event::Aggregate { agg, .. } => format!("an aggregate of {} bytes", agg.len()),
     }
 }
 

@@ -20,9 +20,10 @@ use std::sync::Arc;
 
 use crate::buffer::{Buffer, BufferCopy, BufferId};
 use crate::error::{Error, Refused, Result};
+use crate::proto::FragEntry;
 
 /// The buffer behind a fragment, held read-only.
-enum Held {
+pub(crate) enum Held {
     /// An owned buffer; dropping it puts it back on its domain's free list.
     Owned(Buffer),
     /// A received copy; dropping it releases it the next time its channel runs.
@@ -30,18 +31,51 @@ enum Held {
 }
 
 impl Held {
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             Held::Owned(b) => b,
             Held::Copy(c) => c,
         }
     }
 
-    fn id(&self) -> BufferId {
+    pub(crate) fn id(&self) -> BufferId {
         match self {
             Held::Owned(b) => b.id(),
             Held::Copy(c) => c.id(),
         }
+    }
+
+    /// The domain whose handle this is.
+    pub(crate) fn domain_id(&self) -> u64 {
+        match self {
+            Held::Owned(b) => b.domain_id(),
+            Held::Copy(c) => c.domain_id(),
+        }
+    }
+}
+
+/// An aggregate taken apart for sending: its distinct buffer handles, in
+/// the order of their first fragment, and the fragment table naming them
+/// by position.
+pub(crate) struct Parts {
+    /// The distinct buffers (`None` once one has been moved away).
+    pub members: Vec<Option<Arc<Held>>>,
+    /// The fragments in order.
+    pub entries: Vec<FragEntry>,
+}
+
+impl Parts {
+    /// The aggregate of the fragments whose buffers are still here (all
+    /// of them unless some were moved away).
+    pub(crate) fn rebuild(self) -> Aggregate {
+        let mut a = Aggregate::new();
+        for e in &self.entries {
+            if let Some(Some(held)) = self.members.get(e.member as usize) {
+                let (start, end) = (e.offset as usize, (e.offset + e.len) as usize);
+                a.append(Aggregate { frags: [Frag { held: Arc::clone(held), start, end }].into(), len: end - start });
+            }
+        }
+        a
     }
 }
 
@@ -397,6 +431,99 @@ impl Aggregate {
     /// ([`Units::copies`] counts those).
     pub fn units(&self, unit: Unit) -> Units<'_> {
         Units { agg: self, frag: 0, off: 0, pos: 0, unit, copies: 0, copied_bytes: 0 }
+    }
+}
+
+/// A buffer handle taken back out of an aggregate
+/// ([`Aggregate::into_members`]).
+#[derive(Debug)]
+pub enum Member {
+    /// A buffer this domain owns (read-write again once no copies are out).
+    Buffer(Buffer),
+    /// A read-only copy this domain holds.
+    Copy(BufferCopy),
+}
+
+impl Aggregate {
+    /// The aggregate's buffers as handles again, one per distinct buffer in
+    /// the order of their first fragment: an owned [`Buffer`] can then be
+    /// written, moved or passed back to its sender (fbufs' buffer caching
+    /// with the channel operations), a [`BufferCopy`] released or forwarded.
+    /// Only when the aggregate is the last reference to each of them:
+    /// otherwise (a clone or a piece of a split still refers to one) the
+    /// aggregate comes back unchanged.
+    ///
+    /// ```
+    /// use ferry::{Aggregate, Allocator, Domain, Member, PoolConstraints};
+    /// let alloc = Allocator::new(&Domain::new("d"), 2, 4096, PoolConstraints::default())?;
+    /// let agg = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"abc")?;
+    /// let other = agg.clone();
+    /// let agg = agg.into_members().unwrap_err(); // `other` shares the buffer
+    /// drop(other);
+    /// let Ok(mut members) = agg.into_members() else { panic!() };
+    /// let Some(Member::Buffer(mut buf)) = members.pop() else { panic!() };
+    /// assert_eq!(&buf[..3], b"abc");
+    /// buf.as_mut_slice()?[0] = b'x'; // ours to write again
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn into_members(self) -> Result<Vec<Member>, Aggregate> {
+        let (members, entries) = self.distinct();
+        let mut refs = vec![0usize; members.len()];
+        for e in &entries {
+            refs[e.member as usize] += 1;
+        }
+        if members.iter().zip(&refs).any(|(m, n)| Arc::strong_count(m) != *n) {
+            return Err(self);
+        }
+        Ok(self
+            .into_parts()
+            .members
+            .into_iter()
+            .flatten()
+            .map(|held| match Arc::try_unwrap(held) {
+                Ok(Held::Owned(b)) => Member::Buffer(b),
+                Ok(Held::Copy(c)) => Member::Copy(c),
+                Err(_) => unreachable!("the aggregate held the only references"),
+            })
+            .collect())
+    }
+
+    /// The distinct buffer handles (in the order of their first fragment)
+    /// and the fragment table, without taking the aggregate apart: for the
+    /// checks before a send.
+    pub(crate) fn distinct(&self) -> (Vec<&Arc<Held>>, Vec<FragEntry>) {
+        let mut members: Vec<&Arc<Held>> = Vec::new();
+        let mut entries = Vec::with_capacity(self.frags.len());
+        for f in &self.frags {
+            // Linear search: aggregates have few distinct buffers; a map
+            // keyed by address pays off only for hundreds.
+            let member = match members.iter().position(|m| Arc::ptr_eq(m, &f.held)) {
+                Some(i) => i,
+                None => {
+                    members.push(&f.held);
+                    members.len() - 1
+                }
+            };
+            entries.push(FragEntry { member: member as u32, offset: f.start as u64, len: f.len() as u64 });
+        }
+        (members, entries)
+    }
+
+    /// Take the aggregate apart: afterwards each member's reference count
+    /// counts this aggregate once (and every other aggregate or clone that
+    /// shares the buffer).
+    pub(crate) fn into_parts(self) -> Parts {
+        let (members, entries) = self.distinct();
+        let members = members.into_iter().map(|m| Some(Arc::clone(m))).collect();
+        drop(self);
+        Parts { members, entries }
+    }
+
+    /// The aggregate a received run describes: `members` in the order
+    /// they arrived, `entries` checked against them
+    /// ([`AggRun`](crate::proto::AggRun) did).
+    pub(crate) fn from_received(members: Vec<Held>, entries: &[FragEntry]) -> Aggregate {
+        Parts { members: members.into_iter().map(|h| Some(Arc::new(h))).collect(), entries: entries.to_vec() }.rebuild()
     }
 }
 

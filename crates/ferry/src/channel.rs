@@ -12,13 +12,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::aggregate::{Aggregate, Held};
 use crate::backend::{Endpoint, Landing, Link, PayloadGate, Pending};
 use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource, Spares};
 use crate::domain::Pool;
 use crate::domain::{ChanKey, Domain, DomainState, LentSet};
 use crate::error::{Error, Refused, Result};
 use crate::pool::{Geometry, PoolId, PoolView, TrustLevel};
-use crate::proto::{Message, Meta, MAX_META_SIZE};
+use crate::proto::{self, AggRun, Message, Meta, MAX_META_SIZE};
 use crate::setup::{BindParams, ChannelConstraints, ChannelLimits, ChannelSetup, ChannelState, Direction, Role};
 use crate::sys::Access;
 use crate::wake::{Arm, WakeSet};
@@ -117,6 +118,16 @@ pub enum Event {
     /// The channel failed (peer gone, protocol violation, bind refused);
     /// it is closed.
     Error(Error),
+    /// An aggregate arrived ([`Channel::send_aggregate`]): its buffers
+    /// moved to us (the aggregate holds them, read-only, as this domain's
+    /// own) or copied to us (released when the last fragment that refers to
+    /// them is dropped), one event for the whole.
+    Aggregate {
+        /// The aggregate: the sender's fragments, over our handles.
+        agg: Aggregate,
+        /// Its meta data.
+        meta: Meta,
+    },
     /// The library vetoed the peer's offer of a pool by itself, because
     /// taking it would pass one of the channel's [`ChannelLimits`]
     /// (`reason`: [`Error::LimitExceeded`]). The peer sees a veto; the
@@ -230,6 +241,17 @@ pub struct Channel {
     /// A send was refused for a full queue and no arm has reported room
     /// since: room that came before the arm wakes nobody, so arm says so.
     room_refused: bool,
+    /// An aggregate run being received: its header is in, not all of its
+    /// slots yet.
+    assembling: Option<Assembly>,
+}
+
+/// An aggregate run in the middle of its arrival: the checks so far and
+/// the member handles taken in (dropped with it if the run goes wrong:
+/// moved buffers are ours and go to the free list, copies are released).
+struct Assembly {
+    run: AggRun,
+    held: Vec<Held>,
 }
 
 /// How long [`Channel::wait`] busy-polls before it sleeps, unless told
@@ -346,6 +368,7 @@ impl Channel {
             wake,
             spin: DEFAULT_SPIN,
             room_refused: false,
+            assembling: None,
         }
     }
 
@@ -538,6 +561,11 @@ impl Channel {
         self.check_pool(id.pool)?;
         self.check_meta(meta.len())?;
         self.check_room()?;
+        self.send_copy(id, Meta::new(meta).expect("meta checked"))
+    }
+
+    /// Send a copy of `id` (checks done).
+    fn send_copy(&mut self, id: BufferId, meta: Meta) -> Result<()> {
         // A copy to a peer that still holds one of this buffer from us needs
         // no payload: the buffer has been read-only since, so the peer's
         // bytes are current (the TCP backend then sends none).
@@ -553,7 +581,7 @@ impl Channel {
             st.copy_sent(id, self.key);
             resend
         };
-        let msg = Message::Copy { buf: id, meta: Meta::new(meta).expect("meta checked") };
+        let msg = Message::Copy { buf: id, meta };
         let link = self.link_mut();
         let sent = if resend { link.send_unfilled(&msg) } else { link.send(&msg) };
         if let Err(e) = sent {
@@ -649,6 +677,137 @@ impl Channel {
             Err(e) => return Err(Refused::new(e, destination)),
         }
         self.send_owned(destination, meta, false, |buf, meta| Message::Move { buf, meta })
+    }
+
+    /// Send an aggregate as one unit: the peer receives one
+    /// [`Event::Aggregate`] with the same fragments over its own handles
+    /// of the buffers.
+    ///
+    /// Each distinct buffer crosses once, however many fragments refer to
+    /// it. A buffer the aggregate holds the only reference to (an owned
+    /// [`Buffer`] handed to it, not shared with a clone or another
+    /// aggregate, with no copies out) is moved: the receiver owns it. Every
+    /// other buffer — a [`BufferCopy`], or an owned buffer that something
+    /// else still refers to — is sent as a read-only copy: an owned one
+    /// stays read-only here until every copy is back, a copy we hold is
+    /// forwarded. The buffers' pools must be assigned to the channel.
+    ///
+    /// All or nothing: everything is checked, including room in the queue
+    /// for the whole run of slots (header, one per buffer, fragment
+    /// table), before anything goes; a refused aggregate comes back intact
+    /// ([`Error::QueueFull`]: try again once the peer has taken messages;
+    /// [`Error::AggregateTooLarge`]: the run could never fit the queue).
+    /// An empty aggregate sends its meta data alone. (Once the checks pass,
+    /// only a peer that goes away mid-send can still fail it: the
+    /// fragments of the members not sent yet come back in the `Refused`.)
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use ferry::*;
+    /// # let t = Duration::from_secs(10);
+    /// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+    /// # let ep = Endpoint::local();
+    /// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// # tx.wait_connected(t)?;
+    /// # rx.wait_connected(t)?;
+    /// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+    /// # let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// # tx.assign_pool(alloc.pool())?;
+    /// # rx.poll();
+    /// # tx.poll();
+    /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
+    /// let body = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"payload")?;
+    /// let mut msg = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"HDR ")?;
+    /// msg.append(body.clone()); // `body` keeps a reference: its buffer is copied
+    /// tx.send_aggregate(msg, b"m1")?;
+    /// let Some(Event::Aggregate { agg, meta }) = rx.wait(Some(t)) else { panic!() };
+    /// assert_eq!((agg.to_vec(), &meta[..]), (b"HDR payload".to_vec(), &b"m1"[..]));
+    /// let frags: Vec<bool> = agg.fragments().map(|f| f.is_copy()).collect();
+    /// assert_eq!(frags, [false, true]); // the header buffer moved, the body copied
+    /// drop(agg); // the copy is released, the moved buffer freed in `b`
+    /// rx.flush()?; // (a dropped copy is released the next time `rx` runs)
+    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn send_aggregate(&mut self, agg: Aggregate, meta: &[u8]) -> Result<(), Refused<Aggregate>> {
+        self.flush_deferred();
+        if let Err(e) = self.check_aggregate(&agg, meta.len()) {
+            return Err(Refused::new(e, agg));
+        }
+        let total = agg.len() as u64;
+        let mut parts = agg.into_parts();
+        let header = Message::AggHeader {
+            members: parts.members.len() as u32,
+            frags: parts.entries.len() as u32,
+            total,
+            meta: Meta::new(meta).expect("meta checked"),
+        };
+        if let Err(e) = self.link_mut().send(&header) {
+            return Err(Refused::new(e, parts.rebuild()));
+        }
+        for i in 0..parts.members.len() {
+            let held = parts.members[i].take().expect("each member is sent once");
+            let sent = match Arc::try_unwrap(held) {
+                // The aggregate was the only reference: move the buffer.
+                Ok(Held::Owned(buffer)) if buffer.is_read_write() => {
+                    match self.send_owned(buffer, &[], false, |buf, meta| Message::Move { buf, meta }) {
+                        Ok(()) => Ok(()),
+                        Err(r) => Err((r.error.clone(), Arc::new(Held::Owned(r.into_inner())))),
+                    }
+                }
+                // Shared (or read-only for its copies out): a copy; our
+                // reference goes when `held` does (an owned buffer then
+                // waits for its copies, a copy we hold is released once
+                // the copies forwarded from it are back).
+                Ok(held) => self.send_aggregate_copy(Arc::new(held)),
+                Err(held) => self.send_aggregate_copy(held),
+            };
+            // Only a peer that went away makes a send fail once there is
+            // room: what was not sent comes back.
+            if let Err((e, held)) = sent {
+                parts.members[i] = Some(held);
+                return Err(Refused::new(e, parts.rebuild()));
+            }
+        }
+        let table: Vec<Message> = proto::table_messages(&parts.entries, self.meta_size).collect();
+        for msg in &table {
+            if let Err(e) = self.link_mut().send(msg) {
+                return Err(Refused::new(e, Aggregate::new()));
+            }
+        }
+        Ok(())
+    }
+
+    /// One member of an aggregate sent as a copy; the handle back on error.
+    fn send_aggregate_copy(&mut self, held: Arc<Held>) -> Result<(), (Error, Arc<Held>)> {
+        match self.send_copy(held.id(), Meta::empty()) {
+            Ok(()) => Ok(()),
+            Err(e) => Err((e, held)),
+        }
+    }
+
+    /// Everything [`send_aggregate`](Channel::send_aggregate) checks
+    /// before it sends anything.
+    fn check_aggregate(&mut self, agg: &Aggregate, meta_len: usize) -> Result<()> {
+        self.check_sendable(Direction::Tx)?;
+        let (members, entries) = agg.distinct();
+        for m in &members {
+            if m.domain_id() != self.domain.id() {
+                return Err(Error::ForeignBuffer);
+            }
+            self.check_pool(m.id().pool)?;
+        }
+        self.check_meta(meta_len)?;
+        let slots = proto::run_slots(members.len(), entries.len(), self.meta_size);
+        let capacity = self.link.as_ref().map_or(0, |l| l.capacity());
+        if members.len() > proto::MAX_AGG_MEMBERS as usize
+            || entries.len() > proto::MAX_AGG_FRAGS as usize
+            || slots > capacity
+        {
+            return Err(Error::AggregateTooLarge { slots, capacity });
+        }
+        self.check_room_for(slots)
     }
 
     /// Start assigning a pool to this channel ([ETH-BT] Algorithm 6,
@@ -1132,6 +1291,16 @@ impl Channel {
         Ok(())
     }
 
+    /// Room for `slots` messages in a row (an aggregate run).
+    fn check_room_for(&mut self, slots: usize) -> Result<()> {
+        self.check_room()?;
+        if self.link_mut().room() < slots {
+            self.room_refused = true;
+            return Err(Error::QueueFull);
+        }
+        Ok(())
+    }
+
     /// Preconditions of move, pass and the destination of a full copy.
     fn check_transfer(&mut self, dir: Direction, buffer: &Buffer, meta_len: usize) -> Result<()> {
         self.check_sendable(dir)?;
@@ -1311,25 +1480,92 @@ impl Channel {
     }
 
     fn poll_message(&mut self) -> Option<Event> {
-        let received = self.recv();
-        match received {
-            Ok(Some(msg)) => match self.deliver(msg) {
-                Ok(ev) => Some(ev),
-                Err(e) => Some(self.fail(e)),
-            },
-            Ok(None) => None,
-            Err(e) => {
-                if matches!(e, Error::PeerGone | Error::PeerUnresponsive(_)) && self.link_mut().peer_died() {
-                    self.reclaim_from_dead_peer();
+        loop {
+            let received = self.recv();
+            return match received {
+                Ok(Some(msg)) => match self.take(msg) {
+                    Ok(Some(ev)) => Some(ev),
+                    // A slot of an aggregate run that is not complete yet.
+                    Ok(None) => continue,
+                    Err(e) => Some(self.fail(e)),
+                },
+                Ok(None) => None,
+                Err(e) => Some(self.link_failed(e)),
+            };
+        }
+    }
+
+    /// The link reported an error instead of a message.
+    fn link_failed(&mut self, e: Error) -> Event {
+        if matches!(e, Error::PeerGone | Error::PeerUnresponsive(_)) && self.link_mut().peer_died() {
+            self.reclaim_from_dead_peer();
+        }
+        if self.sent_teardown && e == Error::PeerGone {
+            // The peer went away after our marker: that is a close.
+            self.close();
+            return Event::Closed { by_peer: false };
+        }
+        self.fail(e)
+    }
+
+    /// Take one message in: an event, or `None` for a slot of an aggregate
+    /// run that is not complete yet.
+    fn take(&mut self, msg: Message) -> Result<Option<Event>> {
+        if self.assembling.is_none() && !matches!(msg, Message::AggHeader { .. } | Message::AggFrags { .. }) {
+            return self.deliver(msg).map(Some);
+        }
+        let taken = self.take_aggregate(msg);
+        if taken.is_err() {
+            // What the bad run brought goes back (moved buffers are ours:
+            // to the free list; copies are released).
+            self.assembling = None;
+        }
+        taken
+    }
+
+    /// One slot of an aggregate run, checked against what came before.
+    fn take_aggregate(&mut self, msg: Message) -> Result<Option<Event>> {
+        let wants_member = self.assembling.as_ref().map(|a| a.run.wants_member());
+        match msg {
+            Message::AggHeader { members, frags, total, meta } => {
+                if wants_member.is_some() {
+                    return Err(Error::Protocol("an aggregate run interrupted by another".into()));
                 }
-                if self.sent_teardown && e == Error::PeerGone {
-                    // The peer went away after our marker: that is a close.
-                    self.close();
-                    return Some(Event::Closed { by_peer: false });
+                if self.direction != Direction::Rx {
+                    return Err(Error::Protocol("aggregate against the channel direction".into()));
                 }
-                Some(self.fail(e))
+                let run = AggRun::start(members, frags, total, meta)?;
+                self.assembling = Some(Assembly { run, held: Vec::new() });
+            }
+            Message::Move { ref meta, .. } | Message::Copy { ref meta, .. } if wants_member == Some(true) => {
+                if !meta.is_empty() {
+                    return Err(Error::Protocol("aggregate member with meta data".into()));
+                }
+                let held = match self.deliver(msg)? {
+                    Event::MoveReceived { buffer, .. } => Held::Owned(buffer),
+                    Event::CopyReceived { copy, .. } => Held::Copy(copy),
+                    other => unreachable!("a move or copy delivers as such, not {other:?}"),
+                };
+                let a = self.assembling.as_mut().expect("assembling");
+                a.run.add_member(held.bytes().len());
+                a.held.push(held);
+            }
+            Message::AggFrags { first, entries } if wants_member.is_some() => {
+                self.assembling.as_mut().expect("assembling").run.add_frags(first, &entries)?;
+            }
+            Message::AggFrags { .. } => {
+                return Err(Error::Protocol("aggregate fragment table outside a run".into()));
+            }
+            other => {
+                return Err(Error::Protocol(format!("{} interrupts an aggregate run", other.name())));
             }
         }
+        if !self.assembling.as_ref().is_some_and(|a| a.run.is_complete()) {
+            return Ok(None);
+        }
+        let Assembly { run, held } = self.assembling.take().expect("assembling");
+        let (meta, entries) = run.finish()?;
+        Ok(Some(Event::Aggregate { agg: Aggregate::from_received(held, &entries), meta }))
     }
 
     /// Apply the receiver-side effects of one message.
@@ -1442,6 +1678,10 @@ impl Channel {
                 }
                 self.tidy_pool(pool);
                 Ok(if accepted { Event::PoolRemoved(pool) } else { Event::PoolRemoveRefused(pool) })
+            }
+            // Taken by `take` (never delivered one by one).
+            Message::AggHeader { .. } | Message::AggFrags { .. } => {
+                Err(Error::Protocol("aggregate slot outside a run".into()))
             }
             Message::Teardown => {
                 self.got_teardown = true;
@@ -1576,6 +1816,8 @@ impl Channel {
     }
 
     fn close_with(&mut self, mut last: Vec<Message>) {
+        // An aggregate run cut short by the close: its buffers go back now.
+        drop(self.assembling.take());
         self.state = ChannelState::Closed;
         let mut pending: Vec<Message> = self.outbox.drain(..).collect();
         pending.append(&mut last);
@@ -1639,6 +1881,21 @@ impl Channel {
 impl Channel {
     /// At drop: a copy nobody saw goes back, now if the queue has room,
     /// otherwise with the close (in `last`).
+    fn release_unseen_event(&mut self, ev: Event, last: &mut Vec<Message>) {
+        match ev {
+            Event::CopyReceived { copy, .. } => self.release_unseen(copy, last),
+            Event::Aggregate { agg, .. } => {
+                // Nobody saw it: each member handle is the only one.
+                for held in agg.into_parts().members.into_iter().flatten() {
+                    if let Ok(Held::Copy(copy)) = Arc::try_unwrap(held) {
+                        self.release_unseen(copy, last);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
     fn release_unseen(&mut self, copy: BufferCopy, last: &mut Vec<Message>) {
         if let Err(refused) = self.release(copy) {
             let copy = refused.into_inner();
@@ -1671,18 +1928,24 @@ impl Drop for Channel {
         let mut last = Vec::new();
         // Events a helper took and nobody polled are unseen too.
         for ev in std::mem::take(&mut self.helpers.held) {
-            if let Event::CopyReceived { copy, .. } = ev {
-                self.release_unseen(copy, &mut last);
-            }
+            self.release_unseen_event(ev, &mut last);
         }
         while let Ok(Some(msg)) = self.recv() {
-            match self.deliver(msg) {
-                Ok(Event::CopyReceived { copy, .. }) => self.release_unseen(copy, &mut last),
-                Ok(_) => {}
+            match self.take(msg) {
+                Ok(Some(ev)) => self.release_unseen_event(ev, &mut last),
+                Ok(None) => {}
                 Err(_) => break,
             }
             if self.state == ChannelState::Closed {
                 return;
+            }
+        }
+        // An aggregate run cut short by the drop: its copies go back too.
+        if let Some(a) = self.assembling.take() {
+            for held in a.held {
+                if let Held::Copy(copy) = held {
+                    self.release_unseen(copy, &mut last);
+                }
             }
         }
         self.close_with(last);

@@ -140,6 +140,15 @@ pub enum Error {
     /// The backend's queue is full; try again after polling the channel.
     #[error("the channel's queue is full; poll the channel so the peer can take messages, then try again")]
     QueueFull,
+    /// An aggregate's run of slots (header, one per distinct buffer,
+    /// fragment table) could never fit in the channel's queue.
+    #[error("an aggregate needs {slots} queue slots in a row but the channel's queue holds {capacity}; send fewer buffers or fragments, or create the channel with a deeper queue")]
+    AggregateTooLarge {
+        /// Slots the aggregate needs.
+        slots: usize,
+        /// Slots the queue holds.
+        capacity: usize,
+    },
     /// The peer went away (closed, crashed or unreachable).
     #[error("the peer went away (closed, crashed or unreachable); open a new channel to go on")]
     PeerGone,
@@ -363,6 +372,7 @@ mod tests {
             Error::PoolInUse(pool),
             Error::NoPendingRequest(pool),
             Error::QueueFull,
+            Error::AggregateTooLarge { slots: 70, capacity: 64 },
             Error::PeerGone,
             Error::PeerUnresponsive(Duration::from_millis(5200)),
             Error::Protocol("frame type 122: unknown".into()),

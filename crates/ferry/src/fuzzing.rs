@@ -18,6 +18,45 @@ pub fn decode_slot(data: &[u8]) {
     }
 }
 
+/// An aggregate descriptor from a peer: a header slot and fragment-table
+/// slots (`proto::decode_descriptor`), over members of sizes the input
+/// chooses. Decoding must not panic; what it accepts must be a fragment
+/// list inside the members' buffers, using every member, and must encode
+/// back to slots that decode to the same list.
+pub fn aggregate_descriptor(data: &[u8]) {
+    let [meta, members, rest @ ..] = data else { return };
+    let meta_size = usize::from(*meta) % (proto::MAX_META_SIZE + 1);
+    let members = usize::from(*members % 9);
+    if rest.len() < members * 2 {
+        return;
+    }
+    let (lens, slots) = rest.split_at(members * 2);
+    // Member sizes from 1 byte to 64 KiB (real buffers are pages and more;
+    // small ones make out-of-range entries easy to hit).
+    let lens: Vec<usize> = lens.chunks_exact(2).map(|c| usize::from(u16::from_le_bytes([c[0], c[1]])) + 1).collect();
+    let slot = proto::slot_size(meta_size) as usize;
+    let Ok((m, entries)) = proto::decode_descriptor(slots.chunks(slot), &lens, meta_size) else { return };
+    let mut used = vec![false; lens.len()];
+    let mut total = 0u64;
+    for e in &entries {
+        let size = lens[e.member as usize] as u64;
+        assert!(e.len > 0 && e.offset + e.len <= size, "entry {e:?} outside a {size}-byte member");
+        used[e.member as usize] = true;
+        total += e.len;
+    }
+    let members = used.iter().take_while(|u| **u).count();
+    assert!(used[..members].iter().all(|u| *u));
+    let mut again = Vec::new();
+    let header = Message::AggHeader { members: members as u32, frags: entries.len() as u32, total, meta: m.clone() };
+    for msg in std::iter::once(header).chain(proto::table_messages(&entries, meta_size)) {
+        let mut s = vec![0u8; slot];
+        msg.encode(&mut s);
+        again.push(s);
+    }
+    let decoded = proto::decode_descriptor(again.iter().map(Vec::as_slice), &lens[..members], meta_size);
+    assert_eq!(decoded, Ok((m, entries)), "descriptor codec is not symmetric");
+}
+
 /// A setup message from a peer (bind request, bind reply, pool
 /// announcement; `backend/setup_msg.rs`): parsing must not panic, and what
 /// parses must encode back to the same value.

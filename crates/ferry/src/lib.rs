@@ -144,7 +144,7 @@ mod sys;
 pub mod tokio;
 mod wake;
 
-pub use aggregate::{Aggregate, Fragment, Unit, Units};
+pub use aggregate::{Aggregate, Fragment, Member, Unit, Units};
 pub use alloc::Allocator;
 pub use backend::{Endpoint, LinkStats, LocalEndpoint};
 #[cfg(not(loom))]

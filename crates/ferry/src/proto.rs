@@ -154,6 +154,79 @@ pub(crate) enum Message {
     RemoveReply { pool: PoolId, accepted: bool },
     /// No more messages follow from this side (teardown marker).
     Teardown,
+    /// The head of an aggregate run (data queue): `members` member slots
+    /// follow (a move or a copy per distinct buffer, without meta data),
+    /// then the fragment table of `frags` entries covering `total` bytes.
+    AggHeader { members: u32, frags: u32, total: u64, meta: Meta },
+    /// Entries of an aggregate's fragment table, the first being entry
+    /// number `first`.
+    AggFrags { first: u32, entries: Vec<FragEntry> },
+}
+
+/// One entry of an aggregate's fragment table: `len` bytes from byte
+/// `offset` of the run's member number `member`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FragEntry {
+    /// Ordinal of the member slot (0-based, in the order they were sent).
+    pub member: u32,
+    /// First byte in the member's buffer.
+    pub offset: u64,
+    /// Length in bytes (never zero).
+    pub len: u64,
+}
+
+/// Bytes of one fragment-table entry: member `u32`, offset and length as
+/// 48-bit numbers (a buffer is at most 1 TiB).
+pub(crate) const FRAG_ENTRY: usize = 16;
+
+/// Most members (distinct buffers) one aggregate run may have.
+pub(crate) const MAX_AGG_MEMBERS: u32 = 65535;
+
+/// Most fragments one aggregate run may have.
+pub(crate) const MAX_AGG_FRAGS: u32 = 1 << 20;
+
+/// Fragment-table entries per slot on a channel with `meta_size` bytes of
+/// meta data (at least two: every slot has 32 bytes after its header).
+pub(crate) fn entries_per_slot(meta_size: usize) -> usize {
+    (slot_size(meta_size) as usize - HEADER) / FRAG_ENTRY
+}
+
+/// Slots of an aggregate run: its header, one per member, and the table.
+pub(crate) fn run_slots(members: usize, frags: usize, meta_size: usize) -> usize {
+    1 + members + frags.div_ceil(entries_per_slot(meta_size))
+}
+
+/// The largest body (the bytes after the fixed header) a slot of opcode
+/// `op` may carry on a channel with `meta_size` bytes of meta data; `None`
+/// for an unknown opcode. Backends that frame messages themselves check
+/// lengths with it.
+pub(crate) fn body_limit(op: u8, meta_size: usize) -> Option<usize> {
+    let meta = meta_size.min(MAX_META_SIZE);
+    match op {
+        OP_MOVE | OP_COPY | OP_PASS | OP_AGG => Some(meta),
+        OP_AGG_FRAGS => Some(entries_per_slot(meta) * FRAG_ENTRY),
+        OP_RELEASE..=OP_TEARDOWN => Some(0),
+        _ => None,
+    }
+}
+
+impl Message {
+    /// The message's kind, for error messages.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Message::Move { .. } => "a move",
+            Message::Copy { .. } => "a copy",
+            Message::Pass { .. } => "a pass",
+            Message::Release { .. } => "a release",
+            Message::AssignRequest { .. } => "a pool offer",
+            Message::AssignReply { .. } => "a pool offer's answer",
+            Message::RemoveRequest { .. } => "a pool removal",
+            Message::RemoveReply { .. } => "a pool removal's answer",
+            Message::Teardown => "a teardown",
+            Message::AggHeader { .. } => "an aggregate header",
+            Message::AggFrags { .. } => "a fragment table",
+        }
+    }
 }
 
 const OP_MOVE: u8 = 1;
@@ -165,6 +238,9 @@ const OP_ASSIGN_REPLY: u8 = 6;
 const OP_REMOVE: u8 = 7;
 const OP_REMOVE_REPLY: u8 = 8;
 const OP_TEARDOWN: u8 = 9;
+// 10 and 11 are the TCP backend's keep-alive and goodbye frames.
+const OP_AGG: u8 = 12;
+const OP_AGG_FRAGS: u8 = 13;
 
 const FLAG_ACCEPT: u8 = 1;
 
@@ -172,6 +248,17 @@ impl Message {
     /// Encode into `slot` (zeroed, at least [`slot_size`] of the meta size).
     pub(crate) fn encode(&self, slot: &mut [u8]) {
         const NONE: &Meta = &Meta::empty();
+        if let Message::AggFrags { first, entries } = self {
+            slot[0] = OP_AGG_FRAGS;
+            slot[2..4].copy_from_slice(&((entries.len() * FRAG_ENTRY) as u16).to_le_bytes());
+            slot[4..8].copy_from_slice(&first.to_le_bytes());
+            for (e, out) in entries.iter().zip(slot[HEADER..].chunks_exact_mut(FRAG_ENTRY)) {
+                out[..4].copy_from_slice(&e.member.to_le_bytes());
+                out[4..10].copy_from_slice(&e.offset.to_le_bytes()[..6]);
+                out[10..16].copy_from_slice(&e.len.to_le_bytes()[..6]);
+            }
+            return;
+        }
         let (op, flags, index, aux, pool, meta): (u8, u8, u32, u64, u128, &Meta) = match self {
             Message::Move { buf, meta } => (OP_MOVE, 0, buf.index, 0, buf.pool.as_u128(), meta),
             Message::Copy { buf, meta } => (OP_COPY, 0, buf.index, 0, buf.pool.as_u128(), meta),
@@ -188,6 +275,10 @@ impl Message {
                 (OP_REMOVE_REPLY, if *accepted { FLAG_ACCEPT } else { 0 }, 0, 0, pool.as_u128(), NONE)
             }
             Message::Teardown => (OP_TEARDOWN, 0, 0, 0, 0, NONE),
+            Message::AggHeader { members, frags, total, meta } => {
+                (OP_AGG, 0, *members, u64::from(*frags), u128::from(*total), meta)
+            }
+            Message::AggFrags { .. } => unreachable!("encoded above"),
         };
         slot[0] = op;
         slot[1] = flags;
@@ -216,8 +307,8 @@ impl Message {
         let index = u32::from_le_bytes(slot[4..8].try_into().expect("4 bytes"));
         let aux = u64::from_le_bytes(slot[8..16].try_into().expect("8 bytes"));
         let pool = PoolId::from_u128(u128::from_le_bytes(slot[16..32].try_into().expect("16 bytes")));
-        let carries_meta = matches!(op, OP_MOVE | OP_COPY | OP_PASS);
-        if meta_len > max_meta.min(MAX_META_SIZE) || (!carries_meta && meta_len != 0) {
+        let limit = body_limit(op, max_meta).ok_or_else(|| Error::Protocol(format!("unknown opcode {op}")))?;
+        if meta_len > limit {
             return Err(Error::Protocol(format!("meta length {meta_len} out of range (op {op})")));
         }
         if HEADER + meta_len > slot.len() {
@@ -244,9 +335,179 @@ impl Message {
             OP_REMOVE => Message::RemoveRequest { pool },
             OP_REMOVE_REPLY => Message::RemoveReply { pool, accepted },
             OP_TEARDOWN => Message::Teardown,
+            OP_AGG => {
+                let frags =
+                    u32::try_from(aux).map_err(|_| Error::Protocol("aggregate fragment count too large".into()))?;
+                let total =
+                    u64::try_from(pool.as_u128()).map_err(|_| Error::Protocol("aggregate length too large".into()))?;
+                if flags != 0 {
+                    return Err(Error::Protocol(format!("aggregate header with flags {flags:#x}")));
+                }
+                Message::AggHeader { members: index, frags, total, meta: meta() }
+            }
+            OP_AGG_FRAGS => {
+                if flags != 0 || aux != 0 || pool.as_u128() != 0 {
+                    return Err(Error::Protocol("fragment table slot with stray header fields".into()));
+                }
+                if meta_len == 0 || meta_len % FRAG_ENTRY != 0 {
+                    return Err(Error::Protocol(format!("fragment table of {meta_len} bytes")));
+                }
+                let entries = slot[HEADER..HEADER + meta_len]
+                    .chunks_exact(FRAG_ENTRY)
+                    .map(|c| {
+                        let u48 = |b: &[u8]| {
+                            let mut v = [0u8; 8];
+                            v[..6].copy_from_slice(b);
+                            u64::from_le_bytes(v)
+                        };
+                        FragEntry {
+                            member: u32::from_le_bytes(c[..4].try_into().expect("4 bytes")),
+                            offset: u48(&c[4..10]),
+                            len: u48(&c[10..16]),
+                        }
+                    })
+                    .collect();
+                Message::AggFrags { first: index, entries }
+            }
             other => return Err(Error::Protocol(format!("unknown opcode {other}"))),
         })
     }
+}
+
+/// The receiving side of an aggregate run, as far as the slots go: the
+/// header's counts, the lengths of the member buffers received so far and
+/// the fragment table, each checked as it comes. Pure (no buffer, no
+/// channel): the channel feeds it, and so does the fuzz target.
+#[derive(Debug)]
+pub(crate) struct AggRun {
+    members: u32,
+    frags: u32,
+    total: u64,
+    meta: Meta,
+    member_lens: Vec<u64>,
+    used: Vec<bool>,
+    entries: Vec<FragEntry>,
+    sum: u64,
+}
+
+impl AggRun {
+    /// A run announced by an [`Message::AggHeader`].
+    pub(crate) fn start(members: u32, frags: u32, total: u64, meta: Meta) -> Result<AggRun, Error> {
+        let bad = |what: String| Err(Error::Protocol(format!("aggregate header: {what}")));
+        if members > MAX_AGG_MEMBERS || frags > MAX_AGG_FRAGS {
+            return bad(format!("{members} members and {frags} fragments exceed the limits"));
+        }
+        if frags < members || (frags == 0) != (total == 0) || total < u64::from(frags) {
+            return bad(format!("{members} members, {frags} fragments and {total} bytes do not fit together"));
+        }
+        Ok(AggRun {
+            members,
+            frags,
+            total,
+            meta,
+            member_lens: Vec::new(),
+            used: Vec::new(),
+            entries: Vec::new(),
+            sum: 0,
+        })
+    }
+
+    /// Whether the next slot of the run is a member.
+    pub(crate) fn wants_member(&self) -> bool {
+        self.member_lens.len() < self.members as usize
+    }
+
+    /// A member buffer of `len` bytes arrived.
+    pub(crate) fn add_member(&mut self, len: usize) {
+        debug_assert!(self.wants_member());
+        self.member_lens.push(len as u64);
+        self.used.push(false);
+    }
+
+    /// A slot of the fragment table arrived (all members are in).
+    pub(crate) fn add_frags(&mut self, first: u32, entries: &[FragEntry]) -> Result<(), Error> {
+        let bad = |what: String| Err(Error::Protocol(format!("aggregate fragment table: {what}")));
+        if self.wants_member() {
+            return bad("arrived before all members".into());
+        }
+        if first as usize != self.entries.len() {
+            return bad(format!("entry {first} where entry {} was due", self.entries.len()));
+        }
+        if self.entries.len() + entries.len() > self.frags as usize {
+            return bad(format!("more than the {} entries announced", self.frags));
+        }
+        for e in entries {
+            let Some(&size) = self.member_lens.get(e.member as usize) else {
+                return bad(format!("member {} of {}", e.member, self.members));
+            };
+            if e.len == 0 || e.offset.checked_add(e.len).is_none_or(|end| end > size) {
+                return bad(format!("{} bytes at {} of a {size}-byte buffer", e.len, e.offset));
+            }
+            self.used[e.member as usize] = true;
+            self.sum = self.sum.saturating_add(e.len);
+        }
+        self.entries.extend_from_slice(entries);
+        Ok(())
+    }
+
+    /// Whether every slot of the run is in.
+    pub(crate) fn is_complete(&self) -> bool {
+        !self.wants_member() && self.entries.len() == self.frags as usize
+    }
+
+    /// The meta data and the table of a complete run, once the whole is
+    /// checked: the lengths add up to the announced total, and every member
+    /// is in the table.
+    pub(crate) fn finish(self) -> Result<(Meta, Vec<FragEntry>), Error> {
+        debug_assert!(self.is_complete());
+        if self.sum != self.total {
+            return Err(Error::Protocol(format!("aggregate of {} bytes announced as {} bytes", self.sum, self.total)));
+        }
+        if let Some(m) = self.used.iter().position(|u| !u) {
+            return Err(Error::Protocol(format!("aggregate member {m} is in no fragment")));
+        }
+        Ok((self.meta, self.entries))
+    }
+}
+
+/// The slots of an aggregate run's fragment table.
+pub(crate) fn table_messages(entries: &[FragEntry], meta_size: usize) -> impl Iterator<Item = Message> + '_ {
+    let per = entries_per_slot(meta_size);
+    entries
+        .chunks(per)
+        .enumerate()
+        .map(move |(i, chunk)| Message::AggFrags { first: (i * per) as u32, entries: chunk.to_vec() })
+}
+
+/// Decode a whole aggregate descriptor: `slots` are the header slot and
+/// the table's slots (the member slots left out), `member_lens` the sizes
+/// of the members' buffers. What the channel does slot by slot, in one
+/// function for the fuzz target and the tests.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn decode_descriptor<'a>(
+    slots: impl IntoIterator<Item = &'a [u8]>,
+    member_lens: &[usize],
+    meta_size: usize,
+) -> Result<(Meta, Vec<FragEntry>), Error> {
+    let mut slots = slots.into_iter();
+    let head = slots.next().ok_or_else(|| Error::Protocol("no aggregate header".into()))?;
+    let mut run = match Message::decode(head, meta_size)? {
+        Message::AggHeader { members, frags, total, meta } => AggRun::start(members, frags, total, meta)?,
+        other => return Err(Error::Protocol(format!("{other:?} where an aggregate header was due"))),
+    };
+    let mut lens = member_lens.iter();
+    while run.wants_member() {
+        let len = lens.next().ok_or_else(|| Error::Protocol("aggregate run cut short".into()))?;
+        run.add_member(*len);
+    }
+    while !run.is_complete() {
+        let slot = slots.next().ok_or_else(|| Error::Protocol("aggregate run cut short".into()))?;
+        match Message::decode(slot, meta_size)? {
+            Message::AggFrags { first, entries } => run.add_frags(first, &entries)?,
+            other => return Err(Error::Protocol(format!("{other:?} interrupts an aggregate run"))),
+        }
+    }
+    run.finish()
 }
 
 #[cfg(test)]
@@ -319,10 +580,129 @@ mod tests {
         assert!(Message::decode(&slot[..8], 16).is_err(), "short slot");
     }
 
+    fn entry(member: u32, offset: u64, len: u64) -> FragEntry {
+        FragEntry { member, offset, len }
+    }
+
+    /// The header and table slots of a descriptor.
+    fn descriptor(members: u32, entries: &[FragEntry], total: u64, meta_size: usize) -> Vec<Vec<u8>> {
+        let meta = Meta::new(&b"m"[..meta_size.min(1)]).unwrap();
+        let header = Message::AggHeader { members, frags: entries.len() as u32, total, meta };
+        std::iter::once(header)
+            .chain(table_messages(entries, meta_size))
+            .map(|m| {
+                let mut slot = vec![0u8; slot_size(meta_size) as usize];
+                m.encode(&mut slot);
+                slot
+            })
+            .collect()
+    }
+
+    fn decode(slots: &[Vec<u8>], lens: &[usize], meta_size: usize) -> Result<(Meta, Vec<FragEntry>), Error> {
+        decode_descriptor(slots.iter().map(Vec::as_slice), lens, meta_size)
+    }
+
+    #[test]
+    fn aggregate_slots_roundtrip() {
+        roundtrip(Message::AggHeader { members: 3, frags: 9, total: 1 << 41, meta: Meta::new(b"x").unwrap() }, 16);
+        let big = entry(7, (1 << 40) - 1, (1 << 40) + 5);
+        roundtrip(Message::AggFrags { first: 4, entries: vec![entry(0, 1, 2), big] }, 0);
+        roundtrip(Message::AggFrags { first: 0, entries: vec![entry(1, 0, 1); 14] }, MAX_META_SIZE);
+        assert_eq!(entries_per_slot(0), 2);
+        assert_eq!(entries_per_slot(MAX_META_SIZE), 14);
+        assert_eq!(run_slots(2, 5, 0), 1 + 2 + 3);
+    }
+
+    #[test]
+    fn descriptors_decode_and_bad_ones_are_errors() {
+        let lens = [4096, 8192];
+        let good = [entry(0, 0, 10), entry(1, 100, 20), entry(0, 50, 5)];
+        let slots = descriptor(2, &good, 35, 0);
+        assert_eq!(slots.len(), 3);
+        assert_eq!(decode(&slots, &lens, 0).unwrap(), (Meta::empty(), good.to_vec()));
+        let with_meta = descriptor(2, &good, 35, 8);
+        assert_eq!(decode(&with_meta, &lens, 8).unwrap(), (Meta::new(b"m").unwrap(), good.to_vec()));
+        let bad = |entries: &[FragEntry], members: u32, total: u64, lens: &[usize]| {
+            let e = decode(&descriptor(members, entries, total, 0), lens, 0).unwrap_err();
+            assert!(matches!(e, Error::Protocol(_)), "{e:?}");
+        };
+        bad(&[entry(2, 0, 1), entry(0, 0, 1)], 2, 2, &lens); // no member 2
+        bad(&[entry(0, 4090, 7), entry(1, 0, 1)], 2, 8, &lens); // past the end
+        bad(&[entry(0, u64::MAX >> 16, 2), entry(1, 0, 1)], 2, 3, &lens); // overflow
+        bad(&[entry(0, 0, 0), entry(1, 0, 1)], 2, 1, &lens); // empty fragment
+        bad(&[entry(0, 0, 1), entry(0, 1, 1)], 2, 2, &lens); // member 1 unused
+        bad(&[entry(0, 0, 1), entry(1, 0, 1)], 2, 3, &lens); // total does not add up
+        bad(&[entry(0, 0, 1)], 2, 1, &lens); // fewer fragments than members
+        bad(&[], 1, 0, &lens);
+        bad(&[entry(0, 0, 1)], MAX_AGG_MEMBERS + 1, 1, &lens);
+        // Cut short, out of order, interrupted.
+        assert!(decode(&slots[..2], &lens, 0).is_err());
+        assert!(decode(&slots, &lens[..1], 0).is_err());
+        let swapped = vec![slots[0].clone(), slots[2].clone(), slots[1].clone()];
+        assert!(decode(&swapped, &lens, 0).is_err());
+        let mut teardown = vec![0u8; 64];
+        Message::Teardown.encode(&mut teardown);
+        assert!(decode(&[slots[0].clone(), teardown.clone()], &lens, 0).is_err());
+        assert!(decode(&[teardown], &lens, 0).is_err());
+        // A table slot with stray fields or a ragged length.
+        let mut stray = slots.clone();
+        stray[1][8] = 1;
+        assert!(decode(&stray, &lens, 0).is_err());
+        let mut ragged = slots.clone();
+        ragged[1][2] = 31;
+        assert!(decode(&ragged, &lens, 0).is_err());
+        let mut long = slots;
+        long[1][2] = 48; // three entries do not fit a 64-byte slot
+        assert!(decode(&long, &lens, 0).is_err());
+        // An empty aggregate: a header alone.
+        assert_eq!(decode(&descriptor(0, &[], 0, 0), &[], 0).unwrap().1, vec![]);
+    }
+
+    /// The fuzz target's seed is a valid descriptor, and its entry point
+    /// takes it (and its every prefix) without a panic.
+    #[cfg(feature = "fuzzing")]
+    #[test]
+    fn fuzz_seed_decodes() {
+        let seed = include_bytes!("../../../fuzz/seeds/aggregate_descriptor/two_members_three_fragments");
+        let slots: Vec<Vec<u8>> = seed[6..].chunks(64).map(<[u8]>::to_vec).collect();
+        assert_eq!(decode(&slots, &[4096, 4096], 0).unwrap().1.len(), 3);
+        for n in 0..=seed.len() {
+            crate::fuzzing::aggregate_descriptor(&seed[..n]);
+        }
+    }
+
     proptest! {
         #[test]
         fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300), meta in 0usize..300) {
             let _ = Message::decode(&bytes, meta);
+        }
+
+        #[test]
+        fn descriptor_decode_never_panics(
+            slots in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..80), 0..6),
+            lens in proptest::collection::vec(1usize..10000, 0..5),
+            meta in 0usize..64,
+        ) {
+            let _ = decode(&slots, &lens, meta);
+        }
+
+        #[test]
+        fn valid_descriptors_decode(
+            members in proptest::collection::vec(1usize..5000, 1..5),
+            picks in proptest::collection::vec((any::<u32>(), any::<u32>(), any::<u32>()), 0..40),
+            meta in 0usize..100,
+        ) {
+            // Every member once, then random fragments inside the members.
+            let mut entries: Vec<FragEntry> = (0..members.len()).map(|m| entry(m as u32, 0, members[m] as u64)).collect();
+            for (m, a, b) in picks {
+                let m = m as usize % members.len();
+                let off = a as u64 % members[m] as u64;
+                let len = 1 + b as u64 % (members[m] as u64 - off);
+                entries.push(entry(m as u32, off, len));
+            }
+            let total = entries.iter().map(|e| e.len).sum();
+            let slots = descriptor(members.len() as u32, &entries, total, meta);
+            prop_assert_eq!(decode(&slots, &members, meta).unwrap().1, entries);
         }
     }
 }

@@ -355,6 +355,18 @@ impl AsyncChannel {
         self.with_room(buffer, |ch, b| ch.move_buffer(b, meta)).await
     }
 
+    /// [`Channel::send_aggregate`], waiting for room for the whole run like
+    /// [`move_buffer`](AsyncChannel::move_buffer) (an aggregate that could
+    /// never fit the queue is refused at once with
+    /// [`Error::AggregateTooLarge`]).
+    pub async fn send_aggregate(
+        &mut self,
+        agg: crate::Aggregate,
+        meta: &[u8],
+    ) -> Result<(), Refused<crate::Aggregate>> {
+        self.with_room(agg, |ch, a| ch.send_aggregate(a, meta)).await
+    }
+
     /// [`Channel::pass`], waiting for room like
     /// [`move_buffer`](AsyncChannel::move_buffer).
     pub async fn pass(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {

@@ -32,10 +32,12 @@ mod support;
 use std::collections::HashMap;
 
 use ferry::{
-    Allocator, BindParams, Buffer, BufferCopy, BufferId, Channel, ChannelSetup, Direction, Domain, Endpoint, Error,
-    Event as FEvent, Pool, PoolConstraints, TrustLevel,
+    Aggregate, Allocator, BindParams, Buffer, BufferCopy, BufferId, Channel, ChannelSetup, Direction, Domain, Endpoint,
+    Error, Event as FEvent, Member, Pool, PoolConstraints, TrustLevel,
 };
-use model::gen::{pick_step, setup_links, use_trusts, RawStep, Step, DOMAINS, LINKS, META, MIXED_LINKS, POOLS};
+use model::gen::{
+    pick_step, setup_links, use_aggregates, use_trusts, RawStep, Step, DOMAINS, LINKS, META, MIXED_LINKS, POOLS,
+};
 use model::lib_map::{buffer_state, cases as model_cases, channel_state, meta_bytes, reject_of, trust_level, Stats};
 use model::reference::{
     initial_seed, BufId, BufferState as MState, ChanId, DomainId, Event as MEvent, Model, Op, Outcome, Queue, Reject,
@@ -247,6 +249,24 @@ impl Backend for Mixed {
             Some(Kind::Shm) => "shm",
             Some(Kind::Net) => "tcp",
             None => "?",
+        }
+    }
+}
+
+/// Where a handle put into an aggregate came from: the domain's owned
+/// buffer (and whether the sender keeps a reference), or its copy held via
+/// a channel (always kept: forwarding does not give it up).
+#[derive(Debug, Clone, Copy)]
+enum Origin {
+    Owned(BufId, bool),
+    Copy((DomainId, BufId, ChanId)),
+}
+
+impl Origin {
+    fn kept(&self) -> bool {
+        match self {
+            Origin::Owned(_, keep) => *keep,
+            Origin::Copy(_) => true,
         }
     }
 }
@@ -478,6 +498,9 @@ impl<B: Backend> Harness<B> {
                     }
                 }
             }
+            Op::SendAggregate { domain, chan, members, meta_len } => {
+                self.send_aggregate(domain, chan, members, meta_len, model_before)
+            }
             Op::Teardown { domain, chan } => unit(self.end(chan, domain).teardown()),
             Op::Deliver { chan, queue } => {
                 let side = match queue {
@@ -487,6 +510,88 @@ impl<B: Backend> Harness<B> {
                 let [a, b] = &mut self.chans[chan].0;
                 let (to, from) = if side == 1 { (b, a) } else { (a, b) };
                 Some(Ok(self.backend.deliver(chan, to, from, expect)))
+            }
+        }
+    }
+
+    /// An aggregate of the handles `domain` holds for `members` (an owned
+    /// buffer, else a copy held via any channel), two fragments of each
+    /// buffer, interleaved. A member the sender keeps (`share`, a copy, or
+    /// an owned buffer with copies out) keeps a clone of its piece here, so
+    /// the aggregate is not its only reference, and gets its handle back
+    /// after the send. `None` if the domain holds no handle for a member.
+    fn send_aggregate(
+        &mut self,
+        domain: DomainId,
+        chan: ChanId,
+        members: model::reference::AggMembers,
+        meta_len: usize,
+        model_before: &Model,
+    ) -> Option<Result<Option<FEvent>, Error>> {
+        let mut origins: Vec<Origin> = Vec::new();
+        let mut pieces: Vec<Aggregate> = Vec::new();
+        for (buf, share) in members.iter().flatten().copied() {
+            let (origin, piece) = if let Some(b) = self.owned.remove(&(domain, buf)) {
+                let keep = share || model_before.buffer_state(buf, domain) != MState::ReadWrite;
+                (Origin::Owned(buf, keep), Aggregate::from(b))
+            } else if let Some(key) =
+                self.copies.iter().find(|((h, b, _), v)| *h == domain && *b == buf && !v.is_empty()).map(|(k, _)| *k)
+            {
+                let c = self.copies.get_mut(&key).and_then(Vec::pop).expect("non-empty");
+                (Origin::Copy(key), Aggregate::from(c))
+            } else {
+                self.put_back(domain, &origins, pieces);
+                return None;
+            };
+            origins.push(origin);
+            pieces.push(piece);
+        }
+        let kept: Vec<Option<Aggregate>> =
+            origins.iter().zip(&pieces).map(|(o, p)| o.kept().then(|| p.clone())).collect();
+        let mut msg = Aggregate::new();
+        for range in [0..100, 200..300] {
+            for p in &pieces {
+                msg.append(p.slice(range.clone()).expect("inside a buffer"));
+            }
+        }
+        drop(pieces);
+        let meta = meta_bytes(meta_len);
+        match self.end(chan, domain).send_aggregate(msg, &meta) {
+            Ok(()) => {
+                let back: Vec<(Origin, Aggregate)> =
+                    origins.into_iter().zip(kept).filter_map(|(o, k)| k.map(|k| (o, k))).collect();
+                let (origins, pieces): (Vec<Origin>, Vec<Aggregate>) = back.into_iter().unzip();
+                self.put_back(domain, &origins, pieces);
+                Some(Ok(None))
+            }
+            Err(refused) => {
+                let e = refused.error.clone();
+                drop(kept);
+                let members = refused.into_inner().into_members().expect("a refused aggregate comes back whole");
+                let pieces = members
+                    .into_iter()
+                    .map(|m| match m {
+                        Member::Buffer(b) => Aggregate::from(b),
+                        Member::Copy(c) => Aggregate::from(c),
+                    })
+                    .collect();
+                self.put_back(domain, &origins, pieces);
+                Some(Err(e))
+            }
+        }
+    }
+
+    /// Return the handles in `pieces` (one buffer each) to where `origins`
+    /// say they came from.
+    fn put_back(&mut self, domain: DomainId, origins: &[Origin], pieces: Vec<Aggregate>) {
+        for (o, p) in origins.iter().zip(pieces) {
+            let mut m = p.into_members().expect("the only reference");
+            match (o, m.pop()) {
+                (Origin::Owned(buf, _), Some(Member::Buffer(b))) => {
+                    self.owned.insert((domain, *buf), b);
+                }
+                (Origin::Copy(key), Some(Member::Copy(c))) => self.copies.entry(*key).or_default().push(c),
+                (o, m) => panic!("harness: {o:?} came back as {m:?}"),
             }
         }
     }
@@ -529,6 +634,31 @@ impl<B: Backend> Harness<B> {
             | (MEvent::PoolRemoveRequest { pool, accepted: false }, FEvent::PoolRemoveRefused(id))
                 if id == pool_of(self, pool) =>
             {
+                Ok(())
+            }
+            (MEvent::AggregateReceived { members, meta_len }, FEvent::Aggregate { agg, meta })
+                if meta[..] == meta_bytes(meta_len)[..] =>
+            {
+                let want: Vec<(BufId, bool)> = members.iter().flatten().copied().collect();
+                let got = agg.into_members().map_err(|a| format!("received {a:?} shares its buffers"))?;
+                let ids: Vec<(BufferId, bool)> = got
+                    .iter()
+                    .map(|m| match m {
+                        Member::Buffer(b) => (b.id(), true),
+                        Member::Copy(c) => (c.id(), false),
+                    })
+                    .collect();
+                if ids != want.iter().map(|&(b, moved)| (self.bid(b), moved)).collect::<Vec<_>>() {
+                    return Err(format!("model delivered {mev:?} to d{to}, library members {ids:?}"));
+                }
+                for ((buf, _), m) in want.into_iter().zip(got) {
+                    match m {
+                        Member::Buffer(b) => {
+                            self.owned.insert((to, buf), b);
+                        }
+                        Member::Copy(c) => self.copies.entry((to, buf, chan)).or_default().push(c),
+                    }
+                }
                 Ok(())
             }
             (MEvent::TeardownReceived, FEvent::Closed { by_peer: true }) => Ok(()),
@@ -837,6 +967,7 @@ fn run_case<B: Backend>(
     stats: &mut Stats,
 ) -> Result<(), String> {
     use_trusts(backend.trusts());
+    use_aggregates(true);
     let mut m = setup_links(links, trusts);
     let mut h = Harness::new(backend);
     for &(d, count) in &POOLS {
@@ -895,6 +1026,8 @@ fn run_case<B: Backend>(
                         match (expected, got) {
                             (Ok(Outcome::Delivered { to, event }), Ok(Some(ev))) => {
                                 stats.delivered += 1;
+                                stats.aggregates_delivered +=
+                                    usize::from(matches!(event, MEvent::AggregateReceived { .. }));
                                 let Some(Op::Deliver { chan, .. }) = op else { unreachable!() };
                                 if let Err(e) = h.take_event(to, chan, event, ev) {
                                     return Err(fail(&h, e));
@@ -903,6 +1036,7 @@ fn run_case<B: Backend>(
                             (Ok(Outcome::Done), Ok(None)) => {
                                 stats.accepted += 1;
                                 stats.writes += usize::from(op.is_none());
+                                stats.aggregates_sent += usize::from(matches!(op, Some(Op::SendAggregate { .. })));
                             }
                             (Err(Reject::QueueEmpty), Ok(None)) => {}
                             (Err(r), Err(e)) if reject_of(&e) == Some(r) => {

@@ -192,6 +192,8 @@ impl<'c> Harness<'c> {
         let meta = |len: usize| len as u8;
         match *op {
             Op::CreatePool { .. } | Op::Connect { .. } => unreachable!("handled by the caller"),
+            // Not drawn for the process harness (`gen::use_aggregates`).
+            Op::SendAggregate { .. } => Ok(None),
             Op::AssignPool { domain, chan, pool } => {
                 // A pool that does not exist has no handle to offer.
                 let Some(&id) = self.pools.get(pool) else { return Ok(None) };

@@ -10,13 +10,13 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use model::reference::{
     initial_seed, BufId, BufferState, ChanId, ChannelState, DomainId, Event, Model, Op, Outcome, PoolId, Queue, Reject,
-    Trust,
+    Trust, AGG_MAX,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
-use model::gen::{pick_step, setup, RawStep, Step, META};
+use model::gen::{pick_step, setup, use_aggregates, RawStep, Step, META};
 
 const A: DomainId = 0;
 const B: DomainId = 1;
@@ -496,6 +496,59 @@ fn full_copy() {
     rej(&mut m, fc(t, t), Reject::ForeignBuffer);
 }
 
+/// An aggregate: all checks first (a refusal changes nothing), then a move
+/// per unshared READ_WRITE owned buffer and a copy per other member, one
+/// event at the sink; forwarded on, moved buffers move again and copies
+/// are forwarded; every buffer ends where the rules say.
+#[test]
+fn aggregates_move_unshared_buffers_and_copy_the_rest() {
+    let mut m = Model::new(3, META);
+    let p = create_pool(&mut m, A, 3);
+    let q = create_pool(&mut m, A, 1);
+    let ab = connect(&mut m, A, B, Trust::Full);
+    let bc = connect(&mut m, B, C, Trust::Full);
+    assign(&mut m, A, ab, p);
+    let (x, y, z, w) = (buf(p, 0), buf(p, 1), buf(p, 2), buf(q, 0));
+    let agg = |domain, chan, members: &[(BufId, bool)], meta_len| {
+        let mut a = [None; AGG_MAX];
+        for (slot, mbr) in a.iter_mut().zip(members) {
+            *slot = Some(*mbr);
+        }
+        Op::SendAggregate { domain, chan, members: a, meta_len }
+    };
+    // w's pool is not on the channel; meta too long; the sink cannot send.
+    rej(&mut m, agg(A, ab, &[(x, false), (w, false)], 0), Reject::PoolNotAssigned);
+    rej(&mut m, agg(A, ab, &[(x, false)], META + 1), Reject::MetaTooLarge);
+    rej(&mut m, agg(B, ab, &[(x, false)], 0), Reject::WrongDirection);
+    rej(&mut m, agg(A, ab, &[(x, false), (x, true)], 0), Reject::InvalidArgument);
+    // z has a copy out: copied even though A does not keep it.
+    ok(&mut m, copy(A, ab, z));
+    ok(&mut m, agg(A, ab, &[(x, false), (y, true), (z, false)], 2));
+    assert_eq!((m.owner(x), m.owner(y), m.owner(z)), (B, A, A));
+    assert_eq!(m.buffer_state(y, A), BufferState::ReadOnlyOwned);
+    deliver(&mut m, ab, Queue::Data); // the plain copy of z
+    let got = deliver(&mut m, ab, Queue::Data);
+    assert_eq!(
+        got,
+        (B, Event::AggregateReceived { members: [Some((x, true)), Some((y, false)), Some((z, false))], meta_len: 2 })
+    );
+    assert_eq!(m.pending(ab, Queue::Data), 0, "the whole run in one delivery");
+    // B forwards: x (its own now) moves on, the copies are forwarded.
+    assign(&mut m, B, bc, p);
+    ok(&mut m, agg(B, bc, &[(y, false), (x, false)], 0));
+    assert_eq!(m.owner(x), C);
+    let got = deliver(&mut m, bc, Queue::Data);
+    assert_eq!(got, (C, Event::AggregateReceived { members: [Some((y, false)), Some((x, true)), None], meta_len: 0 }));
+    // B cannot release y while the copy it forwarded is out.
+    rej(&mut m, release(B, ab, y), Reject::CopiesForwarded);
+    ok(&mut m, release(C, bc, y));
+    deliver(&mut m, bc, Queue::Control);
+    ok(&mut m, release(B, ab, y));
+    assert_eq!(deliver(&mut m, ab, Queue::Control), (A, Event::CopyReleased { buf: y, writable: true }));
+    assert_eq!(m.buffer_state(y, A), BufferState::ReadWrite);
+    assert_eq!(m.buffer_state(x, C), BufferState::ReadWrite);
+}
+
 /// Contents: written only by a READ_WRITE owner (first failing check
 /// wins, a refusal changes nothing); moves, passes and copies carry them;
 /// a full copy gives the destination the source's.
@@ -703,6 +756,7 @@ impl Coverage {
 /// Run one sequence; check the invariants after every step and that a
 /// refused operation changed nothing.
 fn run_case(trusts: &[u8], steps: &[RawStep], cov: &mut Coverage) -> Result<(), TestCaseError> {
+    use_aggregates(true);
     let mut m = setup(trusts);
     m.check_invariants().map_err(TestCaseError::fail)?;
     let mut trace = Vec::new();
@@ -742,6 +796,7 @@ fn run_case(trusts: &[u8], steps: &[RawStep], cov: &mut Coverage) -> Result<(), 
                     Op::Copy { domain, buf, .. } if before.owner(buf) != domain => cov.bump("forwarded_copies"),
                     Op::FullCopy { .. } => cov.bump("full_copies"),
                     Op::Move { .. } | Op::Pass { .. } => cov.bump("moves_and_passes"),
+                    Op::SendAggregate { .. } => cov.bump("aggregates"),
                     _ => {}
                 }
                 if let Outcome::Delivered { event, .. } = outcome {
@@ -752,6 +807,7 @@ fn run_case(trusts: &[u8], steps: &[RawStep], cov: &mut Coverage) -> Result<(), 
                         Event::PoolRemoveRefused { .. } => cov.bump("refused_removals"),
                         Event::CopyReleased { writable: true, .. } => cov.bump("writable_again"),
                         Event::Closed => cov.bump("teardowns_completed"),
+                        Event::AggregateReceived { .. } => cov.bump("aggregates_delivered"),
                         _ => {}
                     }
                 }

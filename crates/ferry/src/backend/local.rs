@@ -306,6 +306,14 @@ impl Link for LocalLink {
         false
     }
 
+    fn room(&mut self) -> usize {
+        self.tx.free_slots_now() as usize
+    }
+
+    fn capacity(&self) -> usize {
+        self.tx.capacity() as usize
+    }
+
     fn send(&mut self, msg: &Message) -> Result<()> {
         // Copying out before we know the ring has room is harmless: if it
         // has none, the buffer stays ours and no one reads the peer's copy.

@@ -38,6 +38,15 @@ pub use shm::ShmEndpoint;
 pub(crate) trait Link: Send {
     /// Whether one more message fits in the outgoing queue now.
     fn has_room(&mut self) -> bool;
+    /// How many messages in a row fit in the outgoing queue now (an
+    /// aggregate run needs room for all of its slots before the first goes).
+    fn room(&mut self) -> usize {
+        usize::from(self.has_room())
+    }
+    /// The most messages the outgoing queue can ever hold.
+    fn capacity(&self) -> usize {
+        1
+    }
     /// Queue one message to the peer (`QueueFull`, `PeerGone`).
     fn send(&mut self, msg: &Message) -> Result<()>;
     /// Send what is queued for the peer as far as the transport takes it

@@ -68,7 +68,6 @@ pub(crate) const FRAME_HEAD: usize = 32;
 const TYPE_MOVE: u8 = 1;
 const TYPE_COPY: u8 = 2;
 const TYPE_PASS: u8 = 3;
-const TYPE_TEARDOWN: u8 = 9;
 const TYPE_KEEPALIVE: u8 = 10;
 const TYPE_GOODBYE: u8 = 11;
 const FLAG_PAYLOAD: u8 = 2;
@@ -667,11 +666,11 @@ impl NetLink {
             self.rx = RxState::Head { have: 0 };
             return Ok(None);
         }
-        if !(TYPE_MOVE..=TYPE_TEARDOWN).contains(&kind) {
+        // The slot's body (meta data, or an aggregate's fragment table).
+        let Some(limit) = proto::body_limit(kind, self.meta_size) else {
             return Err(bad("unknown frame type".into()));
-        }
-        let carries_meta = matches!(kind, TYPE_MOVE | TYPE_COPY | TYPE_PASS);
-        if meta > self.meta_size || (!carries_meta && meta != 0) {
+        };
+        if meta > limit {
             return Err(bad(format!("meta length {meta} out of range")));
         }
         let payload = flags & FLAG_PAYLOAD != 0;
@@ -829,6 +828,18 @@ impl Link for NetLink {
             let _ = self.flush();
         }
         self.out.len() < self.depth
+    }
+
+    fn room(&mut self) -> usize {
+        // Several frames are wanted in a row: send what the socket takes.
+        if !self.out.is_empty() {
+            let _ = self.flush();
+        }
+        self.depth.saturating_sub(self.out.len())
+    }
+
+    fn capacity(&self) -> usize {
+        self.depth
     }
 
     fn send(&mut self, msg: &Message) -> Result<()> {

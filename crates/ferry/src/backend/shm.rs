@@ -590,6 +590,14 @@ impl Link for ShmLink {
         false
     }
 
+    fn room(&mut self) -> usize {
+        self.tx.free_slots_now() as usize
+    }
+
+    fn capacity(&self) -> usize {
+        self.tx.capacity() as usize
+    }
+
     fn send(&mut self, msg: &Message) -> Result<()> {
         if self.peer_hung_up {
             return Err(Error::PeerGone);

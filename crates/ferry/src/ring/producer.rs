@@ -124,6 +124,20 @@ impl Producer {
         Ok(())
     }
 
+    /// Free slots, the tail re-read first (for a caller that needs
+    /// several in a row).
+    pub(crate) fn free_slots_now(&mut self) -> u32 {
+        if self.refresh_tail().is_err() {
+            return 0;
+        }
+        self.free_slots()
+    }
+
+    /// Slots in the ring.
+    pub(crate) fn capacity(&self) -> u32 {
+        self.sh.cap as u32
+    }
+
     /// Free slots according to the cached tail; the tail is re-read only
     /// when the ring looks full. 0 if the region's tail is corrupt.
     pub(crate) fn free_slots(&mut self) -> u32 {

@@ -25,6 +25,16 @@ thread_local! {
     static TRUSTS: std::cell::Cell<&'static [Trust]> = const { std::cell::Cell::new(&ALL_TRUSTS) };
 }
 
+thread_local! {
+    static AGGREGATES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Let `pick_op` draw [`Op::SendAggregate`] (per thread; off by default,
+/// for harnesses that do not run aggregates).
+pub fn use_aggregates(on: bool) {
+    AGGREGATES.with(|a| a.set(on));
+}
+
 /// Restrict the trust levels that `setup` and `pick_op` draw (per thread).
 pub fn use_trusts(trusts: &'static [Trust]) {
     TRUSTS.with(|t| t.set(trusts));
@@ -263,6 +273,7 @@ pub fn pick_op(m: &Model, raw: RawStep) -> Op {
             Some(Op::Connect { source, sink, trust: trust_of(raw.3 as u8) })
         }
         93 => Some(Op::CreatePool { domain: a % DOMAINS, count: 1 + b % 3 }),
+        94..=98 if AGGREGATES.with(|x| x.get()) => pick_aggregate(m, &chans, &bufs, (a, b, c), meta_len),
         _ => None,
     };
     // Without a plausible operation of the kind drawn, make progress.
@@ -271,6 +282,34 @@ pub fn pick_op(m: &Model, raw: RawStep) -> Op {
         (true, None, Some(op)) if kind < 94 => op,
         _ => fallback,
     }
+}
+
+/// An aggregate from a source end: up to [`AGG_MAX`] distinct buffers the
+/// domain can read, mostly of pools assigned to the channel, each kept by
+/// the sender now and then (a copy instead of a move).
+fn pick_aggregate(
+    m: &Model,
+    chans: &[ChanId],
+    bufs: &[BufId],
+    (a, b, c): (usize, usize, usize),
+    meta_len: usize,
+) -> Option<Op> {
+    let open: Vec<ChanId> = chans.iter().copied().filter(|&ch| connected(m, ch, m.endpoints(ch).0)).collect();
+    let chan = choose(&open, a)?;
+    let d = m.endpoints(chan).0;
+    let any_pool = c % 8 == 0;
+    let cands: Vec<BufId> = bufs
+        .iter()
+        .copied()
+        .filter(|&bf| readable(m, bf, d) && (any_pool || m.pool_assigned(bf.pool, chan, d)))
+        .collect();
+    let n = (1 + c % AGG_MAX).min(cands.len());
+    let mut members: AggMembers = [None; AGG_MAX];
+    for (i, slot) in members.iter_mut().enumerate().take(n) {
+        let buf = cands[(a / 3 + i * (1 + b % 5)) % cands.len()];
+        *slot = Some((buf, (b >> i) % 4 == 0));
+    }
+    Some(Op::SendAggregate { domain: d, chan, members, meta_len })
 }
 
 /// One step of a run that also writes buffers: an operation of the model,

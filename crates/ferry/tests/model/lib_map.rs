@@ -91,4 +91,8 @@ pub struct Stats {
     pub protection_checks: usize,
     /// Forbidden writes tried in a forked child (each must fault).
     pub fault_probes: usize,
+    /// Aggregates both sent.
+    pub aggregates_sent: usize,
+    /// Aggregates delivered with the same members.
+    pub aggregates_delivered: usize,
 }

@@ -309,6 +309,23 @@ pub enum Op {
         /// Channel.
         chan: ChanId,
     },
+    /// Send an aggregate over the members' buffers as one unit (the
+    /// library's `send_aggregate`): every check for every member first,
+    /// then per member, in order, a move (the domain owns the buffer
+    /// READ_WRITE and does not keep a reference: `share` false) or a copy
+    /// (a copy it holds is forwarded; an owned buffer it keeps, or one with
+    /// copies out, stays its own read-only). The data queue gets a header
+    /// and the members' messages, delivered together as one event.
+    SendAggregate {
+        /// Caller (source).
+        domain: DomainId,
+        /// Channel.
+        chan: ChanId,
+        /// Distinct buffers and whether the caller keeps a reference.
+        members: AggMembers,
+        /// Meta-data length.
+        meta_len: usize,
+    },
     /// Pop the head message of a queue and apply it at the receiver.
     Deliver {
         /// Channel.
@@ -317,6 +334,14 @@ pub enum Op {
         queue: Queue,
     },
 }
+
+/// Most members of a generated aggregate.
+pub const AGG_MAX: usize = 3;
+
+/// The members of an aggregate: up to [`AGG_MAX`] buffers with a flag
+/// (for [`Op::SendAggregate`]: the sender keeps a reference; for
+/// [`Event::AggregateReceived`]: the buffer was moved).
+pub type AggMembers = [Option<(BufId, bool)>; AGG_MAX];
 
 /// Why an operation was refused (SEMANTICS.md error names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -451,6 +476,14 @@ pub enum Event {
         /// Pool.
         pool: PoolId,
     },
+    /// An aggregate arrived: its members (moved: owned now; else a copy
+    /// held now), one event for the whole.
+    AggregateReceived {
+        /// Members, flagged `true` if moved.
+        members: AggMembers,
+        /// Meta-data length.
+        meta_len: usize,
+    },
     /// The peer's teardown marker arrived first; we answered and are `CLOSED`.
     TeardownReceived,
     /// The peer's marker answered ours; we are `CLOSED`.
@@ -476,6 +509,14 @@ pub enum Outcome {
 /// A message in a channel queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Msg {
+    /// Head of an aggregate run (data queue): `count` member messages
+    /// (moves and copies) follow, delivered with it as one event.
+    AggHeader {
+        /// Members that follow.
+        count: usize,
+        /// Meta-data length.
+        meta_len: usize,
+    },
     /// Move (data queue), also the second half of a full copy.
     Move {
         /// Buffer.
@@ -673,6 +714,9 @@ impl Model {
             Op::Release { domain, chan, buf } => self.release_copy(domain, chan, buf),
             Op::FullCopy { domain, chan, src, dst, meta_len } => self.full_copy(domain, chan, src, dst, meta_len),
             Op::Teardown { domain, chan } => self.teardown(domain, chan),
+            Op::SendAggregate { domain, chan, members, meta_len } => {
+                self.send_aggregate(domain, chan, members, meta_len)
+            }
             Op::Deliver { chan, queue } => self.deliver(chan, queue),
         }
     }
@@ -1224,6 +1268,49 @@ impl Model {
         Ok(Outcome::Done)
     }
 
+    /// An aggregate sent as one unit: Algorithms 7 and 9 per member, all
+    /// preconditions first (nothing changes if one fails).
+    fn send_aggregate(
+        &mut self,
+        domain: DomainId,
+        chan: ChanId,
+        members: AggMembers,
+        meta_len: usize,
+    ) -> Result<Outcome, Reject> {
+        self.check_channel(chan)?;
+        let side = self.check_endpoint(chan, domain)?;
+        self.check_connected(chan, domain)?;
+        self.check_direction(side, SOURCE)?;
+        let list: Vec<(BufId, bool)> = members.iter().flatten().copied().collect();
+        for (i, &(buf, _)) in list.iter().enumerate() {
+            self.check_buffer(buf)?;
+            if list[..i].iter().any(|(b, _)| *b == buf) {
+                return Err(Reject::InvalidArgument);
+            }
+            if !self.is_delivered_owner(buf, domain) && !self.holds_some_copy(buf, domain) {
+                return Err(Reject::ForeignBuffer);
+            }
+            self.check_pool_assigned(chan, side, buf)?;
+            self.check_no_removal(chan, side, buf.pool)?;
+        }
+        self.check_meta(meta_len)?;
+        self.channels[chan].data.push_back(Msg::AggHeader { count: list.len(), meta_len });
+        let sink = self.channels[chan].sink;
+        for (buf, share) in list {
+            let owned_rw =
+                self.is_delivered_owner(buf, domain) && self.buffer_state(buf, domain) == BufferState::ReadWrite;
+            if owned_rw && !share {
+                self.pools[buf.pool].owner[buf.index] = sink;
+                self.pools[buf.pool].in_flight[buf.index] = Some(chan);
+                self.channels[chan].data.push_back(Msg::Move { buf, meta_len: 0 });
+            } else {
+                ms_add(&mut self.copies, (buf, chan));
+                self.channels[chan].data.push_back(Msg::Copy { buf, meta_len: 0 });
+            }
+        }
+        Ok(Outcome::Done)
+    }
+
     /// Algorithm 9, read-only copy (also a holder forwarding its copy).
     fn copy_buffer(&mut self, domain: DomainId, chan: ChanId, buf: BufId, meta_len: usize) -> Result<Outcome, Reject> {
         self.check_channel(chan)?;
@@ -1355,6 +1442,23 @@ impl Model {
         };
         let to = self.domain_of_side(chan, side);
         let event = match msg {
+            Msg::AggHeader { count, meta_len } => {
+                let mut members: AggMembers = [None; AGG_MAX];
+                for slot in members.iter_mut().take(count) {
+                    *slot = match self.channels[chan].data.pop_front() {
+                        Some(Msg::Move { buf, .. }) => {
+                            self.pools[buf.pool].in_flight[buf.index] = None;
+                            Some((buf, true))
+                        }
+                        Some(Msg::Copy { buf, .. }) => {
+                            ms_add(&mut self.held, (buf, chan));
+                            Some((buf, false))
+                        }
+                        other => unreachable!("an aggregate run holds moves and copies, not {other:?}"),
+                    };
+                }
+                Event::AggregateReceived { members, meta_len }
+            }
             Msg::Move { buf, meta_len } => {
                 self.pools[buf.pool].in_flight[buf.index] = None;
                 Event::MoveReceived { buf, meta_len }

@@ -332,6 +332,8 @@ impl Server {
             Event::Error(e) => Ev::Error { peer_gone: e == Error::PeerGone, text: format!("{e:?}") },
             // The model's pools stay far below the channel's limits.
             Event::PoolOfferRefused { reason, .. } => Ev::Error { peer_gone: false, text: format!("{reason:?}") },
+            // The process model sends no aggregates.
+            Event::Aggregate { .. } => Ev::Error { peer_gone: false, text: "unexpected aggregate".into() },
         }
     }
 
