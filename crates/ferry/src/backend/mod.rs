@@ -19,6 +19,8 @@ use crate::wake::{Arm, WakeSet};
 
 pub mod local;
 #[cfg(not(loom))]
+pub mod mux;
+#[cfg(not(loom))]
 pub mod net;
 #[cfg(not(loom))]
 pub(crate) mod setup_msg;
@@ -29,6 +31,8 @@ mod uds;
 mod unshared;
 
 pub use local::LocalEndpoint;
+#[cfg(not(loom))]
+pub use mux::{MuxEndpoint, MuxSession};
 #[cfg(not(loom))]
 pub use net::{NetEndpoint, NetOptions};
 #[cfg(not(loom))]
@@ -174,6 +178,13 @@ pub(crate) enum Landing {
 pub(crate) trait PayloadGate {
     /// `msg` is a move, pass or copy whose payload is about to land.
     fn admit(&mut self, msg: &Message) -> Result<Landing>;
+    /// A gate that keeps the domain and direction checks without borrowing
+    /// the channel, for a link that lands payloads for this channel while
+    /// another channel of the same connection is polling (the link checks
+    /// the pool against the pools the channel gave it).
+    fn detach(&self) -> Option<Box<dyn PayloadGate + Send>> {
+        None
+    }
 }
 
 /// The outcome of a finished setup: the link, what was negotiated, and
@@ -218,6 +229,10 @@ pub enum Endpoint {
     /// An endpoint for channels between machines (TCP).
     #[cfg(not(loom))]
     Net(NetEndpoint),
+    /// A logical channel of a [`MuxSession`]: many channels over one TCP
+    /// connection ([`MuxSession::endpoint`]).
+    #[cfg(not(loom))]
+    Mux(MuxEndpoint),
 }
 
 impl Endpoint {
@@ -312,6 +327,8 @@ impl Endpoint {
             Endpoint::Shm(ep) => ep.listen(setup),
             #[cfg(not(loom))]
             Endpoint::Net(ep) => ep.listen(setup),
+            #[cfg(not(loom))]
+            Endpoint::Mux(ep) => ep.listen(setup),
         }
     }
 
@@ -322,6 +339,8 @@ impl Endpoint {
             Endpoint::Shm(ep) => ep.connect(params),
             #[cfg(not(loom))]
             Endpoint::Net(ep) => ep.connect(params),
+            #[cfg(not(loom))]
+            Endpoint::Mux(ep) => ep.connect(params),
         }
     }
 }
