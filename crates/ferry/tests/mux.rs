@@ -506,3 +506,108 @@ fn malformed_frames_are_protocol_errors() {
         let _ = s.read_to_end(&mut sink);
     }
 }
+
+// ------------------------------------------------------- priorities
+
+/// A priority channel overtakes two bulk channels that saturate the link:
+/// the bulk senders have filled their credit (the receiver does not read
+/// them), then 32 priority messages are sent; while the receiver takes
+/// them, at most a chunk of bulk payload arrives between the first and
+/// the last (round-robin would interleave a bulk chunk per priority
+/// chunk), and bulk payload is still on its way after the last.
+#[test]
+fn priority_frames_overtake_a_saturating_bulk_channel() {
+    const BULK: usize = 1 << 20;
+    const PRIO: u64 = 32;
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let bulk_setup = ChannelSetup { queue_depth: 8, ..tx_setup() };
+    let prio_setup = ChannelSetup { queue_depth: 64, ..tx_setup() };
+    let mut txs = vec![
+        Channel::create(&da, &a.endpoint(1), bulk_setup).unwrap(),
+        Channel::create(&da, &a.endpoint(2), bulk_setup).unwrap(),
+        Channel::create(&da, &a.endpoint_with_priority(3, 7), prio_setup).unwrap(),
+    ];
+    let mut rxs: Vec<Channel> =
+        (1..=3).map(|id| Channel::bind(&db, &b.endpoint(id), BindParams::default()).unwrap()).collect();
+    for ch in txs.iter_mut().chain(rxs.iter_mut()) {
+        ch.wait_connected(T).unwrap();
+    }
+    let allocs = [
+        Allocator::new(&da, 32, BULK, PoolConstraints::default()).unwrap(),
+        Allocator::new(&da, 32, BULK, PoolConstraints::default()).unwrap(),
+        Allocator::new(&da, PRIO, SIZE, PoolConstraints::default()).unwrap(),
+    ];
+    for ((tx, rx), alloc) in txs.iter_mut().zip(rxs.iter_mut()).zip(&allocs) {
+        assign_pair(tx, rx, alloc);
+    }
+    // Bulk first, until its queue is full (credit spent, queue full).
+    let mut bulk_sent = [0u64; 2];
+    for i in 0..2 {
+        loop {
+            let mut buf = allocs[i].alloc().expect("more bulk buffers than credit and queue");
+            fill(buf.as_mut_slice().unwrap(), bulk_sent[i]);
+            match txs[i].move_buffer(buf, &bulk_sent[i].to_le_bytes()) {
+                Ok(()) => bulk_sent[i] += 1,
+                Err(r) if r.error == Error::QueueFull => break,
+                Err(r) => panic!("bulk move: {}", r.error),
+            }
+        }
+    }
+    for seq in 0..PRIO {
+        let mut buf = allocs[2].alloc().unwrap();
+        fill(buf.as_mut_slice().unwrap(), seq);
+        txs[2].move_buffer(buf, &seq.to_le_bytes()).unwrap();
+    }
+    // The sender keeps its end going (frames go out as the socket takes
+    // them); the receiver reads the priority channel only.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sender = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut txs = txs;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for tx in &mut txs {
+                    if let Some(ev) = tx.wait(Some(Duration::from_millis(1))) {
+                        panic!("sender: unexpected {ev:?}");
+                    }
+                }
+            }
+            txs
+        })
+    };
+    let bulk_landed =
+        |rxs: &[Channel]| -> u64 { rxs[..2].iter().map(|c| c.link_stats().unwrap().payload_received).sum() };
+    let mut first = None;
+    let mut kept = Vec::new();
+    for seq in 0..PRIO {
+        match next(&mut rxs[2]) {
+            Event::MoveReceived { buffer, meta } => {
+                assert_eq!(seq_of(&meta), seq);
+                assert!(check(&buffer, seq), "priority move {seq} corrupted");
+                kept.push(buffer);
+            }
+            ev => panic!("priority channel: unexpected {ev:?}"),
+        }
+        first.get_or_insert_with(|| bulk_landed(&rxs));
+    }
+    let during = bulk_landed(&rxs) - first.unwrap();
+    assert!(during <= 2 * ferry::backend::mux::MAX_CHUNK as u64, "{during} bulk bytes came between priority messages");
+    let total = (bulk_sent[0] + bulk_sent[1]) * BULK as u64;
+    assert!(bulk_landed(&rxs) < total, "the bulk channels were not saturating the link");
+    // Then all of the bulk arrives, in order.
+    for (i, rx) in rxs[..2].iter_mut().enumerate() {
+        for seq in 0..bulk_sent[i] {
+            match next(rx) {
+                Event::MoveReceived { buffer, meta } => {
+                    assert_eq!(seq_of(&meta), seq);
+                    assert!(check(&buffer, seq), "bulk move {seq} corrupted");
+                    kept.push(buffer);
+                }
+                ev => panic!("bulk channel {i}: unexpected {ev:?}"),
+            }
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    drop(sender.join().unwrap());
+}
