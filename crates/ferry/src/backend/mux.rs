@@ -132,7 +132,7 @@ const TYPE_TEARDOWN: u8 = 9;
 const FLAG_PAYLOAD: u8 = 2;
 
 /// Bytes committed to the wire at once (the scheduler decides again after).
-const WIRE_BYTES: usize = 2 * MAX_CHUNK;
+const WIRE_BYTES: usize = 4 * MAX_CHUNK;
 /// Frames committed to the wire at once.
 const WIRE_FRAMES: usize = 64;
 /// Frames read per poll before the polling channel gets its answer.
@@ -675,6 +675,8 @@ struct Inner {
     last_served: u32,
     rx: RxState,
     head: [u8; MUX_HEAD],
+    /// Header bytes of the next frame read together with a body or chunk.
+    next: [u8; MUX_HEAD],
     body: [u8; MSG_HEAD + proto::MAX_META_SIZE],
     scratch: Vec<u8>,
     last_rx: Instant,
@@ -702,6 +704,7 @@ impl Inner {
             last_served: 0,
             rx: RxState::Head { have: 0 },
             head: [0; MUX_HEAD],
+            next: [0; MUX_HEAD],
             body: [0; MSG_HEAD + proto::MAX_META_SIZE],
             scratch: Vec::new(),
             last_rx: now,
@@ -934,14 +937,20 @@ impl Inner {
     /// Read one frame (or what of it is there): `false` when the socket is dry.
     fn read_frame(&mut self) -> Result<bool> {
         loop {
+            // A body or chunk is read together with the next frame's
+            // header (never payload: it may go into our own memory), so a
+            // stream of frames costs one system call per frame.
+            let next = RecvPart::slice(&mut self.next[..]);
             let got = match &self.rx {
+                // A whole header read ahead: nothing to read.
+                RxState::Head { have: MUX_HEAD } => Ok(usize::MAX),
                 RxState::Head { have } => {
                     let have = *have;
                     sys::recv_parts(self.stream.as_fd(), &[RecvPart::slice(&mut self.head[have..])])
                 }
                 RxState::Body { head, have } => {
                     let (len, have) = (head.len as usize, *have);
-                    sys::recv_parts(self.stream.as_fd(), &[RecvPart::slice(&mut self.body[have..len])])
+                    sys::recv_parts(self.stream.as_fd(), &[RecvPart::slice(&mut self.body[have..len]), next])
                 }
                 RxState::Chunk { chan, have, len } => {
                     let (id, have, len) = (*chan, *have, *len);
@@ -950,16 +959,18 @@ impl Inner {
                         (Target::Land, Some(pool)) => {
                             let at = inc.offset + inc.got + have;
                             let part = RecvPart::mapping(&pool.map, at, len - have).expect("checked range");
-                            sys::recv_parts(self.stream.as_fd(), &[part])
+                            sys::recv_parts(self.stream.as_fd(), &[part, next])
                         }
                         _ => {
                             self.scratch.resize(MAX_CHUNK, 0);
-                            sys::recv_parts(self.stream.as_fd(), &[RecvPart::slice(&mut self.scratch[..len - have])])
+                            let part = RecvPart::slice(&mut self.scratch[..len - have]);
+                            sys::recv_parts(self.stream.as_fd(), &[part, next])
                         }
                     }
                 }
             };
             let n = match got {
+                Ok(usize::MAX) => 0,
                 Ok(0) => return Err(self.stream_ended()),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
@@ -990,7 +1001,7 @@ impl Inner {
                         self.rx = RxState::Body { head, have: have + n };
                         continue;
                     }
-                    self.rx = RxState::Head { have: 0 };
+                    self.read_ahead(have + n - head.len as usize);
                     self.frame(head)?;
                     return Ok(true);
                 }
@@ -999,12 +1010,19 @@ impl Inner {
                         self.rx = RxState::Chunk { chan, have: have + n, len };
                         continue;
                     }
-                    self.rx = RxState::Head { have: 0 };
+                    self.read_ahead(have + n - len);
                     self.end_chunk(chan, len);
                     return Ok(true);
                 }
             }
         }
+    }
+
+    /// A frame is complete and `extra` bytes of the next header came with
+    /// it: they start the next header.
+    fn read_ahead(&mut self, extra: usize) {
+        self.head[..extra].copy_from_slice(&self.next[..extra]);
+        self.rx = RxState::Head { have: extra };
     }
 
     fn stream_ended(&mut self) -> Error {
