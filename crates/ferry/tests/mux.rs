@@ -611,3 +611,73 @@ fn priority_frames_overtake_a_saturating_bulk_channel() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     drop(sender.join().unwrap());
 }
+
+// ------------------------------------------------------- setup edges
+
+/// A bind that times out before anyone creates the channel does not hurt
+/// the session: once the creator listens, the number is free again and a
+/// new bind on it connects; a refused bind leaves the creator listening.
+#[test]
+fn a_bind_that_gave_up_or_was_refused_leaves_the_session_usable() {
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let quick = BindParams { timeout: Duration::from_millis(50), ..BindParams::default() };
+    assert_eq!(Channel::connect(&db, &b.endpoint(5), quick, T).unwrap_err(), Error::TimedOut);
+    let mut tx = Channel::create(&da, &a.endpoint(5), tx_setup()).unwrap();
+    // A refused bind (a meta size the creator does not fit in).
+    let setup = ChannelSetup { meta_size: 64, ..tx_setup() };
+    let mut picky = Channel::create(&da, &a.endpoint(6), setup).unwrap();
+    let small = BindParams { max_meta_size: 8, ..BindParams::default() };
+    let deadline = Instant::now() + T;
+    let refused = loop {
+        let _ = tx.wait(Some(Duration::from_millis(5)));
+        let _ = picky.wait(Some(Duration::from_millis(5)));
+        match Channel::bind(&db, &b.endpoint(6), small) {
+            Ok(mut ch) => {
+                break loop {
+                    // The creator's side answers when it polls.
+                    let _ = picky.wait(Some(Duration::from_millis(5)));
+                    match ch.wait(Some(Duration::from_millis(5))) {
+                        Some(Event::Error(e)) => break e,
+                        None => assert!(Instant::now() < deadline, "no answer to the bind"),
+                        Some(ev) => panic!("refused bind: unexpected {ev:?}"),
+                    }
+                }
+            }
+            Err(Error::EndpointInUse) => assert!(Instant::now() < deadline, "number 6 never free"),
+            Err(e) => panic!("bind: {e:?}"),
+        }
+    };
+    assert!(matches!(refused, Error::BindRefused(_)), "{refused:?}");
+    // Number 5 comes free once the creator's side has answered the give-up.
+    let mut rx = loop {
+        let _ = tx.wait(Some(Duration::from_millis(5)));
+        let _ = picky.wait(Some(Duration::from_millis(5)));
+        match Channel::bind(&db, &b.endpoint(5), BindParams::default()) {
+            Ok(ch) => break ch,
+            Err(Error::EndpointInUse) => assert!(Instant::now() < deadline, "number 5 never free"),
+            Err(e) => panic!("bind: {e:?}"),
+        }
+    };
+    let mut rx6 = loop {
+        let _ = picky.wait(Some(Duration::from_millis(5)));
+        match Channel::bind(&db, &b.endpoint(6), BindParams::default()) {
+            Ok(ch) => break ch,
+            Err(Error::EndpointInUse) => assert!(Instant::now() < deadline, "number 6 never free"),
+            Err(e) => panic!("bind: {e:?}"),
+        }
+    };
+    tx.wait_connected(T).unwrap();
+    rx.wait_connected(T).unwrap();
+    picky.wait_connected(T).unwrap();
+    rx6.wait_connected(T).unwrap();
+    let alloc = Allocator::new(&da, 2, SIZE, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    let mut buf = alloc.alloc().unwrap();
+    fill(buf.as_mut_slice().unwrap(), 3);
+    tx.move_buffer(buf, &3u64.to_le_bytes()).unwrap();
+    match next(&mut rx) {
+        Event::MoveReceived { buffer, .. } => assert!(check(&buffer, 3)),
+        ev => panic!("unexpected {ev:?}"),
+    }
+}

@@ -332,7 +332,11 @@ impl MuxSession {
 
     /// The endpoint of logical channel `channel` (1 or more) on this
     /// session, at the default priority 0. One side creates the channel
-    /// there, the other binds.
+    /// there, the other binds. A number is in use from `create` or `bind`
+    /// until the channel is closed on both sides; a bind that gave up
+    /// (timed out, refused) frees its number once the peer has answered
+    /// the give-up (meanwhile `bind` and `create` on it say
+    /// [`Error::EndpointInUse`]).
     pub fn endpoint(&self, channel: u32) -> Endpoint {
         self.endpoint_with_priority(channel, 0)
     }
@@ -373,6 +377,10 @@ impl MuxEndpoint {
             return Err(Error::Protocol("channel 0 is the session's".into()));
         }
         let mut inner = self.session.lock();
+        // What the peer sent so far first: a close that frees the number
+        // may be waiting.
+        let _ = inner.pump_read(None);
+        let _ = inner.pump_write();
         inner.check()?;
         if inner.chans.contains_key(&self.channel) {
             return Err(Error::EndpointInUse);
@@ -414,9 +422,23 @@ struct MuxPending {
 impl MuxPending {
     fn give_up(&mut self, e: Error) -> Option<Result<SetupDone>> {
         if let Some(s) = self.session.take() {
-            s.lock().chans.remove(&self.id);
+            MuxPending::release(&mut s.lock(), self.id, self.params.is_some());
         }
         Some(Err(e))
+    }
+
+    /// The setup ends without a channel. A binder's open is out: it says
+    /// close and keeps the number until the peer's close (or reply) comes,
+    /// dropping what the creator may send meanwhile.
+    fn release(inner: &mut Inner, id: u32, binder: bool) {
+        let Some(chan) = inner.chans.get_mut(&id) else { return };
+        if !binder || inner.gone.is_some() || chan.peer_closed.is_some() {
+            inner.chans.remove(&id);
+            return;
+        }
+        chan.detached = true;
+        chan.close_queued = Some(FLAG_ABORT);
+        let _ = inner.pump_write();
     }
 }
 
@@ -516,7 +538,7 @@ impl PendingSetup for MuxPending {
 impl Drop for MuxPending {
     fn drop(&mut self) {
         if let Some(s) = self.session.take() {
-            s.lock().chans.remove(&self.id);
+            MuxPending::release(&mut s.lock(), self.id, self.params.is_some());
         }
     }
 }
@@ -554,7 +576,8 @@ enum Target {
 
 /// A message whose payload chunks are arriving.
 struct Incoming {
-    msg: Message,
+    /// `None`: the channel is closed here, the payload is read and dropped.
+    msg: Option<Message>,
     pool: Option<Arc<LinkPool>>,
     offset: usize,
     len: usize,
@@ -1060,14 +1083,15 @@ impl Inner {
         inc.got += len;
         if inc.got == inc.len {
             let inc = chan.incoming.take().expect("present");
-            if let (Target::Land, Some(buf)) = (inc.target, buffer_of(&inc.msg)) {
+            let Some(msg) = inc.msg else { return };
+            if let (Target::Land, Some(buf)) = (inc.target, buffer_of(&msg)) {
                 if inc.copy {
                     chan.copied_in.insert(buf);
                 } else {
                     chan.copied_in.remove(&buf);
                 }
             }
-            chan.inq.push_back((inc.msg, true));
+            chan.inq.push_back((msg, true));
             chan.wake();
         }
     }
@@ -1090,7 +1114,9 @@ impl Inner {
                         Ok(())
                     }
                     Some(_) => Err(Error::Protocol(format!("open of channel {} which is taken", head.channel))),
-                    None if self.unclaimed.len() < MAX_UNCLAIMED && !self.unclaimed.contains_key(&head.channel) => {
+                    // A newer open of the same number replaces the older
+                    // (its binder gave up and tried again).
+                    None if self.unclaimed.len() < MAX_UNCLAIMED || self.unclaimed.contains_key(&head.channel) => {
                         self.unclaimed.insert(head.channel, body);
                         Ok(())
                     }
@@ -1100,6 +1126,9 @@ impl Inner {
             K_REPLY => {
                 let body = self.body[..body_len].to_vec();
                 let chan = self.chan_of(&head)?;
+                if chan.detached {
+                    return Ok(());
+                }
                 if !matches!(chan.state, ChanState::Binding) || chan.setup_in.is_some() {
                     return Err(Error::Protocol(format!("open reply for channel {} which did not ask", head.channel)));
                 }
@@ -1119,7 +1148,18 @@ impl Inner {
             }
             K_CLOSE => {
                 let id = head.channel;
+                // A binder that gave up before its open was answered: the
+                // close goes back so it can free the number.
+                if !self.chans.contains_key(&id) && self.unclaimed.remove(&id).is_some() {
+                    self.queue_ctrl(K_CLOSE, id, Vec::new(), 0);
+                    return Ok(());
+                }
                 let chan = self.chan_of(&head)?;
+                if matches!(chan.state, ChanState::Listening { .. }) {
+                    chan.setup_in = None;
+                    self.queue_ctrl(K_CLOSE, id, Vec::new(), 0);
+                    return Ok(());
+                }
                 if chan.peer_closed.is_some() || chan.incoming.is_some() {
                     return Err(Error::Protocol(format!("close of channel {id} out of order")));
                 }
@@ -1144,8 +1184,24 @@ impl Inner {
             .chans
             .get_mut(&id)
             .ok_or_else(|| Error::Protocol(format!("message for channel {id} which is not open")))?;
-        if !matches!(chan.state, ChanState::Open) || chan.peer_closed.is_some() || chan.incoming.is_some() {
+        if chan.peer_closed.is_some() || chan.incoming.is_some() {
             return Err(Error::Protocol(format!("message for channel {id} out of order")));
+        }
+        if chan.detached {
+            // Closed here (or given up while binding) and the peer does not
+            // know yet: read and drop, payload included.
+            let flags = self.body[1];
+            let len = u64::from_le_bytes(self.body[8..16].try_into().expect("8 bytes"));
+            if flags & FLAG_PAYLOAD != 0 && len > 0 {
+                let len = usize::try_from(len).map_err(|_| Error::Protocol("payload too long".into()))?;
+                let inc =
+                    Incoming { msg: None, pool: None, offset: 0, len, got: 0, target: Target::Discard, copy: false };
+                self.chans.get_mut(&id).expect("present").incoming = Some(inc);
+            }
+            return Ok(());
+        }
+        if !matches!(chan.state, ChanState::Open) {
+            return Err(Error::Protocol(format!("message for channel {id} before it was open")));
         }
         if chan.allowed == 0 && chan.inq.len() >= chan.depth + CREDIT_SLACK {
             return Err(Error::Protocol(format!("channel {id}: message beyond its credit")));
@@ -1189,7 +1245,7 @@ impl Inner {
                     Landing::Discard => Target::Discard,
                 };
                 chan.incoming = Some(Incoming {
-                    msg,
+                    msg: Some(msg),
                     pool: Some(p),
                     offset: index as usize * size,
                     len: size,
