@@ -108,7 +108,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
             backend: kind.name(),
             size,
             trust: "full",
-            mode: "busy-poll",
+            mode: "selector",
             touch: false,
             runs,
             unit,
@@ -229,38 +229,54 @@ fn drive(chans: Vec<Channel>, allocs: &[Allocator], size: usize, probe: bool) ->
     let mut back = 0u64;
     let mut samples = Vec::new();
     let mut probe_out: Option<Instant> = None;
+    // Channels whose buffers came back (or whose queue was full): top up.
+    let mut refill = vec![true; keys.len()];
     while t0.elapsed() < WARMUP + MEASURE {
         if counted.is_none() && t0.elapsed() >= WARMUP {
             counted = Some((Instant::now(), back));
         }
+        if probe && probe_out.is_none() {
+            let buf = allocs[0].alloc().ok_or("the probe's pool is exhausted")?;
+            let ch = sel.get_mut(keys[0]).expect("inserted");
+            ch.move_buffer(buf, &[]).map_err(|r| r.error.to_string())?;
+            probe_out = Some(Instant::now());
+        }
         for (i, &k) in keys.iter().enumerate() {
-            let ch = sel.get_mut(k).expect("inserted");
-            if probe && i == 0 {
-                if probe_out.is_none() {
-                    let buf = allocs[0].alloc().ok_or("the probe's pool is exhausted")?;
-                    ch.move_buffer(buf, &[]).map_err(|r| r.error.to_string())?;
-                    probe_out = Some(Instant::now());
-                }
+            if !refill[i] || (probe && i == 0) {
                 continue;
             }
+            refill[i] = false;
+            let ch = sel.get_mut(k).expect("inserted");
             while let Some(buf) = allocs[i].alloc() {
                 match ch.move_buffer(buf, &[]) {
                     Ok(()) => {}
-                    Err(r) if r.error == ferry::Error::QueueFull => break,
+                    Err(r) if r.error == ferry::Error::QueueFull => {
+                        refill[i] = true;
+                        break;
+                    }
                     Err(r) => return Err(r.error.to_string()),
                 }
             }
         }
-        match sel.wait(Some(Duration::from_millis(10))) {
-            Some((k, Event::BufferPassed { .. })) if probe && k == keys[0] => {
-                let t = probe_out.take().ok_or("a probe came back twice")?;
-                if t0.elapsed() > WARMUP {
-                    samples.push(t.elapsed().as_secs_f64() * 1e6);
+        let Some((k, first)) = sel.wait(Some(Duration::from_millis(10))) else { continue };
+        let i = keys.iter().position(|&x| x == k).ok_or("an unknown key")?;
+        // This channel's events until it has none (then the others').
+        let mut ev = Some(first);
+        while let Some(e) = ev {
+            match e {
+                Event::BufferPassed { .. } if probe && i == 0 => {
+                    let t = probe_out.take().ok_or("a probe came back twice")?;
+                    if t0.elapsed() > WARMUP {
+                        samples.push(t.elapsed().as_secs_f64() * 1e6);
+                    }
                 }
+                Event::BufferPassed { .. } => {
+                    back += 1;
+                    refill[i] = true;
+                }
+                e => return Err(format!("a channel expected buffers back, got {e:?}")),
             }
-            Some((_, Event::BufferPassed { .. })) => back += 1,
-            Some((_, ev)) => return Err(format!("a channel expected buffers back, got {ev:?}")),
-            None => {}
+            ev = sel.get_mut(k).expect("inserted").poll();
         }
     }
     let gbit = match counted {
@@ -308,12 +324,19 @@ fn echo_loop(chans: Vec<Channel>, stop: &AtomicBool) {
         }
         waiting = still;
         let wait = if waiting.is_empty() { Duration::from_millis(10) } else { Duration::ZERO };
-        match sel.wait(Some(wait)) {
-            Some((k, Event::MoveReceived { buffer, meta })) => waiting.push((k, buffer, meta)),
-            Some((k, Event::Closed { .. } | Event::Error(_))) => {
-                sel.remove(k);
+        let Some((k, first)) = sel.wait(Some(wait)) else { continue };
+        // This channel's events until it has none (then the others').
+        let mut ev = Some(first);
+        while let Some(e) = ev {
+            match e {
+                Event::MoveReceived { buffer, meta } => waiting.push((k, buffer, meta)),
+                Event::Closed { .. } | Event::Error(_) => {
+                    sel.remove(k);
+                    break;
+                }
+                _ => {}
             }
-            _ => {}
+            ev = sel.get_mut(k).and_then(Channel::poll);
         }
     }
 }
