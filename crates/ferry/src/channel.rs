@@ -1278,16 +1278,23 @@ impl Channel {
                     self.lent = Some(LentSet::default());
                 }
                 self.pending = None;
-                self.link = Some(link);
                 self.state = ChannelState::Connected;
                 self.trust = neg.trust;
                 self.meta_size = neg.meta_size;
                 self.constraints = neg.constraints;
+                if !creator {
+                    self.direction = neg.binder_direction;
+                }
+                // For a link that lands payloads while another channel polls.
+                let gate = ChannelGate { domain: &self.domain, pools: &self.pools, direction: self.direction };
+                if let Some(gate) = gate.detach() {
+                    link.set_gate(gate);
+                }
+                self.link = Some(link);
                 if creator {
                     self.role = neg.creator_role;
                     Some(Event::BindRequest { binder_role: neg.binder_role })
                 } else {
-                    self.direction = neg.binder_direction;
                     self.role = neg.binder_role;
                     Some(Event::Bound)
                 }

@@ -214,6 +214,7 @@ pub fn mux_stream_from_peer(data: &[u8]) {
             PoolMemory::mirror(PoolId::from_u128(0xf00d + i as u128), Geometry::new(4096, 4).expect("geometry"), None)
                 .expect("pool memory");
         link.use_pool(&pool).expect("pool mapped");
+        link.set_gate(Box::new(Gate));
     }
     let _ = theirs.write_all(&bytes[..bytes.len().min(64 << 10)]);
     drop(theirs);

@@ -71,6 +71,12 @@ pub(crate) trait Link: Send {
     /// Add what wakes this end to the channel's wake set (once, when the
     /// link takes over from the setup).
     fn register(&mut self, wake: &WakeSet) -> Result<()>;
+    /// The channel's payload gate detached from it (once, when the link
+    /// takes over from the setup), for a link that lands payloads for this
+    /// channel while another channel polls.
+    fn set_gate(&mut self, gate: Box<dyn PayloadGate + Send>) {
+        let _ = gate;
+    }
     /// Take out of the channel's wake set what `register` added (the
     /// channel is closed: nothing of the link may wake it any more).
     fn unregister(&mut self, wake: &WakeSet);

@@ -305,7 +305,7 @@ impl MuxSession {
 
     /// A session over any connected stream socket whose magic was exchanged
     /// already (fuzzing: one end of a socket pair).
-    #[cfg(feature = "fuzzing")]
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn over(stream: TcpStream) -> MuxSession {
         let inner = Inner::new(stream, NetOptions::default()).expect("socket options");
         MuxSession { shared: Arc::new(Shared { inner: Mutex::new(inner), peer: None }) }
@@ -313,7 +313,7 @@ impl MuxSession {
 
     /// An open channel `id` on this session as a link (fuzzing: frames for
     /// it without a peer that set it up).
-    #[cfg(feature = "fuzzing")]
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn open_link(&self, id: u32, meta_size: usize, depth: u32) -> Box<dyn Link> {
         let mut inner = self.lock();
         inner.chans.insert(id, Chan::new(ChanState::Binding, 0).expect("eventfd"));
@@ -1421,6 +1421,12 @@ impl Link for MuxLink {
         Ok(())
     }
 
+    fn set_gate(&mut self, gate: Box<dyn PayloadGate + Send>) {
+        if let Some(chan) = self.session.lock().chans.get_mut(&self.id) {
+            chan.gate = Some(gate);
+        }
+    }
+
     fn unregister(&mut self, wake: &WakeSet) {
         let inner = self.session.lock();
         if let Some(chan) = inner.chans.get(&self.id) {
@@ -1637,6 +1643,71 @@ mod tests {
         crate::fuzzing::mux_stream_from_peer(&stream);
         crate::fuzzing::mux_stream_from_peer(&[3, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]);
         crate::fuzzing::mux_stream_from_peer(&[]);
+    }
+
+    struct LandAll;
+    impl PayloadGate for LandAll {
+        fn admit(&mut self, _: &Message) -> Result<Landing> {
+            Ok(Landing::Land)
+        }
+        fn detach(&self) -> Option<Box<dyn PayloadGate + Send>> {
+            Some(Box::new(LandAll))
+        }
+    }
+
+    /// A payload in two chunks with another channel's frames between them
+    /// lands whole in the named buffer of the right channel, and each
+    /// channel gets its own message, whichever of them reads the socket.
+    #[test]
+    fn chunks_of_interleaved_channels_land_in_their_buffers() {
+        use std::io::Write;
+        use std::os::fd::OwnedFd;
+        let (ours, mut theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let session = MuxSession::over(TcpStream::from(OwnedFd::from(ours)));
+        let mut links = [session.open_link(1, 8, 8), session.open_link(2, 8, 8)];
+        let g = Geometry::new(8192, 2).unwrap();
+        let pools: Vec<_> =
+            (0..2).map(|i| PoolMemory::mirror(PoolId::from_u128(0x100 + i), g, None).unwrap()).collect();
+        for (link, pool) in links.iter_mut().zip(&pools) {
+            link.use_pool(pool).unwrap();
+            link.set_gate(Box::new(LandAll));
+        }
+        let frame = |kind, channel, body: &[u8]| {
+            let mut f = MuxHead { kind, flags: 0, channel, len: body.len() as u32, credit: 0 }.encode().to_vec();
+            f.extend_from_slice(body);
+            f
+        };
+        let message = |pool: u128, index: u32| {
+            let mut h = [0u8; MSG_HEAD];
+            let buf = BufferId { pool: PoolId::from_u128(pool), index };
+            Message::Move { buf, meta: Meta::empty() }.encode(&mut h);
+            h[1] |= FLAG_PAYLOAD;
+            h[8..16].copy_from_slice(&8192u64.to_le_bytes());
+            h
+        };
+        let mut stream = frame(K_MESSAGE, 1, &message(0x100, 1));
+        stream.extend(frame(K_CHUNK, 1, &[1u8; 4096]));
+        stream.extend(frame(K_MESSAGE, 2, &message(0x101, 0)));
+        stream.extend(frame(K_CHUNK, 2, &[2u8; 8192]));
+        stream.extend(frame(K_CHUNK, 1, &[3u8; 4096]));
+        theirs.write_all(&stream).unwrap();
+        // Channel 2 polls first: it reads channel 1's frames on the way.
+        let two = links[1].recv(&mut LandAll).unwrap();
+        assert!(matches!(two, Some(Message::Move { buf, .. }) if buf.index == 0));
+        let one = links[0].recv(&mut LandAll).unwrap();
+        assert!(matches!(one, Some(Message::Move { buf, .. }) if buf.index == 1));
+        let bytes = |pool: &Arc<PoolMemory>, index: usize| {
+            let map = pool.map(Access::Read, 1).unwrap();
+            // SAFETY: the mapping is live and 2 × 8192 bytes long; nothing
+            // writes the pool while the test reads it.
+            unsafe { std::slice::from_raw_parts(map.as_ptr().add(index * 8192), 8192) }.to_vec()
+        };
+        let got = bytes(&pools[0], 1);
+        assert!(got[..4096].iter().all(|&b| b == 1) && got[4096..].iter().all(|&b| b == 3));
+        assert!(bytes(&pools[1], 0).iter().all(|&b| b == 2));
+        assert!(bytes(&pools[0], 0).iter().all(|&b| b == 0), "the other buffer is untouched");
+        assert_eq!(links[0].stats().unwrap().payload_received, 8192);
+        assert_eq!(links[0].recv(&mut LandAll).unwrap(), None);
     }
 
     #[test]
