@@ -213,6 +213,12 @@ impl MuxHead {
 /// Clones are handles of the same session; it ends (with a goodbye) when
 /// the last handle and the last channel on it are gone.
 ///
+/// The session has no thread of its own: its channels (and channels being
+/// created or bound on it) read and write the connection when they are
+/// polled, waited on or armed, and send its keep-alives. A side with no
+/// channel on the session sends none, and its peer declares the session
+/// dead after its peer timeout.
+///
 /// ```
 /// use std::time::Duration;
 /// use ferry::{BindParams, Channel, ChannelSetup, Domain, MuxSession, NetOptions};
@@ -260,7 +266,8 @@ impl MuxSession {
         MuxSession::start(stream, options, timeout)
     }
 
-    /// Accept one session on `listener` (waiting up to `timeout`).
+    /// Accept one session on `listener` (waiting up to `timeout`; the
+    /// listener is left non-blocking).
     pub fn accept(listener: &TcpListener, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
         let deadline = Instant::now() + timeout;
         listener.set_nonblocking(true)?;
@@ -1492,7 +1499,11 @@ impl Link for MuxLink {
             chan.detached = true;
         }
         let deadline = Instant::now() + CLOSE_FLUSH.min(inner.options.peer_timeout);
+        // Waited on without the lock: the other channels go on meanwhile.
+        let Ok(stream) = inner.stream.try_clone() else { return };
+        drop(inner);
         loop {
+            let mut inner = self.session.lock();
             if inner.pump_write().is_err() || inner.pump_read(None).is_err() {
                 break;
             }
@@ -1504,8 +1515,9 @@ impl Link for MuxLink {
                 }
                 break;
             }
+            drop(inner);
             let Some(left) = deadline.checked_duration_since(Instant::now()) else { break };
-            let _ = poll_out(&inner.stream, left.min(Duration::from_millis(50)));
+            let _ = poll_out(&stream, left.min(Duration::from_millis(50)));
         }
     }
 
