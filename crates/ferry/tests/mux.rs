@@ -642,7 +642,7 @@ fn a_bind_that_gave_up_or_was_refused_leaves_the_session_usable() {
                         None => assert!(Instant::now() < deadline, "no answer to the bind"),
                         Some(ev) => panic!("refused bind: unexpected {ev:?}"),
                     }
-                }
+                };
             }
             Err(Error::EndpointInUse) => assert!(Instant::now() < deadline, "number 6 never free"),
             Err(e) => panic!("bind: {e:?}"),
@@ -680,4 +680,35 @@ fn a_bind_that_gave_up_or_was_refused_leaves_the_session_usable() {
         Event::MoveReceived { buffer, .. } => assert!(check(&buffer, 3)),
         ev => panic!("unexpected {ev:?}"),
     }
+}
+
+/// A peer that opens a channel and then says nothing (no keep-alives):
+/// the channel fails with `PeerUnresponsive` after the peer timeout, while
+/// our own keep-alives go out meanwhile.
+#[test]
+fn a_silent_peer_is_unresponsive() {
+    use std::io::Read;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let raw = std::thread::spawn(move || raw_open(addr, &[1]));
+    let options = NetOptions::with_peer_timeout(Duration::from_millis(400));
+    let session = MuxSession::accept(&listener, options, T).unwrap();
+    let mut ch = Channel::accept(&Domain::new("d"), &session.endpoint(1), ChannelSetup::default(), T).unwrap();
+    let mut s = raw.join().unwrap();
+    match next(&mut ch) {
+        Event::Error(Error::PeerUnresponsive(_)) => {}
+        ev => panic!("expected an unresponsive peer, got {ev:?}"),
+    }
+    // What we sent: the open reply, keep-alives (kind 7), and nothing after
+    // the connection ended.
+    s.set_read_timeout(Some(T)).unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let (mut at, mut keepalives) = (0, 0);
+    while at + 16 <= got.len() {
+        let h = &got[at..at + 16];
+        keepalives += usize::from(h[0] == 7 && h[4..8] == [0, 0, 0, 0]);
+        at += 16 + u32::from_le_bytes(h[8..12].try_into().unwrap()) as usize;
+    }
+    assert!(keepalives >= 1, "no keep-alive in {got:?}");
 }
