@@ -49,6 +49,37 @@
 //! ([`SEND_BUFFER`]) so that the scheduler, not the kernel's queue,
 //! decides the order.
 //!
+//! # Channel numbers and setup
+//!
+//! Channels are named by a number both sides agree on, as ports are. A
+//! bind sends an *open* with its bind request; an open for a number nobody
+//! listens on yet waits (up to 64 of them) until someone does. A bind that
+//! gives up (timeout, refusal) says *close* and keeps its number until the
+//! peer answers with a close, reading and dropping whatever the creator may
+//! have sent meanwhile; a closed channel's number is free again once both
+//! sides have said close.
+//!
+//! # Why this way
+//!
+//! - *No thread of its own.* The channels drive the session under one
+//!   lock, as the one-channel backend drives its socket: an application
+//!   that serves all its channels from one event loop pays no lock
+//!   contention and no thread hand-off, and one that uses several threads
+//!   still works (a thread's poll lands what it reads for the others and
+//!   rings their doorbells).
+//! - *Credit in messages, not bytes.* What a receiver would have to buffer
+//!   for a channel it does not read is message headers only; payloads
+//!   always have their place (the named buffer). Byte credit would only
+//!   repeat what the pools' sizes already bound.
+//! - *Chunks.* Without them one 1 GiB buffer would hold the connection for
+//!   its whole transfer; with 64 KiB chunks a priority frame waits for at
+//!   most one chunk of each frame already committed, plus what the kernel
+//!   has queued. A chunk is one frame of its own, read straight into the
+//!   buffer at its offset.
+//! - *Header read-ahead.* Each body or chunk is read together with the next
+//!   frame's header (into the session's own 16 bytes, never into a
+//!   buffer), so a stream of frames costs one `recvmsg` each.
+//!
 //! # Wire format, version 1 (little endian)
 //!
 //! Both ends first send the 8 bytes `FERRYMX1`. Then frames:
