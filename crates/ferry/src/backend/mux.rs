@@ -139,7 +139,11 @@ use crate::NetOptions;
 pub const MUX_HEAD: usize = 16;
 /// Largest payload chunk: a priority frame waits for at most one.
 pub const MAX_CHUNK: usize = 64 << 10;
-/// The socket send buffer asked for: small, so the scheduler's order holds.
+/// The socket send buffer asked for: small, so the scheduler's order holds
+/// (what the kernel has queued goes out before any priority frame). On
+/// loopback 1 MiB gave about 30 % more aggregate throughput but priority
+/// round trips no better than equal priorities; 256 KiB keeps them about
+/// half of those.
 pub const SEND_BUFFER: usize = 256 << 10;
 const MAGIC: &[u8; 8] = b"FERRYMX1";
 
