@@ -239,6 +239,8 @@ fn drive(chans: Vec<Channel>, allocs: &[Allocator], size: usize, probe: bool) ->
             let buf = allocs[0].alloc().ok_or("the probe's pool is exhausted")?;
             let ch = sel.get_mut(keys[0]).expect("inserted");
             ch.move_buffer(buf, &[]).map_err(|r| r.error.to_string())?;
+            // Out now, not with the next batch (the TCP backend batches).
+            ch.flush().map_err(|e| e.to_string())?;
             probe_out = Some(Instant::now());
         }
         for (i, &k) in keys.iter().enumerate() {
@@ -257,6 +259,7 @@ fn drive(chans: Vec<Channel>, allocs: &[Allocator], size: usize, probe: bool) ->
                     Err(r) => return Err(r.error.to_string()),
                 }
             }
+            ch.flush().map_err(|e| e.to_string())?;
         }
         let Some((k, first)) = sel.wait(Some(Duration::from_millis(10))) else { continue };
         let i = keys.iter().position(|&x| x == k).ok_or("an unknown key")?;
@@ -314,12 +317,20 @@ fn echo_loop(chans: Vec<Channel>, stop: &AtomicBool) {
     let mut waiting: Vec<(usize, Buffer, Meta)> = Vec::new();
     while !sel.is_empty() && !stop.load(Ordering::Relaxed) {
         let mut still = Vec::new();
+        let mut passed = Vec::new();
         for (k, buf, meta) in waiting.drain(..) {
             let Some(ch) = sel.get_mut(k) else { continue };
-            if let Err(r) = ch.pass(buf, &meta) {
-                if r.error == ferry::Error::QueueFull {
-                    still.push((k, r.value, meta));
-                }
+            match ch.pass(buf, &meta) {
+                Ok(()) => passed.push(k),
+                Err(r) if r.error == ferry::Error::QueueFull => still.push((k, r.value, meta)),
+                Err(_) => {}
+            }
+        }
+        // Out now, not with the next batch (the TCP backend batches).
+        passed.dedup();
+        for k in passed {
+            if let Some(ch) = sel.get_mut(k) {
+                let _ = ch.flush();
             }
         }
         waiting = still;
