@@ -224,6 +224,7 @@ pub(crate) type Pending = Box<dyn PendingSetup>;
 /// | [`Endpoint::local`] | threads of one process | sharing the pool's memory |
 /// | [`Endpoint::shm`], [`Endpoint::shm_abstract`] | processes of one host | sharing the pool's memory (a sealed memfd) |
 /// | [`Endpoint::tcp`], [`Endpoint::tcp_with`] | machines | sending the payload from and into buffer memory |
+/// | [`MuxSession::endpoint`] | machines, many channels on one TCP connection | the same, demultiplexed into each channel's buffers |
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Endpoint {
