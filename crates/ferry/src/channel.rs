@@ -1447,16 +1447,23 @@ impl Channel {
                     self.lent = Some(LentSet::default());
                 }
                 self.pending = None;
-                self.link = Some(link);
                 self.state = ChannelState::Connected;
                 self.trust = neg.trust;
                 self.meta_size = neg.meta_size;
                 self.constraints = neg.constraints;
+                if !creator {
+                    self.direction = neg.binder_direction;
+                }
+                // For a link that lands payloads while another channel polls.
+                let gate = ChannelGate { domain: &self.domain, pools: &self.pools, direction: self.direction };
+                if let Some(gate) = gate.detach() {
+                    link.set_gate(gate);
+                }
+                self.link = Some(link);
                 if creator {
                     self.role = neg.creator_role;
                     Some(Event::BindRequest { binder_role: neg.binder_role })
                 } else {
-                    self.direction = neg.binder_direction;
                     self.role = neg.binder_role;
                     Some(Event::Bound)
                 }
@@ -1964,19 +1971,52 @@ struct ChannelGate<'a> {
 
 impl PayloadGate for ChannelGate<'_> {
     fn admit(&mut self, msg: &Message) -> Result<Landing> {
+        let pools = self.pools;
+        admit_payload(self.domain, self.direction, |id| pools.iter().any(|p| p.id == id && p.listed), msg)
+    }
+
+    fn detach(&self) -> Option<Box<dyn PayloadGate + Send>> {
+        Some(Box::new(DetachedGate { domain: self.domain.clone(), direction: self.direction }))
+    }
+}
+
+/// The part of a [`ChannelGate`] that does not borrow the channel: the
+/// domain's buffer states and the channel's direction. Whether the pool is
+/// on the channel is for its holder (a link that lands payloads for a
+/// channel that is not polling) to check against the pools the channel
+/// gave it.
+struct DetachedGate {
+    domain: Domain,
+    direction: Direction,
+}
+
+impl PayloadGate for DetachedGate {
+    fn admit(&mut self, msg: &Message) -> Result<Landing> {
+        admit_payload(&self.domain, self.direction, |_| true, msg)
+    }
+}
+
+/// See [`ChannelGate`]; `listed` says whether a pool is on the channel.
+fn admit_payload(
+    domain: &Domain,
+    direction: Direction,
+    listed: impl Fn(PoolId) -> bool,
+    msg: &Message,
+) -> Result<Landing> {
+    {
         let (buf, want, gives) = match msg {
             Message::Move { buf, .. } => (*buf, Direction::Rx, true),
             Message::Pass { buf, .. } => (*buf, Direction::Tx, true),
             Message::Copy { buf, .. } => (*buf, Direction::Rx, false),
             _ => return Err(Error::Protocol("payload on a message that carries none".into())),
         };
-        if self.direction != want {
+        if direction != want {
             return Err(Error::Protocol("buffer message against the channel direction".into()));
         }
-        if !self.pools.iter().any(|p| p.id == buf.pool && p.listed) {
+        if !listed(buf.pool) {
             return Err(Error::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)));
         }
-        let st = self.domain.lock();
+        let st = domain.lock();
         let count = st.entry(buf.pool).map_or(0, |e| e.view.geometry().count());
         if buf.index >= count {
             return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));

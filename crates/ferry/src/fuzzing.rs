@@ -197,3 +197,75 @@ pub fn net_stream_from_peer(data: &[u8]) {
         }
     }
 }
+
+/// A multiplexed session's byte stream from a hostile peer
+/// (`backend/mux.rs`): header decoding must not panic and what decodes
+/// encodes back; the session's demultiplexer must turn the stream into
+/// messages, a clean end, or typed errors — never a panic, a hang, or a
+/// write outside the buffer the gate admitted. Channels 1 and 2 are open
+/// (the first byte picks their meta size), each with a pool of four 4 KiB
+/// buffers; the gate admits buffer 0, discards buffer 1 and refuses the
+/// others.
+pub fn mux_stream_from_peer(data: &[u8]) {
+    use std::io::Write;
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+
+    use crate::backend::mux::{MuxHead, MuxSession, MUX_HEAD};
+    use crate::backend::{Landing, PayloadGate};
+    use crate::error::{Error, Result};
+    use crate::pool::{Geometry, PoolId, PoolMemory};
+
+    struct Gate;
+    impl PayloadGate for Gate {
+        fn admit(&mut self, msg: &Message) -> Result<Landing> {
+            let buf = match msg {
+                Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } => buf,
+                _ => return Err(Error::Protocol("gate asked about a message without payload".into())),
+            };
+            match buf.index {
+                0 => Ok(Landing::Land),
+                1 => Ok(Landing::Discard),
+                _ => Err(Error::Protocol("buffer we own".into())),
+            }
+        }
+        fn detach(&self) -> Option<Box<dyn PayloadGate + Send>> {
+            Some(Box::new(Gate))
+        }
+    }
+
+    let Some((&knob, bytes)) = data.split_first() else { return };
+    if let Ok(head) = bytes
+        .get(..MUX_HEAD)
+        .unwrap_or(&[])
+        .try_into()
+        .map_err(|_| ())
+        .and_then(|h: [u8; MUX_HEAD]| MuxHead::decode(&h).map_err(|_| ()))
+    {
+        assert_eq!(MuxHead::decode(&head.encode()), Ok(head), "header codec is not symmetric");
+    }
+    let (ours, mut theirs) = UnixStream::pair().expect("socket pair");
+    let session = MuxSession::over(std::net::TcpStream::from(OwnedFd::from(ours)));
+    let meta = usize::from(knob) % 64;
+    let mut links = [session.open_link(1, meta, 8), session.open_link(2, meta, 8)];
+    for (i, link) in links.iter_mut().enumerate() {
+        let pool =
+            PoolMemory::mirror(PoolId::from_u128(0xf00d + i as u128), Geometry::new(4096, 4).expect("geometry"), None)
+                .expect("pool memory");
+        link.use_pool(&pool).expect("pool mapped");
+        link.set_gate(Box::new(Gate));
+    }
+    let _ = theirs.write_all(&bytes[..bytes.len().min(64 << 10)]);
+    drop(theirs);
+    for _ in 0..(bytes.len() + 8) {
+        let mut progress = false;
+        for link in &mut links {
+            if let Ok(Some(_)) = link.recv(&mut Gate) {
+                progress = true;
+            }
+        }
+        if !progress {
+            break;
+        }
+    }
+}

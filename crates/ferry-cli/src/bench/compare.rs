@@ -24,6 +24,8 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
         Experiment::Fanin => &[],
         // Its baseline (plain read/write) is measured by the experiment itself.
         Experiment::SocketTouch => &[],
+        // Compares its own transports (one connection against many).
+        Experiment::Demux => &[],
     };
     if !a.against.is_empty() {
         let mut v = Vec::new();

@@ -19,6 +19,7 @@
 pub mod channel;
 pub mod child;
 pub mod compare;
+pub mod demux;
 pub mod fanin;
 pub mod fbufs;
 pub mod peers;
@@ -85,6 +86,7 @@ fn pool_buffers(a: &BenchArgs) -> usize {
         Experiment::FbufsTable | Experiment::Fbufs => 4,
         Experiment::Pipeline => a.inflight.unwrap_or(16),
         Experiment::Fanin => a.inflight.unwrap_or(fanin::WINDOW),
+        Experiment::Demux => a.inflight.unwrap_or(8),
         Experiment::SocketTouch => 4,
     }
 }
@@ -115,6 +117,10 @@ pub enum Experiment {
     /// Two processes over an AF_UNIX socket, 128 KiB per I/O, the receiver touching all, half or
     /// none of the pages, with ferry-io against plain read/write (Container Shipping, Fig. 4).
     SocketTouch,
+    /// Early demultiplexing: --channels channels (default 16) over one TCP connection against as
+    /// many TCP connections: aggregate throughput, and the round trips of one priority channel
+    /// while the others saturate the link.
+    Demux,
 }
 
 impl Experiment {
@@ -133,6 +139,7 @@ impl Experiment {
             Experiment::Pipeline => "pipeline",
             Experiment::Fanin => "fanin",
             Experiment::SocketTouch => "socket-touch",
+            Experiment::Demux => "demux",
         }
     }
 }
@@ -443,7 +450,8 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
         }
     };
     only("--idle-us", a.idle_us > 0, matches!(exp, Experiment::Rtt | Experiment::Fanin), "rtt and fanin")?;
-    only("--channels", a.channels.is_some(), exp == Experiment::Fanin, "fanin")?;
+    let channeled = matches!(exp, Experiment::Fanin | Experiment::Demux);
+    only("--channels", a.channels.is_some(), channeled, "fanin and demux")?;
     only("--wait", !a.waits.is_empty(), matches!(exp, Experiment::Rtt | Experiment::Fanin), "rtt and fanin")?;
     if exp == Experiment::Rtt && !a.waits.is_empty() && a.busy() {
         return Err(usage("--wait chooses how a sleeping end waits; add --blocking"));
@@ -461,7 +469,7 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
         )));
     }
     only("--moves", a.moves.is_some(), exp == Experiment::Throughput, "throughput")?;
-    let windowed = matches!(exp, Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin);
+    let windowed = matches!(exp, Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin | Experiment::Demux);
     only("--inflight", a.inflight.is_some(), windowed, "throughput and pipeline")?;
     only("--stages", !a.stages.is_empty(), exp == Experiment::Pipeline, "pipeline")?;
     let totals = matches!(exp, Experiment::Pipeline | Experiment::SocketTouch);
@@ -545,7 +553,7 @@ fn check_pool_memory(a: &BenchArgs) -> Result<(), CliError> {
 }
 
 fn windowed_pool(a: &BenchArgs) -> bool {
-    matches!(a.experiment, Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin)
+    matches!(a.experiment, Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin | Experiment::Demux)
 }
 
 /// `ferry bench`.
@@ -558,6 +566,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
         Experiment::Pipeline => pipeline::run(&mut ctx)?,
         Experiment::Fanin => fanin::run(&mut ctx)?,
         Experiment::SocketTouch => socket_touch::run(&mut ctx)?,
+        Experiment::Demux => demux::run(&mut ctx)?,
     }
     drop(std::mem::replace(&mut ctx.progress, Progress::hidden()));
     if args.experiment == Experiment::Fanin {

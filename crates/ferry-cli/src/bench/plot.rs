@@ -391,6 +391,14 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
                 .collect();
             bars(&root, "Receiver over an AF_UNIX socket: GB/s by pages touched (Container Shipping Fig. 4)", &rows)?;
         }
+        Experiment::Demux => {
+            let rows = |unit: &str| -> Vec<(String, [f64; 4])> {
+                pts.iter().filter(|p| p.unit() == unit).map(|p| (p.backend().to_string(), p.quantiles())).collect()
+            };
+            let (left, right) = root.split_horizontally(430);
+            bars(&left, "Aggregate throughput (Gbit/s)", &rows("Gbit/s"))?;
+            bars(&right, "Priority channel round trip under load (µs)", &rows("us"))?;
+        }
     }
     root.present().map_err(err)?;
     Ok(())

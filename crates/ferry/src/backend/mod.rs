@@ -19,6 +19,8 @@ use crate::wake::{Arm, WakeSet};
 
 pub mod local;
 #[cfg(not(loom))]
+pub mod mux;
+#[cfg(not(loom))]
 pub mod net;
 #[cfg(not(loom))]
 pub(crate) mod setup_msg;
@@ -29,6 +31,8 @@ mod uds;
 mod unshared;
 
 pub use local::LocalEndpoint;
+#[cfg(not(loom))]
+pub use mux::{MuxEndpoint, MuxSession};
 #[cfg(not(loom))]
 pub use net::{NetEndpoint, NetOptions};
 #[cfg(not(loom))]
@@ -76,6 +80,12 @@ pub(crate) trait Link: Send {
     /// Add what wakes this end to the channel's wake set (once, when the
     /// link takes over from the setup).
     fn register(&mut self, wake: &WakeSet) -> Result<()>;
+    /// The channel's payload gate detached from it (once, when the link
+    /// takes over from the setup), for a link that lands payloads for this
+    /// channel while another channel polls.
+    fn set_gate(&mut self, gate: Box<dyn PayloadGate + Send>) {
+        let _ = gate;
+    }
     /// Take out of the channel's wake set what `register` added (the
     /// channel is closed: nothing of the link may wake it any more).
     fn unregister(&mut self, wake: &WakeSet);
@@ -183,6 +193,13 @@ pub(crate) enum Landing {
 pub(crate) trait PayloadGate {
     /// `msg` is a move, pass or copy whose payload is about to land.
     fn admit(&mut self, msg: &Message) -> Result<Landing>;
+    /// A gate that keeps the domain and direction checks without borrowing
+    /// the channel, for a link that lands payloads for this channel while
+    /// another channel of the same connection is polling (the link checks
+    /// the pool against the pools the channel gave it).
+    fn detach(&self) -> Option<Box<dyn PayloadGate + Send>> {
+        None
+    }
 }
 
 /// The outcome of a finished setup: the link, what was negotiated, and
@@ -216,6 +233,7 @@ pub(crate) type Pending = Box<dyn PendingSetup>;
 /// | [`Endpoint::local`] | threads of one process | sharing the pool's memory |
 /// | [`Endpoint::shm`], [`Endpoint::shm_abstract`] | processes of one host | sharing the pool's memory (a sealed memfd) |
 /// | [`Endpoint::tcp`], [`Endpoint::tcp_with`] | machines | sending the payload from and into buffer memory |
+/// | [`MuxSession::endpoint`] | machines, many channels on one TCP connection | the same, demultiplexed into each channel's buffers |
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Endpoint {
@@ -227,6 +245,10 @@ pub enum Endpoint {
     /// An endpoint for channels between machines (TCP).
     #[cfg(not(loom))]
     Net(NetEndpoint),
+    /// A logical channel of a [`MuxSession`]: many channels over one TCP
+    /// connection ([`MuxSession::endpoint`]).
+    #[cfg(not(loom))]
+    Mux(MuxEndpoint),
 }
 
 impl Endpoint {
@@ -321,6 +343,8 @@ impl Endpoint {
             Endpoint::Shm(ep) => ep.listen(setup),
             #[cfg(not(loom))]
             Endpoint::Net(ep) => ep.listen(setup),
+            #[cfg(not(loom))]
+            Endpoint::Mux(ep) => ep.listen(setup),
         }
     }
 
@@ -331,6 +355,8 @@ impl Endpoint {
             Endpoint::Shm(ep) => ep.connect(params),
             #[cfg(not(loom))]
             Endpoint::Net(ep) => ep.connect(params),
+            #[cfg(not(loom))]
+            Endpoint::Mux(ep) => ep.connect(params),
         }
     }
 }

@@ -1,0 +1,714 @@
+//! Early demultiplexing: many channels over one TCP connection
+//! (`ferry::MuxSession`), on real loopback sockets and with a real child
+//! process as the peer (the test binary runs itself again, `mux_child`).
+
+mod support;
+
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry::{
+    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Error, Event, MuxSession, NetOptions,
+    PoolConstraints, Role,
+};
+
+use support::payload::{check, fill, wait_exit};
+
+const T: Duration = Duration::from_secs(10);
+const SIZE: usize = 64 << 10;
+
+fn seq_of(meta: &[u8]) -> u64 {
+    u64::from_le_bytes(meta[..8].try_into().unwrap())
+}
+
+fn next(ch: &mut Channel) -> Event {
+    match ch.wait(Some(T)) {
+        Some(ev) => ev,
+        None => panic!("no event within {T:?} (state {:?})", ch.state()),
+    }
+}
+
+fn tx_setup() -> ChannelSetup {
+    ChannelSetup { direction: Direction::Tx, role: Role::Master, ..ChannelSetup::default() }
+}
+
+/// Two sessions over loopback: (accepting side, connecting side).
+fn session_pair(options: NetOptions) -> (MuxSession, MuxSession) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let other = std::thread::spawn(move || MuxSession::connect(addr, options, T).unwrap());
+    let ours = MuxSession::accept(&listener, options, T).unwrap();
+    (ours, other.join().unwrap())
+}
+
+/// Channels `1..=n` on both sessions: (creators on `a`, binders on `b`).
+fn open_channels(a: &MuxSession, b: &MuxSession, n: u32, da: &Domain, db: &Domain) -> (Vec<Channel>, Vec<Channel>) {
+    let mut txs: Vec<Channel> = (1..=n).map(|id| Channel::create(da, &a.endpoint(id), tx_setup()).unwrap()).collect();
+    let mut rxs: Vec<Channel> =
+        (1..=n).map(|id| Channel::bind(db, &b.endpoint(id), BindParams::default()).unwrap()).collect();
+    for ch in txs.iter_mut().chain(rxs.iter_mut()) {
+        ch.wait_connected(T).unwrap();
+    }
+    (txs, rxs)
+}
+
+/// Assign `alloc`'s pool on `tx` while `rx` (the peer) accepts it.
+fn assign_pair(tx: &mut Channel, rx: &mut Channel, alloc: &Allocator) {
+    tx.assign_pool(alloc.pool()).unwrap();
+    let deadline = Instant::now() + T;
+    let mut accepted = false;
+    loop {
+        assert!(Instant::now() < deadline, "pool assignment did not finish");
+        if !accepted {
+            match rx.wait(Some(Duration::from_millis(5))) {
+                Some(Event::PoolAssignRequest(req)) => {
+                    rx.respond_pool(req.pool, true).unwrap();
+                    accepted = true;
+                }
+                Some(Event::Bound) | None => {}
+                Some(ev) => panic!("binder: unexpected {ev:?}"),
+            }
+        }
+        match tx.wait(Some(Duration::from_millis(5))) {
+            Some(Event::PoolAssigned(_)) => return,
+            Some(Event::BindRequest { .. }) | None => {}
+            Some(ev) => panic!("creator: unexpected {ev:?}"),
+        }
+    }
+}
+
+/// One channel: moves there, passes back, every byte checked.
+#[test]
+fn one_channel_moves_and_passes_back() {
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let (mut txs, mut rxs) = open_channels(&a, &b, 1, &da, &db);
+    let (mut tx, mut rx) = (txs.pop().unwrap(), rxs.pop().unwrap());
+    let alloc = Allocator::new(&da, 8, SIZE, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    let sink = std::thread::spawn(move || {
+        let mut n = 0;
+        loop {
+            match next(&mut rx) {
+                Event::MoveReceived { mut buffer, meta } => {
+                    let seq = seq_of(&meta);
+                    assert!(check(&buffer, seq), "move {seq} arrived corrupted");
+                    fill(buffer.as_mut_slice().unwrap(), seq + 1);
+                    rx.pass(buffer, &meta).unwrap();
+                    n += 1;
+                }
+                Event::Closed { .. } => return n,
+                ev => panic!("sink: unexpected {ev:?}"),
+            }
+        }
+    });
+    support::payload::move_and_take_back(&mut tx, &alloc, 300, |seq| seq + 1);
+    tx.teardown().unwrap();
+    assert!(matches!(next(&mut tx), Event::Closed { by_peer: false }));
+    assert_eq!(sink.join().unwrap(), 300);
+    assert_eq!(alloc.available(), 8);
+    let stats = tx.link_stats().unwrap();
+    assert_eq!(stats.payload_staged, 0, "{stats:?}");
+}
+
+// ------------------------------------------------------- many channels
+
+/// What the sending side of [`run_channels`] saw on one channel.
+#[derive(Debug, Default, Clone)]
+struct Tally {
+    back: u64,
+    queue_full: bool,
+}
+
+/// Move `total` patterned buffers on each channel of `txs` (64 KiB, their
+/// allocator each, its pool assigned) and take every pass back (pattern
+/// seq + 1), driven by one `Selector`; channels in `skip` get no more than
+/// what fits (they are expected to fill up). Ends when every other channel
+/// has all of its buffers back.
+fn run_channels(
+    txs: Vec<Channel>,
+    allocs: &[Allocator],
+    total: u64,
+    skip: &[usize],
+) -> (Vec<Tally>, ferry::Selector, Vec<usize>) {
+    let mut sel = ferry::Selector::new().unwrap();
+    let keys: Vec<usize> = txs.into_iter().map(|ch| sel.insert(ch)).collect();
+    let n = keys.len();
+    let mut sent = vec![0u64; n];
+    let mut tally = vec![Tally::default(); n];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while (0..n).any(|i| !skip.contains(&i) && tally[i].back < total) {
+        assert!(Instant::now() < deadline, "channels did not finish: {tally:?}");
+        for i in 0..n {
+            let ch = sel.get_mut(keys[i]).unwrap();
+            while sent[i] < total && !(skip.contains(&i) && tally[i].queue_full) {
+                let Some(mut b) = allocs[i].alloc() else { break };
+                let seq = sent[i];
+                fill(b.as_mut_slice().unwrap(), seq ^ ((i as u64) << 32));
+                match ch.move_buffer(b, &seq.to_le_bytes()) {
+                    Ok(()) => sent[i] += 1,
+                    Err(r) if r.error == Error::QueueFull => {
+                        tally[i].queue_full = true;
+                        drop(r.value);
+                        break;
+                    }
+                    Err(r) => panic!("channel {i}: move failed: {}", r.error),
+                }
+            }
+        }
+        match sel.wait(Some(Duration::from_millis(100))) {
+            Some((key, Event::BufferPassed { buffer, meta })) => {
+                let i = keys.iter().position(|&k| k == key).unwrap();
+                let seq = seq_of(&meta);
+                assert!(check(&buffer, (seq ^ ((i as u64) << 32)) + 1), "channel {i}: buffer {seq} came back wrong");
+                assert_eq!(seq, tally[i].back, "channel {i}: passes out of order");
+                tally[i].back += 1;
+            }
+            Some((_, Event::PoolAssigned(_))) | None => {}
+            Some((key, ev)) => panic!("sender, key {key}: unexpected {ev:?}"),
+        }
+    }
+    (tally, sel, keys)
+}
+
+/// The receiving side: every channel in a `Selector` (those in `stalled`
+/// only once `resume` says so), each move checked for its pattern and
+/// order, refilled with seq + 1 and passed back. Returns the moves taken
+/// per channel once every channel is closed.
+fn echo_channels(rxs: Vec<Channel>, stalled: Vec<usize>, resume: std::sync::mpsc::Receiver<()>) -> Vec<u64> {
+    let mut sel = ferry::Selector::new().unwrap();
+    let n = rxs.len();
+    let mut held: Vec<Option<Channel>> = Vec::new();
+    let mut keys = vec![usize::MAX; n];
+    for (i, ch) in rxs.into_iter().enumerate() {
+        if stalled.contains(&i) {
+            held.push(Some(ch));
+        } else {
+            keys[i] = sel.insert(ch);
+            held.push(None);
+        }
+    }
+    let mut got = vec![0u64; n];
+    let mut waiting: Vec<std::collections::VecDeque<(ferry::Buffer, ferry::Meta)>> =
+        (0..n).map(|_| Default::default()).collect();
+    let mut closed = 0;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while closed < n {
+        assert!(Instant::now() < deadline, "echo did not finish: {got:?}");
+        if resume.try_recv().is_ok() {
+            for i in &stalled {
+                keys[*i] = sel.insert(held[*i].take().unwrap());
+            }
+        }
+        // Passes the queue had no room for (the sender's credit) first.
+        for i in 0..n {
+            while let Some((buffer, meta)) = waiting[i].pop_front() {
+                match sel.get_mut(keys[i]).unwrap().pass(buffer, &meta) {
+                    Ok(()) => {}
+                    Err(r) if r.error == Error::QueueFull => {
+                        waiting[i].push_front((r.value, meta));
+                        break;
+                    }
+                    Err(r) => panic!("channel {i}: pass failed: {}", r.error),
+                }
+            }
+        }
+        match sel.wait(Some(Duration::from_millis(if waiting.iter().any(|w| !w.is_empty()) { 1 } else { 50 }))) {
+            Some((key, Event::MoveReceived { mut buffer, meta })) => {
+                let i = keys.iter().position(|&k| k == key).unwrap();
+                let seq = seq_of(&meta);
+                let pattern = seq ^ ((i as u64) << 32);
+                assert!(check(&buffer, pattern), "channel {i}: move {seq} arrived corrupted");
+                assert_eq!(seq, got[i], "channel {i}: moves out of order");
+                got[i] += 1;
+                fill(buffer.as_mut_slice().unwrap(), pattern + 1);
+                waiting[i].push_back((buffer, meta));
+            }
+            Some((key, Event::Closed { .. })) => {
+                closed += 1;
+                sel.remove(key);
+            }
+            Some((_, Event::Bound)) | None => {}
+            Some((key, ev)) => panic!("echo, key {key}: unexpected {ev:?}"),
+        }
+    }
+    got
+}
+
+/// Channels `1..=n` with `buffers` buffers each, pools assigned.
+fn setup_channels(
+    n: u32,
+    buffers: u64,
+    depth: u32,
+) -> (MuxSession, MuxSession, Vec<Channel>, Vec<Channel>, Vec<Allocator>) {
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: depth, ..tx_setup() };
+    let mut txs: Vec<Channel> = (1..=n).map(|id| Channel::create(&da, &a.endpoint(id), setup).unwrap()).collect();
+    let mut rxs: Vec<Channel> =
+        (1..=n).map(|id| Channel::bind(&db, &b.endpoint(id), BindParams::default()).unwrap()).collect();
+    for ch in txs.iter_mut().chain(rxs.iter_mut()) {
+        ch.wait_connected(T).unwrap();
+    }
+    let mut allocs = Vec::new();
+    for (tx, rx) in txs.iter_mut().zip(rxs.iter_mut()) {
+        let alloc = Allocator::new(&da, buffers, SIZE, PoolConstraints::default()).unwrap();
+        assign_pair(tx, rx, &alloc);
+        allocs.push(alloc);
+    }
+    (a, b, txs, rxs, allocs)
+}
+
+/// Tear down every channel of the sender's selector and wait for the
+/// closes.
+fn close_all(mut sel: ferry::Selector, keys: &[usize]) {
+    for &k in keys {
+        sel.get_mut(k).unwrap().teardown().unwrap();
+    }
+    let deadline = Instant::now() + T;
+    while !sel.is_empty() {
+        assert!(Instant::now() < deadline, "closes did not come");
+        match sel.wait(Some(Duration::from_millis(100))) {
+            Some((k, Event::Closed { .. })) => {
+                sel.remove(k);
+            }
+            Some((_, Event::BufferPassed { .. })) | None => {}
+            Some((k, ev)) => panic!("closing {k}: unexpected {ev:?}"),
+        }
+    }
+}
+
+/// Sixteen channels on one connection, each moving 100 buffers there and
+/// back at once, every byte and the order checked per channel.
+#[test]
+fn sixteen_channels_share_one_connection() {
+    let (_a, _b, txs, rxs, allocs) = setup_channels(16, 8, 64);
+    let (_resume, resumed) = std::sync::mpsc::channel();
+    let echo = std::thread::spawn(move || echo_channels(rxs, Vec::new(), resumed));
+    let (tally, sel, keys) = run_channels(txs, &allocs, 100, &[]);
+    assert!(tally.iter().all(|t| t.back == 100), "{tally:?}");
+    close_all(sel, &keys);
+    assert_eq!(echo.join().unwrap(), vec![100; 16]);
+    assert!(allocs.iter().all(|a| a.available() == 8));
+}
+
+/// A receiver that stops reading one channel does not slow the others:
+/// they all finish while the stalled channel's sender sees `QueueFull`
+/// (its credit is spent); once the receiver reads it again, everything
+/// sent on it arrives, in order.
+#[test]
+fn a_stalled_channel_does_not_block_the_others() {
+    let (_a, _b, txs, rxs, allocs) = setup_channels(4, 64, 8);
+    let (resume, resumed) = std::sync::mpsc::channel();
+    let echo = std::thread::spawn(move || echo_channels(rxs, vec![0], resumed));
+    let (tally, mut sel, keys) = run_channels(txs, &allocs, 300, &[0]);
+    assert!(tally[1..].iter().all(|t| t.back == 300), "{tally:?}");
+    assert!(tally[0].queue_full, "the stalled channel's sender must have filled its queue: {tally:?}");
+    assert_eq!(tally[0].back, 0, "nothing came back on the stalled channel");
+    // Resume: what was sent on channel 0 arrives in order and comes back.
+    resume.send(()).unwrap();
+    let expect = (64 - allocs[0].available()) as u64;
+    let mut back = 0;
+    let deadline = Instant::now() + T;
+    while back < expect {
+        assert!(Instant::now() < deadline, "the stalled channel did not drain: {back} of {expect}");
+        match sel.wait(Some(Duration::from_millis(100))) {
+            Some((k, Event::BufferPassed { .. })) => {
+                assert_eq!(k, keys[0]);
+                back += 1;
+            }
+            None => {}
+            Some((k, ev)) => panic!("{k}: unexpected {ev:?}"),
+        }
+    }
+    close_all(sel, &keys);
+    let got = echo.join().unwrap();
+    assert_eq!(got[0], expect);
+    assert_eq!(&got[1..], &[300, 300, 300]);
+}
+
+// ------------------------------------------------------- a real peer process
+
+const CHILD_CHANNELS: u32 = 4;
+
+/// The peer process (run by the tests below, ignored otherwise): connect a
+/// session to FERRY_MUX_ADDR, bind channels 1..=4, check every move, pass
+/// the first of each channel back and hold the rest until killed.
+#[test]
+#[ignore]
+fn mux_child() {
+    let Ok(addr) = std::env::var("FERRY_MUX_ADDR") else { return };
+    let options = NetOptions::with_peer_timeout(Duration::from_secs(2));
+    let session = MuxSession::connect(addr.parse().unwrap(), options, T).expect("session");
+    let d = Domain::new("child");
+    let mut sel = ferry::Selector::new().unwrap();
+    let mut keys = Vec::new();
+    for id in 1..=CHILD_CHANNELS {
+        let mut ch = Channel::connect(&d, &session.endpoint(id), BindParams::default(), T).expect("bind");
+        ch.set_pool_policy(ferry::PoolPolicy::AcceptAll);
+        keys.push(sel.insert(ch));
+    }
+    let mut kept = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        match sel.wait(Some(Duration::from_millis(100))) {
+            Some((key, Event::MoveReceived { buffer, meta })) => {
+                let i = keys.iter().position(|&k| k == key).unwrap() as u64;
+                let seq = seq_of(&meta);
+                assert!(check(&buffer, seq ^ (i << 32)), "child: move {seq} corrupted");
+                if seq == 0 {
+                    sel.get_mut(key).unwrap().pass(buffer, &meta).unwrap();
+                } else {
+                    kept.push(buffer);
+                }
+            }
+            Some((_, Event::Closed { .. } | Event::Error(_))) => return,
+            _ => {}
+        }
+    }
+}
+
+fn spawn_child(addr: SocketAddr) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "mux_child", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("FERRY_MUX_ADDR", addr.to_string())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn child")
+}
+
+/// `kill -9` of the peer process while it holds buffers of every channel
+/// of the session: each channel gets a peer-death error, and every buffer
+/// lent to the dead peer comes back to its allocator.
+#[test]
+fn killed_peer_fails_every_channel_and_buffers_come_back() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut child = spawn_child(listener.local_addr().unwrap());
+    let options = NetOptions::with_peer_timeout(Duration::from_secs(2));
+    let session = MuxSession::accept(&listener, options, T).unwrap();
+    let d = Domain::new("parent");
+    let mut chans = Vec::new();
+    let mut allocs = Vec::new();
+    let mut accepted: Vec<Channel> =
+        (1..=CHILD_CHANNELS).map(|id| Channel::accept(&d, &session.endpoint(id), tx_setup(), T).unwrap()).collect();
+    for (id, mut ch) in (1..=CHILD_CHANNELS).zip(accepted.drain(..)) {
+        let alloc = Allocator::new(&d, 8, SIZE, PoolConstraints::default()).unwrap();
+        ch.assign_pool(alloc.pool()).unwrap();
+        match next(&mut ch) {
+            Event::PoolAssigned(_) => {}
+            ev => panic!("expected the pool assigned, got {ev:?}"),
+        }
+        for seq in 0..4u64 {
+            let mut b = alloc.alloc().unwrap();
+            fill(b.as_mut_slice().unwrap(), seq ^ (u64::from(id - 1) << 32));
+            ch.move_buffer(b, &seq.to_le_bytes()).unwrap();
+        }
+        chans.push(ch);
+        allocs.push(alloc);
+    }
+    // The first buffer of each channel comes back: the child has it all.
+    for ch in &mut chans {
+        match next(ch) {
+            Event::BufferPassed { buffer, meta } => {
+                assert_eq!(seq_of(&meta), 0);
+                drop(buffer);
+            }
+            ev => panic!("expected the first buffer back, got {ev:?}"),
+        }
+    }
+    assert!(allocs.iter().all(|a| a.available() == 5), "three buffers of each channel are lent");
+    child.kill().unwrap();
+    for (i, ch) in chans.iter_mut().enumerate() {
+        match next(ch) {
+            Event::Error(Error::PeerGone | Error::PeerUnresponsive(_)) => {}
+            ev => panic!("channel {i}: expected peer death, got {ev:?}"),
+        }
+        assert_eq!(allocs[i].available(), 8, "channel {i}: the lent buffers are back");
+        assert!(ch.poll().is_none(), "a failed channel is closed");
+    }
+    let _ = wait_exit(&mut child, T);
+}
+
+// ------------------------------------------------------- a hostile peer
+
+/// A raw peer speaking the session protocol by hand: the magic, then an
+/// open of channel `id` with a bind request (any role, any trust, max meta
+/// 224); the creator's reply is read and must be an acceptance.
+fn raw_open(addr: SocketAddr, ids: &[u32]) -> std::net::TcpStream {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    s.write_all(b"FERRYMX1").unwrap();
+    let mut magic = [0u8; 8];
+    s.read_exact(&mut magic).unwrap();
+    assert_eq!(&magic, b"FERRYMX1");
+    for &id in ids {
+        let mut req = b"FRY1\x01\x00\xff".to_vec();
+        req.extend_from_slice(&224u16.to_le_bytes());
+        req.extend_from_slice(&[0u8; 24]);
+        s.write_all(
+            &ferry::backend::mux::MuxHead { kind: 4, flags: 0, channel: id, len: req.len() as u32, credit: 0 }.encode(),
+        )
+        .unwrap();
+        s.write_all(&req).unwrap();
+    }
+    s
+}
+
+/// Malformed frames from the peer: every channel of the session fails with
+/// a protocol error (no panic, no hang), the peer's connection ends.
+#[test]
+fn malformed_frames_are_protocol_errors() {
+    use std::io::{Read, Write};
+    let bad_frames: Vec<Vec<u8>> = vec![
+        // Unknown kind.
+        vec![99, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        // A chunk without a message.
+        ferry::backend::mux::MuxHead { kind: 2, flags: 0, channel: 1, len: 8, credit: 0 }.encode().to_vec(),
+        // A message for a channel that was never opened.
+        {
+            let mut f =
+                ferry::backend::mux::MuxHead { kind: 1, flags: 0, channel: 77, len: 32, credit: 0 }.encode().to_vec();
+            f.extend_from_slice(&[0u8; 32]);
+            f
+        },
+        // A message whose meta length disagrees with the frame.
+        {
+            let mut f =
+                ferry::backend::mux::MuxHead { kind: 1, flags: 0, channel: 2, len: 32, credit: 0 }.encode().to_vec();
+            let mut m = [0u8; 32];
+            m[0] = 9;
+            m[2] = 5;
+            f.extend_from_slice(&m);
+            f
+        },
+    ];
+    for bad in bad_frames {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let raw = std::thread::spawn(move || raw_open(addr, &[1, 2]));
+        let session = MuxSession::accept(&listener, NetOptions::default(), T).unwrap();
+        let d = Domain::new("victim");
+        let mut one = Channel::accept(&d, &session.endpoint(1), ChannelSetup::default(), T).unwrap();
+        let mut two = Channel::accept(&d, &session.endpoint(2), ChannelSetup::default(), T).unwrap();
+        let mut s = raw.join().unwrap();
+        s.write_all(&bad).unwrap();
+        for ch in [&mut one, &mut two] {
+            match next(ch) {
+                Event::Error(Error::Protocol(_)) => {}
+                ev => panic!("frame {bad:?}: expected a protocol error, got {ev:?}"),
+            }
+            assert!(ch.poll().is_none());
+        }
+        // The peer's connection ends (after the open replies).
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    }
+}
+
+// ------------------------------------------------------- priorities
+
+/// A priority channel overtakes two bulk channels that saturate the link:
+/// the bulk senders have filled their credit (the receiver does not read
+/// them), then 32 priority messages are sent; while the receiver takes
+/// them, at most a chunk of bulk payload arrives between the first and
+/// the last (round-robin would interleave a bulk chunk per priority
+/// chunk), and bulk payload is still on its way after the last.
+#[test]
+fn priority_frames_overtake_a_saturating_bulk_channel() {
+    const BULK: usize = 1 << 20;
+    const PRIO: u64 = 32;
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let bulk_setup = ChannelSetup { queue_depth: 8, ..tx_setup() };
+    let prio_setup = ChannelSetup { queue_depth: 64, ..tx_setup() };
+    let mut txs = vec![
+        Channel::create(&da, &a.endpoint(1), bulk_setup).unwrap(),
+        Channel::create(&da, &a.endpoint(2), bulk_setup).unwrap(),
+        Channel::create(&da, &a.endpoint_with_priority(3, 7), prio_setup).unwrap(),
+    ];
+    let mut rxs: Vec<Channel> =
+        (1..=3).map(|id| Channel::bind(&db, &b.endpoint(id), BindParams::default()).unwrap()).collect();
+    for ch in txs.iter_mut().chain(rxs.iter_mut()) {
+        ch.wait_connected(T).unwrap();
+    }
+    let allocs = [
+        Allocator::new(&da, 32, BULK, PoolConstraints::default()).unwrap(),
+        Allocator::new(&da, 32, BULK, PoolConstraints::default()).unwrap(),
+        Allocator::new(&da, PRIO, SIZE, PoolConstraints::default()).unwrap(),
+    ];
+    for ((tx, rx), alloc) in txs.iter_mut().zip(rxs.iter_mut()).zip(&allocs) {
+        assign_pair(tx, rx, alloc);
+    }
+    // Bulk first, until its queue is full (credit spent, queue full).
+    let mut bulk_sent = [0u64; 2];
+    for i in 0..2 {
+        loop {
+            let mut buf = allocs[i].alloc().expect("more bulk buffers than credit and queue");
+            fill(buf.as_mut_slice().unwrap(), bulk_sent[i]);
+            match txs[i].move_buffer(buf, &bulk_sent[i].to_le_bytes()) {
+                Ok(()) => bulk_sent[i] += 1,
+                Err(r) if r.error == Error::QueueFull => break,
+                Err(r) => panic!("bulk move: {}", r.error),
+            }
+        }
+    }
+    for seq in 0..PRIO {
+        let mut buf = allocs[2].alloc().unwrap();
+        fill(buf.as_mut_slice().unwrap(), seq);
+        txs[2].move_buffer(buf, &seq.to_le_bytes()).unwrap();
+    }
+    // The sender keeps its end going (frames go out as the socket takes
+    // them); the receiver reads the priority channel only.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sender = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut txs = txs;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for tx in &mut txs {
+                    if let Some(ev) = tx.wait(Some(Duration::from_millis(1))) {
+                        panic!("sender: unexpected {ev:?}");
+                    }
+                }
+            }
+            txs
+        })
+    };
+    let bulk_landed =
+        |rxs: &[Channel]| -> u64 { rxs[..2].iter().map(|c| c.link_stats().unwrap().payload_received).sum() };
+    let mut first = None;
+    let mut kept = Vec::new();
+    for seq in 0..PRIO {
+        match next(&mut rxs[2]) {
+            Event::MoveReceived { buffer, meta } => {
+                assert_eq!(seq_of(&meta), seq);
+                assert!(check(&buffer, seq), "priority move {seq} corrupted");
+                kept.push(buffer);
+            }
+            ev => panic!("priority channel: unexpected {ev:?}"),
+        }
+        first.get_or_insert_with(|| bulk_landed(&rxs));
+    }
+    let during = bulk_landed(&rxs) - first.unwrap();
+    assert!(during <= 2 * ferry::backend::mux::MAX_CHUNK as u64, "{during} bulk bytes came between priority messages");
+    let total = (bulk_sent[0] + bulk_sent[1]) * BULK as u64;
+    assert!(bulk_landed(&rxs) < total, "the bulk channels were not saturating the link");
+    // Then all of the bulk arrives, in order.
+    for (i, rx) in rxs[..2].iter_mut().enumerate() {
+        for seq in 0..bulk_sent[i] {
+            match next(rx) {
+                Event::MoveReceived { buffer, meta } => {
+                    assert_eq!(seq_of(&meta), seq);
+                    assert!(check(&buffer, seq), "bulk move {seq} corrupted");
+                    kept.push(buffer);
+                }
+                ev => panic!("bulk channel {i}: unexpected {ev:?}"),
+            }
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    drop(sender.join().unwrap());
+}
+
+// ------------------------------------------------------- setup edges
+
+/// A bind that times out before anyone creates the channel does not hurt
+/// the session: once the creator listens, the number is free again and a
+/// new bind on it connects; a refused bind leaves the creator listening.
+#[test]
+fn a_bind_that_gave_up_or_was_refused_leaves_the_session_usable() {
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let quick = BindParams { timeout: Duration::from_millis(50), ..BindParams::default() };
+    assert_eq!(Channel::connect(&db, &b.endpoint(5), quick, T).unwrap_err(), Error::TimedOut);
+    let mut tx = Channel::create(&da, &a.endpoint(5), tx_setup()).unwrap();
+    // A refused bind (a meta size the creator does not fit in).
+    let setup = ChannelSetup { meta_size: 64, ..tx_setup() };
+    let mut picky = Channel::create(&da, &a.endpoint(6), setup).unwrap();
+    let small = BindParams { max_meta_size: 8, ..BindParams::default() };
+    let deadline = Instant::now() + T;
+    let refused = loop {
+        let _ = tx.wait(Some(Duration::from_millis(5)));
+        let _ = picky.wait(Some(Duration::from_millis(5)));
+        match Channel::bind(&db, &b.endpoint(6), small) {
+            Ok(mut ch) => {
+                break loop {
+                    // The creator's side answers when it polls.
+                    let _ = picky.wait(Some(Duration::from_millis(5)));
+                    match ch.wait(Some(Duration::from_millis(5))) {
+                        Some(Event::Error(e)) => break e,
+                        None => assert!(Instant::now() < deadline, "no answer to the bind"),
+                        Some(ev) => panic!("refused bind: unexpected {ev:?}"),
+                    }
+                };
+            }
+            Err(Error::EndpointInUse) => assert!(Instant::now() < deadline, "number 6 never free"),
+            Err(e) => panic!("bind: {e:?}"),
+        }
+    };
+    assert!(matches!(refused, Error::BindRefused(_)), "{refused:?}");
+    // Number 5 comes free once the creator's side has answered the give-up.
+    let mut rx = loop {
+        let _ = tx.wait(Some(Duration::from_millis(5)));
+        let _ = picky.wait(Some(Duration::from_millis(5)));
+        match Channel::bind(&db, &b.endpoint(5), BindParams::default()) {
+            Ok(ch) => break ch,
+            Err(Error::EndpointInUse) => assert!(Instant::now() < deadline, "number 5 never free"),
+            Err(e) => panic!("bind: {e:?}"),
+        }
+    };
+    let mut rx6 = loop {
+        let _ = picky.wait(Some(Duration::from_millis(5)));
+        match Channel::bind(&db, &b.endpoint(6), BindParams::default()) {
+            Ok(ch) => break ch,
+            Err(Error::EndpointInUse) => assert!(Instant::now() < deadline, "number 6 never free"),
+            Err(e) => panic!("bind: {e:?}"),
+        }
+    };
+    tx.wait_connected(T).unwrap();
+    rx.wait_connected(T).unwrap();
+    picky.wait_connected(T).unwrap();
+    rx6.wait_connected(T).unwrap();
+    let alloc = Allocator::new(&da, 2, SIZE, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    let mut buf = alloc.alloc().unwrap();
+    fill(buf.as_mut_slice().unwrap(), 3);
+    tx.move_buffer(buf, &3u64.to_le_bytes()).unwrap();
+    match next(&mut rx) {
+        Event::MoveReceived { buffer, .. } => assert!(check(&buffer, 3)),
+        ev => panic!("unexpected {ev:?}"),
+    }
+}
+
+/// A peer that opens a channel and then says nothing (no keep-alives):
+/// the channel fails with `PeerUnresponsive` after the peer timeout, while
+/// our own keep-alives go out meanwhile.
+#[test]
+fn a_silent_peer_is_unresponsive() {
+    use std::io::Read;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let raw = std::thread::spawn(move || raw_open(addr, &[1]));
+    let options = NetOptions::with_peer_timeout(Duration::from_millis(400));
+    let session = MuxSession::accept(&listener, options, T).unwrap();
+    let mut ch = Channel::accept(&Domain::new("d"), &session.endpoint(1), ChannelSetup::default(), T).unwrap();
+    let mut s = raw.join().unwrap();
+    match next(&mut ch) {
+        Event::Error(Error::PeerUnresponsive(_)) => {}
+        ev => panic!("expected an unresponsive peer, got {ev:?}"),
+    }
+    // What we sent: the open reply, keep-alives (kind 7), and nothing after
+    // the connection ended.
+    s.set_read_timeout(Some(T)).unwrap();
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    let (mut at, mut keepalives) = (0, 0);
+    while at + 16 <= got.len() {
+        let h = &got[at..at + 16];
+        keepalives += usize::from(h[0] == 7 && h[4..8] == [0, 0, 0, 0]);
+        at += 16 + u32::from_le_bytes(h[8..12].try_into().unwrap()) as usize;
+    }
+    assert!(keepalives >= 1, "no keep-alive in {got:?}");
+}
