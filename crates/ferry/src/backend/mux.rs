@@ -99,7 +99,9 @@
 //!   payload follows in *chunk* frames of the same channel (other
 //!   channels' frames may come between), each at most [`MAX_CHUNK`] bytes,
 //!   until the announced length is complete. A message frame costs one
-//!   credit.
+//!   credit. An aggregate is its run of messages (header, members,
+//!   fragment tables), so it needs credit and queue room for the whole run
+//!   before its first message is queued, as on the other backends.
 //! - *open*: the binder's bind request for the channel; *open reply*: the
 //!   creator's acceptance or refusal (the setup messages of the TCP
 //!   backend).
@@ -164,7 +166,6 @@ const MSG_HEAD: usize = proto::HEADER;
 const TYPE_MOVE: u8 = 1;
 const TYPE_COPY: u8 = 2;
 const TYPE_PASS: u8 = 3;
-const TYPE_TEARDOWN: u8 = 9;
 const FLAG_PAYLOAD: u8 = 2;
 
 /// Bytes committed to the wire at once (the scheduler decides again after).
@@ -1260,7 +1261,7 @@ impl Inner {
         if MSG_HEAD + meta != body_len {
             return Err(bad("meta length does not match the frame".into()));
         }
-        if !(TYPE_MOVE..=TYPE_TEARDOWN).contains(&kind) {
+        if proto::body_limit(kind, chan.meta_size).is_none() {
             return Err(bad("unknown message type".into()));
         }
         let msg = Message::decode(h, chan.meta_size)?;
@@ -1372,6 +1373,9 @@ struct MuxLink {
     closed: bool,
     /// Grant credit after this many messages taken.
     grant_every: usize,
+    /// The channel's queue depth (its credit): the longest run of messages
+    /// that can ever be queued at once.
+    depth: usize,
     died: bool,
     /// The counters as they were when the channel closed.
     final_stats: LinkStats,
@@ -1385,6 +1389,7 @@ impl MuxLink {
             id,
             closed: false,
             grant_every: (depth / 4).max(1),
+            depth,
             died: false,
             final_stats: LinkStats::default(),
         }
@@ -1396,6 +1401,16 @@ impl Link for MuxLink {
         let mut inner = self.session.lock();
         let _ = inner.pump_write();
         inner.chans.get(&self.id).is_some_and(|c| c.outq.len() < c.depth)
+    }
+
+    fn room(&mut self) -> usize {
+        let mut inner = self.session.lock();
+        let _ = inner.pump_write();
+        inner.chans.get(&self.id).map_or(0, |c| c.depth.saturating_sub(c.outq.len()))
+    }
+
+    fn capacity(&self) -> usize {
+        self.depth
     }
 
     fn send(&mut self, msg: &Message) -> Result<()> {
