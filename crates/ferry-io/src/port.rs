@@ -151,6 +151,10 @@ pub struct Port {
     direct: bool,
     /// The pipe of [`Port::read_unmapped`], made on first use.
     pipe: Option<(OwnedFd, OwnedFd)>,
+    /// Datagrams received by one `recvmmsg` but not yet handed out: those
+    /// behind a datagram too large for its buffer (whose error is handed
+    /// out in its turn).
+    backlog: VecDeque<Result<Filled, IoError>>,
 }
 
 /// Retry `f` while it fails with `EINTR`; a negative return is the errno.
@@ -221,7 +225,16 @@ impl Port {
         // SAFETY: `fd` was just opened and is owned by nothing else.
         let owned = unsafe { OwnedFd::from_raw_fd(fd) };
         let kind = kind_of(fd, &name)?;
-        Ok(Port { _owned: Some(owned), fd, name, kind, offset: 0, direct: flags & libc::O_DIRECT != 0, pipe: None })
+        Ok(Port {
+            _owned: Some(owned),
+            fd,
+            name,
+            kind,
+            offset: 0,
+            direct: flags & libc::O_DIRECT != 0,
+            pipe: None,
+            backlog: VecDeque::new(),
+        })
     }
 
     /// Open `path` for reading (buffered: through the page cache).
@@ -258,7 +271,16 @@ impl Port {
 
     fn standard(fd: RawFd, name: &str) -> Result<Port, IoError> {
         let kind = kind_of(fd, name)?;
-        Ok(Port { _owned: None, fd, name: name.to_string(), kind, offset: 0, direct: false, pipe: None })
+        Ok(Port {
+            _owned: None,
+            fd,
+            name: name.to_string(),
+            kind,
+            offset: 0,
+            direct: false,
+            pipe: None,
+            backlog: VecDeque::new(),
+        })
     }
 
     /// Standard input (left open when the port is dropped).
@@ -278,7 +300,7 @@ impl Port {
         let name = name.into();
         let fd = owned.as_raw_fd();
         let kind = kind_of(fd, &name)?;
-        Ok(Port { _owned: Some(owned), fd, name, kind, offset: 0, direct: false, pipe: None })
+        Ok(Port { _owned: Some(owned), fd, name, kind, offset: 0, direct: false, pipe: None, backlog: VecDeque::new() })
     }
 
     /// The name errors use.
@@ -327,8 +349,12 @@ impl Port {
     /// not cleared first.
     ///
     /// A datagram socket gives one datagram per buffer: it waits for the
-    /// first, then takes those already queued; a datagram larger than a
-    /// buffer is [`IoError::DatagramTooLarge`], never cut short silently.
+    /// first, then takes those already queued, all in one `recvmmsg`; a
+    /// datagram larger than a buffer is [`IoError::DatagramTooLarge`], never
+    /// cut short silently, and the datagrams received with it in the same
+    /// system call are kept: those before it are returned first, the error
+    /// by the next read, those after it by the reads after that (the port
+    /// holds their buffers meanwhile).
     ///
     /// [`IoError::NoBuffer`] when the allocator has none free. On any error
     /// every buffer of the call is back in the allocator.
@@ -447,37 +473,82 @@ impl Port {
         Ok(bufs.into_iter().zip(lens).filter(|(_, len)| *len > 0).map(|(buffer, len)| Filled { buffer, len }).collect())
     }
 
+    /// Up to `max_buffers` datagrams, one per buffer, in one `recvmmsg`:
+    /// it waits for the first and takes those already queued
+    /// (`MSG_WAITFORONE`), so a busy socket costs one system call per batch
+    /// rather than one per datagram. Buffers not filled go back at once.
     fn recv_datagrams(&mut self, alloc: &Allocator, max_buffers: usize) -> Result<Vec<Filled>, IoError> {
-        let mut out = Vec::new();
-        while out.len() < max_buffers {
-            let Some(mut b) = alloc.alloc() else {
-                if out.is_empty() {
-                    return Err(IoError::NoBuffer { name: self.name.clone(), offset: self.offset });
-                }
-                break;
+        if !self.backlog.is_empty() {
+            return self.drain_backlog(max_buffers);
+        }
+        let mut bufs: Vec<Buffer> = Vec::with_capacity(max_buffers.min(IOV_MAX));
+        while bufs.len() < max_buffers.min(IOV_MAX) {
+            match alloc.alloc() {
+                Some(b) => bufs.push(b),
+                None => break,
+            }
+        }
+        if bufs.is_empty() {
+            return Err(IoError::NoBuffer { name: self.name.clone(), offset: self.offset });
+        }
+        let mut iov = Vec::with_capacity(bufs.len());
+        for b in bufs.iter_mut() {
+            let s = b.as_mut_slice().map_err(|_| IoError::BufferShared { name: self.name.clone() })?;
+            iov.push(libc::iovec { iov_base: s.as_mut_ptr().cast(), iov_len: s.len() });
+        }
+        let mut msgs: Vec<libc::mmsghdr> = iov
+            .iter_mut()
+            .map(|v| {
+                // SAFETY: mmsghdr is plain old data; only the iovec fields are set.
+                let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+                m.msg_hdr.msg_iov = v;
+                m.msg_hdr.msg_iovlen = 1;
+                m
+            })
+            .collect();
+        // MSG_TRUNC: each msg_len is the datagram's real size, so one too
+        // large for its buffer is seen, never handed on cut short.
+        let flags = libc::MSG_TRUNC | libc::MSG_WAITFORONE;
+        // SAFETY: every mmsghdr points at one iovec of `iov`, each covering a
+        // buffer of `bufs` owned read-write by this call and alive until it
+        // returns; the kernel writes at most iov_len bytes into each.
+        let r = retry(|| unsafe {
+            libc::recvmmsg(self.fd, msgs.as_mut_ptr(), msgs.len() as libc::c_uint, flags, std::ptr::null_mut()) as isize
+        });
+        let got = r.map_err(|e| self.err("receive", e))?;
+        let size = bufs[0].len();
+        let mut out = Vec::with_capacity(got);
+        for (b, m) in bufs.into_iter().zip(&msgs).take(got) {
+            let n = m.msg_len as usize;
+            let item = if n > size || m.msg_hdr.msg_flags & libc::MSG_TRUNC != 0 {
+                // Its buffer goes back; the error is handed out in its turn.
+                Err(IoError::DatagramTooLarge { name: self.name.clone(), offset: self.offset, size: n, limit: size })
+            } else {
+                self.offset += n as u64;
+                Ok(Filled { buffer: b, len: n })
             };
-            let size = b.len();
-            let ptr = b.as_mut_slice().map_err(|_| IoError::BufferShared { name: self.name.clone() })?.as_mut_ptr();
-            // Wait for the first datagram only; MSG_TRUNC makes the kernel
-            // return the datagram's real size.
-            let flags = libc::MSG_TRUNC | if out.is_empty() { 0 } else { libc::MSG_DONTWAIT };
-            // SAFETY: `ptr..ptr+size` is buffer `b`, owned read-write and alive
-            // for the call; the kernel writes at most `size` bytes.
-            match retry(|| unsafe { libc::recv(self.fd, ptr.cast(), size, flags) }) {
-                Ok(n) if n > size => {
-                    return Err(IoError::DatagramTooLarge {
-                        name: self.name.clone(),
-                        offset: self.offset,
-                        size: n,
-                        limit: size,
-                    });
-                }
-                Ok(n) => {
-                    self.offset += n as u64;
-                    out.push(Filled { buffer: b, len: n });
-                }
-                Err(e) if !out.is_empty() && e.raw_os_error() == Some(libc::EAGAIN) => break,
-                Err(e) => return Err(self.err("receive", e)),
+            match item {
+                Ok(f) if self.backlog.is_empty() => out.push(f),
+                item => self.backlog.push_back(item),
+            }
+        }
+        if out.is_empty() {
+            return self.drain_backlog(max_buffers);
+        }
+        Ok(out)
+    }
+
+    /// The datagrams of the backlog up to the next error, or that error.
+    fn drain_backlog(&mut self, max_buffers: usize) -> Result<Vec<Filled>, IoError> {
+        if let Some(Err(_)) = self.backlog.front() {
+            if let Some(Err(e)) = self.backlog.pop_front() {
+                return Err(e);
+            }
+        }
+        let mut out = Vec::new();
+        while out.len() < max_buffers && matches!(self.backlog.front(), Some(Ok(_))) {
+            if let Some(Ok(f)) = self.backlog.pop_front() {
+                out.push(f);
             }
         }
         Ok(out)
@@ -487,7 +558,8 @@ impl Port {
     /// its allocator as soon as the kernel has taken all its bytes, and on
     /// error too. Short writes are continued. Returns the bytes written.
     ///
-    /// On a datagram socket each chunk is one datagram.
+    /// On a datagram socket each chunk is one datagram, many per system
+    /// call (`sendmmsg`).
     pub fn write<C: Into<Chunk>>(&mut self, chunks: impl IntoIterator<Item = C>) -> Result<u64, IoError> {
         let mut q: VecDeque<Chunk> = chunks.into_iter().map(Into::into).collect();
         if self.kind == Kind::Datagram {
@@ -712,22 +784,42 @@ impl Port {
         Ok(total)
     }
 
+    /// Each chunk one datagram, as many per `sendmmsg` as `IOV_MAX` allows;
+    /// each buffer goes back once the kernel has taken its datagram.
     fn send_datagrams(&mut self, mut q: VecDeque<Chunk>) -> Result<u64, IoError> {
         let mut total = 0u64;
-        while let Some(c) = q.pop_front() {
-            let b = c.bytes();
-            // SAFETY: `b` is the chunk's live memory, only read by the kernel.
-            match retry(|| unsafe { libc::send(self.fd, b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL) }) {
-                Ok(n) => {
-                    total += n as u64;
-                    self.offset += n as u64;
+        while !q.is_empty() {
+            let mut iov: Vec<libc::iovec> = q
+                .iter()
+                .take(IOV_MAX)
+                .map(|c| libc::iovec { iov_base: c.bytes().as_ptr() as *mut libc::c_void, iov_len: c.len() })
+                .collect();
+            let mut msgs: Vec<libc::mmsghdr> = iov
+                .iter_mut()
+                .map(|v| {
+                    // SAFETY: mmsghdr is plain old data; only the iovec fields are set.
+                    let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+                    m.msg_hdr.msg_iov = v;
+                    m.msg_hdr.msg_iovlen = 1;
+                    m
+                })
+                .collect();
+            // SAFETY: every mmsghdr points at one iovec of `iov`, each covering
+            // a live chunk of `q`, which the kernel only reads.
+            let r = retry(|| unsafe {
+                libc::sendmmsg(self.fd, msgs.as_mut_ptr(), msgs.len() as libc::c_uint, libc::MSG_NOSIGNAL) as isize
+            });
+            match r {
+                Ok(sent) => {
+                    for _ in 0..sent {
+                        let c = q.pop_front().expect("the kernel sent no more than was given");
+                        total += c.len() as u64;
+                        self.offset += c.len() as u64;
+                    }
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
-                    return Err(IoError::DatagramRefused {
-                        name: self.name.clone(),
-                        offset: self.offset,
-                        size: b.len(),
-                    });
+                    let size = q.front().map_or(0, Chunk::len);
+                    return Err(IoError::DatagramRefused { name: self.name.clone(), offset: self.offset, size });
                 }
                 Err(e) => return Err(self.err("send", e)),
             }
