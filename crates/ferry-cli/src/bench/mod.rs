@@ -28,6 +28,7 @@ pub mod point;
 pub mod progress;
 pub mod rig;
 pub mod socket_touch;
+pub mod udp_forward;
 
 use std::path::PathBuf;
 
@@ -86,6 +87,7 @@ fn pool_buffers(a: &BenchArgs) -> usize {
         Experiment::Pipeline => a.inflight.unwrap_or(16),
         Experiment::Fanin => a.inflight.unwrap_or(fanin::WINDOW),
         Experiment::SocketTouch => 4,
+        Experiment::UdpForward => 128,
     }
 }
 use progress::Progress;
@@ -111,6 +113,10 @@ pub enum Experiment {
     /// Two processes over an AF_UNIX socket, 128 KiB per I/O, the receiver touching all, half or
     /// none of the pages, with ferry-io against plain read/write (Container Shipping, Fig. 4).
     SocketTouch,
+    /// A forwarder of UDP datagrams (4 KiB) between two loopback sockets, ferry-io (batches of pool
+    /// buffers) against recv/send with a buffer of its own, with 0-3 competing CPU-bound processes
+    /// (Container Shipping, Fig. 6).
+    UdpForward,
 }
 
 impl Experiment {
@@ -123,6 +129,7 @@ impl Experiment {
             Experiment::Pipeline => "pipeline",
             Experiment::Fanin => "fanin",
             Experiment::SocketTouch => "socket-touch",
+            Experiment::UdpForward => "udp-forward",
         }
     }
 }
@@ -311,12 +318,16 @@ pub struct BenchArgs {
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, 1024))]
     pub channels: Option<usize>,
     /// pipeline: bytes passed end to end per run (a multiple of --size, at most 64 GiB; default 1 GiB);
-    /// socket-touch: bytes sent per run (default 256 MiB).
+    /// socket-touch: bytes sent per run (default 256 MiB); udp-forward: bytes per run, in --size
+    /// datagrams (default 100 000 datagrams).
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<u64>(4096, MAX_TOTAL))]
     pub total: Option<u64>,
     /// pipeline: processes in the chain (2 to 8); repeatable (default 2, 3, 4, 5).
     #[arg(allow_negative_numbers = true, long = "stages", value_parser = whole::<usize>(2, 8))]
     pub stages: Vec<usize>,
+    /// udp-forward: competing CPU-bound processes (0 to 16); repeatable (default 0, 1, 2, 3).
+    #[arg(allow_negative_numbers = true, long = "competitors", value_delimiter = ',', value_parser = whole::<usize>(0, 16))]
+    pub competitors: Vec<usize>,
     /// Plots of throughput: draw a loopback iperf3 line at this many Gbit/s (measured elsewhere;
     /// more than 0, at most 10 000).
     #[arg(allow_negative_numbers = true, long, value_name = "GBIT_S", value_parser = gbit_s)]
@@ -452,8 +463,9 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     let windowed = matches!(exp, Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin);
     only("--inflight", a.inflight.is_some(), windowed, "throughput and pipeline")?;
     only("--stages", !a.stages.is_empty(), exp == Experiment::Pipeline, "pipeline")?;
-    let totals = matches!(exp, Experiment::Pipeline | Experiment::SocketTouch);
-    only("--total", a.total.is_some(), totals, "pipeline and socket-touch")?;
+    let totals = matches!(exp, Experiment::Pipeline | Experiment::SocketTouch | Experiment::UdpForward);
+    only("--total", a.total.is_some(), totals, "pipeline, socket-touch and udp-forward")?;
+    only("--competitors", !a.competitors.is_empty(), exp == Experiment::UdpForward, "udp-forward")?;
     if exp == Experiment::FbufsTable && !a.sizes.is_empty() {
         let mut distinct = a.sizes.clone();
         distinct.sort_unstable();
@@ -493,7 +505,7 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
             ));
         }
     }
-    if backend.is_ferry() {
+    if backend.is_ferry() && exp != Experiment::UdpForward {
         check_pool_sizes(&a.sizes)?;
         let window = a.inflight.unwrap_or(250);
         if exp == Experiment::Throughput && a.moves.is_some_and(|m| m < window) {
@@ -545,6 +557,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
         Experiment::Pipeline => pipeline::run(&mut ctx)?,
         Experiment::Fanin => fanin::run(&mut ctx)?,
         Experiment::SocketTouch => socket_touch::run(&mut ctx)?,
+        Experiment::UdpForward => udp_forward::run(&mut ctx)?,
     }
     drop(std::mem::replace(&mut ctx.progress, Progress::hidden()));
     if args.experiment == Experiment::Fanin {

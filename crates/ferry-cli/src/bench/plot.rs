@@ -391,6 +391,16 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
                 .collect();
             bars(&root, "Receiver over an AF_UNIX socket: GB/s by pages touched (Container Shipping Fig. 4)", &rows)?;
         }
+        Experiment::UdpForward => {
+            let rows: Vec<(String, [f64; 4])> = pts
+                .iter()
+                .map(|p| {
+                    let k = p.0.get("competitors").and_then(|v| v.as_u64()).unwrap_or(0);
+                    (format!("{} {k} competing", p.backend()), p.quantiles().map(|q| q / 1e3))
+                })
+                .collect();
+            bars(&root, "UDP forwarder on loopback: thousand datagrams/s (Container Shipping Fig. 6)", &rows)?;
+        }
     }
     root.present().map_err(err)?;
     Ok(())
