@@ -16,6 +16,7 @@
 //! peer that is not built, a trust level the backend lacks) is a one-line
 //! error and exit code 2.
 
+pub mod chain;
 pub mod channel;
 pub mod child;
 pub mod compare;
@@ -88,6 +89,7 @@ fn pool_buffers(a: &BenchArgs) -> usize {
         Experiment::Fanin => a.inflight.unwrap_or(fanin::WINDOW),
         Experiment::SocketTouch => 4,
         Experiment::UdpForward => 128,
+        Experiment::Chain => a.inflight.unwrap_or(16),
     }
 }
 use progress::Progress;
@@ -117,6 +119,10 @@ pub enum Experiment {
     /// buffers) against recv/send with a buffer of its own, with 0-3 competing CPU-bound processes
     /// (Container Shipping, Fig. 6).
     UdpForward,
+    /// A source process reading a file, N-2 processes handing the data on (touching it or not), a
+    /// sink writing a file or /dev/null: Ferry channels against pipes with read/write and against
+    /// `cat | … | cat` (Container Shipping, Fig. 7).
+    Chain,
 }
 
 impl Experiment {
@@ -130,6 +136,7 @@ impl Experiment {
             Experiment::Fanin => "fanin",
             Experiment::SocketTouch => "socket-touch",
             Experiment::UdpForward => "udp-forward",
+            Experiment::Chain => "chain",
         }
     }
 }
@@ -322,12 +329,16 @@ pub struct BenchArgs {
     /// datagrams (default 100 000 datagrams).
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<u64>(4096, MAX_TOTAL))]
     pub total: Option<u64>,
-    /// pipeline: processes in the chain (2 to 8); repeatable (default 2, 3, 4, 5).
+    /// pipeline, chain: processes in the chain (2 to 8); repeatable (default pipeline 2, 3, 4, 5; chain 3, 5).
     #[arg(allow_negative_numbers = true, long = "stages", value_parser = whole::<usize>(2, 8))]
     pub stages: Vec<usize>,
     /// udp-forward: competing CPU-bound processes (0 to 16); repeatable (default 0, 1, 2, 3).
     #[arg(allow_negative_numbers = true, long = "competitors", value_delimiter = ',', value_parser = whole::<usize>(0, 16))]
     pub competitors: Vec<usize>,
+    /// chain: where the sink writes (null: /dev/null, file: a file); repeatable or comma-separated
+    /// (default both).
+    #[arg(long = "sink", value_enum, value_delimiter = ',')]
+    pub sinks: Vec<chain::Sink>,
     /// Plots of throughput: draw a loopback iperf3 line at this many Gbit/s (measured elsewhere;
     /// more than 0, at most 10 000).
     #[arg(allow_negative_numbers = true, long, value_name = "GBIT_S", value_parser = gbit_s)]
@@ -460,11 +471,14 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
         )));
     }
     only("--moves", a.moves.is_some(), exp == Experiment::Throughput, "throughput")?;
-    let windowed = matches!(exp, Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin);
+    let windowed = matches!(exp, Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin | Experiment::Chain);
     only("--inflight", a.inflight.is_some(), windowed, "throughput and pipeline")?;
-    only("--stages", !a.stages.is_empty(), exp == Experiment::Pipeline, "pipeline")?;
-    let totals = matches!(exp, Experiment::Pipeline | Experiment::SocketTouch | Experiment::UdpForward);
-    only("--total", a.total.is_some(), totals, "pipeline, socket-touch and udp-forward")?;
+    let chains = matches!(exp, Experiment::Pipeline | Experiment::Chain);
+    only("--stages", !a.stages.is_empty(), chains, "pipeline and chain")?;
+    let totals =
+        matches!(exp, Experiment::Pipeline | Experiment::SocketTouch | Experiment::UdpForward | Experiment::Chain);
+    only("--total", a.total.is_some(), totals, "pipeline, chain, socket-touch and udp-forward")?;
+    only("--sink", !a.sinks.is_empty(), exp == Experiment::Chain, "chain")?;
     only("--competitors", !a.competitors.is_empty(), exp == Experiment::UdpForward, "udp-forward")?;
     if exp == Experiment::FbufsTable && !a.sizes.is_empty() {
         let mut distinct = a.sizes.clone();
@@ -558,6 +572,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
         Experiment::Fanin => fanin::run(&mut ctx)?,
         Experiment::SocketTouch => socket_touch::run(&mut ctx)?,
         Experiment::UdpForward => udp_forward::run(&mut ctx)?,
+        Experiment::Chain => chain::run(&mut ctx)?,
     }
     drop(std::mem::replace(&mut ctx.progress, Progress::hidden()));
     if args.experiment == Experiment::Fanin {

@@ -391,6 +391,16 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
                 .collect();
             bars(&root, "Receiver over an AF_UNIX socket: GB/s by pages touched (Container Shipping Fig. 4)", &rows)?;
         }
+        Experiment::Chain => {
+            let rows: Vec<(String, [f64; 4])> = pts
+                .iter()
+                .map(|p| {
+                    let n = p.0.get("stages").and_then(|v| v.as_u64()).unwrap_or(0);
+                    (format!("{} {n} {}", p.backend(), p.str("variant")), p.quantiles())
+                })
+                .collect();
+            bars(&root, "Chain of processes from a file: GB/s (Container Shipping Fig. 7)", &rows)?;
+        }
         Experiment::UdpForward => {
             let rows: Vec<(String, [f64; 4])> = pts
                 .iter()
