@@ -786,6 +786,68 @@ impl Port {
 
     /// Each chunk one datagram, as many per `sendmmsg` as `IOV_MAX` allows;
     /// each buffer goes back once the kernel has taken its datagram.
+    /// Move up to `max` bytes of the regular file `src`, from its current
+    /// offset, to this port inside the kernel (`sendfile`): the bytes never
+    /// pass through user memory, and to a stream socket the kernel sends
+    /// the file's page-cache pages themselves, without copying them. Both
+    /// ports' offsets advance. Returns the bytes moved: fewer than `max`
+    /// only where `src` ends (0 at its end) or an error stopped the
+    /// transfer after some bytes (the next call reports it).
+    ///
+    /// [`IoError::Os`] with `EINVAL` when the pair does not take `sendfile`
+    /// (`src` not a regular file, an `O_APPEND` or `O_DIRECT` destination, a
+    /// datagram socket): the caller reads and writes buffers instead.
+    pub fn send_from(&mut self, src: &mut Port, max: u64) -> Result<u64, IoError> {
+        if src.kind != Kind::File || src.direct || self.direct || self.kind == Kind::Datagram {
+            let e = io::Error::from_raw_os_error(libc::EINVAL);
+            return Err(self.err("sendfile", e));
+        }
+        let mut moved = 0u64;
+        while moved < max {
+            let want = (max - moved).min(1 << 30) as usize;
+            // SAFETY: both fds are open while the ports live; a null offset
+            // pointer makes the kernel use and advance `src`'s file position.
+            let n = match retry(|| unsafe { libc::sendfile(self.fd, src.fd, std::ptr::null_mut(), want) as isize }) {
+                Ok(n) => n,
+                // What moved before the error counts; the next call meets it again.
+                Err(_) if moved > 0 => break,
+                Err(e) => return Err(self.err("sendfile", e)),
+            };
+            if n == 0 {
+                break;
+            }
+            moved += n as u64;
+            src.offset += n as u64;
+            self.offset += n as u64;
+        }
+        Ok(moved)
+    }
+
+    /// Write `bytes` (a few bytes of framing, from the caller's memory); on
+    /// a stream socket with `MSG_MORE`, so the kernel sends them in one
+    /// segment with the data that follows.
+    pub fn send_more(&mut self, bytes: &[u8]) -> Result<(), IoError> {
+        let mut done = 0;
+        while done < bytes.len() {
+            let rest = &bytes[done..];
+            let n = if self.kind == Kind::Stream {
+                let flags = libc::MSG_NOSIGNAL | libc::MSG_MORE;
+                // SAFETY: `rest` is live memory the kernel only reads.
+                retry(|| unsafe { libc::send(self.fd, rest.as_ptr().cast(), rest.len(), flags) })
+            } else {
+                // SAFETY: as above.
+                retry(|| unsafe { libc::write(self.fd, rest.as_ptr().cast(), rest.len()) })
+            }
+            .map_err(|e| self.err("write", e))?;
+            if n == 0 {
+                return Err(self.err("write", io::ErrorKind::WriteZero.into()));
+            }
+            done += n;
+            self.offset += n as u64;
+        }
+        Ok(())
+    }
+
     fn send_datagrams(&mut self, mut q: VecDeque<Chunk>) -> Result<u64, IoError> {
         let mut total = 0u64;
         while !q.is_empty() {

@@ -426,3 +426,63 @@ fn udp_send_refused_midway_returns_every_buffer() {
     assert_eq!(rx.recv(&mut buf).unwrap(), 10);
     assert_eq!(rx.recv(&mut buf).unwrap(), 20);
 }
+
+#[test]
+fn send_from_moves_a_file_to_a_socket_pipe_and_file_in_the_kernel() {
+    let d = dir("send-from");
+    let bytes = data(3 << 20, 11);
+    std::fs::write(d.join("src"), &bytes).unwrap();
+    // To a TCP socket, after a framing header sent with MSG_MORE.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let reader = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).unwrap();
+        got
+    });
+    let mut src = Port::open(d.join("src")).unwrap();
+    let mut sock = Port::from_fd(TcpStream::connect(addr).unwrap(), format!("tcp:{addr}")).unwrap();
+    sock.send_more(b"HEAD").unwrap();
+    assert_eq!(sock.send_from(&mut src, 1 << 20).unwrap(), 1 << 20);
+    assert_eq!(src.offset(), 1 << 20);
+    // More asked than is left: what is left, then 0 at the end.
+    assert_eq!(sock.send_from(&mut src, 8 << 20).unwrap(), 2 << 20);
+    assert_eq!(sock.send_from(&mut src, 8 << 20).unwrap(), 0);
+    assert_eq!(sock.offset(), 4 + (3 << 20));
+    drop(sock);
+    let got = reader.join().unwrap();
+    assert_eq!(&got[..4], b"HEAD");
+    assert!(got[4..] == bytes[..], "the socket carried the file");
+    // To a file.
+    let mut src = Port::open(d.join("src")).unwrap();
+    let mut dst = Port::create(d.join("dst")).unwrap();
+    assert_eq!(dst.send_from(&mut src, u64::MAX).unwrap(), 3 << 20);
+    assert!(std::fs::read(d.join("dst")).unwrap() == bytes);
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[test]
+fn send_from_refuses_what_sendfile_does_not_take() {
+    let d = dir("send-from-refused");
+    std::fs::write(d.join("src"), data(4096, 2)).unwrap();
+    // A pipe as the source: not a file.
+    let (r, _w) = pipe();
+    let mut from_pipe = Port::from_fd(r, "pipe").unwrap();
+    let mut null = Port::create("/dev/null").unwrap();
+    match null.send_from(&mut from_pipe, 10) {
+        Err(IoError::Os { op: "sendfile", source, .. }) => assert_eq!(source.raw_os_error(), Some(libc::EINVAL)),
+        other => panic!("{other:?}"),
+    }
+    // An O_APPEND file as the destination: the kernel refuses, typed.
+    let f = std::fs::OpenOptions::new().append(true).create(true).open(d.join("log")).unwrap();
+    let mut log = Port::from_fd(f, "log").unwrap();
+    let mut src = Port::open(d.join("src")).unwrap();
+    match log.send_from(&mut src, 4096) {
+        Err(e @ IoError::Os { .. }) => assert!(e.to_string().contains("log"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(src.offset(), 0);
+    std::fs::remove_dir_all(d).unwrap();
+}
