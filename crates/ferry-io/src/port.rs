@@ -734,9 +734,12 @@ impl Port {
     /// through this process's mapping of them: a stage that only forwards
     /// buffers (a channel in, this fd out) never maps their pages in, so it
     /// takes no page faults for them (selective mapping, as in Container
-    /// Shipping). `domain` is the one that owns the buffers. Where the fd
-    /// does not take `sendfile` (a datagram socket, an `O_APPEND` or
-    /// `O_DIRECT` file) the chunk is written as by [`Port::write`].
+    /// Shipping). `domain` is the one that owns the buffers. Only a file
+    /// or a device is written this way: to a socket or a pipe the kernel
+    /// would keep the buffer's pages as the stream's data after the call,
+    /// so a buffer reused at once would change what the reader gets; those,
+    /// and fds that do not take `sendfile` (an `O_APPEND` or `O_DIRECT`
+    /// file), are written as by [`Port::write`].
     pub fn write_unmapped<C: Into<Chunk>>(
         &mut self,
         domain: &Domain,
@@ -746,8 +749,12 @@ impl Port {
         // No allocation on this path: nothing but the kernel's own work
         // happens between the caller's buffers and the fd.
         for c in chunks.into_iter().map(Into::into) {
+            // Only where the kernel copies the bytes (a file's page cache)
+            // or drops them (a device): to a TCP socket or a pipe, sendfile
+            // hands the memfd's pages themselves to the stream, which would
+            // carry whatever the buffer holds when it is reused.
             let pool = match domain.pool(c.buffer_id().pool) {
-                Some(p) if self.kind != Kind::Datagram && !self.direct => p,
+                Some(p) if matches!(self.kind, Kind::File | Kind::Device) && !self.direct => p,
                 _ => {
                     total += self.write([c])?;
                     continue;
@@ -793,6 +800,10 @@ impl Port {
     /// ports' offsets advance. Returns the bytes moved: fewer than `max`
     /// only where `src` ends (0 at its end) or an error stopped the
     /// transfer after some bytes (the next call reports it).
+    ///
+    /// To a socket or a pipe the kernel hands on the file's pages
+    /// themselves: if the file is changed before the reader has them, the
+    /// reader may get the new bytes (as with any `sendfile`).
     ///
     /// [`IoError::Os`] with `EINVAL` when the pair does not take `sendfile`
     /// (`src` not a regular file, an `O_APPEND` or `O_DIRECT` destination, a
