@@ -6,6 +6,10 @@
 //! * `fbufs-table` — \[FBUFS\] Table 1 and its throughput-vs-size figure
 //!   ([`fbufs`]).
 //! * `pipeline` — \[CONTAINER\] Fig. 7: a chain of processes ([`pipeline`]).
+//! * `chain` — \[CONTAINER\] Fig. 7 from a file to a file or `/dev/null`,
+//!   against pipes and `cat | … | cat` ([`chain`]).
+//! * `socket-touch` — \[CONTAINER\] Fig. 4 ([`socket_touch`]);
+//!   `udp-forward` — \[CONTAINER\] Fig. 6 ([`udp_forward`]).
 //!
 //! Every figure is a distribution: we print the median with percentiles,
 //! one [`Point`] per measured point (`--json`: one JSON object per line).
@@ -251,7 +255,9 @@ impl Trust {
   ferry bench fbufs-table --backend shm --compare --plot fbufs.svg
   ferry bench rtt --blocking --idle-us 200 --wait channel,epoll,selector --compare --against eventfd
   ferry bench pipeline --stages 2 --stages 5 --total 268435456
-  ferry bench fanin --channels 64 --idle-us 200")]
+  ferry bench fanin --channels 64 --idle-us 200
+  ferry bench chain --sink null,file --stages 3 --stages 5
+  ferry bench udp-forward --competitors 0,1,2,3")]
 pub struct BenchArgs {
     /// Which experiment.
     #[arg(value_enum)]
