@@ -155,6 +155,10 @@ pub struct Port {
     /// behind a datagram too large for its buffer (whose error is handed
     /// out in its turn).
     backlog: VecDeque<Result<Filled, IoError>>,
+    /// Datagrams the last `recvmmsg` took: the next one offers at most
+    /// twice as many buffers plus one, so a socket that holds one datagram
+    /// at a time does not cost a whole batch of allocations per call.
+    last_batch: usize,
 }
 
 /// Retry `f` while it fails with `EINTR`; a negative return is the errno.
@@ -234,6 +238,7 @@ impl Port {
             direct: flags & libc::O_DIRECT != 0,
             pipe: None,
             backlog: VecDeque::new(),
+            last_batch: 0,
         })
     }
 
@@ -280,6 +285,7 @@ impl Port {
             direct: false,
             pipe: None,
             backlog: VecDeque::new(),
+            last_batch: 0,
         })
     }
 
@@ -300,7 +306,17 @@ impl Port {
         let name = name.into();
         let fd = owned.as_raw_fd();
         let kind = kind_of(fd, &name)?;
-        Ok(Port { _owned: Some(owned), fd, name, kind, offset: 0, direct: false, pipe: None, backlog: VecDeque::new() })
+        Ok(Port {
+            _owned: Some(owned),
+            fd,
+            name,
+            kind,
+            offset: 0,
+            direct: false,
+            pipe: None,
+            backlog: VecDeque::new(),
+            last_batch: 0,
+        })
     }
 
     /// The name errors use.
@@ -349,7 +365,11 @@ impl Port {
     /// not cleared first.
     ///
     /// A datagram socket gives one datagram per buffer: it waits for the
-    /// first, then takes those already queued, all in one `recvmmsg`; a
+    /// first, then takes those already queued, all in one `recvmmsg` (at
+    /// most twice as many as the port's previous read got, plus one, so a
+    /// socket that is seldom full does not cost a whole batch of buffer
+    /// allocations per datagram; a full one reaches `max_buffers` within a
+    /// few reads); a
     /// datagram larger than a buffer is [`IoError::DatagramTooLarge`], never
     /// cut short silently, and the datagrams received with it in the same
     /// system call are kept: those before it are returned first, the error
@@ -481,8 +501,9 @@ impl Port {
         if !self.backlog.is_empty() {
             return self.drain_backlog(max_buffers);
         }
-        let mut bufs: Vec<Buffer> = Vec::with_capacity(max_buffers.min(IOV_MAX));
-        while bufs.len() < max_buffers.min(IOV_MAX) {
+        let offer = max_buffers.min(IOV_MAX).min(self.last_batch * 2 + 1);
+        let mut bufs: Vec<Buffer> = Vec::with_capacity(offer);
+        while bufs.len() < offer {
             match alloc.alloc() {
                 Some(b) => bufs.push(b),
                 None => break,
@@ -516,6 +537,7 @@ impl Port {
             libc::recvmmsg(self.fd, msgs.as_mut_ptr(), msgs.len() as libc::c_uint, flags, std::ptr::null_mut()) as isize
         });
         let got = r.map_err(|e| self.err("receive", e))?;
+        self.last_batch = got;
         let size = bufs[0].len();
         let mut out = Vec::with_capacity(got);
         for (b, m) in bufs.into_iter().zip(&msgs).take(got) {
