@@ -124,6 +124,8 @@ impl Drop for Competitors {
 struct Outcome {
     delivered: u64,
     secs: f64,
+    /// Datagrams the forwarder forwarded, and the receive calls it made.
+    forwarded: (u64, u64),
 }
 
 /// The generator: `count` datagrams of `size` bytes, each starting with
@@ -159,7 +161,7 @@ fn generate(sock: UdpSocket, size: usize, count: u64, seen: &AtomicU64, stop: &A
 }
 
 /// The conventional forwarder: recv into its own buffer, send from it.
-fn forward_read_write(inp: UdpSocket, out: UdpSocket, size: usize, done: &AtomicBool) -> Result<u64, CliError> {
+fn forward_read_write(inp: UdpSocket, out: UdpSocket, size: usize, done: &AtomicBool) -> Result<(u64, u64), CliError> {
     let mut buf = vec![0u8; size + 1];
     inp.set_read_timeout(Some(IDLE)).map_err(os("timeout"))?;
     let mut n = 0u64;
@@ -171,7 +173,7 @@ fn forward_read_write(inp: UdpSocket, out: UdpSocket, size: usize, done: &Atomic
             }
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
                 if done.load(Ordering::Relaxed) {
-                    return Ok(n);
+                    return Ok((n, n));
                 }
             }
             Err(e) => return Err(os("forwarder receive")(e)),
@@ -186,21 +188,22 @@ fn timed_out(e: &IoError) -> bool {
 
 /// The ferry-io forwarder: a batch of pool buffers filled by one read,
 /// consumed by one write.
-fn forward_ferry(inp: UdpSocket, out: UdpSocket, alloc: &Allocator, done: &AtomicBool) -> Result<u64, CliError> {
+fn forward_ferry(inp: UdpSocket, out: UdpSocket, alloc: &Allocator, done: &AtomicBool) -> Result<(u64, u64), CliError> {
     inp.set_read_timeout(Some(IDLE)).map_err(os("timeout"))?;
     let fail = |e: IoError| CliError::Failed(format!("udp-forward: forwarder: {e}"));
     let mut inp = Port::from_fd(inp, "udp:forwarder-in").map_err(fail)?;
     let mut out = Port::from_fd(out, "udp:forwarder-out").map_err(fail)?;
-    let mut n = 0u64;
+    let (mut n, mut reads) = (0u64, 0u64);
     loop {
         match inp.read(alloc, BATCH) {
             Ok(filled) => {
                 n += filled.len() as u64;
+                reads += 1;
                 out.write(filled).map_err(fail)?;
             }
             Err(e) if timed_out(&e) => {
                 if done.load(Ordering::Relaxed) {
-                    return Ok(n);
+                    return Ok((n, reads));
                 }
             }
             Err(e) => return Err(fail(e)),
@@ -280,11 +283,11 @@ fn run_once(v: Variant, size: usize, count: u64, alloc: &Arc<Allocator>) -> Resu
     }
     stop.store(true, Ordering::Relaxed);
     gen_done.store(true, Ordering::Relaxed);
-    let joined = |r: std::thread::Result<Result<u64, CliError>>| {
+    let joined = |r: std::thread::Result<Result<(u64, u64), CliError>>| {
         r.unwrap_or_else(|_| Err(CliError::Failed("udp-forward: a thread panicked".into())))
     };
     generator.join().unwrap_or_else(|_| Err(CliError::Failed("udp-forward: the generator panicked".into())))?;
-    let forwarded = joined(forwarder.join())?;
+    let (forwarded, reads) = joined(forwarder.join())?;
     if let Some(why) = bad {
         return Err(CliError::Failed(format!("udp-forward ({}): {why}", v.name())));
     }
@@ -294,7 +297,7 @@ fn run_once(v: Variant, size: usize, count: u64, alloc: &Arc<Allocator>) -> Resu
             v.name()
         )));
     }
-    Ok(Outcome { delivered, secs: last.duration_since(t0).as_secs_f64() })
+    Ok(Outcome { delivered, secs: last.duration_since(t0).as_secs_f64(), forwarded: (forwarded, reads) })
 }
 
 /// `ferry bench udp-forward`.
@@ -319,6 +322,7 @@ pub fn run(ctx: &mut Ctx) -> Result<(), CliError> {
             for v in [Variant::ReadWrite, Variant::FerryIo] {
                 let mut rates = Vec::with_capacity(runs);
                 let mut lost = 0u64;
+                let (mut fwd, mut reads) = (0u64, 0u64);
                 for run in 0..=runs {
                     let o = run_once(v, size, count, &alloc)?;
                     if alloc.available() != 2 * BATCH {
@@ -331,6 +335,8 @@ pub fn run(ctx: &mut Ctx) -> Result<(), CliError> {
                     if run > 0 {
                         rates.push(o.delivered as f64 / o.secs);
                         lost += count - o.delivered;
+                        fwd += o.forwarded.0;
+                        reads += o.forwarded.1;
                     }
                 }
                 let s = Summary::of(&rates).ok_or_else(|| CliError::Failed("no samples".into()))?;
@@ -345,7 +351,9 @@ pub fn run(ctx: &mut Ctx) -> Result<(), CliError> {
                     runs,
                     unit: "datagrams/s",
                 };
+                let per_read = if reads > 0 { fwd as f64 / reads as f64 } else { 0.0 };
                 let extra = json!({ "competitors": k, "datagrams": count, "lost": lost, "verified": true,
+                    "datagrams_per_receive_call": round(per_read),
                     "copies_kernel": 2, "gbit_s_median": round(s.median * size as f64 * 8.0 / 1e9) });
                 ctx.emit(Point::new(head, s, Some(0), extra));
             }
