@@ -242,3 +242,34 @@ fn a_full_device_is_a_failed_partial_copy() {
     assert!(r.stderr.contains("the copy is incomplete"), "{}", r.stderr);
     std::fs::remove_dir_all(d).unwrap();
 }
+
+#[test]
+fn a_full_device_behind_a_pipe_is_a_failed_partial_copy() {
+    // Standard input into a file: the writes go through the io_uring queue,
+    // and a write the device refuses still ends the copy with one line.
+    let d = dir("enospc-pipe");
+    let mnt = d.join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "ferry-cp-test"]).arg(&mnt).status().unwrap();
+    assert!(st.success(), "mount a tmpfs (the tests run as root)");
+    let dst = mnt.join("big");
+    let child = ferry().args(["cp", "-", s(&dst)]).stdin(Stdio::piped()).spawn().unwrap();
+    let r = finish(child, Some(data(3 << 20, 5)));
+    let kept = std::fs::metadata(&dst).map(|m| m.len()).unwrap_or(0);
+    let _ = Command::new("umount").arg(&mnt).status();
+    assert_failed(&r, s(&dst), "no space left on device");
+    assert!(kept <= 1 << 20, "{kept}");
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[test]
+fn stdin_into_a_file_in_many_batches() {
+    let d = dir("stdin-file");
+    let want = data((40 << 20) + 4097, 6);
+    let child = ferry().args(["cp", "-", s(&d.join("out"))]).stdin(Stdio::piped()).spawn().unwrap();
+    let r = finish(child, Some(want.clone()));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let got = std::fs::read(d.join("out")).unwrap();
+    assert_eq!((got.len(), checksum(&got)), (want.len(), checksum(&want)));
+    std::fs::remove_dir_all(d).unwrap();
+}

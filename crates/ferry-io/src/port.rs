@@ -151,6 +151,14 @@ pub struct Port {
     direct: bool,
     /// The pipe of [`Port::read_unmapped`], made on first use.
     pipe: Option<(OwnedFd, OwnedFd)>,
+    /// Datagrams received by one `recvmmsg` but not yet handed out: those
+    /// behind a datagram too large for its buffer (whose error is handed
+    /// out in its turn).
+    backlog: VecDeque<Result<Filled, IoError>>,
+    /// Datagrams the last `recvmmsg` took: the next one offers at most
+    /// twice as many buffers plus one, so a socket that holds one datagram
+    /// at a time does not cost a whole batch of allocations per call.
+    last_batch: usize,
 }
 
 /// Retry `f` while it fails with `EINTR`; a negative return is the errno.
@@ -221,7 +229,17 @@ impl Port {
         // SAFETY: `fd` was just opened and is owned by nothing else.
         let owned = unsafe { OwnedFd::from_raw_fd(fd) };
         let kind = kind_of(fd, &name)?;
-        Ok(Port { _owned: Some(owned), fd, name, kind, offset: 0, direct: flags & libc::O_DIRECT != 0, pipe: None })
+        Ok(Port {
+            _owned: Some(owned),
+            fd,
+            name,
+            kind,
+            offset: 0,
+            direct: flags & libc::O_DIRECT != 0,
+            pipe: None,
+            backlog: VecDeque::new(),
+            last_batch: 0,
+        })
     }
 
     /// Open `path` for reading (buffered: through the page cache).
@@ -258,7 +276,17 @@ impl Port {
 
     fn standard(fd: RawFd, name: &str) -> Result<Port, IoError> {
         let kind = kind_of(fd, name)?;
-        Ok(Port { _owned: None, fd, name: name.to_string(), kind, offset: 0, direct: false, pipe: None })
+        Ok(Port {
+            _owned: None,
+            fd,
+            name: name.to_string(),
+            kind,
+            offset: 0,
+            direct: false,
+            pipe: None,
+            backlog: VecDeque::new(),
+            last_batch: 0,
+        })
     }
 
     /// Standard input (left open when the port is dropped).
@@ -278,7 +306,17 @@ impl Port {
         let name = name.into();
         let fd = owned.as_raw_fd();
         let kind = kind_of(fd, &name)?;
-        Ok(Port { _owned: Some(owned), fd, name, kind, offset: 0, direct: false, pipe: None })
+        Ok(Port {
+            _owned: Some(owned),
+            fd,
+            name,
+            kind,
+            offset: 0,
+            direct: false,
+            pipe: None,
+            backlog: VecDeque::new(),
+            last_batch: 0,
+        })
     }
 
     /// The name errors use.
@@ -327,8 +365,16 @@ impl Port {
     /// not cleared first.
     ///
     /// A datagram socket gives one datagram per buffer: it waits for the
-    /// first, then takes those already queued; a datagram larger than a
-    /// buffer is [`IoError::DatagramTooLarge`], never cut short silently.
+    /// first, then takes those already queued, all in one `recvmmsg` (at
+    /// most twice as many as the port's previous read got, plus one, so a
+    /// socket that is seldom full does not cost a whole batch of buffer
+    /// allocations per datagram; a full one reaches `max_buffers` within a
+    /// few reads); a
+    /// datagram larger than a buffer is [`IoError::DatagramTooLarge`], never
+    /// cut short silently, and the datagrams received with it in the same
+    /// system call are kept: those before it are returned first, the error
+    /// by the next read, those after it by the reads after that (the port
+    /// holds their buffers meanwhile).
     ///
     /// [`IoError::NoBuffer`] when the allocator has none free. On any error
     /// every buffer of the call is back in the allocator.
@@ -447,37 +493,84 @@ impl Port {
         Ok(bufs.into_iter().zip(lens).filter(|(_, len)| *len > 0).map(|(buffer, len)| Filled { buffer, len }).collect())
     }
 
+    /// Up to `max_buffers` datagrams, one per buffer, in one `recvmmsg`:
+    /// it waits for the first and takes those already queued
+    /// (`MSG_WAITFORONE`), so a busy socket costs one system call per batch
+    /// rather than one per datagram. Buffers not filled go back at once.
     fn recv_datagrams(&mut self, alloc: &Allocator, max_buffers: usize) -> Result<Vec<Filled>, IoError> {
-        let mut out = Vec::new();
-        while out.len() < max_buffers {
-            let Some(mut b) = alloc.alloc() else {
-                if out.is_empty() {
-                    return Err(IoError::NoBuffer { name: self.name.clone(), offset: self.offset });
-                }
-                break;
+        if !self.backlog.is_empty() {
+            return self.drain_backlog(max_buffers);
+        }
+        let offer = max_buffers.min(IOV_MAX).min(self.last_batch * 2 + 1);
+        let mut bufs: Vec<Buffer> = Vec::with_capacity(offer);
+        while bufs.len() < offer {
+            match alloc.alloc() {
+                Some(b) => bufs.push(b),
+                None => break,
+            }
+        }
+        if bufs.is_empty() {
+            return Err(IoError::NoBuffer { name: self.name.clone(), offset: self.offset });
+        }
+        let mut iov = Vec::with_capacity(bufs.len());
+        for b in bufs.iter_mut() {
+            let s = b.as_mut_slice().map_err(|_| IoError::BufferShared { name: self.name.clone() })?;
+            iov.push(libc::iovec { iov_base: s.as_mut_ptr().cast(), iov_len: s.len() });
+        }
+        let mut msgs: Vec<libc::mmsghdr> = iov
+            .iter_mut()
+            .map(|v| {
+                // SAFETY: mmsghdr is plain old data; only the iovec fields are set.
+                let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+                m.msg_hdr.msg_iov = v;
+                m.msg_hdr.msg_iovlen = 1;
+                m
+            })
+            .collect();
+        // MSG_TRUNC: each msg_len is the datagram's real size, so one too
+        // large for its buffer is seen, never handed on cut short.
+        let flags = libc::MSG_TRUNC | libc::MSG_WAITFORONE;
+        // SAFETY: every mmsghdr points at one iovec of `iov`, each covering a
+        // buffer of `bufs` owned read-write by this call and alive until it
+        // returns; the kernel writes at most iov_len bytes into each.
+        let r = retry(|| unsafe {
+            libc::recvmmsg(self.fd, msgs.as_mut_ptr(), msgs.len() as libc::c_uint, flags, std::ptr::null_mut()) as isize
+        });
+        let got = r.map_err(|e| self.err("receive", e))?;
+        self.last_batch = got;
+        let size = bufs[0].len();
+        let mut out = Vec::with_capacity(got);
+        for (b, m) in bufs.into_iter().zip(&msgs).take(got) {
+            let n = m.msg_len as usize;
+            let item = if n > size || m.msg_hdr.msg_flags & libc::MSG_TRUNC != 0 {
+                // Its buffer goes back; the error is handed out in its turn.
+                Err(IoError::DatagramTooLarge { name: self.name.clone(), offset: self.offset, size: n, limit: size })
+            } else {
+                self.offset += n as u64;
+                Ok(Filled { buffer: b, len: n })
             };
-            let size = b.len();
-            let ptr = b.as_mut_slice().map_err(|_| IoError::BufferShared { name: self.name.clone() })?.as_mut_ptr();
-            // Wait for the first datagram only; MSG_TRUNC makes the kernel
-            // return the datagram's real size.
-            let flags = libc::MSG_TRUNC | if out.is_empty() { 0 } else { libc::MSG_DONTWAIT };
-            // SAFETY: `ptr..ptr+size` is buffer `b`, owned read-write and alive
-            // for the call; the kernel writes at most `size` bytes.
-            match retry(|| unsafe { libc::recv(self.fd, ptr.cast(), size, flags) }) {
-                Ok(n) if n > size => {
-                    return Err(IoError::DatagramTooLarge {
-                        name: self.name.clone(),
-                        offset: self.offset,
-                        size: n,
-                        limit: size,
-                    });
-                }
-                Ok(n) => {
-                    self.offset += n as u64;
-                    out.push(Filled { buffer: b, len: n });
-                }
-                Err(e) if !out.is_empty() && e.raw_os_error() == Some(libc::EAGAIN) => break,
-                Err(e) => return Err(self.err("receive", e)),
+            match item {
+                Ok(f) if self.backlog.is_empty() => out.push(f),
+                item => self.backlog.push_back(item),
+            }
+        }
+        if out.is_empty() {
+            return self.drain_backlog(max_buffers);
+        }
+        Ok(out)
+    }
+
+    /// The datagrams of the backlog up to the next error, or that error.
+    fn drain_backlog(&mut self, max_buffers: usize) -> Result<Vec<Filled>, IoError> {
+        if let Some(Err(_)) = self.backlog.front() {
+            if let Some(Err(e)) = self.backlog.pop_front() {
+                return Err(e);
+            }
+        }
+        let mut out = Vec::new();
+        while out.len() < max_buffers && matches!(self.backlog.front(), Some(Ok(_))) {
+            if let Some(Ok(f)) = self.backlog.pop_front() {
+                out.push(f);
             }
         }
         Ok(out)
@@ -487,7 +580,8 @@ impl Port {
     /// its allocator as soon as the kernel has taken all its bytes, and on
     /// error too. Short writes are continued. Returns the bytes written.
     ///
-    /// On a datagram socket each chunk is one datagram.
+    /// On a datagram socket each chunk is one datagram, many per system
+    /// call (`sendmmsg`).
     pub fn write<C: Into<Chunk>>(&mut self, chunks: impl IntoIterator<Item = C>) -> Result<u64, IoError> {
         let mut q: VecDeque<Chunk> = chunks.into_iter().map(Into::into).collect();
         if self.kind == Kind::Datagram {
@@ -662,9 +756,12 @@ impl Port {
     /// through this process's mapping of them: a stage that only forwards
     /// buffers (a channel in, this fd out) never maps their pages in, so it
     /// takes no page faults for them (selective mapping, as in Container
-    /// Shipping). `domain` is the one that owns the buffers. Where the fd
-    /// does not take `sendfile` (a datagram socket, an `O_APPEND` or
-    /// `O_DIRECT` file) the chunk is written as by [`Port::write`].
+    /// Shipping). `domain` is the one that owns the buffers. Only a file
+    /// or a device is written this way: to a socket or a pipe the kernel
+    /// would keep the buffer's pages as the stream's data after the call,
+    /// so a buffer reused at once would change what the reader gets; those,
+    /// and fds that do not take `sendfile` (an `O_APPEND` or `O_DIRECT`
+    /// file), are written as by [`Port::write`].
     pub fn write_unmapped<C: Into<Chunk>>(
         &mut self,
         domain: &Domain,
@@ -674,8 +771,12 @@ impl Port {
         // No allocation on this path: nothing but the kernel's own work
         // happens between the caller's buffers and the fd.
         for c in chunks.into_iter().map(Into::into) {
+            // Only where the kernel copies the bytes (a file's page cache)
+            // or drops them (a device): to a TCP socket or a pipe, sendfile
+            // hands the memfd's pages themselves to the stream, which would
+            // carry whatever the buffer holds when it is reused.
             let pool = match domain.pool(c.buffer_id().pool) {
-                Some(p) if self.kind != Kind::Datagram && !self.direct => p,
+                Some(p) if matches!(self.kind, Kind::File | Kind::Device) && !self.direct => p,
                 _ => {
                     total += self.write([c])?;
                     continue;
@@ -712,22 +813,108 @@ impl Port {
         Ok(total)
     }
 
+    /// Each chunk one datagram, as many per `sendmmsg` as `IOV_MAX` allows;
+    /// each buffer goes back once the kernel has taken its datagram.
+    /// Move up to `max` bytes of the regular file `src`, from its current
+    /// offset, to this port inside the kernel (`sendfile`): the bytes never
+    /// pass through user memory, and to a stream socket the kernel sends
+    /// the file's page-cache pages themselves, without copying them. Both
+    /// ports' offsets advance. Returns the bytes moved: fewer than `max`
+    /// only where `src` ends (0 at its end) or an error stopped the
+    /// transfer after some bytes (the next call reports it).
+    ///
+    /// To a socket or a pipe the kernel hands on the file's pages
+    /// themselves: if the file is changed before the reader has them, the
+    /// reader may get the new bytes (as with any `sendfile`).
+    ///
+    /// [`IoError::Os`] with `EINVAL` when the pair does not take `sendfile`
+    /// (`src` not a regular file, an `O_APPEND` or `O_DIRECT` destination, a
+    /// datagram socket): the caller reads and writes buffers instead.
+    pub fn send_from(&mut self, src: &mut Port, max: u64) -> Result<u64, IoError> {
+        if src.kind != Kind::File || src.direct || self.direct || self.kind == Kind::Datagram {
+            let e = io::Error::from_raw_os_error(libc::EINVAL);
+            return Err(self.err("sendfile", e));
+        }
+        let mut moved = 0u64;
+        while moved < max {
+            let want = (max - moved).min(1 << 30) as usize;
+            // SAFETY: both fds are open while the ports live; a null offset
+            // pointer makes the kernel use and advance `src`'s file position.
+            let n = match retry(|| unsafe { libc::sendfile(self.fd, src.fd, std::ptr::null_mut(), want) as isize }) {
+                Ok(n) => n,
+                // What moved before the error counts; the next call meets it again.
+                Err(_) if moved > 0 => break,
+                Err(e) => return Err(self.err("sendfile", e)),
+            };
+            if n == 0 {
+                break;
+            }
+            moved += n as u64;
+            src.offset += n as u64;
+            self.offset += n as u64;
+        }
+        Ok(moved)
+    }
+
+    /// Write `bytes` (a few bytes of framing, from the caller's memory); on
+    /// a stream socket with `MSG_MORE`, so the kernel sends them in one
+    /// segment with the data that follows.
+    pub fn send_more(&mut self, bytes: &[u8]) -> Result<(), IoError> {
+        let mut done = 0;
+        while done < bytes.len() {
+            let rest = &bytes[done..];
+            let n = if self.kind == Kind::Stream {
+                let flags = libc::MSG_NOSIGNAL | libc::MSG_MORE;
+                // SAFETY: `rest` is live memory the kernel only reads.
+                retry(|| unsafe { libc::send(self.fd, rest.as_ptr().cast(), rest.len(), flags) })
+            } else {
+                // SAFETY: as above.
+                retry(|| unsafe { libc::write(self.fd, rest.as_ptr().cast(), rest.len()) })
+            }
+            .map_err(|e| self.err("write", e))?;
+            if n == 0 {
+                return Err(self.err("write", io::ErrorKind::WriteZero.into()));
+            }
+            done += n;
+            self.offset += n as u64;
+        }
+        Ok(())
+    }
+
     fn send_datagrams(&mut self, mut q: VecDeque<Chunk>) -> Result<u64, IoError> {
         let mut total = 0u64;
-        while let Some(c) = q.pop_front() {
-            let b = c.bytes();
-            // SAFETY: `b` is the chunk's live memory, only read by the kernel.
-            match retry(|| unsafe { libc::send(self.fd, b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL) }) {
-                Ok(n) => {
-                    total += n as u64;
-                    self.offset += n as u64;
+        while !q.is_empty() {
+            let mut iov: Vec<libc::iovec> = q
+                .iter()
+                .take(IOV_MAX)
+                .map(|c| libc::iovec { iov_base: c.bytes().as_ptr() as *mut libc::c_void, iov_len: c.len() })
+                .collect();
+            let mut msgs: Vec<libc::mmsghdr> = iov
+                .iter_mut()
+                .map(|v| {
+                    // SAFETY: mmsghdr is plain old data; only the iovec fields are set.
+                    let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+                    m.msg_hdr.msg_iov = v;
+                    m.msg_hdr.msg_iovlen = 1;
+                    m
+                })
+                .collect();
+            // SAFETY: every mmsghdr points at one iovec of `iov`, each covering
+            // a live chunk of `q`, which the kernel only reads.
+            let r = retry(|| unsafe {
+                libc::sendmmsg(self.fd, msgs.as_mut_ptr(), msgs.len() as libc::c_uint, libc::MSG_NOSIGNAL) as isize
+            });
+            match r {
+                Ok(sent) => {
+                    for _ in 0..sent {
+                        let c = q.pop_front().expect("the kernel sent no more than was given");
+                        total += c.len() as u64;
+                        self.offset += c.len() as u64;
+                    }
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
-                    return Err(IoError::DatagramRefused {
-                        name: self.name.clone(),
-                        offset: self.offset,
-                        size: b.len(),
-                    });
+                    let size = q.front().map_or(0, Chunk::len);
+                    return Err(IoError::DatagramRefused { name: self.name.clone(), offset: self.offset, size });
                 }
                 Err(e) => return Err(self.err("send", e)),
             }

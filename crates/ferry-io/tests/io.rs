@@ -357,3 +357,132 @@ fn dev_null_both_ways() {
     ));
     assert_eq!(a.available(), COUNT as usize);
 }
+
+#[test]
+fn udp_batches_keep_the_datagrams_before_an_oversize_one() {
+    let a = Allocator::new(&Domain::new("udp-batch"), 64, 4096, PoolConstraints::default()).unwrap();
+    let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
+    rx.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
+    tx.connect(rx.local_addr().unwrap()).unwrap();
+    let mut txp = Port::from_fd(tx.try_clone().unwrap(), "udp:tx").unwrap();
+    // 40 datagrams in one write (one sendmmsg), each tagged with its number.
+    let chunks: Vec<Chunk> = (0..40u8)
+        .map(|i| {
+            let mut b = a.alloc().unwrap();
+            b.as_mut_slice().unwrap()[..100].fill(i);
+            Chunk::new(b, 0..100).unwrap()
+        })
+        .collect();
+    assert_eq!(txp.write(chunks).unwrap(), 4000);
+    assert_eq!(a.available(), 64);
+    // Then one too large for a buffer, then one more good one.
+    tx.send(&[9u8; 5000]).unwrap();
+    tx.send(&[41u8; 100]).unwrap();
+    let mut rxp = Port::from_fd(rx, "udp:rx").unwrap();
+    let mut seen = Vec::new();
+    let err = loop {
+        match rxp.read(&a, 64) {
+            Ok(filled) => {
+                assert!(!filled.is_empty());
+                for f in filled {
+                    assert_eq!(f.len, 100);
+                    assert!(f.bytes().iter().all(|&x| x == f.bytes()[0]));
+                    seen.push(f.bytes()[0]);
+                }
+            }
+            Err(e) => break e,
+        }
+    };
+    // Every datagram before the oversize one was handed out, in order.
+    assert_eq!(seen, (0..40u8).collect::<Vec<_>>());
+    assert!(matches!(err, IoError::DatagramTooLarge { size: 5000, limit: 4096, offset: 4000, .. }), "{err:?}");
+    // The oversize datagram's buffer is back; at most the one behind it is
+    // held by the port (received in the same call), for the next read.
+    assert!(a.available() >= 63);
+    // The next read hands out the datagram behind it.
+    let next = rxp.read(&a, 64).unwrap();
+    assert_eq!((next.len(), next[0].len, next[0].bytes()[0]), (1, 100, 41));
+    drop(next);
+    assert_eq!(a.available(), 64);
+}
+
+#[test]
+fn udp_send_refused_midway_returns_every_buffer() {
+    let a = Allocator::new(&Domain::new("udp-refused"), 4, 128 << 10, PoolConstraints::default()).unwrap();
+    let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
+    tx.connect(rx.local_addr().unwrap()).unwrap();
+    let mut txp = Port::from_fd(tx, "udp:tx").unwrap();
+    // Two that fit, one larger than any UDP datagram, one more.
+    let chunks: Vec<Chunk> =
+        [10usize, 20, 70_000, 30].iter().map(|&n| Chunk::new(a.alloc().unwrap(), 0..n).unwrap()).collect();
+    match txp.write(chunks) {
+        Err(IoError::DatagramRefused { size: 70_000, offset: 30, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(a.available(), 4);
+    let mut buf = [0u8; 100];
+    assert_eq!(rx.recv(&mut buf).unwrap(), 10);
+    assert_eq!(rx.recv(&mut buf).unwrap(), 20);
+}
+
+#[test]
+fn send_from_moves_a_file_to_a_socket_pipe_and_file_in_the_kernel() {
+    let d = dir("send-from");
+    let bytes = data(3 << 20, 11);
+    std::fs::write(d.join("src"), &bytes).unwrap();
+    // To a TCP socket, after a framing header sent with MSG_MORE.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let reader = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).unwrap();
+        got
+    });
+    let mut src = Port::open(d.join("src")).unwrap();
+    let mut sock = Port::from_fd(TcpStream::connect(addr).unwrap(), format!("tcp:{addr}")).unwrap();
+    sock.send_more(b"HEAD").unwrap();
+    assert_eq!(sock.send_from(&mut src, 1 << 20).unwrap(), 1 << 20);
+    assert_eq!(src.offset(), 1 << 20);
+    // More asked than is left: what is left, then 0 at the end.
+    assert_eq!(sock.send_from(&mut src, 8 << 20).unwrap(), 2 << 20);
+    assert_eq!(sock.send_from(&mut src, 8 << 20).unwrap(), 0);
+    assert_eq!(sock.offset(), 4 + (3 << 20));
+    drop(sock);
+    let got = reader.join().unwrap();
+    assert_eq!(&got[..4], b"HEAD");
+    assert!(got[4..] == bytes[..], "the socket carried the file");
+    // To a file.
+    let mut src = Port::open(d.join("src")).unwrap();
+    let mut dst = Port::create(d.join("dst")).unwrap();
+    assert_eq!(dst.send_from(&mut src, u64::MAX).unwrap(), 3 << 20);
+    assert!(std::fs::read(d.join("dst")).unwrap() == bytes);
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[test]
+fn send_from_refuses_what_sendfile_does_not_take() {
+    let d = dir("send-from-refused");
+    std::fs::write(d.join("src"), data(4096, 2)).unwrap();
+    // A pipe as the source: not a file.
+    let (r, _w) = pipe();
+    let mut from_pipe = Port::from_fd(r, "pipe").unwrap();
+    let mut null = Port::create("/dev/null").unwrap();
+    match null.send_from(&mut from_pipe, 10) {
+        Err(IoError::Os { op: "sendfile", source, .. }) => assert_eq!(source.raw_os_error(), Some(libc::EINVAL)),
+        other => panic!("{other:?}"),
+    }
+    // An O_APPEND file as the destination: the kernel refuses, typed.
+    let f = std::fs::OpenOptions::new().append(true).create(true).open(d.join("log")).unwrap();
+    let mut log = Port::from_fd(f, "log").unwrap();
+    let mut src = Port::open(d.join("src")).unwrap();
+    match log.send_from(&mut src, 4096) {
+        Err(e @ IoError::Os { .. }) => assert!(e.to_string().contains("log"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(src.offset(), 0);
+    std::fs::remove_dir_all(d).unwrap();
+}

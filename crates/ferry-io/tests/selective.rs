@@ -172,3 +172,35 @@ fn reading_unmapped_takes_no_page_faults() {
     assert_eq!(alloc.available(), COUNT as usize);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A buffer written unmapped to a TCP socket or a pipe and then reused at
+/// once: the reader still gets the bytes as they were when written (the
+/// kernel must not keep the pool's pages as the data of the stream).
+#[test]
+fn unmapped_writes_to_sockets_and_pipes_survive_reuse_of_the_buffer() {
+    let domain = Domain::new("reuse");
+    let alloc = Allocator::new(&domain, 1, BUF, PoolConstraints::default()).unwrap();
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let tcp = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (mut rx_tcp, _) = l.accept().unwrap();
+    let mut fds = [0; 2];
+    // SAFETY: room for the two fds pipe2 writes.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: both fds are new and owned by nothing else.
+    let (mut rx_pipe, tx_pipe) = unsafe { (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1])) };
+    for (name, port, rx) in [
+        ("tcp", Port::from_fd(tcp, "tcp").unwrap(), &mut rx_tcp as &mut dyn std::io::Read),
+        ("pipe", Port::from_fd(tx_pipe, "pipe").unwrap(), &mut rx_pipe as &mut dyn std::io::Read),
+    ] {
+        let mut port = port;
+        let mut b = alloc.alloc().unwrap();
+        b.as_mut_slice().unwrap().fill(0xAA);
+        assert_eq!(port.write_unmapped(&domain, [b]).unwrap(), BUF as u64);
+        // The buffer is back; the next user fills it with something else.
+        let mut again = alloc.alloc().unwrap();
+        again.as_mut_slice().unwrap().fill(0x55);
+        let mut got = vec![0u8; BUF];
+        rx.read_exact(&mut got).unwrap();
+        assert!(got.iter().all(|&x| x == 0xAA), "{name}: the stream carried the buffer's later contents");
+    }
+}

@@ -6,6 +6,10 @@
 //! * `fbufs-table` — \[FBUFS\] Table 1 and its throughput-vs-size figure
 //!   ([`fbufs`]); `fbufs` — the same on data paths and secured buffers.
 //! * `pipeline` — \[CONTAINER\] Fig. 7: a chain of processes ([`pipeline`]).
+//! * `chain` — \[CONTAINER\] Fig. 7 from a file to a file or `/dev/null`,
+//!   against pipes and `cat | … | cat` ([`chain`]).
+//! * `socket-touch` — \[CONTAINER\] Fig. 4 ([`socket_touch`]);
+//!   `udp-forward` — \[CONTAINER\] Fig. 6 ([`udp_forward`]).
 //!
 //! Every figure is a distribution: we print the median with percentiles,
 //! one [`Point`] per measured point (`--json`: one JSON object per line).
@@ -16,6 +20,7 @@
 //! peer that is not built, a trust level the backend lacks) is a one-line
 //! error and exit code 2.
 
+pub mod chain;
 pub mod channel;
 pub mod child;
 pub mod compare;
@@ -29,6 +34,7 @@ pub mod point;
 pub mod progress;
 pub mod rig;
 pub mod socket_touch;
+pub mod udp_forward;
 
 use std::path::PathBuf;
 
@@ -88,6 +94,8 @@ fn pool_buffers(a: &BenchArgs) -> usize {
         Experiment::Fanin => a.inflight.unwrap_or(fanin::WINDOW),
         Experiment::Demux => a.inflight.unwrap_or(8),
         Experiment::SocketTouch => 4,
+        Experiment::UdpForward => 128,
+        Experiment::Chain => a.inflight.unwrap_or(16),
     }
 }
 use progress::Progress;
@@ -121,6 +129,14 @@ pub enum Experiment {
     /// many TCP connections: aggregate throughput, and the round trips of one priority channel
     /// while the others saturate the link.
     Demux,
+    /// A forwarder of UDP datagrams (4 KiB) between two loopback sockets, ferry-io (batches of pool
+    /// buffers) against recv/send with a buffer of its own, with 0-3 competing CPU-bound processes
+    /// (Container Shipping, Fig. 6).
+    UdpForward,
+    /// A source process reading a file, N-2 processes handing the data on (touching it or not), a
+    /// sink writing a file or /dev/null: Ferry channels against pipes with read/write and against
+    /// `cat | … | cat` (Container Shipping, Fig. 7).
+    Chain,
 }
 
 impl Experiment {
@@ -140,6 +156,8 @@ impl Experiment {
             Experiment::Fanin => "fanin",
             Experiment::SocketTouch => "socket-touch",
             Experiment::Demux => "demux",
+            Experiment::UdpForward => "udp-forward",
+            Experiment::Chain => "chain",
         }
     }
 }
@@ -255,7 +273,9 @@ impl Trust {
   ferry bench fbufs --backend shm --compare
   ferry bench rtt --blocking --idle-us 200 --wait channel,epoll,selector --compare --against eventfd
   ferry bench pipeline --stages 2 --stages 5 --total 268435456
-  ferry bench fanin --channels 64 --idle-us 200")]
+  ferry bench fanin --channels 64 --idle-us 200
+  ferry bench chain --sink null,file --stages 3 --stages 5
+  ferry bench udp-forward --competitors 0,1,2,3")]
 pub struct BenchArgs {
     /// Which experiment.
     #[arg(value_enum)]
@@ -330,12 +350,20 @@ pub struct BenchArgs {
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, 1024))]
     pub channels: Option<usize>,
     /// pipeline: bytes passed end to end per run (a multiple of --size, at most 64 GiB; default 1 GiB);
-    /// socket-touch: bytes sent per run (default 256 MiB).
+    /// socket-touch: bytes sent per run (default 256 MiB); udp-forward: bytes per run, in --size
+    /// datagrams (default 100 000 datagrams).
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<u64>(4096, MAX_TOTAL))]
     pub total: Option<u64>,
-    /// pipeline: processes in the chain (2 to 8); repeatable (default 2, 3, 4, 5).
+    /// pipeline, chain: processes in the chain (2 to 8); repeatable (default pipeline 2, 3, 4, 5; chain 3, 5).
     #[arg(allow_negative_numbers = true, long = "stages", value_parser = whole::<usize>(2, 8))]
     pub stages: Vec<usize>,
+    /// udp-forward: competing CPU-bound processes (0 to 16); repeatable (default 0, 1, 2, 3).
+    #[arg(allow_negative_numbers = true, long = "competitors", value_delimiter = ',', value_parser = whole::<usize>(0, 16))]
+    pub competitors: Vec<usize>,
+    /// chain: where the sink writes (null: /dev/null, file: a file); repeatable or comma-separated
+    /// (default both).
+    #[arg(long = "sink", value_enum, value_delimiter = ',')]
+    pub sinks: Vec<chain::Sink>,
     /// Plots of throughput: draw a loopback iperf3 line at this many Gbit/s (measured elsewhere;
     /// more than 0, at most 10 000).
     #[arg(allow_negative_numbers = true, long, value_name = "GBIT_S", value_parser = gbit_s)]
@@ -469,11 +497,18 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
         )));
     }
     only("--moves", a.moves.is_some(), exp == Experiment::Throughput, "throughput")?;
-    let windowed = matches!(exp, Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin | Experiment::Demux);
-    only("--inflight", a.inflight.is_some(), windowed, "throughput and pipeline")?;
-    only("--stages", !a.stages.is_empty(), exp == Experiment::Pipeline, "pipeline")?;
-    let totals = matches!(exp, Experiment::Pipeline | Experiment::SocketTouch);
-    only("--total", a.total.is_some(), totals, "pipeline and socket-touch")?;
+    let windowed = matches!(
+        exp,
+        Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin | Experiment::Demux | Experiment::Chain
+    );
+    only("--inflight", a.inflight.is_some(), windowed, "throughput, pipeline, chain, fanin and demux")?;
+    let chains = matches!(exp, Experiment::Pipeline | Experiment::Chain);
+    only("--stages", !a.stages.is_empty(), chains, "pipeline and chain")?;
+    let totals =
+        matches!(exp, Experiment::Pipeline | Experiment::SocketTouch | Experiment::UdpForward | Experiment::Chain);
+    only("--total", a.total.is_some(), totals, "pipeline, chain, socket-touch and udp-forward")?;
+    only("--sink", !a.sinks.is_empty(), exp == Experiment::Chain, "chain")?;
+    only("--competitors", !a.competitors.is_empty(), exp == Experiment::UdpForward, "udp-forward")?;
     if exp.is_fbufs() && !a.sizes.is_empty() {
         let mut distinct = a.sizes.clone();
         distinct.sort_unstable();
@@ -514,7 +549,7 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
             ));
         }
     }
-    if backend.is_ferry() {
+    if backend.is_ferry() && exp != Experiment::UdpForward {
         check_pool_sizes(&a.sizes)?;
         let window = a.inflight.unwrap_or(250);
         if exp == Experiment::Throughput && a.moves.is_some_and(|m| m < window) {
@@ -567,6 +602,8 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
         Experiment::Fanin => fanin::run(&mut ctx)?,
         Experiment::SocketTouch => socket_touch::run(&mut ctx)?,
         Experiment::Demux => demux::run(&mut ctx)?,
+        Experiment::UdpForward => udp_forward::run(&mut ctx)?,
+        Experiment::Chain => chain::run(&mut ctx)?,
     }
     drop(std::mem::replace(&mut ctx.progress, Progress::hidden()));
     if args.experiment == Experiment::Fanin {

@@ -91,6 +91,15 @@ pub struct StageArgs {
     busy_poll: bool,
     #[arg(long)]
     touch: bool,
+    /// The file stage 0 reads (`ferry bench chain`) instead of making data.
+    #[arg(long)]
+    source: Option<std::path::PathBuf>,
+    /// The file (or /dev/null) the last stage writes (`ferry bench chain`).
+    #[arg(long)]
+    sink: Option<std::path::PathBuf>,
+    /// The stages between the first and the last read every byte.
+    #[arg(long)]
+    touch_middle: bool,
 }
 
 /// `ferry bench pipeline`.
@@ -146,7 +155,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
 
 fn point(ctx: &Ctx<'_>, v: Variant, n: usize, size: usize, window: usize, runs: usize) -> Result<Point, CliError> {
     let a = ctx.args;
-    let mut chain = Chain::start(v, n, size, a.total(), window, a.busy(), a.touch)?;
+    let mut chain = Chain::start(v, n, size, a.total(), window, a.busy(), a.touch, None)?;
     let mut rates = Vec::with_capacity(runs);
     for run in 0..=runs {
         let secs = chain.run_once()?;
@@ -182,8 +191,19 @@ fn point(ctx: &Ctx<'_>, v: Variant, n: usize, size: usize, window: usize, runs: 
     Ok(Point::new(head, s, Some(0), extra))
 }
 
+/// The files of a `ferry bench chain` run: what stage 0 reads, what the
+/// last stage writes, and whether the stages between read every byte.
+pub struct Files<'a> {
+    /// The source file (--total bytes, tagged per buffer).
+    pub source: &'a std::path::Path,
+    /// The sink: a file, or /dev/null.
+    pub sink: &'a std::path::Path,
+    /// Whether the stages between read every byte.
+    pub touch_middle: bool,
+}
+
 /// A running chain of stage processes, seen from the coordinator.
-struct Chain {
+pub struct Chain {
     children: Vec<Child>,
     control: Option<ChildStdin>,
     lines: mpsc::Receiver<(Instant, String)>,
@@ -204,7 +224,9 @@ fn pipe_pair() -> Result<(OwnedFd, OwnedFd), CliError> {
 }
 
 impl Chain {
-    fn start(
+    /// Start the `n` stage processes of variant `v` and wait until they are ready.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
         v: Variant,
         n: usize,
         size: usize,
@@ -212,6 +234,7 @@ impl Chain {
         window: usize,
         busy: bool,
         touch: bool,
+        files: Option<&Files<'_>>,
     ) -> Result<Chain, CliError> {
         use std::sync::atomic::{AtomicU32, Ordering};
         static N: AtomicU32 = AtomicU32::new(0);
@@ -237,6 +260,12 @@ impl Chain {
             }
             if touch {
                 cmd.arg("--touch");
+            }
+            if let Some(f) = files {
+                cmd.arg("--source").arg(f.source).arg("--sink").arg(f.sink);
+                if f.touch_middle {
+                    cmd.arg("--touch-middle");
+                }
             }
             cmd.stderr(Stdio::inherit());
             // Stage 0 reads "go" lines from us; the last stage reports to us.
@@ -309,7 +338,7 @@ impl Chain {
     }
 
     /// One run: seconds from "go" to the consumer's "done".
-    fn run_once(&mut self) -> Result<f64, CliError> {
+    pub fn run_once(&mut self) -> Result<f64, CliError> {
         self.run += 1;
         let ctl = self.control.as_mut().expect("running");
         let t0 = Instant::now();
@@ -321,7 +350,7 @@ impl Chain {
     }
 
     /// End of input for the producer; every stage must exit cleanly.
-    fn stop(mut self) -> Result<(), CliError> {
+    pub fn stop(mut self) -> Result<(), CliError> {
         drop(self.control.take());
         let t0 = Instant::now();
         for (i, c) in self.children.iter_mut().enumerate() {
@@ -433,8 +462,16 @@ fn pipe_stage(a: &StageArgs) -> Result<(), CliError> {
         let mut seq = 0u64;
         for line in stdin.lock().lines() {
             line.map_err(failed("control"))?;
+            let source = a.source.as_ref().map(std::fs::File::open).transpose().map_err(failed("source"))?;
             for _ in 0..per_run(a) {
-                mark(&mut buf, seq, a.touch);
+                match &source {
+                    Some(f) => {
+                        if !read_exact(f.as_fd(), &mut buf)? {
+                            return Err(CliError::Failed("the source file is shorter than --total".into()));
+                        }
+                    }
+                    None => mark(&mut buf, seq, a.touch),
+                }
                 write_all(stdout.as_fd(), &buf)?;
                 seq += 1;
             }
@@ -445,18 +482,43 @@ fn pipe_stage(a: &StageArgs) -> Result<(), CliError> {
         report("ready")?;
     }
     let mut seq = 0u64;
+    let mut sink: Option<std::fs::File> = None;
     while read_exact(stdin.as_fd(), &mut buf)? {
-        if last {
+        if last && a.sink.is_some() {
+            check_tag(&buf, seq % per_run(a))?;
+            if seq % per_run(a) == 0 {
+                sink = a.sink.as_ref().map(std::fs::File::create).transpose().map_err(failed("sink"))?;
+            }
+            if let Some(f) = &sink {
+                write_all(f.as_fd(), &buf)?;
+            }
+            seq += 1;
+            if seq % per_run(a) == 0 {
+                report(&format!("done {}", seq / per_run(a)))?;
+            }
+        } else if last {
             check(&buf, seq, a.touch)?;
             seq += 1;
             if seq % per_run(a) == 0 {
                 report(&format!("done {}", seq / per_run(a)))?;
             }
         } else {
+            if a.touch_middle {
+                std::hint::black_box(pattern::touch(&buf));
+            }
             write_all(stdout.as_fd(), &buf)?;
         }
     }
     Ok(())
+}
+
+/// The tag of buffer `seq` of a source file: its number in the first 8 bytes.
+fn check_tag(buf: &[u8], seq: u64) -> Result<(), CliError> {
+    if buf.len() >= 8 && buf[..8] == seq.to_le_bytes() {
+        Ok(())
+    } else {
+        Err(CliError::Failed(format!("buffer {seq} arrived wrong (lost, reordered or mangled)")))
+    }
 }
 
 fn step<T>(ch: &mut Channel, what: &str, mut want: impl FnMut(Event) -> Option<T>) -> Result<T, CliError> {
@@ -520,7 +582,7 @@ fn ferry_stage(a: &StageArgs) -> Result<(), CliError> {
     }
     match (inn, out) {
         (None, Some(out)) => producer(a, &domain, out),
-        (Some(inn), Some(out)) => forwarder(&domain, inn, out, busy),
+        (Some(inn), Some(out)) => forwarder(&domain, inn, out, busy, a.touch_middle),
         (Some(inn), None) => consumer(a, inn, busy),
         (None, None) => Err(CliError::Usage("a chain has at least two stages".into())),
     }
@@ -551,14 +613,29 @@ fn producer(a: &StageArgs, domain: &Domain, mut out: Channel) -> Result<(), CliE
     };
     for line in std::io::stdin().lock().lines() {
         line.map_err(failed("control"))?;
+        // The source file, read by the kernel straight into pool buffers.
+        let mut source = match &a.source {
+            Some(p) => Some(ferry_io::Port::open(p).map_err(|e| CliError::Failed(e.to_string()))?),
+            None => None,
+        };
         for _ in 0..per_run(a) {
-            let mut buf = loop {
-                match alloc.alloc() {
-                    Some(b) => break b,
-                    None => take_returns(&mut out, true)?,
+            while alloc.available() == 0 {
+                take_returns(&mut out, true)?;
+            }
+            let buf = match &mut source {
+                Some(port) => {
+                    let mut filled = port.read(&alloc, 1).map_err(|e| CliError::Failed(e.to_string()))?;
+                    match filled.pop() {
+                        Some(f) if f.len == a.size => f.buffer,
+                        _ => return Err(CliError::Failed("the source file is shorter than --total".into())),
+                    }
+                }
+                None => {
+                    let mut b = alloc.alloc().ok_or_else(|| CliError::Failed("no free buffer".into()))?;
+                    mark(b.as_mut_slice()?, seq, a.touch);
+                    b
                 }
             };
-            mark(buf.as_mut_slice()?, seq, a.touch);
             send_when_room(buf, false, |b| out.move_buffer(b, &seq.to_le_bytes()))?;
             seq += 1;
         }
@@ -603,7 +680,7 @@ fn from_upstream(domain: &Domain, inn: &mut Channel, out: &mut Channel, ev: Even
     Ok(false)
 }
 
-fn forwarder(domain: &Domain, mut inn: Channel, mut out: Channel, busy: bool) -> Result<(), CliError> {
+fn forwarder(domain: &Domain, mut inn: Channel, mut out: Channel, busy: bool, touch: bool) -> Result<(), CliError> {
     // Busy: poll both in turn. Blocking: sleep on both at once until either has an event.
     loop {
         let next = if busy {
@@ -616,6 +693,9 @@ fn forwarder(domain: &Domain, mut inn: Channel, mut out: Channel, busy: bool) ->
         };
         match next {
             Some((0, ev)) => {
+                if let (true, Event::MoveReceived { buffer, .. }) = (touch, &ev) {
+                    std::hint::black_box(pattern::touch(buffer));
+                }
                 if from_upstream(domain, &mut inn, &mut out, ev)? {
                     return Ok(());
                 }
@@ -639,11 +719,27 @@ fn forwarder(domain: &Domain, mut inn: Channel, mut out: Channel, busy: bool) ->
 
 fn consumer(a: &StageArgs, mut inn: Channel, busy: bool) -> Result<(), CliError> {
     let mut seq = 0u64;
+    let mut sink: Option<std::fs::File> = None;
     loop {
         match next(&mut inn, busy) {
             Some(Event::PoolAssignRequest(req)) => {
                 inn.respond_pool(req.pool, true)?;
                 report("ready")?;
+            }
+            Some(Event::MoveReceived { buffer, meta }) if a.sink.is_some() => {
+                check_tag(&buffer, seq % per_run(a))?;
+                if seq % per_run(a) == 0 {
+                    sink = a.sink.as_ref().map(std::fs::File::create).transpose().map_err(failed("sink"))?;
+                }
+                if let Some(f) = &sink {
+                    // The kernel reads the buffer's pages straight into the file (or nowhere: /dev/null).
+                    write_all(f.as_fd(), &buffer)?;
+                }
+                seq += 1;
+                send_when_room(buffer, false, |b| inn.pass(b, &meta))?;
+                if seq % per_run(a) == 0 {
+                    report(&format!("done {}", seq / per_run(a)))?;
+                }
             }
             Some(Event::MoveReceived { buffer, meta }) => {
                 check(&buffer, seq, a.touch)?;

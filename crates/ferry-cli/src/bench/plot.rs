@@ -399,6 +399,26 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
             bars(&left, "Aggregate throughput (Gbit/s)", &rows("Gbit/s"))?;
             bars(&right, "Priority channel round trip under load (µs)", &rows("us"))?;
         }
+        Experiment::Chain => {
+            let rows: Vec<(String, [f64; 4])> = pts
+                .iter()
+                .map(|p| {
+                    let n = p.0.get("stages").and_then(|v| v.as_u64()).unwrap_or(0);
+                    (format!("{} {n} {}", p.backend(), p.str("variant")), p.quantiles())
+                })
+                .collect();
+            bars(&root, "Chain of processes from a file: GB/s (Container Shipping Fig. 7)", &rows)?;
+        }
+        Experiment::UdpForward => {
+            let rows: Vec<(String, [f64; 4])> = pts
+                .iter()
+                .map(|p| {
+                    let k = p.0.get("competitors").and_then(|v| v.as_u64()).unwrap_or(0);
+                    (format!("{} {k} competing", p.backend()), p.quantiles().map(|q| q / 1e3))
+                })
+                .collect();
+            bars(&root, "UDP forwarder on loopback: thousand datagrams/s (Container Shipping Fig. 6)", &rows)?;
+        }
     }
     root.present().map_err(err)?;
     Ok(())

@@ -1,0 +1,52 @@
+//! `ferry bench udp-forward` (Container Shipping, Fig. 6) as a user runs
+//! it: real UDP sockets on loopback, real competing processes; one JSON
+//! point per forwarder and number of competitors, each verified at the sink
+//! (sequence numbers rising, every datagram whole), and the ratio between
+//! the two forwarders.
+
+use std::process::{Command, Stdio};
+
+#[test]
+fn udp_forward_prints_verified_points_and_ratios() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["bench", "udp-forward", "--runs", "1", "--total", "8192000", "--competitors", "0,1", "--json"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferry");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit {:?}: {stderr}", out.status.code());
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
+    let (ratios, points): (Vec<_>, Vec<_>) = lines.iter().partition(|p| p["kind"] == "ratio");
+    assert_eq!(points.len(), 4, "{points:?}");
+    let mut seen = Vec::new();
+    for p in &points {
+        assert_eq!(p["experiment"], "udp-forward");
+        assert_eq!(p["size"], 4096);
+        assert_eq!(p["datagrams"], 2000);
+        assert_eq!(p["verified"], true);
+        assert!(p["lost"].as_u64().is_some_and(|l| l < 2000), "{p}");
+        assert!(p["median"].as_f64().is_some_and(|m| m > 0.0), "{p}");
+        seen.push(format!("{} {}", p["backend"].as_str().unwrap(), p["competitors"]));
+    }
+    for b in ["read-write", "ferry-io"] {
+        for k in [0, 1] {
+            assert!(seen.contains(&format!("{b} {k}")), "{b} with {k} competing missing: {seen:?}");
+        }
+    }
+    assert_eq!(ratios.len(), 2, "{ratios:?}");
+    assert!(ratios.iter().all(|r| r["ferry_faster_by"].as_f64().is_some_and(|x| x > 0.0)), "{ratios:?}");
+}
+
+#[test]
+fn udp_forward_refuses_bad_input() {
+    for bad in [&["--competitors", "17"][..], &["--size", "70000"], &["--stages", "3"]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .args(["bench", "udp-forward", "--runs", "1"])
+            .args(bad)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run ferry");
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
