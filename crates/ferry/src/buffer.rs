@@ -135,6 +135,12 @@ impl Buffer {
         self.domain.as_ref().expect("live handle").id
     }
 
+    /// The domain, view and index behind the handle (for
+    /// [`crate::secure`]).
+    pub(crate) fn parts(&self) -> (&Arc<DomainShared>, &Arc<PoolView>, u32) {
+        (self.domain.as_ref().expect("live handle"), &self.view, self.index)
+    }
+
     /// Whether the buffer is READ_WRITE for its domain (no copies out or
     /// in), read without the domain lock from the view's mirror of the
     /// state. As current as a check under the lock that is released at
@@ -317,6 +323,12 @@ impl BufferCopy {
 
     pub(crate) fn chan(&self) -> ChanKey {
         self.chan
+    }
+
+    /// The domain, view and index behind the handle (for
+    /// [`crate::secure`]).
+    pub(crate) fn parts(&self) -> (&Arc<DomainShared>, &Arc<PoolView>, u32) {
+        (self.domain.as_ref().expect("live handle"), &self.view, self.index)
     }
 
     pub(crate) fn consume(mut self) {

@@ -107,6 +107,27 @@ impl Domain {
         Some(Buffer::new(self.shared.clone(), view, index))
     }
 
+    /// Take the most recently freed buffer of any of `pools` (a data path's):
+    /// the top of the free list whose top was freed last (buffers never
+    /// freed count as oldest, the first pool first among them).
+    pub(crate) fn alloc_latest(&self, pools: &[PoolId]) -> Option<Buffer> {
+        let mut st = self.shared.lock_settled();
+        let stamp = |e: &PoolEntry| e.free.last().map(|&i| e.records[i as usize].freed_at);
+        let mut best: Option<(PoolId, u64)> = None;
+        for id in pools {
+            if let Some(t) = st.pools.get(id).and_then(stamp) {
+                if best.is_none_or(|(_, b)| t > b) {
+                    best = Some((*id, t));
+                }
+            }
+        }
+        let entry = st.pools.get_mut(&best?.0)?;
+        let index = entry.free.pop()?;
+        let view = entry.spare_views.pop().unwrap_or_else(|| entry.view.clone());
+        drop(st);
+        Some(Buffer::new(self.shared.clone(), view, index))
+    }
+
     /// Number of free buffers of `pool` owned by this domain.
     pub fn free_count(&self, pool: PoolId) -> usize {
         self.shared.lock().pools.get(&pool).map_or(0, |e| e.free.len())
@@ -163,6 +184,9 @@ pub(crate) struct BufRecord {
     /// The channel to a peer process we last gave it away on, and the
     /// pool ledger's departure count then (see [`crate::ledger`]).
     lent_on: Option<(ChanKey, u32)>,
+    /// When it last went on the free list (the domain's free clock), for
+    /// the most-recently-freed-first choice across pools of a data path.
+    freed_at: u64,
 }
 
 fn count(list: &[(ChanKey, u32)], chan: ChanKey) -> u32 {
@@ -368,6 +392,8 @@ pub(crate) struct DomainState {
     /// Closed channels of which we still hold copies, and whether their
     /// peer was another process: a copy dropped now is released here.
     orphan_chans: Vec<(ChanKey, bool)>,
+    /// Counts buffers put on free lists (see [`BufRecord::freed_at`]).
+    free_clock: u64,
 }
 
 /// Pseudo channel under which an owner counts one copy out while the pool
@@ -535,12 +561,15 @@ impl DomainState {
     /// Put an owned buffer without a handle on the free list (or keep it
     /// aside until its copies are back).
     pub(crate) fn free(&mut self, id: BufferId) {
+        self.free_clock += 1;
+        let now = self.free_clock;
         let e = self.rec_mut(id);
         let rec = &mut e.records[id.index as usize];
         if !rec.owned {
             return;
         }
         if rec.state() == BufferState::ReadWrite {
+            rec.freed_at = now;
             e.free.push(id.index);
         } else {
             rec.free_when_writable = true;
@@ -588,10 +617,13 @@ impl DomainState {
     }
 
     fn maybe_free(&mut self, id: BufferId) {
+        self.free_clock += 1;
+        let now = self.free_clock;
         let e = self.rec_mut(id);
         let rec = &mut e.records[id.index as usize];
         if rec.free_when_writable && rec.state() == BufferState::ReadWrite {
             rec.free_when_writable = false;
+            rec.freed_at = now;
             e.free.push(id.index);
         }
     }

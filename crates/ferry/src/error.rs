@@ -199,6 +199,19 @@ pub enum Error {
         /// Its value.
         limit: u64,
     },
+    /// A [`DataPath`](crate::DataPath) needs another pool for its next
+    /// buffer, and one more would exceed its quota
+    /// ([`PathQuota`](crate::PathQuota)); its buffers are all in use. Only
+    /// this path is refused: other paths and allocators go on.
+    #[error("the data path's {pools} pools are all in use and one more would exceed its quota of {max_pools} pools, {max_bytes} bytes; give buffers of the path back, or build it with a larger quota")]
+    QuotaExceeded {
+        /// Pools the path has.
+        pools: u32,
+        /// The quota's pool limit.
+        max_pools: u32,
+        /// The quota's byte limit.
+        max_bytes: u64,
+    },
 }
 
 /// A trust level in words (the library's spelling of [ETH-BT]'s levels).
@@ -374,6 +387,7 @@ mod tests {
                 why: "the offset is not aligned",
             })),
             Error::LimitExceeded { what: "pools assigned by the peer", limit: 256 },
+            Error::QuotaExceeded { pools: 2, max_pools: 2, max_bytes: 1 << 20 },
         ]
     }
 

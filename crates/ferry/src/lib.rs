@@ -100,6 +100,19 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+//!
+//! # Data paths and secured buffers
+//!
+//! After fbufs (Druschel and Peterson, SOSP 1993): a [`DataPath`] is an
+//! allocator whose pools are assigned along a path of channels when they
+//! are made, so transfers map nothing; it reuses the most recently freed
+//! buffer, never clears one, and stops at its [`PathQuota`] with
+//! [`Error::QuotaExceeded`]. A domain along the path passes the pools on
+//! with [`forward_pool`]. A received buffer is volatile (its sender may
+//! still write it); [`Buffer::secure`] (and [`BufferCopy::secure`],
+//! [`Aggregate::secure`]) gives bytes no other domain can change, in place
+//! where the memory is the receiver's alone, else by a private copy.
+
 #![deny(unsafe_op_in_unsafe_fn)]
 
 // The README's examples are doctests too.
@@ -112,6 +125,7 @@ mod alloc;
 pub mod backend;
 mod buffer;
 mod channel;
+mod datapath;
 mod domain;
 mod error;
 #[cfg(feature = "fuzzing")]
@@ -121,6 +135,7 @@ mod ledger;
 mod pool;
 mod proto;
 mod ring;
+mod secure;
 #[cfg(not(loom))]
 mod select;
 mod setup;
@@ -136,10 +151,12 @@ pub use backend::{Endpoint, LinkStats, LocalEndpoint};
 pub use backend::{NetEndpoint, NetOptions, ShmEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{Channel, Event, PoolPolicy, PoolRequest, DEFAULT_SPIN};
+pub use datapath::{forward_pool, DataPath, PathConfig, PathQuota};
 pub use domain::{Domain, Pool};
 pub use error::{Error, Refused, Result, ViewMismatch};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
+pub use secure::{SecureSource, Secured};
 #[cfg(not(loom))]
 pub use select::{wait_any, Selector};
 pub use setup::{

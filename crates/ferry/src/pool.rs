@@ -277,6 +277,8 @@ pub(crate) struct PoolMemory {
     /// The views of this memory in this process's domains: a buffer that
     /// lands from another process must not be one a domain here holds.
     views: Mutex<Vec<Weak<PoolView>>>,
+    /// The fd came from another process (which can write the memory).
+    from_peer: bool,
 }
 
 impl PoolMemory {
@@ -298,7 +300,15 @@ impl PoolMemory {
 
     fn new(id: PoolId, geometry: Geometry, fd: OwnedFd, ledger: Option<Ledger>) -> Arc<Self> {
         let ledger = ledger.map_or_else(OnceLock::new, OnceLock::from);
-        Arc::new(PoolMemory { id, geometry, fd, writer: Mutex::new(None), ledger, views: Mutex::default() })
+        Arc::new(PoolMemory {
+            id,
+            geometry,
+            fd,
+            writer: Mutex::new(None),
+            ledger,
+            views: Mutex::default(),
+            from_peer: false,
+        })
     }
 
     /// A pool received from a peer as an fd: accepted only if it is a
@@ -306,7 +316,26 @@ impl PoolMemory {
     pub(crate) fn from_peer(id: PoolId, geometry: Geometry, fd: OwnedFd, ledger: Option<Ledger>) -> Result<Arc<Self>> {
         sys::check_sealed_size(&fd, geometry.len())
             .map_err(|why| Error::Protocol(format!("pool {id} received with a bad fd: {why}")))?;
-        Ok(Self::new(id, geometry, fd, ledger))
+        let mut memory = Self::new(id, geometry, fd, ledger);
+        Arc::get_mut(&mut memory).expect("just made").from_peer = true;
+        Ok(memory)
+    }
+
+    /// Whether another process may be able to write this memory: it came
+    /// from one, or it has a custody ledger (made when the pool is first
+    /// shared with another process, or copied across one) — unless the
+    /// pool's trust is NONE, whose memory no other process ever gets
+    /// writable (see `read_only_fd`). Conservative: a pool that merely has
+    /// a ledger counts as shared.
+    pub(crate) fn maybe_written_by_other_process(&self, trust: TrustLevel) -> bool {
+        trust != TrustLevel::None && (self.from_peer || self.ledger.get().is_some())
+    }
+
+    /// Whether a view of this memory other than `ours` is alive in this
+    /// process (another domain maps the pool).
+    pub(crate) fn has_other_views(&self, ours: &PoolView) -> bool {
+        let views = self.views.lock().unwrap_or_else(|e| e.into_inner());
+        views.iter().filter_map(Weak::upgrade).any(|v| !std::ptr::eq(Arc::as_ptr(&v), ours))
     }
 
     /// The pool's custody ledger (see [`crate::ledger`]), made now if the

@@ -18,7 +18,7 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
             &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2, Backend::Eventfd]
         }
         Experiment::Throughput => &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2],
-        Experiment::FbufsTable => &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy],
+        Experiment::FbufsTable | Experiment::Fbufs => &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy],
         Experiment::Pipeline => &[Backend::PipeCopy],
         // Its baselines are Ferry's own (one channel, independent pairs): always measured.
         Experiment::Fanin => &[],
@@ -48,7 +48,7 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
     }
     let defaults: &[Backend] = match a.experiment {
         // One copy baseline is the comparison of [FBUFS] Table 1; the others are a flag away.
-        Experiment::FbufsTable => &[Backend::UdsCopy],
+        Experiment::FbufsTable | Experiment::Fbufs => &[Backend::UdsCopy],
         _ => applies,
     };
     let mut v = Vec::new();
@@ -95,7 +95,7 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
         .points
         .iter()
         // fbufs-table: the per-page rows are the table; the per-size rows are the figure.
-        .filter(|p| ctx.args.experiment != Experiment::FbufsTable || p.unit() == "us/page")
+        .filter(|p| !ctx.args.experiment.is_fbufs() || p.unit() == "us/page")
         .collect();
     // (ferry label, baseline label, unit, size, stages) → per-round ratios.
     type Row = (String, String, String, usize, i64);

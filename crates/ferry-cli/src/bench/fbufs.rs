@@ -1,5 +1,12 @@
-//! `fbufs-table`: \[FBUFS\] Table 1 and its throughput-vs-size
-//! figure, on Ferry.
+//! `fbufs-table` and `fbufs`: \[FBUFS\] Table 1 and its
+//! throughput-vs-size figure, on Ferry.
+//!
+//! `fbufs` runs the same transfers on the data-path layer: the cached rows
+//! take their buffers from a [`DataPath`] whose pool was made and assigned
+//! before the runs, and the secured rows are volatile transfers (trust as
+//! given, FULL by default) whose receiver calls `secure()` before it reads
+//! (the meta data's ninth byte asks for it). What follows describes
+//! `fbufs-table`.
 //!
 //! One transfer is one domain crossing, as in the paper's test: the
 //! originator allocates a buffer, writes one word in every page, moves it
@@ -29,13 +36,16 @@
 
 use std::time::Instant;
 
-use ferry::{Allocator, Channel, ChannelSetup, Direction, Domain, Endpoint, Event, PoolConstraints, Role};
+use ferry::{
+    Allocator, Channel, ChannelSetup, DataPath, Direction, Domain, Endpoint, Event, PathConfig, PathQuota,
+    PoolConstraints, Role,
+};
 use serde_json::{json, Value};
 
 use super::point::{Head, Point};
 use super::progress::Progress;
 use super::rig::{self, EchoRole, EchoSpec};
-use super::{compare, peers, trust_error, Backend, Ctx, Trust};
+use super::{compare, peers, trust_error, Backend, Ctx, Experiment, Trust};
 use crate::setup::{describe, describe_event, next_event, send_when_room};
 use crate::stats::{fit_line, round, Summary};
 use crate::CliError;
@@ -91,13 +101,14 @@ fn probe_trust(backend: Backend, trust: Trust) -> Result<(), CliError> {
 pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let a = ctx.args;
     if a.touch {
-        return Err(CliError::Usage(
-            "--touch does not apply to fbufs-table (every transfer writes and reads one word per page, as in the fbufs paper); leave it out"
-                .into(),
-        ));
+        return Err(CliError::Usage(format!(
+            "--touch does not apply to {} (every transfer writes and reads one word per page, as in the fbufs paper); leave it out",
+            a.experiment.name()
+        )));
     }
+    let layer = a.experiment == Experiment::Fbufs;
     let secured = a.trust();
-    if secured == Trust::Full {
+    if secured == Trust::Full && !layer {
         return Err(CliError::Usage(
             "--trust full: in fbufs-table --trust sets the secured rows, which protect; give half or none".into(),
         ));
@@ -110,8 +121,9 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         probe_trust(backend, secured)?;
     } else if !matches!(backend, Backend::UdsCopy | Backend::TcpCopy | Backend::PipeCopy) {
         return Err(CliError::Usage(format!(
-            "--backend {}: fbufs-table does not run on it; give local or shm (Ferry), or a copy baseline (uds-copy, tcp-copy, pipe-copy)",
-            backend.name()
+            "--backend {}: {} does not run on it; give local or shm (Ferry), or a copy baseline (uds-copy, tcp-copy, pipe-copy)",
+            backend.name(),
+            a.experiment.name()
         )));
     }
     let mut copies = if a.compare { compare::baselines(a)? } else { Vec::new() };
@@ -129,7 +141,9 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         };
         if ferry {
             for v in Variant::ALL {
-                let trust = if v.secured() { secured } else { Trust::Full };
+                // fbufs: the receiver secures (trust as given, FULL by
+                // default); fbufs-table: the channel's trust protects.
+                let trust = if v.secured() || layer { secured } else { Trust::Full };
                 let mut per_run: Vec<(usize, Vec<f64>)> = Vec::new();
                 for &size in &sizes {
                     ctx.progress.say(format!("fbufs {} {} {size} B", backend.name(), v.name()));
@@ -138,7 +152,8 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                     ctx.emit(p);
                     per_run.push((size, medians));
                 }
-                let mut p = slope_point(backend.name(), v.name(), trust.name(), a.mode(), runs, &per_run)?;
+                let mut p =
+                    slope_point(a.experiment.name(), backend.name(), v.name(), trust.name(), a.mode(), runs, &per_run)?;
                 tag(&mut p);
                 ctx.emit(p);
             }
@@ -159,7 +174,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                     Some(Value::Array(v)) => v.iter().filter_map(Value::as_f64).collect(),
                     _ => vec![p.quantiles()[0]],
                 };
-                p.set("experiment", json!("fbufs-table"));
+                p.set("experiment", json!(a.experiment.name()));
                 p.set("variant", json!("copy"));
                 p.set("pages", json!(size.div_ceil(PAGE)));
                 p.set("gbit_s_median", json!(gbit(size, p.quantiles()[0])));
@@ -167,7 +182,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                 ctx.emit(p);
                 per_run.push((size, medians));
             }
-            let mut p = slope_point(b.name(), "copy", "n/a", "blocking", runs, &per_run)?;
+            let mut p = slope_point(a.experiment.name(), b.name(), "copy", "n/a", "blocking", runs, &per_run)?;
             tag(&mut p);
             ctx.emit(p);
         }
@@ -219,7 +234,8 @@ fn transfer_point(
     };
     let mut rig =
         rig::connect(backend, setup, EchoSpec { role: EchoRole::Fbufs, busy, touch: false, batch: false }, None)?;
-    let cached = if v.cached() {
+    let layer = a.experiment == Experiment::Fbufs;
+    let cached = if v.cached() && !layer {
         let alloc = Allocator::new(&rig.domain, 4, size, PoolConstraints::default())?;
         rig.assign(&alloc)?;
         let mut bufs: Vec<_> = std::iter::from_fn(|| alloc.alloc()).collect();
@@ -231,52 +247,44 @@ fn transfer_point(
     } else {
         None
     };
-    let mut samples = Vec::with_capacity(runs * TRANSFERS_PER_RUN);
-    let mut medians = Vec::with_capacity(runs);
+    let secure = layer && v.secured();
+    let name = a.experiment.name();
+    let domain = rig.domain.clone();
     let mut seq = 0u64;
-    for run in 0..=runs {
-        let mut times = Vec::with_capacity(TRANSFERS_PER_RUN);
-        for _ in 0..TRANSFERS_PER_RUN {
-            seq += 1;
-            let t0 = Instant::now();
-            let fresh;
-            let alloc = match &cached {
-                Some(a) => a,
-                None => {
-                    fresh = Allocator::new(&rig.domain, 1, size, PoolConstraints::default())?;
-                    rig.assign(&fresh)?;
-                    &fresh
-                }
-            };
-            let mut buf = alloc.alloc().ok_or_else(|| CliError::Failed("fbufs: pool exhausted".into()))?;
-            write_pages(buf.as_mut_slice()?, seq);
-            rig.source.move_buffer(buf, &seq.to_le_bytes())?;
-            match next_event(&mut rig.source, busy) {
-                Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
-                ev => {
-                    return Err(CliError::Failed(format!(
-                        "fbufs-table: the originator expected the buffer back but got {}; run the benchmark again",
-                        describe(&ev)
-                    )))
-                }
-            }
-            if cached.is_none() {
-                rig.remove(alloc)?;
-            }
-            times.push(t0.elapsed().as_secs_f64() * 1e6);
+    let (samples, medians) = if v.cached() && layer {
+        // fbufs: the cached rows take their buffers from a data path over
+        // the rig's channel, its one pool made (and mapped at both ends)
+        // before the runs.
+        let quota = PathQuota { max_pools: 1, max_bytes: 4 * size as u64 };
+        let mut p = DataPath::new(&domain, vec![&mut rig.source], PathConfig::new(size, 4, quota))?;
+        p.grow()?;
+        let mut bufs: Vec<_> = std::iter::from_fn(|| p.alloc().ok()).collect();
+        for b in &mut bufs {
+            b.as_mut_slice()?.fill(1);
         }
-        if run > 0 {
-            medians.push(Summary::of(&times).expect("transfers").median);
-            samples.extend(times);
-        }
-        if run > 0 {
-            ctx.progress.inc(1);
-        }
-    }
+        drop(bufs);
+        timed_runs(ctx, runs, &mut seq, &mut |seq| {
+            let buf = p.alloc()?;
+            round_trip(p.channel_mut(0), buf, seq, secure, busy, name)
+        })?
+    } else if let Some(alloc) = &cached {
+        timed_runs(ctx, runs, &mut seq, &mut |seq| {
+            let buf = alloc.alloc().ok_or_else(|| CliError::Failed(format!("{name}: pool exhausted")))?;
+            round_trip(&mut rig.source, buf, seq, secure, busy, name)
+        })?
+    } else {
+        timed_runs(ctx, runs, &mut seq, &mut |seq| {
+            let fresh = Allocator::new(&domain, 1, size, PoolConstraints::default())?;
+            rig.assign(&fresh)?;
+            let buf = fresh.alloc().ok_or_else(|| CliError::Failed(format!("{name}: pool exhausted")))?;
+            round_trip(&mut rig.source, buf, seq, secure, busy, name)?;
+            rig.remove(&fresh)
+        })?
+    };
     rig::check_echoed(rig.finish()?, seq)?;
     let s = Summary::of(&samples).ok_or_else(|| CliError::Failed("no samples".into()))?;
     let head = Head {
-        experiment: "fbufs-table",
+        experiment: a.experiment.name(),
         backend: backend.name(),
         size,
         trust: trust.name(),
@@ -292,8 +300,65 @@ fn transfer_point(
     Ok((Point::new(head, s, Some(0), extra), medians))
 }
 
+/// R runs (after one warm-up run) of [`TRANSFERS_PER_RUN`] timed calls of
+/// `step` with the next sequence number: every sample, and each run's
+/// median.
+fn timed_runs(
+    ctx: &Ctx<'_>,
+    runs: usize,
+    seq: &mut u64,
+    step: &mut dyn FnMut(u64) -> Result<(), CliError>,
+) -> Result<(Vec<f64>, Vec<f64>), CliError> {
+    let mut samples = Vec::with_capacity(runs * TRANSFERS_PER_RUN);
+    let mut medians = Vec::with_capacity(runs);
+    for run in 0..=runs {
+        let mut times = Vec::with_capacity(TRANSFERS_PER_RUN);
+        for _ in 0..TRANSFERS_PER_RUN {
+            *seq += 1;
+            let t0 = Instant::now();
+            step(*seq)?;
+            times.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        if run > 0 {
+            medians.push(Summary::of(&times).expect("transfers").median);
+            samples.extend(times);
+            ctx.progress.inc(1);
+        }
+    }
+    Ok((samples, medians))
+}
+
+/// One transfer: write one word per page, move the buffer (meta: the
+/// sequence number, then 1 if the receiver is to secure it first), take it
+/// back.
+fn round_trip(
+    source: &mut Channel,
+    mut buf: ferry::Buffer,
+    seq: u64,
+    secure: bool,
+    busy: bool,
+    name: &str,
+) -> Result<(), CliError> {
+    let mut meta = [0u8; 9];
+    meta[..8].copy_from_slice(&seq.to_le_bytes());
+    meta[8] = u8::from(secure);
+    write_pages(buf.as_mut_slice()?, seq);
+    source.move_buffer(buf, &meta)?;
+    match next_event(source, busy) {
+        Some(Event::BufferPassed { buffer, .. }) => {
+            drop(buffer);
+            Ok(())
+        }
+        ev => Err(CliError::Failed(format!(
+            "{name}: the originator expected the buffer back but got {}; run the benchmark again",
+            describe(&ev)
+        ))),
+    }
+}
+
 /// The table row: per-page cost (slope per run) and asymptotic throughput.
 fn slope_point(
+    experiment: &'static str,
     backend: &str,
     variant: &str,
     trust: &str,
@@ -316,7 +381,7 @@ fn slope_point(
     })?;
     let intercept = Summary::of(&intercepts).map_or(0.0, |i| i.median);
     let asymptotic = if s.median > 0.0 { json!(gbit(PAGE, s.median)) } else { Value::Null };
-    let head = Head { experiment: "fbufs-table", backend, size: 0, trust, mode, touch: false, runs, unit: "us/page" };
+    let head = Head { experiment, backend, size: 0, trust, mode, touch: false, runs, unit: "us/page" };
     let sizes: Vec<usize> = per_size.iter().map(|(s, _)| *s).collect();
     let mut extra = json!({
         "variant": variant, "sizes": sizes, "intercept_us": round(intercept),
@@ -339,9 +404,22 @@ pub fn serve(ch: &mut Channel, busy: bool) -> Result<u64, String> {
             Some(Event::Bound | Event::PoolRemoved(_)) => {}
             Some(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).map_err(|e| e.to_string())?,
             Some(Event::MoveReceived { buffer, meta }) => {
-                if !crate::pattern::seq_of(&meta).is_some_and(|s| read_pages(&buffer, s)) {
+                let seq = crate::pattern::seq_of(&meta);
+                let buffer = if meta.get(8) == Some(&1) {
+                    // fbufs secured rows: secure, then read the secured bytes.
+                    let secured = buffer.secure().map_err(|e| e.to_string())?;
+                    if !seq.is_some_and(|s| read_pages(&secured, s)) {
+                        return Err(format!(
+                            "fbufs echo: secured buffer {} has wrong page words",
+                            secured.handle().id().index
+                        ));
+                    }
+                    secured.into_inner()
+                } else if !seq.is_some_and(|s| read_pages(&buffer, s)) {
                     return Err(format!("fbufs echo: buffer {} arrived with wrong page words", buffer.id().index));
-                }
+                } else {
+                    buffer
+                };
                 send_when_room(buffer, true, |b| ch.pass(b, &meta)).map_err(|e| e.to_string())?;
                 n += 1;
             }

@@ -4,7 +4,7 @@
 //! * `rtt`, `throughput` — [ETH-NET] §5.1.4/§5.1.3: a source domain and an
 //!   echo domain that passes every buffer straight back ([`channel`]).
 //! * `fbufs-table` — \[FBUFS\] Table 1 and its throughput-vs-size figure
-//!   ([`fbufs`]).
+//!   ([`fbufs`]); `fbufs` — the same on data paths and secured buffers.
 //! * `pipeline` — \[CONTAINER\] Fig. 7: a chain of processes ([`pipeline`]).
 //!
 //! Every figure is a distribution: we print the median with percentiles,
@@ -82,7 +82,7 @@ fn pool_buffers(a: &BenchArgs) -> usize {
     match a.experiment {
         Experiment::Rtt => channel::RTT_POOL,
         Experiment::Throughput => a.inflight.unwrap_or(250),
-        Experiment::FbufsTable => 4,
+        Experiment::FbufsTable | Experiment::Fbufs => 4,
         Experiment::Pipeline => a.inflight.unwrap_or(16),
         Experiment::Fanin => a.inflight.unwrap_or(fanin::WINDOW),
         Experiment::SocketTouch => 4,
@@ -100,6 +100,10 @@ pub enum Experiment {
     /// Per-page cost and asymptotic throughput of one domain crossing, cached/uncached ×
     /// volatile/secured (fbufs, Table 1 and its throughput-vs-size figure).
     FbufsTable,
+    /// fbufs Table 1 on the data-path layer: cached = a `DataPath` pool reused, uncached = a fresh
+    /// pool per transfer; volatile = the receiver reads in place, secured = it calls `secure()`
+    /// first; against copying (--compare).
+    Fbufs,
     /// A chain of N processes passing --total bytes of --size buffers end to end, against the
     /// same chain built with pipes and read/write (Container Shipping, Fig. 7).
     Pipeline,
@@ -114,12 +118,18 @@ pub enum Experiment {
 }
 
 impl Experiment {
+    /// fbufs-table or fbufs: the per-page table and its figure.
+    pub fn is_fbufs(self) -> bool {
+        matches!(self, Experiment::FbufsTable | Experiment::Fbufs)
+    }
+
     /// The name in output and on the command line.
     pub fn name(self) -> &'static str {
         match self {
             Experiment::Rtt => "rtt",
             Experiment::Throughput => "throughput",
             Experiment::FbufsTable => "fbufs-table",
+            Experiment::Fbufs => "fbufs",
             Experiment::Pipeline => "pipeline",
             Experiment::Fanin => "fanin",
             Experiment::SocketTouch => "socket-touch",
@@ -235,6 +245,7 @@ impl Trust {
   ferry bench throughput --compare --against uds-copy --size 65536 --plot tp.svg
   ferry bench rtt --blocking --idle-us 200 --compare --against eventfd
   ferry bench fbufs-table --backend shm --compare --plot fbufs.svg
+  ferry bench fbufs --backend shm --compare
   ferry bench rtt --blocking --idle-us 200 --wait channel,epoll,selector --compare --against eventfd
   ferry bench pipeline --stages 2 --stages 5 --total 268435456
   ferry bench fanin --channels 64 --idle-us 200")]
@@ -249,7 +260,7 @@ pub struct BenchArgs {
     #[arg(allow_negative_numbers = true, long = "size", value_parser = whole::<usize>(1, MAX_SIZE))]
     pub sizes: Vec<usize>,
     /// Runs per point (rtt: runs of 250 round trips, default 100; throughput: runs of --moves
-    /// moves, default 20; fbufs-table: runs of 25 transfers per size, default 10; pipeline:
+    /// moves, default 20; fbufs-table, fbufs: runs of 25 transfers per size, default 10; pipeline:
     /// runs of --total bytes, default 3; fanin: runs of 250 round trips and runs of 1000 moves
     /// per client, default 20); 1 to 10 000. One more warm-up run is never recorded.
     #[arg(allow_negative_numbers = true, long, value_parser = whole::<usize>(1, MAX_RUNS))]
@@ -268,7 +279,8 @@ pub struct BenchArgs {
     /// Sleep until woken when there is nothing to do.
     #[arg(long)]
     pub blocking: bool,
-    /// Trust level of the channel (fbufs-table: the level of the "secured" rows, default half).
+    /// Trust level of the channel (fbufs-table: the level of the "secured" rows, default half;
+    /// fbufs: of every row, default full).
     #[arg(long, value_enum)]
     pub trust: Option<Trust>,
     /// The sender writes every payload byte (a pattern) and the receiver checks every byte, as
@@ -454,14 +466,15 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     only("--stages", !a.stages.is_empty(), exp == Experiment::Pipeline, "pipeline")?;
     let totals = matches!(exp, Experiment::Pipeline | Experiment::SocketTouch);
     only("--total", a.total.is_some(), totals, "pipeline and socket-touch")?;
-    if exp == Experiment::FbufsTable && !a.sizes.is_empty() {
+    if exp.is_fbufs() && !a.sizes.is_empty() {
         let mut distinct = a.sizes.clone();
         distinct.sort_unstable();
         distinct.dedup();
         if distinct.len() < 2 {
             return Err(usage(format!(
-                "--size {}: fbufs-table fits its per-page cost over two sizes or more; give --size at least twice, with different sizes",
-                a.sizes[0]
+                "--size {}: {} fits its per-page cost over two sizes or more; give --size at least twice, with different sizes",
+                a.sizes[0],
+                exp.name()
             )));
         }
     }
@@ -541,7 +554,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
     let mut ctx = Ctx { args, progress: Progress::hidden(), points: Vec::new() };
     match args.experiment {
         Experiment::Rtt | Experiment::Throughput => channel::run(&mut ctx)?,
-        Experiment::FbufsTable => fbufs::run(&mut ctx)?,
+        Experiment::FbufsTable | Experiment::Fbufs => fbufs::run(&mut ctx)?,
         Experiment::Pipeline => pipeline::run(&mut ctx)?,
         Experiment::Fanin => fanin::run(&mut ctx)?,
         Experiment::SocketTouch => socket_touch::run(&mut ctx)?,
@@ -611,6 +624,7 @@ mod tests {
             &["rtt", "--rounds", "0"],
             &["fbufs-table", "--size", "4096"],
             &["fbufs-table", "--size", "4096", "--size", "4096"],
+            &["fbufs", "--size", "4096"],
             &["rtt", "--wait", "epoll"],
             &["rtt", "--blocking", "--wait", "poll"],
             &["throughput", "--blocking", "--wait", "epoll"],
@@ -630,6 +644,7 @@ mod tests {
             &["rtt", "--backend", "net", "--size", "4096"],
             &["pipeline", "--stages", "2", "--total", "1048576"],
             &["fbufs-table", "--plot", "f.svg"],
+            &["fbufs", "--backend", "shm", "--size", "4096", "--size", "65536", "--compare"],
             &["rtt", "--blocking", "--idle-us", "200", "--wait", "epoll", "--compare", "--against", "eventfd"],
             &["rtt", "--blocking", "--backend", "shm", "--wait", "channel,epoll,selector,wait-any"],
             &["fanin", "--channels", "64", "--idle-us", "200", "--wait", "selector"],
@@ -645,6 +660,9 @@ mod tests {
         assert_eq!((t.a.backend(), t.a.busy(), t.a.trust()), (Backend::Shm, false, Trust::Full));
         let t = T::try_parse_from(["t", "fbufs-table"]).unwrap();
         assert_eq!((t.a.backend(), t.a.busy(), t.a.trust()), (Backend::Local, true, Trust::Half));
+        // fbufs: the receiver secures, the channel stays at trust FULL.
+        let t = T::try_parse_from(["t", "fbufs"]).unwrap();
+        assert_eq!((t.a.backend(), t.a.busy(), t.a.trust()), (Backend::Local, true, Trust::Full));
         let t = T::try_parse_from(["t", "rtt", "--blocking"]).unwrap();
         assert_eq!((t.a.mode(), t.a.trust()), ("blocking", Trust::Full));
     }

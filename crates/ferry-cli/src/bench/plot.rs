@@ -291,8 +291,8 @@ fn label(p: &Point) -> String {
 pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
     let a = ctx.args;
     let pts: Vec<&Point> = ctx.points.iter().collect();
-    let root = SVGBackend::new(path, if a.experiment == Experiment::FbufsTable { (1200, 520) } else { (860, 540) })
-        .into_drawing_area();
+    let root =
+        SVGBackend::new(path, if a.experiment.is_fbufs() { (1200, 520) } else { (860, 540) }).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let mode = a.mode();
     match a.experiment {
@@ -326,7 +326,7 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
             };
             chart(&root, &spec, &s)?;
         }
-        Experiment::FbufsTable => {
+        Experiment::FbufsTable | Experiment::Fbufs => {
             let (left, right) = root.split_horizontally(480);
             let rows: Vec<(String, [f64; 4])> = pts
                 .iter()

@@ -128,7 +128,7 @@ impl Point {
         // rate is then that of handing buffers over, not of using data);
         // fbufs-table writes and reads one word per page.
         let untouched =
-            self.0.get("touch").and_then(Value::as_bool) == Some(false) && self.str("experiment") != "fbufs-table";
+            self.0.get("touch").and_then(Value::as_bool) == Some(false) && !self.str("experiment").starts_with("fbufs");
         let note = match (untouched, self.str("experiment")) {
             (true, "pipeline") => " (payload untouched but an 8-byte tag per buffer)",
             (true, _) => " (payload untouched)",
