@@ -23,7 +23,7 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
         // Its baselines are Ferry's own (one channel, independent pairs): always measured.
         Experiment::Fanin => &[],
         // Its baseline (plain read/write) is measured by the experiment itself.
-        Experiment::SocketTouch => &[],
+        Experiment::SocketTouch | Experiment::Layers => &[],
     };
     if !a.against.is_empty() {
         let mut v = Vec::new();

@@ -21,6 +21,7 @@ pub mod child;
 pub mod compare;
 pub mod fanin;
 pub mod fbufs;
+pub mod layers;
 pub mod peers;
 pub mod pipeline;
 pub mod plot;
@@ -86,6 +87,7 @@ fn pool_buffers(a: &BenchArgs) -> usize {
         Experiment::Pipeline => a.inflight.unwrap_or(16),
         Experiment::Fanin => a.inflight.unwrap_or(fanin::WINDOW),
         Experiment::SocketTouch => 4,
+        Experiment::Layers => 4,
     }
 }
 use progress::Progress;
@@ -115,6 +117,10 @@ pub enum Experiment {
     /// Two processes over an AF_UNIX socket, 128 KiB per I/O, the receiver touching all, half or
     /// none of the pages, with ferry-io against plain read/write (Container Shipping, Fig. 4).
     SocketTouch,
+    /// A layered protocol stack across three processes A → B → C (fbufs §2): three layers add
+    /// headers, the lowest fragments into 4 KiB units, a router forwards, the receiver reassembles
+    /// and strips; on aggregates against the same stack copying at each layer.
+    Layers,
 }
 
 impl Experiment {
@@ -133,6 +139,7 @@ impl Experiment {
             Experiment::Pipeline => "pipeline",
             Experiment::Fanin => "fanin",
             Experiment::SocketTouch => "socket-touch",
+            Experiment::Layers => "layers",
         }
     }
 }
@@ -248,7 +255,8 @@ impl Trust {
   ferry bench fbufs --backend shm --compare
   ferry bench rtt --blocking --idle-us 200 --wait channel,epoll,selector --compare --against eventfd
   ferry bench pipeline --stages 2 --stages 5 --total 268435456
-  ferry bench fanin --channels 64 --idle-us 200")]
+  ferry bench fanin --channels 64 --idle-us 200
+  ferry bench layers --rounds 3")]
 pub struct BenchArgs {
     /// Which experiment.
     #[arg(value_enum)]
@@ -333,13 +341,17 @@ pub struct BenchArgs {
     /// more than 0, at most 10 000).
     #[arg(allow_negative_numbers = true, long, value_name = "GBIT_S", value_parser = gbit_s)]
     pub iperf3_gbit: Option<f64>,
+    /// layers: a quick run for smoke tests (one run of 4 messages per size and stack, every
+    /// message verified).
+    #[arg(long)]
+    pub quick: bool,
 }
 
 impl BenchArgs {
     /// The primary backend (the experiment's default when not given).
     pub fn backend(&self) -> Backend {
         self.backend.unwrap_or(match self.experiment {
-            Experiment::Pipeline => Backend::Shm,
+            Experiment::Pipeline | Experiment::Layers => Backend::Shm,
             _ => Backend::Local,
         })
     }
@@ -444,6 +456,7 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     };
     only("--idle-us", a.idle_us > 0, matches!(exp, Experiment::Rtt | Experiment::Fanin), "rtt and fanin")?;
     only("--channels", a.channels.is_some(), exp == Experiment::Fanin, "fanin")?;
+    only("--quick", a.quick, exp == Experiment::Layers, "layers")?;
     only("--wait", !a.waits.is_empty(), matches!(exp, Experiment::Rtt | Experiment::Fanin), "rtt and fanin")?;
     if exp == Experiment::Rtt && !a.waits.is_empty() && a.busy() {
         return Err(usage("--wait chooses how a sleeping end waits; add --blocking"));
@@ -558,6 +571,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
         Experiment::Pipeline => pipeline::run(&mut ctx)?,
         Experiment::Fanin => fanin::run(&mut ctx)?,
         Experiment::SocketTouch => socket_touch::run(&mut ctx)?,
+        Experiment::Layers => layers::run(&mut ctx)?,
     }
     drop(std::mem::replace(&mut ctx.progress, Progress::hidden()));
     if args.experiment == Experiment::Fanin {
