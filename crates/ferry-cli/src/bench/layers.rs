@@ -60,7 +60,7 @@
 //!   all 9 copies of about S per message (`copies_user` 9).
 //!
 //! Both stacks fill the payload, and take and return buffers, alike; at
-//! most `WINDOW` messages are in flight. A run is `per_run` messages (about
+//! most 16 MiB of messages (and at least 4) are in flight. A run is `per_run` messages (about
 //! 64 MiB), timed from the first message to C's report that it checked the
 //! last; the per-layer costs are the time of each layer's header (and
 //! fragment) work, measured in A and C, averaged over a run's messages.
@@ -94,8 +94,15 @@ const UNIT: usize = 4096;
 const HDR: usize = 32;
 /// Bytes of a unit header.
 const UHDR: usize = 16;
-/// Messages in flight at most.
-const WINDOW: usize = 4;
+/// Bytes of messages in flight at most (and at least 4 messages): enough
+/// that each process finds several messages waiting when it wakes up, so a
+/// run measures the stacks' work rather than three wake-ups per message.
+const WINDOW_BYTES: usize = 16 << 20;
+
+/// Messages in flight at most, for messages of `size` bytes.
+fn window(size: usize) -> usize {
+    (WINDOW_BYTES / size).max(4)
+}
 /// Setup steps.
 const STEP: Duration = Duration::from_secs(20);
 /// Longest run.
@@ -280,8 +287,9 @@ fn meta(seq: u64, len: usize) -> [u8; 16] {
 /// What one run measured.
 struct Sample {
     secs: f64,
-    /// Per message, ns: application, transport, network header, fragmentation (A).
-    a: [f64; 4],
+    /// Per message, ns: application, transport, network header, fragmentation,
+    /// and the application's filling of the payload (A).
+    a: [f64; 5],
     /// Per message, ns: reassembly, network, transport, application (C).
     c: [f64; 4],
     verified: u64,
@@ -333,7 +341,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         if a.json {
             println!(
                 "{}",
-                json!({"experiment": "layers", "size": size, "ratio": round(ratio),
+                json!({"experiment": "layers", "kind": "ratio", "size": size, "ratio": round(ratio),
                     "aggregate_gb_s": round(ga), "copying_gb_s": round(gc), "verified": verified})
             );
         } else {
@@ -370,7 +378,7 @@ fn point(stack: Stack, size: usize, runs: usize, per_run: u64, s: &[Sample]) -> 
     let extra = json!({
         "variant": stack.name(), "units": units(size), "messages_per_run": per_run,
         "msgs_s": round(msgs), "verified": verified,
-        "a_app_ns": a(0), "a_transport_ns": a(1), "a_network_ns": a(2), "a_fragment_ns": a(3),
+        "a_fill_ns": a(4), "a_app_ns": a(0), "a_transport_ns": a(1), "a_network_ns": a(2), "a_fragment_ns": a(3),
         "a_fragment_ns_per_unit": round(med(s.iter().map(|x| x.a[3])) / units(size) as f64),
         "c_reassemble_ns": c(0), "c_network_ns": c(1), "c_transport_ns": c(2), "c_app_ns": c(3),
         "c_reassemble_ns_per_unit": round(med(s.iter().map(|x| x.c[0])) / units(size) as f64),
@@ -488,17 +496,18 @@ impl Sender {
     fn new(stack: Stack, size: usize, verify_every: u64, name: &str) -> Result<Sender, CliError> {
         let domain = Domain::new("layers-a");
         let ch = Channel::accept(&domain, &ep(name, 0), setup(), STEP)?;
-        let quota = PathQuota { max_pools: 1, max_bytes: (WINDOW * size) as u64 };
-        let mut path = DataPath::new(&domain, vec![ch], PathConfig::new(size, WINDOW as u64, quota))?;
+        let quota = PathQuota { max_pools: 1, max_bytes: (window(size) * size) as u64 };
+        let mut path = DataPath::new(&domain, vec![ch], PathConfig::new(size, window(size) as u64, quota))?;
         let c = PoolConstraints::default();
         let (small, second) = match stack {
             Stack::Aggregate => (
-                Allocator::new(&domain, (3 * WINDOW + 3) as u64, 4096, c)?,
-                Allocator::new(&domain, (WINDOW + 1) as u64, uhdr_buf(size), c)?,
+                Allocator::new(&domain, (3 * window(size) + 3) as u64, 4096, c)?,
+                Allocator::new(&domain, (window(size) + 1) as u64, uhdr_buf(size), c)?,
             ),
-            Stack::Copying => {
-                (Allocator::new(&domain, (WINDOW + 1) as u64, big(size), c)?, Allocator::new(&domain, 4, big(size), c)?)
-            }
+            Stack::Copying => (
+                Allocator::new(&domain, (window(size) + 1) as u64, big(size), c)?,
+                Allocator::new(&domain, 4, big(size), c)?,
+            ),
         };
         path.channel_mut(0).assign_pool_and_wait(small.pool(), STEP)?;
         if stack == Stack::Aggregate {
@@ -556,9 +565,9 @@ impl Sender {
     }
 
     /// Build and send message `seq`; adds the time of each layer to `t`.
-    fn send(&mut self, seq: u64, t: &mut [f64; 4]) -> Result<(), CliError> {
+    fn send(&mut self, seq: u64, t: &mut [f64; 5]) -> Result<(), CliError> {
         let t0 = Instant::now();
-        while self.inflight >= WINDOW {
+        while self.inflight >= window(self.size) {
             if t0.elapsed() > RUN_LIMIT {
                 return Err(fail("layers: no buffer came back"));
             }
@@ -567,7 +576,9 @@ impl Sender {
         let size = self.size;
         // The application's data.
         let mut p = self.path.alloc()?;
+        let tf = Instant::now();
         fill(&mut p.as_mut_slice()?[..size], seq);
+        t[4] += tf.elapsed().as_nanos() as f64;
         let sum = if seq % self.verify_every == 0 { checksum(&p[..size]) } else { 0 };
         let hdrs = [
             header([MAGIC[0], seq, size as u64, sum]),
@@ -582,7 +593,7 @@ impl Sender {
                 let mut h = [self.take(false)?, self.take(false)?, self.take(false)?].into_iter();
                 let uh = self.take(true)?;
                 let mut l = Instant::now();
-                let mut lap = |i: usize, t: &mut [f64; 4]| {
+                let mut lap = |i: usize, t: &mut [f64; 5]| {
                     let now = Instant::now();
                     t[i] += now.duration_since(l).as_nanos() as f64;
                     l = now;
@@ -599,7 +610,7 @@ impl Sender {
             }
             Stack::Copying => {
                 let mut l = Instant::now();
-                let mut lap = |i: usize, t: &mut [f64; 4]| {
+                let mut lap = |i: usize, t: &mut [f64; 5]| {
                     let now = Instant::now();
                     t[i] += now.duration_since(l).as_nanos() as f64;
                     l = now;
@@ -683,7 +694,7 @@ fn measure(stack: Stack, size: usize, runs: usize, per_run: u64, verify_every: u
     let mut seq = 0u64;
     let mut out = Vec::with_capacity(runs);
     for run in 0..=runs {
-        let mut t = [0f64; 4];
+        let mut t = [0f64; 5];
         let t0 = Instant::now();
         for _ in 0..per_run {
             a.send(seq, &mut t)?;
@@ -738,7 +749,7 @@ fn router(a: &ChildArgs) -> Result<(), CliError> {
     let mut out = Channel::accept(&domain, &ep(&a.name, 1), setup(), STEP)?;
     let mut inn = Channel::connect(&domain, &ep(&a.name, 0), BindParams::default(), STEP)?;
     // B's own buffers for the copying stack (made in both, so the two differ only in copying).
-    let own = Allocator::new(&domain, (2 * WINDOW + 2) as u64, big(a.size), PoolConstraints::default())?;
+    let own = Allocator::new(&domain, (2 * window(a.size) + 2) as u64, big(a.size), PoolConstraints::default())?;
     out.assign_pool_and_wait(own.pool(), STEP)?;
     loop {
         let Some((i, ev)) = ferry::wait_any(&mut [&mut inn, &mut out], Some(STEP)) else {

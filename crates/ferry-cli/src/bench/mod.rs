@@ -647,6 +647,7 @@ mod tests {
             &["fanin", "--channels", "0"],
             &["fanin", "--channels", "1025"],
             &["rtt", "--blocking", "--backend", "eventfd", "--wait", "selector"],
+            &["rtt", "--quick"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }
@@ -663,6 +664,8 @@ mod tests {
             &["rtt", "--blocking", "--backend", "shm", "--wait", "channel,epoll,selector,wait-any"],
             &["fanin", "--channels", "64", "--idle-us", "200", "--wait", "selector"],
             &["fanin", "--channels", "8", "--runs", "1", "--inflight", "4"],
+            &["layers", "--quick"],
+            &["layers", "--size", "1048576", "--rounds", "3"],
         ] {
             assert!(check(good).is_ok(), "{good:?} refused");
         }
