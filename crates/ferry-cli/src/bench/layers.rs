@@ -60,8 +60,8 @@
 //!   all 9 copies of about S per message (`copies_user` 9).
 //!
 //! Both stacks fill the payload, and take and return buffers, alike; at
-//! most 16 MiB of messages (and at least 4) are in flight. A run is `per_run` messages (about
-//! 64 MiB), timed from the first message to C's report that it checked the
+//! most 8 MiB of messages (and at least 4) are in flight. A run is `per_run` messages (about
+//! 256 MiB), timed from the first message to C's report that it checked the
 //! last; the per-layer costs are the time of each layer's header (and
 //! fragment) work, measured in A and C, averaged over a run's messages.
 //! Every sample is the median over runs; `--rounds` repeats the two stacks
@@ -97,7 +97,7 @@ const UHDR: usize = 16;
 /// Bytes of messages in flight at most (and at least 4 messages): enough
 /// that each process finds several messages waiting when it wakes up, so a
 /// run measures the stacks' work rather than three wake-ups per message.
-const WINDOW_BYTES: usize = 16 << 20;
+const WINDOW_BYTES: usize = 8 << 20;
 
 /// Messages in flight at most, for messages of `size` bytes.
 fn window(size: usize) -> usize {
@@ -315,7 +315,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     ctx.progress = Progress::new((sizes.len() * rounds * 2) as u64, a.json);
     let mut summary = Vec::new();
     for &size in &sizes {
-        let per_run = if quick { 4 } else { ((64usize << 20) / size).max(16) as u64 };
+        let per_run = if quick { 4 } else { ((256usize << 20) / size).max(32) as u64 };
         let mut all: [Vec<Sample>; 2] = [Vec::new(), Vec::new()];
         for round_no in 1..=rounds {
             for (k, stack) in [Stack::Aggregate, Stack::Copying].into_iter().enumerate() {
