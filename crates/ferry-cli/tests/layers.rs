@@ -48,6 +48,7 @@ fn layers_bad_input_is_a_usage_error() {
         &["bench", "layers", "--backend", "local"][..],
         &["bench", "layers", "--size", "4096"],
         &["bench", "rtt", "--quick"],
+        &["bench", "layers", "--quick", "--compare"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_ferry")).args(bad).stdin(Stdio::null()).output().expect("run ferry");
         assert_eq!(out.status.code(), Some(2), "{bad:?}: {}", String::from_utf8_lossy(&out.stderr));

@@ -457,6 +457,23 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     only("--idle-us", a.idle_us > 0, matches!(exp, Experiment::Rtt | Experiment::Fanin), "rtt and fanin")?;
     only("--channels", a.channels.is_some(), exp == Experiment::Fanin, "fanin")?;
     only("--quick", a.quick, exp == Experiment::Layers, "layers")?;
+    if exp == Experiment::Layers {
+        // Always both stacks, trust FULL, blocking, payload written and checked.
+        for (flag, given) in [
+            ("--compare", a.compare),
+            ("--trust", a.trust.is_some()),
+            ("--touch", a.touch),
+            ("--busy-poll", a.busy_poll),
+            ("--blocking", a.blocking),
+            ("--no-batching", a.no_batching),
+        ] {
+            if given {
+                return Err(usage(format!(
+                    "{flag} does not apply to layers (it always runs both stacks, trust full, blocking, every payload written); leave it out"
+                )));
+            }
+        }
+    }
     only("--wait", !a.waits.is_empty(), matches!(exp, Experiment::Rtt | Experiment::Fanin), "rtt and fanin")?;
     if exp == Experiment::Rtt && !a.waits.is_empty() && a.busy() {
         return Err(usage("--wait chooses how a sleeping end waits; add --blocking"));
@@ -648,6 +665,9 @@ mod tests {
             &["fanin", "--channels", "1025"],
             &["rtt", "--blocking", "--backend", "eventfd", "--wait", "selector"],
             &["rtt", "--quick"],
+            &["layers", "--compare"],
+            &["layers", "--trust", "half"],
+            &["layers", "--busy-poll"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }
