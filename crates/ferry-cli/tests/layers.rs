@@ -47,6 +47,7 @@ fn layers_bad_input_is_a_usage_error() {
     for bad in [
         &["bench", "layers", "--backend", "local"][..],
         &["bench", "layers", "--size", "4096"],
+        &["bench", "layers", "--size", "1073741824"],
         &["bench", "rtt", "--quick"],
         &["bench", "layers", "--quick", "--compare"],
     ] {

@@ -88,6 +88,9 @@ use crate::CliError;
 
 /// The sizes measured unless `--size` says.
 pub const SIZES: [usize; 4] = [64 << 10, 256 << 10, 1 << 20, 4 << 20];
+/// The largest message (the copying stack holds some 40 buffers of twice
+/// the size across the three processes).
+const MAX_SIZE: usize = 16 << 20;
 /// Bytes of a unit's piece of the datagram.
 const UNIT: usize = 4096;
 /// Bytes of each layer's header.
@@ -320,8 +323,10 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         )));
     }
     let sizes: Vec<usize> = if a.sizes.is_empty() { SIZES.to_vec() } else { a.sizes.clone() };
-    if let Some(s) = sizes.iter().find(|s| **s < 65536) {
-        return Err(CliError::Usage(format!("--size {s}: layers measures messages of at least 65536 bytes")));
+    if let Some(s) = sizes.iter().find(|s| **s < 65536 || **s > MAX_SIZE) {
+        return Err(CliError::Usage(format!(
+            "--size {s}: layers measures messages of 65536 to {MAX_SIZE} bytes; give e.g. 1048576"
+        )));
     }
     let quick = a.quick;
     let runs = if quick { 1 } else { a.runs.unwrap_or(5) };
