@@ -6,6 +6,8 @@
 //! * `fbufs-table` — \[FBUFS\] Table 1 and its throughput-vs-size figure
 //!   ([`fbufs`]); `fbufs` — the same on data paths and secured buffers.
 //! * `pipeline` — \[CONTAINER\] Fig. 7: a chain of processes ([`pipeline`]).
+//! * `layers` — \[FBUFS\] §2: a layered protocol stack across three
+//!   processes, on aggregates against copying at each layer ([`layers`]).
 //!
 //! Every figure is a distribution: we print the median with percentiles,
 //! one [`Point`] per measured point (`--json`: one JSON object per line).
