@@ -5,7 +5,7 @@
 use clap::{Args, Subcommand};
 use ferry::{BindParams, Channel, Domain};
 
-use super::{fanin, fbufs, pipeline};
+use super::{fanin, fbufs, layers, pipeline};
 use crate::{echo, pin, CliError};
 
 /// Arguments of `ferry bench-child`.
@@ -23,6 +23,8 @@ enum Role {
     Stage(pipeline::StageArgs),
     /// A client process of `fanin --backend shm`.
     FaninClient(fanin::ClientArgs),
+    /// The router or the receiving stack of `layers`.
+    Layers(layers::ChildArgs),
 }
 
 #[derive(Debug, Args)]
@@ -73,5 +75,6 @@ pub fn run(a: &ChildArgs) -> Result<(), CliError> {
         }
         Role::Stage(s) => pipeline::stage(s),
         Role::FaninClient(c) => fanin::client_process(c),
+        Role::Layers(l) => layers::child(l),
     }
 }

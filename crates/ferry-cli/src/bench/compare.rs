@@ -23,7 +23,7 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
         // Its baselines are Ferry's own (one channel, independent pairs): always measured.
         Experiment::Fanin => &[],
         // Its baseline (plain read/write) is measured by the experiment itself.
-        Experiment::SocketTouch | Experiment::UdpForward | Experiment::Chain => &[],
+        Experiment::SocketTouch | Experiment::UdpForward | Experiment::Chain | Experiment::Layers => &[],
         // Compares its own transports (one connection against many).
         Experiment::Demux => &[],
     };

@@ -10,6 +10,8 @@
 //!   against pipes and `cat | … | cat` ([`chain`]).
 //! * `socket-touch` — \[CONTAINER\] Fig. 4 ([`socket_touch`]);
 //!   `udp-forward` — \[CONTAINER\] Fig. 6 ([`udp_forward`]).
+//! * `layers` — \[FBUFS\] §2: a layered protocol stack across three
+//!   processes, on aggregates against copying at each layer ([`layers`]).
 //!
 //! Every figure is a distribution: we print the median with percentiles,
 //! one [`Point`] per measured point (`--json`: one JSON object per line).
@@ -27,6 +29,7 @@ pub mod compare;
 pub mod demux;
 pub mod fanin;
 pub mod fbufs;
+pub mod layers;
 pub mod peers;
 pub mod pipeline;
 pub mod plot;
@@ -96,6 +99,7 @@ fn pool_buffers(a: &BenchArgs) -> usize {
         Experiment::SocketTouch => 4,
         Experiment::UdpForward => 128,
         Experiment::Chain => a.inflight.unwrap_or(16),
+        Experiment::Layers => 4,
     }
 }
 use progress::Progress;
@@ -137,6 +141,10 @@ pub enum Experiment {
     /// sink writing a file or /dev/null: Ferry channels against pipes with read/write and against
     /// `cat | … | cat` (Container Shipping, Fig. 7).
     Chain,
+    /// A layered protocol stack across three processes A → B → C (fbufs §2): three layers add
+    /// headers, the lowest fragments into 4 KiB units, a router forwards, the receiver reassembles
+    /// and strips; on aggregates against the same stack copying at each layer.
+    Layers,
 }
 
 impl Experiment {
@@ -158,6 +166,7 @@ impl Experiment {
             Experiment::Demux => "demux",
             Experiment::UdpForward => "udp-forward",
             Experiment::Chain => "chain",
+            Experiment::Layers => "layers",
         }
     }
 }
@@ -275,7 +284,8 @@ impl Trust {
   ferry bench pipeline --stages 2 --stages 5 --total 268435456
   ferry bench fanin --channels 64 --idle-us 200
   ferry bench chain --sink null,file --stages 3 --stages 5
-  ferry bench udp-forward --competitors 0,1,2,3")]
+  ferry bench udp-forward --competitors 0,1,2,3
+  ferry bench layers --rounds 3")]
 pub struct BenchArgs {
     /// Which experiment.
     #[arg(value_enum)]
@@ -368,13 +378,17 @@ pub struct BenchArgs {
     /// more than 0, at most 10 000).
     #[arg(allow_negative_numbers = true, long, value_name = "GBIT_S", value_parser = gbit_s)]
     pub iperf3_gbit: Option<f64>,
+    /// layers: a quick run for smoke tests (one run of 4 messages per size and stack, every
+    /// message verified).
+    #[arg(long)]
+    pub quick: bool,
 }
 
 impl BenchArgs {
     /// The primary backend (the experiment's default when not given).
     pub fn backend(&self) -> Backend {
         self.backend.unwrap_or(match self.experiment {
-            Experiment::Pipeline => Backend::Shm,
+            Experiment::Pipeline | Experiment::Layers => Backend::Shm,
             _ => Backend::Local,
         })
     }
@@ -480,6 +494,24 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     only("--idle-us", a.idle_us > 0, matches!(exp, Experiment::Rtt | Experiment::Fanin), "rtt and fanin")?;
     let channeled = matches!(exp, Experiment::Fanin | Experiment::Demux);
     only("--channels", a.channels.is_some(), channeled, "fanin and demux")?;
+    only("--quick", a.quick, exp == Experiment::Layers, "layers")?;
+    if exp == Experiment::Layers {
+        // Always both stacks, trust FULL, blocking, payload written and checked.
+        for (flag, given) in [
+            ("--compare", a.compare),
+            ("--trust", a.trust.is_some()),
+            ("--touch", a.touch),
+            ("--busy-poll", a.busy_poll),
+            ("--blocking", a.blocking),
+            ("--no-batching", a.no_batching),
+        ] {
+            if given {
+                return Err(usage(format!(
+                    "{flag} does not apply to layers (it always runs both stacks, trust full, blocking, every payload written); leave it out"
+                )));
+            }
+        }
+    }
     only("--wait", !a.waits.is_empty(), matches!(exp, Experiment::Rtt | Experiment::Fanin), "rtt and fanin")?;
     if exp == Experiment::Rtt && !a.waits.is_empty() && a.busy() {
         return Err(usage("--wait chooses how a sleeping end waits; add --blocking"));
@@ -604,6 +636,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
         Experiment::Demux => demux::run(&mut ctx)?,
         Experiment::UdpForward => udp_forward::run(&mut ctx)?,
         Experiment::Chain => chain::run(&mut ctx)?,
+        Experiment::Layers => layers::run(&mut ctx)?,
     }
     drop(std::mem::replace(&mut ctx.progress, Progress::hidden()));
     if args.experiment == Experiment::Fanin {
@@ -679,6 +712,10 @@ mod tests {
             &["fanin", "--channels", "0"],
             &["fanin", "--channels", "1025"],
             &["rtt", "--blocking", "--backend", "eventfd", "--wait", "selector"],
+            &["rtt", "--quick"],
+            &["layers", "--compare"],
+            &["layers", "--trust", "half"],
+            &["layers", "--busy-poll"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }
@@ -695,6 +732,8 @@ mod tests {
             &["rtt", "--blocking", "--backend", "shm", "--wait", "channel,epoll,selector,wait-any"],
             &["fanin", "--channels", "64", "--idle-us", "200", "--wait", "selector"],
             &["fanin", "--channels", "8", "--runs", "1", "--inflight", "4"],
+            &["layers", "--quick"],
+            &["layers", "--size", "1048576", "--rounds", "3"],
         ] {
             assert!(check(good).is_ok(), "{good:?} refused");
         }

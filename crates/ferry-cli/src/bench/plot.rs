@@ -384,12 +384,17 @@ pub fn draw(ctx: &Ctx<'_>, path: &Path) -> Result<(), CliError> {
                 bars(&right, "Every client busy (M msg/s)", &rate)?;
             }
         }
-        Experiment::SocketTouch => {
+        Experiment::SocketTouch | Experiment::Layers => {
             let rows: Vec<(String, [f64; 4])> = pts
                 .iter()
                 .map(|p| (format!("{} {} {}", p.backend(), p.size(), p.str("variant")), p.quantiles()))
                 .collect();
-            bars(&root, "Receiver over an AF_UNIX socket: GB/s by pages touched (Container Shipping Fig. 4)", &rows)?;
+            let title = if a.experiment == Experiment::Layers {
+                "Layered stack across three processes: GB/s, aggregates against copying (fbufs §2)"
+            } else {
+                "Receiver over an AF_UNIX socket: GB/s by pages touched (Container Shipping Fig. 4)"
+            };
+            bars(&root, title, &rows)?;
         }
         Experiment::Demux => {
             let rows = |unit: &str| -> Vec<(String, [f64; 4])> {
