@@ -1537,6 +1537,9 @@ fn suite<B: Backend>(test: &str, make: impl Fn() -> B) {
     assert!(stats.refused >= 2 * n, "too few refusals: {stats:?}");
     assert!(stats.delivered >= 5 * n, "too few deliveries: {stats:?}");
     assert!(stats.writes >= n, "too few writes: {stats:?}");
+    // Received aggregates held, dropped whole, split and forwarded.
+    assert!(stats.held_dropped >= n / 8 && stats.held_split >= n / 8, "too few held aggregates: {stats:?}");
+    assert!(stats.held_forwarded >= n / 16, "too few forwarded aggregates: {stats:?}");
     if B::TRUSTS.iter().any(|t| matches!(t, Trust::Half | Trust::None)) {
         assert!(stats.protection_checks >= n, "too few protection checks: {stats:?}");
         assert!(stats.fault_probes >= n / 16, "too few fault probes: {stats:?}");
