@@ -1091,7 +1091,9 @@ impl Channel {
     /// Returns `false` if an event may be waiting already: `poll` again
     /// instead of waiting. `true`: the channel is armed, and its fd becomes
     /// readable when an event may be waiting — a message from the peer,
-    /// room in a full outgoing queue, the peer's close or death, a timer of
+    /// room in a full outgoing queue (after a [`send_aggregate`](Channel::send_aggregate)
+    /// refused with [`Error::QueueFull`]: room for its whole run), the
+    /// peer's close or death, a timer of
     /// the backend's own (TCP keep-alives, setup deadlines). Wake-ups can
     /// be spurious; `poll` tells.
     ///
