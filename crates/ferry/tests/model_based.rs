@@ -16,6 +16,17 @@
 //! mapping must match its state there (`/proc/self/maps`), and at sampled
 //! steps a forbidden write must really fault (a forked child tries it).
 //!
+//! Received aggregates are mostly kept whole, in a set of held aggregates
+//! per domain, and later steps work on them: drop one whole (the model
+//! releases each copy it was the last reference to, in the order the
+//! library drops them, and keeps each moved buffer with the domain, which
+//! the harness takes back from the free list), split one into two pieces
+//! dropped at different times, forward one over another channel (whole,
+//! its front part, clipped, or behind a header from a buffer of the
+//! domain's own: the model runs the same aggregate send), or take one
+//! apart into handles. Steps that would need a handle inside a held
+//! aggregate are left out.
+//!
 //! The suite is generic over [`Backend`]: a backend says how it connects
 //! two domains and which trust levels it supports; everything else is the
 //! same for every backend. [`Mixed`] gives each channel its own backend, so
