@@ -241,6 +241,9 @@ pub struct Channel {
     /// A send was refused for a full queue and no arm has reported room
     /// since: room that came before the arm wakes nobody, so arm says so.
     room_refused: bool,
+    /// The slots in a row the last refused send needed (1, or an
+    /// aggregate's run).
+    room_needed: usize,
     /// An aggregate run being received: its header is in, not all of its
     /// slots yet.
     assembling: Option<Assembly>,
@@ -368,6 +371,7 @@ impl Channel {
             wake,
             spin: DEFAULT_SPIN,
             room_refused: false,
+            room_needed: 1,
             assembling: None,
         }
     }
@@ -1087,7 +1091,9 @@ impl Channel {
     /// Returns `false` if an event may be waiting already: `poll` again
     /// instead of waiting. `true`: the channel is armed, and its fd becomes
     /// readable when an event may be waiting — a message from the peer,
-    /// room in a full outgoing queue, the peer's close or death, a timer of
+    /// room in a full outgoing queue (after a [`send_aggregate`](Channel::send_aggregate)
+    /// refused with [`Error::QueueFull`]: room for its whole run), the
+    /// peer's close or death, a timer of
     /// the backend's own (TCP keep-alives, setup deadlines). Wake-ups can
     /// be spurious; `poll` tells.
     ///
@@ -1139,12 +1145,19 @@ impl Channel {
             ChannelState::Connected | ChannelState::Teardown => {
                 self.flush_deferred();
                 self.flush_outbox();
+                // A refused aggregate run waits for room for all of it.
+                let slots = if self.room_refused { self.room_needed } else { 1 };
                 match self.link.as_mut() {
-                    Some(link) => match link.arm(&self.wake) {
+                    Some(link) => match link.arm_for_room(&self.wake, slots) {
                         // The link asks for a wake-up only for room that is
                         // still missing after it armed: room that came since
                         // a refused send is reported here.
-                        Arm::Sleep { .. } if self.room_refused && self.outbox.is_empty() && link.has_room() => {
+                        Arm::Sleep { .. }
+                            if self.room_refused
+                                && self.outbox.is_empty()
+                                && link.has_room()
+                                && (slots <= 1 || link.room() >= slots) =>
+                        {
                             self.room_refused = false;
                             Arm::Ready
                         }
@@ -1286,6 +1299,7 @@ impl Channel {
         }
         if !self.outbox.is_empty() || !self.link_mut().has_room() {
             self.room_refused = true;
+            self.room_needed = 1;
             return Err(Error::QueueFull);
         }
         Ok(())
@@ -1296,8 +1310,10 @@ impl Channel {
         self.check_room()?;
         if self.link_mut().room() < slots {
             self.room_refused = true;
+            self.room_needed = slots;
             return Err(Error::QueueFull);
         }
+        self.room_needed = 1;
         Ok(())
     }
 

@@ -16,6 +16,17 @@
 //! mapping must match its state there (`/proc/self/maps`), and at sampled
 //! steps a forbidden write must really fault (a forked child tries it).
 //!
+//! Received aggregates are mostly kept whole, in a set of held aggregates
+//! per domain, and later steps work on them: drop one whole (the model
+//! releases each copy it was the last reference to, in the order the
+//! library drops them, and keeps each moved buffer with the domain, which
+//! the harness takes back from the free list), split one into two pieces
+//! dropped at different times, forward one over another channel (whole,
+//! its front part, clipped, or behind a header from a buffer of the
+//! domain's own: the model runs the same aggregate send), or take one
+//! apart into handles. Steps that would need a handle inside a held
+//! aggregate are left out.
+//!
 //! The suite is generic over [`Backend`]: a backend says how it connects
 //! two domains and which trust levels it supports; everything else is the
 //! same for every backend. [`Mixed`] gives each channel its own backend, so
@@ -285,6 +296,47 @@ struct Harness<B: Backend> {
     patterns: Patterns,
     /// The buffer the last step delivered: (to, buffer, channel).
     arrived: Option<(DomainId, BufId, ChanId)>,
+    /// Received aggregates kept as aggregates (and pieces of them).
+    held: Vec<HeldAgg>,
+    /// Keep the next received aggregate whole (else take it apart).
+    hold_next: bool,
+    /// Receipts so far: each held aggregate's lineage.
+    receipts: usize,
+}
+
+/// A received aggregate the harness keeps as one, or a piece of one (a
+/// split, the part left after a forward). Pieces of one receipt (one
+/// `lineage`) share its handles; receipts never do: two copies of one
+/// buffer received twice are two handles.
+struct HeldAgg {
+    domain: DomainId,
+    /// The channel it arrived on (its copies are held via it).
+    chan: ChanId,
+    lineage: usize,
+    agg: Aggregate,
+}
+
+/// A step on a held aggregate, as the trace shows it (its fields are
+/// read through `Debug` only).
+#[allow(dead_code)]
+#[derive(Debug, Clone)]
+enum AggStep {
+    /// Dropped whole: these copies released (in this order), these moved
+    /// buffers back on the domain's free list.
+    Drop { domain: DomainId, released: Vec<(BufId, ChanId)>, freed: Vec<BufId> },
+    /// Split into two held pieces at byte `at`.
+    Split { domain: DomainId, at: usize },
+    /// Taken apart into handles.
+    TakeApart { domain: DomainId },
+    /// Sent on (edited as said) as the model's operation.
+    Forward { edit: &'static str, op: Op },
+}
+
+/// One step of a trace.
+#[derive(Debug, Clone)]
+enum TraceStep {
+    Model(Step),
+    Agg(AggStep),
 }
 
 /// The bytes of the pattern of each seed met so far.
@@ -292,6 +344,20 @@ struct Harness<B: Backend> {
 struct Patterns(HashMap<u64, Vec<u8>>);
 
 impl Patterns {
+    /// Whether `bytes` hold bytes `range` of the pattern of `seed`.
+    fn check_range(&mut self, bytes: &[u8], range: std::ops::Range<usize>, seed: u64) -> Result<(), String> {
+        let want = self.0.entry(seed).or_insert_with(|| {
+            let mut v = vec![0; SIZE];
+            fill(&mut v, seed);
+            v
+        });
+        if want.get(range.clone()) == Some(bytes) {
+            Ok(())
+        } else {
+            Err(format!("fragment {range:?} differs from the pattern of seed {seed:#x}"))
+        }
+    }
+
     /// Whether `bytes` hold the pattern of `seed`; else where they differ.
     fn check(&mut self, bytes: &[u8], seed: u64) -> Result<(), String> {
         let want = self.0.entry(seed).or_insert_with(|| {
@@ -328,6 +394,273 @@ impl<B: Backend> Harness<B> {
             copies: HashMap::new(),
             patterns: Patterns::default(),
             arrived: None,
+            held: Vec::new(),
+            hold_next: false,
+            receipts: 0,
+        }
+    }
+
+    /// The model's name of a library buffer id.
+    fn mbuf(&self, id: BufferId) -> BufId {
+        let pool = self.pools.iter().position(|(p, _)| *p == id.pool).expect("a pool of the run");
+        BufId { pool, index: id.index as usize }
+    }
+
+    /// The distinct buffers of `agg` in the order of their first fragment,
+    /// flagged `true` if held as a copy.
+    fn members_of(&self, agg: &Aggregate) -> Vec<(BufId, bool)> {
+        let mut out: Vec<(BufId, bool)> = Vec::new();
+        for f in agg.fragments() {
+            let b = self.mbuf(f.buffer_id());
+            if !out.iter().any(|(x, _)| *x == b) {
+                out.push((b, f.is_copy()));
+            }
+        }
+        out
+    }
+
+    /// Buffers of the held aggregates of `lineage` other than number `skip`.
+    fn lineage_bufs(&self, lineage: usize, skip: Option<usize>) -> Vec<BufId> {
+        let mut out = Vec::new();
+        for (i, h) in self.held.iter().enumerate() {
+            if h.lineage == lineage && Some(i) != skip {
+                out.extend(self.members_of(&h.agg).into_iter().map(|(b, _)| b));
+            }
+        }
+        out
+    }
+
+    /// Whether `domain` holds a handle of `buf` inside a held aggregate.
+    fn in_held(&self, domain: DomainId, buf: BufId) -> bool {
+        self.held.iter().any(|h| h.domain == domain && self.members_of(&h.agg).iter().any(|(b, _)| *b == buf))
+    }
+
+    /// Whether a step needs a handle of a buffer that is inside one of
+    /// the acting domain's held aggregates (such steps are skipped: the
+    /// held-aggregate steps use those handles).
+    fn touches_held(&self, step: &Step) -> bool {
+        let bufs: Vec<(DomainId, BufId)> = match *step {
+            Step::Write { domain, buf, .. } => vec![(domain, buf)],
+            Step::Op(op) => match op {
+                Op::Move { domain, buf, .. }
+                | Op::Pass { domain, buf, .. }
+                | Op::Copy { domain, buf, .. }
+                | Op::Release { domain, buf, .. } => vec![(domain, buf)],
+                Op::FullCopy { domain, src, dst, .. } => vec![(domain, src), (domain, dst)],
+                Op::SendAggregate { domain, members, .. } => {
+                    members.iter().flatten().map(|&(b, _)| (domain, b)).collect()
+                }
+                _ => Vec::new(),
+            },
+        };
+        bufs.into_iter().any(|(d, b)| self.in_held(d, b))
+    }
+
+    /// Drop held aggregate `i` whole, if the model can follow: every copy
+    /// it was the last reference to is released (by the library when the
+    /// channel it arrived on next runs: the harness runs it at once), every
+    /// moved buffer it was the last reference to goes back to the domain's
+    /// free list (the harness takes it again, so that it keeps a handle of
+    /// every buffer the model says the domain owns). `None` if the model
+    /// would refuse such a release, or a freed buffer has copies out (it
+    /// would wait aside).
+    fn drop_held(&mut self, m: &mut Model, i: usize) -> Option<Result<AggStep, String>> {
+        let (domain, chan, lineage) = (self.held[i].domain, self.held[i].chan, self.held[i].lineage);
+        let others = self.lineage_bufs(lineage, Some(i));
+        // The order the library drops them in: by each one's last fragment.
+        let mut last: Vec<(BufId, bool)> = Vec::new();
+        for f in self.held[i].agg.fragments() {
+            let b = self.mbuf(f.buffer_id());
+            last.retain(|(x, _)| *x != b);
+            last.push((b, f.is_copy()));
+        }
+        last.retain(|(b, _)| !others.contains(b));
+        let mut after = m.clone();
+        let (mut released, mut freed) = (Vec::new(), Vec::new());
+        for &(buf, copy) in &last {
+            if copy {
+                after.apply(&Op::Release { domain, chan, buf }).ok()?;
+                released.push((buf, chan));
+            } else {
+                if m.buffer_state(buf, domain) != MState::ReadWrite {
+                    return None;
+                }
+                freed.push(buf);
+            }
+        }
+        // Pool handles keep the pools of freed buffers in the domain while
+        // it holds no handle of them.
+        let keep: Vec<Pool> = freed.iter().filter_map(|b| self.domains[domain].pool(self.pools[b.pool].0)).collect();
+        drop(self.held.remove(i));
+        if !released.is_empty() {
+            if let Err(e) = self.end(chan, domain).flush() {
+                return Some(Err(format!("flush after dropping an aggregate: {e:?}")));
+            }
+        }
+        for &buf in &freed {
+            let id = self.pools[buf.pool].0;
+            while let Some(b) = self.domains[domain].alloc(id) {
+                let got = self.mbuf(b.id());
+                self.owned.insert((domain, got), b);
+            }
+            if !self.owned.contains_key(&(domain, buf)) {
+                return Some(Err(format!("{buf:?} dropped in an aggregate at d{domain} is not on its free list")));
+            }
+        }
+        drop(keep);
+        *m = after;
+        Some(Ok(AggStep::Drop { domain, released, freed }))
+    }
+
+    /// Take held aggregate `i` apart into handles (`None`: a piece of the
+    /// same receipt still shares one).
+    fn take_apart_held(&mut self, i: usize) -> Option<AggStep> {
+        let h = self.held.remove(i);
+        match h.agg.into_members() {
+            Ok(members) => {
+                for mem in members {
+                    match mem {
+                        Member::Buffer(b) => {
+                            let buf = self.mbuf(b.id());
+                            self.owned.insert((h.domain, buf), b);
+                        }
+                        Member::Copy(c) => {
+                            let buf = self.mbuf(c.id());
+                            self.copies.entry((h.domain, buf, h.chan)).or_default().push(c);
+                        }
+                    }
+                }
+                Some(AggStep::TakeApart { domain: h.domain })
+            }
+            Err(agg) => {
+                self.held.insert(i, HeldAgg { agg, ..h });
+                None
+            }
+        }
+    }
+
+    /// Split held aggregate `i` at byte `x % len` into two held pieces.
+    fn split_held(&mut self, i: usize, x: usize) -> Option<AggStep> {
+        let len = self.held[i].agg.len();
+        if len < 2 {
+            return None;
+        }
+        let at = 1 + x % (len - 1);
+        let rest = self.held[i].agg.split_off(at).expect("inside");
+        let (domain, chan, lineage) = (self.held[i].domain, self.held[i].chan, self.held[i].lineage);
+        self.held.push(HeldAgg { domain, chan, lineage, agg: rest });
+        Some(AggStep::Split { domain, at })
+    }
+
+    /// Forward held aggregate `i` over a channel its domain is the source
+    /// of: whole, its front part (the rest stays held), clipped inside its
+    /// first fragment, or behind a header (a range of a buffer the domain
+    /// owns read-write). Copies it was the last reference to stay held in
+    /// a piece kept here (forwarding does not give a copy up). The model
+    /// runs the same [`Op::SendAggregate`]; both must agree.
+    fn forward_held(
+        &mut self,
+        m: &mut Model,
+        i: usize,
+        (a, b, c): (usize, usize, usize),
+        meta_len: usize,
+    ) -> Option<Result<(AggStep, bool), String>> {
+        use model::reference::AGG_MAX;
+        let domain = self.held[i].domain;
+        // Mostly a channel the aggregate's pools are assigned to.
+        let mut outs: Vec<ChanId> = (0..self.chans.len()).filter(|&ch| self.chans[ch].1[0] == domain).collect();
+        let fits: Vec<ChanId> = outs
+            .iter()
+            .copied()
+            .filter(|&ch| self.members_of(&self.held[i].agg).iter().all(|(bf, _)| m.pool_assigned(bf.pool, ch, domain)))
+            .collect();
+        if a % 4 != 0 && !fits.is_empty() {
+            outs = fits;
+        }
+        let to = *outs.get(a % outs.len().max(1))?;
+        let HeldAgg { chan, lineage, mut agg, .. } = self.held.remove(i);
+        let mut header: Option<BufId> = None;
+        let edit = match b % 4 {
+            1 if agg.len() >= 2 => {
+                let rest = agg.split_off(1 + c % (agg.len() - 1)).expect("inside");
+                self.held.push(HeldAgg { domain, chan, lineage, agg: rest });
+                "front part"
+            }
+            2 => {
+                let first = agg.fragments().next().map_or(0, |f| f.bytes().len());
+                agg.clip_front(c % first.max(1));
+                "clipped"
+            }
+            3 if self.members_of(&agg).len() < AGG_MAX => {
+                let own: Vec<BufId> = self
+                    .owned
+                    .keys()
+                    .filter(|(d, bf)| *d == domain && m.buffer_state(*bf, domain) == MState::ReadWrite)
+                    .map(|(_, bf)| *bf)
+                    .collect();
+                if let Some(&hb) = own.get(c % own.len().max(1)) {
+                    let buf = self.owned.remove(&(domain, hb)).expect("listed");
+                    let hdr = Aggregate::from_buffer_range(buf, 0..16).expect("a read-write buffer");
+                    agg.prepend(hdr);
+                    header = Some(hb);
+                    "behind a header"
+                } else {
+                    "whole"
+                }
+            }
+            _ => "whole",
+        };
+        let others = self.lineage_bufs(lineage, None);
+        // A piece kept here holds each buffer this aggregate is the last
+        // reference to and that is not moved: a copy (forwarding does not
+        // give it up), or an owned buffer with copies out (it would wait
+        // aside, with no handle to take it back by).
+        let mut keeper = Aggregate::new();
+        let mut at = 0;
+        let mut kept: Vec<BufId> = Vec::new();
+        for f in agg.fragments() {
+            let buf = self.mbuf(f.buffer_id());
+            let stays = f.is_copy() || m.buffer_state(buf, domain) != MState::ReadWrite;
+            if stays && Some(buf) != header && !others.contains(&buf) && !kept.contains(&buf) {
+                keeper.append(agg.slice(at..at + 1).expect("inside"));
+                kept.push(buf);
+            }
+            at += f.bytes().len();
+        }
+        let sent = self.members_of(&agg);
+        let mut members: model::reference::AggMembers = [None; AGG_MAX];
+        for (slot, &(buf, _)) in members.iter_mut().zip(&sent) {
+            *slot = Some((buf, others.contains(&buf) || kept.contains(&buf)));
+        }
+        let op = Op::SendAggregate { domain, chan: to, members, meta_len };
+        let expected = m.apply(&op);
+        let meta = meta_bytes(meta_len);
+        let got = self.end(to, domain).send_aggregate(agg, &meta);
+        let step = AggStep::Forward { edit, op };
+        match (expected, got) {
+            (Ok(_), Ok(())) => {
+                if !keeper.is_empty() {
+                    self.held.push(HeldAgg { domain, chan, lineage, agg: keeper });
+                }
+                Some(Ok((step, true)))
+            }
+            (Err(r), Err(refused)) if reject_of(&refused.error) == Some(r) => {
+                let mut agg = refused.into_inner();
+                if let Some(hb) = header {
+                    let rest = agg.split_off(16).expect("behind the header");
+                    match agg.into_members().map(|mut v| v.pop()) {
+                        Ok(Some(Member::Buffer(buf))) => {
+                            self.owned.insert((domain, hb), buf);
+                        }
+                        _ => return Some(Err("the header did not come back".into())),
+                    }
+                    agg = rest;
+                }
+                self.held.push(HeldAgg { domain, chan, lineage, agg });
+                drop(keeper);
+                Some(Ok((step, false)))
+            }
+            (want, got) => Some(Err(format!("{step:?}: model {want:?}, library {:?}", got.map_err(|r| r.error)))),
         }
     }
 
@@ -640,6 +973,15 @@ impl<B: Backend> Harness<B> {
                 if meta[..] == meta_bytes(meta_len)[..] =>
             {
                 let want: Vec<(BufId, bool)> = members.iter().flatten().copied().collect();
+                let seen: Vec<(BufId, bool)> = self.members_of(&agg).into_iter().map(|(b, c)| (b, !c)).collect();
+                if seen != want {
+                    return Err(format!("model delivered {mev:?} to d{to}, library members {seen:?}"));
+                }
+                if self.hold_next && !agg.is_empty() {
+                    self.receipts += 1;
+                    self.held.push(HeldAgg { domain: to, chan, lineage: self.receipts, agg });
+                    return Ok(());
+                }
                 let got = agg.into_members().map_err(|a| format!("received {a:?} shares its buffers"))?;
                 let ids: Vec<(BufferId, bool)> = got
                     .iter()
@@ -699,7 +1041,11 @@ impl<B: Backend> Harness<B> {
                 }
                 // The harness holds an owned handle exactly for delivered owners.
                 let owner = matches!(want, ferry::BufferState::ReadWrite | ferry::BufferState::ReadOnlyOwned);
-                if self.owned.contains_key(&(d, buf)) != owner {
+                let in_agg = self
+                    .held
+                    .iter()
+                    .any(|h| h.domain == d && h.agg.fragments().any(|f| !f.is_copy() && f.buffer_id() == id));
+                if (self.owned.contains_key(&(d, buf)) || in_agg) != owner {
                     return Err(format!("{buf:?} at d{d}: owned handle present {}, model owner {owner}", !owner));
                 }
             }
@@ -758,6 +1104,17 @@ impl<B: Backend> Harness<B> {
         for (&(d, buf, c), v) in &self.copies {
             for copy in v {
                 self.patterns.check(copy, m.contents(buf)).map_err(|e| via(d, buf, Some(c), e))?;
+            }
+        }
+        let pool_ids: Vec<ferry::PoolId> = self.pools.iter().map(|(p, _)| *p).collect();
+        for h in &self.held {
+            for f in h.agg.fragments() {
+                let id = f.buffer_id();
+                let pool = pool_ids.iter().position(|p| *p == id.pool).expect("a pool of the run");
+                let buf = BufId { pool, index: id.index as usize };
+                self.patterns.check_range(f.bytes(), f.range(), m.contents(buf)).map_err(|e| {
+                    format!("{buf:?} in an aggregate held by d{} via channel {}: {e}", h.domain, h.chan)
+                })?;
             }
         }
         Ok(())
@@ -895,13 +1252,16 @@ enum Probe {
 
 /// A run's trace, one numbered step a line, with the backend of each
 /// channel.
-fn show_trace<B: Backend>(h: &Harness<B>, trace: &[Step]) -> String {
+fn show_trace<B: Backend>(h: &Harness<B>, trace: &[TraceStep]) -> String {
     let mut out = String::from("\n  channels:");
     for (c, ([end, _], [source, sink])) in h.chans.iter().enumerate() {
         out += &format!(" {c}=d{source}->d{sink}/{}/{:?}", h.backend.name(c), end.trust());
     }
     for (i, step) in trace.iter().enumerate() {
-        out += &format!("\n  {i:3}: {step:?}");
+        match step {
+            TraceStep::Model(step) => out += &format!("\n  {i:3}: {step:?}"),
+            TraceStep::Agg(step) => out += &format!("\n  {i:3}: held aggregate: {step:?}"),
+        }
     }
     out
 }
@@ -988,7 +1348,54 @@ fn run_case<B: Backend>(
                 None => break,
             },
         };
-        trace.push(step);
+        // The next aggregate received is mostly kept whole.
+        h.hold_next = raw.is_some_and(|r| r.3 % 4 != 0);
+        // About one raw step in three works on a held aggregate, if any.
+        if let Some(raw) = raw.filter(|r| r.0 % 3 == 1 && !h.held.is_empty()) {
+            let (a, b, c) = (usize::from(raw.1), usize::from(raw.2), usize::from(raw.3));
+            let i = a % h.held.len();
+            let done = match b % 4 {
+                0 => h.drop_held(&mut m, i).map(|r| r.map(|s| (s, true))),
+                1 => h.forward_held(&mut m, i, (b / 4, c, a / 7), usize::from(raw.4) % (META + 1)),
+                2 => h.split_held(i, c).map(|s| Ok((s, true))),
+                _ => h.take_apart_held(i).map(|s| Ok((s, true))),
+            };
+            match done {
+                None => stats.inexpressible += 1,
+                Some(Err(e)) => {
+                    return Err(format!("{e}\n  at a held-aggregate step after{}", show_trace(&h, &trace)));
+                }
+                Some(Ok((agg_step, accepted))) => {
+                    match &agg_step {
+                        AggStep::Drop { .. } => stats.held_dropped += 1,
+                        AggStep::Forward { .. } if accepted => stats.held_forwarded += 1,
+                        AggStep::Forward { .. } => stats.held_forward_refused += 1,
+                        AggStep::Split { .. } => stats.held_split += 1,
+                        AggStep::TakeApart { .. } => stats.held_taken_apart += 1,
+                    }
+                    trace.push(TraceStep::Agg(agg_step));
+                    let fail = |h: &Harness<B>, what: String| {
+                        format!("{what}\n  at step {}{}", trace.len() - 1, show_trace(h, &trace))
+                    };
+                    if let Err(e) = h.compare(&m) {
+                        return Err(fail(&h, e));
+                    }
+                    if let Err(e) = h.check_protection(&m) {
+                        return Err(fail(&h, e));
+                    }
+                    if let Err(e) = h.check_data(&m) {
+                        return Err(fail(&h, e));
+                    }
+                }
+            }
+            continue;
+        }
+        // Steps that need a handle inside a held aggregate are left out.
+        if h.touches_held(&step) {
+            stats.inexpressible += 1;
+            continue;
+        }
+        trace.push(TraceStep::Model(step));
         let before = m.clone();
         let (op, expected) = match step {
             Step::Op(op) => (Some(op), m.apply(&op)),
@@ -1126,9 +1533,12 @@ where
 
 fn suite<B: Backend>(test: &str, make: impl Fn() -> B) {
     let stats = std::cell::RefCell::new(Stats::default());
-    let strategy = (vec(any::<u8>(), LINKS.len()), vec(any::<RawStep>(), 1..150));
-    run_suite(test, cases(), strategy, |(trusts, steps)| {
-        run_case(make(), &LINKS, &trusts, &[], &steps, Probe::Sampled, &mut stats.borrow_mut())
+    // Half of the runs first assign every pool to every channel it can
+    // reach, so that received aggregates can be forwarded.
+    let strategy = (vec(any::<u8>(), LINKS.len()), any::<bool>(), vec(any::<RawStep>(), 1..150));
+    run_suite(test, cases(), strategy, |(trusts, assigned, steps)| {
+        let plan = vec![assigned; LINKS.len() * POOLS.len()];
+        run_case(make(), &LINKS, &trusts, &plan, &steps, Probe::Sampled, &mut stats.borrow_mut())
     });
     let stats = stats.into_inner();
     // The comparison must not pass vacuously.
@@ -1138,6 +1548,9 @@ fn suite<B: Backend>(test: &str, make: impl Fn() -> B) {
     assert!(stats.refused >= 2 * n, "too few refusals: {stats:?}");
     assert!(stats.delivered >= 5 * n, "too few deliveries: {stats:?}");
     assert!(stats.writes >= n, "too few writes: {stats:?}");
+    // Received aggregates held, dropped whole, split and forwarded.
+    assert!(stats.held_dropped >= n / 8 && stats.held_split >= n / 8, "too few held aggregates: {stats:?}");
+    assert!(stats.held_forwarded >= n / 16, "too few forwarded aggregates: {stats:?}");
     if B::TRUSTS.iter().any(|t| matches!(t, Trust::Half | Trust::None)) {
         assert!(stats.protection_checks >= n, "too few protection checks: {stats:?}");
         assert!(stats.fault_probes >= n / 16, "too few fault probes: {stats:?}");

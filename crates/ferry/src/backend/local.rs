@@ -361,12 +361,17 @@ impl Link for LocalLink {
         self.rx.spin_for_work(spin)
     }
 
-    fn arm(&mut self, _wake: &WakeSet) -> Arm {
+    fn arm(&mut self, wake: &WakeSet) -> Arm {
+        self.arm_for_room(wake, 1)
+    }
+
+    fn arm_for_room(&mut self, _wake: &WakeSet, slots: usize) -> Arm {
         self.publish();
         // Take an old ring before asking for anything: a ring after the
         // requests (for a message or for room) stays.
         self.me.reset();
-        if self.tx.free_slots() == 0 && !self.tx.want_room() {
+        let slots = u32::try_from(slots).unwrap_or(u32::MAX).max(1);
+        if self.tx.free_slots() < slots && !self.tx.want_room_for(slots) {
             return Arm::Ready;
         }
         let sleep = self.rx.prepare_sleep();

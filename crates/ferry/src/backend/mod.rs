@@ -101,6 +101,13 @@ pub(crate) trait Link: Send {
     /// outgoing queue is full, ask to be woken when it has room. `Ready`
     /// if a message (or room, or the peer's end) may be there already.
     fn arm(&mut self, wake: &WakeSet) -> Arm;
+    /// [`arm`](Link::arm) for a sender that waits for `slots` free slots in
+    /// a row (an aggregate run): a ring backend asks to be woken while
+    /// fewer are free, not only when the queue is full.
+    fn arm_for_room(&mut self, wake: &WakeSet, slots: usize) -> Arm {
+        let _ = slots;
+        self.arm(wake)
+    }
     /// Make a pool's memory available to the peer (before its assignment
     /// request is sent).
     fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()>;

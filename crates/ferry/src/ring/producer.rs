@@ -184,13 +184,23 @@ impl Producer {
     /// may sleep (still full: the consumer will wake us when it takes a
     /// slot), `false` if there is room now (the request is withdrawn).
     pub(crate) fn want_room(&mut self) -> bool {
-        if self.free_slots() > 0 {
+        self.want_room_for(1)
+    }
+
+    /// [`want_room`](Producer::want_room) for `slots` free slots in a row
+    /// (a run of messages that goes all at once): `true` if the caller may
+    /// sleep (fewer are free: the consumer wakes us after its next pop, and
+    /// the caller asks again if that is still not enough).
+    pub(crate) fn want_room_for(&mut self, slots: u32) -> bool {
+        if self.free_slots() >= slots {
             return false;
         }
         self.sh.room().store(1, Ordering::SeqCst);
         // Dekker handshake with the consumer's pop + prepare_sleep.
         fence(Ordering::SeqCst);
-        if self.refresh_tail().is_err() || self.head.wrapping_sub(self.cached_tail) < self.sh.cap {
+        if self.refresh_tail().is_err()
+            || self.sh.cap.saturating_sub(self.head.wrapping_sub(self.cached_tail)) >= u64::from(slots)
+        {
             self.sh.room().store(0, Ordering::Relaxed);
             return false;
         }

@@ -95,4 +95,14 @@ pub struct Stats {
     pub aggregates_sent: usize,
     /// Aggregates delivered with the same members.
     pub aggregates_delivered: usize,
+    /// Received aggregates dropped whole (copies released, moved buffers freed).
+    pub held_dropped: usize,
+    /// Received aggregates forwarded (whole or edited) and accepted.
+    pub held_forwarded: usize,
+    /// Forwards of received aggregates both refused with the same error.
+    pub held_forward_refused: usize,
+    /// Received aggregates split into two held ones.
+    pub held_split: usize,
+    /// Received aggregates taken apart into handles.
+    pub held_taken_apart: usize,
 }
