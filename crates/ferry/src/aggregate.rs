@@ -68,15 +68,7 @@ impl Parts {
     /// The aggregate of the fragments whose buffers are still here (all
     /// of them unless some were moved away).
     pub(crate) fn rebuild(self) -> Aggregate {
-        // One list for every fragment: no allocation per entry.
-        let mut a = Aggregate { frags: VecDeque::with_capacity(self.entries.len()), len: 0 };
-        for e in &self.entries {
-            if let Some(Some(held)) = self.members.get(e.member as usize) {
-                let (start, end) = (e.offset as usize, (e.offset + e.len) as usize);
-                a.push_frag(Frag { held: Arc::clone(held), start, end });
-            }
-        }
-        a
+        Aggregate::from_table(&self.members, &self.entries)
     }
 }
 
@@ -584,16 +576,29 @@ impl Aggregate {
     pub(crate) fn distinct(&self) -> (Vec<&Arc<Held>>, Vec<FragEntry>) {
         let mut members: Vec<&Arc<Held>> = Vec::new();
         let mut entries = Vec::with_capacity(self.frags.len());
+        // The members of the last two fragments, tried first: headers
+        // interleaved with pieces of one payload alternate between two.
+        let mut recent = [0usize; 2];
         for f in &self.frags {
-            // Linear search: aggregates have few distinct buffers; a map
-            // keyed by address pays off only for hundreds.
-            let member = match members.iter().position(|m| Arc::ptr_eq(m, &f.held)) {
-                Some(i) => i,
-                None => {
-                    members.push(&f.held);
-                    members.len() - 1
+            let is = |i: usize| members.get(i).is_some_and(|m| Arc::ptr_eq(m, &f.held));
+            let member = if is(recent[1]) {
+                recent[1]
+            } else if is(recent[0]) {
+                recent[0]
+            } else {
+                // Linear search: aggregates have few distinct buffers; a
+                // map keyed by address pays off only for hundreds.
+                match members.iter().position(|m| Arc::ptr_eq(m, &f.held)) {
+                    Some(i) => i,
+                    None => {
+                        members.push(&f.held);
+                        members.len() - 1
+                    }
                 }
             };
+            if member != recent[1] {
+                recent = [recent[1], member];
+            }
             entries.push(FragEntry { member: member as u32, offset: f.start as u64, len: f.len() as u64 });
         }
         (members, entries)
@@ -613,7 +618,22 @@ impl Aggregate {
     /// they arrived, `entries` checked against them
     /// ([`AggRun`](crate::proto::AggRun) did).
     pub(crate) fn from_received(members: Vec<Held>, entries: &[FragEntry]) -> Aggregate {
-        Parts { members: members.into_iter().map(|h| Some(Arc::new(h))).collect(), entries: entries.to_vec() }.rebuild()
+        let members: Vec<Option<Arc<Held>>> = members.into_iter().map(|h| Some(Arc::new(h))).collect();
+        Aggregate::from_table(&members, entries)
+    }
+
+    /// The fragments `entries` of the `members` still present (entries
+    /// naming a member that is `None` or absent are left out).
+    fn from_table(members: &[Option<Arc<Held>>], entries: &[FragEntry]) -> Aggregate {
+        // One list for every fragment: no allocation per entry.
+        let mut a = Aggregate { frags: VecDeque::with_capacity(entries.len()), len: 0 };
+        for e in entries {
+            if let Some(Some(held)) = members.get(e.member as usize) {
+                let (start, end) = (e.offset as usize, (e.offset + e.len) as usize);
+                a.push_frag(Frag { held: Arc::clone(held), start, end });
+            }
+        }
+        a
     }
 }
 
