@@ -340,7 +340,10 @@ impl Aggregate {
     /// Keep the first `at` bytes, and return the rest as a new aggregate.
     /// A fragment that `at` falls inside is split into two fragments of the
     /// same buffer. [`Error::BadRange`] (nothing changed) if `at` is past
-    /// the end.
+    /// the end. The fragments after the cut move to a new list, so to
+    /// consume a long aggregate from the front piece by piece, take the
+    /// pieces with [`split_to`](Aggregate::split_to) or
+    /// [`append_from`](Aggregate::append_from) instead.
     pub fn split_off(&mut self, at: usize) -> Result<Aggregate> {
         check_range(&(at..self.len), self.len)?;
         if at == 0 {
