@@ -68,14 +68,7 @@ impl Parts {
     /// The aggregate of the fragments whose buffers are still here (all
     /// of them unless some were moved away).
     pub(crate) fn rebuild(self) -> Aggregate {
-        let mut a = Aggregate::new();
-        for e in &self.entries {
-            if let Some(Some(held)) = self.members.get(e.member as usize) {
-                let (start, end) = (e.offset as usize, (e.offset + e.len) as usize);
-                a.append(Aggregate { frags: [Frag { held: Arc::clone(held), start, end }].into(), len: end - start });
-            }
-        }
-        a
+        Aggregate::from_table(&self.members, &self.entries)
     }
 }
 
@@ -292,6 +285,19 @@ impl Aggregate {
         v
     }
 
+    /// Put one fragment after the others, merged with the last one where
+    /// the two are adjacent ranges of one buffer.
+    fn push_frag(&mut self, frag: Frag) {
+        self.len += frag.len();
+        if let Some(last) = self.frags.back_mut() {
+            if Arc::ptr_eq(&last.held, &frag.held) && last.end == frag.start {
+                last.end = frag.end;
+                return;
+            }
+        }
+        self.frags.push_back(frag);
+    }
+
     /// Put `other`'s bytes after this aggregate's. Where this aggregate's
     /// last fragment and `other`'s first are adjacent ranges of one buffer
     /// (pieces of one split, joined back), they become one fragment again.
@@ -334,9 +340,16 @@ impl Aggregate {
     /// Keep the first `at` bytes, and return the rest as a new aggregate.
     /// A fragment that `at` falls inside is split into two fragments of the
     /// same buffer. [`Error::BadRange`] (nothing changed) if `at` is past
-    /// the end.
+    /// the end. The fragments after the cut move to a new list, so to
+    /// consume a long aggregate from the front piece by piece, take the
+    /// pieces with [`split_to`](Aggregate::split_to) or
+    /// [`append_from`](Aggregate::append_from) instead.
     pub fn split_off(&mut self, at: usize) -> Result<Aggregate> {
         check_range(&(at..self.len), self.len)?;
+        if at == 0 {
+            // The whole list moves: no new list, nothing walked.
+            return Ok(std::mem::take(self));
+        }
         let mut pos = 0;
         let mut i = 0;
         while i < self.frags.len() && pos + self.frags[i].len() <= at {
@@ -353,6 +366,78 @@ impl Aggregate {
         }
         self.len = at;
         Ok(tail)
+    }
+
+    /// Take the first `at` bytes off the front, as a new aggregate, and
+    /// keep the rest: the counterpart of [`split_off`](Aggregate::split_off)
+    /// for consuming an aggregate from the front (unit by unit, header by
+    /// header). It costs time in the number of fragments taken, not in the
+    /// number left, so cutting a long aggregate into pieces from the front
+    /// costs time in its number of fragments overall. A fragment that `at`
+    /// falls inside is split into two fragments of the same buffer.
+    /// [`Error::BadRange`] (nothing changed) if `at` is past the end.
+    ///
+    /// ```
+    /// use ferry::{Aggregate, Allocator, Domain, PoolConstraints};
+    /// let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
+    /// let mut rest = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"hdr1body")?;
+    /// let head = rest.split_to(4)?;
+    /// assert_eq!((head.to_vec(), rest.to_vec()), (b"hdr1".to_vec(), b"body".to_vec()));
+    /// assert!(rest.split_to(5).is_err());
+    /// assert_eq!(rest.len(), 4);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn split_to(&mut self, at: usize) -> Result<Aggregate> {
+        let mut head = Aggregate::new();
+        head.append_from(self, at)?;
+        Ok(head)
+    }
+
+    /// Move the first `n` bytes of `src` to the end of this aggregate:
+    /// `self.append(src.split_to(n)?)` without the aggregate in between (no
+    /// fragment list made for it), for fragmenting and reassembling unit by
+    /// unit. Costs time in the number of fragments moved; adjacent ranges of
+    /// one buffer merge as in [`append`](Aggregate::append). A fragment of
+    /// `src` that `n` falls inside is split into two fragments of the same
+    /// buffer. [`Error::BadRange`] (nothing changed) if `src` is shorter
+    /// than `n`.
+    ///
+    /// ```
+    /// use ferry::{Aggregate, Allocator, Domain, Error, PoolConstraints};
+    /// let alloc = Allocator::new(&Domain::new("d"), 2, 4096, PoolConstraints::default())?;
+    /// let mut src = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"abcdefgh")?;
+    /// let mut dst = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"[")?;
+    /// dst.append_from(&mut src, 3)?;
+    /// dst.append_from(&mut src, 2)?; // merges with "abc": one fragment "abcde"
+    /// assert_eq!((dst.to_vec(), src.to_vec()), (b"[abcde".to_vec(), b"fgh".to_vec()));
+    /// assert_eq!(dst.fragments().count(), 2);
+    /// assert_eq!(dst.append_from(&mut src, 4), Err(Error::BadRange { start: 4, end: 3, len: 3 }));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn append_from(&mut self, src: &mut Aggregate, n: usize) -> Result<()> {
+        check_range(&(n..src.len), src.len)?;
+        if n == src.len {
+            // All of `src`: its list moves as a whole.
+            self.append(std::mem::take(src));
+            return Ok(());
+        }
+        src.len -= n;
+        let mut left = n;
+        while left > 0 {
+            let front = src.frags.front_mut().expect("n < len, so a fragment is left");
+            if front.len() <= left {
+                left -= front.len();
+                let f = src.frags.pop_front().expect("a front fragment");
+                self.push_frag(f);
+            } else {
+                let cut = front.start + left;
+                let piece = Frag { held: Arc::clone(&front.held), start: front.start, end: cut };
+                front.start = cut;
+                self.push_frag(piece);
+                left = 0;
+            }
+        }
+        Ok(())
     }
 
     /// The first `offset` bytes and the rest, sharing this aggregate's
@@ -494,16 +579,29 @@ impl Aggregate {
     pub(crate) fn distinct(&self) -> (Vec<&Arc<Held>>, Vec<FragEntry>) {
         let mut members: Vec<&Arc<Held>> = Vec::new();
         let mut entries = Vec::with_capacity(self.frags.len());
+        // The members of the last two fragments, tried first: headers
+        // interleaved with pieces of one payload alternate between two.
+        let mut recent = [0usize; 2];
         for f in &self.frags {
-            // Linear search: aggregates have few distinct buffers; a map
-            // keyed by address pays off only for hundreds.
-            let member = match members.iter().position(|m| Arc::ptr_eq(m, &f.held)) {
-                Some(i) => i,
-                None => {
-                    members.push(&f.held);
-                    members.len() - 1
+            let is = |i: usize| members.get(i).is_some_and(|m| Arc::ptr_eq(m, &f.held));
+            let member = if is(recent[1]) {
+                recent[1]
+            } else if is(recent[0]) {
+                recent[0]
+            } else {
+                // Linear search: aggregates have few distinct buffers; a
+                // map keyed by address pays off only for hundreds.
+                match members.iter().position(|m| Arc::ptr_eq(m, &f.held)) {
+                    Some(i) => i,
+                    None => {
+                        members.push(&f.held);
+                        members.len() - 1
+                    }
                 }
             };
+            if member != recent[1] {
+                recent = [recent[1], member];
+            }
             entries.push(FragEntry { member: member as u32, offset: f.start as u64, len: f.len() as u64 });
         }
         (members, entries)
@@ -523,7 +621,22 @@ impl Aggregate {
     /// they arrived, `entries` checked against them
     /// ([`AggRun`](crate::proto::AggRun) did).
     pub(crate) fn from_received(members: Vec<Held>, entries: &[FragEntry]) -> Aggregate {
-        Parts { members: members.into_iter().map(|h| Some(Arc::new(h))).collect(), entries: entries.to_vec() }.rebuild()
+        let members: Vec<Option<Arc<Held>>> = members.into_iter().map(|h| Some(Arc::new(h))).collect();
+        Aggregate::from_table(&members, entries)
+    }
+
+    /// The fragments `entries` of the `members` still present (entries
+    /// naming a member that is `None` or absent are left out).
+    fn from_table(members: &[Option<Arc<Held>>], entries: &[FragEntry]) -> Aggregate {
+        // One list for every fragment: no allocation per entry.
+        let mut a = Aggregate { frags: VecDeque::with_capacity(entries.len()), len: 0 };
+        for e in entries {
+            if let Some(Some(held)) = members.get(e.member as usize) {
+                let (start, end) = (e.offset as usize, (e.offset + e.len) as usize);
+                a.push_frag(Frag { held: Arc::clone(held), start, end });
+            }
+        }
+        a
     }
 }
 
@@ -834,6 +947,45 @@ mod tests {
         // Not adjacent (the other order, or a gap): two fragments.
         assert_eq!(t.clone().join(h.clone()).fragments().len(), 2);
         assert_eq!(h.slice(0..3).unwrap().join(t.clone()).fragments().len(), 2);
+    }
+
+    #[test]
+    fn front_cuts_move_fragments_and_merge() {
+        let a = alloc(3);
+        let m = agg(&a, b"abc").join(agg(&a, b"defg"));
+        for at in 0..=7 {
+            // split_to: the front taken, the rest kept.
+            let mut rest = m.clone();
+            let head = rest.split_to(at).unwrap();
+            assert_eq!((head.to_vec(), rest.to_vec()), (b"abcdefg"[..at].to_vec(), b"abcdefg"[at..].to_vec()));
+            assert_eq!((head.len(), rest.len()), (at, 7 - at));
+            // append_from one byte at a time: the same bytes, fragments merged back.
+            let mut src = m.clone();
+            let mut dst = agg(&a, b"<");
+            for _ in 0..at {
+                dst.append_from(&mut src, 1).unwrap();
+            }
+            assert_eq!(
+                (dst.to_vec(), src.to_vec()),
+                ([&b"<"[..], &b"abcdefg"[..at]].concat(), b"abcdefg"[at..].to_vec())
+            );
+            let want = 1 + usize::from(at > 0) + usize::from(at > 3);
+            assert_eq!(dst.fragments().len(), want, "at {at}");
+            assert!(src.fragments().all(|f| !f.bytes().is_empty()));
+        }
+        // Too far: an error, nothing changed.
+        let mut src = m.clone();
+        let mut dst = Aggregate::new();
+        assert_eq!(dst.append_from(&mut src, 8), Err(Error::BadRange { start: 8, end: 7, len: 7 }));
+        assert_eq!(src.split_to(8).unwrap_err(), Error::BadRange { start: 8, end: 7, len: 7 });
+        assert_eq!((src.to_vec(), dst.len()), (b"abcdefg".to_vec(), 0));
+        // Every fragment moved away: the buffers go back with their last holder.
+        dst.append_from(&mut src, 7).unwrap();
+        assert!(src.is_empty() && src.fragments().len() == 0);
+        drop((m, src));
+        assert_eq!(a.available(), 1);
+        drop(dst);
+        assert_eq!(a.available(), 3);
     }
 
     #[test]

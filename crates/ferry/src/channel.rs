@@ -705,6 +705,16 @@ impl Channel {
     /// only a peer that goes away mid-send can still fail it: the
     /// fragments of the members not sent yet come back in the `Refused`.)
     ///
+    /// The fragment table travels in the queue's slots, 16 bytes per
+    /// fragment, as many per slot as the channel's meta size makes room
+    /// for: 2 with a meta size up to 32 bytes (64-byte slots), 14 with
+    /// [`MAX_META_SIZE`](crate::MAX_META_SIZE) (256-byte slots). A channel
+    /// that carries aggregates of many fragments (a train of units, each
+    /// behind its header) is best set up with a meta size of
+    /// `MAX_META_SIZE` and a queue deep enough for a few runs: a 1 MiB
+    /// message cut into 257 units of two fragments takes 37 table slots
+    /// there, against 257 with the smallest slots.
+    ///
     /// ```
     /// # use std::time::Duration;
     /// # use ferry::*;

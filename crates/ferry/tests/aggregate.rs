@@ -52,6 +52,19 @@ enum Op {
         a: usize,
         at: usize,
     },
+    /// Take the first `at` bytes of `a` off as a new aggregate (modulo
+    /// len + 2, so sometimes past the end).
+    SplitTo {
+        a: usize,
+        at: usize,
+    },
+    /// Move the first `n` bytes of `b` to the end of `a` (modulo b's len +
+    /// 2, so sometimes past the end; `a` and `b` distinct).
+    AppendFrom {
+        a: usize,
+        b: usize,
+        n: usize,
+    },
     ClipFront {
         a: usize,
         n: usize,
@@ -90,6 +103,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(target, bytes, front)| Op::Header { target, bytes, front }),
         3 => (i.clone(), i.clone()).prop_map(|(a, b)| Op::Join { a, b }),
         3 => (i.clone(), any::<usize>()).prop_map(|(a, at)| Op::Split { a, at }),
+        2 => (i.clone(), any::<usize>()).prop_map(|(a, at)| Op::SplitTo { a, at }),
+        3 => (i.clone(), i.clone(), any::<usize>()).prop_map(|(a, b, n)| Op::AppendFrom { a, b, n }),
         1 => (i.clone(), 0..5000usize).prop_map(|(a, n)| Op::ClipFront { a, n }),
         1 => (i.clone(), 0..5000usize).prop_map(|(a, n)| Op::ClipBack { a, n }),
         1 => (i.clone(), 0..5000usize).prop_map(|(a, n)| Op::Truncate { a, n }),
@@ -176,6 +191,43 @@ fn run(ops: Vec<Op>) {
                     Err(e) => {
                         assert!(at > len);
                         assert_eq!(e, ferry::Error::BadRange { start: at, end: len, len });
+                    }
+                }
+            }
+            Op::SplitTo { a, at } if n > 0 => {
+                let a = a % n;
+                let len = models[a].len();
+                let at = at % (len + 2);
+                match aggs[a].split_to(at) {
+                    Ok(h) => {
+                        assert!(at <= len);
+                        let hm: Vec<u8> = models[a].drain(..at).collect();
+                        aggs.push(h);
+                        models.push(hm);
+                    }
+                    Err(e) => {
+                        assert!(at > len);
+                        assert_eq!(e, ferry::Error::BadRange { start: at, end: len, len });
+                    }
+                }
+            }
+            Op::AppendFrom { a, b, n: k } if n > 1 => {
+                let (a, b) = (a % n, b % n);
+                let b = if a == b { (b + 1) % n } else { b };
+                let len = models[b].len();
+                let k = k % (len + 2);
+                let mut src = std::mem::take(&mut aggs[b]);
+                let r = aggs[a].append_from(&mut src, k);
+                aggs[b] = src;
+                match r {
+                    Ok(()) => {
+                        assert!(k <= len);
+                        let moved: Vec<u8> = models[b].drain(..k).collect();
+                        models[a].extend_from_slice(&moved);
+                    }
+                    Err(e) => {
+                        assert!(k > len);
+                        assert_eq!(e, ferry::Error::BadRange { start: k, end: len, len });
                     }
                 }
             }

@@ -32,16 +32,17 @@
 //!   each layer's header is a buffer of its own (`from_bytes_in`, the 32
 //!   header bytes being the only bytes written) put in front with
 //!   `prepend`; the network layer writes the unit headers into one
-//!   header buffer and builds the unit train by `split_off` of the datagram
-//!   and `slice`s of the unit-header buffer. The whole train (all units,
+//!   header buffer and builds the unit train by moving unit header and
+//!   unit off the front of the header buffer's aggregate and the datagram
+//!   in turn (`append_from`). The whole train (all units,
 //!   two fragments each) crosses each channel as **one** aggregate
 //!   (`send_aggregate`): a message is the unit of the stack's work, and one
 //!   crossing per message keeps the per-message channel cost (a few ring
 //!   slots: header, one per buffer, the fragment table) away from the
 //!   per-unit cost; B could still route per unit, since it sees every unit
-//!   header. B forwards the received aggregate as it is. C splits each unit
-//!   header off (reading it) and appends the unit's bytes to the datagram,
-//!   where the pieces of the payload buffer merge back into one fragment;
+//!   header. B forwards the received aggregate as it is. C reads each unit
+//!   header, moves it aside and the unit's bytes onto the datagram
+//!   (`append_from`), where the pieces of the payload buffer merge back into one fragment;
 //!   each layer then splits its header off and reads it. The headers split
 //!   off are kept aside rather than clipped away (a clip would drop them
 //!   in C, where the moved header buffers would go to C's free list), and
@@ -696,10 +697,9 @@ fn fragment(mut dgram: Aggregate, mut uh: Buffer, seq: u64) -> Result<Aggregate,
     let mut hdrs = Aggregate::from_buffer_range(uh, 0..n * UHDR)?;
     let mut train = Aggregate::new();
     for _ in 0..n {
-        let rest_h = hdrs.split_off(UHDR)?;
-        train.append(std::mem::replace(&mut hdrs, rest_h));
-        let rest = dgram.split_off(UNIT.min(dgram.len()))?;
-        train.append(std::mem::replace(&mut dgram, rest));
+        train.append_from(&mut hdrs, UHDR)?;
+        let piece = UNIT.min(dgram.len());
+        train.append_from(&mut dgram, piece)?;
     }
     Ok(train)
 }
@@ -850,13 +850,8 @@ fn check_header(w: [u64; 4], layer: usize, seq: u64, len: usize) -> Result<(), C
 
 /// Units `first..first + n` of message `seq` (the whole of `units`): each
 /// unit's header read, checked and put on `spent`, its bytes on `dgram`.
-///
-/// Every unit but the last carries [`UNIT`] bytes, so unit i starts at
-/// i (UNIT + UHDR). A split of an aggregate walks its fragment list and
-/// moves the fragments after the cut into the new one, so cutting units off
-/// the front one by one would cost time in the number of units left, for
-/// every unit; halving first keeps the whole at n log n fragment steps, and
-/// few units at a time are cut off the front.
+/// `append_from` moves each piece off the front in time independent of
+/// the units left, and makes no aggregate in between.
 fn reassemble(
     mut units: Aggregate,
     first: usize,
@@ -865,24 +860,19 @@ fn reassemble(
     dgram: &mut Aggregate,
     spent: &mut Aggregate,
 ) -> Result<(), CliError> {
-    if n > 8 {
-        let half = n / 2;
-        let back = units.split_off(half * (UNIT + UHDR))?;
-        reassemble(units, first, half, seq, dgram, spent)?;
-        return reassemble(back, first + half, n - half, seq, dgram, spent);
-    }
     for idx in first..first + n {
-        let mut body = units.split_off(UHDR)?;
+        if units.len() < UHDR {
+            return Err(fail(format!("message {seq}: unit {idx} expected, {} bytes left", units.len())));
+        }
         let (s, i, len) = match units.fragments().next() {
-            Some(f) if f.bytes().len() == UHDR => parse_unit(f.bytes()),
-            _ => parse_unit(&units.to_vec()),
+            Some(f) if f.bytes().len() >= UHDR => parse_unit(&f.bytes()[..UHDR]),
+            _ => parse_unit(&units.to_vec()[..UHDR]),
         };
-        if s != seq || i != idx || len > body.len() || (len < UNIT && len != body.len()) {
+        spent.append_from(&mut units, UHDR)?;
+        if s != seq || i != idx || len > units.len() || (len < UNIT && len != units.len()) {
             return Err(fail(format!("message {seq}: unit {idx} expected, got {s}/{i} of {len} bytes")));
         }
-        let after = body.split_off(len)?;
-        spent.append(std::mem::replace(&mut units, after));
-        dgram.append(body);
+        dgram.append_from(&mut units, len)?;
     }
     if !units.is_empty() {
         return Err(fail(format!("message {seq}: {} bytes after the last unit", units.len())));
