@@ -261,7 +261,10 @@ fn drive(chans: Vec<Channel>, allocs: &[Allocator], size: usize, probe: bool) ->
             }
             ch.flush().map_err(|e| e.to_string())?;
         }
-        let Some((k, first)) = sel.wait(Some(Duration::from_millis(10))) else { continue };
+        // The application serves its latency-sensitive channel first, on
+        // every transport alike: what is left is the transport's own delay.
+        let priority = if probe { sel.get_mut(keys[0]).expect("inserted").poll().map(|e| (keys[0], e)) } else { None };
+        let Some((k, first)) = priority.or_else(|| sel.wait(Some(Duration::from_millis(10)))) else { continue };
         let i = keys.iter().position(|&x| x == k).ok_or("an unknown key")?;
         // This channel's events until it has none (then the others').
         let mut ev = Some(first);
@@ -311,9 +314,9 @@ fn close(chans: &mut [Channel]) {
 /// Pass every buffer straight back until every channel closed (or `stop`).
 fn echo_loop(chans: Vec<Channel>, stop: &AtomicBool) {
     let Ok(mut sel) = Selector::new() else { return };
-    for ch in chans {
-        sel.insert(ch);
-    }
+    let keys: Vec<usize> = chans.into_iter().map(|ch| sel.insert(ch)).collect();
+    // Channel 0 carries the latency probe: served first, as on the client.
+    let first_key = keys.first().copied();
     let mut waiting: Vec<(usize, Buffer, Meta)> = Vec::new();
     while !sel.is_empty() && !stop.load(Ordering::Relaxed) {
         let mut still = Vec::new();
@@ -335,7 +338,8 @@ fn echo_loop(chans: Vec<Channel>, stop: &AtomicBool) {
         }
         waiting = still;
         let wait = if waiting.is_empty() { Duration::from_millis(10) } else { Duration::ZERO };
-        let Some((k, first)) = sel.wait(Some(wait)) else { continue };
+        let priority = first_key.and_then(|k| sel.get_mut(k).and_then(Channel::poll).map(|e| (k, e)));
+        let Some((k, first)) = priority.or_else(|| sel.wait(Some(wait))) else { continue };
         // This channel's events until it has none (then the others').
         let mut ev = Some(first);
         while let Some(e) = ev {
