@@ -160,24 +160,8 @@ pub fn net_stream_from_peer(data: &[u8]) {
     use std::os::unix::net::UnixStream;
 
     use crate::backend::net::NetLink;
-    use crate::backend::{Landing, Link, PayloadGate};
-    use crate::error::{Error, Result};
+    use crate::backend::Link;
     use crate::pool::{Geometry, PoolId, PoolMemory};
-
-    struct Gate;
-    impl PayloadGate for Gate {
-        fn admit(&mut self, msg: &Message) -> Result<Landing> {
-            let buf = match msg {
-                Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } => buf,
-                _ => return Err(Error::Protocol("gate asked about a message without payload".into())),
-            };
-            match buf.index {
-                0 => Ok(Landing::Land),
-                1 => Ok(Landing::Discard),
-                _ => Err(Error::Protocol("buffer we own".into())),
-            }
-        }
-    }
 
     let Some((&knob, bytes)) = data.split_first() else { return };
     let (ours, theirs) = UnixStream::pair().expect("socket pair");
@@ -191,7 +175,7 @@ pub fn net_stream_from_peer(data: &[u8]) {
     let _ = theirs.write_all(&bytes[..bytes.len().min(64 << 10)]);
     drop(theirs);
     for _ in 0..(bytes.len() + 8) {
-        match link.recv(&mut Gate) {
+        match link.recv(&mut PeerStreamGate) {
             Ok(Some(_)) => {}
             Ok(None) | Err(_) => break,
         }
@@ -212,27 +196,7 @@ pub fn mux_stream_from_peer(data: &[u8]) {
     use std::os::unix::net::UnixStream;
 
     use crate::backend::mux::{MuxHead, MuxSession, MUX_HEAD};
-    use crate::backend::{Landing, PayloadGate};
-    use crate::error::{Error, Result};
     use crate::pool::{Geometry, PoolId, PoolMemory};
-
-    struct Gate;
-    impl PayloadGate for Gate {
-        fn admit(&mut self, msg: &Message) -> Result<Landing> {
-            let buf = match msg {
-                Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } => buf,
-                _ => return Err(Error::Protocol("gate asked about a message without payload".into())),
-            };
-            match buf.index {
-                0 => Ok(Landing::Land),
-                1 => Ok(Landing::Discard),
-                _ => Err(Error::Protocol("buffer we own".into())),
-            }
-        }
-        fn detach(&self) -> Option<Box<dyn PayloadGate + Send>> {
-            Some(Box::new(Gate))
-        }
-    }
 
     let Some((&knob, bytes)) = data.split_first() else { return };
     if let Ok(head) = bytes
@@ -253,19 +217,44 @@ pub fn mux_stream_from_peer(data: &[u8]) {
             PoolMemory::mirror(PoolId::from_u128(0xf00d + i as u128), Geometry::new(4096, 4).expect("geometry"), None)
                 .expect("pool memory");
         link.use_pool(&pool).expect("pool mapped");
-        link.set_gate(Box::new(Gate));
+        link.set_gate(Box::new(PeerStreamGate));
     }
     let _ = theirs.write_all(&bytes[..bytes.len().min(64 << 10)]);
     drop(theirs);
     for _ in 0..(bytes.len() + 8) {
         let mut progress = false;
         for link in &mut links {
-            if let Ok(Some(_)) = link.recv(&mut Gate) {
+            if let Ok(Some(_)) = link.recv(&mut PeerStreamGate) {
                 progress = true;
             }
         }
         if !progress {
             break;
         }
+    }
+}
+
+/// The payload gate of the peer-stream targets: buffer 0 lands, buffer 1 is
+/// discarded (as if we held a copy), any other is refused (as if we owned
+/// it); asked about a message without payload, it refuses too.
+struct PeerStreamGate;
+
+impl crate::backend::PayloadGate for PeerStreamGate {
+    fn admit(&mut self, msg: &Message) -> crate::error::Result<crate::backend::Landing> {
+        use crate::backend::Landing;
+        use crate::error::Error;
+        let buf = match msg {
+            Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } => buf,
+            _ => return Err(Error::Protocol("gate asked about a message without payload".into())),
+        };
+        match buf.index {
+            0 => Ok(Landing::Land),
+            1 => Ok(Landing::Discard),
+            _ => Err(Error::Protocol("buffer we own".into())),
+        }
+    }
+
+    fn detach(&self) -> Option<Box<dyn crate::backend::PayloadGate + Send>> {
+        Some(Box::new(PeerStreamGate))
     }
 }
