@@ -210,6 +210,48 @@ pub(crate) fn body_limit(op: u8, meta_size: usize) -> Option<usize> {
     }
 }
 
+/// The fields of a slot's fixed header (the table at the top of this
+/// module), read as they are: checking them is the reader's job. The TCP
+/// frames of the network backends begin with the same header.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SlotHead {
+    pub(crate) op: u8,
+    pub(crate) flags: u8,
+    pub(crate) meta_len: usize,
+    pub(crate) index: u32,
+    pub(crate) aux: u64,
+    pub(crate) pool: PoolId,
+}
+
+impl SlotHead {
+    /// The header at the start of `bytes` (`None` if shorter than [`HEADER`]).
+    pub(crate) fn read(bytes: &[u8]) -> Option<SlotHead> {
+        let h: &[u8; HEADER] = bytes.get(..HEADER)?.try_into().ok()?;
+        Some(SlotHead {
+            op: h[0],
+            flags: h[1],
+            meta_len: usize::from(u16::from_le_bytes([h[2], h[3]])),
+            index: u32::from_le_bytes(h[4..8].try_into().expect("4 bytes")),
+            aux: u64::from_le_bytes(h[8..16].try_into().expect("8 bytes")),
+            pool: PoolId::from_u128(u128::from_le_bytes(h[16..32].try_into().expect("16 bytes"))),
+        })
+    }
+
+    /// What a backend that carries payloads asks its gate about before the
+    /// payload of this move, copy or pass lands: the message without its
+    /// meta data (`None` for an opcode that carries no buffer).
+    pub(crate) fn payload_probe(&self) -> Option<Message> {
+        let buf = BufferId { pool: self.pool, index: self.index };
+        let meta = Meta::empty();
+        match self.op {
+            OP_MOVE => Some(Message::Move { buf, meta }),
+            OP_COPY => Some(Message::Copy { buf, meta }),
+            OP_PASS => Some(Message::Pass { buf, meta }),
+            _ => None,
+        }
+    }
+}
+
 impl Message {
     /// The message's kind, for error messages.
     pub(crate) fn name(&self) -> &'static str {
@@ -298,15 +340,9 @@ impl Message {
     /// Decode a slot received from a peer; `max_meta` is the channel's meta
     /// size. Anything malformed is a protocol error, never a panic.
     pub(crate) fn decode(slot: &[u8], max_meta: usize) -> Result<Message, Error> {
-        if slot.len() < HEADER {
+        let Some(SlotHead { op, flags, meta_len, index, aux, pool }) = SlotHead::read(slot) else {
             return Err(Error::Protocol(format!("slot of {} bytes is shorter than the header", slot.len())));
-        }
-        let op = slot[0];
-        let flags = slot[1];
-        let meta_len = u16::from_le_bytes([slot[2], slot[3]]) as usize;
-        let index = u32::from_le_bytes(slot[4..8].try_into().expect("4 bytes"));
-        let aux = u64::from_le_bytes(slot[8..16].try_into().expect("8 bytes"));
-        let pool = PoolId::from_u128(u128::from_le_bytes(slot[16..32].try_into().expect("16 bytes")));
+        };
         let limit = body_limit(op, max_meta).ok_or_else(|| Error::Protocol(format!("unknown opcode {op}")))?;
         if meta_len > limit {
             return Err(Error::Protocol(format!("meta length {meta_len} out of range (op {op})")));

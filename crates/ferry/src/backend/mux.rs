@@ -1251,12 +1251,9 @@ impl Inner {
             return Err(Error::Protocol(format!("channel {id}: message beyond its credit")));
         }
         chan.allowed = chan.allowed.saturating_sub(1);
-        let kind = h[0];
-        let flags = h[1];
-        let meta = usize::from(u16::from_le_bytes([h[2], h[3]]));
-        let index = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
-        let aux = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
-        let pool = PoolId::from_u128(u128::from_le_bytes(h[16..32].try_into().expect("16 bytes")));
+        let head = proto::SlotHead::read(h)
+            .ok_or_else(|| Error::Protocol(format!("channel {id}: message shorter than its header")))?;
+        let proto::SlotHead { op: kind, flags, meta_len: meta, index, aux, pool } = head;
         let bad = |what: String| Error::Protocol(format!("channel {id}, message type {kind}: {what}"));
         if MSG_HEAD + meta != body_len {
             return Err(bad("meta length does not match the frame".into()));
@@ -1279,11 +1276,7 @@ impl Inner {
                     return Err(bad(format!("payload of {aux} bytes for a pool of {size}-byte buffers")));
                 }
                 let gate = gate.ok_or_else(|| bad("payload before the channel was polled".into()))?;
-                let probe = match kind {
-                    TYPE_MOVE => Message::Move { buf, meta: Meta::empty() },
-                    TYPE_COPY => Message::Copy { buf, meta: Meta::empty() },
-                    _ => Message::Pass { buf, meta: Meta::empty() },
-                };
+                let probe = head.payload_probe().expect("a move, copy or pass");
                 let target = match gate.admit(&probe)? {
                     Landing::Land => Target::Land,
                     Landing::Discard => Target::Discard,

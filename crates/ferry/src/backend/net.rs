@@ -648,13 +648,8 @@ impl NetLink {
     /// Parse a complete header: the next state, or a message complete in
     /// its header alone. Keep-alives and goodbyes are consumed here.
     fn parse_head(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
-        let h = &self.head;
-        let kind = h[0];
-        let flags = h[1];
-        let meta = usize::from(u16::from_le_bytes([h[2], h[3]]));
-        let index = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
-        let aux = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
-        let pool = PoolId::from_u128(u128::from_le_bytes(h[16..32].try_into().expect("16 bytes")));
+        let head = proto::SlotHead::read(&self.head).expect("the frame head is a slot header");
+        let proto::SlotHead { op: kind, flags, meta_len: meta, index, aux, pool } = head;
         let bad = |what: String| Error::Protocol(format!("frame type {kind}: {what}"));
         if kind == TYPE_KEEPALIVE || kind == TYPE_GOODBYE {
             if flags != 0 || meta != 0 || aux != 0 {
@@ -686,12 +681,7 @@ impl NetLink {
                         p.geometry.buffer_size()
                     )));
                 }
-                let buf = BufferId { pool, index };
-                let probe = match kind {
-                    TYPE_MOVE => Message::Move { buf, meta: Meta::empty() },
-                    TYPE_COPY => Message::Copy { buf, meta: Meta::empty() },
-                    _ => Message::Pass { buf, meta: Meta::empty() },
-                };
+                let probe = head.payload_probe().expect("a move, copy or pass");
                 Some(match gate.admit(&probe)? {
                     Landing::Land => Target::Land { pool, offset: index as usize * aux as usize },
                     Landing::Discard => Target::Discard,
