@@ -139,31 +139,26 @@ mod sealed {
     impl Sealed for crate::Aggregate {}
 }
 
-impl SecureSource for Buffer {
-    fn volatile_bytes(&self) -> Vec<&[u8]> {
-        vec![self]
-    }
-    fn contiguous(&self) -> Option<&[u8]> {
-        Some(self)
-    }
-    fn private_in_place(&self) -> bool {
-        let (d, v, i) = self.parts();
-        secure_in_place(d, v, i)
-    }
+/// A single buffer handle, whole and contiguous, is secured in place when
+/// its pool's memory is private to this domain.
+macro_rules! secure_source_for_handle {
+    ($($handle:ty),*) => {$(
+        impl SecureSource for $handle {
+            fn volatile_bytes(&self) -> Vec<&[u8]> {
+                vec![self]
+            }
+            fn contiguous(&self) -> Option<&[u8]> {
+                Some(self)
+            }
+            fn private_in_place(&self) -> bool {
+                let (d, v, i) = self.parts();
+                secure_in_place(d, v, i)
+            }
+        }
+    )*};
 }
 
-impl SecureSource for BufferCopy {
-    fn volatile_bytes(&self) -> Vec<&[u8]> {
-        vec![self]
-    }
-    fn contiguous(&self) -> Option<&[u8]> {
-        Some(self)
-    }
-    fn private_in_place(&self) -> bool {
-        let (d, v, i) = self.parts();
-        secure_in_place(d, v, i)
-    }
-}
+secure_source_for_handle!(Buffer, BufferCopy);
 
 impl SecureSource for Aggregate {
     fn volatile_bytes(&self) -> Vec<&[u8]> {
