@@ -45,6 +45,14 @@ fn chain_to_dev_null_reports_the_cost_of_a_stage() {
     // --touch: touched stages only, so ferry and pipes (no cat).
     assert_eq!(costs.len(), 2, "{lines:?}");
     assert!(costs.iter().all(|c| c["us_per_buffer_per_stage"].as_f64().is_some() && c["middle"] == "touched"));
+    // Measured directly beside the wall-clock difference: the middle stages' own CPU time.
+    assert!(costs.iter().all(|c| c["cpu_us_per_buffer_per_stage"].as_f64().is_some_and(|us| us > 0.0)), "{costs:?}");
+    let points: Vec<_> = lines.iter().filter(|p| p.get("kind").is_none()).collect();
+    for p in points {
+        // Two stages have no middle stage to measure; four have two.
+        let cpu = p["middle_cpu_us_per_buffer"].as_f64();
+        assert_eq!(cpu.is_some(), p["stages"] == 4, "{p}");
+    }
 }
 
 #[test]

@@ -1,11 +1,13 @@
 //! `ferry bench socket-touch` (Container Shipping, Fig. 4) as a user runs
-//! it: the real binary forks its sender, and prints one JSON point per
-//! variant (read-write, ferry-io, unmapped) and touched fraction, each with a positive rate.
+//! it: the real binary forks its sender (or starts its Ferry sender
+//! process), and prints one JSON point per variant (read-write, ferry-io,
+//! unmapped, ferry-channel, ferry-channel-prefilled) and touched fraction,
+//! each with a positive rate, and each row's ratio to read/write.
 
 use std::process::{Command, Stdio};
 
 #[test]
-fn socket_touch_prints_nine_points() {
+fn socket_touch_prints_fifteen_points_and_the_ratios() {
     let svg =
         std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("socket-touch-{}.svg", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
@@ -16,22 +18,43 @@ fn socket_touch_prints_nine_points() {
         .expect("run ferry");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "exit {:?}: {stderr}", out.status.code());
-    let points: Vec<serde_json::Value> =
+    let lines: Vec<serde_json::Value> =
         String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
-    assert_eq!(points.len(), 9, "{points:?}");
+    let points: Vec<_> = lines.iter().filter(|p| p.get("kind").is_none()).collect();
+    assert_eq!(points.len(), 15, "{points:?}");
     let mut seen = Vec::new();
     for p in &points {
         assert_eq!(p["experiment"], "socket-touch");
         assert_eq!(p["size"], 131072);
         assert!(p["median"].as_f64().is_some_and(|m| m > 0.0), "{p}");
+        // Only the rows that carry the bytes through the socket copy them.
+        let channel = p["backend"].as_str().unwrap().starts_with("ferry-channel");
+        assert_eq!(p["copies_kernel"], if channel { 0 } else { 2 }, "{p}");
         seen.push(format!("{} {}", p["backend"].as_str().unwrap(), p["variant"].as_str().unwrap()));
     }
     let plot = std::fs::read_to_string(&svg).expect("the plot is written");
     assert!(plot.contains("<svg") && plot.contains("touched=half"), "a bar per point");
     std::fs::remove_file(&svg).unwrap();
-    for b in ["read-write", "ferry-io", "unmapped"] {
+    for b in ["read-write", "ferry-io", "unmapped", "ferry-channel", "ferry-channel-prefilled"] {
         for t in ["all", "half", "none"] {
             assert!(seen.contains(&format!("{b} touched={t}")), "{b} touched={t} missing: {seen:?}");
         }
     }
+    let ratios: Vec<_> = lines.iter().filter(|p| p["kind"] == "ratio").collect();
+    assert_eq!(ratios.len(), 12, "{ratios:?}");
+    for r in &ratios {
+        assert_eq!(r["baseline"], "read-write");
+        assert!(r["median_ratio"].as_f64().is_some_and(|m| m > 0.0), "{r}");
+    }
+    assert!(ratios.iter().any(|r| r["ferry"] == "ferry-channel" && r["touched"] == "none"));
+}
+
+#[test]
+fn socket_touch_refuses_a_total_that_is_not_whole_buffers() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["bench", "socket-touch", "--runs", "1", "--total", "1000000"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run ferry");
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
 }

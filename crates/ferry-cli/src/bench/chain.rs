@@ -18,7 +18,10 @@
 //! its number, which the sink of the ferry and pipe chains checks; the
 //! cat chain's sink file is checked afterwards (size and every chunk's
 //! number). The sample is --total / time of the run; the per-buffer cost
-//! of an untouched stage is (time with 5 stages − time with 3) / 2 / buffers.
+//! of an untouched stage is (time with 5 stages − time with 3) / 2 / buffers
+//! (wall clock), and, measured directly, the CPU time the middle stage
+//! processes used during the run (`/proc/PID/task/*/schedstat`, all their
+//! threads) / middle stages / buffers.
 
 use std::io::Write as _;
 use std::os::unix::fs::FileExt;
@@ -68,6 +71,26 @@ impl Kind {
             Kind::Cat => "cat",
         }
     }
+}
+
+/// CPU time (ns) process `pid` has used so far, all its threads: the
+/// first field of `/proc/PID/task/TID/schedstat`.
+fn cpu_ns(pid: u32) -> Result<u64, CliError> {
+    let dir = format!("/proc/{pid}/task");
+    let mut ns = 0u64;
+    for t in std::fs::read_dir(&dir).map_err(os(dir.clone()))? {
+        let path = t.map_err(os(dir.clone()))?.path().join("schedstat");
+        // A thread that ended meanwhile has no file any more: its time is gone with it.
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        ns += text.split_whitespace().next().and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    }
+    Ok(ns)
+}
+
+/// CPU time (ns) of the middle stages (all but the first and the last).
+fn middle_cpu_ns(pids: &[u32]) -> Result<u64, CliError> {
+    let middle = pids.get(1..pids.len().saturating_sub(1)).unwrap_or(&[]);
+    middle.iter().map(|&p| cpu_ns(p)).sum()
 }
 
 fn os(what: String) -> impl Fn(std::io::Error) -> CliError {
@@ -165,6 +188,8 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         for &touch in &touches {
             // Median seconds per (stages, kind), for the ratios and the per-stage cost.
             let mut secs: Vec<(usize, Kind, f64)> = Vec::new();
+            // Median CPU µs per buffer of one middle stage, per (stages, kind).
+            let mut cpu_per_buffer: Vec<(usize, Kind, f64)> = Vec::new();
             for &n in &stages {
                 for kind in [Kind::Ferry, Kind::Pipe, Kind::Cat] {
                     if kind == Kind::Cat && touch {
@@ -173,6 +198,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                     ctx.progress.say(format!("chain {n} stages {} sink={}", kind.backend(), sink.name()));
                     let files = Files { source: &source, sink: &sink_path, touch_middle: touch };
                     let mut times = Vec::with_capacity(runs);
+                    let mut cpu_us = Vec::with_capacity(runs);
                     let mut chain = match kind {
                         Kind::Ferry => {
                             Some(Chain::start(Variant::Ferry, n, size, total, window, false, false, Some(&files))?)
@@ -184,7 +210,16 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                     };
                     for run in 0..=runs {
                         let t = match &mut chain {
-                            Some(c) => c.run_once()?,
+                            Some(c) => {
+                                let pids = c.pids();
+                                let before = middle_cpu_ns(&pids)?;
+                                let t = c.run_once()?;
+                                let used = middle_cpu_ns(&pids)?.saturating_sub(before);
+                                if n > 2 && run > 0 {
+                                    cpu_us.push(used as f64 / 1e3 / (n - 2) as f64 / (total / size as u64) as f64);
+                                }
+                                t
+                            }
                             None => {
                                 let t = cat_once(n, &source, &sink_path)?;
                                 if sink == Sink::File {
@@ -204,6 +239,10 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                     let rates: Vec<f64> = times.iter().map(|t| total as f64 / t / 1e9).collect();
                     let s = Summary::of(&rates).ok_or_else(|| CliError::Failed("no samples".into()))?;
                     secs.push((n, kind, total as f64 / s.median / 1e9));
+                    let cpu = Summary::of(&cpu_us).map(|c| round(c.median));
+                    if let Some(c) = cpu {
+                        cpu_per_buffer.push((n, kind, c));
+                    }
                     let head = Head {
                         experiment: "chain",
                         backend: kind.backend(),
@@ -220,11 +259,12 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                     };
                     let extra = json!({ "stages": n, "total": total, "sink": sink.name(), "verified": true,
                         "variant": format!("sink={} middle={}", sink.name(), if touch { "touched" } else { "untouched" }),
-                        "copies_kernel": copies, "gbit_s_median": round(s.median * 8.0) });
+                        "copies_kernel": copies, "gbit_s_median": round(s.median * 8.0),
+                        "middle_cpu_us_per_buffer": cpu });
                     ctx.emit(Point::new(head, s, Some(0), extra));
                 }
             }
-            summarize(ctx, &secs, size, total, sink, touch);
+            summarize(ctx, &secs, &cpu_per_buffer, size, total, sink, touch);
         }
     }
     Ok(())
@@ -232,7 +272,15 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
 
 /// The ratios of one (sink, touch) group, and the per-buffer cost of an
 /// untouched stage from the first and last stage counts.
-fn summarize(ctx: &mut Ctx<'_>, secs: &[(usize, Kind, f64)], size: usize, total: u64, sink: Sink, touch: bool) {
+fn summarize(
+    ctx: &mut Ctx<'_>,
+    secs: &[(usize, Kind, f64)],
+    cpu: &[(usize, Kind, f64)],
+    size: usize,
+    total: u64,
+    sink: Sink,
+    touch: bool,
+) {
     let get = |n: usize, k: Kind| secs.iter().find(|(m, j, _)| *m == n && *j == k).map(|x| x.2);
     let buffers = (total / size as u64) as f64;
     let middle = if touch { "touched" } else { "untouched" };
@@ -257,10 +305,12 @@ fn summarize(ctx: &mut Ctx<'_>, secs: &[(usize, Kind, f64)], size: usize, total:
             for k in [Kind::Ferry, Kind::Pipe, Kind::Cat] {
                 if let (Some(a), Some(b)) = (get(lo, k), get(hi, k)) {
                     let us = (b - a) / (hi - lo) as f64 / buffers * 1e6;
+                    // Measured directly: one middle stage's CPU time per buffer, with the most stages.
+                    let cpu_us = cpu.iter().find(|(m, j, _)| *m == hi && *j == k).map(|x| x.2);
                     lines.push(
                         json!({ "kind": "stage-cost", "experiment": "chain", "backend": k.backend(), "size": size,
                         "sink": sink.name(), "middle": middle, "from_stages": lo, "to_stages": hi,
-                        "us_per_buffer_per_stage": round(us) }),
+                        "us_per_buffer_per_stage": round(us), "cpu_us_per_buffer_per_stage": cpu_us }),
                     );
                 }
             }
@@ -278,8 +328,12 @@ fn summarize(ctx: &mut Ctx<'_>, secs: &[(usize, Kind, f64)], size: usize, total:
                 l["ferry_faster_by"]
             ));
         } else {
+            let cpu = match l["cpu_us_per_buffer_per_stage"].as_f64() {
+                Some(c) => format!(", a middle stage's own CPU time {c} µs"),
+                None => String::new(),
+            };
             ctx.progress.println(&format!(
-                "  chain {}, sink={}, middle {middle}: one more stage costs {} µs per {size}-byte buffer",
+                "  chain {}, sink={}, middle {middle}: one more stage costs {} µs per {size}-byte buffer (wall clock){cpu}",
                 l["backend"].as_str().unwrap_or("?"),
                 sink.name(),
                 l["us_per_buffer_per_stage"]

@@ -1,11 +1,11 @@
 //! `ferry bench-child` (hidden): the processes `ferry bench` starts itself —
 //! the receiving domain of `fbufs-table` over shm, the stages of
-//! `pipeline`, the client processes of `fanin --backend shm`. Not for people: the arguments are set by the parent.
+//! `pipeline`, the client processes of `fanin --backend shm`, the Ferry sender of `socket-touch`. Not for people: the arguments are set by the parent.
 
 use clap::{Args, Subcommand};
 use ferry::{BindParams, Channel, Domain};
 
-use super::{fanin, fbufs, layers, pipeline};
+use super::{fanin, fbufs, layers, pipeline, socket_touch};
 use crate::{echo, pin, CliError};
 
 /// Arguments of `ferry bench-child`.
@@ -25,6 +25,8 @@ enum Role {
     FaninClient(fanin::ClientArgs),
     /// The router or the receiving stack of `layers`.
     Layers(layers::ChildArgs),
+    /// The Ferry sender of `socket-touch`.
+    SocketTouchSender(socket_touch::SenderArgs),
 }
 
 #[derive(Debug, Args)]
@@ -76,5 +78,6 @@ pub fn run(a: &ChildArgs) -> Result<(), CliError> {
         Role::Stage(s) => pipeline::stage(s),
         Role::FaninClient(c) => fanin::client_process(c),
         Role::Layers(l) => layers::child(l),
+        Role::SocketTouchSender(s) => socket_touch::sender(s),
     }
 }
