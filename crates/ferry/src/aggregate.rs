@@ -612,9 +612,25 @@ impl Aggregate {
     /// shares the buffer).
     pub(crate) fn into_parts(self) -> Parts {
         let (members, entries) = self.distinct();
-        let members = members.into_iter().map(|m| Some(Arc::clone(m))).collect();
-        drop(self);
-        Parts { members, entries }
+        let n = members.len();
+        self.into_parts_with(n, entries)
+    }
+
+    /// [`into_parts`](Aggregate::into_parts) with the table
+    /// [`distinct`](Aggregate::distinct) made (`members` distinct buffers,
+    /// `entries` one per fragment): the table is not made again, and each
+    /// member keeps the reference of its first fragment, so no reference
+    /// count is raised.
+    pub(crate) fn into_parts_with(self, members: usize, entries: Vec<FragEntry>) -> Parts {
+        debug_assert_eq!(entries.len(), self.frags.len());
+        let mut held: Vec<Option<Arc<Held>>> = vec![None; members];
+        for (f, e) in self.frags.into_iter().zip(&entries) {
+            let slot = &mut held[e.member as usize];
+            if slot.is_none() {
+                *slot = Some(f.held);
+            }
+        }
+        Parts { members: held, entries }
     }
 
     /// The aggregate a received run describes: `members` in the order

@@ -19,7 +19,7 @@ use crate::domain::Pool;
 use crate::domain::{ChanKey, Domain, DomainState, LentSet};
 use crate::error::{Error, Refused, Result};
 use crate::pool::{Geometry, PoolId, PoolView, TrustLevel};
-use crate::proto::{self, AggRun, Message, Meta, MAX_META_SIZE};
+use crate::proto::{self, AggRun, FragEntry, Message, Meta, MAX_META_SIZE};
 use crate::setup::{BindParams, ChannelConstraints, ChannelLimits, ChannelSetup, ChannelState, Direction, Role};
 use crate::sys::Access;
 use crate::wake::{Arm, WakeSet};
@@ -746,11 +746,12 @@ impl Channel {
     /// ```
     pub fn send_aggregate(&mut self, agg: Aggregate, meta: &[u8]) -> Result<(), Refused<Aggregate>> {
         self.flush_deferred();
-        if let Err(e) = self.check_aggregate(&agg, meta.len()) {
-            return Err(Refused::new(e, agg));
-        }
+        let (members, entries) = match self.check_aggregate(&agg, meta.len()) {
+            Ok(table) => table,
+            Err(e) => return Err(Refused::new(e, agg)),
+        };
         let total = agg.len() as u64;
-        let mut parts = agg.into_parts();
+        let mut parts = agg.into_parts_with(members, entries);
         let header = Message::AggHeader {
             members: parts.members.len() as u32,
             frags: parts.entries.len() as u32,
@@ -802,8 +803,9 @@ impl Channel {
     }
 
     /// Everything [`send_aggregate`](Channel::send_aggregate) checks
-    /// before it sends anything.
-    fn check_aggregate(&mut self, agg: &Aggregate, meta_len: usize) -> Result<()> {
+    /// before it sends anything; the number of distinct buffers and the
+    /// fragment table if it may go.
+    fn check_aggregate(&mut self, agg: &Aggregate, meta_len: usize) -> Result<(usize, Vec<FragEntry>)> {
         self.check_sendable(Direction::Tx)?;
         let (members, entries) = agg.distinct();
         for m in &members {
@@ -821,7 +823,8 @@ impl Channel {
         {
             return Err(Error::AggregateTooLarge { slots, capacity });
         }
-        self.check_room_for(slots)
+        self.check_room_for(slots)?;
+        Ok((members.len(), entries))
     }
 
     /// Start assigning a pool to this channel ([ETH-BT] Algorithm 6,
