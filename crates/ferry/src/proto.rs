@@ -863,6 +863,14 @@ mod tests {
         for n in 0..=seed.len() {
             crate::fuzzing::aggregate_descriptor(&seed[..n]);
         }
+        // A seed with a repeat entry: two fragments, repeated three times.
+        let seed = include_bytes!("../../../fuzz/seeds/aggregate_descriptor/train_with_a_repeat_entry");
+        let slots: Vec<Vec<u8>> = seed[6..].chunks(64).map(<[u8]>::to_vec).collect();
+        let entries = decode(&slots, &[4096, 4096], 0).unwrap().1;
+        assert_eq!((entries.len(), entries[7]), (8, entry(1, 300, 100)));
+        for n in 0..=seed.len() {
+            crate::fuzzing::aggregate_descriptor(&seed[..n]);
+        }
     }
 
     proptest! {
