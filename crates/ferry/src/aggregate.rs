@@ -644,15 +644,26 @@ impl Aggregate {
     /// The fragments `entries` of the `members` still present (entries
     /// naming a member that is `None` or absent are left out).
     fn from_table(members: &[Option<Arc<Held>>], entries: &[FragEntry]) -> Aggregate {
-        // One list for every fragment: no allocation per entry.
-        let mut a = Aggregate { frags: VecDeque::with_capacity(entries.len()), len: 0 };
+        // One list for every fragment, no allocation per entry; built as a
+        // vector (cheaper to push onto than the deque, which takes it over
+        // without copying). Adjacent ranges of one buffer merge as in
+        // `push_frag`.
+        let mut frags: Vec<Frag> = Vec::with_capacity(entries.len());
+        let mut len = 0;
         for e in entries {
             if let Some(Some(held)) = members.get(e.member as usize) {
                 let (start, end) = (e.offset as usize, (e.offset + e.len) as usize);
-                a.push_frag(Frag { held: Arc::clone(held), start, end });
+                len += end - start;
+                if let Some(last) = frags.last_mut() {
+                    if last.end == start && Arc::ptr_eq(&last.held, held) {
+                        last.end = end;
+                        continue;
+                    }
+                }
+                frags.push(Frag { held: Arc::clone(held), start, end });
             }
         }
-        a
+        Aggregate { frags: VecDeque::from(frags), len }
     }
 }
 
