@@ -612,9 +612,25 @@ impl Aggregate {
     /// shares the buffer).
     pub(crate) fn into_parts(self) -> Parts {
         let (members, entries) = self.distinct();
-        let members = members.into_iter().map(|m| Some(Arc::clone(m))).collect();
-        drop(self);
-        Parts { members, entries }
+        let n = members.len();
+        self.into_parts_with(n, entries)
+    }
+
+    /// [`into_parts`](Aggregate::into_parts) with the table
+    /// [`distinct`](Aggregate::distinct) made (`members` distinct buffers,
+    /// `entries` one per fragment): the table is not made again, and each
+    /// member keeps the reference of its first fragment, so no reference
+    /// count is raised.
+    pub(crate) fn into_parts_with(self, members: usize, entries: Vec<FragEntry>) -> Parts {
+        debug_assert_eq!(entries.len(), self.frags.len());
+        let mut held: Vec<Option<Arc<Held>>> = vec![None; members];
+        for (f, e) in self.frags.into_iter().zip(&entries) {
+            let slot = &mut held[e.member as usize];
+            if slot.is_none() {
+                *slot = Some(f.held);
+            }
+        }
+        Parts { members: held, entries }
     }
 
     /// The aggregate a received run describes: `members` in the order
@@ -628,15 +644,26 @@ impl Aggregate {
     /// The fragments `entries` of the `members` still present (entries
     /// naming a member that is `None` or absent are left out).
     fn from_table(members: &[Option<Arc<Held>>], entries: &[FragEntry]) -> Aggregate {
-        // One list for every fragment: no allocation per entry.
-        let mut a = Aggregate { frags: VecDeque::with_capacity(entries.len()), len: 0 };
+        // One list for every fragment, no allocation per entry; built as a
+        // vector (cheaper to push onto than the deque, which takes it over
+        // without copying). Adjacent ranges of one buffer merge as in
+        // `push_frag`.
+        let mut frags: Vec<Frag> = Vec::with_capacity(entries.len());
+        let mut len = 0;
         for e in entries {
             if let Some(Some(held)) = members.get(e.member as usize) {
                 let (start, end) = (e.offset as usize, (e.offset + e.len) as usize);
-                a.push_frag(Frag { held: Arc::clone(held), start, end });
+                len += end - start;
+                if let Some(last) = frags.last_mut() {
+                    if last.end == start && Arc::ptr_eq(&last.held, held) {
+                        last.end = end;
+                        continue;
+                    }
+                }
+                frags.push(Frag { held: Arc::clone(held), start, end });
             }
         }
-        a
+        Aggregate { frags: VecDeque::from(frags), len }
     }
 }
 

@@ -19,7 +19,7 @@ use crate::domain::Pool;
 use crate::domain::{ChanKey, Domain, DomainState, LentSet};
 use crate::error::{Error, Refused, Result};
 use crate::pool::{Geometry, PoolId, PoolView, TrustLevel};
-use crate::proto::{self, AggRun, Message, Meta, MAX_META_SIZE};
+use crate::proto::{self, AggRun, FragEntry, Message, Meta, MAX_META_SIZE};
 use crate::setup::{BindParams, ChannelConstraints, ChannelLimits, ChannelSetup, ChannelState, Direction, Role};
 use crate::sys::Access;
 use crate::wake::{Arm, WakeSet};
@@ -706,14 +706,18 @@ impl Channel {
     /// fragments of the members not sent yet come back in the `Refused`.)
     ///
     /// The fragment table travels in the queue's slots, 16 bytes per
-    /// fragment, as many per slot as the channel's meta size makes room
+    /// entry, as many per slot as the channel's meta size makes room
     /// for: 2 with a meta size up to 32 bytes (64-byte slots), 14 with
-    /// [`MAX_META_SIZE`](crate::MAX_META_SIZE) (256-byte slots). A channel
-    /// that carries aggregates of many fragments (a train of units, each
-    /// behind its header) is best set up with a meta size of
-    /// `MAX_META_SIZE` and a queue deep enough for a few runs: a 1 MiB
-    /// message cut into 257 units of two fragments takes 37 table slots
-    /// there, against 257 with the smallest slots.
+    /// [`MAX_META_SIZE`](crate::MAX_META_SIZE) (256-byte slots). Where a
+    /// group of fragments repeats, each copy of each fragment taking the
+    /// bytes of its buffer right after the previous copy's (a train of
+    /// units, each behind its header), one entry stands for all the
+    /// copies: 1 MiB behind three 32-byte headers, cut into 257 units of
+    /// 4 KiB each behind a 16-byte header (517 fragments), takes 10
+    /// entries, one table slot with `MAX_META_SIZE` or 5 with the
+    /// smallest slots. Other tables take an entry per fragment; a channel
+    /// that carries those with many fragments is best set up with a meta
+    /// size of `MAX_META_SIZE` and a queue deep enough for a few runs.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -746,14 +750,15 @@ impl Channel {
     /// ```
     pub fn send_aggregate(&mut self, agg: Aggregate, meta: &[u8]) -> Result<(), Refused<Aggregate>> {
         self.flush_deferred();
-        if let Err(e) = self.check_aggregate(&agg, meta.len()) {
-            return Err(Refused::new(e, agg));
-        }
+        let (members, entries, wire) = match self.check_aggregate(&agg, meta.len()) {
+            Ok(table) => table,
+            Err(e) => return Err(Refused::new(e, agg)),
+        };
         let total = agg.len() as u64;
-        let mut parts = agg.into_parts();
+        let mut parts = agg.into_parts_with(members, entries);
         let header = Message::AggHeader {
             members: parts.members.len() as u32,
-            frags: parts.entries.len() as u32,
+            frags: wire.len() as u32,
             total,
             meta: Meta::new(meta).expect("meta checked"),
         };
@@ -784,9 +789,8 @@ impl Channel {
                 return Err(Refused::new(e, parts.rebuild()));
             }
         }
-        let table: Vec<Message> = proto::table_messages(&parts.entries, self.meta_size).collect();
-        for msg in &table {
-            if let Err(e) = self.link_mut().send(msg) {
+        for msg in proto::table_messages(&wire, self.meta_size) {
+            if let Err(e) = self.link_mut().send(&msg) {
                 return Err(Refused::new(e, Aggregate::new()));
             }
         }
@@ -802,8 +806,9 @@ impl Channel {
     }
 
     /// Everything [`send_aggregate`](Channel::send_aggregate) checks
-    /// before it sends anything.
-    fn check_aggregate(&mut self, agg: &Aggregate, meta_len: usize) -> Result<()> {
+    /// before it sends anything; the number of distinct buffers, the
+    /// fragment table and the table as it goes on the wire if it may go.
+    fn check_aggregate(&mut self, agg: &Aggregate, meta_len: usize) -> Result<(usize, Vec<FragEntry>, Vec<FragEntry>)> {
         self.check_sendable(Direction::Tx)?;
         let (members, entries) = agg.distinct();
         for m in &members {
@@ -813,7 +818,8 @@ impl Channel {
             self.check_pool(m.id().pool)?;
         }
         self.check_meta(meta_len)?;
-        let slots = proto::run_slots(members.len(), entries.len(), self.meta_size);
+        let wire = proto::fold_table(&entries);
+        let slots = proto::run_slots(members.len(), wire.len(), self.meta_size);
         let capacity = self.link.as_ref().map_or(0, |l| l.capacity());
         if members.len() > proto::MAX_AGG_MEMBERS as usize
             || entries.len() > proto::MAX_AGG_FRAGS as usize
@@ -821,7 +827,8 @@ impl Channel {
         {
             return Err(Error::AggregateTooLarge { slots, capacity });
         }
-        self.check_room_for(slots)
+        self.check_room_for(slots)?;
+        Ok((members.len(), entries, wire))
     }
 
     /// Start assigning a pool to this channel ([ETH-BT] Algorithm 6,

@@ -46,9 +46,12 @@ pub fn aggregate_descriptor(data: &[u8]) {
     }
     let members = used.iter().take_while(|u| **u).count();
     assert!(used[..members].iter().all(|u| *u));
+    // Encoded again as a sender would, folded (repeat entries where the
+    // fragments continue a group before them).
+    let wire = proto::fold_table(&entries);
     let mut again = Vec::new();
-    let header = Message::AggHeader { members: members as u32, frags: entries.len() as u32, total, meta: m.clone() };
-    for msg in std::iter::once(header).chain(proto::table_messages(&entries, meta_size)) {
+    let header = Message::AggHeader { members: members as u32, frags: wire.len() as u32, total, meta: m.clone() };
+    for msg in std::iter::once(header).chain(proto::table_messages(&wire, meta_size)) {
         let mut s = vec![0u8; slot];
         msg.encode(&mut s);
         again.push(s);

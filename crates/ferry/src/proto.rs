@@ -179,6 +179,14 @@ pub(crate) struct FragEntry {
 /// 48-bit numbers (a buffer is at most 1 TiB).
 pub(crate) const FRAG_ENTRY: usize = 16;
 
+/// The member number of a repeat entry in a table on the wire: its
+/// offset field is a group size `k`, its length field a count `n`, and it
+/// stands for the `k` fragments before it repeated `n` times, each copy of
+/// a fragment taking the bytes of its member right after the previous
+/// copy's, with the same length (a train of units behind their headers,
+/// each unit header and piece where the last ended, is a few entries).
+pub(crate) const REPEAT: u32 = u32::MAX;
+
 /// Most members (distinct buffers) one aggregate run may have.
 pub(crate) const MAX_AGG_MEMBERS: u32 = 65535;
 
@@ -422,6 +430,9 @@ pub(crate) struct AggRun {
     meta: Meta,
     member_lens: Vec<u64>,
     used: Vec<bool>,
+    /// The table's entries on the wire so far.
+    wire: u32,
+    /// The fragments they stand for (repeat entries unfolded).
     entries: Vec<FragEntry>,
     sum: u64,
 }
@@ -443,6 +454,7 @@ impl AggRun {
             meta,
             member_lens: Vec::new(),
             used: Vec::new(),
+            wire: 0,
             entries: Vec::new(),
             sum: 0,
         })
@@ -466,29 +478,75 @@ impl AggRun {
         if self.wants_member() {
             return bad("arrived before all members".into());
         }
-        if first as usize != self.entries.len() {
-            return bad(format!("entry {first} where entry {} was due", self.entries.len()));
+        if first != self.wire {
+            return bad(format!("entry {first} where entry {} was due", self.wire));
         }
-        if self.entries.len() + entries.len() > self.frags as usize {
+        if self.wire as usize + entries.len() > self.frags as usize {
             return bad(format!("more than the {} entries announced", self.frags));
         }
         for e in entries {
+            if e.member == REPEAT {
+                self.repeat(e.offset, e.len)?;
+                continue;
+            }
             let Some(&size) = self.member_lens.get(e.member as usize) else {
                 return bad(format!("member {} of {}", e.member, self.members));
             };
             if e.len == 0 || e.offset.checked_add(e.len).is_none_or(|end| end > size) {
                 return bad(format!("{} bytes at {} of a {size}-byte buffer", e.len, e.offset));
             }
+            if self.entries.len() >= MAX_AGG_FRAGS as usize {
+                return bad(format!("more than {MAX_AGG_FRAGS} fragments"));
+            }
             self.used[e.member as usize] = true;
             self.sum = self.sum.saturating_add(e.len);
+            self.entries.push(*e);
         }
-        self.entries.extend_from_slice(entries);
+        self.wire += entries.len() as u32;
+        Ok(())
+    }
+
+    /// A repeat entry: the last `k` fragments repeated `n` times, each
+    /// copy continuing its fragment, checked as a whole before any is
+    /// added (every copy inside its member, the fragments within the
+    /// limit).
+    fn repeat(&mut self, k: u64, n: u64) -> Result<(), Error> {
+        let bad = |what: String| Err(Error::Protocol(format!("aggregate fragment table: repeat entry: {what}")));
+        let have = self.entries.len() as u64;
+        if k == 0 || n == 0 || k > have {
+            return bad(format!("group of {k} of the {have} fragments before it, {n} times"));
+        }
+        let more = k.checked_mul(n).filter(|m| have + m <= u64::from(MAX_AGG_FRAGS));
+        let Some(more) = more else {
+            return bad(format!("{k} fragments {n} times exceed the {MAX_AGG_FRAGS} fragments of a run"));
+        };
+        let group = self.entries.len() - k as usize;
+        for e in &self.entries[group..] {
+            // The last copy ends `n` lengths after the fragment repeated.
+            let size = self.member_lens[e.member as usize];
+            let end = e.len.checked_mul(n).and_then(|b| b.checked_add(e.offset)).and_then(|o| o.checked_add(e.len));
+            if end.is_none_or(|end| end > size) {
+                return bad(format!(
+                    "{n} more times {} bytes after {} pass the end of a {size}-byte buffer",
+                    e.len, e.offset
+                ));
+            }
+            self.sum = self.sum.saturating_add(e.len.saturating_mul(n));
+        }
+        self.entries.reserve(more as usize);
+        for _ in 0..n {
+            for j in 0..k as usize {
+                let prev = self.entries[self.entries.len() - k as usize];
+                debug_assert_eq!(prev.member, self.entries[group + j].member);
+                self.entries.push(FragEntry { offset: prev.offset + prev.len, ..prev });
+            }
+        }
         Ok(())
     }
 
     /// Whether every slot of the run is in.
     pub(crate) fn is_complete(&self) -> bool {
-        !self.wants_member() && self.entries.len() == self.frags as usize
+        !self.wants_member() && self.wire == self.frags
     }
 
     /// The meta data and the table of a complete run, once the whole is
@@ -506,7 +564,49 @@ impl AggRun {
     }
 }
 
-/// The slots of an aggregate run's fragment table.
+/// Whether fragment `next` continues fragment `prev`: the bytes of the
+/// same member right after it, as many.
+fn continues(prev: &FragEntry, next: &FragEntry) -> bool {
+    next.member == prev.member && next.len == prev.len && prev.offset.checked_add(prev.len) == Some(next.offset)
+}
+
+/// Largest group a sender folds into a repeat entry.
+const MAX_GROUP: usize = 4;
+
+/// A fragment table as it goes on the wire: where the fragments from some
+/// point on repeat a group of the ones just before (each copy continuing
+/// its fragment, see [`REPEAT`]), one repeat entry stands for them.
+pub(crate) fn fold_table(entries: &[FragEntry]) -> Vec<FragEntry> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < entries.len() {
+        // The smallest group the next fragments repeat, and how often.
+        let found = (1..=MAX_GROUP.min(i)).find_map(|k| {
+            let mut n = 0;
+            while i + (n + 1) * k <= entries.len()
+                && (0..k).all(|j| continues(&entries[i + n * k + j - k], &entries[i + n * k + j]))
+            {
+                n += 1;
+            }
+            (n > 0).then_some((k, n))
+        });
+        match found {
+            // One fragment repeated once is no shorter as a repeat entry.
+            Some((k, n)) if k * n > 1 => {
+                out.push(FragEntry { member: REPEAT, offset: k as u64, len: n as u64 });
+                i += k * n;
+            }
+            _ => {
+                out.push(entries[i]);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+/// The slots of an aggregate run's fragment table (as it goes on the
+/// wire, [`fold_table`]).
 pub(crate) fn table_messages(entries: &[FragEntry], meta_size: usize) -> impl Iterator<Item = Message> + '_ {
     let per = entries_per_slot(meta_size);
     entries
@@ -694,6 +794,64 @@ mod tests {
         assert_eq!(decode(&descriptor(0, &[], 0, 0), &[], 0).unwrap().1, vec![]);
     }
 
+    /// The fragment table of a train of `units` units of `unit` bytes (the
+    /// last shorter), each behind a 16-byte header of member 0, cut from a
+    /// payload (member 1) behind three 32-byte headers (members 2-4).
+    fn train(units: u64, unit: u64) -> Vec<FragEntry> {
+        let mut t = vec![entry(0, 0, 16), entry(2, 0, 32), entry(3, 0, 32), entry(4, 0, 32), entry(1, 0, unit - 96)];
+        let payload = units * unit - 96 - unit / 2;
+        let mut at = unit - 96;
+        for u in 1..units {
+            t.push(entry(0, 16 * u, 16));
+            let piece = unit.min(payload - at);
+            t.push(entry(1, at, piece));
+            at += piece;
+        }
+        t
+    }
+
+    #[test]
+    fn trains_fold_into_repeat_entries_and_unfold_again() {
+        let t = train(257, 4096);
+        let wire = fold_table(&t);
+        // Unit 0 (five fragments), unit 1, one repeat entry, the last unit.
+        assert_eq!(wire.len(), 5 + 2 + 1 + 2, "{wire:?}");
+        assert_eq!(wire[7], FragEntry { member: REPEAT, offset: 2, len: 254 });
+        let lens = [257 * 16, 257 * 4096, 32, 32, 32];
+        let total = t.iter().map(|e| e.len).sum();
+        let slots = descriptor(5, &wire, total, MAX_META_SIZE);
+        assert_eq!(slots.len(), 2, "the header and one table slot, against 37");
+        assert_eq!(decode(&slots, &lens, MAX_META_SIZE).unwrap().1, t);
+        // Nothing to fold: the table as it is.
+        let plain = [entry(0, 0, 10), entry(1, 100, 20), entry(0, 50, 5)];
+        assert_eq!(fold_table(&plain), plain);
+    }
+
+    #[test]
+    fn bad_repeat_entries_are_errors() {
+        let lens = [4096, 1 << 30];
+        let rep = |k, n| entry(REPEAT, k, n);
+        let bad = |entries: &[FragEntry], total: u64| {
+            let e = decode(&descriptor(2, entries, total, 0), &lens, 0).unwrap_err();
+            assert!(matches!(e, Error::Protocol(_)), "{e:?}");
+        };
+        let ok = |entries: &[FragEntry], total: u64| decode(&descriptor(2, entries, total, 0), &lens, 0).unwrap().1;
+        let base = [entry(0, 0, 16), entry(1, 0, 100)];
+        assert_eq!(ok(&[base[0], base[1], rep(2, 3)], 464).len(), 8);
+        assert_eq!(ok(&[base[0], base[1], rep(1, 2)], 316)[3], entry(1, 200, 100));
+        bad(&[rep(1, 1), base[0], base[1]], 117); // nothing before it to repeat
+        bad(&[base[0], base[1], rep(3, 1)], 232); // a group larger than what came before
+        bad(&[base[0], base[1], rep(0, 5)], 116); // an empty group
+        bad(&[base[0], base[1], rep(2, 0)], 116); // no repetition
+        assert_eq!(ok(&[base[0], base[1], rep(2, 255)], 116 * 256).len(), 512); // member 0 full
+        bad(&[base[0], base[1], rep(2, 256)], 116 * 257); // member 0 ends after 4096 bytes
+        bad(&[base[0], base[1], rep(1, (1 << 48) - 1)], 116); // lengths overflow
+                                                              // Inside the buffer, but more fragments than a run may have.
+        bad(&[base[0], entry(1, 0, 1), rep(1, u64::from(MAX_AGG_FRAGS))], 17 + u64::from(MAX_AGG_FRAGS));
+        // The total still has to add up.
+        bad(&[base[0], base[1], rep(2, 3)], 463);
+    }
+
     /// The fuzz target's seed is a valid descriptor, and its entry point
     /// takes it (and its every prefix) without a panic.
     #[cfg(feature = "fuzzing")]
@@ -702,6 +860,14 @@ mod tests {
         let seed = include_bytes!("../../../fuzz/seeds/aggregate_descriptor/two_members_three_fragments");
         let slots: Vec<Vec<u8>> = seed[6..].chunks(64).map(<[u8]>::to_vec).collect();
         assert_eq!(decode(&slots, &[4096, 4096], 0).unwrap().1.len(), 3);
+        for n in 0..=seed.len() {
+            crate::fuzzing::aggregate_descriptor(&seed[..n]);
+        }
+        // A seed with a repeat entry: two fragments, repeated three times.
+        let seed = include_bytes!("../../../fuzz/seeds/aggregate_descriptor/train_with_a_repeat_entry");
+        let slots: Vec<Vec<u8>> = seed[6..].chunks(64).map(<[u8]>::to_vec).collect();
+        let entries = decode(&slots, &[4096, 4096], 0).unwrap().1;
+        assert_eq!((entries.len(), entries[7]), (8, entry(1, 300, 100)));
         for n in 0..=seed.len() {
             crate::fuzzing::aggregate_descriptor(&seed[..n]);
         }
@@ -739,6 +905,26 @@ mod tests {
             let total = entries.iter().map(|e| e.len).sum();
             let slots = descriptor(members.len() as u32, &entries, total, meta);
             prop_assert_eq!(decode(&slots, &members, meta).unwrap().1, entries);
+        }
+
+        #[test]
+        fn folded_tables_unfold_to_the_same_fragments(
+            units in 1u64..300,
+            unit in 128u64..5000,
+            cut in 0usize..600,
+            meta in 0usize..100,
+        ) {
+            // A train, some of it, with a stray fragment in the middle.
+            let mut t = train(units, unit);
+            t.truncate(cut.max(5));
+            let at = t.len() / 2;
+            t.insert(at, entry(2, 3, 7));
+            let wire = fold_table(&t);
+            prop_assert!(wire.len() <= t.len());
+            let lens = [(16 * units) as usize, (units * unit) as usize, 32, 32, 32];
+            let total = t.iter().map(|e| e.len).sum();
+            let slots = descriptor(5, &wire, total, meta);
+            prop_assert_eq!(decode(&slots, &lens, meta).unwrap().1, t);
         }
     }
 }

@@ -419,6 +419,41 @@ fn refused_aggregates_come_back_intact() {
     assert_eq!(alloc.available(), 8 - 3, "the moved buffers are b's now");
 }
 
+/// A train of units behind their headers crosses in a few slots: 400
+/// fragments that each continue the one two before go as three table
+/// entries (a queue of 8 slots of 2 entries takes it), and arrive as the
+/// same fragments with the same bytes.
+#[test]
+fn trains_of_units_cross_in_a_few_slots() {
+    let (_a, _b, mut tx, mut rx, alloc) = pair(8, 2);
+    let (mut hb, mut pb) = (alloc.alloc().unwrap(), alloc.alloc().unwrap());
+    for (i, b) in hb.as_mut_slice().unwrap().iter_mut().enumerate() {
+        *b = (i / 16) as u8;
+    }
+    for (i, b) in pb.as_mut_slice().unwrap().iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let mut hdrs = Aggregate::from_buffer_range(hb, 0..200 * 16).unwrap();
+    let mut payload = Aggregate::from_buffer_range(pb, 0..200 * 20).unwrap();
+    let mut train = Aggregate::new();
+    for _ in 0..200 {
+        train.append_from(&mut hdrs, 16).unwrap();
+        train.append_from(&mut payload, 20).unwrap();
+    }
+    let sent: Vec<(std::ops::Range<usize>, Vec<u8>)> =
+        train.fragments().map(|f| (f.range(), f.bytes().to_vec())).collect();
+    assert_eq!(sent.len(), 400);
+    tx.send_aggregate(train, b"t").unwrap();
+    match rx.wait(Some(T)) {
+        Some(Event::Aggregate { agg, meta }) => {
+            let got: Vec<(std::ops::Range<usize>, Vec<u8>)> =
+                agg.fragments().map(|f| (f.range(), f.bytes().to_vec())).collect();
+            assert_eq!((got, &meta[..]), (sent, &b"t"[..]));
+        }
+        ev => panic!("{ev:?}"),
+    }
+}
+
 /// An empty aggregate carries its meta data alone; an aggregate of copies
 /// only leaves the sender's buffers read-only until the receiver drops it.
 #[test]

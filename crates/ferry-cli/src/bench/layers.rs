@@ -289,8 +289,8 @@ fn ep(name: &str, i: usize) -> Endpoint {
 }
 
 fn setup() -> ChannelSetup {
-    // Large slots: 14 fragment-table entries each, so a 4 MiB message
-    // (2 × 1025 fragments) takes about 150 slots.
+    // Large slots: 14 fragment-table entries each (a train of units folds
+    // into about 10 entries, a table of other shapes takes one per fragment).
     ChannelSetup { meta_size: ferry::MAX_META_SIZE, queue_depth: 4096, ..ChannelSetup::default() }
 }
 
