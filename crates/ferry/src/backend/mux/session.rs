@@ -1,0 +1,332 @@
+//! The session's shared state: channels, their queues and credit, and
+//! the scheduler that picks the next frame for the wire.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::{Shutdown, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::codec::{MuxHead, K_CHUNK, K_CLOSE, MAX_CHUNK, MSG_HEAD, MUX_HEAD};
+use super::demux::Incoming;
+use super::wire::RxState;
+use crate::backend::{LinkStats, PayloadGate};
+use crate::error::{Error, Result};
+use crate::pool::{BufferId, Geometry, PoolMap, PoolMemory};
+use crate::proto::{self, Message};
+use crate::setup::{ChannelSetup, Negotiated};
+use crate::sys::{Access, Mapping};
+use crate::wake::Doorbell;
+use crate::NetOptions;
+
+/// Bytes committed to the wire at once (the scheduler decides again after).
+pub(super) const WIRE_BYTES: usize = 4 * MAX_CHUNK;
+/// Frames committed to the wire at once.
+pub(super) const WIRE_FRAMES: usize = 64;
+/// Bind requests kept for channel numbers nobody listens on yet.
+pub(super) const MAX_UNCLAIMED: usize = 64;
+/// How long a closing channel tries to get its last frames out.
+pub(super) const CLOSE_FLUSH: Duration = Duration::from_secs(2);
+/// Messages a receiver takes beyond the credit it gave (its close's last
+/// messages: replies and releases that bypass the queue).
+pub(super) const CREDIT_SLACK: usize = 64;
+
+// -------------------------------------------------------------- inner state
+
+/// A pool as the session sees it: its own read-write mapping.
+pub(super) struct LinkPool {
+    pub(super) map: Mapping,
+    pub(super) geometry: Geometry,
+    pub(super) memory: Arc<PoolMemory>,
+}
+
+pub(super) enum ChanState {
+    Listening { setup: ChannelSetup },
+    Binding,
+    Open,
+}
+
+/// A message queued to go out.
+pub(super) struct OutMsg {
+    /// Message frame header, message header and meta.
+    pub(super) head: Vec<u8>,
+    pub(super) payload: Option<(Arc<LinkPool>, usize, usize)>,
+    /// Sent even without credit (a closing end's last messages).
+    pub(super) last: bool,
+}
+pub(super) struct Chan {
+    pub(super) state: ChanState,
+    pub(super) priority: u8,
+    pub(super) meta_size: usize,
+    pub(super) depth: usize,
+    /// A bind request (creator) or reply (binder) that arrived.
+    pub(super) setup_in: Option<Vec<u8>>,
+    pub(super) pools: PoolMap<Arc<LinkPool>>,
+    pub(super) gate: Option<Box<dyn PayloadGate + Send>>,
+    /// Complete messages for the channel, in order; `true`: its payload landed.
+    pub(super) inq: VecDeque<(Message, bool)>,
+    pub(super) incoming: Option<Incoming>,
+    pub(super) outq: VecDeque<OutMsg>,
+    /// The message whose chunks are going out, and how much of it went.
+    pub(super) sending: Option<(Arc<LinkPool>, usize, usize, usize)>,
+    pub(super) credit: usize,
+    /// Messages our application took since the last grant.
+    pub(super) consumed: usize,
+    /// Messages the peer may still send (what we granted, minus what came).
+    pub(super) allowed: usize,
+    pub(super) bell: Doorbell,
+    pub(super) armed: bool,
+    /// The peer closed its end (`true`: it failed).
+    pub(super) peer_closed: Option<bool>,
+    /// Our end closed: a close frame follows what is queued.
+    pub(super) close_queued: Option<u8>,
+    /// Our close frame went out.
+    pub(super) close_sent: bool,
+    /// The link is gone: frames for the channel are read and dropped.
+    pub(super) detached: bool,
+    pub(super) copied_in: HashSet<BufferId>,
+    pub(super) stats: LinkStats,
+}
+
+impl Chan {
+    pub(super) fn new(state: ChanState, priority: u8) -> Result<Chan> {
+        Ok(Chan {
+            state,
+            priority,
+            meta_size: 0,
+            depth: 0,
+            setup_in: None,
+            pools: PoolMap::default(),
+            gate: None,
+            inq: VecDeque::new(),
+            incoming: None,
+            outq: VecDeque::new(),
+            sending: None,
+            credit: 0,
+            consumed: 0,
+            allowed: 0,
+            bell: Doorbell::new()?,
+            armed: false,
+            peer_closed: None,
+            close_queued: None,
+            close_sent: false,
+            detached: false,
+            copied_in: HashSet::new(),
+            stats: LinkStats::default(),
+        })
+    }
+
+    pub(super) fn wake(&mut self) {
+        if self.armed {
+            self.armed = false;
+            self.bell.ring();
+        }
+    }
+
+    /// Whether the channel has a frame to send now: `Some(true)` a chunk
+    /// or close (no credit needed), `Some(false)` a message.
+    pub(super) fn ready(&self) -> bool {
+        if self.sending.is_some() {
+            return true;
+        }
+        match self.outq.front() {
+            Some(m) => m.last || self.credit > 0,
+            None => self.close_queued.is_some() && !self.close_sent,
+        }
+    }
+}
+
+/// One frame committed to the wire.
+pub(super) struct WireFrame {
+    pub(super) head: Vec<u8>,
+    pub(super) payload: Option<(Arc<LinkPool>, usize, usize)>,
+}
+
+impl WireFrame {
+    pub(super) fn len(&self) -> usize {
+        self.head.len() + self.payload.as_ref().map_or(0, |p| p.2)
+    }
+}
+
+pub(super) struct Inner {
+    pub(super) stream: TcpStream,
+    pub(super) options: NetOptions,
+    pub(super) chans: HashMap<u32, Chan>,
+    pub(super) unclaimed: HashMap<u32, Vec<u8>>,
+    pub(super) ctrl: VecDeque<WireFrame>,
+    pub(super) wire: VecDeque<WireFrame>,
+    pub(super) wire_sent: usize,
+    /// Round-robin position: the channel served last.
+    pub(super) last_served: u32,
+    pub(super) rx: RxState,
+    pub(super) head: [u8; MUX_HEAD],
+    /// Header bytes of the next frame read together with a body or chunk.
+    pub(super) next: [u8; MUX_HEAD],
+    pub(super) body: [u8; MSG_HEAD + proto::MAX_META_SIZE],
+    pub(super) scratch: Vec<u8>,
+    pub(super) last_rx: Instant,
+    pub(super) last_tx: Instant,
+    pub(super) last_progress: Instant,
+    pub(super) goodbye_seen: bool,
+    /// The session is over: the error, and whether the peer counts as dead.
+    pub(super) gone: Option<(Error, bool)>,
+}
+
+impl Inner {
+    pub(super) fn new(stream: TcpStream, options: NetOptions) -> Result<Inner> {
+        stream.set_nonblocking(true)?;
+        let _ = stream.set_read_timeout(None);
+        let _ = stream.set_write_timeout(None);
+        let now = Instant::now();
+        Ok(Inner {
+            stream,
+            options,
+            chans: HashMap::new(),
+            unclaimed: HashMap::new(),
+            ctrl: VecDeque::new(),
+            wire: VecDeque::new(),
+            wire_sent: 0,
+            last_served: 0,
+            rx: RxState::Head { have: 0 },
+            head: [0; MUX_HEAD],
+            next: [0; MUX_HEAD],
+            body: [0; MSG_HEAD + proto::MAX_META_SIZE],
+            scratch: Vec::new(),
+            last_rx: now,
+            last_tx: now,
+            last_progress: now,
+            goodbye_seen: false,
+            gone: None,
+        })
+    }
+
+    pub(super) fn check(&self) -> Result<()> {
+        match &self.gone {
+            Some((e, _)) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// The session is over: every channel hears of it.
+    pub(super) fn fail(&mut self, e: Error, died: bool) -> Error {
+        if self.gone.is_none() {
+            self.gone = Some((e, died));
+            let _ = self.stream.shutdown(Shutdown::Both);
+            for chan in self.chans.values_mut() {
+                chan.armed = true;
+                chan.wake();
+            }
+        }
+        self.gone.as_ref().expect("set").0.clone()
+    }
+
+    pub(super) fn open(&mut self, id: u32, neg: &Negotiated, depth: u32) {
+        let chan = self.chans.get_mut(&id).expect("claimed");
+        chan.state = ChanState::Open;
+        chan.meta_size = neg.meta_size;
+        chan.depth = depth as usize;
+        chan.credit = depth as usize;
+        chan.allowed = depth as usize;
+    }
+
+    pub(super) fn queue_ctrl(&mut self, kind: u8, channel: u32, body: Vec<u8>, credit: u32) {
+        let mut head = MuxHead { kind, flags: 0, channel, len: body.len() as u32, credit }.encode().to_vec();
+        head.extend_from_slice(&body);
+        if self.ctrl.is_empty() && self.wire.is_empty() {
+            self.last_progress = Instant::now();
+        }
+        self.ctrl.push_back(WireFrame { head, payload: None });
+    }
+
+    pub(super) fn has_output(&self) -> bool {
+        !self.wire.is_empty() || !self.ctrl.is_empty() || self.chans.values().any(Chan::ready)
+    }
+
+    /// The next channel to send from: highest priority, round-robin among
+    /// equals (the first after the one served last).
+    pub(super) fn pick(&self) -> Option<u32> {
+        let mut best: Option<(u8, bool, u32)> = None;
+        for (&id, chan) in &self.chans {
+            if !chan.ready() {
+                continue;
+            }
+            // Among equals, ids after the last served come first, then the
+            // smallest id.
+            let key = (chan.priority, id > self.last_served, u32::MAX - id);
+            if best.is_none_or(|b| key > b) {
+                best = Some(key);
+            }
+        }
+        best.map(|(_, _, inv)| u32::MAX - inv)
+    }
+
+    /// Take the next frame of channel `id` for the wire.
+    pub(super) fn take_frame(&mut self, id: u32) -> Option<WireFrame> {
+        let chan = self.chans.get_mut(&id)?;
+        if let Some((pool, offset, len, sent)) = chan.sending.take() {
+            let n = (len - sent).min(MAX_CHUNK);
+            let head = MuxHead { kind: K_CHUNK, flags: 0, channel: id, len: n as u32, credit: 0 }.encode().to_vec();
+            chan.stats.payload_sent += n as u64;
+            if sent + n < len {
+                chan.sending = Some((pool.clone(), offset, len, sent + n));
+            }
+            chan.stats.frames_sent += 1;
+            return Some(WireFrame { head, payload: Some((pool, offset + sent, n)) });
+        }
+        if let Some(m) = chan.outq.pop_front() {
+            if !m.last {
+                chan.credit -= 1;
+            }
+            if let Some((pool, offset, len)) = m.payload {
+                chan.sending = Some((pool, offset, len, 0));
+            }
+            chan.stats.frames_sent += 1;
+            return Some(WireFrame { head: m.head, payload: None });
+        }
+        let flags = chan.close_queued?;
+        chan.close_sent = true;
+        let head = MuxHead { kind: K_CLOSE, flags, channel: id, len: 0, credit: 0 }.encode().to_vec();
+        if chan.detached && chan.peer_closed.is_some() {
+            self.chans.remove(&id);
+        }
+        Some(WireFrame { head, payload: None })
+    }
+
+    /// Commit frames to the wire (control first, then by priority) up to a
+    /// bounded amount.
+    pub(super) fn schedule(&mut self) {
+        let mut bytes: usize = self.wire.iter().map(WireFrame::len).sum();
+        let mut frames = self.wire.len();
+        while bytes < WIRE_BYTES && frames < WIRE_FRAMES {
+            let f = if let Some(f) = self.ctrl.pop_front() {
+                f
+            } else {
+                let Some(id) = self.pick() else { break };
+                self.last_served = id;
+                let Some(f) = self.take_frame(id) else { break };
+                f
+            };
+            bytes += f.len();
+            frames += 1;
+            self.wire.push_back(f);
+        }
+    }
+
+    /// Register a pool of channel `id`.
+    pub(super) fn register(&mut self, id: u32, memory: &Arc<PoolMemory>) -> Result<()> {
+        let chan = self.chans.get_mut(&id).ok_or(Error::PeerGone)?;
+        if chan.pools.get(&memory.id()).is_some_and(|p| Arc::ptr_eq(&p.memory, memory)) {
+            return Ok(());
+        }
+        let map = memory.map(Access::ReadWrite, 1)?;
+        chan.pools.insert(memory.id(), Arc::new(LinkPool { map, geometry: memory.geometry(), memory: memory.clone() }));
+        Ok(())
+    }
+}
+
+/// The buffer a move, copy or pass carries.
+pub(super) fn buffer_of(msg: &Message) -> Option<BufferId> {
+    match msg {
+        Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } => Some(*buf),
+        _ => None,
+    }
+}
