@@ -45,6 +45,21 @@ pub struct MuxHead {
 }
 
 impl MuxHead {
+    /// A header of `kind` for `channel` announcing `len` bytes of body,
+    /// without flags or credit.
+    pub fn new(kind: u8, channel: u32, len: u32) -> MuxHead {
+        MuxHead { kind, flags: 0, channel, len, credit: 0 }
+    }
+
+    /// The encoded header followed by `body`, as one frame (the header's
+    /// length is the body's).
+    pub fn frame(self, body: &[u8]) -> Vec<u8> {
+        let mut f = Vec::with_capacity(MUX_HEAD + body.len());
+        f.extend_from_slice(&MuxHead { len: body.len() as u32, ..self }.encode());
+        f.extend_from_slice(body);
+        f
+    }
+
     /// Encode into a header.
     pub fn encode(&self) -> [u8; MUX_HEAD] {
         let mut h = [0u8; MUX_HEAD];

@@ -306,11 +306,7 @@ mod tests {
             link.use_pool(pool).unwrap();
             link.set_gate(Box::new(LandAll));
         }
-        let frame = |kind, channel, body: &[u8]| {
-            let mut f = MuxHead { kind, flags: 0, channel, len: body.len() as u32, credit: 0 }.encode().to_vec();
-            f.extend_from_slice(body);
-            f
-        };
+        let frame = |kind, channel, body: &[u8]| MuxHead::new(kind, channel, 0).frame(body);
         let message = |pool: u128, index: u32| {
             let mut h = [0u8; MSG_HEAD];
             let buf = BufferId { pool: PoolId::from_u128(pool), index };

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::codec::{MuxHead, FLAG_ABORT, FLAG_PAYLOAD, K_CREDIT, K_MESSAGE, MSG_HEAD};
-use super::session::{buffer_of, OutMsg, CLOSE_FLUSH};
+use super::session::{buffer_of, OutMsg, Span, CLOSE_FLUSH};
 use super::wire::poll_out;
 use super::MuxSession;
 use crate::backend::{Link, LinkStats, PayloadGate};
@@ -287,13 +287,9 @@ impl MuxLink {
             let size = pool.geometry.buffer_size();
             h[1] |= FLAG_PAYLOAD;
             h[8..16].copy_from_slice(&(size as u64).to_le_bytes());
-            payload = Some((pool.clone(), buf.index as usize * size, size));
+            payload = Some(Span { pool: pool.clone(), offset: buf.index as usize * size, len: size });
         }
-        let body = &h[..MSG_HEAD + meta];
-        let mut head = MuxHead { kind: K_MESSAGE, flags: 0, channel: self.id, len: body.len() as u32, credit: 0 }
-            .encode()
-            .to_vec();
-        head.extend_from_slice(body);
+        let head = MuxHead::new(K_MESSAGE, self.id, 0).frame(&h[..MSG_HEAD + meta]);
         chan.outq.push_back(OutMsg { head, payload, last });
         inner.pump_write()
     }

@@ -45,11 +45,19 @@ pub(super) enum ChanState {
     Open,
 }
 
+/// Payload bytes in a pool: `len` bytes from `offset`.
+#[derive(Clone)]
+pub(super) struct Span {
+    pub(super) pool: Arc<LinkPool>,
+    pub(super) offset: usize,
+    pub(super) len: usize,
+}
+
 /// A message queued to go out.
 pub(super) struct OutMsg {
     /// Message frame header, message header and meta.
     pub(super) head: Vec<u8>,
-    pub(super) payload: Option<(Arc<LinkPool>, usize, usize)>,
+    pub(super) payload: Option<Span>,
     /// Sent even without credit (a closing end's last messages).
     pub(super) last: bool,
 }
@@ -66,8 +74,8 @@ pub(super) struct Chan {
     pub(super) inq: VecDeque<(Message, bool)>,
     pub(super) incoming: Option<Incoming>,
     pub(super) outq: VecDeque<OutMsg>,
-    /// The message whose chunks are going out, and how much of it went.
-    pub(super) sending: Option<(Arc<LinkPool>, usize, usize, usize)>,
+    /// The payload whose chunks are going out, and how much of it went.
+    pub(super) sending: Option<(Span, usize)>,
     pub(super) credit: usize,
     /// Messages our application took since the last grant.
     pub(super) consumed: usize,
@@ -138,12 +146,12 @@ impl Chan {
 /// One frame committed to the wire.
 pub(super) struct WireFrame {
     pub(super) head: Vec<u8>,
-    pub(super) payload: Option<(Arc<LinkPool>, usize, usize)>,
+    pub(super) payload: Option<Span>,
 }
 
 impl WireFrame {
     pub(super) fn len(&self) -> usize {
-        self.head.len() + self.payload.as_ref().map_or(0, |p| p.2)
+        self.head.len() + self.payload.as_ref().map_or(0, |p| p.len)
     }
 }
 
@@ -229,8 +237,7 @@ impl Inner {
     }
 
     pub(super) fn queue_ctrl(&mut self, kind: u8, channel: u32, body: Vec<u8>, credit: u32) {
-        let mut head = MuxHead { kind, flags: 0, channel, len: body.len() as u32, credit }.encode().to_vec();
-        head.extend_from_slice(&body);
+        let head = MuxHead { credit, ..MuxHead::new(kind, channel, 0) }.frame(&body);
         if self.ctrl.is_empty() && self.wire.is_empty() {
             self.last_progress = Instant::now();
         }
@@ -262,29 +269,30 @@ impl Inner {
     /// Take the next frame of channel `id` for the wire.
     pub(super) fn take_frame(&mut self, id: u32) -> Option<WireFrame> {
         let chan = self.chans.get_mut(&id)?;
-        if let Some((pool, offset, len, sent)) = chan.sending.take() {
-            let n = (len - sent).min(MAX_CHUNK);
-            let head = MuxHead { kind: K_CHUNK, flags: 0, channel: id, len: n as u32, credit: 0 }.encode().to_vec();
+        if let Some((span, sent)) = chan.sending.take() {
+            let n = (span.len - sent).min(MAX_CHUNK);
+            let head = MuxHead::new(K_CHUNK, id, n as u32).encode().to_vec();
             chan.stats.payload_sent += n as u64;
-            if sent + n < len {
-                chan.sending = Some((pool.clone(), offset, len, sent + n));
-            }
             chan.stats.frames_sent += 1;
-            return Some(WireFrame { head, payload: Some((pool, offset + sent, n)) });
+            let chunk = Span { pool: span.pool.clone(), offset: span.offset + sent, len: n };
+            if sent + n < span.len {
+                chan.sending = Some((span, sent + n));
+            }
+            return Some(WireFrame { head, payload: Some(chunk) });
         }
         if let Some(m) = chan.outq.pop_front() {
             if !m.last {
                 chan.credit -= 1;
             }
-            if let Some((pool, offset, len)) = m.payload {
-                chan.sending = Some((pool, offset, len, 0));
+            if let Some(span) = m.payload {
+                chan.sending = Some((span, 0));
             }
             chan.stats.frames_sent += 1;
             return Some(WireFrame { head: m.head, payload: None });
         }
         let flags = chan.close_queued?;
         chan.close_sent = true;
-        let head = MuxHead { kind: K_CLOSE, flags, channel: id, len: 0, credit: 0 }.encode().to_vec();
+        let head = MuxHead { flags, ..MuxHead::new(K_CLOSE, id, 0) }.encode().to_vec();
         if chan.detached && chan.peer_closed.is_some() {
             self.chans.remove(&id);
         }

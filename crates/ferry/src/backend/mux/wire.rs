@@ -54,8 +54,10 @@ impl Inner {
                     } else {
                         skip -= f.head.len();
                     }
-                    if let Some((pool, offset, len)) = &f.payload {
-                        parts.push(SendPart::mapping(&pool.map, offset + skip, len - skip).expect("chunk in range"));
+                    if let Some(p) = &f.payload {
+                        parts.push(
+                            SendPart::mapping(&p.pool.map, p.offset + skip, p.len - skip).expect("chunk in range"),
+                        );
                     }
                     skip = 0;
                 }
