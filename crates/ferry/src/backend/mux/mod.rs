@@ -140,7 +140,7 @@ use codec::MAGIC;
 use session::Inner;
 
 pub use codec::{MuxHead, MAX_CHUNK, MUX_HEAD};
-pub use wire::SEND_BUFFER;
+pub use wire::{SEND_BUFFER, UNSENT_LOW_WATER};
 
 // ------------------------------------------------------------------ session
 

@@ -147,6 +147,9 @@ impl Chan {
 pub(super) struct WireFrame {
     pub(super) head: Vec<u8>,
     pub(super) payload: Option<Span>,
+    /// The priority of the channel whose frame it is; `None`: a control
+    /// frame, which nothing overtakes.
+    pub(super) priority: Option<u8>,
 }
 
 impl WireFrame {
@@ -184,6 +187,8 @@ impl Inner {
         stream.set_nonblocking(true)?;
         let _ = stream.set_read_timeout(None);
         let _ = stream.set_write_timeout(None);
+        // Not a TCP socket (a fuzzing socket pair): nothing to bound.
+        let _ = super::wire::set_unsent_low_water(&stream, super::wire::UNSENT_LOW_WATER);
         let now = Instant::now();
         Ok(Inner {
             stream,
@@ -241,7 +246,7 @@ impl Inner {
         if self.ctrl.is_empty() && self.wire.is_empty() {
             self.last_progress = Instant::now();
         }
-        self.ctrl.push_back(WireFrame { head, payload: None });
+        self.ctrl.push_back(WireFrame { head, payload: None, priority: None });
     }
 
     pub(super) fn has_output(&self) -> bool {
@@ -269,6 +274,7 @@ impl Inner {
     /// Take the next frame of channel `id` for the wire.
     pub(super) fn take_frame(&mut self, id: u32) -> Option<WireFrame> {
         let chan = self.chans.get_mut(&id)?;
+        let priority = Some(chan.priority);
         if let Some((span, sent)) = chan.sending.take() {
             let n = (span.len - sent).min(MAX_CHUNK);
             let head = MuxHead::new(K_CHUNK, id, n as u32).encode().to_vec();
@@ -278,7 +284,7 @@ impl Inner {
             if sent + n < span.len {
                 chan.sending = Some((span, sent + n));
             }
-            return Some(WireFrame { head, payload: Some(chunk) });
+            return Some(WireFrame { head, payload: Some(chunk), priority });
         }
         if let Some(m) = chan.outq.pop_front() {
             if !m.last {
@@ -288,7 +294,7 @@ impl Inner {
                 chan.sending = Some((span, 0));
             }
             chan.stats.frames_sent += 1;
-            return Some(WireFrame { head: m.head, payload: None });
+            return Some(WireFrame { head: m.head, payload: None, priority });
         }
         let flags = chan.close_queued?;
         chan.close_sent = true;
@@ -296,27 +302,55 @@ impl Inner {
         if chan.detached && chan.peer_closed.is_some() {
             self.chans.remove(&id);
         }
-        Some(WireFrame { head, payload: None })
+        Some(WireFrame { head, payload: None, priority })
     }
 
     /// Commit frames to the wire (control first, then by priority) up to a
-    /// bounded amount.
+    /// bounded amount. A channel's frame overtakes committed frames of
+    /// lower priority that have not started to go out; what counts against
+    /// the bound for it is what would still go out before it.
     pub(super) fn schedule(&mut self) {
-        let mut bytes: usize = self.wire.iter().map(WireFrame::len).sum();
-        let mut frames = self.wire.len();
-        while bytes < WIRE_BYTES && frames < WIRE_FRAMES {
-            let f = if let Some(f) = self.ctrl.pop_front() {
-                f
-            } else {
-                let Some(id) = self.pick() else { break };
-                self.last_served = id;
-                let Some(f) = self.take_frame(id) else { break };
-                f
-            };
-            bytes += f.len();
-            frames += 1;
-            self.wire.push_back(f);
+        while self.wire.len() < WIRE_FRAMES {
+            if !self.ctrl.is_empty() {
+                // Control frames keep their order against everything (a
+                // channel's frames never go before its open reply).
+                if self.wire_bytes_ahead_of(None) >= WIRE_BYTES {
+                    break;
+                }
+                let f = self.ctrl.pop_front().expect("not empty");
+                self.wire.push_back(f);
+                continue;
+            }
+            let Some(id) = self.pick() else { break };
+            let priority = self.chans.get(&id).map(|c| c.priority);
+            if self.wire_bytes_ahead_of(priority) >= WIRE_BYTES {
+                break;
+            }
+            self.last_served = id;
+            let Some(f) = self.take_frame(id) else { break };
+            // After the frame going out now (if one started), after every
+            // control frame, and after every frame of this priority or
+            // higher (this channel's own among them: its order holds).
+            let floor = usize::from(self.wire_sent > 0);
+            let mut at = self.wire.len();
+            while at > floor && self.wire[at - 1].priority.is_some_and(|p| Some(p) < f.priority) {
+                at -= 1;
+            }
+            self.wire.insert(at, f);
         }
+    }
+
+    /// Bytes committed to the wire that would go out before a frame of
+    /// `priority` (`None`: all of them).
+    fn wire_bytes_ahead_of(&self, priority: Option<u8>) -> usize {
+        let mut bytes = 0;
+        for (i, f) in self.wire.iter().enumerate() {
+            let started = i == 0 && self.wire_sent > 0;
+            if started || priority.is_none() || f.priority.is_none_or(|p| Some(p) >= priority) {
+                bytes += f.len();
+            }
+        }
+        bytes.saturating_sub(self.wire_sent)
     }
 
     /// Register a pool of channel `id`.
@@ -336,5 +370,126 @@ pub(super) fn buffer_of(msg: &Message) -> Option<BufferId> {
     match msg {
         Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } => Some(*buf),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{self, Read};
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsRawFd;
+    use std::time::{Duration, Instant};
+
+    use super::super::codec::{MuxHead, K_MESSAGE, MAX_CHUNK, MUX_HEAD};
+    use super::super::wire::{unsent_bytes, UNSENT_LOW_WATER};
+    use super::super::MuxSession;
+    use crate::pool::{BufferId, Geometry, PoolId, PoolMemory};
+    use crate::proto::{Message, Meta};
+
+    /// Bytes the peer's socket has received and its application not read.
+    fn unread(stream: &TcpStream) -> usize {
+        let mut value: libc::c_int = 0;
+        // SAFETY: the descriptor is the live socket `stream` owns; FIONREAD
+        // writes one c_int into `value`.
+        let rc = unsafe { libc::ioctl(stream.as_raw_fd(), libc::FIONREAD, &mut value) };
+        assert_eq!(rc, 0, "FIONREAD: {}", io::Error::last_os_error());
+        value.max(0) as usize
+    }
+
+    /// Bytes in the socket's send queue, sent or not (`SIOCOUTQ`).
+    fn queued(stream: &TcpStream) -> usize {
+        let mut value: libc::c_int = 0;
+        // SAFETY: as above; SIOCOUTQ (= TIOCOUTQ) writes one c_int.
+        let rc = unsafe { libc::ioctl(stream.as_raw_fd(), libc::TIOCOUTQ, &mut value) };
+        assert_eq!(rc, 0, "SIOCOUTQ: {}", io::Error::last_os_error());
+        value.max(0) as usize
+    }
+
+    /// Two bulk channels queue 32 MiB on a session whose peer reads
+    /// nothing for a while, then a priority channel queues one message.
+    /// The kernel never holds much more than the low-water mark of unsent
+    /// bytes, and the priority message is on the wire ahead of every bulk
+    /// chunk that had not reached the kernel when it was queued: what comes
+    /// before it is what the kernel held plus at most the one frame that
+    /// was half out.
+    #[test]
+    fn the_kernel_holds_little_and_priority_overtakes_queued_bulk() {
+        const BULK: usize = 1 << 20;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut theirs = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (ours, _) = listener.accept().unwrap();
+        let probe = ours.try_clone().unwrap();
+        let session = MuxSession::over(ours);
+        let mut links = [session.open_link(1, 8, 64), session.open_link(2, 8, 64), session.open_link(3, 8, 64)];
+        session.lock().chans.get_mut(&3).expect("open").priority = 7;
+        let geometry = |size| Geometry::new(size, 16).unwrap();
+        let pools: Vec<_> = [BULK, BULK, 4096]
+            .into_iter()
+            .enumerate()
+            .map(|(i, size)| PoolMemory::mirror(PoolId::from_u128(i as u128 + 1), geometry(size), None).unwrap())
+            .collect();
+        for (link, pool) in links.iter_mut().zip(&pools) {
+            link.use_pool(pool).unwrap();
+        }
+        let mv = |pool: usize, index: u32| Message::Move {
+            buf: BufferId { pool: PoolId::from_u128(pool as u128 + 1), index },
+            meta: Meta::empty(),
+        };
+        for index in 0..16 {
+            for (i, link) in links[..2].iter_mut().enumerate() {
+                link.send(&mv(i, index)).unwrap();
+            }
+        }
+        let mut max_unsent = unsent_bytes(&probe).unwrap();
+        // What the kernel holds ahead of anything queued from now on.
+        let ahead = unread(&theirs) + queued(&probe);
+        links[2].send(&mv(2, 0)).unwrap();
+        max_unsent = max_unsent.max(unsent_bytes(&probe).unwrap());
+
+        // The peer reads the stream (the session writes on as it drains)
+        // until the priority message.
+        theirs.set_nonblocking(true).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut stream = Vec::new();
+        let mut at = 0;
+        let before = loop {
+            let mut chunk = [0u8; 64 << 10];
+            match theirs.read(&mut chunk) {
+                Ok(0) => panic!("the session ended"),
+                Ok(n) => stream.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    assert!(Instant::now() < deadline, "no priority message within 20 s");
+                    links[0].flush().unwrap();
+                    max_unsent = max_unsent.max(unsent_bytes(&probe).unwrap());
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => panic!("read: {e}"),
+            }
+            let mut found = None;
+            while stream.len() >= at + MUX_HEAD {
+                let head = MuxHead::decode(stream[at..at + MUX_HEAD].try_into().unwrap()).unwrap();
+                if head.kind == K_MESSAGE && head.channel == 3 {
+                    found = Some(at);
+                    break;
+                }
+                assert_ne!(head.channel, 3, "a priority frame before its message");
+                if stream.len() < at + MUX_HEAD + head.len as usize {
+                    break;
+                }
+                at += MUX_HEAD + head.len as usize;
+            }
+            if let Some(before) = found {
+                break before;
+            }
+        };
+        assert!(
+            max_unsent <= UNSENT_LOW_WATER + 2 * MAX_CHUNK,
+            "{max_unsent} unsent bytes in the kernel (low-water mark {UNSENT_LOW_WATER})"
+        );
+        assert!(
+            before <= ahead + MUX_HEAD + MAX_CHUNK,
+            "{before} bytes of bulk before the priority message; the kernel held {ahead} when it was queued"
+        );
+        assert!(before < 16 * BULK, "the bulk channels were not saturating the session");
     }
 }

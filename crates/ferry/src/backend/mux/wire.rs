@@ -20,8 +20,54 @@ use crate::wake::{Interest, WakeSet};
 /// round trips no better than equal priorities; 256 KiB keeps them about
 /// half of those.
 pub const SEND_BUFFER: usize = 256 << 10;
+/// Unsent bytes the kernel may hold (`TCP_NOTSENT_LOWAT`): the socket
+/// takes more, and reports itself writable, only while fewer are waiting
+/// to go out. What is written is already in the order of the wire, so
+/// keeping it short keeps the scheduler, not the kernel's queue, in
+/// charge of what goes next (HTTP/2 servers do the same).
+pub const UNSENT_LOW_WATER: usize = 128 << 10;
 /// Frames read per poll before the polling channel gets its answer.
 pub(super) const READ_FRAMES: usize = 256;
+
+/// Ask the kernel to report the socket writable (and to take more bytes)
+/// only while fewer than `bytes` of what was written are unsent.
+pub(super) fn set_unsent_low_water(stream: &TcpStream, bytes: usize) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: the descriptor is the live socket `stream` owns; the option
+    // value is a c_int on our stack whose size we pass.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_NOTSENT_LOWAT,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Bytes written to the socket that the kernel has not sent yet
+/// (`SIOCOUTQNSD`).
+#[cfg(test)]
+pub(super) fn unsent_bytes(stream: &TcpStream) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    const SIOCOUTQNSD: libc::c_ulong = 0x894B;
+    let mut value: libc::c_int = 0;
+    // SAFETY: the descriptor is the live socket `stream` owns; the ioctl
+    // writes one c_int into `value`.
+    let rc = unsafe { libc::ioctl(stream.as_raw_fd(), SIOCOUTQNSD as _, &mut value) };
+    if rc == 0 {
+        Ok(value.max(0) as usize)
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
 
 pub(super) enum RxState {
     Head { have: usize },
