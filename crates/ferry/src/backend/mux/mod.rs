@@ -43,11 +43,17 @@
 //! The sender's scheduler picks the next frame by channel priority
 //! ([`MuxSession::endpoint_with_priority`], higher first), round-robin
 //! among channels of equal priority. Payloads go out in chunks of at most
-//! [`MAX_CHUNK`] bytes, each its own frame, so a bulk channel's large
-//! buffer delays a priority frame by at most one chunk plus what the
-//! kernel holds: the socket's send buffer is kept small
-//! ([`SEND_BUFFER`]) so that the scheduler, not the kernel's queue,
-//! decides the order.
+//! [`MAX_CHUNK`] bytes, each its own frame. The scheduler commits a few
+//! frames at a time (about 256 KiB) to one vectored send; a frame of a
+//! higher priority goes before committed frames of lower priority that
+//! have not started to go out. So a bulk channel's large buffer delays a
+//! priority frame by at most the one chunk half out plus what the kernel
+//! holds, and the kernel holds little: the socket takes more only while
+//! fewer than [`UNSENT_LOW_WATER`] bytes of what it took are unsent
+//! (`TCP_NOTSENT_LOWAT`), and its send buffer is kept small
+//! ([`SEND_BUFFER`]). What the peer's kernel has received and its
+//! application not yet read is ahead of a priority frame too: the
+//! receiver reads the stream in order.
 //!
 //! # Channel numbers and setup
 //!
@@ -73,9 +79,14 @@
 //!   repeat what the pools' sizes already bound.
 //! - *Chunks.* Without them one 1 GiB buffer would hold the connection for
 //!   its whole transfer; with 64 KiB chunks a priority frame waits for at
-//!   most one chunk of each frame already committed, plus what the kernel
-//!   has queued. A chunk is one frame of its own, read straight into the
-//!   buffer at its offset.
+//!   most the chunk going out, plus what the kernel has queued. A chunk is
+//!   one frame of its own, read straight into the buffer at its offset.
+//! - *A low-water mark for unsent bytes, not only a small send buffer.*
+//!   Bytes handed to the kernel leave in the order they were handed over,
+//!   so every unsent byte there is a byte a priority frame waits behind
+//!   that the scheduler can no longer reorder. `TCP_NOTSENT_LOWAT` bounds
+//!   exactly those (HTTP/2 servers use it for the same reason), whatever
+//!   the send buffer holds of bytes sent and not yet acknowledged.
 //! - *Header read-ahead.* Each body or chunk is read together with the next
 //!   frame's header (into the session's own 16 bytes, never into a
 //!   buffer), so a stream of frames costs one `recvmsg` each.

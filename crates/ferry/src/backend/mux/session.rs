@@ -308,13 +308,13 @@ impl Inner {
     /// Commit frames to the wire (control first, then by priority) up to a
     /// bounded amount. A channel's frame overtakes committed frames of
     /// lower priority that have not started to go out; what counts against
-    /// the bound for it is what would still go out before it.
+    /// the bounds for it is what would still go out before it.
     pub(super) fn schedule(&mut self) {
-        while self.wire.len() < WIRE_FRAMES {
+        loop {
             if !self.ctrl.is_empty() {
                 // Control frames keep their order against everything (a
                 // channel's frames never go before its open reply).
-                if self.wire_bytes_ahead_of(None) >= WIRE_BYTES {
+                if self.committed_ahead_of(None) {
                     break;
                 }
                 let f = self.ctrl.pop_front().expect("not empty");
@@ -322,8 +322,7 @@ impl Inner {
                 continue;
             }
             let Some(id) = self.pick() else { break };
-            let priority = self.chans.get(&id).map(|c| c.priority);
-            if self.wire_bytes_ahead_of(priority) >= WIRE_BYTES {
+            if self.committed_ahead_of(self.chans.get(&id).map(|c| c.priority)) {
                 break;
             }
             self.last_served = id;
@@ -340,17 +339,35 @@ impl Inner {
         }
     }
 
-    /// Bytes committed to the wire that would go out before a frame of
-    /// `priority` (`None`: all of them).
-    fn wire_bytes_ahead_of(&self, priority: Option<u8>) -> usize {
-        let mut bytes = 0;
+    /// How many of the committed frames go to the socket now: those before
+    /// the first one (not yet started) of a lower priority than a channel
+    /// whose frames wait for the scheduler still (they go before it once
+    /// committed), and at least one.
+    pub(super) fn ready_frames(&self) -> usize {
+        let Some(waiting) = self.chans.values().filter(|c| c.ready()).map(|c| c.priority).max() else {
+            return self.wire.len();
+        };
+        let first_lower = self
+            .wire
+            .iter()
+            .enumerate()
+            .position(|(i, f)| !(i == 0 && self.wire_sent > 0) && f.priority.is_some_and(|p| p < waiting));
+        first_lower.unwrap_or(self.wire.len()).max(1)
+    }
+
+    /// Whether the frames committed to the wire that would go out before a
+    /// frame of `priority` (`None`: all of them) fill the commitment
+    /// ([`WIRE_BYTES`], [`WIRE_FRAMES`]).
+    fn committed_ahead_of(&self, priority: Option<u8>) -> bool {
+        let (mut bytes, mut frames) = (0, 0);
         for (i, f) in self.wire.iter().enumerate() {
             let started = i == 0 && self.wire_sent > 0;
             if started || priority.is_none() || f.priority.is_none_or(|p| Some(p) >= priority) {
                 bytes += f.len();
+                frames += 1;
             }
         }
-        bytes.saturating_sub(self.wire_sent)
+        bytes - self.wire_sent >= WIRE_BYTES || frames >= WIRE_FRAMES
     }
 
     /// Register a pool of channel `id`.

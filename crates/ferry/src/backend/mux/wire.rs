@@ -91,9 +91,10 @@ impl Inner {
                 return Ok(());
             }
             let sent = {
-                let mut parts: Vec<SendPart<'_>> = Vec::with_capacity(2 * self.wire.len());
+                let ready = self.ready_frames();
+                let mut parts: Vec<SendPart<'_>> = Vec::with_capacity(2 * ready);
                 let mut skip = self.wire_sent;
-                for f in &self.wire {
+                for f in self.wire.iter().take(ready) {
                     if skip < f.head.len() {
                         parts.push(SendPart::slice(&f.head[skip..]));
                         skip = 0;
