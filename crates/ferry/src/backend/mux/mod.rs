@@ -7,7 +7,7 @@
 //! it. Each side opens logical channels by number
 //! ([`MuxSession::endpoint`]): one side creates (`Channel::create` or
 //! `Channel::accept` on the endpoint), the other binds, with the usual
-//! [`ChannelSetup`] and [`BindParams`]. From then on they are ordinary
+//! [`ChannelSetup`](crate::ChannelSetup) and [`BindParams`](crate::BindParams). From then on they are ordinary
 //! channels: the same move, pass, copy and release, events, `AsFd`/`arm`,
 //! [`Selector`](crate::Selector).
 //!

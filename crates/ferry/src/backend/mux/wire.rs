@@ -13,12 +13,12 @@ use crate::error::{Error, Result};
 use crate::sys::{self, RecvPart, SendPart};
 use crate::wake::{Interest, WakeSet};
 
-/// The socket send buffer asked for: small, so the scheduler's order holds
-/// (what the kernel has queued goes out before any priority frame). On
-/// loopback (one pair of runs, busy machine) 1 MiB gave about 30 % more
-/// aggregate throughput but priority
-/// round trips no better than equal priorities; 256 KiB keeps them about
-/// half of those.
+/// The socket send buffer asked for: small, so that bytes sent and not yet
+/// acknowledged stay few as well (what is unsent is bounded by
+/// [`UNSENT_LOW_WATER`]). On loopback (one pair of runs, busy machine)
+/// 1 MiB gave about 30 % more aggregate throughput but priority round
+/// trips no better than equal priorities; 256 KiB kept them about half of
+/// those.
 pub const SEND_BUFFER: usize = 256 << 10;
 /// Unsent bytes the kernel may hold (`TCP_NOTSENT_LOWAT`): the socket
 /// takes more, and reports itself writable, only while fewer are waiting
