@@ -73,6 +73,8 @@ impl Inner {
             }
             chan.inq.push_back((msg, true));
             chan.wake();
+            let priority = chan.priority;
+            self.landed = self.landed.max(Some(priority));
         }
     }
 
@@ -243,6 +245,8 @@ impl Inner {
         chan.stats.frames_received += 1;
         chan.inq.push_back((msg, false));
         chan.wake();
+        let priority = chan.priority;
+        self.landed = self.landed.max(Some(priority));
         Ok(())
     }
 }
@@ -292,6 +296,48 @@ mod tests {
     /// A payload in two chunks with another channel's frames between them
     /// lands whole in the named buffer of the right channel, and each
     /// channel gets its own message, whichever of them reads the socket.
+    /// A channel's poll stops reading the connection once a message of a
+    /// channel of higher priority is complete (its doorbell rang), instead
+    /// of reading on through bulk until its own message comes: the
+    /// application gets back to its priority channel first. The next poll
+    /// reads on.
+    #[test]
+    fn a_poll_stops_reading_at_a_message_of_higher_priority() {
+        use std::io::Write;
+        use std::os::fd::OwnedFd;
+        let (ours, mut theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let session = MuxSession::over(TcpStream::from(OwnedFd::from(ours)));
+        let mut links = [session.open_link(1, 8, 8), session.open_link(2, 8, 8)];
+        session.lock().chans.get_mut(&2).expect("open").priority = 7;
+        let g = Geometry::new(8192, 2).unwrap();
+        let pools: Vec<_> =
+            (0..2).map(|i| PoolMemory::mirror(PoolId::from_u128(0x100 + i), g, None).unwrap()).collect();
+        for (link, pool) in links.iter_mut().zip(&pools) {
+            link.use_pool(pool).unwrap();
+            link.set_gate(Box::new(LandAll));
+        }
+        let message = |pool: u128, index: u32| {
+            let mut h = [0u8; MSG_HEAD];
+            let buf = BufferId { pool: PoolId::from_u128(pool), index };
+            Message::Move { buf, meta: Meta::empty() }.encode(&mut h);
+            h[1] |= FLAG_PAYLOAD;
+            h[8..16].copy_from_slice(&8192u64.to_le_bytes());
+            h
+        };
+        let mut stream = MuxHead::new(K_MESSAGE, 2, 0).frame(&message(0x101, 0));
+        stream.extend(MuxHead::new(K_CHUNK, 2, 0).frame(&[2u8; 8192]));
+        stream.extend(MuxHead::new(K_MESSAGE, 1, 0).frame(&message(0x100, 1)));
+        stream.extend(MuxHead::new(K_CHUNK, 1, 0).frame(&[1u8; 8192]));
+        theirs.write_all(&stream).unwrap();
+        // The bulk channel polls first: it stops at the priority message.
+        assert_eq!(links[0].recv(&mut LandAll).unwrap(), None);
+        assert_eq!(links[0].stats().unwrap().payload_received, 0, "read on past the priority message");
+        let two = links[1].recv(&mut LandAll).unwrap();
+        assert!(matches!(two, Some(Message::Move { buf, .. }) if buf.index == 0));
+        let one = links[0].recv(&mut LandAll).unwrap();
+        assert!(matches!(one, Some(Message::Move { buf, .. }) if buf.index == 1));
+    }
+
     #[test]
     fn chunks_of_interleaved_channels_land_in_their_buffers() {
         use std::io::Write;

@@ -53,7 +53,11 @@
 //! (`TCP_NOTSENT_LOWAT`), and its send buffer is kept small
 //! ([`SEND_BUFFER`]). What the peer's kernel has received and its
 //! application not yet read is ahead of a priority frame too: the
-//! receiver reads the stream in order.
+//! receiver reads the stream in order. A channel's priority also orders
+//! reading: a poll of a channel that reads the connection for its own
+//! message stops once a message of a channel of higher priority is
+//! complete (that channel's doorbell rings), so an application's loop gets
+//! back to its priority channel instead of reading on through bulk.
 //!
 //! # Channel numbers and setup
 //!
@@ -295,7 +299,9 @@ impl MuxSession {
     }
 
     /// As [`MuxSession::endpoint`], with a priority for what this side
-    /// sends on it: frames of a higher priority go first.
+    /// sends on it: frames of a higher priority go first. Reading on this
+    /// side, a poll of a channel of lower priority stops reading the
+    /// connection once a message of this one has arrived.
     pub fn endpoint_with_priority(&self, channel: u32, priority: u8) -> Endpoint {
         Endpoint::Mux(MuxEndpoint { session: self.clone(), channel, priority })
     }

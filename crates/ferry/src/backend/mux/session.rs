@@ -178,6 +178,9 @@ pub(super) struct Inner {
     pub(super) last_tx: Instant,
     pub(super) last_progress: Instant,
     pub(super) goodbye_seen: bool,
+    /// The highest priority of the channels a message was queued for
+    /// since the current read began.
+    pub(super) landed: Option<u8>,
     /// The session is over: the error, and whether the peer counts as dead.
     pub(super) gone: Option<(Error, bool)>,
 }
@@ -208,6 +211,7 @@ impl Inner {
             last_tx: now,
             last_progress: now,
             goodbye_seen: false,
+            landed: None,
             gone: None,
         })
     }

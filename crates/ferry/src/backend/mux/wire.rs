@@ -169,11 +169,20 @@ impl Inner {
     }
 
     /// Read frames until the socket is dry, a bounded number was read, or
-    /// (with `want`) that channel has a message.
+    /// (with `want`) that channel has a message or one of a higher priority
+    /// got one.
     pub(super) fn pump_read(&mut self, want: Option<u32>) -> Result<()> {
         self.check()?;
+        // A message for a channel of higher priority than the one reading
+        // ends the read: its reader hears of it (its doorbell rang) while
+        // this one's application is not left reading on for it.
+        let mine = want.and_then(|id| self.chans.get(&id)).map(|c| c.priority);
+        self.landed = None;
         for _ in 0..READ_FRAMES {
             if want.is_some_and(|id| self.chans.get(&id).is_some_and(|c| !c.inq.is_empty())) {
+                return Ok(());
+            }
+            if mine.is_some() && self.landed > mine {
                 return Ok(());
             }
             match self.read_frame() {
