@@ -512,5 +512,7 @@ mod tests {
             "{before} bytes of bulk before the priority message; the kernel held {ahead} when it was queued"
         );
         assert!(before < 16 * BULK, "the bulk channels were not saturating the session");
+        // The peer goes first: the channels' closes need not wait for it.
+        drop(theirs);
     }
 }
