@@ -186,7 +186,7 @@ pub fn net_stream_from_peer(data: &[u8]) {
 }
 
 /// A multiplexed session's byte stream from a hostile peer
-/// (`backend/mux.rs`): header decoding must not panic and what decodes
+/// (`backend/mux/`): header decoding must not panic and what decodes
 /// encodes back; the session's demultiplexer must turn the stream into
 /// messages, a clean end, or typed errors — never a panic, a hang, or a
 /// write outside the buffer the gate admitted. Channels 1 and 2 are open

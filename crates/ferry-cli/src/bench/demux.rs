@@ -321,6 +321,11 @@ fn echo_loop(chans: Vec<Channel>, stop: &AtomicBool) {
     while !sel.is_empty() && !stop.load(Ordering::Relaxed) {
         let mut still = Vec::new();
         let mut passed = Vec::new();
+        // The probe's buffer goes back first, before bulk that waited for
+        // room (as the probe's channel is served first below): on a
+        // session a bulk pass ahead of it would put bulk ahead of it on
+        // the shared connection, over 16 connections not.
+        waiting.sort_by_key(|&(k, ..)| Some(k) != first_key);
         for (k, buf, meta) in waiting.drain(..) {
             let Some(ch) = sel.get_mut(k) else { continue };
             match ch.pass(buf, &meta) {

@@ -1,0 +1,304 @@
+//! One channel end on a session: the `Link` the channel drives.
+
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::codec::{MuxHead, FLAG_ABORT, FLAG_PAYLOAD, K_CREDIT, K_MESSAGE, MSG_HEAD};
+use super::session::{buffer_of, OutMsg, Span, CLOSE_FLUSH};
+use super::wire::poll_out;
+use super::MuxSession;
+use crate::backend::{Link, LinkStats, PayloadGate};
+use crate::error::{Error, Result};
+use crate::pool::{Geometry, PoolId, PoolMemory};
+use crate::proto::{self, Message};
+use crate::wake::{Arm, Interest, WakeSet};
+
+/// One channel end on a session.
+pub(super) struct MuxLink {
+    pub(super) session: MuxSession,
+    pub(super) id: u32,
+    pub(super) closed: bool,
+    /// Grant credit after this many messages taken.
+    pub(super) grant_every: usize,
+    /// The channel's queue depth (its credit): the longest run of messages
+    /// that can ever be queued at once.
+    pub(super) depth: usize,
+    pub(super) died: bool,
+    /// The counters as they were when the channel closed.
+    pub(super) final_stats: LinkStats,
+}
+
+impl MuxLink {
+    pub(super) fn new(session: MuxSession, id: u32) -> MuxLink {
+        let depth = session.lock().chans.get(&id).map_or(1, |c| c.depth);
+        MuxLink {
+            session,
+            id,
+            closed: false,
+            grant_every: (depth / 4).max(1),
+            depth,
+            died: false,
+            final_stats: LinkStats::default(),
+        }
+    }
+}
+
+impl Link for MuxLink {
+    fn has_room(&mut self) -> bool {
+        let mut inner = self.session.lock();
+        let _ = inner.pump_write();
+        inner.chans.get(&self.id).is_some_and(|c| c.outq.len() < c.depth)
+    }
+
+    fn room(&mut self) -> usize {
+        let mut inner = self.session.lock();
+        let _ = inner.pump_write();
+        inner.chans.get(&self.id).map_or(0, |c| c.depth.saturating_sub(c.outq.len()))
+    }
+
+    fn capacity(&self) -> usize {
+        self.depth
+    }
+
+    fn send(&mut self, msg: &Message) -> Result<()> {
+        self.queue(msg, true, false)
+    }
+
+    fn send_unfilled(&mut self, msg: &Message) -> Result<()> {
+        self.queue(msg, false, false)
+    }
+
+    fn recv(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
+        let mut guard = self.session.lock();
+        let inner = &mut *guard;
+        let id = self.id;
+        {
+            let chan = inner.chans.get_mut(&id).ok_or(Error::PeerGone)?;
+            if chan.gate.is_none() {
+                chan.gate = gate.detach();
+            }
+        }
+        let read = inner.pump_read(Some(id));
+        let chan = inner.chans.get_mut(&id).ok_or(Error::PeerGone)?;
+        if let Some((msg, landed)) = chan.inq.pop_front() {
+            chan.consumed += 1;
+            if landed {
+                // The channel's own gate, with the pools it lists now.
+                if let Err(e) = gate.admit(&msg) {
+                    return Err(inner.fail(e, false));
+                }
+            }
+            if chan.consumed >= self.grant_every && chan.peer_closed.is_none() {
+                let n = std::mem::take(&mut chan.consumed);
+                chan.allowed += n;
+                inner.queue_ctrl(K_CREDIT, id, Vec::new(), n as u32);
+                let _ = inner.pump_write();
+            }
+            return Ok(Some(msg));
+        }
+        let ended = match chan.peer_closed {
+            Some(abort) if chan.incoming.is_none() => Some((Error::PeerGone, abort)),
+            _ => inner.gone.clone(),
+        };
+        if let Some((e, died)) = ended {
+            self.died = died;
+            return Err(e);
+        }
+        read?;
+        inner.pump_write()?;
+        inner.tick()?;
+        Ok(None)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        let mut inner = self.session.lock();
+        if let Some((e, _)) = inner.chans.get(&self.id).and_then(|c| c.peer_closed.map(|a| (Error::PeerGone, a))) {
+            return Err(e);
+        }
+        inner.pump_write()
+    }
+
+    fn register(&mut self, wake: &WakeSet) -> Result<()> {
+        let inner = self.session.lock();
+        let chan = inner.chans.get(&self.id).ok_or(Error::PeerGone)?;
+        wake.watch(chan.bell.fd().as_fd(), Interest::Read)?;
+        wake.watch(inner.stream.as_fd(), Interest::Read)?;
+        Ok(())
+    }
+
+    fn set_gate(&mut self, gate: Box<dyn PayloadGate + Send>) {
+        if let Some(chan) = self.session.lock().chans.get_mut(&self.id) {
+            chan.gate = Some(gate);
+        }
+    }
+
+    fn unregister(&mut self, wake: &WakeSet) {
+        let inner = self.session.lock();
+        if let Some(chan) = inner.chans.get(&self.id) {
+            wake.unwatch(chan.bell.fd().as_fd());
+        }
+        wake.unwatch(inner.stream.as_fd());
+    }
+
+    fn arm(&mut self, wake: &WakeSet) -> Arm {
+        let mut guard = self.session.lock();
+        let inner = &mut *guard;
+        if inner.pump_read(Some(self.id)).is_err() {
+            return Arm::Ready;
+        }
+        let Some(chan) = inner.chans.get_mut(&self.id) else { return Arm::Ready };
+        if !chan.inq.is_empty() || chan.peer_closed.is_some() {
+            return Arm::Ready;
+        }
+        let _ = chan.bell.reset();
+        chan.armed = true;
+        match inner.arm_socket(wake) {
+            Some(until) => Arm::Sleep { until: Some(until) },
+            None => Arm::Ready,
+        }
+    }
+
+    fn export_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        self.session.lock().register(self.id, memory)
+    }
+
+    fn import_pool(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
+        let memory = PoolMemory::mirror(id, geometry, None)?;
+        self.session.lock().register(self.id, &memory)?;
+        Ok(memory)
+    }
+
+    fn use_pool(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
+        self.session.lock().register(self.id, memory)
+    }
+
+    fn forget_pool(&mut self, id: PoolId) {
+        // Frames still queued hold the pool's mapping themselves.
+        if let Some(chan) = self.session.lock().chans.get_mut(&self.id) {
+            chan.pools.remove(&id);
+            chan.copied_in.retain(|b| b.pool != id);
+        }
+    }
+
+    fn close(&mut self, last: Vec<Message>) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        for msg in &last {
+            if self.queue(msg, true, true).is_err() {
+                break;
+            }
+        }
+        let id = self.id;
+        let mut inner = self.session.lock();
+        if let Some(chan) = inner.chans.get_mut(&id) {
+            chan.close_queued.get_or_insert(0);
+            chan.detached = true;
+        }
+        let deadline = Instant::now() + CLOSE_FLUSH.min(inner.options.peer_timeout);
+        // Waited on without the lock: the other channels go on meanwhile.
+        let Ok(stream) = inner.stream.try_clone() else { return };
+        drop(inner);
+        loop {
+            let mut inner = self.session.lock();
+            if inner.pump_write().is_err() || inner.pump_read(None).is_err() {
+                break;
+            }
+            let Some(chan) = inner.chans.get(&id) else { break };
+            self.final_stats = chan.stats;
+            if chan.close_sent && inner.wire.is_empty() {
+                if chan.peer_closed.is_some() {
+                    inner.chans.remove(&id);
+                }
+                break;
+            }
+            drop(inner);
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else { break };
+            let _ = poll_out(&stream, left.min(Duration::from_millis(50)));
+        }
+    }
+
+    fn peer_can_die(&self) -> bool {
+        true
+    }
+
+    fn abandon(&mut self) -> bool {
+        if self.closed {
+            return self.died;
+        }
+        self.closed = true;
+        let mut inner = self.session.lock();
+        if let Some((_, died)) = inner.gone.clone() {
+            self.died = died;
+            return died;
+        }
+        if let Some(chan) = inner.chans.get_mut(&self.id) {
+            chan.outq.clear();
+            chan.sending = None;
+            chan.close_queued = Some(FLAG_ABORT);
+            chan.detached = true;
+            if chan.peer_closed.is_some() {
+                chan.close_queued = None;
+                inner.chans.remove(&self.id);
+            }
+        }
+        let _ = inner.pump_write();
+        self.died = true;
+        true
+    }
+
+    fn peer_died(&mut self) -> bool {
+        self.died
+    }
+
+    fn stats(&self) -> Option<LinkStats> {
+        Some(self.session.lock().chans.get(&self.id).map_or(self.final_stats, |c| c.stats))
+    }
+}
+
+impl MuxLink {
+    pub(super) fn queue(&mut self, msg: &Message, with_payload: bool, last: bool) -> Result<()> {
+        let mut guard = self.session.lock();
+        let inner = &mut *guard;
+        inner.check()?;
+        let chan = inner.chans.get_mut(&self.id).ok_or(Error::PeerGone)?;
+        if chan.peer_closed.is_some() || chan.close_queued.is_some() {
+            return Err(Error::PeerGone);
+        }
+        if !last && chan.outq.len() >= chan.depth {
+            inner.pump_write()?;
+            let chan = inner.chans.get_mut(&self.id).ok_or(Error::PeerGone)?;
+            if chan.outq.len() >= chan.depth {
+                return Err(Error::QueueFull);
+            }
+        }
+        let chan = inner.chans.get_mut(&self.id).ok_or(Error::PeerGone)?;
+        let mut h = [0u8; MSG_HEAD + proto::MAX_META_SIZE];
+        msg.encode(&mut h);
+        let meta = usize::from(u16::from_le_bytes([h[2], h[3]]));
+        let mut payload = None;
+        if let (true, Some(buf)) = (with_payload, buffer_of(msg)) {
+            let pool = chan
+                .pools
+                .get(&buf.pool)
+                .ok_or_else(|| Error::Protocol(format!("pool {} unknown to the session", buf.pool)))?;
+            let size = pool.geometry.buffer_size();
+            h[1] |= FLAG_PAYLOAD;
+            h[8..16].copy_from_slice(&(size as u64).to_le_bytes());
+            payload = Some(Span { pool: pool.clone(), offset: buf.index as usize * size, len: size });
+        }
+        let head = MuxHead::new(K_MESSAGE, self.id, 0).frame(&h[..MSG_HEAD + meta]);
+        chan.outq.push_back(OutMsg { head, payload, last });
+        inner.pump_write()
+    }
+}
+
+impl Drop for MuxLink {
+    fn drop(&mut self) {
+        if !self.closed {
+            self.close(Vec::new());
+        }
+    }
+}

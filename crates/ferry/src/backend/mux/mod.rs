@@ -1,0 +1,331 @@
+//! Early demultiplexing: many channels between two hosts over one TCP
+//! connection, after the application device channels of Druschel,
+//! Peterson and Davie ("Experiences with a High-Speed Network Adaptor: A
+//! Software Perspective", SIGCOMM 1994).
+//!
+//! A [`MuxSession`] is one TCP connection shared by the channels opened on
+//! it. Each side opens logical channels by number
+//! ([`MuxSession::endpoint`]): one side creates (`Channel::create` or
+//! `Channel::accept` on the endpoint), the other binds, with the usual
+//! [`ChannelSetup`](crate::ChannelSetup) and [`BindParams`](crate::BindParams). From then on they are ordinary
+//! channels: the same move, pass, copy and release, events, `AsFd`/`arm`,
+//! [`Selector`](crate::Selector).
+//!
+//! # Early demultiplexing
+//!
+//! Whichever channel of a session polls reads the socket for all of them.
+//! It reads a frame's 16-byte header, picks the channel from it and reads
+//! the payload straight into that channel's pool buffer (vectored
+//! `recvmsg` into the buffer's memory, as the one-channel TCP backend
+//! does): there is no shared receive buffer, and no user-space copy. The
+//! landing is checked as for the TCP backend: the pool must be one the
+//! channel gave the session, the index in range, the size the pool's, and
+//! the buffer neither owned nor read by the receiving domain (the
+//! channel's payload gate, detached from the channel so that another
+//! channel's poll can ask it). When the channel takes the message, its own
+//! gate checks it once more. Messages of channel X read while channel Y
+//! polls are queued for X in order, and X's doorbell (an eventfd in X's
+//! wake set) rings if X sleeps.
+//!
+//! # Flow control and priorities
+//!
+//! Every channel has its own credit, counted in messages. A sender starts
+//! with the channel's queue depth in credit and spends one per message it
+//! puts on the wire; the receiver gives credit back as its application
+//! takes messages (in grants of a quarter of the depth). Payload bytes need
+//! no credit: they land in the buffer the message names, memory the
+//! receiver has anyway. So what the receiver must hold for a channel that
+//! nobody reads is bounded (the depth in message headers), and it can
+//! always drain the socket: a channel whose reader stops fills only its own
+//! credit, and its sender's queue then says `QueueFull` — the other
+//! channels go on (no head-of-line blocking).
+//!
+//! The sender's scheduler picks the next frame by channel priority
+//! ([`MuxSession::endpoint_with_priority`], higher first), round-robin
+//! among channels of equal priority. Payloads go out in chunks of at most
+//! [`MAX_CHUNK`] bytes, each its own frame. The scheduler commits a few
+//! frames at a time (about 256 KiB) to one vectored send; a frame of a
+//! higher priority goes before committed frames of lower priority that
+//! have not started to go out. So a bulk channel's large buffer delays a
+//! priority frame by at most the one chunk half out plus what the kernel
+//! holds, and the kernel holds little: the socket takes more only while
+//! fewer than [`UNSENT_LOW_WATER`] bytes of what it took are unsent
+//! (`TCP_NOTSENT_LOWAT`), and its send buffer is kept small
+//! ([`SEND_BUFFER`]). What the peer's kernel has received and its
+//! application not yet read is ahead of a priority frame too: the
+//! receiver reads the stream in order. A channel's priority also orders
+//! reading: a poll of a channel that reads the connection for its own
+//! message stops once a message of a channel of higher priority is
+//! complete (that channel's doorbell rings), so an application's loop gets
+//! back to its priority channel instead of reading on through bulk.
+//!
+//! # Channel numbers and setup
+//!
+//! Channels are named by a number both sides agree on, as ports are. A
+//! bind sends an *open* with its bind request; an open for a number nobody
+//! listens on yet waits (up to 64 of them) until someone does. A bind that
+//! gives up (timeout, refusal) says *close* and keeps its number until the
+//! peer answers with a close, reading and dropping whatever the creator may
+//! have sent meanwhile; a closed channel's number is free again once both
+//! sides have said close.
+//!
+//! # Why this way
+//!
+//! - *No thread of its own.* The channels drive the session under one
+//!   lock, as the one-channel backend drives its socket: an application
+//!   that serves all its channels from one event loop pays no lock
+//!   contention and no thread hand-off, and one that uses several threads
+//!   still works (a thread's poll lands what it reads for the others and
+//!   rings their doorbells).
+//! - *Credit in messages, not bytes.* What a receiver would have to buffer
+//!   for a channel it does not read is message headers only; payloads
+//!   always have their place (the named buffer). Byte credit would only
+//!   repeat what the pools' sizes already bound.
+//! - *Chunks.* Without them one 1 GiB buffer would hold the connection for
+//!   its whole transfer; with 64 KiB chunks a priority frame waits for at
+//!   most the chunk going out, plus what the kernel has queued. A chunk is
+//!   one frame of its own, read straight into the buffer at its offset.
+//! - *A low-water mark for unsent bytes, not only a small send buffer.*
+//!   Bytes handed to the kernel leave in the order they were handed over,
+//!   so every unsent byte there is a byte a priority frame waits behind
+//!   that the scheduler can no longer reorder. `TCP_NOTSENT_LOWAT` bounds
+//!   exactly those (HTTP/2 servers use it for the same reason), whatever
+//!   the send buffer holds of bytes sent and not yet acknowledged.
+//! - *Header read-ahead.* Each body or chunk is read together with the next
+//!   frame's header (into the session's own 16 bytes, never into a
+//!   buffer), so a stream of frames costs one `recvmsg` each.
+//!
+//! # Wire format, version 1 (little endian)
+//!
+//! Both ends first send the 8 bytes `FERRYMX1`. Then frames:
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 1 | kind: 1 message, 2 payload chunk, 3 credit, 4 open, 5 open reply, 6 close, 7 keep-alive, 8 goodbye |
+//! | 1 | 1 | flags: close: bit 0 abort (the sender's end failed) |
+//! | 2 | 2 | zero |
+//! | 4 | 4 | channel (0 for keep-alive and goodbye, which are the session's) |
+//! | 8 | 4 | body length |
+//! | 12 | 4 | credit: messages granted (credit frames) |
+//! | 16 | body length | body |
+//!
+//! - *message*: the body is a TCP-backend frame header and meta (32 bytes
+//!   plus the meta; see `backend/net.rs`); if it announces a payload, the
+//!   payload follows in *chunk* frames of the same channel (other
+//!   channels' frames may come between), each at most [`MAX_CHUNK`] bytes,
+//!   until the announced length is complete. A message frame costs one
+//!   credit. An aggregate is its run of messages (header, members,
+//!   fragment tables), so it needs credit and queue room for the whole run
+//!   before its first message is queued, as on the other backends.
+//! - *open*: the binder's bind request for the channel; *open reply*: the
+//!   creator's acceptance or refusal (the setup messages of the TCP
+//!   backend).
+//! - *close*: the sender closed its end of the channel (after everything it
+//!   sent on it); with the abort flag, its end failed and buffers it
+//!   holds are lost.
+//! - *keep-alive*: sent when nothing else went out for a quarter of the
+//!   peer timeout; *goodbye*: the session ends on purpose.
+//!
+//! Anything else — an unknown kind, lengths that do not fit the kind, a
+//! frame for a channel that was never opened, a chunk without a message,
+//! a message beyond the credit, a payload the gate refuses — is a protocol
+//! error: the session stops, every channel on it fails with
+//! [`Error::Protocol`] on the receiving side, and the peer sees its
+//! connection end. The end of the stream without a goodbye fails every
+//! open channel with [`Error::PeerGone`], and the buffers lent to the peer
+//! come back.
+
+mod codec;
+mod demux;
+mod link;
+mod session;
+mod setup;
+mod wire;
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::Endpoint;
+use crate::error::{Error, Result};
+use crate::NetOptions;
+use codec::MAGIC;
+use session::Inner;
+
+pub use codec::{MuxHead, MAX_CHUNK, MUX_HEAD};
+pub use wire::{SEND_BUFFER, UNSENT_LOW_WATER};
+
+// ------------------------------------------------------------------ session
+
+/// One TCP connection that many channels share (see the module docs).
+/// Clones are handles of the same session; it ends (with a goodbye) when
+/// the last handle and the last channel on it are gone.
+///
+/// The session has no thread of its own: its channels (and channels being
+/// created or bound on it) read and write the connection when they are
+/// polled, waited on or armed, and send its keep-alives. A side with no
+/// channel on the session sends none, and its peer declares the session
+/// dead after its peer timeout.
+///
+/// ```
+/// use std::time::Duration;
+/// use ferry::{BindParams, Channel, ChannelSetup, Domain, MuxSession, NetOptions};
+///
+/// let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+/// let addr = listener.local_addr()?;
+/// let t = Duration::from_secs(10);
+/// let other = std::thread::spawn(move || -> ferry::Result<Channel> {
+///     let session = MuxSession::connect(addr, NetOptions::default(), t)?;
+///     Channel::connect(&Domain::new("b"), &session.endpoint(1), BindParams::default(), t)
+/// });
+/// let session = MuxSession::accept(&listener, NetOptions::default(), t)?;
+/// let tx = Channel::accept(&Domain::new("a"), &session.endpoint(1), ChannelSetup::default(), t)?;
+/// let rx = other.join().unwrap()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct MuxSession {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for MuxSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MuxSession").field("peer", &self.shared.peer).finish()
+    }
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    peer: Option<SocketAddr>,
+}
+
+impl MuxSession {
+    /// Connect to a peer that accepts sessions at `addr`.
+    pub fn connect(addr: SocketAddr, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
+        let timeout = timeout.max(Duration::from_millis(1));
+        let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| match e.kind() {
+            io::ErrorKind::ConnectionRefused => Error::EndpointNotListening,
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::TimedOut,
+            _ => Error::from(e),
+        })?;
+        if stream.local_addr()? == stream.peer_addr()? {
+            return Err(Error::EndpointNotListening);
+        }
+        MuxSession::start(stream, options, timeout)
+    }
+
+    /// Accept one session on `listener` (waiting up to `timeout`; the
+    /// listener is left non-blocking).
+    pub fn accept(listener: &TcpListener, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
+        let deadline = Instant::now() + timeout;
+        listener.set_nonblocking(true)?;
+        loop {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    stream.set_nonblocking(false)?;
+                    return MuxSession::start(stream, options, timeout);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                        return Err(Error::TimedOut);
+                    };
+                    let _ = crate::wake::wait_readable(&[listener.as_fd()], Some(left));
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// A session over a connected stream (both ends exchange the magic).
+    fn start(stream: TcpStream, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
+        let timeout = timeout.max(Duration::from_millis(1));
+        stream.set_write_timeout(Some(timeout))?;
+        stream.set_read_timeout(Some(timeout))?;
+        (&stream).write_all(MAGIC)?;
+        let mut magic = [0u8; 8];
+        (&stream).read_exact(&mut magic).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::TimedOut,
+            io::ErrorKind::UnexpectedEof => Error::PeerGone,
+            _ => Error::from(e),
+        })?;
+        if &magic != MAGIC {
+            return Err(Error::Protocol("not a multiplexed session".into()));
+        }
+        let peer = stream.peer_addr().ok();
+        let _ = stream.set_nodelay(true);
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream.as_fd(), SEND_BUFFER);
+        Ok(MuxSession { shared: Arc::new(Shared { inner: Mutex::new(Inner::new(stream, options)?), peer }) })
+    }
+
+    /// A session over any connected stream socket whose magic was exchanged
+    /// already (fuzzing: one end of a socket pair).
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn over(stream: TcpStream) -> MuxSession {
+        let inner = Inner::new(stream, NetOptions::default()).expect("socket options");
+        MuxSession { shared: Arc::new(Shared { inner: Mutex::new(inner), peer: None }) }
+    }
+
+    /// An open channel `id` on this session as a link (fuzzing: frames for
+    /// it without a peer that set it up).
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn open_link(&self, id: u32, meta_size: usize, depth: u32) -> Box<dyn super::Link> {
+        let mut inner = self.lock();
+        inner.chans.insert(id, session::Chan::new(session::ChanState::Binding, 0).expect("eventfd"));
+        let neg = crate::setup::Negotiated {
+            binder_direction: crate::setup::Direction::Rx,
+            binder_role: crate::setup::Role::Slave,
+            creator_role: crate::setup::Role::Master,
+            trust: crate::pool::TrustLevel::Full,
+            meta_size,
+            constraints: crate::setup::ChannelConstraints::default(),
+        };
+        inner.open(id, &neg, depth);
+        drop(inner);
+        Box::new(link::MuxLink::new(self.clone(), id))
+    }
+
+    /// The endpoint of logical channel `channel` (1 or more) on this
+    /// session, at the default priority 0. One side creates the channel
+    /// there, the other binds. A number is in use from `create` or `bind`
+    /// until the channel is closed on both sides; a bind that gave up
+    /// (timed out, refused) frees its number once the peer has answered
+    /// the give-up (meanwhile `bind` and `create` on it say
+    /// [`Error::EndpointInUse`]).
+    pub fn endpoint(&self, channel: u32) -> Endpoint {
+        self.endpoint_with_priority(channel, 0)
+    }
+
+    /// As [`MuxSession::endpoint`], with a priority for what this side
+    /// sends on it: frames of a higher priority go first. Reading on this
+    /// side, a poll of a channel of lower priority stops reading the
+    /// connection once a message of this one has arrived.
+    pub fn endpoint_with_priority(&self, channel: u32, priority: u8) -> Endpoint {
+        Endpoint::Mux(MuxEndpoint { session: self.clone(), channel, priority })
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.shared.peer
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.shared.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The endpoint of one logical channel of a [`MuxSession`].
+#[derive(Clone)]
+pub struct MuxEndpoint {
+    session: MuxSession,
+    channel: u32,
+    priority: u8,
+}
+
+impl std::fmt::Debug for MuxEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MuxEndpoint").field("channel", &self.channel).field("priority", &self.priority).finish()
+    }
+}
