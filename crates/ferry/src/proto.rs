@@ -277,6 +277,14 @@ impl Message {
             Message::AggFrags { .. } => "a fragment table",
         }
     }
+
+    /// The buffer whose bytes a move, copy or pass carries.
+    pub(crate) fn payload_buffer(&self) -> Option<BufferId> {
+        match self {
+            Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } => Some(*buf),
+            _ => None,
+        }
+    }
 }
 
 const OP_MOVE: u8 = 1;

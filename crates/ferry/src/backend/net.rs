@@ -791,12 +791,17 @@ impl NetLink {
                     // Complete: decode before the read-ahead header moves in.
                     let msg = Message::decode(&self.head[..FRAME_HEAD + meta], self.meta_size)?;
                     self.stats.frames_received += 1;
-                    if let Some(Target::Land { pool, offset }) = target {
+                    if matches!(target, Some(Target::Land { .. })) {
                         self.stats.payload_received += len as u64;
-                        let buf = BufferId { pool, index: (offset / len) as u32 };
+                    }
+                    if let (Some(target), Some(buf)) = (target, msg.payload_buffer()) {
+                        // A copy's bytes are in our memory whether they
+                        // landed or were discarded because this process
+                        // already reads the buffer (same bytes, same
+                        // memory): a further copy may come without them.
                         if self.head[0] == TYPE_COPY {
                             self.copied_in.insert(buf);
-                        } else {
+                        } else if matches!(target, Target::Land { .. }) {
                             self.copied_in.remove(&buf);
                         }
                     }

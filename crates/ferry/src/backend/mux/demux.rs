@@ -7,7 +7,7 @@ use super::codec::{
     MuxHead, FLAG_ABORT, FLAG_PAYLOAD, K_CLOSE, K_CREDIT, K_GOODBYE, K_KEEPALIVE, K_MESSAGE, K_OPEN, K_REPLY, MSG_HEAD,
     TYPE_COPY, TYPE_MOVE, TYPE_PASS,
 };
-use super::session::{buffer_of, Chan, ChanState, Inner, LinkPool, CREDIT_SLACK, MAX_UNCLAIMED};
+use super::session::{Chan, ChanState, Inner, LinkPool, CREDIT_SLACK, MAX_UNCLAIMED};
 use super::wire::RxState;
 use crate::backend::setup_msg;
 use crate::backend::Landing;
@@ -64,10 +64,15 @@ impl Inner {
         if inc.got == inc.len {
             let inc = chan.incoming.take().expect("present");
             let Some(msg) = inc.msg else { return };
-            if let (Target::Land, Some(buf)) = (inc.target, buffer_of(&msg)) {
+            if let Some(buf) = msg.payload_buffer() {
+                // A copy's bytes are in our memory whether they landed or
+                // were discarded because this process already reads the
+                // buffer (same bytes, same memory): a further copy may come
+                // without them. Bytes of a move or pass that landed are
+                // not a copy's.
                 if inc.copy {
                     chan.copied_in.insert(buf);
-                } else {
+                } else if matches!(inc.target, Target::Land) {
                     chan.copied_in.remove(&buf);
                 }
             }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::codec::{MuxHead, FLAG_ABORT, FLAG_PAYLOAD, K_CREDIT, K_MESSAGE, MSG_HEAD};
-use super::session::{buffer_of, OutMsg, Span, CLOSE_FLUSH};
+use super::session::{OutMsg, Span, CLOSE_FLUSH};
 use super::wire::poll_out;
 use super::MuxSession;
 use crate::backend::{Link, LinkStats, PayloadGate};
@@ -279,7 +279,7 @@ impl MuxLink {
         msg.encode(&mut h);
         let meta = usize::from(u16::from_le_bytes([h[2], h[3]]));
         let mut payload = None;
-        if let (true, Some(buf)) = (with_payload, buffer_of(msg)) {
+        if let (true, Some(buf)) = (with_payload, msg.payload_buffer()) {
             let pool = chan
                 .pools
                 .get(&buf.pool)

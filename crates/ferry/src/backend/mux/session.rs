@@ -386,14 +386,6 @@ impl Inner {
     }
 }
 
-/// The buffer a move, copy or pass carries.
-pub(super) fn buffer_of(msg: &Message) -> Option<BufferId> {
-    match msg {
-        Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } => Some(*buf),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::io::{self, Read};
