@@ -8,7 +8,11 @@
 //! `_SET_META_CONTEXT` (the `base:allocation` context); any other option
 //! is answered `NBD_REP_ERR_UNSUP`. Transmission: `READ`, `WRITE` (with
 //! FUA), `FLUSH`, `TRIM`, `WRITE_ZEROES` (with `NO_HOLE`), `BLOCK_STATUS`,
-//! `CACHE` and `DISC`, simple or structured replies. The server offers
+//! `CACHE` and `DISC`, simple or structured replies (where structured
+//! replies were negotiated, reads, block status and errors are answered
+//! with structured chunks, and every other success with a simple reply, as
+//! the protocol allows: the client takes one 16-byte header for it, not a
+//! 20-byte chunk header in two parts). The server offers
 //! multi-conn: every connection works on the one store, and a FLUSH on any
 //! of them puts on stable storage every write any of them has been
 //! answered for.
@@ -1211,13 +1215,12 @@ impl<S: Read + Write> Session<'_, S> {
         write_all_parts(&mut self.stream, &mut parts)
     }
 
-    /// Success without data.
+    /// Success without data, for any request but a read: a simple reply
+    /// even where structured replies were negotiated (the protocol allows
+    /// it for replies without data), so the client takes 16 bytes instead
+    /// of a 20-byte chunk header it reads in two parts.
     fn done(&mut self, handle: u64) -> io::Result<()> {
-        if self.structured {
-            self.chunk(handle, REPLY_FLAG_DONE, REPLY_TYPE_NONE, &[])
-        } else {
-            self.simple(handle, 0, &[])
-        }
+        self.simple(handle, 0, &[])
     }
 
     fn read(&mut self, req: Request) -> Step<()> {
@@ -1233,7 +1236,12 @@ impl<S: Read + Write> Session<'_, S> {
         }
         if req.len == 0 {
             self.summary.reads += 1;
-            return Ok(self.done(req.handle)?);
+            // A read is never answered with a simple reply once structured
+            // replies were negotiated.
+            if self.structured {
+                return Ok(self.chunk(req.handle, REPLY_FLAG_DONE, REPLY_TYPE_NONE, &[])?);
+            }
+            return Ok(self.simple(req.handle, 0, &[])?);
         }
         let len = req.len as usize;
         let store = self.store;
@@ -1390,20 +1398,12 @@ impl<S: Read + Write> Session<'_, S> {
         }
         self.summary.writes += 1;
         self.summary.write_bytes += len as u64;
-        // The reply waits for the replies that follow, like a read's.
+        // The reply waits for the replies that follow, like a read's; a
+        // simple one, as for every success without data (see `done`).
         let mut head = [0u8; 28];
-        let hlen = if self.structured {
-            head[..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
-            head[4..6].copy_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
-            head[6..8].copy_from_slice(&REPLY_TYPE_NONE.to_be_bytes());
-            head[8..16].copy_from_slice(&req.handle.to_be_bytes());
-            20
-        } else {
-            head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
-            head[8..16].copy_from_slice(&req.handle.to_be_bytes());
-            16
-        };
-        self.replies.push((head, hlen, 0, 0));
+        head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+        head[8..16].copy_from_slice(&req.handle.to_be_bytes());
+        self.replies.push((head, 16, 0, 0));
         // Large writes are answered at once, so the client can send the
         // next while this one's reply would otherwise wait.
         self.written += len;

@@ -311,7 +311,9 @@ fn structured_reads_block_status_and_a_flush_seen_by_every_connection() {
     other.request(0, 1, 1, 1 << 20, 6, b"shared");
     assert_eq!(other.simple(0).0, 0);
     c.request(0, 3, 2, 0, 0, b""); // FLUSH
-    assert_eq!(c.chunk(), (1, 0, 2, vec![]));
+                                   // Successes without data get simple replies even with structured
+                                   // replies negotiated (the protocol allows it for all but reads).
+    assert_eq!(c.simple(0), (0, 2, vec![]));
     c.request(1 << 2, 0, 3, 1 << 20, 6, b""); // READ with DF
     let (f, t, h, payload) = c.chunk();
     assert_eq!((f, t, h), (1, 1, 3), "one OFFSET_DATA chunk, DONE");
@@ -351,10 +353,24 @@ fn structured_reads_block_status_and_a_flush_seen_by_every_connection() {
     assert_eq!(u32::from_be_bytes(p[..4].try_into().unwrap()), EINVAL);
     // Trim frees; status shows the hole again.
     c.request(0, 4, 7, 1 << 20, 64 << 10, b"");
-    assert_eq!(c.chunk().1, 0);
+    assert_eq!(c.simple(0), (0, 7, vec![]));
     c.request(0, 7, 8, 0, 4 << 20, b"");
     let (_, _, _, p) = c.chunk();
     assert_eq!(p[4..], [(4u32 << 20).to_be_bytes(), 3u32.to_be_bytes()].concat()[..]);
+
+    // A write on a structured connection, small and large (received
+    // straight into the store): simple replies too; an empty read gets a
+    // structured NONE chunk, never a simple reply.
+    c.request(0, 1, 10, 8 << 10, 4, b"tiny");
+    assert_eq!(c.simple(0), (0, 10, vec![]));
+    c.request(0, 1, 11, 2 << 20, 64 << 10, &vec![7u8; 64 << 10]);
+    assert_eq!(c.simple(0), (0, 11, vec![]));
+    c.request(0, 0, 12, 0, 0, b"");
+    assert_eq!(c.chunk(), (1, 0, 12, vec![]));
+    c.request(0, 4, 13, 8 << 10, 4, b""); // TRIM what was just written
+    assert_eq!(c.simple(0), (0, 13, vec![]));
+    c.request(0, 4, 14, 2 << 20, 64 << 10, b"");
+    assert_eq!(c.simple(0), (0, 14, vec![]));
 }
 
 #[test]
