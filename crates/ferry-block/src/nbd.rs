@@ -35,14 +35,17 @@
 //!
 //! A connection is served by [`serve_connection`], one thread each; a
 //! client that breaks the protocol loses its own connection and nothing
-//! else. Requests a client pipelines are taken in batches: the server
-//! looks at what waits on the socket (`MSG_PEEK`), takes the headers of
-//! every waiting request up to the first that carries a payload in one
-//! read (a payload is still read straight into the pool buffer; a write
-//! seen waiting has its header and payload taken in one `readv`), and
-//! holds the replies of reads and writes until no request waits, then
-//! sends them in one `writev`, the reads' data from consecutive parts of
-//! the connection's buffer.
+//! else. Requests a client pipelines are taken in batches: after a
+//! request without a large payload, the server receives whatever waits on
+//! the socket (up to 64 KiB: the headers of many requests and the
+//! payloads of small writes, in one receive that does not wait) and
+//! serves the requests from there, a small write's payload copied into
+//! the connection's buffer; after a write large enough to land in the
+//! store, it looks at what waits (`MSG_PEEK`) before taking it, so that
+//! the next such write can land too (a write seen waiting has its header
+//! and payload taken in one receive). It holds the replies of reads and
+//! writes until no request waits, then sends them in one `writev`, the
+//! reads' data from consecutive parts of the connection's buffer.
 
 use std::fmt;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
@@ -560,6 +563,10 @@ fn serve_socket<S: Read + Write>(
         cursor: 0,
         payload_read: false,
         written: 0,
+        inbuf: Vec::new(),
+        in_at: 0,
+        in_end: 0,
+        small: true,
     };
     let end = session.handshake().and_then(|()| {
         session.summary.transmission = true;
@@ -603,7 +610,19 @@ struct Session<'a, S> {
     payload_read: bool,
     /// Bytes written by the writes whose replies are queued.
     written: usize,
+    /// Requests received ahead (headers and small write payloads), taken
+    /// from the socket in one receive while small requests come: bytes
+    /// `in_at..in_end` are still to be served.
+    inbuf: Vec<u8>,
+    in_at: usize,
+    in_end: usize,
+    /// The last request was not a write large enough to land in the
+    /// store: the next ones are received ahead into `inbuf`.
+    small: bool,
 }
+
+/// Bytes of requests received ahead in one receive at most.
+const IN_BUF: usize = 64 << 10;
 
 /// Read replies sent in one write at most.
 const MAX_QUEUED_REPLIES: usize = 256;
@@ -928,6 +947,10 @@ impl<S: Read + Write> Session<'_, S> {
             let offset = u64::from_be_bytes(head[16..24].try_into().expect("8 bytes"));
             let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes"));
             let req = Request { flags, handle, offset, len };
+            // After a write that lands in the store, the next header is
+            // looked at before it is taken (another such write can land
+            // too); after anything else, what waits is received ahead.
+            self.small = !(kind == CMD_WRITE && len as usize >= LAND_MIN);
             if kind == CMD_WRITE && self.cursor > 0 {
                 // A write's payload goes to the start of the connection's
                 // buffer, where queued read replies have their data. (Every
@@ -981,6 +1004,11 @@ impl<S: Read + Write> Session<'_, S> {
     fn next_header(&mut self) -> io::Result<[u8; 28]> {
         if let Some(h) = self.staged.pop_front() {
             return Ok(h);
+        }
+        if self.in_at < self.in_end || (self.small && self.socket.is_some()) {
+            if let Some(head) = self.next_header_ahead()? {
+                return Ok(head);
+            }
         }
         let mut look = [0u8; 28 * 64];
         let mut seen = self.socket.as_ref().map_or(0, |s| s.peek(&mut look));
@@ -1047,6 +1075,87 @@ impl<S: Read + Write> Session<'_, S> {
         let mut head = [0u8; 28];
         self.stream.read_exact(&mut head)?;
         Ok(head)
+    }
+
+    /// The next request header from the requests received ahead, after
+    /// receiving what waits if none is left (without waiting: if nothing
+    /// waits, the replies go first, then the server waits). A write's
+    /// payload goes to the connection's buffer: what was received ahead is
+    /// copied there, the rest is read straight into it. `None` if nothing
+    /// is buffered and the socket has no request waiting right now and
+    /// nothing was received (the caller's peek path then goes on: never
+    /// with bytes buffered here).
+    fn next_header_ahead(&mut self) -> io::Result<Option<[u8; 28]>> {
+        if self.in_at == self.in_end {
+            let Some(socket) = &self.socket else { return Ok(None) };
+            if self.inbuf.is_empty() {
+                self.inbuf = vec![0u8; IN_BUF];
+            }
+            self.in_at = 0;
+            self.in_end = 0;
+            let mut got = socket.recv_now(&mut [IoSliceMut::new(&mut self.inbuf)])?;
+            if got.is_none() {
+                // Nothing waits: the replies go, then wait for more.
+                self.flush_replies()?;
+                let socket = self.socket.as_ref().expect("checked above");
+                socket.wait_readable();
+                got = socket.recv_now(&mut [IoSliceMut::new(&mut self.inbuf)])?;
+            }
+            match got {
+                Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Some(n) => self.in_end = n,
+                // Woken without data (an error the stream will report).
+                None => return Ok(None),
+            }
+        }
+        // A header cut short: the rest of it is on its way.
+        if self.in_end - self.in_at < 28 {
+            self.inbuf.copy_within(self.in_at..self.in_end, 0);
+            self.in_end -= self.in_at;
+            self.in_at = 0;
+            while self.in_end < 28 {
+                match self.stream.read(&mut self.inbuf[self.in_end..]) {
+                    Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    Ok(n) => self.in_end += n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        let head: [u8; 28] = self.inbuf[self.in_at..self.in_at + 28].try_into().expect("28 bytes");
+        self.in_at += 28;
+        let magic = u32::from_be_bytes(head[..4].try_into().expect("4 bytes"));
+        let kind = u16::from_be_bytes(head[6..8].try_into().expect("2 bytes"));
+        let len = u32::from_be_bytes(head[24..28].try_into().expect("4 bytes")) as usize;
+        if magic != REQUEST_MAGIC || kind != CMD_WRITE || len == 0 {
+            return Ok(Some(head));
+        }
+        // The payload: what was received ahead, then the rest from the
+        // stream. One larger than the connection's buffer is taken and
+        // dropped here (the write is answered with an error).
+        if self.cursor > 0 {
+            self.flush_replies()?;
+        }
+        self.buffer().map_err(|e| match e {
+            End::Hard(why) => io::Error::other(why),
+            End::Soft(why) => io::Error::other(why),
+        })?;
+        let Session { stream, buffer, inbuf, in_at, in_end, .. } = self;
+        let (_, buf) = buffer.as_mut().expect("made just now");
+        let mem = buf.as_mut_slice().map_err(|e| io::Error::other(e.to_string()))?;
+        let room = mem.len();
+        let mut done = 0;
+        while done < len {
+            let at = done % room;
+            let n = (len - done).min(room - at);
+            let ahead = (*in_end - *in_at).min(n);
+            mem[at..at + ahead].copy_from_slice(&inbuf[*in_at..*in_at + ahead]);
+            *in_at += ahead;
+            stream.read_exact(&mut mem[at + ahead..at + n])?;
+            done += n;
+        }
+        self.payload_read = true;
+        Ok(Some(head))
     }
 
     /// Receive a write whose header `head` waits on the socket straight
@@ -1360,8 +1469,8 @@ impl<S: Read + Write> Session<'_, S> {
         let Session { stream, buffer, .. } = self;
         let (_, buf) = buffer.as_mut().expect("made just now");
         let mem = buf.as_mut_slice().map_err(|e| End::Hard(format!("connection buffer not writable ({e})")))?;
-        if len > max && !payload_read {
-            let mut left = len;
+        if len > max {
+            let mut left = if payload_read { 0 } else { len };
             while left > 0 {
                 let n = left.min(max);
                 stream.read_exact(&mut mem[..n])?;

@@ -508,6 +508,63 @@ fn pipelined_requests_sent_in_one_write_are_answered_in_order() {
     assert!(c.closed(), "NBD_CMD_DISC closes the connection after the replies");
 }
 
+/// Hundreds of small writes sent in one go, more than the server takes
+/// from the socket in one receive: headers and payloads are cut at
+/// arbitrary points between receives, a write larger than the maximum
+/// payload (answered with an error, its payload skipped) and one large
+/// enough to land in the store come in the middle, and every byte ends
+/// up where its write said.
+#[test]
+fn small_writes_cut_anywhere_between_receives_land_whole_and_in_order() {
+    let (addr, store) = server(1 << 20);
+    let mut c = Client::connect(&addr);
+    c.export_name();
+    let head = |kind: u16, handle: u64, offset: u64, len: u32| {
+        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
+        m.extend_from_slice(&0u16.to_be_bytes());
+        m.extend_from_slice(&kind.to_be_bytes());
+        m.extend_from_slice(&handle.to_be_bytes());
+        m.extend_from_slice(&offset.to_be_bytes());
+        m.extend_from_slice(&len.to_be_bytes());
+        m
+    };
+    let mut all = Vec::new();
+    let mut want = vec![0u8; 1 << 20];
+    let mut replies = Vec::new();
+    // 1001 bytes each: 1029 bytes a request, so receives end anywhere.
+    let small = |all: &mut Vec<u8>, want: &mut Vec<u8>, replies: &mut Vec<(u32, u64)>, i: u64| {
+        let off = i * 1001;
+        let byte = (i % 251) as u8 + 1;
+        all.extend(head(1, i, off, 1001));
+        all.extend(vec![byte; 1001]);
+        want[off as usize..off as usize + 1001].fill(byte);
+        replies.push((0, i));
+    };
+    for i in 0..300 {
+        small(&mut all, &mut want, &mut replies, i);
+    }
+    all.extend(head(1, 5000, 0, (64 << 10) + 1));
+    all.extend(vec![0xeeu8; (64 << 10) + 1]);
+    replies.push((EINVAL, 5000));
+    all.extend(head(1, 5001, 512 << 10, 64 << 10));
+    all.extend(vec![0x77u8; 64 << 10]);
+    want[512 << 10..576 << 10].fill(0x77);
+    replies.push((0, 5001));
+    for i in 300..500 {
+        small(&mut all, &mut want, &mut replies, i);
+    }
+    let mut sender = c.s.try_clone().expect("clone");
+    let send = std::thread::spawn(move || sender.write_all(&all).expect("send the writes"));
+    for (i, want) in replies.iter().enumerate() {
+        let (err, handle, _) = c.simple(0);
+        assert_eq!((err, handle), *want, "reply {i}");
+    }
+    send.join().expect("sender");
+    let mut got = vec![0u8; 1 << 20];
+    store.read_at(0, &mut got).unwrap();
+    assert!(got == want, "the store holds what the writes said");
+}
+
 /// Large writes whose payload waits whole on the socket are received
 /// straight into the memory store's chunks, and large reads are sent
 /// straight from them: the bytes are the ones written, and the summary
