@@ -33,7 +33,9 @@
 //! more over zero extents of the store sends those as holes
 //! (`NBD_REPLY_TYPE_OFFSET_HOLE`): only the data crosses the wire.
 //!
-//! A connection is served by [`serve_connection`], one thread each; a
+//! A connection is served by [`serve_connection`], one thread each
+//! (under `SCHED_BATCH` when [`NbdServer::run`] starts it: a server woken
+//! for more room on its socket does not preempt its client); a
 //! client that breaks the protocol loses its own connection and nothing
 //! else. Requests a client pipelines are taken in batches: after a
 //! request without a large payload, the server receives whatever waits on
@@ -399,6 +401,7 @@ impl NbdServer {
             };
             let (store, config, on_end) = (self.store.clone(), self.config.clone(), on_end.clone());
             let spawned = std::thread::Builder::new().name(format!("nbd {peer}")).spawn(move || {
+                batch_scheduling();
                 // `fd` is the socket of `stream`, which `serve_socket` owns
                 // (and so keeps open) for as long as it uses `socket`.
                 let socket = Socket { fd };
@@ -428,6 +431,22 @@ impl Drop for NbdServer {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// Put the calling thread (a connection's) under `SCHED_BATCH`: woken
+/// when a request arrives or its socket has room again, it does not
+/// preempt the thread running on that core (often the client itself, on
+/// the same machine), it runs when that one sleeps or its time slice
+/// ends, or at once on an idle core. A server sending a large read as
+/// fast as the client takes it is woken every time the client has taken
+/// a third of the socket's buffer; as a normal thread it preempted the
+/// client each time. Any user may choose this policy; if the system
+/// refuses, the thread stays as it was.
+fn batch_scheduling() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `sched_setscheduler` on the calling thread (0) reads the
+    // `sched_param` it is given for the duration of the call only.
+    let _ = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
 }
 
 /// Why a connection ends.

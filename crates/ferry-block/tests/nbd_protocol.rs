@@ -565,6 +565,36 @@ fn small_writes_cut_anywhere_between_receives_land_whole_and_in_order() {
     assert!(got == want, "the store holds what the writes said");
 }
 
+/// The thread serving a connection runs under `SCHED_BATCH` (3), so it
+/// does not preempt its client when woken; the accepting thread does not.
+#[test]
+fn connection_threads_run_as_batch_threads() {
+    let (addr, _) = server(1 << 20);
+    let mut c = Client::connect(&addr);
+    c.export_name();
+    // A request answered: the connection's thread is running by now.
+    c.request(0, 3, 1, 0, 0, b"");
+    assert_eq!(c.simple(0).0, 0);
+    let local = c.s.local_addr().expect("local address").to_string();
+    // The thread's name: "nbd tcp:CLIENT", cut to 15 bytes by the kernel.
+    let name: String = format!("nbd tcp:{local}").chars().take(15).collect();
+    let mut policies = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").expect("tasks") {
+        let dir = task.expect("task").path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.trim_end() != name {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("stat")).expect("stat");
+        // Field 41 (policy), counted after the command's closing parenthesis.
+        let after = stat.rsplit_once(')').expect("stat format").1;
+        let policy: u32 = after.split_whitespace().nth(38).expect("policy field").parse().expect("number");
+        policies.push(policy);
+    }
+    assert!(!policies.is_empty(), "no thread named {name:?}");
+    assert!(policies.iter().all(|&p| p == 3), "connection threads' policies: {policies:?}");
+}
+
 /// Large writes whose payload waits whole on the socket are received
 /// straight into the memory store's chunks, and large reads are sent
 /// straight from them: the bytes are the ones written, and the summary
