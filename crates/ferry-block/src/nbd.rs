@@ -376,6 +376,10 @@ impl NbdServer {
             let accepted: io::Result<(Box<dyn Stream>, String, RawFd)> = match &self.listener {
                 Listener::Tcp(l) => l.accept().map(|(s, a)| {
                     let _ = s.set_nodelay(true);
+                    if a.ip().is_loopback() {
+                        // Fixed, so the kernel does not grow it (see the constant).
+                        let _ = rustix::net::sockopt::set_socket_send_buffer_size(&s, LOOPBACK_SNDBUF);
+                    }
                     let fd = s.as_raw_fd();
                     (Box::new(s) as Box<dyn Stream>, format!("tcp:{a}"), fd)
                 }),
@@ -432,6 +436,17 @@ impl Drop for NbdServer {
         }
     }
 }
+
+/// Send buffer of a TCP connection to a client on the same machine
+/// (the kernel doubles it for its bookkeeping), instead of one the kernel
+/// grows to 4 MiB. Over loopback the client copies each reply out of
+/// memory the server filled moments before: with megabytes queued that
+/// memory has left the caches by then, and the client's copy runs from
+/// main memory. nbdcopy reading 1 GiB over 2 connections spent 0.46 s of
+/// CPU against a grown buffer and 0.29 s with this one (0.36 s against
+/// nbdkit), and read 1.24x faster. Between machines the kernel's sizing
+/// stays: there the buffer must cover the path's delay.
+const LOOPBACK_SNDBUF: usize = 256 << 10;
 
 /// Put the calling thread (a connection's) under `SCHED_BATCH`: woken
 /// when a request arrives or its socket has room again, it does not

@@ -595,6 +595,37 @@ fn connection_threads_run_as_batch_threads() {
     assert!(policies.iter().all(|&p| p == 3), "connection threads' policies: {policies:?}");
 }
 
+/// A client on the same machine gets a connection whose send buffer is
+/// fixed at a few hundred KiB (the kernel would grow it to megabytes, and
+/// the client would copy its replies from memory no longer in the
+/// caches). The server's end of the connection is found among this
+/// process's descriptors by its peer, the client's address.
+#[test]
+fn loopback_connections_keep_a_short_send_buffer() {
+    use std::os::fd::FromRawFd;
+    let (addr, _) = server(1 << 20);
+    let mut c = Client::connect(&addr);
+    c.export_name();
+    c.request(0, 3, 1, 0, 0, b"");
+    assert_eq!(c.simple(0).0, 0);
+    let client = c.s.local_addr().expect("local address");
+    let mut sizes = Vec::new();
+    for entry in std::fs::read_dir("/proc/self/fd").expect("fds") {
+        let Some(fd) = entry.expect("fd").file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        // SAFETY: the stream is never dropped (so the descriptor, owned
+        // elsewhere in this process, is not closed here); on a descriptor
+        // that is not a socket, or closed meanwhile, the calls below fail.
+        let s = std::mem::ManuallyDrop::new(unsafe { TcpStream::from_raw_fd(fd) });
+        if s.peer_addr().ok() == Some(client) {
+            sizes.push(rustix::net::sockopt::socket_send_buffer_size(&*s).expect("SO_SNDBUF"));
+        }
+    }
+    assert_eq!(sizes.len(), 1, "one server socket whose peer is {client}");
+    assert!((256 << 10..=512 << 10).contains(&sizes[0]), "send buffer {} bytes", sizes[0]);
+}
+
 /// Large writes whose payload waits whole on the socket are received
 /// straight into the memory store's chunks, and large reads are sent
 /// straight from them: the bytes are the ones written, and the summary
