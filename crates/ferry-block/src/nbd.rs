@@ -8,7 +8,11 @@
 //! `_SET_META_CONTEXT` (the `base:allocation` context); any other option
 //! is answered `NBD_REP_ERR_UNSUP`. Transmission: `READ`, `WRITE` (with
 //! FUA), `FLUSH`, `TRIM`, `WRITE_ZEROES` (with `NO_HOLE`), `BLOCK_STATUS`,
-//! `CACHE` and `DISC`, simple or structured replies. The server offers
+//! `CACHE` and `DISC`, simple or structured replies (where structured
+//! replies were negotiated, reads, block status and errors are answered
+//! with structured chunks, and every other success with a simple reply, as
+//! the protocol allows: the client takes one 16-byte header for it, not a
+//! 20-byte chunk header in two parts). The server offers
 //! multi-conn: every connection works on the one store, and a FLUSH on any
 //! of them puts on stable storage every write any of them has been
 //! answered for.
@@ -29,16 +33,21 @@
 //! more over zero extents of the store sends those as holes
 //! (`NBD_REPLY_TYPE_OFFSET_HOLE`): only the data crosses the wire.
 //!
-//! A connection is served by [`serve_connection`], one thread each; a
+//! A connection is served by [`serve_connection`], one thread each
+//! (under `SCHED_BATCH` when [`NbdServer::run`] starts it: a server woken
+//! for more room on its socket does not preempt its client); a
 //! client that breaks the protocol loses its own connection and nothing
-//! else. Requests a client pipelines are taken in batches: the server
-//! looks at what waits on the socket (`MSG_PEEK`), takes the headers of
-//! every waiting request up to the first that carries a payload in one
-//! read (a payload is still read straight into the pool buffer; a write
-//! seen waiting has its header and payload taken in one `readv`), and
-//! holds the replies of reads and writes until no request waits, then
-//! sends them in one `writev`, the reads' data from consecutive parts of
-//! the connection's buffer.
+//! else. Requests a client pipelines are taken in batches: after a
+//! request without a large payload, the server receives whatever waits on
+//! the socket (up to 64 KiB: the headers of many requests and the
+//! payloads of small writes, in one receive that does not wait) and
+//! serves the requests from there, a small write's payload copied into
+//! the connection's buffer; after a write large enough to land in the
+//! store, it looks at what waits (`MSG_PEEK`) before taking it, so that
+//! the next such write can land too (a write seen waiting has its header
+//! and payload taken in one receive). It holds the replies of reads and
+//! writes until no request waits, then sends them in one `writev`, the
+//! reads' data from consecutive parts of the connection's buffer.
 
 use std::fmt;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
@@ -367,6 +376,10 @@ impl NbdServer {
             let accepted: io::Result<(Box<dyn Stream>, String, RawFd)> = match &self.listener {
                 Listener::Tcp(l) => l.accept().map(|(s, a)| {
                     let _ = s.set_nodelay(true);
+                    if a.ip().is_loopback() {
+                        // Fixed, so the kernel does not grow it (see the constant).
+                        let _ = rustix::net::sockopt::set_socket_send_buffer_size(&s, LOOPBACK_SNDBUF);
+                    }
                     let fd = s.as_raw_fd();
                     (Box::new(s) as Box<dyn Stream>, format!("tcp:{a}"), fd)
                 }),
@@ -392,6 +405,7 @@ impl NbdServer {
             };
             let (store, config, on_end) = (self.store.clone(), self.config.clone(), on_end.clone());
             let spawned = std::thread::Builder::new().name(format!("nbd {peer}")).spawn(move || {
+                batch_scheduling();
                 // `fd` is the socket of `stream`, which `serve_socket` owns
                 // (and so keeps open) for as long as it uses `socket`.
                 let socket = Socket { fd };
@@ -421,6 +435,33 @@ impl Drop for NbdServer {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// Send buffer of a TCP connection to a client on the same machine
+/// (the kernel doubles it for its bookkeeping), instead of one the kernel
+/// grows to 4 MiB. Over loopback the client copies each reply out of
+/// memory the server filled moments before: with megabytes queued that
+/// memory has left the caches by then, and the client's copy runs from
+/// main memory. nbdcopy reading 1 GiB over 2 connections spent 0.46 s of
+/// CPU against a grown buffer and 0.29 s with this one (0.36 s against
+/// nbdkit), and read 1.24x faster. Between machines the kernel's sizing
+/// stays: there the buffer must cover the path's delay.
+const LOOPBACK_SNDBUF: usize = 256 << 10;
+
+/// Put the calling thread (a connection's) under `SCHED_BATCH`: woken
+/// when a request arrives or its socket has room again, it does not
+/// preempt the thread running on that core (often the client itself, on
+/// the same machine), it runs when that one sleeps or its time slice
+/// ends, or at once on an idle core. A server sending a large read as
+/// fast as the client takes it is woken every time the client has taken
+/// a third of the socket's buffer; as a normal thread it preempted the
+/// client each time. Any user may choose this policy; if the system
+/// refuses, the thread stays as it was.
+fn batch_scheduling() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `sched_setscheduler` on the calling thread (0) reads the
+    // `sched_param` it is given for the duration of the call only.
+    let _ = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
 }
 
 /// Why a connection ends.
@@ -556,6 +597,10 @@ fn serve_socket<S: Read + Write>(
         cursor: 0,
         payload_read: false,
         written: 0,
+        inbuf: Vec::new(),
+        in_at: 0,
+        in_end: 0,
+        small: true,
     };
     let end = session.handshake().and_then(|()| {
         session.summary.transmission = true;
@@ -599,7 +644,19 @@ struct Session<'a, S> {
     payload_read: bool,
     /// Bytes written by the writes whose replies are queued.
     written: usize,
+    /// Requests received ahead (headers and small write payloads), taken
+    /// from the socket in one receive while small requests come: bytes
+    /// `in_at..in_end` are still to be served.
+    inbuf: Vec<u8>,
+    in_at: usize,
+    in_end: usize,
+    /// The last request was not a write large enough to land in the
+    /// store: the next ones are received ahead into `inbuf`.
+    small: bool,
 }
+
+/// Bytes of requests received ahead in one receive at most.
+const IN_BUF: usize = 64 << 10;
 
 /// Read replies sent in one write at most.
 const MAX_QUEUED_REPLIES: usize = 256;
@@ -924,6 +981,10 @@ impl<S: Read + Write> Session<'_, S> {
             let offset = u64::from_be_bytes(head[16..24].try_into().expect("8 bytes"));
             let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes"));
             let req = Request { flags, handle, offset, len };
+            // After a write that lands in the store, the next header is
+            // looked at before it is taken (another such write can land
+            // too); after anything else, what waits is received ahead.
+            self.small = !(kind == CMD_WRITE && len as usize >= LAND_MIN);
             if kind == CMD_WRITE && self.cursor > 0 {
                 // A write's payload goes to the start of the connection's
                 // buffer, where queued read replies have their data. (Every
@@ -977,6 +1038,11 @@ impl<S: Read + Write> Session<'_, S> {
     fn next_header(&mut self) -> io::Result<[u8; 28]> {
         if let Some(h) = self.staged.pop_front() {
             return Ok(h);
+        }
+        if self.in_at < self.in_end || (self.small && self.socket.is_some()) {
+            if let Some(head) = self.next_header_ahead()? {
+                return Ok(head);
+            }
         }
         let mut look = [0u8; 28 * 64];
         let mut seen = self.socket.as_ref().map_or(0, |s| s.peek(&mut look));
@@ -1043,6 +1109,87 @@ impl<S: Read + Write> Session<'_, S> {
         let mut head = [0u8; 28];
         self.stream.read_exact(&mut head)?;
         Ok(head)
+    }
+
+    /// The next request header from the requests received ahead, after
+    /// receiving what waits if none is left (without waiting: if nothing
+    /// waits, the replies go first, then the server waits). A write's
+    /// payload goes to the connection's buffer: what was received ahead is
+    /// copied there, the rest is read straight into it. `None` if nothing
+    /// is buffered and the socket has no request waiting right now and
+    /// nothing was received (the caller's peek path then goes on: never
+    /// with bytes buffered here).
+    fn next_header_ahead(&mut self) -> io::Result<Option<[u8; 28]>> {
+        if self.in_at == self.in_end {
+            let Some(socket) = &self.socket else { return Ok(None) };
+            if self.inbuf.is_empty() {
+                self.inbuf = vec![0u8; IN_BUF];
+            }
+            self.in_at = 0;
+            self.in_end = 0;
+            let mut got = socket.recv_now(&mut [IoSliceMut::new(&mut self.inbuf)])?;
+            if got.is_none() {
+                // Nothing waits: the replies go, then wait for more.
+                self.flush_replies()?;
+                let socket = self.socket.as_ref().expect("checked above");
+                socket.wait_readable();
+                got = socket.recv_now(&mut [IoSliceMut::new(&mut self.inbuf)])?;
+            }
+            match got {
+                Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Some(n) => self.in_end = n,
+                // Woken without data (an error the stream will report).
+                None => return Ok(None),
+            }
+        }
+        // A header cut short: the rest of it is on its way.
+        if self.in_end - self.in_at < 28 {
+            self.inbuf.copy_within(self.in_at..self.in_end, 0);
+            self.in_end -= self.in_at;
+            self.in_at = 0;
+            while self.in_end < 28 {
+                match self.stream.read(&mut self.inbuf[self.in_end..]) {
+                    Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    Ok(n) => self.in_end += n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        let head: [u8; 28] = self.inbuf[self.in_at..self.in_at + 28].try_into().expect("28 bytes");
+        self.in_at += 28;
+        let magic = u32::from_be_bytes(head[..4].try_into().expect("4 bytes"));
+        let kind = u16::from_be_bytes(head[6..8].try_into().expect("2 bytes"));
+        let len = u32::from_be_bytes(head[24..28].try_into().expect("4 bytes")) as usize;
+        if magic != REQUEST_MAGIC || kind != CMD_WRITE || len == 0 {
+            return Ok(Some(head));
+        }
+        // The payload: what was received ahead, then the rest from the
+        // stream. One larger than the connection's buffer is taken and
+        // dropped here (the write is answered with an error).
+        if self.cursor > 0 {
+            self.flush_replies()?;
+        }
+        self.buffer().map_err(|e| match e {
+            End::Hard(why) => io::Error::other(why),
+            End::Soft(why) => io::Error::other(why),
+        })?;
+        let Session { stream, buffer, inbuf, in_at, in_end, .. } = self;
+        let (_, buf) = buffer.as_mut().expect("made just now");
+        let mem = buf.as_mut_slice().map_err(|e| io::Error::other(e.to_string()))?;
+        let room = mem.len();
+        let mut done = 0;
+        while done < len {
+            let at = done % room;
+            let n = (len - done).min(room - at);
+            let ahead = (*in_end - *in_at).min(n);
+            mem[at..at + ahead].copy_from_slice(&inbuf[*in_at..*in_at + ahead]);
+            *in_at += ahead;
+            stream.read_exact(&mut mem[at + ahead..at + n])?;
+            done += n;
+        }
+        self.payload_read = true;
+        Ok(Some(head))
     }
 
     /// Receive a write whose header `head` waits on the socket straight
@@ -1211,13 +1358,12 @@ impl<S: Read + Write> Session<'_, S> {
         write_all_parts(&mut self.stream, &mut parts)
     }
 
-    /// Success without data.
+    /// Success without data, for any request but a read: a simple reply
+    /// even where structured replies were negotiated (the protocol allows
+    /// it for replies without data), so the client takes 16 bytes instead
+    /// of a 20-byte chunk header it reads in two parts.
     fn done(&mut self, handle: u64) -> io::Result<()> {
-        if self.structured {
-            self.chunk(handle, REPLY_FLAG_DONE, REPLY_TYPE_NONE, &[])
-        } else {
-            self.simple(handle, 0, &[])
-        }
+        self.simple(handle, 0, &[])
     }
 
     fn read(&mut self, req: Request) -> Step<()> {
@@ -1233,7 +1379,12 @@ impl<S: Read + Write> Session<'_, S> {
         }
         if req.len == 0 {
             self.summary.reads += 1;
-            return Ok(self.done(req.handle)?);
+            // A read is never answered with a simple reply once structured
+            // replies were negotiated.
+            if self.structured {
+                return Ok(self.chunk(req.handle, REPLY_FLAG_DONE, REPLY_TYPE_NONE, &[])?);
+            }
+            return Ok(self.simple(req.handle, 0, &[])?);
         }
         let len = req.len as usize;
         let store = self.store;
@@ -1352,8 +1503,8 @@ impl<S: Read + Write> Session<'_, S> {
         let Session { stream, buffer, .. } = self;
         let (_, buf) = buffer.as_mut().expect("made just now");
         let mem = buf.as_mut_slice().map_err(|e| End::Hard(format!("connection buffer not writable ({e})")))?;
-        if len > max && !payload_read {
-            let mut left = len;
+        if len > max {
+            let mut left = if payload_read { 0 } else { len };
             while left > 0 {
                 let n = left.min(max);
                 stream.read_exact(&mut mem[..n])?;
@@ -1390,20 +1541,12 @@ impl<S: Read + Write> Session<'_, S> {
         }
         self.summary.writes += 1;
         self.summary.write_bytes += len as u64;
-        // The reply waits for the replies that follow, like a read's.
+        // The reply waits for the replies that follow, like a read's; a
+        // simple one, as for every success without data (see `done`).
         let mut head = [0u8; 28];
-        let hlen = if self.structured {
-            head[..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
-            head[4..6].copy_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
-            head[6..8].copy_from_slice(&REPLY_TYPE_NONE.to_be_bytes());
-            head[8..16].copy_from_slice(&req.handle.to_be_bytes());
-            20
-        } else {
-            head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
-            head[8..16].copy_from_slice(&req.handle.to_be_bytes());
-            16
-        };
-        self.replies.push((head, hlen, 0, 0));
+        head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+        head[8..16].copy_from_slice(&req.handle.to_be_bytes());
+        self.replies.push((head, 16, 0, 0));
         // Large writes are answered at once, so the client can send the
         // next while this one's reply would otherwise wait.
         self.written += len;

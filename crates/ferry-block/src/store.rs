@@ -11,8 +11,9 @@
 //! written with `pread`/`pwrite` straight from and into the caller's
 //! memory, which for the server is pool buffer memory).
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::fs::OpenOptions;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::io::{self, IoSlice, IoSliceMut};
 use std::num::NonZeroU64;
 use std::os::fd::{AsFd, OwnedFd};
@@ -236,11 +237,44 @@ pub const MEM_CHUNK: u64 = 64 << 10;
 pub struct MemStore {
     size: u64,
     /// Lock order: the map, then chunks in ascending order.
-    chunks: RwLock<BTreeMap<u64, Chunk>>,
+    chunks: RwLock<ChunkMap>,
 }
 
 /// One allocated chunk of a [`MemStore`].
 type Chunk = RwLock<Box<[u8]>>;
+
+/// The allocated chunks by index. A hash map, not an ordered one: a
+/// random 4 KiB request then finds its chunk with one or two cache misses
+/// instead of one per level of a tree (in a server doing random 4 KiB
+/// writes the tree walk took a sixth of its time).
+type ChunkMap = HashMap<u64, Chunk, BuildHasherDefault<ChunkHasher>>;
+
+/// Hashes a chunk index with a 64-bit finalizer (two multiplications):
+/// neighbouring indices land far apart, without the cost of a keyed
+/// string hash.
+#[derive(Default)]
+struct ChunkHasher(u64);
+
+impl Hasher for ChunkHasher {
+    fn finish(&self) -> u64 {
+        let mut h = self.0;
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^ (h >> 33)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
 
 /// What a hole reads as: one chunk of zeroes.
 static ZERO_CHUNK: [u8; MEM_CHUNK as usize] = [0; MEM_CHUNK as usize];
@@ -255,7 +289,7 @@ impl MemStore {
         if size == 0 || size > MAX_STORE_SIZE {
             return Err(Error::BadSpec(format!("mem:{size}: give a size from 1 to {MAX_STORE_SIZE} bytes")));
         }
-        Ok(MemStore { size, chunks: RwLock::new(BTreeMap::new()) })
+        Ok(MemStore { size, chunks: RwLock::new(ChunkMap::default()) })
     }
 
     /// Bytes of memory the allocated chunks take.
@@ -290,7 +324,7 @@ impl MemStore {
 
     /// The map, read-locked, with every chunk of `[offset, offset+len)`
     /// allocated.
-    fn allocated(&self, offset: u64, len: u64) -> std::sync::RwLockReadGuard<'_, BTreeMap<u64, Chunk>> {
+    fn allocated(&self, offset: u64, len: u64) -> std::sync::RwLockReadGuard<'_, ChunkMap> {
         loop {
             let chunks = self.chunks.read().unwrap_or_else(|e| e.into_inner());
             if pieces(offset, len).all(|(index, _, _)| chunks.contains_key(&index)) {

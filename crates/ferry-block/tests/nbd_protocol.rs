@@ -311,7 +311,9 @@ fn structured_reads_block_status_and_a_flush_seen_by_every_connection() {
     other.request(0, 1, 1, 1 << 20, 6, b"shared");
     assert_eq!(other.simple(0).0, 0);
     c.request(0, 3, 2, 0, 0, b""); // FLUSH
-    assert_eq!(c.chunk(), (1, 0, 2, vec![]));
+                                   // Successes without data get simple replies even with structured
+                                   // replies negotiated (the protocol allows it for all but reads).
+    assert_eq!(c.simple(0), (0, 2, vec![]));
     c.request(1 << 2, 0, 3, 1 << 20, 6, b""); // READ with DF
     let (f, t, h, payload) = c.chunk();
     assert_eq!((f, t, h), (1, 1, 3), "one OFFSET_DATA chunk, DONE");
@@ -351,10 +353,24 @@ fn structured_reads_block_status_and_a_flush_seen_by_every_connection() {
     assert_eq!(u32::from_be_bytes(p[..4].try_into().unwrap()), EINVAL);
     // Trim frees; status shows the hole again.
     c.request(0, 4, 7, 1 << 20, 64 << 10, b"");
-    assert_eq!(c.chunk().1, 0);
+    assert_eq!(c.simple(0), (0, 7, vec![]));
     c.request(0, 7, 8, 0, 4 << 20, b"");
     let (_, _, _, p) = c.chunk();
     assert_eq!(p[4..], [(4u32 << 20).to_be_bytes(), 3u32.to_be_bytes()].concat()[..]);
+
+    // A write on a structured connection, small and large (received
+    // straight into the store): simple replies too; an empty read gets a
+    // structured NONE chunk, never a simple reply.
+    c.request(0, 1, 10, 8 << 10, 4, b"tiny");
+    assert_eq!(c.simple(0), (0, 10, vec![]));
+    c.request(0, 1, 11, 2 << 20, 64 << 10, &vec![7u8; 64 << 10]);
+    assert_eq!(c.simple(0), (0, 11, vec![]));
+    c.request(0, 0, 12, 0, 0, b"");
+    assert_eq!(c.chunk(), (1, 0, 12, vec![]));
+    c.request(0, 4, 13, 8 << 10, 4, b""); // TRIM what was just written
+    assert_eq!(c.simple(0), (0, 13, vec![]));
+    c.request(0, 4, 14, 2 << 20, 64 << 10, b"");
+    assert_eq!(c.simple(0), (0, 14, vec![]));
 }
 
 #[test]
@@ -490,6 +506,124 @@ fn pipelined_requests_sent_in_one_write_are_answered_in_order() {
         assert!(data[i * 4096..(i + 1) * 4096].iter().all(|&b| b == 0x10 + i as u8), "write {i}");
     }
     assert!(c.closed(), "NBD_CMD_DISC closes the connection after the replies");
+}
+
+/// Hundreds of small writes sent in one go, more than the server takes
+/// from the socket in one receive: headers and payloads are cut at
+/// arbitrary points between receives, a write larger than the maximum
+/// payload (answered with an error, its payload skipped) and one large
+/// enough to land in the store come in the middle, and every byte ends
+/// up where its write said.
+#[test]
+fn small_writes_cut_anywhere_between_receives_land_whole_and_in_order() {
+    let (addr, store) = server(1 << 20);
+    let mut c = Client::connect(&addr);
+    c.export_name();
+    let head = |kind: u16, handle: u64, offset: u64, len: u32| {
+        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
+        m.extend_from_slice(&0u16.to_be_bytes());
+        m.extend_from_slice(&kind.to_be_bytes());
+        m.extend_from_slice(&handle.to_be_bytes());
+        m.extend_from_slice(&offset.to_be_bytes());
+        m.extend_from_slice(&len.to_be_bytes());
+        m
+    };
+    let mut all = Vec::new();
+    let mut want = vec![0u8; 1 << 20];
+    let mut replies = Vec::new();
+    // 1001 bytes each: 1029 bytes a request, so receives end anywhere.
+    let small = |all: &mut Vec<u8>, want: &mut Vec<u8>, replies: &mut Vec<(u32, u64)>, i: u64| {
+        let off = i * 1001;
+        let byte = (i % 251) as u8 + 1;
+        all.extend(head(1, i, off, 1001));
+        all.extend(vec![byte; 1001]);
+        want[off as usize..off as usize + 1001].fill(byte);
+        replies.push((0, i));
+    };
+    for i in 0..300 {
+        small(&mut all, &mut want, &mut replies, i);
+    }
+    all.extend(head(1, 5000, 0, (64 << 10) + 1));
+    all.extend(vec![0xeeu8; (64 << 10) + 1]);
+    replies.push((EINVAL, 5000));
+    all.extend(head(1, 5001, 512 << 10, 64 << 10));
+    all.extend(vec![0x77u8; 64 << 10]);
+    want[512 << 10..576 << 10].fill(0x77);
+    replies.push((0, 5001));
+    for i in 300..500 {
+        small(&mut all, &mut want, &mut replies, i);
+    }
+    let mut sender = c.s.try_clone().expect("clone");
+    let send = std::thread::spawn(move || sender.write_all(&all).expect("send the writes"));
+    for (i, want) in replies.iter().enumerate() {
+        let (err, handle, _) = c.simple(0);
+        assert_eq!((err, handle), *want, "reply {i}");
+    }
+    send.join().expect("sender");
+    let mut got = vec![0u8; 1 << 20];
+    store.read_at(0, &mut got).unwrap();
+    assert!(got == want, "the store holds what the writes said");
+}
+
+/// The thread serving a connection runs under `SCHED_BATCH` (3), so it
+/// does not preempt its client when woken; the accepting thread does not.
+#[test]
+fn connection_threads_run_as_batch_threads() {
+    let (addr, _) = server(1 << 20);
+    let mut c = Client::connect(&addr);
+    c.export_name();
+    // A request answered: the connection's thread is running by now.
+    c.request(0, 3, 1, 0, 0, b"");
+    assert_eq!(c.simple(0).0, 0);
+    let local = c.s.local_addr().expect("local address").to_string();
+    // The thread's name: "nbd tcp:CLIENT", cut to 15 bytes by the kernel.
+    let name: String = format!("nbd tcp:{local}").chars().take(15).collect();
+    let mut policies = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").expect("tasks") {
+        let dir = task.expect("task").path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.trim_end() != name {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("stat")).expect("stat");
+        // Field 41 (policy), counted after the command's closing parenthesis.
+        let after = stat.rsplit_once(')').expect("stat format").1;
+        let policy: u32 = after.split_whitespace().nth(38).expect("policy field").parse().expect("number");
+        policies.push(policy);
+    }
+    assert!(!policies.is_empty(), "no thread named {name:?}");
+    assert!(policies.iter().all(|&p| p == 3), "connection threads' policies: {policies:?}");
+}
+
+/// A client on the same machine gets a connection whose send buffer is
+/// fixed at a few hundred KiB (the kernel would grow it to megabytes, and
+/// the client would copy its replies from memory no longer in the
+/// caches). The server's end of the connection is found among this
+/// process's descriptors by its peer, the client's address.
+#[test]
+fn loopback_connections_keep_a_short_send_buffer() {
+    use std::os::fd::FromRawFd;
+    let (addr, _) = server(1 << 20);
+    let mut c = Client::connect(&addr);
+    c.export_name();
+    c.request(0, 3, 1, 0, 0, b"");
+    assert_eq!(c.simple(0).0, 0);
+    let client = c.s.local_addr().expect("local address");
+    let mut sizes = Vec::new();
+    for entry in std::fs::read_dir("/proc/self/fd").expect("fds") {
+        let Some(fd) = entry.expect("fd").file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        // SAFETY: the stream is never dropped (so the descriptor, owned
+        // elsewhere in this process, is not closed here); on a descriptor
+        // that is not a socket, or closed meanwhile, the calls below fail.
+        let s = std::mem::ManuallyDrop::new(unsafe { TcpStream::from_raw_fd(fd) });
+        if s.peer_addr().ok() == Some(client) {
+            sizes.push(rustix::net::sockopt::socket_send_buffer_size(&*s).expect("SO_SNDBUF"));
+        }
+    }
+    assert_eq!(sizes.len(), 1, "one server socket whose peer is {client}");
+    assert!((256 << 10..=512 << 10).contains(&sizes[0]), "send buffer {} bytes", sizes[0]);
 }
 
 /// Large writes whose payload waits whole on the socket are received
