@@ -35,6 +35,7 @@ pub mod native;
 pub mod nbd;
 pub mod server;
 pub mod store;
+mod sys;
 
 pub use native::{run_proxy, BlockClient, Completion, Op};
 pub use nbd::{serve_connection, ConnSummary, Listen, NbdServer, ServerConfig};

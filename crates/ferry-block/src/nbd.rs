@@ -174,6 +174,12 @@ pub struct ServerConfig {
     pub max_payload: u32,
     /// Refuse writes (`NBD_FLAG_READ_ONLY`).
     pub read_only: bool,
+    /// Run each connection's thread under `SCHED_BATCH` (the default), so
+    /// that a connection woken by its client does not preempt the thread
+    /// on that core, which on one machine is often the client itself: bulk
+    /// transfers go faster, a request may wait for the end of a time slice
+    /// on a busy machine. `false` keeps the policy threads inherit.
+    pub batch_threads: bool,
 }
 
 impl Default for ServerConfig {
@@ -183,6 +189,7 @@ impl Default for ServerConfig {
             description: "Ferry block store".into(),
             max_payload: 32 << 20,
             read_only: false,
+            batch_threads: true,
         }
     }
 }
@@ -405,7 +412,10 @@ impl NbdServer {
             };
             let (store, config, on_end) = (self.store.clone(), self.config.clone(), on_end.clone());
             let spawned = std::thread::Builder::new().name(format!("nbd {peer}")).spawn(move || {
-                batch_scheduling();
+                if config.batch_threads {
+                    // If the system refuses, the thread stays as it was.
+                    let _ = crate::sys::batch_scheduling();
+                }
                 // `fd` is the socket of `stream`, which `serve_socket` owns
                 // (and so keeps open) for as long as it uses `socket`.
                 let socket = Socket { fd };
@@ -447,22 +457,6 @@ impl Drop for NbdServer {
 /// nbdkit), and read 1.24x faster. Between machines the kernel's sizing
 /// stays: there the buffer must cover the path's delay.
 const LOOPBACK_SNDBUF: usize = 256 << 10;
-
-/// Put the calling thread (a connection's) under `SCHED_BATCH`: woken
-/// when a request arrives or its socket has room again, it does not
-/// preempt the thread running on that core (often the client itself, on
-/// the same machine), it runs when that one sleeps or its time slice
-/// ends, or at once on an idle core. A server sending a large read as
-/// fast as the client takes it is woken every time the client has taken
-/// a third of the socket's buffer; as a normal thread it preempted the
-/// client each time. Any user may choose this policy; if the system
-/// refuses, the thread stays as it was.
-fn batch_scheduling() {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: `sched_setscheduler` on the calling thread (0) reads the
-    // `sched_param` it is given for the duration of the call only.
-    let _ = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
-}
 
 /// Why a connection ends.
 enum End {

@@ -61,7 +61,22 @@ struct Client {
 impl Client {
     /// Connect and do the greeting (fixed newstyle, no zeroes).
     fn connect(addr: &str) -> Client {
-        let s = TcpStream::connect(addr).expect("connect");
+        Client::greet(TcpStream::connect(addr).expect("connect"))
+    }
+
+    /// Connect from `from` (a loopback address of the test's choosing, so
+    /// the server's connection thread can be told from the others' by its
+    /// name) and do the greeting.
+    fn connect_from(from: std::net::Ipv4Addr, addr: &str) -> Client {
+        use rustix::net::{AddressFamily, SocketType};
+        let to: std::net::SocketAddr = addr.parse().expect("server address");
+        let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None).expect("socket");
+        rustix::net::bind(&fd, &std::net::SocketAddr::from((from, 0))).expect("bind the client's address");
+        rustix::net::connect(&fd, &to).expect("connect");
+        Client::greet(TcpStream::from(fd))
+    }
+
+    fn greet(s: TcpStream) -> Client {
         s.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
         let mut c = Client { s };
         let mut hello = [0u8; 18];
@@ -566,11 +581,26 @@ fn small_writes_cut_anywhere_between_receives_land_whole_and_in_order() {
 }
 
 /// The thread serving a connection runs under `SCHED_BATCH` (3), so it
-/// does not preempt its client when woken; the accepting thread does not.
+/// does not preempt its client when woken; with `batch_threads` off it
+/// keeps the normal policy (0).
 #[test]
-fn connection_threads_run_as_batch_threads() {
-    let (addr, _) = server(1 << 20);
-    let mut c = Client::connect(&addr);
+fn connection_threads_run_as_batch_threads_unless_told_not_to() {
+    assert_eq!(connection_policies(true), [3]);
+    assert_eq!(connection_policies(false), [0]);
+}
+
+/// The scheduling policies of the threads serving one client of a server
+/// with `batch_threads` as given.
+fn connection_policies(batch_threads: bool) -> Vec<u32> {
+    let store = Arc::new(MemStore::new(1 << 20).expect("store"));
+    let config = ServerConfig { batch_threads, ..ServerConfig::default() };
+    let server = NbdServer::bind(&"tcp:127.0.0.1:0".parse().expect("addr"), store, config).expect("bind");
+    let addr = server.local_addr().to_string().strip_prefix("tcp:").expect("tcp").to_string();
+    server.spawn(|_| {}).expect("accept thread");
+    // Thread names are cut to 15 bytes ("nbd tcp:127.0.0" for every other
+    // test's client): a client address of its own for each case.
+    let from = std::net::Ipv4Addr::new(127, if batch_threads { 91 } else { 92 }, 0, 1);
+    let mut c = Client::connect_from(from, &addr);
     c.export_name();
     // A request answered: the connection's thread is running by now.
     c.request(0, 3, 1, 0, 0, b"");
@@ -592,7 +622,7 @@ fn connection_threads_run_as_batch_threads() {
         policies.push(policy);
     }
     assert!(!policies.is_empty(), "no thread named {name:?}");
-    assert!(policies.iter().all(|&p| p == 3), "connection threads' policies: {policies:?}");
+    policies
 }
 
 /// A client on the same machine gets a connection whose send buffer is
