@@ -376,7 +376,7 @@ const CHILD_CHANNELS: u32 = 4;
 /// session to FERRY_MUX_ADDR, bind channels 1..=4, check every move, pass
 /// the first of each channel back and hold the rest until killed.
 #[test]
-#[ignore]
+#[ignore = "run as a child process by the other tests"]
 fn mux_child() {
     let Ok(addr) = std::env::var("FERRY_MUX_ADDR") else { return };
     let options = NetOptions::with_peer_timeout(Duration::from_secs(2));
