@@ -9,8 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Aggregate, Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Error, Event, MuxSession, NetOptions,
-    PoolConstraints, Role,
+    Aggregate, Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, Event, MuxSession,
+    NetOptions, Pool, PoolConstraints, Role,
 };
 
 use support::payload::{check, fill, wait_exit};
@@ -55,7 +55,12 @@ fn open_channels(a: &MuxSession, b: &MuxSession, n: u32, da: &Domain, db: &Domai
 
 /// Assign `alloc`'s pool on `tx` while `rx` (the peer) accepts it.
 fn assign_pair(tx: &mut Channel, rx: &mut Channel, alloc: &Allocator) {
-    tx.assign_pool(alloc.pool()).unwrap();
+    offer_pool(tx, rx, alloc.pool());
+}
+
+/// Assign `pool` on `tx` while `rx` (the peer) accepts it.
+fn offer_pool(tx: &mut Channel, rx: &mut Channel, pool: &Pool) {
+    tx.assign_pool(pool).unwrap();
     let deadline = Instant::now() + T;
     let mut accepted = false;
     loop {
@@ -751,4 +756,72 @@ fn a_silent_peer_is_unresponsive() {
         at += 16 + u32::from_le_bytes(h[8..12].try_into().unwrap()) as usize;
     }
     assert!(keepalives >= 1, "no keep-alive in {got:?}");
+}
+
+/// A copy that reaches a domain over a session while the domain already
+/// reads the buffer through another channel lands nowhere (the bytes are
+/// the ones it has). Once it has released both copies, the session's
+/// sender, which has not yet seen the release, sends the next copy without
+/// payload: the receiver must take the bytes it already has rather than
+/// call the copy a protocol error.
+#[test]
+fn a_copy_resent_without_payload_after_one_that_was_already_here() {
+    let (a, b, c) = (Domain::new("a"), Domain::new("b"), Domain::new("c"));
+    let alloc = Allocator::new(&a, 4, SIZE, PoolConstraints::default()).unwrap();
+    let local = |from: &Domain, to: &Domain| {
+        let ep = Endpoint::local();
+        let mut tx = Channel::create(from, &ep, tx_setup()).unwrap();
+        let mut rx = Channel::bind(to, &ep, BindParams::default()).unwrap();
+        tx.wait_connected(T).unwrap();
+        rx.wait_connected(T).unwrap();
+        (tx, rx)
+    };
+    let (mut a_b, mut b_a) = local(&a, &b);
+    let (sb, sc) = session_pair(NetOptions::default());
+    let (mut b_cs, mut c_bs) = open_channels(&sb, &sc, 1, &b, &c);
+    let (mut b_c, mut c_b) = (b_cs.remove(0), c_bs.remove(0));
+    let (mut a_c, mut c_a) = local(&a, &c);
+    // C gets the pool over the session first (memory of its own), then over
+    // the local channel, which therefore carries the bytes into C's memory.
+    offer_pool(&mut a_b, &mut b_a, alloc.pool());
+    offer_pool(&mut b_c, &mut c_b, &b.pool(alloc.pool().id()).unwrap());
+    offer_pool(&mut a_c, &mut c_a, alloc.pool());
+    let mut buf = alloc.alloc().unwrap();
+    fill(buf.as_mut_slice().unwrap(), 42);
+    let copy_in = |ch: &mut Channel, what: &str| match next(ch) {
+        Event::CopyReceived { copy, .. } => copy,
+        ev => panic!("{what}: expected a copy, got {ev:?}"),
+    };
+    // C reads the buffer through the local channel.
+    a_c.copy(&buf, &[]).unwrap();
+    a_c.flush().unwrap();
+    let held = copy_in(&mut c_a, "C from A");
+    // B gets a copy and copies it on to C over the session: its bytes
+    // arrive where C already reads them.
+    a_b.copy(&buf, &[]).unwrap();
+    a_b.flush().unwrap();
+    let at_b = copy_in(&mut b_a, "B from A");
+    b_c.copy(&at_b, &[]).unwrap();
+    b_c.flush().unwrap();
+    let first = copy_in(&mut c_b, "C from B");
+    assert!(check(&first, 42));
+    // C lets go of both; B copies again before it has read the release.
+    c_b.release(first).unwrap();
+    c_b.flush().unwrap();
+    c_a.release(held).unwrap();
+    c_a.flush().unwrap();
+    b_c.copy(&at_b, &[]).unwrap();
+    b_c.flush().unwrap();
+    let again = copy_in(&mut c_b, "C from B, again");
+    assert!(check(&again, 42), "the resent copy shows other bytes");
+    c_b.release(again).unwrap();
+    c_b.flush().unwrap();
+    for _ in 0..2 {
+        assert!(matches!(next(&mut b_c), Event::CopyReleased { .. }));
+    }
+    b_a.release(at_b).unwrap();
+    b_a.flush().unwrap();
+    assert!(matches!(next(&mut a_b), Event::CopyReleased { .. }));
+    assert!(matches!(next(&mut a_c), Event::CopyReleased { writable: true, .. }));
+    assert!(buf.as_mut_slice().is_ok(), "A's buffer is writable once every copy is back");
 }
