@@ -58,6 +58,17 @@ struct Client {
     s: TcpStream,
 }
 
+/// A request's 28-byte header (magic, flags, type, handle, offset, length).
+fn request_header(flags: u16, kind: u16, handle: u64, offset: u64, len: u32) -> Vec<u8> {
+    let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
+    m.extend_from_slice(&flags.to_be_bytes());
+    m.extend_from_slice(&kind.to_be_bytes());
+    m.extend_from_slice(&handle.to_be_bytes());
+    m.extend_from_slice(&offset.to_be_bytes());
+    m.extend_from_slice(&len.to_be_bytes());
+    m
+}
+
 impl Client {
     /// Connect and do the greeting (fixed newstyle, no zeroes).
     fn connect(addr: &str) -> Client {
@@ -116,12 +127,7 @@ impl Client {
     }
 
     fn request(&mut self, flags: u16, kind: u16, handle: u64, offset: u64, len: u32, payload: &[u8]) {
-        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
-        m.extend_from_slice(&flags.to_be_bytes());
-        m.extend_from_slice(&kind.to_be_bytes());
-        m.extend_from_slice(&handle.to_be_bytes());
-        m.extend_from_slice(&offset.to_be_bytes());
-        m.extend_from_slice(&len.to_be_bytes());
+        let mut m = request_header(flags, kind, handle, offset, len);
         m.extend_from_slice(payload);
         self.s.write_all(&m).expect("send request");
     }
@@ -467,15 +473,7 @@ fn pipelined_requests_sent_in_one_write_are_answered_in_order() {
     store.write_at(0, &pattern, false).unwrap();
     let mut c = Client::connect(&addr);
     c.export_name();
-    let head = |kind: u16, handle: u64, offset: u64, len: u32| {
-        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
-        m.extend_from_slice(&0u16.to_be_bytes());
-        m.extend_from_slice(&kind.to_be_bytes());
-        m.extend_from_slice(&handle.to_be_bytes());
-        m.extend_from_slice(&offset.to_be_bytes());
-        m.extend_from_slice(&len.to_be_bytes());
-        m
-    };
+    let head = |kind: u16, handle: u64, offset: u64, len: u32| request_header(0, kind, handle, offset, len);
     let mut all = Vec::new();
     for i in 0..40u64 {
         all.extend(head(0, i, i * 12288, 4096));
@@ -534,15 +532,7 @@ fn small_writes_cut_anywhere_between_receives_land_whole_and_in_order() {
     let (addr, store) = server(1 << 20);
     let mut c = Client::connect(&addr);
     c.export_name();
-    let head = |kind: u16, handle: u64, offset: u64, len: u32| {
-        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
-        m.extend_from_slice(&0u16.to_be_bytes());
-        m.extend_from_slice(&kind.to_be_bytes());
-        m.extend_from_slice(&handle.to_be_bytes());
-        m.extend_from_slice(&offset.to_be_bytes());
-        m.extend_from_slice(&len.to_be_bytes());
-        m
-    };
+    let head = |kind: u16, handle: u64, offset: u64, len: u32| request_header(0, kind, handle, offset, len);
     let mut all = Vec::new();
     let mut want = vec![0u8; 1 << 20];
     let mut replies = Vec::new();

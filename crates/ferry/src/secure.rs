@@ -300,9 +300,10 @@ mod tests {
 
     const T: Duration = Duration::from_secs(10);
 
-    /// Two domains of one process over a local channel of `trust`; `b`
-    /// receives a buffer `a` moved, holding `fill`.
-    fn moved(trust: TrustLevel, fill: u8) -> (Allocator, Channel, Channel, Buffer) {
+    /// Two domains of one process over a local channel of `trust`, an
+    /// allocator of `a` (two buffers of `size` bytes) assigned on it:
+    /// (the allocator, `a`'s end, `b`'s end).
+    fn connected(trust: TrustLevel, size: usize) -> (Allocator, Channel, Channel) {
         let (a, b) = (Domain::new("a"), Domain::new("b"));
         let ep = Endpoint::local();
         let mut tx = Channel::create(&a, &ep, ChannelSetup { trust, ..ChannelSetup::default() }).unwrap();
@@ -310,10 +311,17 @@ mod tests {
         tx.wait_connected(T).unwrap();
         rx.wait_connected(T).unwrap();
         rx.set_pool_policy(crate::PoolPolicy::AcceptAll);
-        let alloc = Allocator::new(&a, 2, 8192, PoolConstraints::default()).unwrap();
+        let alloc = Allocator::new(&a, 2, size, PoolConstraints::default()).unwrap();
         tx.assign_pool(alloc.pool()).unwrap();
         assert!(matches!(rx.poll(), Some(Event::PoolAssignRequest(_))));
         assert!(matches!(tx.poll(), Some(Event::PoolAssigned(_))));
+        (alloc, tx, rx)
+    }
+
+    /// Two domains of one process over a local channel of `trust`; `b`
+    /// receives a buffer `a` moved, holding `fill`.
+    fn moved(trust: TrustLevel, fill: u8) -> (Allocator, Channel, Channel, Buffer) {
+        let (alloc, mut tx, mut rx) = connected(trust, 8192);
         let mut buf = alloc.alloc().unwrap();
         buf.as_mut_slice().unwrap().fill(fill);
         tx.move_buffer(buf, &[]).unwrap();
@@ -358,17 +366,7 @@ mod tests {
     #[test]
     fn copies_and_aggregates() {
         for (trust, in_place) in [(TrustLevel::Half, true), (TrustLevel::Full, false)] {
-            let (a, b) = (Domain::new("a"), Domain::new("b"));
-            let ep = Endpoint::local();
-            let mut tx = Channel::create(&a, &ep, ChannelSetup { trust, ..ChannelSetup::default() }).unwrap();
-            let mut rx = Channel::bind(&b, &ep, BindParams::default()).unwrap();
-            tx.wait_connected(T).unwrap();
-            rx.wait_connected(T).unwrap();
-            rx.set_pool_policy(crate::PoolPolicy::AcceptAll);
-            let alloc = Allocator::new(&a, 2, 4096, PoolConstraints::default()).unwrap();
-            tx.assign_pool(alloc.pool()).unwrap();
-            assert!(matches!(rx.poll(), Some(Event::PoolAssignRequest(_))));
-            assert!(matches!(tx.poll(), Some(Event::PoolAssigned(_))));
+            let (alloc, mut tx, mut rx) = connected(trust, 4096);
             let mut buf = alloc.alloc().unwrap();
             buf.as_mut_slice().unwrap()[..5].copy_from_slice(b"hello");
             tx.copy(&buf, &[]).unwrap();

@@ -18,6 +18,7 @@ use ferry::{
     TrustLevel,
 };
 use support::payload::{check, fill};
+use support::scenarios::{copy_resent_after_a_discarded_one, Triangle};
 
 const WAIT: Duration = Duration::from_secs(10);
 const SIZE: usize = 4096;
@@ -417,42 +418,6 @@ fn a_copy_resent_without_payload_after_one_that_was_already_here() {
     offer(&mut a_b, &mut b_a, alloc.pool(), true);
     offer(&mut b_c, &mut c_b, &pool_in(&b, alloc.pool()), true);
     offer(&mut a_c, &mut c_a, alloc.pool(), true);
-    let mut buf = alloc.alloc().unwrap();
-    fill(buf.as_mut_slice().unwrap(), 42);
-    let copy_in = |ch: &mut Channel, what: &str| match ch.wait(Some(WAIT)) {
-        Some(Event::CopyReceived { copy, .. }) => copy,
-        ev => panic!("{what}: expected a copy, got {ev:?}"),
-    };
-    // C reads the buffer through the local channel.
-    a_c.copy(&buf, &[]).unwrap();
-    a_c.flush().unwrap();
-    let local = copy_in(&mut c_a, "C from A");
-    // B gets a copy and copies it on to C over TCP: its bytes arrive
-    // where C already reads them.
-    a_b.copy(&buf, &[]).unwrap();
-    a_b.flush().unwrap();
-    let at_b = copy_in(&mut b_a, "B from A");
-    b_c.copy(&at_b, &[]).unwrap();
-    b_c.flush().unwrap();
-    let first = copy_in(&mut c_b, "C from B");
-    assert!(check(&first, 42));
-    // C lets go of both; B copies again before it has read the release.
-    c_b.release(first).unwrap();
-    c_b.flush().unwrap();
-    c_a.release(local).unwrap();
-    c_a.flush().unwrap();
-    b_c.copy(&at_b, &[]).unwrap();
-    b_c.flush().unwrap();
-    let again = copy_in(&mut c_b, "C from B, again");
-    assert!(check(&again, 42), "the resent copy shows other bytes");
-    c_b.release(again).unwrap();
-    c_b.flush().unwrap();
-    for _ in 0..2 {
-        assert!(matches!(b_c.wait(Some(WAIT)), Some(Event::CopyReleased { .. })));
-    }
-    b_a.release(at_b).unwrap();
-    b_a.flush().unwrap();
-    assert!(matches!(a_b.wait(Some(WAIT)), Some(Event::CopyReleased { .. })));
-    assert!(matches!(a_c.wait(Some(WAIT)), Some(Event::CopyReleased { writable: true, .. })));
-    assert!(buf.as_mut_slice().is_ok(), "A's buffer is writable once every copy is back");
+    let mut t = Triangle { a_b, b_a, b_c, c_b, a_c, c_a };
+    copy_resent_after_a_discarded_one(&alloc, &mut t);
 }

@@ -14,6 +14,7 @@ use ferry::{
 };
 
 use support::payload::{check, fill, wait_exit};
+use support::scenarios::{copy_resent_after_a_discarded_one, Triangle};
 
 const T: Duration = Duration::from_secs(10);
 const SIZE: usize = 64 << 10;
@@ -83,15 +84,24 @@ fn offer_pool(tx: &mut Channel, rx: &mut Channel, pool: &Pool) {
     }
 }
 
-/// One channel: moves there, passes back, every byte checked.
-#[test]
-fn one_channel_moves_and_passes_back() {
+/// A session pair with one channel, from domain `a` (its end and an
+/// allocator of 8 buffers whose pool is assigned) to domain `b`: (the
+/// sessions, which must outlive the channel, `b`, `a`'s end, `b`'s end,
+/// the allocator).
+fn one_channel() -> ((MuxSession, MuxSession), Domain, Channel, Channel, Allocator) {
     let (a, b) = session_pair(NetOptions::default());
     let (da, db) = (Domain::new("a"), Domain::new("b"));
     let (mut txs, mut rxs) = open_channels(&a, &b, 1, &da, &db);
     let (mut tx, mut rx) = (txs.pop().unwrap(), rxs.pop().unwrap());
     let alloc = Allocator::new(&da, 8, SIZE, PoolConstraints::default()).unwrap();
     assign_pair(&mut tx, &mut rx, &alloc);
+    ((a, b), db, tx, rx, alloc)
+}
+
+/// One channel: moves there, passes back, every byte checked.
+#[test]
+fn one_channel_moves_and_passes_back() {
+    let (_sessions, _db, mut tx, mut rx, alloc) = one_channel();
     let sink = std::thread::spawn(move || {
         let mut n = 0;
         loop {
@@ -122,12 +132,7 @@ fn one_channel_moves_and_passes_back() {
 /// fragments (and is still held by the sender, so copied) crossing once.
 #[test]
 fn an_aggregate_crosses_as_one_unit() {
-    let (a, b) = session_pair(NetOptions::default());
-    let (da, db) = (Domain::new("a"), Domain::new("b"));
-    let (mut txs, mut rxs) = open_channels(&a, &b, 1, &da, &db);
-    let (mut tx, mut rx) = (txs.pop().unwrap(), rxs.pop().unwrap());
-    let alloc = Allocator::new(&da, 8, SIZE, PoolConstraints::default()).unwrap();
-    assign_pair(&mut tx, &mut rx, &alloc);
+    let (_sessions, db, mut tx, mut rx, alloc) = one_channel();
     let mut body = alloc.alloc().unwrap();
     fill(body.as_mut_slice().unwrap(), 7);
     let body = Aggregate::from_buffer_range(body, 0..SIZE).unwrap();
@@ -786,42 +791,6 @@ fn a_copy_resent_without_payload_after_one_that_was_already_here() {
     offer_pool(&mut a_b, &mut b_a, alloc.pool());
     offer_pool(&mut b_c, &mut c_b, &b.pool(alloc.pool().id()).unwrap());
     offer_pool(&mut a_c, &mut c_a, alloc.pool());
-    let mut buf = alloc.alloc().unwrap();
-    fill(buf.as_mut_slice().unwrap(), 42);
-    let copy_in = |ch: &mut Channel, what: &str| match next(ch) {
-        Event::CopyReceived { copy, .. } => copy,
-        ev => panic!("{what}: expected a copy, got {ev:?}"),
-    };
-    // C reads the buffer through the local channel.
-    a_c.copy(&buf, &[]).unwrap();
-    a_c.flush().unwrap();
-    let held = copy_in(&mut c_a, "C from A");
-    // B gets a copy and copies it on to C over the session: its bytes
-    // arrive where C already reads them.
-    a_b.copy(&buf, &[]).unwrap();
-    a_b.flush().unwrap();
-    let at_b = copy_in(&mut b_a, "B from A");
-    b_c.copy(&at_b, &[]).unwrap();
-    b_c.flush().unwrap();
-    let first = copy_in(&mut c_b, "C from B");
-    assert!(check(&first, 42));
-    // C lets go of both; B copies again before it has read the release.
-    c_b.release(first).unwrap();
-    c_b.flush().unwrap();
-    c_a.release(held).unwrap();
-    c_a.flush().unwrap();
-    b_c.copy(&at_b, &[]).unwrap();
-    b_c.flush().unwrap();
-    let again = copy_in(&mut c_b, "C from B, again");
-    assert!(check(&again, 42), "the resent copy shows other bytes");
-    c_b.release(again).unwrap();
-    c_b.flush().unwrap();
-    for _ in 0..2 {
-        assert!(matches!(next(&mut b_c), Event::CopyReleased { .. }));
-    }
-    b_a.release(at_b).unwrap();
-    b_a.flush().unwrap();
-    assert!(matches!(next(&mut a_b), Event::CopyReleased { .. }));
-    assert!(matches!(next(&mut a_c), Event::CopyReleased { writable: true, .. }));
-    assert!(buf.as_mut_slice().is_ok(), "A's buffer is writable once every copy is back");
+    let mut t = Triangle { a_b, b_a, b_c, c_b, a_c, c_a };
+    copy_resent_after_a_discarded_one(&alloc, &mut t);
 }

@@ -1,13 +1,14 @@
 //! Test-only infrastructure shared by integration tests: a fault-injecting
 //! TCP proxy, network namespaces joined by a veth pair, the payload
-//! pattern and child-process helpers of the multi-process tests, and a
-//! TCP peer that writes raw frames.
+//! pattern and child-process helpers of the multi-process tests, a TCP
+//! peer that writes raw frames, and scenarios several transports' tests run.
 #![allow(dead_code)]
 
 pub mod fault_proxy;
 pub mod netns;
 pub mod payload;
 pub mod raw_peer;
+pub mod scenarios;
 
 /// A name no other test of any process uses at the same time (abstract
 /// socket names, endpoint names): `ferry-{tag}-{pid}-{n}`.

@@ -1,0 +1,71 @@
+//! Sequences of operations that more than one transport's tests run.
+
+use std::time::Duration;
+
+use ferry::{Allocator, BufferCopy, Channel, Event};
+
+use super::payload::{check, fill};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Three domains A, B and C, each pair joined by a connected channel from
+/// the first to the second, A's pool assigned on all three; `b_c` is the
+/// transport under test, and C got the pool over it before it got it from
+/// A (so C's memory of the pool is its own).
+pub struct Triangle {
+    pub a_b: Channel,
+    pub b_a: Channel,
+    pub b_c: Channel,
+    pub c_b: Channel,
+    pub a_c: Channel,
+    pub c_a: Channel,
+}
+
+fn copy_in(ch: &mut Channel, what: &str) -> BufferCopy {
+    match ch.wait(Some(WAIT)) {
+        Some(Event::CopyReceived { copy, .. }) => copy,
+        ev => panic!("{what}: expected a copy, got {ev:?}"),
+    }
+}
+
+/// A copy from B reaches C while C already reads the buffer through A's
+/// channel, so its bytes are discarded on arrival (they are the ones C
+/// has). C releases both copies; B, which has not yet read the release,
+/// copies again, without payload. C must take the bytes it has, and every
+/// copy must come back to A.
+pub fn copy_resent_after_a_discarded_one(alloc: &Allocator, t: &mut Triangle) {
+    let mut buf = alloc.alloc().unwrap();
+    fill(buf.as_mut_slice().unwrap(), 42);
+    // C reads the buffer through the channel from A.
+    t.a_c.copy(&buf, &[]).unwrap();
+    t.a_c.flush().unwrap();
+    let held = copy_in(&mut t.c_a, "C from A");
+    // B gets a copy and copies it on to C: its bytes arrive where C
+    // already reads them.
+    t.a_b.copy(&buf, &[]).unwrap();
+    t.a_b.flush().unwrap();
+    let at_b = copy_in(&mut t.b_a, "B from A");
+    t.b_c.copy(&at_b, &[]).unwrap();
+    t.b_c.flush().unwrap();
+    let first = copy_in(&mut t.c_b, "C from B");
+    assert!(check(&first, 42));
+    // C lets go of both; B copies again before it has read the release.
+    t.c_b.release(first).unwrap();
+    t.c_b.flush().unwrap();
+    t.c_a.release(held).unwrap();
+    t.c_a.flush().unwrap();
+    t.b_c.copy(&at_b, &[]).unwrap();
+    t.b_c.flush().unwrap();
+    let again = copy_in(&mut t.c_b, "C from B, again");
+    assert!(check(&again, 42), "the resent copy shows other bytes");
+    t.c_b.release(again).unwrap();
+    t.c_b.flush().unwrap();
+    for _ in 0..2 {
+        assert!(matches!(t.b_c.wait(Some(WAIT)), Some(Event::CopyReleased { .. })));
+    }
+    t.b_a.release(at_b).unwrap();
+    t.b_a.flush().unwrap();
+    assert!(matches!(t.a_b.wait(Some(WAIT)), Some(Event::CopyReleased { .. })));
+    assert!(matches!(t.a_c.wait(Some(WAIT)), Some(Event::CopyReleased { writable: true, .. })));
+    assert!(buf.as_mut_slice().is_ok(), "A's buffer is writable once every copy is back");
+}
