@@ -3,18 +3,10 @@
 //! against a `cat | cat | cat` shell chain, every run checked at the sink;
 //! one JSON point per chain, the ratios and the cost of one more stage.
 
-use std::process::{Command, Stdio};
+mod common;
 
 fn run(args: &[&str]) -> Vec<serde_json::Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["bench", "chain", "--runs", "1", "--total", "16777216", "--json"])
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ferry");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "exit {:?}: {stderr}", out.status.code());
-    String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect()
+    common::json_lines(["bench", "chain", "--runs", "1", "--total", "16777216", "--json"].iter().chain(args))
 }
 
 #[test]
@@ -58,12 +50,6 @@ fn chain_to_dev_null_reports_the_cost_of_a_stage() {
 #[test]
 fn chain_refuses_bad_input() {
     for bad in [&["--total", "5000"][..], &["--sink", "disk"], &["--size", "1000"], &["--competitors", "1"]] {
-        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-            .args(["bench", "chain", "--runs", "1"])
-            .args(bad)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run ferry");
-        assert_eq!(out.status.code(), Some(2), "{bad:?}: {}", String::from_utf8_lossy(&out.stderr));
+        common::refused(["bench", "chain", "--runs", "1"].iter().chain(bad));
     }
 }

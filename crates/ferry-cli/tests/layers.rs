@@ -4,19 +4,11 @@
 //! receiver's verification count and the per-layer costs) and one ratio
 //! line. Bad input is a usage error.
 
-use std::process::{Command, Stdio};
+mod common;
 
 #[test]
 fn layers_quick_reports_every_size_verified() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["bench", "layers", "--quick", "--json"])
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ferry");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "exit {:?}: {stderr}", out.status.code());
-    let lines: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
+    let lines = common::json_lines(["bench", "layers", "--quick", "--json"]);
     let sizes = [65536u64, 262144, 1048576, 4194304];
     for size in sizes {
         for (stack, copies) in [("aggregate", 0), ("copying", 9)] {
@@ -51,7 +43,6 @@ fn layers_bad_input_is_a_usage_error() {
         &["bench", "rtt", "--quick"],
         &["bench", "layers", "--quick", "--compare"],
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_ferry")).args(bad).stdin(Stdio::null()).output().expect("run ferry");
-        assert_eq!(out.status.code(), Some(2), "{bad:?}: {}", String::from_utf8_lossy(&out.stderr));
+        common::refused(bad);
     }
 }

@@ -4,22 +4,18 @@
 //! unmapped, ferry-channel, ferry-channel-prefilled) and touched fraction,
 //! each with a positive rate, and each row's ratio to read/write.
 
-use std::process::{Command, Stdio};
+mod common;
 
 #[test]
 fn socket_touch_prints_fifteen_points_and_the_ratios() {
     let svg =
         std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("socket-touch-{}.svg", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["bench", "socket-touch", "--runs", "1", "--total", "8388608", "--json", "--plot"])
-        .arg(&svg)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ferry");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "exit {:?}: {stderr}", out.status.code());
-    let lines: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
+    let lines = common::json_lines(
+        ["bench", "socket-touch", "--runs", "1", "--total", "8388608", "--json", "--plot"]
+            .map(std::ffi::OsStr::new)
+            .into_iter()
+            .chain([svg.as_os_str()]),
+    );
     let points: Vec<_> = lines.iter().filter(|p| p.get("kind").is_none()).collect();
     assert_eq!(points.len(), 15, "{points:?}");
     let mut seen = Vec::new();
@@ -51,10 +47,5 @@ fn socket_touch_prints_fifteen_points_and_the_ratios() {
 
 #[test]
 fn socket_touch_refuses_a_total_that_is_not_whole_buffers() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["bench", "socket-touch", "--runs", "1", "--total", "1000000"])
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ferry");
-    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    common::refused(["bench", "socket-touch", "--runs", "1", "--total", "1000000"]);
 }

@@ -4,19 +4,21 @@
 //! (sequence numbers rising, every datagram whole), and the ratio between
 //! the two forwarders.
 
-use std::process::{Command, Stdio};
+mod common;
 
 #[test]
 fn udp_forward_prints_verified_points_and_ratios() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["bench", "udp-forward", "--runs", "1", "--total", "8192000", "--competitors", "0,1", "--json"])
-        .stdin(Stdio::null())
-        .output()
-        .expect("run ferry");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "exit {:?}: {stderr}", out.status.code());
-    let lines: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a JSON line")).collect();
+    let lines = common::json_lines([
+        "bench",
+        "udp-forward",
+        "--runs",
+        "1",
+        "--total",
+        "8192000",
+        "--competitors",
+        "0,1",
+        "--json",
+    ]);
     let (ratios, points): (Vec<_>, Vec<_>) = lines.iter().partition(|p| p["kind"] == "ratio");
     assert_eq!(points.len(), 4, "{points:?}");
     let mut seen = Vec::new();
@@ -41,12 +43,6 @@ fn udp_forward_prints_verified_points_and_ratios() {
 #[test]
 fn udp_forward_refuses_bad_input() {
     for bad in [&["--competitors", "17"][..], &["--size", "70000"], &["--stages", "3"]] {
-        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-            .args(["bench", "udp-forward", "--runs", "1"])
-            .args(bad)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run ferry");
-        assert_eq!(out.status.code(), Some(2), "{bad:?}: {}", String::from_utf8_lossy(&out.stderr));
+        common::refused(["bench", "udp-forward", "--runs", "1"].iter().chain(bad));
     }
 }
