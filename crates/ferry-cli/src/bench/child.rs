@@ -2,6 +2,11 @@
 //! the receiving domain of `fbufs-table` over shm, the stages of
 //! `pipeline`, the client processes of `fanin --backend shm`, the Ferry sender of `socket-touch`. Not for people: the arguments are set by the parent.
 
+use std::io::{BufRead, BufReader};
+use std::process::ChildStdout;
+use std::sync::mpsc;
+use std::time::Instant;
+
 use clap::{Args, Subcommand};
 use ferry::{BindParams, Channel, Domain};
 
@@ -80,4 +85,19 @@ pub fn run(a: &ChildArgs) -> Result<(), CliError> {
         Role::Layers(l) => layers::child(l),
         Role::SocketTouchSender(s) => socket_touch::sender(s),
     }
+}
+
+/// The lines a child process prints, each with the moment it was read, as
+/// they come (a thread reads them, so the parent can wait with a timeout).
+pub(super) fn timed_lines(out: ChildStdout) -> mpsc::Receiver<(Instant, String)> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send((Instant::now(), line)).is_err() {
+                break;
+            }
+        }
+    });
+    rx
 }

@@ -68,7 +68,7 @@
 //! Every sample is the median over runs; `--rounds` repeats the two stacks
 //! alternately and the ratio is taken of medians over every round.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -437,17 +437,7 @@ impl Peers {
             cmd.stdout(if role == Part::Receiver { Stdio::piped() } else { Stdio::null() });
             let mut child = cmd.spawn().map_err(|e| fail(format!("cannot start the {role:?}: {e}")))?;
             if role == Part::Receiver {
-                let out = child.stdout.take().expect("piped");
-                let (tx, rx) = mpsc::channel();
-                std::thread::spawn(move || {
-                    for line in BufReader::new(out).lines() {
-                        let Ok(line) = line else { break };
-                        if tx.send((Instant::now(), line)).is_err() {
-                            break;
-                        }
-                    }
-                });
-                peers.lines = rx;
+                peers.lines = super::child::timed_lines(child.stdout.take().expect("piped"));
             }
             peers.children.push(child);
         }

@@ -30,7 +30,7 @@
 //! that dies ends the run with an error (no hang: stages die with the
 //! benchmark, and the coordinator watches every one).
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -294,17 +294,7 @@ impl Chain {
                 chain.control = child.stdin.take();
             }
             if i == n - 1 {
-                let out = child.stdout.take().expect("piped");
-                let (tx, rx) = mpsc::channel();
-                std::thread::spawn(move || {
-                    for line in BufReader::new(out).lines() {
-                        let Ok(line) = line else { break };
-                        if tx.send((Instant::now(), line)).is_err() {
-                            break;
-                        }
-                    }
-                });
-                chain.lines = rx;
+                chain.lines = super::child::timed_lines(child.stdout.take().expect("piped"));
             }
             chain.children.push(child);
         }
