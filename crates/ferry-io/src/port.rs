@@ -517,16 +517,7 @@ impl Port {
             let s = b.as_mut_slice().map_err(|_| IoError::BufferShared { name: self.name.clone() })?;
             iov.push(libc::iovec { iov_base: s.as_mut_ptr().cast(), iov_len: s.len() });
         }
-        let mut msgs: Vec<libc::mmsghdr> = iov
-            .iter_mut()
-            .map(|v| {
-                // SAFETY: mmsghdr is plain old data; only the iovec fields are set.
-                let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
-                m.msg_hdr.msg_iov = v;
-                m.msg_hdr.msg_iovlen = 1;
-                m
-            })
-            .collect();
+        let mut msgs = one_datagram_each(&mut iov);
         // MSG_TRUNC: each msg_len is the datagram's real size, so one too
         // large for its buffer is seen, never handed on cut short.
         let flags = libc::MSG_TRUNC | libc::MSG_WAITFORONE;
@@ -889,16 +880,7 @@ impl Port {
                 .take(IOV_MAX)
                 .map(|c| libc::iovec { iov_base: c.bytes().as_ptr() as *mut libc::c_void, iov_len: c.len() })
                 .collect();
-            let mut msgs: Vec<libc::mmsghdr> = iov
-                .iter_mut()
-                .map(|v| {
-                    // SAFETY: mmsghdr is plain old data; only the iovec fields are set.
-                    let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
-                    m.msg_hdr.msg_iov = v;
-                    m.msg_hdr.msg_iovlen = 1;
-                    m
-                })
-                .collect();
+            let mut msgs = one_datagram_each(&mut iov);
             // SAFETY: every mmsghdr points at one iovec of `iov`, each covering
             // a live chunk of `q`, which the kernel only reads.
             let r = retry(|| unsafe {
@@ -929,4 +911,20 @@ impl AsFd for Port {
         // input/output, which the process keeps open.
         unsafe { BorrowedFd::borrow_raw(self.fd) }
     }
+}
+
+/// One `mmsghdr` per iovec, each a datagram of that one buffer, for
+/// `recvmmsg`/`sendmmsg`. The headers point into `iov`, which must outlive
+/// the call they are given to.
+fn one_datagram_each(iov: &mut [libc::iovec]) -> Vec<libc::mmsghdr> {
+    iov.iter_mut()
+        .map(|v| {
+            // SAFETY: mmsghdr is plain old data (integers and null
+            // pointers are valid all-zero); only the iovec fields are set.
+            let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
+            m.msg_hdr.msg_iov = v;
+            m.msg_hdr.msg_iovlen = 1;
+            m
+        })
+        .collect()
 }
