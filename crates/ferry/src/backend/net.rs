@@ -118,6 +118,25 @@ pub struct NetEndpoint {
     options: NetOptions,
 }
 
+/// Connect to `addr` within `timeout`: nobody listening (refused, or the
+/// socket connected to itself) is [`Error::EndpointNotListening`], no
+/// answer in time [`Error::TimedOut`].
+pub(crate) fn connect_stream(addr: SocketAddr, timeout: Duration) -> Result<TcpStream> {
+    let timeout = timeout.max(Duration::from_millis(1));
+    let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| match e.kind() {
+        io::ErrorKind::ConnectionRefused => Error::EndpointNotListening,
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::TimedOut,
+        _ => Error::from(e),
+    })?;
+    // Connecting to a free port of our own host can connect the socket to
+    // itself (TCP simultaneous open, when the kernel picks that very port
+    // as our source port): nobody is listening there.
+    if stream.local_addr()? == stream.peer_addr()? {
+        return Err(Error::EndpointNotListening);
+    }
+    Ok(stream)
+}
+
 impl NetEndpoint {
     /// An endpoint at `addr`: `create` listens there (port 0: the kernel
     /// picks one, see [`crate::Channel::listen_addr`]), `bind` connects.
@@ -147,17 +166,7 @@ impl NetEndpoint {
     pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
         let deadline = Instant::now() + params.timeout;
         let timeout = params.timeout.max(Duration::from_millis(1));
-        let stream = TcpStream::connect_timeout(&self.addr, timeout).map_err(|e| match e.kind() {
-            io::ErrorKind::ConnectionRefused => Error::EndpointNotListening,
-            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::TimedOut,
-            _ => Error::from(e),
-        })?;
-        // Connecting to a free port of our own host can connect the socket
-        // to itself (TCP simultaneous open, when the kernel picks that very
-        // port as our source port): nobody is listening there.
-        if stream.local_addr()? == stream.peer_addr()? {
-            return Err(Error::EndpointNotListening);
-        }
+        let stream = connect_stream(self.addr, timeout)?;
         stream.set_nodelay(true)?;
         // A bind request fits in any socket buffer: this write does not wait.
         stream.set_write_timeout(Some(timeout))?;

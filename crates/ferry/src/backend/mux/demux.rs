@@ -298,6 +298,29 @@ mod tests {
         }
     }
 
+    /// What [`two_channels`] gives a test: the session, the socket end the
+    /// test writes frames into, the two channels' links and their pools.
+    type TwoChannels =
+        (MuxSession, std::os::unix::net::UnixStream, [Box<dyn crate::backend::Link>; 2], Vec<Arc<PoolMemory>>);
+
+    /// A session over one end of a socket pair (the test writes frames
+    /// into the other), channels 1 and 2 open, each with a pool of two
+    /// 8 KiB buffers (ids 0x100 and 0x101) where every payload may land.
+    fn two_channels() -> TwoChannels {
+        use std::os::fd::OwnedFd;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let session = MuxSession::over(TcpStream::from(OwnedFd::from(ours)));
+        let mut links = [session.open_link(1, 8, 8), session.open_link(2, 8, 8)];
+        let g = Geometry::new(8192, 2).unwrap();
+        let pools: Vec<_> =
+            (0..2).map(|i| PoolMemory::mirror(PoolId::from_u128(0x100 + i), g, None).unwrap()).collect();
+        for (link, pool) in links.iter_mut().zip(&pools) {
+            link.use_pool(pool).unwrap();
+            link.set_gate(Box::new(LandAll));
+        }
+        (session, theirs, links, pools)
+    }
+
     /// A payload in two chunks with another channel's frames between them
     /// lands whole in the named buffer of the right channel, and each
     /// channel gets its own message, whichever of them reads the socket.
@@ -309,18 +332,8 @@ mod tests {
     #[test]
     fn a_poll_stops_reading_at_a_message_of_higher_priority() {
         use std::io::Write;
-        use std::os::fd::OwnedFd;
-        let (ours, mut theirs) = std::os::unix::net::UnixStream::pair().unwrap();
-        let session = MuxSession::over(TcpStream::from(OwnedFd::from(ours)));
-        let mut links = [session.open_link(1, 8, 8), session.open_link(2, 8, 8)];
+        let (session, mut theirs, mut links, _pools) = two_channels();
         session.lock().chans.get_mut(&2).expect("open").priority = 7;
-        let g = Geometry::new(8192, 2).unwrap();
-        let pools: Vec<_> =
-            (0..2).map(|i| PoolMemory::mirror(PoolId::from_u128(0x100 + i), g, None).unwrap()).collect();
-        for (link, pool) in links.iter_mut().zip(&pools) {
-            link.use_pool(pool).unwrap();
-            link.set_gate(Box::new(LandAll));
-        }
         let message = |pool: u128, index: u32| {
             let mut h = [0u8; MSG_HEAD];
             let buf = BufferId { pool: PoolId::from_u128(pool), index };
@@ -346,17 +359,7 @@ mod tests {
     #[test]
     fn chunks_of_interleaved_channels_land_in_their_buffers() {
         use std::io::Write;
-        use std::os::fd::OwnedFd;
-        let (ours, mut theirs) = std::os::unix::net::UnixStream::pair().unwrap();
-        let session = MuxSession::over(TcpStream::from(OwnedFd::from(ours)));
-        let mut links = [session.open_link(1, 8, 8), session.open_link(2, 8, 8)];
-        let g = Geometry::new(8192, 2).unwrap();
-        let pools: Vec<_> =
-            (0..2).map(|i| PoolMemory::mirror(PoolId::from_u128(0x100 + i), g, None).unwrap()).collect();
-        for (link, pool) in links.iter_mut().zip(&pools) {
-            link.use_pool(pool).unwrap();
-            link.set_gate(Box::new(LandAll));
-        }
+        let (_session, mut theirs, mut links, pools) = two_channels();
         let frame = |kind, channel, body: &[u8]| MuxHead::new(kind, channel, 0).frame(body);
         let message = |pool: u128, index: u32| {
             let mut h = [0u8; MSG_HEAD];

@@ -205,14 +205,7 @@ impl MuxSession {
     /// Connect to a peer that accepts sessions at `addr`.
     pub fn connect(addr: SocketAddr, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
         let timeout = timeout.max(Duration::from_millis(1));
-        let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| match e.kind() {
-            io::ErrorKind::ConnectionRefused => Error::EndpointNotListening,
-            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::TimedOut,
-            _ => Error::from(e),
-        })?;
-        if stream.local_addr()? == stream.peer_addr()? {
-            return Err(Error::EndpointNotListening);
-        }
+        let stream = super::net::connect_stream(addr, timeout)?;
         MuxSession::start(stream, options, timeout)
     }
 
