@@ -19,6 +19,12 @@
 //! move and pass stamps the buffer first). Under trust HALF that puts the
 //! sender's `mprotect` in its own process on the path of every step.
 //!
+//! Aggregates are drawn too: the sending process builds one of the
+//! handles it holds (two fragments of each buffer, a member kept by the
+//! sender shares its buffer, so it goes as a copy), the receiving process
+//! takes it apart into handles, and the coordinator checks its members,
+//! which were moved, and the bytes of each, as for single transfers.
+//!
 //! Operations that need another domain's handle (to provoke ForeignBuffer,
 //! or to offer a pool the domain does not know) cannot be expressed across
 //! processes: they count as inexpressible, as in the single-process
@@ -46,7 +52,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 
 use ferry::{BufferId, BufferState, ChannelState, PoolId};
-use model::gen::{pick_op, setup, use_trusts, RawStep, DOMAINS, LINKS, POOLS};
+use model::gen::{pick_op, setup, use_aggregates, use_trusts, RawStep, DOMAINS, LINKS, POOLS};
 use model::lib_map::{buffer_state, cases as model_cases, channel_state, meta_bytes, trust_level, Stats};
 use model::reference::{
     BufId, BufferState as MState, ChanId, ChannelState as MChan, DomainId, Event as MEvent, Model, Op, Outcome, Queue,
@@ -192,8 +198,25 @@ impl<'c> Harness<'c> {
         let meta = |len: usize| len as u8;
         match *op {
             Op::CreatePool { .. } | Op::Connect { .. } => unreachable!("handled by the caller"),
-            // Not drawn for the process harness (`gen::use_aggregates`).
-            Op::SendAggregate { .. } => Ok(None),
+            Op::SendAggregate { domain, chan, members, meta_len } => {
+                let members: Vec<(BufId, bool, u64)> =
+                    members.iter().flatten().map(|&(buf, share)| (buf, share, self.stamp())).collect();
+                let cmd = Cmd::SendAggregate {
+                    chan: chan as u32,
+                    members: members.iter().map(|&(buf, share, stamp)| (self.bid(buf), share, stamp)).collect(),
+                    meta_len: meta(meta_len),
+                };
+                let r = self.op(domain, cmd)?;
+                // As for a move: the process stamps each member it can write.
+                if r.is_some() {
+                    for (buf, _, stamp) in members {
+                        if before.buffer_state(buf, domain) == MState::ReadWrite {
+                            self.content.insert(buf, stamp);
+                        }
+                    }
+                }
+                Ok(r)
+            }
             Op::AssignPool { domain, chan, pool } => {
                 // A pool that does not exist has no handle to offer.
                 let Some(&id) = self.pools.get(pool) else { return Ok(None) };
@@ -260,14 +283,23 @@ impl<'c> Harness<'c> {
         }
     }
 
-    /// After the model and the library both accepted `op`: what the
-    /// coordinator tracks (contents are handled in `apply`).
-    fn accepted(&mut self, op: &Op) {
+    /// After the model and the library both accepted `op` (the model was
+    /// `before` it): what the coordinator tracks (contents are handled in
+    /// `apply`).
+    fn accepted(&mut self, op: &Op, before: &Model) {
         match *op {
             Op::Move { domain, chan, buf, .. }
             | Op::Pass { domain, chan, buf, .. }
             | Op::FullCopy { domain, chan, dst: buf, .. } => {
                 self.lent.entry((domain, chan)).or_default().insert(buf);
+            }
+            // The members the sender owned read-write and gave up were moved.
+            Op::SendAggregate { domain, chan, members, .. } => {
+                for &(buf, share) in members.iter().flatten() {
+                    if !share && before.buffer_state(buf, domain) == MState::ReadWrite {
+                        self.lent.entry((domain, chan)).or_default().insert(buf);
+                    }
+                }
             }
             _ => {}
         }
@@ -313,6 +345,26 @@ impl<'c> Harness<'c> {
             | (MEvent::PoolRemoveRequest { pool, accepted: false }, Ev::PoolRemoveRefused(id))
                 if *id == pool_of(self, pool) =>
             {
+                Ok(())
+            }
+            (MEvent::AggregateReceived { members, meta_len }, Ev::Aggregate { members: got, meta })
+                if *meta == meta_bytes(meta_len) =>
+            {
+                let want: Vec<(BufferId, bool)> =
+                    members.iter().flatten().map(|&(b, moved)| (self.bid(b), moved)).collect();
+                let seen: Vec<(BufferId, bool)> = got.iter().map(|&(b, moved, _)| (b, moved)).collect();
+                if seen != want {
+                    return mismatch(&ev);
+                }
+                for (&(buf, moved), &(_, _, content)) in members.iter().flatten().zip(got) {
+                    self.check_content(buf, content, to)?;
+                    if moved {
+                        if let Some(set) = self.lent.get_mut(&(to, chan)) {
+                            set.remove(&buf);
+                        }
+                        self.lender.insert(buf, (from, chan));
+                    }
+                }
                 Ok(())
             }
             (MEvent::TeardownReceived, Ev::Closed { by_peer: true }) => Ok(()),
@@ -459,6 +511,7 @@ impl<'c> Run<'c> {
     /// Reset the processes, create the pools and channels of `setup`.
     fn start(cl: &'c mut Cluster, batched: bool, trusts: &[u8], stats: &mut ProcStats) -> Result<Self, String> {
         use_trusts(TRUSTS);
+        use_aggregates(true);
         let fds = cl.reset()?;
         stats.max_fds = stats.max_fds.max(fds.into_iter().max().unwrap_or(0));
         let m = setup(trusts);
@@ -503,16 +556,20 @@ impl<'c> Run<'c> {
                             (Ok(Outcome::Delivered { to, event }), Ok(Some(ev))) => {
                                 stats.base.delivered += 1;
                                 let Op::Deliver { chan, .. } = op else { unreachable!() };
+                                stats.base.aggregates_delivered +=
+                                    usize::from(matches!(event, MEvent::AggregateReceived { .. }));
                                 h.take_event(&self.m, to, chan, event, ev).map_err(fail)?;
                             }
                             (Ok(Outcome::Done), Ok(None)) => {
                                 stats.base.accepted += 1;
-                                h.accepted(&op);
+                                stats.base.aggregates_sent += usize::from(matches!(op, Op::SendAggregate { .. }));
+                                h.accepted(&op, &before);
                                 let half = |chan: ChanId| self.m.channel_trust(chan) == Trust::Half;
                                 if let Op::Move { chan, .. }
                                 | Op::Pass { chan, .. }
                                 | Op::Copy { chan, .. }
-                                | Op::FullCopy { chan, .. } = op
+                                | Op::FullCopy { chan, .. }
+                                | Op::SendAggregate { chan, .. } = op
                                 {
                                     stats.half_transfers += usize::from(half(chan));
                                 }
@@ -590,6 +647,7 @@ fn suite(batched: bool, n: u32) {
     assert!(s.accepted >= 5 * n, "too few accepted operations: {stats:?}");
     assert!(s.refused >= 2 * n, "too few refusals: {stats:?}");
     assert!(s.delivered >= 5 * n, "too few deliveries: {stats:?}");
+    assert!(s.aggregates_delivered >= n / 4, "too few aggregates delivered: {stats:?}");
     if TRUSTS.contains(&Trust::Half) {
         assert!(stats.half_transfers >= n / 4, "too few transfers under trust HALF: {stats:?}");
     }

@@ -11,8 +11,8 @@ use std::os::unix::net::{SocketAddr, UnixStream};
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Allocator, BindParams, Buffer, BufferCopy, BufferId, BufferState, Channel, ChannelSetup, Direction, Domain,
-    Endpoint, Error, Event, PoolConstraints,
+    Aggregate, Allocator, BindParams, Buffer, BufferCopy, BufferId, BufferState, Channel, ChannelSetup, Direction,
+    Domain, Endpoint, Error, Event, Member, PoolConstraints,
 };
 
 use super::wire::{read_frame, write_frame, Chan, Cmd, EndReport, Ev, LibError, Reply, StateReport};
@@ -43,6 +43,24 @@ pub fn serve(addr: &str, d: u32) {
         let reply = server.handle(cmd);
         if write_frame(&mut sock, &reply.encode()).is_err() {
             return;
+        }
+    }
+}
+
+/// Where a handle put into an aggregate came from: an owned buffer (and
+/// whether the sender keeps it), or a copy held via a channel (always kept:
+/// forwarding a copy does not give it up).
+#[derive(Debug, Clone, Copy)]
+enum Origin {
+    Owned(BufferId, bool),
+    Copy((BufferId, Chan)),
+}
+
+impl Origin {
+    fn kept(self) -> bool {
+        match self {
+            Origin::Owned(_, keep) => keep,
+            Origin::Copy(_) => true,
         }
     }
 }
@@ -165,6 +183,7 @@ impl Server {
             Cmd::Copy { chan, buf, meta_len } => self.copy(chan, buf, meta_len),
             Cmd::Release { chan, buf } => self.release(chan, buf),
             Cmd::FullCopy { chan, src, dst, meta_len } => self.full_copy(chan, src, dst, meta_len),
+            Cmd::SendAggregate { chan, members, meta_len } => self.send_aggregate(chan, &members, meta_len),
             Cmd::Deliver { chan, wait_ms } => self.deliver(chan, wait_ms),
             Cmd::State { bufs, pools } => Reply::State(self.state(&bufs, &pools)),
             Cmd::AllocFree { pool, stamp } => {
@@ -293,6 +312,96 @@ impl Server {
         }
     }
 
+    /// `send_aggregate` as the single-process harness does it: per member
+    /// the owned handle (stamped first when writable), else a copy held;
+    /// two fragments of each buffer, interleaved. A member the sender keeps
+    /// (`share`, a copy, or an owned buffer not read-write here) keeps a
+    /// clone of its piece, so the aggregate is not its only reference, and
+    /// its handle comes back after the send; a refused aggregate comes back
+    /// whole and every handle goes back where it was.
+    fn send_aggregate(&mut self, chan: Chan, members: &[(BufferId, bool, u64)], meta_len: u8) -> Reply {
+        if !self.ends.contains_key(&chan) {
+            return self.no_end(chan);
+        }
+        // Every handle first, so that nothing is written when one is
+        // missing; a member listed twice has no second handle.
+        let missing =
+            |&(buf, _, _): &(BufferId, bool, u64)| !self.owned.contains_key(&buf) && self.held_key(buf, None).is_none();
+        let twice = members.iter().enumerate().any(|(i, m)| members[..i].iter().any(|x| x.0 == m.0));
+        if twice || members.iter().any(missing) {
+            return Reply::NoHandle;
+        }
+        let mut origins = Vec::with_capacity(members.len());
+        let mut pieces = Vec::with_capacity(members.len());
+        for &(buf, share, stamp) in members {
+            if let Some(mut b) = self.owned.remove(&buf) {
+                let keep = share || self.domain.buffer_state(buf) != BufferState::ReadWrite;
+                if let Ok(s) = b.as_mut_slice() {
+                    s[..8].copy_from_slice(&stamp.to_le_bytes());
+                }
+                origins.push(Origin::Owned(buf, keep));
+                pieces.push(Aggregate::from(b));
+            } else {
+                let key = self.held_key(buf, None).expect("checked above");
+                let c = self.copies.get_mut(&key).and_then(Vec::pop).expect("non-empty");
+                origins.push(Origin::Copy(key));
+                pieces.push(Aggregate::from(c));
+            }
+        }
+        let kept: Vec<Option<Aggregate>> =
+            origins.iter().zip(&pieces).map(|(o, p)| o.kept().then(|| p.clone())).collect();
+        let mut msg = Aggregate::new();
+        for range in [0..100, 200..300] {
+            for p in &pieces {
+                msg.append(p.slice(range.clone()).expect("inside a buffer"));
+            }
+        }
+        drop(pieces);
+        let meta = meta_bytes(usize::from(meta_len));
+        let end = self.ends.get_mut(&chan).expect("checked");
+        match end.ch.send_aggregate(msg, &meta) {
+            Ok(()) => {
+                let (origins, pieces): (Vec<Origin>, Vec<Aggregate>) =
+                    origins.into_iter().zip(kept).filter_map(|(o, k)| k.map(|k| (o, k))).unzip();
+                self.put_back(&origins, pieces);
+                Reply::Op(Ok(()))
+            }
+            Err(refused) => {
+                let e = lib_err(&refused.error);
+                drop(kept);
+                match refused.into_inner().into_members() {
+                    Ok(members) => {
+                        let pieces = members
+                            .into_iter()
+                            .map(|m| match m {
+                                Member::Buffer(b) => Aggregate::from(b),
+                                Member::Copy(c) => Aggregate::from(c),
+                            })
+                            .collect();
+                        self.put_back(&origins, pieces);
+                        Reply::Op(Err(e))
+                    }
+                    Err(a) => Reply::Failed(format!("d{}: a refused aggregate came back shared: {a:?}", self.d)),
+                }
+            }
+        }
+    }
+
+    /// Return the handles in `pieces` (one buffer each) to where `origins`
+    /// say they came from.
+    fn put_back(&mut self, origins: &[Origin], pieces: Vec<Aggregate>) {
+        for (o, p) in origins.iter().zip(pieces) {
+            let mut m = p.into_members().expect("the only reference");
+            match (o, m.pop()) {
+                (Origin::Owned(buf, _), Some(Member::Buffer(b))) => {
+                    self.owned.insert(*buf, b);
+                }
+                (Origin::Copy(key), Some(Member::Copy(c))) => self.copies.entry(*key).or_default().push(c),
+                (o, m) => panic!("d{}: {o:?} came back as {m:?}", self.d),
+            }
+        }
+    }
+
     fn deliver(&mut self, chan: Chan, wait_ms: u32) -> Reply {
         let Some(end) = self.ends.get_mut(&chan) else { return self.no_end(chan) };
         let t = Instant::now();
@@ -332,8 +441,27 @@ impl Server {
             Event::Error(e) => Ev::Error { peer_gone: e == Error::PeerGone, text: format!("{e:?}") },
             // The model's pools stay far below the channel's limits.
             Event::PoolOfferRefused { reason, .. } => Ev::Error { peer_gone: false, text: format!("{reason:?}") },
-            // The process model sends no aggregates.
-            Event::Aggregate { .. } => Ev::Error { peer_gone: false, text: "unexpected aggregate".into() },
+            Event::Aggregate { agg, meta } => match agg.into_members() {
+                Ok(got) => {
+                    let members = got
+                        .into_iter()
+                        .map(|m| match m {
+                            Member::Buffer(b) => {
+                                let (buf, content) = (b.id(), first8(&b));
+                                self.owned.insert(buf, b);
+                                (buf, true, content)
+                            }
+                            Member::Copy(c) => {
+                                let (buf, content) = (c.id(), first8(&c));
+                                self.copies.entry((buf, chan)).or_default().push(c);
+                                (buf, false, content)
+                            }
+                        })
+                        .collect();
+                    Ev::Aggregate { members, meta: meta.to_vec() }
+                }
+                Err(a) => Ev::Error { peer_gone: false, text: format!("received {a:?} shares its buffers") },
+            },
         }
     }
 

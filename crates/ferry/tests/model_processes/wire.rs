@@ -64,6 +64,11 @@ pub enum Cmd {
     Batching { chan: Chan },
     /// `flush` the end of `chan`.
     Flush { chan: Chan },
+    /// `send_aggregate` of the handles held for `members` (buffer, whether
+    /// the sender keeps a reference, the stamp written into it first when
+    /// it is writable), two fragments of each, interleaved (none held for
+    /// some member: [`Reply::NoHandle`], nothing written).
+    SendAggregate { chan: Chan, members: Vec<(BufferId, bool, u64)>, meta_len: u8 },
 }
 
 /// An error the library returned, as the model names it (if it does).
@@ -104,6 +109,10 @@ pub enum Ev {
     Bound,
     /// `Error`; `peer_gone`: it is `Error::PeerGone`.
     Error { peer_gone: bool, text: String },
+    /// `Aggregate`, taken apart into handles: per member in the order of its
+    /// first fragment, the buffer, whether it was moved (an owned handle,
+    /// else a copy) and its first 8 bytes as the receiver reads them.
+    Aggregate { members: Vec<(BufferId, bool, u64)>, meta: Vec<u8> },
 }
 
 /// One channel end in a [`StateReport`].
@@ -245,6 +254,14 @@ impl Enc {
             None => self.u8(0),
         }
     }
+    /// Aggregate members: buffer, flag, first 8 bytes.
+    fn members(&mut self, v: &[(BufferId, bool, u64)]) -> &mut Self {
+        self.u32(v.len() as u32);
+        for &(b, flag, word) in v {
+            self.buf(b).bool(flag).u64(word);
+        }
+        self
+    }
 }
 
 /// A body being read.
@@ -300,6 +317,9 @@ impl<'a> Dec<'a> {
         let n = self.u32()?;
         (0..n).map(|_| item(self)).collect()
     }
+    fn members(&mut self) -> DResult<Vec<(BufferId, bool, u64)>> {
+        self.list(|d| Ok((d.buf()?, d.bool()?, d.u64()?)))
+    }
     fn end(&self) -> DResult<()> {
         if self.at == self.b.len() {
             Ok(())
@@ -343,6 +363,7 @@ impl Cmd {
             Cmd::AllocFree { pool, stamp } => e.u8(16).pool(*pool).u64(*stamp),
             Cmd::Batching { chan } => e.u8(17).u32(*chan),
             Cmd::Flush { chan } => e.u8(18).u32(*chan),
+            Cmd::SendAggregate { chan, members, meta_len } => e.u8(19).u32(*chan).u8(*meta_len).members(members),
         };
         e.0
     }
@@ -370,6 +391,7 @@ impl Cmd {
             16 => Cmd::AllocFree { pool: d.pool()?, stamp: d.u64()? },
             17 => Cmd::Batching { chan: d.u32()? },
             18 => Cmd::Flush { chan: d.u32()? },
+            19 => Cmd::SendAggregate { chan: d.u32()?, meta_len: d.u8()?, members: d.members()? },
             t => return Err(format!("unknown command tag {t}")),
         };
         d.end()?;
@@ -393,6 +415,7 @@ impl Ev {
             Ev::BindRequest => e.u8(10),
             Ev::Bound => e.u8(11),
             Ev::Error { peer_gone, text } => e.u8(12).bool(*peer_gone).str(text),
+            Ev::Aggregate { members, meta } => e.u8(13).bytes(meta).members(members),
         };
     }
 
@@ -411,6 +434,7 @@ impl Ev {
             10 => Ev::BindRequest,
             11 => Ev::Bound,
             12 => Ev::Error { peer_gone: d.bool()?, text: d.str()? },
+            13 => Ev::Aggregate { meta: d.bytes()?, members: d.members()? },
             t => return Err(format!("unknown event tag {t}")),
         })
     }
