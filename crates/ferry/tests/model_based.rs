@@ -49,7 +49,10 @@ use ferry::{
 use model::gen::{
     pick_step, setup_links, use_aggregates, use_trusts, RawStep, Step, DOMAINS, LINKS, META, MIXED_LINKS, POOLS,
 };
-use model::lib_map::{buffer_state, cases as model_cases, channel_state, meta_bytes, reject_of, trust_level, Stats};
+use model::lib_map::{
+    buffer_state, cases as model_cases, channel_state, harness_aggregate, meta_bytes, pieces_of_refused, reject_of,
+    trust_level, Stats,
+};
 use model::reference::{
     initial_seed, BufId, BufferState as MState, ChanId, DomainId, Event as MEvent, Model, Op, Outcome, Queue, Reject,
     Trust,
@@ -879,15 +882,8 @@ impl<B: Backend> Harness<B> {
             origins.push(origin);
             pieces.push(piece);
         }
-        let kept: Vec<Option<Aggregate>> =
-            origins.iter().zip(&pieces).map(|(o, p)| o.kept().then(|| p.clone())).collect();
-        let mut msg = Aggregate::new();
-        for range in [0..100, 200..300] {
-            for p in &pieces {
-                msg.append(p.slice(range.clone()).expect("inside a buffer"));
-            }
-        }
-        drop(pieces);
+        let keep: Vec<bool> = origins.iter().map(Origin::kept).collect();
+        let (msg, kept) = harness_aggregate(pieces, &keep);
         let meta = meta_bytes(meta_len);
         match self.end(chan, domain).send_aggregate(msg, &meta) {
             Ok(()) => {
@@ -900,15 +896,7 @@ impl<B: Backend> Harness<B> {
             Err(refused) => {
                 let e = refused.error.clone();
                 drop(kept);
-                let members = refused.into_inner().into_members().expect("a refused aggregate comes back whole");
-                let pieces = members
-                    .into_iter()
-                    .map(|m| match m {
-                        Member::Buffer(b) => Aggregate::from(b),
-                        Member::Copy(c) => Aggregate::from(c),
-                    })
-                    .collect();
-                self.put_back(domain, &origins, pieces);
+                self.put_back(domain, &origins, pieces_of_refused(refused.into_inner()));
                 Some(Err(e))
             }
         }

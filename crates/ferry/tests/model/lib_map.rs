@@ -4,7 +4,7 @@
 //! that show a suite did not pass vacuously. Unlike `reference.rs`, this
 //! file uses the `ferry` crate.
 
-use ferry::{BufferState, ChannelState, Error, TrustLevel};
+use ferry::{Aggregate, BufferState, ChannelState, Error, Member, TrustLevel};
 
 use super::reference::{BufferState as MState, ChannelState as MChan, Reject, Trust};
 
@@ -105,4 +105,34 @@ pub struct Stats {
     pub held_split: usize,
     /// Received aggregates taken apart into handles.
     pub held_taken_apart: usize,
+}
+
+/// The aggregate a harness sends for single-buffer `pieces`: two fragments
+/// of each buffer (bytes 0..100, then 200..300), interleaved, so members
+/// appear in the order of `pieces` and each buffer twice. Beside it, a
+/// clone of each piece whose sender keeps a reference (`kept`): the
+/// aggregate is then not the buffer's only reference, so it goes as a copy,
+/// and the clone gives the handle back after the send.
+pub fn harness_aggregate(pieces: Vec<Aggregate>, kept: &[bool]) -> (Aggregate, Vec<Option<Aggregate>>) {
+    let keep = pieces.iter().zip(kept).map(|(p, &k)| k.then(|| p.clone())).collect();
+    let mut msg = Aggregate::new();
+    for range in [0..100, 200..300] {
+        for p in &pieces {
+            msg.append(p.slice(range.clone()).expect("inside a buffer"));
+        }
+    }
+    (msg, keep)
+}
+
+/// The pieces of a refused aggregate (which comes back whole): one
+/// single-buffer aggregate per member, in the order of the members.
+pub fn pieces_of_refused(agg: Aggregate) -> Vec<Aggregate> {
+    agg.into_members()
+        .expect("a refused aggregate comes back whole")
+        .into_iter()
+        .map(|m| match m {
+            Member::Buffer(b) => Aggregate::from(b),
+            Member::Copy(c) => Aggregate::from(c),
+        })
+        .collect()
 }

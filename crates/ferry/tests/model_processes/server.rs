@@ -17,7 +17,7 @@ use ferry::{
 
 use super::wire::{read_frame, write_frame, Chan, Cmd, EndReport, Ev, LibError, Reply, StateReport};
 use crate::model::gen::META;
-use crate::model::lib_map::{meta_bytes, reject_of};
+use crate::model::lib_map::{harness_aggregate, meta_bytes, pieces_of_refused, reject_of};
 
 /// A domain process with no command for this long ends itself.
 const IDLE: Duration = Duration::from_secs(120);
@@ -348,15 +348,8 @@ impl Server {
                 pieces.push(Aggregate::from(c));
             }
         }
-        let kept: Vec<Option<Aggregate>> =
-            origins.iter().zip(&pieces).map(|(o, p)| o.kept().then(|| p.clone())).collect();
-        let mut msg = Aggregate::new();
-        for range in [0..100, 200..300] {
-            for p in &pieces {
-                msg.append(p.slice(range.clone()).expect("inside a buffer"));
-            }
-        }
-        drop(pieces);
+        let keep: Vec<bool> = origins.iter().map(|o| o.kept()).collect();
+        let (msg, kept) = harness_aggregate(pieces, &keep);
         let meta = meta_bytes(usize::from(meta_len));
         let end = self.ends.get_mut(&chan).expect("checked");
         match end.ch.send_aggregate(msg, &meta) {
@@ -369,20 +362,8 @@ impl Server {
             Err(refused) => {
                 let e = lib_err(&refused.error);
                 drop(kept);
-                match refused.into_inner().into_members() {
-                    Ok(members) => {
-                        let pieces = members
-                            .into_iter()
-                            .map(|m| match m {
-                                Member::Buffer(b) => Aggregate::from(b),
-                                Member::Copy(c) => Aggregate::from(c),
-                            })
-                            .collect();
-                        self.put_back(&origins, pieces);
-                        Reply::Op(Err(e))
-                    }
-                    Err(a) => Reply::Failed(format!("d{}: a refused aggregate came back shared: {a:?}", self.d)),
-                }
+                self.put_back(&origins, pieces_of_refused(refused.into_inner()));
+                Reply::Op(Err(e))
             }
         }
     }
