@@ -45,9 +45,14 @@
 //! the connection's buffer; after a write large enough to land in the
 //! store, it looks at what waits (`MSG_PEEK`) before taking it, so that
 //! the next such write can land too (a write seen waiting has its header
-//! and payload taken in one receive). It holds the replies of reads and
-//! writes until no request waits, then sends them in one `writev`, the
-//! reads' data from consecutive parts of the connection's buffer.
+//! and payload taken in one receive). It holds the replies of reads,
+//! writes and the other requests answered without data until no request
+//! waits, or until it has to wait for the rest of one (a payload still on
+//! its way), then sends them in one `writev`, the reads' data from
+//! consecutive parts of the connection's buffer: a client finds several
+//! replies in one segment, and no reply waits for a request that has not
+//! arrived. Replies still queued when the client shuts its side of the
+//! connection down go before the server closes it.
 
 use std::fmt;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
@@ -598,7 +603,14 @@ fn serve_socket<S: Read + Write>(
     };
     let end = session.handshake().and_then(|()| {
         session.summary.transmission = true;
-        session.transmission()
+        let end = session.transmission();
+        if end.is_err() {
+            // The replies still queued: a client that has shut down its
+            // side of the connection (or sent something the server cannot
+            // serve) reads them before the end.
+            let _ = session.flush_replies();
+        }
+        end
     });
     let mut summary = session.summary;
     summary.structured = session.structured;
@@ -1081,6 +1093,8 @@ impl<S: Read + Write> Session<'_, S> {
                     End::Hard(why) => io::Error::other(why),
                     End::Soft(why) => io::Error::other(why),
                 })?;
+                // Its payload may still be on its way: the replies go first.
+                self.flush_replies()?;
                 let mut head = [0u8; 28];
                 let (_, buf) = self.buffer.as_mut().expect("made just now");
                 let mem = buf.as_mut_slice().map_err(|e| io::Error::other(e.to_string()))?;
@@ -1136,8 +1150,10 @@ impl<S: Read + Write> Session<'_, S> {
                 None => return Ok(None),
             }
         }
-        // A header cut short: the rest of it is on its way.
+        // A header cut short: the rest of it is on its way (the replies
+        // go before the server waits for it).
         if self.in_end - self.in_at < 28 {
+            self.flush_replies()?;
             self.inbuf.copy_within(self.in_at..self.in_end, 0);
             self.in_end -= self.in_at;
             self.in_at = 0;
@@ -1161,7 +1177,10 @@ impl<S: Read + Write> Session<'_, S> {
         // The payload: what was received ahead, then the rest from the
         // stream. One larger than the connection's buffer is taken and
         // dropped here (the write is answered with an error).
-        if self.cursor > 0 {
+        if self.cursor > 0 || self.in_end - self.in_at < len {
+            // Read replies have their data where the payload goes; and a
+            // payload not all received ahead may still be on its way: the
+            // queued replies go before the server waits for it.
             self.flush_replies()?;
         }
         self.buffer().map_err(|e| match e {
@@ -1196,7 +1215,9 @@ impl<S: Read + Write> Session<'_, S> {
     /// may see part of the new bytes, as NBD allows for overlapping
     /// requests in flight.)
     fn land_write(&mut self, head: &[u8; 28]) -> io::Result<Option<[u8; 28]>> {
-        let Some(socket) = &self.socket else { return Ok(None) };
+        if self.socket.is_none() {
+            return Ok(None);
+        }
         let flags = u16::from_be_bytes(head[4..6].try_into().expect("2 bytes"));
         let offset = u64::from_be_bytes(head[16..24].try_into().expect("8 bytes"));
         let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes")) as usize;
@@ -1215,6 +1236,7 @@ impl<S: Read + Write> Session<'_, S> {
         while have < 28 + len {
             let done = have.saturating_sub(28);
             let mut taken = None;
+            let socket = self.socket.as_ref().expect("checked above");
             let landed = store.write_direct(offset + done as u64, len - done, &mut |parts| {
                 let mut all: Vec<IoSliceMut<'_>> = Vec::with_capacity(parts.len() + 1);
                 if have < 28 {
@@ -1232,7 +1254,11 @@ impl<S: Read + Write> Session<'_, S> {
             match taken {
                 Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Some(n) => have += n,
-                None => socket.wait_readable(),
+                None => {
+                    // The replies go before the server waits for more.
+                    self.flush_replies()?;
+                    self.socket.as_ref().expect("checked above").wait_readable();
+                }
             }
         }
         self.summary.landed_bytes += len as u64;
@@ -1355,9 +1381,23 @@ impl<S: Read + Write> Session<'_, S> {
     /// Success without data, for any request but a read: a simple reply
     /// even where structured replies were negotiated (the protocol allows
     /// it for replies without data), so the client takes 16 bytes instead
-    /// of a 20-byte chunk header it reads in two parts.
+    /// of a 20-byte chunk header it reads in two parts. It is queued with
+    /// the replies of reads and writes (the request is done: a flush's
+    /// data is on stable storage) and leaves with them.
     fn done(&mut self, handle: u64) -> io::Result<()> {
-        self.simple(handle, 0, &[])
+        self.queue_done(handle);
+        if self.replies.len() >= MAX_QUEUED_REPLIES {
+            self.flush_replies()?;
+        }
+        Ok(())
+    }
+
+    /// Queue the simple reply of a success without data.
+    fn queue_done(&mut self, handle: u64) {
+        let mut head = [0u8; 28];
+        head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+        head[8..16].copy_from_slice(&handle.to_be_bytes());
+        self.replies.push((head, 16, 0, 0));
     }
 
     fn read(&mut self, req: Request) -> Step<()> {
@@ -1493,6 +1533,10 @@ impl<S: Read + Write> Session<'_, S> {
         // The payload is read in any case: what follows it is the next request.
         self.buffer()?;
         let payload_read = std::mem::take(&mut self.payload_read);
+        if !payload_read {
+            // It may still be on its way: the queued replies go first.
+            self.flush_replies()?;
+        }
         let landed = std::mem::take(&mut self.landed);
         let Session { stream, buffer, .. } = self;
         let (_, buf) = buffer.as_mut().expect("made just now");
@@ -1537,10 +1581,7 @@ impl<S: Read + Write> Session<'_, S> {
         self.summary.write_bytes += len as u64;
         // The reply waits for the replies that follow, like a read's; a
         // simple one, as for every success without data (see `done`).
-        let mut head = [0u8; 28];
-        head[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
-        head[8..16].copy_from_slice(&req.handle.to_be_bytes());
-        self.replies.push((head, 16, 0, 0));
+        self.queue_done(req.handle);
         // Large writes are answered at once, so the client can send the
         // next while this one's reply would otherwise wait.
         self.written += len;

@@ -744,3 +744,126 @@ fn slow_clients_hold_no_part_of_the_store() {
         assert!(got == was || got == now, "read {i} is the data before or after the write");
     }
 }
+
+/// Data segments the kernel has received on `s` so far
+/// (`tcpi_data_segs_in` of `TCP_INFO`): how many sends of the server's
+/// reached this socket, over loopback where every send the server makes
+/// with `TCP_NODELAY` leaves as a segment of its own.
+fn data_segments_in(s: &TcpStream) -> u32 {
+    use std::os::fd::AsRawFd;
+    // SAFETY: all-zero bytes are a valid `tcp_info` (integers only).
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` and `len` are valid for writes for the duration of
+    // the call, and `len` holds the size of `info`.
+    let rc =
+        unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_INFO, (&raw mut info).cast(), &mut len) };
+    assert_eq!(rc, 0, "TCP_INFO: {}", std::io::Error::last_os_error());
+    info.tcpi_data_segs_in
+}
+
+/// Replies without data (trim, write-zeroes, cache, flush) to requests
+/// that arrive together leave together, like the replies of reads and
+/// writes: the client finds them in a few segments, not one each.
+#[test]
+fn replies_without_data_to_pipelined_requests_leave_together() {
+    let (addr, store) = server(1 << 20);
+    store.write_at(0, &[0xffu8; 1 << 16], false).unwrap();
+    let mut c = Client::connect(&addr);
+    c.export_name();
+    // One request first, so the connection's receive-ahead buffer exists.
+    c.request(0, 3, 1000, 0, 0, b"");
+    assert_eq!(c.simple(0), (0, 1000, vec![]));
+    let before = data_segments_in(&c.s);
+    let kinds = [4u16, 6, 5, 3]; // TRIM, WRITE_ZEROES, CACHE, FLUSH
+    let n = 32u64;
+    let mut all = Vec::new();
+    for i in 0..n {
+        let kind = kinds[i as usize % kinds.len()];
+        let len = if kind == 3 { 0 } else { 1024 };
+        all.extend(request_header(0, kind, i, i * 1024, len));
+    }
+    c.s.write_all(&all).expect("send the pipeline");
+    for i in 0..n {
+        assert_eq!(c.simple(0), (0, i, vec![]), "reply {i}");
+    }
+    let segments = data_segments_in(&c.s) - before;
+    assert!(segments <= n as u32 / 4, "{n} replies came in {segments} segments");
+    let mut back = vec![0u8; 1 << 16];
+    store.read_at(0, &mut back).unwrap();
+    for i in 0..n as usize {
+        let want = if kinds[i % kinds.len()] == 4 || kinds[i % kinds.len()] == 6 { 0 } else { 0xff };
+        assert!(back[i * 1024..(i + 1) * 1024].iter().all(|&b| b == want), "range {i}");
+    }
+}
+
+/// A reply waiting to leave with the ones that follow leaves as soon as
+/// the server has to wait for the rest of a request: a client that sent a
+/// write and only part of the next one's payload gets the first one's
+/// reply — whether the next payload goes through the connection's buffer
+/// or lands in the store.
+#[test]
+fn replies_leave_before_the_server_waits_for_the_rest_of_a_payload() {
+    let (addr, _store) = server(1 << 20);
+    let mut c = Client::connect(&addr);
+    c.export_name();
+    // The reply that would wait is there within seconds, or never.
+    c.s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let whole = |handle: u64, offset: u64, len: usize| {
+        let mut m = request_header(0, 1, handle, offset, len as u32);
+        m.extend(vec![handle as u8; len]);
+        m
+    };
+    let mut handle = 0;
+    // (size of the first write, size of the second, small writes first)
+    for (first, second) in [(4096, 4096), (64 << 10, 64 << 10), (64 << 10, 4096)] {
+        // A large write alone first: after it the server looks at what
+        // waits before taking it (the path where writes land).
+        if first >= 64 << 10 {
+            handle += 1;
+            c.s.write_all(&whole(handle, 0, 64 << 10)).expect("send");
+            assert_eq!(c.simple(0), (0, handle, vec![]));
+        }
+        let mut m = whole(handle + 1, 0, first);
+        m.extend(request_header(0, 1, handle + 2, 128 << 10, second as u32));
+        m.extend(vec![0x33u8; 1000]);
+        c.s.write_all(&m).expect("send");
+        let got = {
+            let mut h = [0u8; 16];
+            c.s.read_exact(&mut h).map(|()| u64::from_be_bytes(h[8..].try_into().unwrap()))
+        };
+        assert_eq!(
+            got.ok(),
+            Some(handle + 1),
+            "the reply to a {first}-byte write waited for the rest of the next {second}-byte write"
+        );
+        c.s.write_all(&vec![0x33u8; second - 1000]).expect("send the rest");
+        assert_eq!(c.simple(0), (0, handle + 2, vec![]));
+        handle += 2;
+    }
+}
+
+/// A client that sends its requests and shuts its side of the connection
+/// down at once gets every reply before the server closes. (The requests
+/// go with the handshake's last option, so the end of the stream is
+/// there by the time the server takes them.)
+#[test]
+fn a_client_that_half_closes_gets_its_replies() {
+    let (addr, _store) = server(1 << 20);
+    let mut c = Client::connect(&addr);
+    let mut m = IHAVEOPT.to_be_bytes().to_vec();
+    m.extend_from_slice(&1u32.to_be_bytes()); // NBD_OPT_EXPORT_NAME ""
+    m.extend_from_slice(&0u32.to_be_bytes());
+    for i in 0..5u64 {
+        m.extend(request_header(0, 1, i, i * 4096, 4096));
+        m.extend(vec![i as u8; 4096]);
+    }
+    c.s.write_all(&m).expect("send");
+    c.s.shutdown(std::net::Shutdown::Write).expect("shutdown");
+    let mut export = [0u8; 10];
+    c.s.read_exact(&mut export).expect("export reply");
+    for i in 0..5u64 {
+        assert_eq!(c.simple(0), (0, i, vec![]), "reply {i}");
+    }
+    assert!(c.closed());
+}
