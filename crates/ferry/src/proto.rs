@@ -440,6 +440,8 @@ pub(crate) struct AggRun {
     used: Vec<bool>,
     /// The table's entries on the wire so far.
     wire: u32,
+    /// Those entries, as they came (repeat entries folded).
+    wire_entries: Vec<FragEntry>,
     /// The fragments they stand for (repeat entries unfolded).
     entries: Vec<FragEntry>,
     sum: u64,
@@ -463,6 +465,7 @@ impl AggRun {
             member_lens: Vec::new(),
             used: Vec::new(),
             wire: 0,
+            wire_entries: Vec::new(),
             entries: Vec::new(),
             sum: 0,
         })
@@ -511,6 +514,7 @@ impl AggRun {
             self.entries.push(*e);
         }
         self.wire += entries.len() as u32;
+        self.wire_entries.extend_from_slice(entries);
         Ok(())
     }
 
@@ -560,7 +564,10 @@ impl AggRun {
     /// The meta data and the table of a complete run, once the whole is
     /// checked: the lengths add up to the announced total, and every member
     /// is in the table.
-    pub(crate) fn finish(self) -> Result<(Meta, Vec<FragEntry>), Error> {
+    /// Also the table as it came on the wire (valid to send on with the
+    /// members in the order they came).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn finish(self) -> Result<(Meta, Vec<FragEntry>, Vec<FragEntry>), Error> {
         debug_assert!(self.is_complete());
         if self.sum != self.total {
             return Err(Error::Protocol(format!("aggregate of {} bytes announced as {} bytes", self.sum, self.total)));
@@ -568,7 +575,7 @@ impl AggRun {
         if let Some(m) = self.used.iter().position(|u| !u) {
             return Err(Error::Protocol(format!("aggregate member {m} is in no fragment")));
         }
-        Ok((self.meta, self.entries))
+        Ok((self.meta, self.entries, self.wire_entries))
     }
 }
 
@@ -651,7 +658,7 @@ pub(crate) fn decode_descriptor<'a>(
             other => return Err(Error::Protocol(format!("{other:?} interrupts an aggregate run"))),
         }
     }
-    run.finish()
+    run.finish().map(|(meta, entries, _)| (meta, entries))
 }
 
 #[cfg(test)]
