@@ -577,6 +577,29 @@ impl Aggregate {
         Ok(head)
     }
 
+    /// Make room for at least `additional` more fragments, so that
+    /// building a long aggregate piece by piece (a train of units behind
+    /// their headers) does not grow its fragment list again and again.
+    ///
+    /// ```
+    /// use ferry::{Aggregate, Allocator, Domain, PoolConstraints};
+    /// let alloc = Allocator::new(&Domain::new("d"), 2, 4096, PoolConstraints::default())?;
+    /// let mut body = Aggregate::from(alloc.alloc().unwrap());
+    /// let mut hdrs = Aggregate::from(alloc.alloc().unwrap());
+    /// let mut train = Aggregate::new();
+    /// train.reserve(2 * 4);
+    /// for _ in 0..4 {
+    ///     train.append_from(&mut hdrs, 16)?;
+    ///     train.append_from(&mut body, 1024)?;
+    /// }
+    /// assert_eq!((train.len(), train.fragments().len()), (4 * 1040, 8));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn reserve(&mut self, additional: usize) {
+        self.materialize();
+        self.frags.reserve(additional);
+    }
+
     /// Move the first `n` bytes of `src` to the end of this aggregate:
     /// `self.append(src.split_to(n)?)` without the aggregate in between (no
     /// fragment list made for it), for fragmenting and reassembling unit by

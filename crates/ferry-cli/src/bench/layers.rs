@@ -686,6 +686,7 @@ fn fragment(mut dgram: Aggregate, mut uh: Buffer, seq: u64) -> Result<Aggregate,
     }
     let mut hdrs = Aggregate::from_buffer_range(uh, 0..n * UHDR)?;
     let mut train = Aggregate::new();
+    train.reserve(2 * n);
     for _ in 0..n {
         train.append_from(&mut hdrs, UHDR)?;
         let piece = UNIT.min(dgram.len());
