@@ -135,17 +135,6 @@ impl Received {
         Fragment { held, start, end: (e.offset + e.len) as usize }
     }
 
-    /// The handle of fragment `i`'s member for a fragment of another
-    /// aggregate: moved if `i` is the member's last fragment, else shared.
-    fn take_held(&mut self, i: usize) -> Arc<Held> {
-        let m = self.entries[i].member as usize;
-        if self.last[m] == i {
-            self.members[m].take().expect("a member with fragments left is held")
-        } else {
-            Arc::clone(self.members[m].as_ref().expect("a member with fragments left is held"))
-        }
-    }
-
     /// Fragment `next` is gone: its member goes if this was its last.
     fn pass_next(&mut self) {
         let m = self.entries[self.next].member as usize;
@@ -436,7 +425,15 @@ impl Aggregate {
 
     /// A received aggregate's fragments still kept as its table put on
     /// the list (before an edit the table cannot take).
+    #[inline]
     fn materialize(&mut self) {
+        if self.rest.is_some() {
+            self.materialize_table();
+        }
+    }
+
+    #[cold]
+    fn materialize_table(&mut self) {
         let Some(r) = self.rest.take() else { return };
         let (members, entries, next, off) = (&r.members, &r.entries, r.next, r.off);
         let mut frags = Vec::with_capacity(entries.len() - next);
@@ -660,32 +657,41 @@ impl Aggregate {
     /// member.
     fn take_from_table(&mut self, r: &mut Received, n: usize) {
         let mut left = n;
+        self.len += n;
         while left > 0 {
             let i = r.next;
             let e = r.entries[i];
+            let m = e.member as usize;
             let (start, end) = (e.offset as usize + r.off, (e.offset + e.len) as usize);
             let take = left.min(end - start);
-            let whole = take == end - start;
-            let held = r.members[e.member as usize].as_ref().expect("a member with fragments left is held");
-            let merges = self.frags.back().is_some_and(|l| l.end == start && Arc::ptr_eq(&l.held, held));
-            if merges {
-                self.frags.back_mut().expect("a last fragment").end = start + take;
-                if whole {
-                    r.pass_next();
-                }
-            } else if whole {
-                let held = r.take_held(i);
-                self.frags.push_back(Frag { held, start, end });
-                r.next += 1;
-                r.off = 0;
-            } else {
-                self.frags.push_back(Frag { held: Arc::clone(held), start, end: start + take });
-            }
-            if !whole {
-                r.off += take;
-            }
-            self.len += take;
             left -= take;
+            let held = r.members[m].as_ref().expect("a member with fragments left is held");
+            let merged = match self.frags.back_mut() {
+                Some(last) if last.end == start && Arc::ptr_eq(&last.held, held) => {
+                    last.end = start + take;
+                    true
+                }
+                _ => false,
+            };
+            if take < end - start {
+                if !merged {
+                    let held = Arc::clone(held);
+                    self.frags.push_back(Frag { held, start, end: start + take });
+                }
+                r.off += take;
+                continue;
+            }
+            // Fragment `i` taken whole: its member's reference goes along
+            // (or, merged, goes) if this was the member's last fragment.
+            let last = r.last[m] == i;
+            if !merged {
+                let held = if last { r.members[m].take().expect("held") } else { Arc::clone(held) };
+                self.frags.push_back(Frag { held, start, end });
+            } else if last {
+                r.members[m] = None;
+            }
+            r.next += 1;
+            r.off = 0;
         }
     }
 
