@@ -718,6 +718,8 @@ impl Channel {
     /// smallest slots. Other tables take an entry per fragment; a channel
     /// that carries those with many fragments is best set up with a meta
     /// size of `MAX_META_SIZE` and a queue deep enough for a few runs.
+    /// An aggregate received and not edited since (a router's) goes on
+    /// with the table it came with, its fragments not walked again.
     ///
     /// ```
     /// # use std::time::Duration;
