@@ -633,13 +633,15 @@ pub(crate) fn table_messages(entries: &[FragEntry], meta_size: usize) -> impl It
 /// Decode a whole aggregate descriptor: `slots` are the header slot and
 /// the table's slots (the member slots left out), `member_lens` the sizes
 /// of the members' buffers. What the channel does slot by slot, in one
-/// function for the fuzz target and the tests.
+/// function for the fuzz target and the tests. Also gives the table as it
+/// came (what a router sends on).
 #[cfg(any(test, feature = "fuzzing"))]
+#[allow(clippy::type_complexity)]
 pub(crate) fn decode_descriptor<'a>(
     slots: impl IntoIterator<Item = &'a [u8]>,
     member_lens: &[usize],
     meta_size: usize,
-) -> Result<(Meta, Vec<FragEntry>), Error> {
+) -> Result<(Meta, Vec<FragEntry>, Vec<FragEntry>), Error> {
     let mut slots = slots.into_iter();
     let head = slots.next().ok_or_else(|| Error::Protocol("no aggregate header".into()))?;
     let mut run = match Message::decode(head, meta_size)? {
@@ -658,7 +660,7 @@ pub(crate) fn decode_descriptor<'a>(
             other => return Err(Error::Protocol(format!("{other:?} interrupts an aggregate run"))),
         }
     }
-    run.finish().map(|(meta, entries, _)| (meta, entries))
+    run.finish()
 }
 
 #[cfg(test)]
@@ -750,7 +752,7 @@ mod tests {
     }
 
     fn decode(slots: &[Vec<u8>], lens: &[usize], meta_size: usize) -> Result<(Meta, Vec<FragEntry>), Error> {
-        decode_descriptor(slots.iter().map(Vec::as_slice), lens, meta_size)
+        decode_descriptor(slots.iter().map(Vec::as_slice), lens, meta_size).map(|(meta, entries, _)| (meta, entries))
     }
 
     #[test]
