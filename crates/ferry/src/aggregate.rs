@@ -31,6 +31,7 @@ pub(crate) enum Held {
 }
 
 impl Held {
+    #[inline]
     pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             Held::Owned(b) => b,
@@ -62,6 +63,8 @@ pub(crate) struct Parts {
     pub members: Vec<Option<Arc<Held>>>,
     /// The fragments in order.
     pub entries: Vec<FragEntry>,
+    /// The table as it goes on the wire ([`fold_table`](crate::proto::fold_table)).
+    pub wire: Vec<FragEntry>,
 }
 
 impl Parts {
@@ -80,13 +83,72 @@ struct Frag {
     end: usize,
 }
 
+/// The fragments of a received aggregate, kept as the run's table over its
+/// members until an edit needs a list: a router that sends the aggregate
+/// on as it came sends this table again, and a receiver that takes the
+/// fragments off the front ([`Aggregate::append_from`],
+/// [`Aggregate::clip_front`]) takes them from the table, moving each
+/// member's reference with its last fragment, so neither makes a list of
+/// its own nor raises a reference count per fragment.
+#[derive(Clone)]
+struct Received {
+    /// The run's members, in order of their first fragment, one reference
+    /// each (`None` once their last fragment is taken).
+    members: Vec<Option<Arc<Held>>>,
+    /// The fragments (checked against the members when the run arrived:
+    /// every one inside its member, none empty).
+    entries: Vec<FragEntry>,
+    /// Index of the last fragment of each member.
+    last: Vec<usize>,
+    /// The table as it came on the wire (repeat entries folded).
+    wire: Vec<FragEntry>,
+    /// The first fragment not taken.
+    next: usize,
+    /// Bytes of fragment `next` taken off its front.
+    off: usize,
+}
+
+impl Drop for Received {
+    /// The members go as a list's fragments would take them: each with
+    /// its last fragment, in the order of those.
+    fn drop(&mut self) {
+        let mut order: Vec<usize> = (0..self.members.len()).collect();
+        order.sort_unstable_by_key(|&m| self.last[m]);
+        for m in order {
+            self.members[m] = None;
+        }
+    }
+}
+
+impl Received {
+    /// Whether nothing was taken off the front.
+    fn whole(&self) -> bool {
+        self.next == 0 && self.off == 0
+    }
+
+    /// Fragment `i` (an index into `entries`, at least `next`) as a view.
+    #[inline]
+    fn view(&self, i: usize) -> Fragment<'_> {
+        let e = &self.entries[i];
+        let held = self.members[e.member as usize].as_ref().expect("a member with fragments left is held");
+        let start = e.offset as usize + if i == self.next { self.off } else { 0 };
+        Fragment { held, start, end: (e.offset + e.len) as usize }
+    }
+
+    /// Fragment `next` is gone: its member goes if this was its last.
+    fn pass_next(&mut self) {
+        let m = self.entries[self.next].member as usize;
+        if self.last[m] == self.next {
+            self.members[m] = None;
+        }
+        self.next += 1;
+        self.off = 0;
+    }
+}
+
 impl Frag {
     fn len(&self) -> usize {
         self.end - self.start
-    }
-
-    fn bytes(&self) -> &[u8] {
-        &self.held.bytes()[self.start..self.end]
     }
 }
 
@@ -149,44 +211,102 @@ impl Frag {
 /// ```
 #[derive(Clone, Default)]
 pub struct Aggregate {
+    /// The fragments, unless `rest` holds them.
     frags: VecDeque<Frag>,
     len: usize,
+    /// A received aggregate's fragments still as its table (then `frags`
+    /// is empty; `None` once they are all taken or put on the list).
+    rest: Option<Box<Received>>,
 }
 
 /// One fragment of an [`Aggregate`]: a byte range of one buffer.
 #[derive(Clone, Copy)]
 pub struct Fragment<'a> {
-    frag: &'a Frag,
+    held: &'a Arc<Held>,
+    start: usize,
+    end: usize,
 }
 
 impl<'a> Fragment<'a> {
+    #[inline]
+    fn of(frag: &'a Frag) -> Self {
+        Fragment { held: &frag.held, start: frag.start, end: frag.end }
+    }
+
     /// The fragment's bytes, in the buffer's memory (never empty).
+    #[inline]
     pub fn bytes(&self) -> &'a [u8] {
-        self.frag.bytes()
+        let held: &'a Held = self.held;
+        &held.bytes()[self.start..self.end]
     }
 
     /// The buffer the bytes are in.
     pub fn buffer_id(&self) -> BufferId {
-        self.frag.held.id()
+        self.held.id()
     }
 
     /// The byte range of the buffer this fragment covers.
+    #[inline]
     pub fn range(&self) -> Range<usize> {
-        self.frag.start..self.frag.end
+        self.start..self.end
     }
 
     /// Whether the buffer is a read-only copy received over a channel
     /// (`false`: a buffer this domain owns, held read-only).
     pub fn is_copy(&self) -> bool {
-        matches!(*self.frag.held, Held::Copy(_))
+        matches!(**self.held, Held::Copy(_))
     }
 
     /// Whether `self` and `other` refer to the same buffer handle (one put
     /// into an aggregate once, shared since by clones and splits).
     pub fn same_buffer(&self, other: &Fragment<'_>) -> bool {
-        Arc::ptr_eq(&self.frag.held, &other.frag.held)
+        Arc::ptr_eq(self.held, other.held)
     }
 }
+
+/// The fragments of an aggregate in order ([`Aggregate::fragments`]).
+struct Fragments<'a> {
+    list: std::collections::vec_deque::Iter<'a, Frag>,
+    rest: Option<&'a Received>,
+    /// The table's fragments `front..back` not yet given.
+    front: usize,
+    back: usize,
+}
+
+impl<'a> Iterator for Fragments<'a> {
+    type Item = Fragment<'a>;
+
+    #[inline]
+    fn next(&mut self) -> Option<Fragment<'a>> {
+        if let Some(f) = self.list.next() {
+            return Some(Fragment::of(f));
+        }
+        let rest = self.rest?;
+        (self.front < self.back).then(|| {
+            self.front += 1;
+            rest.view(self.front - 1)
+        })
+    }
+
+    #[inline]
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self.list.len() + (self.back - self.front);
+        (n, Some(n))
+    }
+}
+
+impl DoubleEndedIterator for Fragments<'_> {
+    #[inline]
+    fn next_back(&mut self) -> Option<Self::Item> {
+        if let Some(rest) = self.rest.filter(|_| self.front < self.back) {
+            self.back -= 1;
+            return Some(rest.view(self.back));
+        }
+        self.list.next_back().map(Fragment::of)
+    }
+}
+
+impl ExactSizeIterator for Fragments<'_> {}
 
 impl fmt::Debug for Fragment<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -260,34 +380,75 @@ impl Aggregate {
     }
 
     /// Number of bytes in the aggregate.
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
 
     /// Whether the aggregate holds no bytes.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// The fragments in order; their bytes, one after the other, are the
     /// aggregate's bytes. No fragment is empty.
+    #[inline]
     pub fn fragments(&self) -> impl ExactSizeIterator<Item = Fragment<'_>> + DoubleEndedIterator + '_ {
-        self.frags.iter().map(|frag| Fragment { frag })
+        let rest = self.rest.as_deref();
+        Fragments {
+            list: self.frags.iter(),
+            rest,
+            front: rest.map_or(0, |r| r.next),
+            back: rest.map_or(0, |r| r.entries.len()),
+        }
+    }
+
+    /// Fragment `i` (0: the first).
+    #[inline]
+    fn frag_at(&self, i: usize) -> Option<Fragment<'_>> {
+        match self.rest.as_deref() {
+            Some(r) => (r.next + i < r.entries.len()).then(|| r.view(r.next + i)),
+            None => self.frags.get(i).map(Fragment::of),
+        }
     }
 
     /// The aggregate's bytes, copied into one vector (for small aggregates
     /// and checks; the other readers copy nothing or less).
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(self.len);
-        for f in &self.frags {
+        for f in self.fragments() {
             v.extend_from_slice(f.bytes());
         }
         v
     }
 
+    /// A received aggregate's fragments still kept as its table put on
+    /// the list (before an edit the table cannot take).
+    #[inline]
+    fn materialize(&mut self) {
+        if self.rest.is_some() {
+            self.materialize_table();
+        }
+    }
+
+    #[cold]
+    fn materialize_table(&mut self) {
+        let Some(r) = self.rest.take() else { return };
+        let (members, entries, next, off) = (&r.members, &r.entries, r.next, r.off);
+        let mut frags = Vec::with_capacity(entries.len() - next);
+        for (i, e) in entries[next..].iter().enumerate() {
+            let held = members[e.member as usize].as_ref().expect("a member with fragments left is held");
+            let start = e.offset as usize + if i == 0 { off } else { 0 };
+            frags.push(Frag { held: Arc::clone(held), start, end: (e.offset + e.len) as usize });
+        }
+        self.frags = VecDeque::from(frags);
+    }
+
     /// Put one fragment after the others, merged with the last one where
     /// the two are adjacent ranges of one buffer.
     fn push_frag(&mut self, frag: Frag) {
+        debug_assert!(self.rest.is_none());
         self.len += frag.len();
         if let Some(last) = self.frags.back_mut() {
             if Arc::ptr_eq(&last.held, &frag.held) && last.end == frag.start {
@@ -302,6 +463,16 @@ impl Aggregate {
     /// last fragment and `other`'s first are adjacent ranges of one buffer
     /// (pieces of one split, joined back), they become one fragment again.
     pub fn append(&mut self, mut other: Aggregate) {
+        if self.is_empty() {
+            // Nothing to put it after: it becomes this aggregate as it is.
+            *self = other;
+            return;
+        }
+        if other.is_empty() {
+            return;
+        }
+        self.materialize();
+        other.materialize();
         self.len += other.len;
         if let (Some(last), Some(first)) = (self.frags.back_mut(), other.frags.front()) {
             if Arc::ptr_eq(&last.held, &first.held) && last.end == first.start {
@@ -319,6 +490,15 @@ impl Aggregate {
     /// Put `other`'s bytes before this aggregate's (a header); adjacent
     /// ranges of one buffer merge as in [`append`](Aggregate::append).
     pub fn prepend(&mut self, mut other: Aggregate) {
+        if self.is_empty() {
+            *self = other;
+            return;
+        }
+        if other.is_empty() {
+            return;
+        }
+        self.materialize();
+        other.materialize();
         self.len += other.len;
         if let (Some(first), Some(last)) = (self.frags.front_mut(), other.frags.back()) {
             if Arc::ptr_eq(&first.held, &last.held) && last.end == first.start {
@@ -350,13 +530,14 @@ impl Aggregate {
             // The whole list moves: no new list, nothing walked.
             return Ok(std::mem::take(self));
         }
+        self.materialize();
         let mut pos = 0;
         let mut i = 0;
         while i < self.frags.len() && pos + self.frags[i].len() <= at {
             pos += self.frags[i].len();
             i += 1;
         }
-        let mut tail = Aggregate { frags: self.frags.split_off(i), len: self.len - at };
+        let mut tail = Aggregate { frags: self.frags.split_off(i), len: self.len - at, rest: None };
         if at > pos {
             // `at` falls inside the tail's first fragment: split it in two.
             let front = tail.frags.front_mut().expect("at < len, so the tail has a fragment");
@@ -393,6 +574,29 @@ impl Aggregate {
         Ok(head)
     }
 
+    /// Make room for at least `additional` more fragments, so that
+    /// building a long aggregate piece by piece (a train of units behind
+    /// their headers) does not grow its fragment list again and again.
+    ///
+    /// ```
+    /// use ferry::{Aggregate, Allocator, Domain, PoolConstraints};
+    /// let alloc = Allocator::new(&Domain::new("d"), 2, 4096, PoolConstraints::default())?;
+    /// let mut body = Aggregate::from(alloc.alloc().unwrap());
+    /// let mut hdrs = Aggregate::from(alloc.alloc().unwrap());
+    /// let mut train = Aggregate::new();
+    /// train.reserve(2 * 4);
+    /// for _ in 0..4 {
+    ///     train.append_from(&mut hdrs, 16)?;
+    ///     train.append_from(&mut body, 1024)?;
+    /// }
+    /// assert_eq!((train.len(), train.fragments().len()), (4 * 1040, 8));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn reserve(&mut self, additional: usize) {
+        self.materialize();
+        self.frags.reserve(additional);
+    }
+
     /// Move the first `n` bytes of `src` to the end of this aggregate:
     /// `self.append(src.split_to(n)?)` without the aggregate in between (no
     /// fragment list made for it), for fragmenting and reassembling unit by
@@ -421,7 +625,12 @@ impl Aggregate {
             self.append(std::mem::take(src));
             return Ok(());
         }
+        self.materialize();
         src.len -= n;
+        if let Some(r) = src.rest.as_deref_mut() {
+            self.take_from_table(r, n);
+            return Ok(());
+        }
         let mut left = n;
         while left > 0 {
             let front = src.frags.front_mut().expect("n < len, so a fragment is left");
@@ -438,6 +647,52 @@ impl Aggregate {
             }
         }
         Ok(())
+    }
+
+    /// Move the first `n` bytes of a received table (fewer than it has)
+    /// to the end of this aggregate: a piece that continues the last
+    /// fragment extends it, and a fragment taken whole takes its member's
+    /// reference along if it is the member's last, so the reference
+    /// counts change only for fragments that neither merge nor end their
+    /// member.
+    fn take_from_table(&mut self, r: &mut Received, n: usize) {
+        let mut left = n;
+        self.len += n;
+        while left > 0 {
+            let i = r.next;
+            let e = r.entries[i];
+            let m = e.member as usize;
+            let (start, end) = (e.offset as usize + r.off, (e.offset + e.len) as usize);
+            let take = left.min(end - start);
+            left -= take;
+            let held = r.members[m].as_ref().expect("a member with fragments left is held");
+            let merged = match self.frags.back_mut() {
+                Some(last) if last.end == start && Arc::ptr_eq(&last.held, held) => {
+                    last.end = start + take;
+                    true
+                }
+                _ => false,
+            };
+            if take < end - start {
+                if !merged {
+                    let held = Arc::clone(held);
+                    self.frags.push_back(Frag { held, start, end: start + take });
+                }
+                r.off += take;
+                continue;
+            }
+            // Fragment `i` taken whole: its member's reference goes along
+            // (or, merged, goes) if this was the member's last fragment.
+            let last = r.last[m] == i;
+            if !merged {
+                let held = if last { r.members[m].take().expect("held") } else { Arc::clone(held) };
+                self.frags.push_back(Frag { held, start, end });
+            } else if last {
+                r.members[m] = None;
+            }
+            r.next += 1;
+            r.off = 0;
+        }
     }
 
     /// The first `offset` bytes and the rest, sharing this aggregate's
@@ -476,6 +731,22 @@ impl Aggregate {
     pub fn clip_front(&mut self, n: usize) {
         let mut n = n.min(self.len);
         self.len -= n;
+        if let Some(r) = self.rest.as_deref_mut() {
+            while n > 0 {
+                let left = r.entries[r.next].len as usize - r.off;
+                if left <= n {
+                    n -= left;
+                    r.pass_next();
+                } else {
+                    r.off += n;
+                    n = 0;
+                }
+            }
+            if self.len == 0 {
+                self.rest = None;
+            }
+            return;
+        }
         while n > 0 {
             let front = self.frags.front_mut().expect("n <= len");
             if front.len() <= n {
@@ -490,6 +761,7 @@ impl Aggregate {
 
     /// Drop the last `n` bytes (all of them if `n` is larger).
     pub fn clip_back(&mut self, n: usize) {
+        self.materialize();
         let mut n = n.min(self.len);
         self.len -= n;
         while n > 0 {
@@ -551,7 +823,8 @@ impl Aggregate {
     /// buf.as_mut_slice()?[0] = b'x'; // ours to write again
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn into_members(self) -> Result<Vec<Member>, Aggregate> {
+    pub fn into_members(mut self) -> Result<Vec<Member>, Aggregate> {
+        self.materialize();
         let (members, entries) = self.distinct();
         let mut refs = vec![0usize; members.len()];
         for e in &entries {
@@ -577,6 +850,7 @@ impl Aggregate {
     /// and the fragment table, without taking the aggregate apart: for the
     /// checks before a send.
     pub(crate) fn distinct(&self) -> (Vec<&Arc<Held>>, Vec<FragEntry>) {
+        debug_assert!(self.rest.is_none(), "a list, not a received table");
         let mut members: Vec<&Arc<Held>> = Vec::new();
         let mut entries = Vec::with_capacity(self.frags.len());
         // The members of the last two fragments, tried first: headers
@@ -609,19 +883,52 @@ impl Aggregate {
 
     /// Take the aggregate apart: afterwards each member's reference count
     /// counts this aggregate once (and every other aggregate or clone that
-    /// shares the buffer).
-    pub(crate) fn into_parts(self) -> Parts {
+    /// shares the buffer). The parts' `wire` is left empty.
+    pub(crate) fn into_parts(mut self) -> Parts {
+        if self.received_members().is_some() {
+            return self.into_parts_with(0, None);
+        }
+        self.materialize();
         let (members, entries) = self.distinct();
         let n = members.len();
-        self.into_parts_with(n, entries)
+        self.into_parts_with(n, Some((entries, Vec::new())))
+    }
+
+    /// Made ready for [`received_members`](Aggregate::received_members)
+    /// or [`distinct`](Aggregate::distinct): a received table taken from
+    /// (not whole any more) is put on the list.
+    pub(crate) fn settle(&mut self) {
+        if !self.rest.as_ref().is_some_and(|r| r.whole()) {
+            self.materialize();
+        }
+    }
+
+    /// The members of an aggregate received and not edited since, in the
+    /// order of their first fragment (`None` for any other aggregate).
+    pub(crate) fn received_members(&self) -> Option<Vec<&Arc<Held>>> {
+        let r = self.rest.as_deref().filter(|r| r.whole())?;
+        Some(r.members.iter().map(|m| m.as_ref().expect("a whole table holds every member")).collect())
+    }
+
+    /// The fragments and the entries on the wire of an aggregate received
+    /// and not edited since.
+    pub(crate) fn received_counts(&self) -> Option<(usize, usize)> {
+        self.rest.as_deref().filter(|r| r.whole()).map(|r| (r.entries.len(), r.wire.len()))
     }
 
     /// [`into_parts`](Aggregate::into_parts) with the table
     /// [`distinct`](Aggregate::distinct) made (`members` distinct buffers,
-    /// `entries` one per fragment): the table is not made again, and each
-    /// member keeps the reference of its first fragment, so no reference
-    /// count is raised.
-    pub(crate) fn into_parts_with(self, members: usize, entries: Vec<FragEntry>) -> Parts {
+    /// `table` one entry per fragment and the table on the wire): the
+    /// table is not made again, and each member keeps the reference of
+    /// its first fragment, so no reference count is raised. An aggregate
+    /// received and not edited since (`table` is `None`) gives the table
+    /// it came with.
+    pub(crate) fn into_parts_with(self, members: usize, table: Option<(Vec<FragEntry>, Vec<FragEntry>)>) -> Parts {
+        let Some((entries, wire)) = table else {
+            let mut r = self.rest.filter(|r| r.whole()).expect("a received table, whole");
+            use std::mem::take;
+            return Parts { members: take(&mut r.members), entries: take(&mut r.entries), wire: take(&mut r.wire) };
+        };
         debug_assert_eq!(entries.len(), self.frags.len());
         let mut held: Vec<Option<Arc<Held>>> = vec![None; members];
         for (f, e) in self.frags.into_iter().zip(&entries) {
@@ -630,15 +937,40 @@ impl Aggregate {
                 *slot = Some(f.held);
             }
         }
-        Parts { members: held, entries }
+        Parts { members: held, entries, wire }
     }
 
     /// The aggregate a received run describes: `members` in the order
     /// they arrived, `entries` checked against them
-    /// ([`AggRun`](crate::proto::AggRun) did).
-    pub(crate) fn from_received(members: Vec<Held>, entries: &[FragEntry]) -> Aggregate {
+    /// ([`AggRun`](crate::proto::AggRun) did), `wire` the table as it came.
+    /// Kept as that table (no list, no reference per fragment) unless the
+    /// members are not in the order of their first fragment or two
+    /// fragments in a row are adjacent bytes of one buffer (which a list
+    /// holds as one fragment): then made a list at once.
+    pub(crate) fn from_received(members: Vec<Held>, entries: Vec<FragEntry>, wire: Vec<FragEntry>) -> Aggregate {
         let members: Vec<Option<Arc<Held>>> = members.into_iter().map(|h| Some(Arc::new(h))).collect();
-        Aggregate::from_table(&members, entries)
+        let mut last = vec![0usize; members.len()];
+        let (mut seen, mut len) = (0, 0);
+        let mut plain = !entries.is_empty();
+        for (i, e) in entries.iter().enumerate() {
+            let m = e.member as usize;
+            let joins = i > 0 && {
+                let p = &entries[i - 1];
+                p.member == e.member && p.offset + p.len == e.offset
+            };
+            if m > seen || joins {
+                plain = false;
+                break;
+            }
+            seen += usize::from(m == seen);
+            last[m] = i;
+            len += e.len as usize;
+        }
+        if !plain || seen != members.len() {
+            return Aggregate::from_table(&members, &entries);
+        }
+        let rest = Received { members, entries, last, wire, next: 0, off: 0 };
+        Aggregate { frags: VecDeque::new(), len, rest: Some(Box::new(rest)) }
     }
 
     /// The fragments `entries` of the `members` still present (entries
@@ -663,7 +995,7 @@ impl Aggregate {
                 frags.push(Frag { held: Arc::clone(held), start, end });
             }
         }
-        Aggregate { frags: VecDeque::from(frags), len }
+        Aggregate { frags: VecDeque::from(frags), len, rest: None }
     }
 }
 
@@ -698,7 +1030,7 @@ impl io::Read for Aggregate {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let mut done = 0;
         while done < buf.len() {
-            let Some(front) = self.frags.front() else { break };
+            let Some(front) = self.frag_at(0) else { break };
             let src = front.bytes();
             let n = src.len().min(buf.len() - done);
             buf[done..done + n].copy_from_slice(&src[..n]);
@@ -713,7 +1045,7 @@ impl io::Read for Aggregate {
 /// place; [`consume`](io::BufRead::consume) clips them off the front.
 impl io::BufRead for Aggregate {
     fn fill_buf(&mut self) -> io::Result<&[u8]> {
-        Ok(self.frags.front().map_or(&[][..], Frag::bytes))
+        Ok(self.frag_at(0).map_or(&[][..], |f| f.bytes()))
     }
 
     fn consume(&mut self, amt: usize) {
@@ -732,7 +1064,7 @@ impl bytes::Buf for Aggregate {
     }
 
     fn chunk(&self) -> &[u8] {
-        self.frags.front().map_or(&[][..], Frag::bytes)
+        self.frag_at(0).map_or(&[][..], |f| f.bytes())
     }
 
     fn advance(&mut self, cnt: usize) {
@@ -741,7 +1073,7 @@ impl bytes::Buf for Aggregate {
 
     fn chunks_vectored<'a>(&'a self, dst: &mut [io::IoSlice<'a>]) -> usize {
         let mut n = 0;
-        for (slot, f) in dst.iter_mut().zip(&self.frags) {
+        for (slot, f) in dst.iter_mut().zip(self.fragments()) {
             *slot = io::IoSlice::new(f.bytes());
             n += 1;
         }
@@ -794,7 +1126,7 @@ impl Units<'_> {
     fn step(&mut self, mut n: usize) {
         self.pos += n;
         while n > 0 {
-            let left = self.agg.frags[self.frag].len() - self.off;
+            let left = self.agg.frag_at(self.frag).expect("n <= what is left").bytes().len() - self.off;
             if n < left {
                 self.off += n;
                 return;
@@ -803,7 +1135,7 @@ impl Units<'_> {
             self.frag += 1;
             self.off = 0;
         }
-        if self.frag < self.agg.frags.len() && self.off == self.agg.frags[self.frag].len() {
+        if self.agg.frag_at(self.frag).is_some_and(|f| self.off == f.bytes().len()) {
             self.frag += 1;
             self.off = 0;
         }
@@ -816,7 +1148,7 @@ impl Units<'_> {
             Unit::Fixed(n) => n.get().min(self.agg.len - self.pos),
             Unit::Delimited(d) => {
                 let mut len = 0;
-                let rest = self.agg.frags.iter().skip(self.frag).enumerate();
+                let rest = self.agg.fragments().skip(self.frag).enumerate();
                 for bytes in rest.map(|(i, f)| if i == 0 { &f.bytes()[self.off..] } else { f.bytes() }) {
                     match bytes.iter().position(|&b| b == d) {
                         Some(i) => return len + i + 1,
@@ -834,7 +1166,7 @@ impl<'a> Iterator for Units<'a> {
 
     fn next(&mut self) -> Option<Cow<'a, [u8]>> {
         let agg: &'a Aggregate = self.agg;
-        let first = agg.frags.get(self.frag)?.bytes();
+        let first = agg.frag_at(self.frag)?.bytes();
         let len = self.unit_len();
         let here = &first[self.off..];
         let unit = if len <= here.len() {
@@ -847,7 +1179,7 @@ impl<'a> Iterator for Units<'a> {
                 let n = src.len().min(len - v.len());
                 v.extend_from_slice(&src[..n]);
                 i += 1;
-                src = agg.frags.get(i).map_or(&[][..], Frag::bytes);
+                src = agg.frag_at(i).map_or(&[][..], |f| f.bytes());
             }
             self.copies += 1;
             self.copied_bytes += len;
@@ -1122,6 +1454,49 @@ mod tests {
         drop(lines);
         let m = agg(&a, b"no delimiter");
         assert_eq!(m.units(Unit::Delimited(0)).collect::<Vec<_>>(), [Cow::Borrowed(&b"no delimiter"[..])]);
+    }
+
+    /// References a fragment's buffer handle has.
+    fn refs(f: &Fragment<'_>) -> usize {
+        Arc::strong_count(f.held)
+    }
+
+    /// A received train of units holds one reference per buffer, not one
+    /// per fragment; a piece taken off its front holds its own.
+    #[test]
+    fn received_tables_hold_a_reference_per_buffer() {
+        use crate::{BindParams, Channel, ChannelSetup, Endpoint, Event, PoolPolicy};
+        let t = std::time::Duration::from_secs(10);
+        let setup = ChannelSetup { meta_size: crate::MAX_META_SIZE, queue_depth: 64, ..ChannelSetup::default() };
+        let (a, b) = (Domain::new("a"), Domain::new("b"));
+        let ep = Endpoint::local();
+        let mut tx = Channel::create(&a, &ep, setup).unwrap();
+        let mut rx = Channel::bind(&b, &ep, BindParams::default()).unwrap();
+        tx.wait_connected(t).unwrap();
+        rx.wait_connected(t).unwrap();
+        rx.set_pool_policy(PoolPolicy::AcceptAll);
+        let alloc = Allocator::new(&a, 2, 64 << 10, PoolConstraints::default()).unwrap();
+        tx.assign_pool(alloc.pool()).unwrap();
+        rx.poll();
+        assert!(matches!(tx.wait(Some(t)), Some(Event::PoolAssigned(_))));
+        // 16 units of 4 KiB, each behind a 16-byte header: 32 fragments of 2 buffers.
+        let (mut body, mut hdrs) = (Aggregate::from(alloc.alloc().unwrap()), Aggregate::from(alloc.alloc().unwrap()));
+        let mut train = Aggregate::new();
+        for _ in 0..16 {
+            train.append_from(&mut hdrs, 16).unwrap();
+            train.append_from(&mut body, 4096).unwrap();
+        }
+        drop((body, hdrs));
+        let want: Vec<_> = train.fragments().map(|f| (f.buffer_id(), f.range())).collect();
+        tx.send_aggregate(train, b"m").unwrap();
+        let mut got = match rx.wait(Some(t)) {
+            Some(Event::Aggregate { agg, .. }) => agg,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(got.fragments().map(|f| (f.buffer_id(), f.range())).collect::<Vec<_>>(), want);
+        assert!(got.fragments().all(|f| refs(&f) == 1), "one reference per buffer");
+        let head = got.split_to(16 + 100).unwrap();
+        assert!(head.fragments().chain(got.fragments()).all(|f| refs(&f) == 2));
     }
 
     #[test]

@@ -718,6 +718,8 @@ impl Channel {
     /// smallest slots. Other tables take an entry per fragment; a channel
     /// that carries those with many fragments is best set up with a meta
     /// size of `MAX_META_SIZE` and a queue deep enough for a few runs.
+    /// An aggregate received and not edited since (a router's) goes on
+    /// with the table it came with, its fragments not walked again.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -748,17 +750,18 @@ impl Channel {
     /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn send_aggregate(&mut self, agg: Aggregate, meta: &[u8]) -> Result<(), Refused<Aggregate>> {
+    pub fn send_aggregate(&mut self, mut agg: Aggregate, meta: &[u8]) -> Result<(), Refused<Aggregate>> {
         self.flush_deferred();
-        let (members, entries, wire) = match self.check_aggregate(&agg, meta.len()) {
+        agg.settle();
+        let (members, table) = match self.check_aggregate(&agg, meta.len()) {
             Ok(table) => table,
             Err(e) => return Err(Refused::new(e, agg)),
         };
         let total = agg.len() as u64;
-        let mut parts = agg.into_parts_with(members, entries);
+        let mut parts = agg.into_parts_with(members, table);
         let header = Message::AggHeader {
             members: parts.members.len() as u32,
-            frags: wire.len() as u32,
+            frags: parts.wire.len() as u32,
             total,
             meta: Meta::new(meta).expect("meta checked"),
         };
@@ -789,7 +792,7 @@ impl Channel {
                 return Err(Refused::new(e, parts.rebuild()));
             }
         }
-        for msg in proto::table_messages(&wire, self.meta_size) {
+        for msg in proto::table_messages(&parts.wire, self.meta_size) {
             if let Err(e) = self.link_mut().send(&msg) {
                 return Err(Refused::new(e, Aggregate::new()));
             }
@@ -806,11 +809,25 @@ impl Channel {
     }
 
     /// Everything [`send_aggregate`](Channel::send_aggregate) checks
-    /// before it sends anything; the number of distinct buffers, the
-    /// fragment table and the table as it goes on the wire if it may go.
-    fn check_aggregate(&mut self, agg: &Aggregate, meta_len: usize) -> Result<(usize, Vec<FragEntry>, Vec<FragEntry>)> {
+    /// before it sends anything (`agg` [settled](Aggregate::settle)); the
+    /// number of distinct buffers, and the fragment table and the table as
+    /// it goes on the wire if it may go (`None`: an aggregate received and
+    /// not edited since goes with the table it came with, which names its
+    /// members in the order they came).
+    #[allow(clippy::type_complexity)]
+    fn check_aggregate(
+        &mut self,
+        agg: &Aggregate,
+        meta_len: usize,
+    ) -> Result<(usize, Option<(Vec<FragEntry>, Vec<FragEntry>)>)> {
         self.check_sendable(Direction::Tx)?;
-        let (members, entries) = agg.distinct();
+        let (members, entries) = match agg.received_members() {
+            Some(members) => (members, None),
+            None => {
+                let (members, entries) = agg.distinct();
+                (members, Some(entries))
+            }
+        };
         for m in &members {
             if m.domain_id() != self.domain.id() {
                 return Err(Error::ForeignBuffer);
@@ -818,17 +835,22 @@ impl Channel {
             self.check_pool(m.id().pool)?;
         }
         self.check_meta(meta_len)?;
-        let wire = proto::fold_table(&entries);
-        let slots = proto::run_slots(members.len(), wire.len(), self.meta_size);
+        let table = entries.map(|entries| {
+            let wire = proto::fold_table(&entries);
+            (entries, wire)
+        });
+        let (frags, wire) = match &table {
+            Some((entries, wire)) => (entries.len(), wire.len()),
+            None => agg.received_counts().expect("a received table"),
+        };
+        let slots = proto::run_slots(members.len(), wire, self.meta_size);
         let capacity = self.link.as_ref().map_or(0, |l| l.capacity());
-        if members.len() > proto::MAX_AGG_MEMBERS as usize
-            || entries.len() > proto::MAX_AGG_FRAGS as usize
-            || slots > capacity
+        if members.len() > proto::MAX_AGG_MEMBERS as usize || frags > proto::MAX_AGG_FRAGS as usize || slots > capacity
         {
             return Err(Error::AggregateTooLarge { slots, capacity });
         }
         self.check_room_for(slots)?;
-        Ok((members.len(), entries, wire))
+        Ok((members.len(), table))
     }
 
     /// Start assigning a pool to this channel ([ETH-BT] Algorithm 6,
@@ -1604,8 +1626,8 @@ impl Channel {
             return Ok(None);
         }
         let Assembly { run, held } = self.assembling.take().expect("assembling");
-        let (meta, entries) = run.finish()?;
-        Ok(Some(Event::Aggregate { agg: Aggregate::from_received(held, &entries), meta }))
+        let (meta, entries, wire) = run.finish()?;
+        Ok(Some(Event::Aggregate { agg: Aggregate::from_received(held, entries, wire), meta }))
     }
 
     /// Apply the receiver-side effects of one message.

@@ -22,7 +22,8 @@ pub fn decode_slot(data: &[u8]) {
 /// slots (`proto::decode_descriptor`), over members of sizes the input
 /// chooses. Decoding must not panic; what it accepts must be a fragment
 /// list inside the members' buffers, using every member, and must encode
-/// back to slots that decode to the same list.
+/// back to slots that decode to the same list, both folded as a sender
+/// folds it and as it came (as a router sends a received aggregate on).
 pub fn aggregate_descriptor(data: &[u8]) {
     let [meta, members, rest @ ..] = data else { return };
     let meta_size = usize::from(*meta) % (proto::MAX_META_SIZE + 1);
@@ -35,7 +36,7 @@ pub fn aggregate_descriptor(data: &[u8]) {
     // small ones make out-of-range entries easy to hit).
     let lens: Vec<usize> = lens.chunks_exact(2).map(|c| usize::from(u16::from_le_bytes([c[0], c[1]])) + 1).collect();
     let slot = proto::slot_size(meta_size) as usize;
-    let Ok((m, entries)) = proto::decode_descriptor(slots.chunks(slot), &lens, meta_size) else { return };
+    let Ok((m, entries, came)) = proto::decode_descriptor(slots.chunks(slot), &lens, meta_size) else { return };
     let mut used = vec![false; lens.len()];
     let mut total = 0u64;
     for e in &entries {
@@ -48,16 +49,21 @@ pub fn aggregate_descriptor(data: &[u8]) {
     assert!(used[..members].iter().all(|u| *u));
     // Encoded again as a sender would, folded (repeat entries where the
     // fragments continue a group before them).
-    let wire = proto::fold_table(&entries);
-    let mut again = Vec::new();
-    let header = Message::AggHeader { members: members as u32, frags: wire.len() as u32, total, meta: m.clone() };
-    for msg in std::iter::once(header).chain(proto::table_messages(&wire, meta_size)) {
-        let mut s = vec![0u8; slot];
-        msg.encode(&mut s);
-        again.push(s);
+    for wire in [proto::fold_table(&entries), came] {
+        let mut again = Vec::new();
+        let header = Message::AggHeader { members: members as u32, frags: wire.len() as u32, total, meta: m.clone() };
+        for msg in std::iter::once(header).chain(proto::table_messages(&wire, meta_size)) {
+            let mut s = vec![0u8; slot];
+            msg.encode(&mut s);
+            again.push(s);
+        }
+        let decoded = proto::decode_descriptor(again.iter().map(Vec::as_slice), &lens[..members], meta_size);
+        assert_eq!(
+            decoded.map(|(m, e, _)| (m, e)),
+            Ok((m.clone(), entries.clone())),
+            "descriptor codec is not symmetric"
+        );
     }
-    let decoded = proto::decode_descriptor(again.iter().map(Vec::as_slice), &lens[..members], meta_size);
-    assert_eq!(decoded, Ok((m, entries)), "descriptor codec is not symmetric");
 }
 
 /// A setup message from a peer (bind request, bind reply, pool

@@ -440,6 +440,8 @@ pub(crate) struct AggRun {
     used: Vec<bool>,
     /// The table's entries on the wire so far.
     wire: u32,
+    /// Those entries, as they came (repeat entries folded).
+    wire_entries: Vec<FragEntry>,
     /// The fragments they stand for (repeat entries unfolded).
     entries: Vec<FragEntry>,
     sum: u64,
@@ -463,6 +465,7 @@ impl AggRun {
             member_lens: Vec::new(),
             used: Vec::new(),
             wire: 0,
+            wire_entries: Vec::new(),
             entries: Vec::new(),
             sum: 0,
         })
@@ -511,6 +514,7 @@ impl AggRun {
             self.entries.push(*e);
         }
         self.wire += entries.len() as u32;
+        self.wire_entries.extend_from_slice(entries);
         Ok(())
     }
 
@@ -560,7 +564,10 @@ impl AggRun {
     /// The meta data and the table of a complete run, once the whole is
     /// checked: the lengths add up to the announced total, and every member
     /// is in the table.
-    pub(crate) fn finish(self) -> Result<(Meta, Vec<FragEntry>), Error> {
+    /// Also the table as it came on the wire (valid to send on with the
+    /// members in the order they came).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn finish(self) -> Result<(Meta, Vec<FragEntry>, Vec<FragEntry>), Error> {
         debug_assert!(self.is_complete());
         if self.sum != self.total {
             return Err(Error::Protocol(format!("aggregate of {} bytes announced as {} bytes", self.sum, self.total)));
@@ -568,7 +575,7 @@ impl AggRun {
         if let Some(m) = self.used.iter().position(|u| !u) {
             return Err(Error::Protocol(format!("aggregate member {m} is in no fragment")));
         }
-        Ok((self.meta, self.entries))
+        Ok((self.meta, self.entries, self.wire_entries))
     }
 }
 
@@ -626,13 +633,15 @@ pub(crate) fn table_messages(entries: &[FragEntry], meta_size: usize) -> impl It
 /// Decode a whole aggregate descriptor: `slots` are the header slot and
 /// the table's slots (the member slots left out), `member_lens` the sizes
 /// of the members' buffers. What the channel does slot by slot, in one
-/// function for the fuzz target and the tests.
+/// function for the fuzz target and the tests. Also gives the table as it
+/// came (what a router sends on).
 #[cfg(any(test, feature = "fuzzing"))]
+#[allow(clippy::type_complexity)]
 pub(crate) fn decode_descriptor<'a>(
     slots: impl IntoIterator<Item = &'a [u8]>,
     member_lens: &[usize],
     meta_size: usize,
-) -> Result<(Meta, Vec<FragEntry>), Error> {
+) -> Result<(Meta, Vec<FragEntry>, Vec<FragEntry>), Error> {
     let mut slots = slots.into_iter();
     let head = slots.next().ok_or_else(|| Error::Protocol("no aggregate header".into()))?;
     let mut run = match Message::decode(head, meta_size)? {
@@ -743,7 +752,7 @@ mod tests {
     }
 
     fn decode(slots: &[Vec<u8>], lens: &[usize], meta_size: usize) -> Result<(Meta, Vec<FragEntry>), Error> {
-        decode_descriptor(slots.iter().map(Vec::as_slice), lens, meta_size)
+        decode_descriptor(slots.iter().map(Vec::as_slice), lens, meta_size).map(|(meta, entries, _)| (meta, entries))
     }
 
     #[test]

@@ -93,6 +93,12 @@ enum Op {
         a: usize,
         size: usize,
     },
+    /// Send a clone of `a` over a channel to another domain (every buffer
+    /// crosses as a copy: `a` still refers to it) and put what arrives in
+    /// its place: later steps work on a received aggregate.
+    Cross {
+        a: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -111,7 +117,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => i.clone().prop_map(|a| Op::Clone { a }),
         2 => i.clone().prop_map(|a| Op::Drop { a }),
         1 => (i.clone(), 0..3000usize).prop_map(|(a, n)| Op::Read { a, n }),
-        1 => (i, 1..600usize).prop_map(|(a, size)| Op::Units { a, size }),
+        1 => (i.clone(), 1..600usize).prop_map(|(a, size)| Op::Units { a, size }),
+        2 => i.prop_map(|a| Op::Cross { a }),
     ]
 }
 
@@ -132,6 +139,20 @@ fn run(ops: Vec<Op>) {
     let d = Domain::new("model");
     let payload = Allocator::new(&d, 24, 4096, PoolConstraints::default()).unwrap();
     let headers = Allocator::new(&d, 24, 4096, PoolConstraints::default()).unwrap();
+    // A channel to another domain, both pools assigned, for `Cross`.
+    let far = Domain::new("far");
+    let ep = Endpoint::local();
+    let setup = ChannelSetup { meta_size: ferry::MAX_META_SIZE, queue_depth: 4096, ..ChannelSetup::default() };
+    let mut tx = Channel::create(&d, &ep, setup).unwrap();
+    let mut rx = Channel::bind(&far, &ep, BindParams::default()).unwrap();
+    tx.wait_connected(T).unwrap();
+    rx.wait_connected(T).unwrap();
+    rx.set_pool_policy(PoolPolicy::AcceptAll);
+    for pool in [payload.pool(), headers.pool()] {
+        tx.assign_pool(pool).unwrap();
+        rx.poll();
+        assert!(matches!(tx.wait(Some(T)), Some(Event::PoolAssigned(_))));
+    }
     let mut aggs: Vec<Aggregate> = Vec::new();
     let mut models: Vec<Vec<u8>> = Vec::new();
     let mut serial = 0u32;
@@ -286,11 +307,44 @@ fn run(ops: Vec<Op>) {
                 assert_eq!(pos, agg.len());
                 assert_eq!(units.copies(), expect_copies);
             }
+            Op::Cross { a } if n > 0 => {
+                let frags: Vec<_> = aggs[a % n].fragments().map(|f| (f.buffer_id(), f.range())).collect();
+                if let Err(r) = tx.send_aggregate(aggs[a % n].clone(), b"x") {
+                    // Too many fragments for the queue, or fragments of
+                    // buffers received in `far` (not this domain's to send):
+                    // nothing crossed.
+                    let crossed = aggs[a % n].fragments().any(|f| f.is_copy());
+                    match r.error {
+                        ferry::Error::AggregateTooLarge { .. } => {}
+                        ferry::Error::ForeignBuffer => assert!(crossed),
+                        e => panic!("{e:?}"),
+                    }
+                    continue;
+                }
+                let got = match rx.wait(Some(T)) {
+                    Some(Event::Aggregate { agg, meta }) if &meta[..] == b"x" => agg,
+                    other => panic!("unexpected {other:?}"),
+                };
+                // The same fragments: the same byte ranges of the same buffers.
+                let same: Vec<_> = got.fragments().map(|f| (f.buffer_id(), f.range())).collect();
+                assert_eq!(same, frags);
+                assert!(got.fragments().all(|f| f.is_copy()));
+                aggs[a % n] = got;
+            }
             _ => {}
         }
         check(&aggs, &models);
+        // Copies dropped in `far` go back when its channel runs.
+        rx.poll();
+        while let Some(ev) = tx.poll() {
+            assert!(matches!(ev, Event::CopyReleased { .. }), "unexpected {ev:?}");
+        }
     }
     drop(aggs);
+    rx.poll();
+    while let Some(ev) = tx.poll() {
+        assert!(matches!(ev, Event::CopyReleased { .. }), "unexpected {ev:?}");
+    }
     assert_eq!((payload.available(), headers.available()), (24, 24), "every buffer is back");
 }
 
@@ -412,4 +466,48 @@ fn copies_are_released_when_the_last_fragment_goes() {
         other => panic!("unexpected {other:?}"),
     }
     assert!(buf.as_mut_slice().is_ok(), "the owner writes again");
+}
+
+/// A received aggregate taken apart from the front: each buffer goes back
+/// when the last fragment that refers to it is taken away and dropped,
+/// not when the rest of the received aggregate goes.
+#[test]
+fn received_buffers_go_back_with_their_last_fragment() {
+    let (a, b) = (Domain::new("a"), Domain::new("b"));
+    let ep = Endpoint::local();
+    let mut tx = Channel::create(&a, &ep, ChannelSetup::default()).unwrap();
+    let mut rx = Channel::bind(&b, &ep, BindParams::default()).unwrap();
+    tx.wait_connected(T).unwrap();
+    rx.wait_connected(T).unwrap();
+    rx.set_pool_policy(PoolPolicy::AcceptAll);
+    let alloc = Allocator::new(&a, 2, 4096, PoolConstraints::default()).unwrap();
+    tx.assign_pool(alloc.pool()).unwrap();
+    rx.poll(); // accepts the pool (policy)
+    assert!(matches!(tx.wait(Some(T)), Some(Event::PoolAssigned(_))));
+    let (x, y) = (Aggregate::from(alloc.alloc().unwrap()), Aggregate::from(alloc.alloc().unwrap()));
+    let y_id = y.fragments().next().unwrap().buffer_id();
+    // x[0..10] y[0..10] x[20..30]; `x` and `y` keep references: both cross as copies.
+    let msg = x.slice(0..10).unwrap().join(y.slice(0..10).unwrap()).join(x.slice(20..30).unwrap());
+    tx.send_aggregate(msg, b"m").unwrap();
+    let mut got = loop {
+        match rx.wait(Some(T)) {
+            Some(Event::Aggregate { agg, .. }) => break agg,
+            Some(Event::PoolAssignRequest(_) | Event::PoolAssigned(_)) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    drop((x, y));
+    let mut head = Aggregate::new();
+    head.append_from(&mut got, 20).unwrap(); // x's first fragment and y's only one
+    assert_eq!((head.fragments().count(), got.len()), (2, 10));
+    drop(head);
+    rx.flush().unwrap();
+    match tx.wait(Some(T)) {
+        Some(Event::CopyReleased { buffer, writable: true }) => assert_eq!(buffer, y_id),
+        other => panic!("y's copy should be back while `got` still holds x: {other:?}"),
+    }
+    got.clip_front(10);
+    rx.flush().unwrap();
+    assert!(matches!(tx.wait(Some(T)), Some(Event::CopyReleased { writable: true, .. })));
+    assert_eq!(alloc.available(), 2);
 }

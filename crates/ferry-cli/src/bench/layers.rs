@@ -40,9 +40,12 @@
 //!   crossing per message keeps the per-message channel cost (a few ring
 //!   slots: header, one per buffer, the fragment table) away from the
 //!   per-unit cost; B could still route per unit, since it sees every unit
-//!   header. B forwards the received aggregate as it is. C reads each unit
+//!   header. B forwards the received aggregate as it is (an aggregate
+//!   received and not edited goes on with the fragment table it came
+//!   with: B builds no fragment list). C reads each unit
 //!   header, moves it aside and the unit's bytes onto the datagram
-//!   (`append_from`), where the pieces of the payload buffer merge back into one fragment;
+//!   (`append_from`, taking the pieces off the received table), where the
+//!   pieces of the payload buffer merge back into one fragment;
 //!   each layer then splits its header off and reads it. The headers split
 //!   off are kept aside rather than clipped away (a clip would drop them
 //!   in C, where the moved header buffers would go to C's free list), and
@@ -686,6 +689,7 @@ fn fragment(mut dgram: Aggregate, mut uh: Buffer, seq: u64) -> Result<Aggregate,
     }
     let mut hdrs = Aggregate::from_buffer_range(uh, 0..n * UHDR)?;
     let mut train = Aggregate::new();
+    train.reserve(2 * n);
     for _ in 0..n {
         train.append_from(&mut hdrs, UHDR)?;
         let piece = UNIT.min(dgram.len());
