@@ -214,9 +214,10 @@ impl Link for MuxLink {
                 }
                 break;
             }
+            let out = inner.wants_write();
             drop(inner);
             let Some(left) = deadline.checked_duration_since(Instant::now()) else { break };
-            let _ = poll_out(&stream, left.min(Duration::from_millis(50)));
+            let _ = poll_out(&stream, out, left.min(Duration::from_millis(50)));
         }
     }
 
