@@ -27,6 +27,9 @@ pub(super) struct MuxLink {
     pub(super) died: bool,
     /// The counters as they were when the channel closed.
     pub(super) final_stats: LinkStats,
+    /// What the channel's wake set watches the session's socket for
+    /// (`None`: not known).
+    pub(super) watching: Option<Interest>,
 }
 
 impl MuxLink {
@@ -40,6 +43,7 @@ impl MuxLink {
             depth,
             died: false,
             final_stats: LinkStats::default(),
+            watching: None,
         }
     }
 }
@@ -123,7 +127,9 @@ impl Link for MuxLink {
         let inner = self.session.lock();
         let chan = inner.chans.get(&self.id).ok_or(Error::PeerGone)?;
         wake.watch(chan.bell.fd().as_fd(), Interest::Read)?;
+        self.watching = None;
         wake.watch(inner.stream.as_fd(), Interest::Read)?;
+        self.watching = Some(Interest::Read);
         Ok(())
     }
 
@@ -139,21 +145,26 @@ impl Link for MuxLink {
             wake.unwatch(chan.bell.fd().as_fd());
         }
         wake.unwatch(inner.stream.as_fd());
+        self.watching = None;
     }
 
     fn arm(&mut self, wake: &WakeSet) -> Arm {
         let mut guard = self.session.lock();
         let inner = &mut *guard;
-        if inner.pump_read(Some(self.id)).is_err() {
+        // A socket the last read found empty need not be read again: the
+        // wake set watches it, so whatever came meanwhile wakes it at once.
+        if !inner.dry && inner.pump_read(Some(self.id)).is_err() {
             return Arm::Ready;
         }
         let Some(chan) = inner.chans.get_mut(&self.id) else { return Arm::Ready };
-        if !chan.inq.is_empty() || chan.peer_closed.is_some() {
+        if !chan.inq.is_empty() || chan.peer_closed.is_some() || inner.gone.is_some() {
             return Arm::Ready;
         }
-        let _ = chan.bell.reset();
+        if std::mem::take(&mut chan.rung) {
+            let _ = chan.bell.reset();
+        }
         chan.armed = true;
-        match inner.arm_socket(wake) {
+        match inner.arm_socket(wake, &mut self.watching) {
             Some(until) => Arm::Sleep { until: Some(until) },
             None => Arm::Ready,
         }

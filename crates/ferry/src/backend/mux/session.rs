@@ -84,6 +84,8 @@ pub(super) struct Chan {
     pub(super) allowed: usize,
     pub(super) bell: Doorbell,
     pub(super) armed: bool,
+    /// The doorbell rang since it was last reset.
+    pub(super) rung: bool,
     /// The peer closed its end (`true`: it failed).
     pub(super) peer_closed: Option<bool>,
     /// Our end closed: a close frame follows what is queued.
@@ -115,6 +117,7 @@ impl Chan {
             allowed: 0,
             bell: Doorbell::new()?,
             armed: false,
+            rung: false,
             peer_closed: None,
             close_queued: None,
             close_sent: false,
@@ -127,6 +130,7 @@ impl Chan {
     pub(super) fn wake(&mut self) {
         if self.armed {
             self.armed = false;
+            self.rung = true;
             self.bell.ring();
         }
     }
@@ -200,6 +204,10 @@ pub(super) struct Inner {
     pub(super) landed: Option<u8>,
     /// The session is over: the error, and whether the peer counts as dead.
     pub(super) gone: Option<(Error, bool)>,
+    /// The last read found the socket empty (nothing was read since).
+    pub(super) dry: bool,
+    /// When the session started: deadlines are rounded from it.
+    pub(super) epoch: Instant,
     /// Bytes of bulk frames that may be on their way (committed and not
     /// yet reported read by the peer) before the next one is held.
     pub(super) budget: usize,
@@ -238,6 +246,8 @@ impl Inner {
             goodbye_seen: false,
             landed: None,
             gone: None,
+            dry: false,
+            epoch: now,
             budget: BULK_BUDGET,
             committed: 0,
             counters: MuxStats::default(),

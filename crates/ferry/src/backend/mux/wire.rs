@@ -164,19 +164,31 @@ impl Inner {
 
     /// Watch the socket in `wake` (for writing too if output is queued):
     /// the deadline to wake at for keep-alives and liveness, `None` if
-    /// something is ready now.
-    pub(super) fn arm_socket(&mut self, wake: &WakeSet) -> Option<Instant> {
+    /// something is ready now. `watching` is what `wake` watches the socket
+    /// for already (`None`: unknown), kept up to date: an unchanged
+    /// interest costs no system call.
+    pub(super) fn arm_socket(&mut self, wake: &WakeSet, watching: &mut Option<Interest>) -> Option<Instant> {
         if self.gone.is_some() || self.pump_write().is_err() || self.tick().is_err() {
             return None;
         }
         let out = self.wants_write();
         let interest = if out { Interest::ReadWrite } else { Interest::Read };
-        if wake.watch(self.stream.as_fd(), interest).is_err() {
-            return None;
+        if *watching != Some(interest) {
+            *watching = None;
+            if wake.watch(self.stream.as_fd(), interest).is_err() {
+                return None;
+            }
+            *watching = Some(interest);
         }
         let timeout = self.options.peer_timeout;
         let ours = if out { self.last_progress + timeout } else { self.last_tx + timeout / 4 };
-        Some(ours.min(self.last_rx + timeout) + Duration::from_millis(1))
+        // Rounded up to a grain of the timeout, so that the deadline (the
+        // channel's timer) moves only now and then, not with every frame.
+        let at = ours.min(self.last_rx + timeout) + Duration::from_millis(1);
+        let grain = (timeout / 32).max(Duration::from_millis(1)).as_nanos();
+        let since = at.saturating_duration_since(self.epoch).as_nanos();
+        let rounded = since.div_ceil(grain) * grain;
+        Some(self.epoch + Duration::from_nanos(u64::try_from(rounded).unwrap_or(u64::MAX)))
     }
 
     /// Read frames until the socket is dry, a bounded number was read, or
@@ -266,10 +278,14 @@ impl Inner {
                 Ok(usize::MAX) => 0,
                 Ok(0) => return Err(self.stream_ended()),
                 Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.dry = true;
+                    return Ok(false);
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(_) => return Err(self.stream_ended()),
             };
+            self.dry = false;
             self.last_rx = Instant::now();
             self.counters.bytes_received += n as u64;
             match self.rx {
