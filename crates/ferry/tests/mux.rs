@@ -780,6 +780,55 @@ fn bulk_on_its_way_stays_within_the_budget() {
     assert!(theirs.bytes_received - theirs.bytes_reported_to_peer < ferry::backend::mux::READ_REPORT_EVERY as u64);
 }
 
+/// A sender that only sends (it does not poll or wait on its channel
+/// until everything is queued) keeps going past the bulk budget: a full
+/// queue makes the session read the peer's reports, which let the held
+/// bulk go.
+#[test]
+fn a_sender_that_never_polls_gets_past_the_budget() {
+    const MOVES: u64 = 64;
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: 8, ..tx_setup() };
+    let mut tx = Channel::create(&da, &a.endpoint(1), setup).unwrap();
+    let mut rx = Channel::bind(&db, &b.endpoint(1), BindParams::default()).unwrap();
+    tx.wait_connected(T).unwrap();
+    rx.wait_connected(T).unwrap();
+    let alloc = Allocator::new(&da, MOVES, SIZE, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    let reader = std::thread::spawn(move || {
+        let mut kept = Vec::new();
+        while (kept.len() as u64) < MOVES {
+            match next(&mut rx) {
+                Event::MoveReceived { buffer, .. } => kept.push(buffer),
+                ev => panic!("reader: unexpected {ev:?}"),
+            }
+        }
+        (rx, kept)
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut sent = 0;
+    while sent < MOVES {
+        assert!(Instant::now() < deadline, "{sent} of {MOVES} moves went: {:?}", a.stats());
+        let buf = alloc.alloc().expect("a buffer per move");
+        match tx.move_buffer(buf, &[]) {
+            Ok(()) => sent += 1,
+            Err(r) if r.error == Error::QueueFull => std::thread::sleep(Duration::from_millis(1)),
+            Err(r) => panic!("move: {}", r.error),
+        }
+    }
+    // What is still queued goes out as the channel waits for its close.
+    while !reader.is_finished() {
+        assert!(Instant::now() < deadline, "the last moves did not arrive: {:?}", a.stats());
+        if let Some(ev) = tx.wait(Some(Duration::from_millis(1))) {
+            panic!("sender: unexpected {ev:?}");
+        }
+    }
+    let (_rx, kept) = reader.join().unwrap();
+    assert_eq!(kept.len() as u64, MOVES);
+    assert!(a.stats().budget_holds > 0, "the budget never held anything: {:?}", a.stats());
+}
+
 // ------------------------------------------------------- setup edges
 
 /// A bind that times out before anyone creates the channel does not hurt

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::codec::{MuxHead, FLAG_ABORT, FLAG_PAYLOAD, K_CREDIT, K_MESSAGE, MSG_HEAD};
-use super::session::{OutMsg, Span, CLOSE_FLUSH};
+use super::session::{Inner, OutMsg, Span, CLOSE_FLUSH};
 use super::wire::poll_out;
 use super::MuxSession;
 use crate::backend::{Link, LinkStats, PayloadGate};
@@ -50,15 +50,19 @@ impl MuxLink {
 
 impl Link for MuxLink {
     fn has_room(&mut self) -> bool {
-        let mut inner = self.session.lock();
-        let _ = inner.pump_write();
-        inner.chans.get(&self.id).is_some_and(|c| c.outq.len() < c.depth)
+        self.room() > 0
     }
 
     fn room(&mut self) -> usize {
         let mut inner = self.session.lock();
         let _ = inner.pump_write();
-        inner.chans.get(&self.id).map_or(0, |c| c.depth.saturating_sub(c.outq.len()))
+        let room = |inner: &Inner| inner.chans.get(&self.id).map_or(0, |c| c.depth.saturating_sub(c.outq.len()));
+        if room(&inner) == 0 {
+            // The queue may wait for the peer's read reports: read them
+            // (a sender that never polls must not stall).
+            let _ = inner.pump_read(None);
+        }
+        room(&inner)
     }
 
     fn capacity(&self) -> usize {
@@ -281,6 +285,8 @@ impl MuxLink {
         }
         if !last && chan.outq.len() >= chan.depth {
             inner.pump_write()?;
+            // Read reports may let held bulk go (see `room`).
+            let _ = inner.pump_read(None);
             let chan = inner.chans.get_mut(&self.id).ok_or(Error::PeerGone)?;
             if chan.outq.len() >= chan.depth {
                 return Err(Error::QueueFull);
