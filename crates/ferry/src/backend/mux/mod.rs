@@ -61,9 +61,9 @@
 //! — committed, not yet reported read — stay within the budget. Frames of
 //! channels of higher priority and the session's own frames are never
 //! held. What a priority frame queues behind, in the sender's queue and
-//! in both kernels together, is then at most the budget (plus one report's
-//! worth the receiver has read and not reported yet). A channel's priority
-//! also orders reading: a poll of a channel that reads the connection for its own
+//! in both kernels together, is then at most the budget, plus frames of
+//! priority channels and of the session committed before it. A channel's
+//! priority also orders reading: a poll of a channel that reads the connection for its own
 //! message stops once a message of a channel of higher priority is
 //! complete (that channel's doorbell rings), so an application's loop gets
 //! back to its priority channel instead of reading on through bulk.
