@@ -330,16 +330,37 @@ impl MuxSession {
         self.shared.peer
     }
 
-    /// Keep at most `bytes` on their way before a frame of bulk (a channel
-    /// at priority 0) goes out: bytes committed to the connection that the
-    /// peer has not yet reported read (see the module docs). Frames of a
-    /// channel of higher priority, and the session's own, are never held;
-    /// what they queue behind in both kernels is at most this. Default
-    /// [`BULK_BUDGET`]; at least [`MIN_BULK_BUDGET`] (smaller values are
-    /// raised to it), `usize::MAX` for no budget. Larger budgets let bulk
-    /// go faster over a long or fast path (the budget is the window: at
-    /// most one budget per round trip), smaller ones keep priority round
-    /// trips shorter.
+    /// What this side sends: keep at most `bytes` on their way before a
+    /// frame of bulk (a channel at priority 0) goes out — bytes committed
+    /// to the connection that the peer has not yet reported read (see the
+    /// module docs). Frames of a channel of higher priority, and the
+    /// session's own, are never held; what they queue behind in both
+    /// kernels is at most this. Default [`BULK_BUDGET`], chosen on
+    /// loopback; at least [`MIN_BULK_BUDGET`] (smaller values are raised to
+    /// it), `usize::MAX` for no budget.
+    ///
+    /// The budget is bulk's window: at most one budget goes per round trip
+    /// of the connection (and of the peer's event loop). 256 KiB over a
+    /// 1 ms round trip is at most about 2 Gbit/s of bulk, so a session
+    /// over a long or fast path wants about its bandwidth times its round
+    /// trip; smaller budgets keep priority round trips shorter.
+    ///
+    /// ```
+    /// # let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    /// # let addr = listener.local_addr()?;
+    /// # let t = std::time::Duration::from_secs(10);
+    /// # let other = std::thread::spawn(move || ferry::MuxSession::connect(addr, ferry::NetOptions::default(), t));
+    /// use ferry::backend::mux::{BULK_BUDGET, MIN_BULK_BUDGET};
+    ///
+    /// let session = ferry::MuxSession::accept(&listener, ferry::NetOptions::default(), t)?;
+    /// assert_eq!(session.bulk_budget(), BULK_BUDGET);
+    /// session.set_bulk_budget(4 << 20); // 10 Gbit/s over about 3 ms
+    /// assert_eq!(session.bulk_budget(), 4 << 20);
+    /// session.set_bulk_budget(0);
+    /// assert_eq!(session.bulk_budget(), MIN_BULK_BUDGET);
+    /// # drop(other.join().unwrap()?);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn set_bulk_budget(&self, bytes: usize) {
         self.lock().budget = bytes.max(MIN_BULK_BUDGET);
     }
