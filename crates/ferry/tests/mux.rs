@@ -489,10 +489,10 @@ fn raw_open(addr: SocketAddr, ids: &[u32]) -> std::net::TcpStream {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(T)).unwrap();
-    s.write_all(b"FERRYMX1").unwrap();
+    s.write_all(b"FERRYMX2").unwrap();
     let mut magic = [0u8; 8];
     s.read_exact(&mut magic).unwrap();
-    assert_eq!(&magic, b"FERRYMX1");
+    assert_eq!(&magic, b"FERRYMX2");
     for &id in ids {
         let mut req = b"FRY1\x01\x00\xff".to_vec();
         req.extend_from_slice(&224u16.to_le_bytes());
@@ -660,6 +660,184 @@ fn priority_frames_overtake_a_saturating_bulk_channel() {
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     drop(sender.join().unwrap());
+}
+
+/// A bulk sender against a slow reader: two bulk channels saturate the
+/// session while the receiving application reads the connection only now
+/// and then, and a priority channel sends one message after another. The
+/// bytes on their way (written and not yet reported read by the peer)
+/// stay within the session's bulk budget, and so does what each priority
+/// message queued behind (the session's own counters); without the
+/// budget, the kernels take megabytes of bulk ahead of it.
+#[test]
+fn bulk_on_its_way_stays_within_the_budget() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    const BULK: usize = 1 << 20;
+    const BUDGET: usize = 512 << 10;
+    const PROBES: u64 = 24;
+    let (a, b) = session_pair(NetOptions::default());
+    a.set_bulk_budget(BUDGET);
+    assert_eq!(a.bulk_budget(), BUDGET);
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let mut txs = vec![
+        Channel::create(&da, &a.endpoint(1), tx_setup()).unwrap(),
+        Channel::create(&da, &a.endpoint(2), tx_setup()).unwrap(),
+        Channel::create(&da, &a.endpoint_with_priority(3, 7), tx_setup()).unwrap(),
+    ];
+    let mut rxs: Vec<Channel> = (1..=3)
+        .map(|id| {
+            Channel::bind(&db, &b.endpoint_with_priority(id, if id == 3 { 7 } else { 0 }), BindParams::default())
+                .unwrap()
+        })
+        .collect();
+    for ch in txs.iter_mut().chain(rxs.iter_mut()) {
+        ch.wait_connected(T).unwrap();
+    }
+    let allocs = [
+        Allocator::new(&da, 32, BULK, PoolConstraints::default()).unwrap(),
+        Allocator::new(&da, 32, BULK, PoolConstraints::default()).unwrap(),
+        Allocator::new(&da, PROBES, 4096, PoolConstraints::default()).unwrap(),
+    ];
+    for ((tx, rx), alloc) in txs.iter_mut().zip(rxs.iter_mut()).zip(&allocs) {
+        assign_pair(tx, rx, alloc);
+    }
+    // The slow reader: a look at its channels every millisecond; what
+    // arrives is kept (the sender runs out of bulk eventually), probes are
+    // counted.
+    let probes = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (probes, stop) = (probes.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut kept = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                for (i, rx) in rxs.iter_mut().enumerate() {
+                    while let Some(ev) = rx.poll() {
+                        match ev {
+                            Event::MoveReceived { buffer, .. } => {
+                                kept.push(buffer);
+                                if i == 2 {
+                                    probes.fetch_add(1, Ordering::Relaxed);
+                                }
+                            }
+                            ev => panic!("reader, channel {i}: unexpected {ev:?}"),
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let landed: u64 = rxs[..2].iter().map(|c| c.link_stats().unwrap().payload_received).sum();
+            (rxs, kept, landed)
+        })
+    };
+    // The sender: bulk as long as it has buffers, one probe at a time.
+    let mut sent = 0;
+    let mut most_on_the_way = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while probes.load(Ordering::Relaxed) < PROBES {
+        assert!(Instant::now() < deadline, "{} of {PROBES} probes arrived", probes.load(Ordering::Relaxed));
+        for (tx, alloc) in txs[..2].iter_mut().zip(&allocs) {
+            while let Some(buf) = alloc.alloc() {
+                if let Err(r) = tx.move_buffer(buf, &[]) {
+                    assert_eq!(r.error, Error::QueueFull);
+                    break;
+                }
+            }
+        }
+        if sent == probes.load(Ordering::Relaxed) {
+            let probe = allocs[2].alloc().expect("a probe buffer per probe");
+            txs[2].move_buffer(probe, &[]).unwrap();
+            sent += 1;
+        }
+        for tx in &mut txs {
+            if let Some(ev) = tx.wait(Some(Duration::from_millis(1))) {
+                panic!("sender: unexpected {ev:?}");
+            }
+        }
+        let stats = a.stats();
+        most_on_the_way = most_on_the_way.max(stats.bytes_sent - stats.bytes_reported_read);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (mut rxs, mut kept, landed) = reader.join().unwrap();
+    let stats = a.stats();
+    // What a priority frame may find ahead of it beyond the budget: the
+    // session's control frames and the frames of the previous probe.
+    let slack = (64 << 10) as u64;
+    assert!(
+        most_on_the_way <= (BUDGET as u64) + slack,
+        "{most_on_the_way} bytes on their way with a budget of {BUDGET}: {stats:?}"
+    );
+    assert!(
+        stats.max_ahead_of_priority <= (BUDGET as u64) + slack,
+        "a probe queued behind {} bytes with a budget of {BUDGET}: {stats:?}",
+        stats.max_ahead_of_priority
+    );
+    assert!(stats.budget_holds > 0, "the bulk channels never filled the budget: {stats:?}");
+    assert!(landed < 64 * BULK as u64, "the bulk channels were not saturating the session: {stats:?}");
+    // Every report the reader made reaches the sender (both sides polled
+    // until then), and the reader never sits on a report's worth.
+    let theirs = b.stats();
+    assert!(theirs.bytes_received - theirs.bytes_reported_to_peer < ferry::backend::mux::READ_REPORT_EVERY as u64);
+    while a.stats().bytes_reported_read != b.stats().bytes_reported_to_peer {
+        assert!(Instant::now() < deadline, "reports lost on the way: {:?} against {:?}", a.stats(), b.stats());
+        for ch in txs.iter_mut().chain(rxs.iter_mut()) {
+            match ch.wait(Some(Duration::from_millis(1))) {
+                Some(Event::MoveReceived { buffer, .. }) => kept.push(buffer),
+                Some(ev) => panic!("unexpected {ev:?}"),
+                None => {}
+            }
+        }
+    }
+}
+
+/// A sender that only sends (it does not poll or wait on its channel
+/// until everything is queued) keeps going past the bulk budget: a full
+/// queue makes the session read the peer's reports, which let the held
+/// bulk go.
+#[test]
+fn a_sender_that_never_polls_gets_past_the_budget() {
+    const MOVES: u64 = 64;
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: 8, ..tx_setup() };
+    let mut tx = Channel::create(&da, &a.endpoint(1), setup).unwrap();
+    let mut rx = Channel::bind(&db, &b.endpoint(1), BindParams::default()).unwrap();
+    tx.wait_connected(T).unwrap();
+    rx.wait_connected(T).unwrap();
+    let alloc = Allocator::new(&da, MOVES, SIZE, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    let reader = std::thread::spawn(move || {
+        let mut kept = Vec::new();
+        while (kept.len() as u64) < MOVES {
+            match next(&mut rx) {
+                Event::MoveReceived { buffer, .. } => kept.push(buffer),
+                ev => panic!("reader: unexpected {ev:?}"),
+            }
+        }
+        (rx, kept)
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut sent = 0;
+    while sent < MOVES {
+        assert!(Instant::now() < deadline, "{sent} of {MOVES} moves went: {:?}", a.stats());
+        let buf = alloc.alloc().expect("a buffer per move");
+        match tx.move_buffer(buf, &[]) {
+            Ok(()) => sent += 1,
+            Err(r) if r.error == Error::QueueFull => std::thread::sleep(Duration::from_millis(1)),
+            Err(r) => panic!("move: {}", r.error),
+        }
+    }
+    // What is still queued goes out as the channel waits for its close.
+    while !reader.is_finished() {
+        assert!(Instant::now() < deadline, "the last moves did not arrive: {:?}", a.stats());
+        if let Some(ev) = tx.wait(Some(Duration::from_millis(1))) {
+            panic!("sender: unexpected {ev:?}");
+        }
+    }
+    let (_rx, kept) = reader.join().unwrap();
+    assert_eq!(kept.len() as u64, MOVES);
+    assert!(a.stats().budget_holds > 0, "the budget never held anything: {:?}", a.stats());
 }
 
 // ------------------------------------------------------- setup edges

@@ -15,6 +15,9 @@
 //!   other N − 1 channels saturate the link as above: the round-trip times
 //!   (µs). On the session, channel 0 has priority 7 both ways (the
 //!   `mux-equal` variant: the same session with priority 0 for all).
+//! * `idle rtt` (transports `mux-idle`, `net-idle`): the same round trips
+//!   with the other channels open and silent — the latency a priority
+//!   channel has to keep when bulk saturates the link.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -42,6 +45,17 @@ const STEP: Duration = Duration::from_secs(10);
 /// Queue depth of every channel.
 const DEPTH: u32 = 64;
 
+/// What the channels do during one measurement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Load {
+    /// Every channel saturates (throughput).
+    Bulk,
+    /// Channel 0 does round trips while the others saturate.
+    Probe,
+    /// Channel 0 does round trips; the others are silent.
+    Idle,
+}
+
 /// How the channels travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Transport {
@@ -59,6 +73,15 @@ impl Transport {
             Transport::Mux => "mux",
             Transport::MuxEqual => "mux-equal",
             Transport::Net => "net",
+        }
+    }
+
+    /// The transport's name on its idle round-trip row.
+    fn idle_name(self) -> &'static str {
+        match self {
+            Transport::Mux => "mux-idle",
+            Transport::MuxEqual => "mux-equal-idle",
+            Transport::Net => "net-idle",
         }
     }
 }
@@ -91,13 +114,16 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let mut gbit: Vec<Vec<f64>> = vec![Vec::new(); kinds.len()];
     let mut rtt: Vec<Vec<f64>> = vec![Vec::new(); kinds.len()];
     let mut loaded: Vec<Vec<f64>> = vec![Vec::new(); kinds.len()];
+    let mut idle: Vec<Vec<f64>> = vec![Vec::new(); kinds.len()];
     for _round in 0..runs {
         for (k, &kind) in kinds.iter().enumerate() {
             if kind != Transport::MuxEqual {
-                let (g, _) = measure(kind, n, size, window, false).map_err(CliError::Failed)?;
+                let (g, _) = measure(kind, n, size, window, Load::Bulk).map_err(CliError::Failed)?;
                 gbit[k].push(g);
+                let (_, samples) = measure(kind, n, size, window, Load::Idle).map_err(CliError::Failed)?;
+                idle[k].extend(samples);
             }
-            let (g, samples) = measure(kind, n, size, window, true).map_err(CliError::Failed)?;
+            let (g, samples) = measure(kind, n, size, window, Load::Probe).map_err(CliError::Failed)?;
             loaded[k].push(g);
             rtt[k].extend(samples);
         }
@@ -106,6 +132,16 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         let head = |unit| Head {
             experiment: "demux",
             backend: kind.name(),
+            size,
+            trust: "full",
+            mode: "selector",
+            touch: false,
+            runs,
+            unit,
+        };
+        let idle_head = |unit| Head {
+            experiment: "demux",
+            backend: kind.idle_name(),
             size,
             trust: "full",
             mode: "selector",
@@ -124,6 +160,13 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                 "channels": n, "inflight": window, "bulk_gbit_s_median": crate::stats::round(bulk),
             });
             ctx.emit(Point::new(head("us"), s, Some(0), extra));
+        }
+        if let Some(s) = Summary::of(&idle[k]) {
+            let extra = json!({
+                "variant": format!("idle rtt of {PROBE_SIZE} B, {} channels open and silent", n - 1),
+                "channels": n, "inflight": window,
+            });
+            ctx.emit(Point::new(idle_head("us"), s, Some(0), extra));
         }
     }
     Ok(())
@@ -183,10 +226,12 @@ fn connect(kind: Transport, n: usize) -> Result<Rig, String> {
 }
 
 /// One measurement: (aggregate Gbit/s of the bulk channels, round-trip
-/// times of channel 0 in µs if `probe`, else none: channel 0 is bulk too).
+/// times of channel 0 in µs unless `load` is [`Load::Bulk`], where channel 0
+/// is bulk too).
 /// Each side is one thread with a `Selector` over all of its channels, as
 /// an event loop serving many channels would be.
-fn measure(kind: Transport, n: usize, size: usize, window: usize, probe: bool) -> Result<(f64, Vec<f64>), String> {
+fn measure(kind: Transport, n: usize, size: usize, window: usize, load: Load) -> Result<(f64, Vec<f64>), String> {
+    let probe = load != Load::Bulk;
     let Rig { mut client, echo, _sessions } = connect(kind, n)?;
     let stop = Arc::new(AtomicBool::new(false));
     let echo = {
@@ -199,7 +244,7 @@ fn measure(kind: Transport, n: usize, size: usize, window: usize, probe: bool) -
             .enumerate()
             .map(|(i, ch)| if probe && i == 0 { assign(ch, 2, PROBE_SIZE) } else { assign(ch, window, size) })
             .collect::<Result<Vec<_>, String>>()?;
-        drive(client, &allocs, size, probe)
+        drive(client, &allocs, size, load)
     })();
     stop.store(true, Ordering::Relaxed);
     let _ = echo.join();
@@ -218,10 +263,12 @@ fn assign(ch: &mut Channel, count: usize, size: usize) -> Result<Allocator, Stri
 }
 
 /// Keep every buffer of each bulk channel's pool in flight for the
-/// warm-up and the measurement; with `probe`, channel 0 does one round trip
-/// after another meanwhile. The Gbit/s of bulk that came back after the
-/// warm-up, and the probe's round-trip times (µs).
-fn drive(chans: Vec<Channel>, allocs: &[Allocator], size: usize, probe: bool) -> Result<(f64, Vec<f64>), String> {
+/// warm-up and the measurement (none with [`Load::Idle`]); unless `load` is
+/// [`Load::Bulk`], channel 0 does one round trip after another meanwhile.
+/// The Gbit/s of bulk that came back after the warm-up, and the probe's
+/// round-trip times (µs).
+fn drive(chans: Vec<Channel>, allocs: &[Allocator], size: usize, load: Load) -> Result<(f64, Vec<f64>), String> {
+    let probe = load != Load::Bulk;
     let mut sel = Selector::new().map_err(|e| e.to_string())?;
     let keys: Vec<usize> = chans.into_iter().map(|ch| sel.insert(ch)).collect();
     let t0 = Instant::now();
@@ -230,7 +277,7 @@ fn drive(chans: Vec<Channel>, allocs: &[Allocator], size: usize, probe: bool) ->
     let mut samples = Vec::new();
     let mut probe_out: Option<Instant> = None;
     // Channels whose buffers came back (or whose queue was full): top up.
-    let mut refill = vec![true; keys.len()];
+    let mut refill = vec![load != Load::Idle; keys.len()];
     while t0.elapsed() < WARMUP + MEASURE {
         if counted.is_none() && t0.elapsed() >= WARMUP {
             counted = Some((Instant::now(), back));

@@ -9,7 +9,7 @@ use crate::backend::setup_msg;
 pub const MUX_HEAD: usize = 16;
 /// Largest payload chunk: a priority frame waits for at most one.
 pub const MAX_CHUNK: usize = 64 << 10;
-pub(super) const MAGIC: &[u8; 8] = b"FERRYMX1";
+pub(super) const MAGIC: &[u8; 8] = b"FERRYMX2";
 
 /// Frame kinds.
 pub(crate) const K_MESSAGE: u8 = 1;
@@ -20,6 +20,7 @@ pub(crate) const K_REPLY: u8 = 5;
 pub(crate) const K_CLOSE: u8 = 6;
 pub(crate) const K_KEEPALIVE: u8 = 7;
 pub(crate) const K_GOODBYE: u8 = 8;
+pub(crate) const K_READ: u8 = 9;
 pub(super) const FLAG_ABORT: u8 = 1;
 
 /// The TCP backend's message frame header (see `backend/net.rs`).
@@ -32,7 +33,7 @@ pub(super) const FLAG_PAYLOAD: u8 = 2;
 /// A decoded frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MuxHead {
-    /// The frame kind (1 ..= 8).
+    /// The frame kind (1 ..= 9).
     pub kind: u8,
     /// Flags (close: abort).
     pub flags: u8,
@@ -40,7 +41,8 @@ pub struct MuxHead {
     pub channel: u32,
     /// Bytes of body that follow.
     pub len: u32,
-    /// Credit granted (credit frames).
+    /// Credit granted (credit frames), or bytes of the stream read
+    /// (read reports).
     pub credit: u32,
 }
 
@@ -81,20 +83,20 @@ impl MuxHead {
             return bad("reserved bytes set");
         }
         let len = head.len as usize;
-        let session = matches!(head.kind, K_KEEPALIVE | K_GOODBYE);
+        let session = matches!(head.kind, K_KEEPALIVE | K_GOODBYE | K_READ);
         if session != (head.channel == 0) {
             return bad("channel 0 is the session's, and only its");
         }
         if head.flags != 0 && !(head.kind == K_CLOSE && head.flags == FLAG_ABORT) {
             return bad("unknown flags");
         }
-        if head.credit != 0 && head.kind != K_CREDIT {
+        if head.credit != 0 && !matches!(head.kind, K_CREDIT | K_READ) {
             return bad("credit on a frame that grants none");
         }
         let ok = match head.kind {
             K_MESSAGE => (MSG_HEAD..=MSG_HEAD + proto::MAX_META_SIZE).contains(&len),
             K_CHUNK => (1..=MAX_CHUNK).contains(&len),
-            K_CREDIT => len == 0 && head.credit > 0,
+            K_CREDIT | K_READ => len == 0 && head.credit > 0,
             K_OPEN | K_REPLY => (1..=setup_msg::MAX_LEN).contains(&len),
             K_CLOSE | K_KEEPALIVE | K_GOODBYE => len == 0,
             _ => return bad("unknown kind"),
@@ -124,8 +126,8 @@ mod tests {
 
         /// Valid headers of every kind survive the round trip.
         #[test]
-        fn valid_heads_round_trip(kind in 1u8..=8, channel in 1u32.., len in 0u32..70_000, credit in 0u32..5) {
-            let session = matches!(kind, K_KEEPALIVE | K_GOODBYE);
+        fn valid_heads_round_trip(kind in 1u8..=9, channel in 1u32.., len in 0u32..70_000, credit in 0u32..5) {
+            let session = matches!(kind, K_KEEPALIVE | K_GOODBYE | K_READ);
             let head = MuxHead { kind, flags: 0, channel: if session { 0 } else { channel }, len, credit };
             if let Ok(back) = MuxHead::decode(&head.encode()) {
                 prop_assert_eq!(back, head);
@@ -137,9 +139,11 @@ mod tests {
     fn decode_checks_each_field() {
         let ok = MuxHead { kind: K_CHUNK, flags: 0, channel: 3, len: 100, credit: 0 };
         assert_eq!(MuxHead::decode(&ok.encode()), Ok(ok));
+        let read = MuxHead { kind: K_READ, flags: 0, channel: 0, len: 0, credit: 65536 };
+        assert_eq!(MuxHead::decode(&read.encode()), Ok(read));
         for bad in [
             MuxHead { kind: 0, ..ok },
-            MuxHead { kind: 9, ..ok },
+            MuxHead { kind: 10, ..ok },
             MuxHead { len: 0, ..ok },
             MuxHead { len: MAX_CHUNK as u32 + 1, ..ok },
             MuxHead { channel: 0, ..ok },
@@ -147,6 +151,9 @@ mod tests {
             MuxHead { credit: 1, ..ok },
             MuxHead { kind: K_KEEPALIVE, channel: 1, len: 0, ..ok },
             MuxHead { kind: K_CREDIT, len: 0, credit: 0, ..ok },
+            MuxHead { kind: K_READ, channel: 0, len: 0, credit: 0, ..ok },
+            MuxHead { kind: K_READ, channel: 1, len: 0, credit: 5, ..ok },
+            MuxHead { kind: K_READ, channel: 0, len: 4, credit: 5, ..ok },
             MuxHead { kind: K_MESSAGE, len: 31, ..ok },
             MuxHead { kind: K_OPEN, len: setup_msg::MAX_LEN as u32 + 1, ..ok },
         ] {

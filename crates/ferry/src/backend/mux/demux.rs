@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use super::codec::{
-    MuxHead, FLAG_ABORT, FLAG_PAYLOAD, K_CLOSE, K_CREDIT, K_GOODBYE, K_KEEPALIVE, K_MESSAGE, K_OPEN, K_REPLY, MSG_HEAD,
-    TYPE_COPY, TYPE_MOVE, TYPE_PASS,
+    MuxHead, FLAG_ABORT, FLAG_PAYLOAD, K_CLOSE, K_CREDIT, K_GOODBYE, K_KEEPALIVE, K_MESSAGE, K_OPEN, K_READ, K_REPLY,
+    MSG_HEAD, TYPE_COPY, TYPE_MOVE, TYPE_PASS,
 };
 use super::session::{Chan, ChanState, Inner, LinkPool, CREDIT_SLACK, MAX_UNCLAIMED};
 use super::wire::RxState;
@@ -90,6 +90,14 @@ impl Inner {
             K_KEEPALIVE => Ok(()),
             K_GOODBYE => {
                 self.goodbye_seen = true;
+                Ok(())
+            }
+            K_READ => {
+                let read = self.counters.bytes_reported_read + u64::from(head.credit);
+                if read > self.counters.bytes_sent {
+                    return Err(Error::Protocol("a read report beyond the bytes sent".into()));
+                }
+                self.counters.bytes_reported_read = read;
                 Ok(())
             }
             K_OPEN => {
@@ -259,7 +267,7 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::mux::codec::K_CHUNK;
+    use crate::backend::mux::codec::{K_CHUNK, MUX_HEAD};
     use crate::backend::mux::MuxSession;
     use crate::backend::PayloadGate;
     use crate::pool::{Geometry, PoolId, PoolMemory};
@@ -286,6 +294,10 @@ mod tests {
         crate::fuzzing::mux_stream_from_peer(&stream);
         crate::fuzzing::mux_stream_from_peer(&[3, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]);
         crate::fuzzing::mux_stream_from_peer(&[]);
+        let mut reports = vec![0u8];
+        reports.extend_from_slice(&MuxHead { kind: K_READ, flags: 0, channel: 0, len: 0, credit: 16 }.encode());
+        reports.extend_from_slice(&MuxHead { kind: K_READ, flags: 0, channel: 1, len: 0, credit: 16 }.encode());
+        crate::fuzzing::mux_stream_from_peer(&reports);
     }
 
     struct LandAll;
@@ -354,6 +366,26 @@ mod tests {
         assert!(matches!(two, Some(Message::Move { buf, .. }) if buf.index == 0));
         let one = links[0].recv(&mut LandAll).unwrap();
         assert!(matches!(one, Some(Message::Move { buf, .. }) if buf.index == 1));
+    }
+
+    /// A read report counts what the peer read of our stream; one beyond
+    /// the bytes we wrote is a protocol error.
+    #[test]
+    fn a_read_report_beyond_the_bytes_sent_is_a_protocol_error() {
+        use std::io::{Read, Write};
+        let (session, mut theirs, mut links, _pools) = two_channels();
+        // 16 bytes from us: a credit grant (channel 1 takes two messages).
+        session.lock().queue_ctrl(K_CREDIT, 1, Vec::new(), 2);
+        links[0].flush().unwrap();
+        let mut grant = [0u8; MUX_HEAD];
+        theirs.read_exact(&mut grant).unwrap();
+        assert_eq!(session.stats().bytes_sent, MUX_HEAD as u64);
+        theirs.write_all(&MuxHead { credit: 16, ..MuxHead::new(K_READ, 0, 0) }.encode()).unwrap();
+        assert_eq!(links[0].recv(&mut LandAll).unwrap(), None);
+        assert_eq!(session.stats().bytes_reported_read, MUX_HEAD as u64);
+        theirs.write_all(&MuxHead { credit: 1, ..MuxHead::new(K_READ, 0, 0) }.encode()).unwrap();
+        assert!(matches!(links[1].recv(&mut LandAll), Err(Error::Protocol(_))));
+        assert!(matches!(links[0].recv(&mut LandAll), Err(Error::Protocol(_))));
     }
 
     #[test]

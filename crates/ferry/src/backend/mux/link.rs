@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::codec::{MuxHead, FLAG_ABORT, FLAG_PAYLOAD, K_CREDIT, K_MESSAGE, MSG_HEAD};
-use super::session::{OutMsg, Span, CLOSE_FLUSH};
+use super::session::{Inner, OutMsg, Span, CLOSE_FLUSH};
 use super::wire::poll_out;
 use super::MuxSession;
 use crate::backend::{Link, LinkStats, PayloadGate};
@@ -27,6 +27,9 @@ pub(super) struct MuxLink {
     pub(super) died: bool,
     /// The counters as they were when the channel closed.
     pub(super) final_stats: LinkStats,
+    /// What the channel's wake set watches the session's socket for
+    /// (`None`: not known).
+    pub(super) watching: Option<Interest>,
 }
 
 impl MuxLink {
@@ -40,21 +43,26 @@ impl MuxLink {
             depth,
             died: false,
             final_stats: LinkStats::default(),
+            watching: None,
         }
     }
 }
 
 impl Link for MuxLink {
     fn has_room(&mut self) -> bool {
-        let mut inner = self.session.lock();
-        let _ = inner.pump_write();
-        inner.chans.get(&self.id).is_some_and(|c| c.outq.len() < c.depth)
+        self.room() > 0
     }
 
     fn room(&mut self) -> usize {
         let mut inner = self.session.lock();
         let _ = inner.pump_write();
-        inner.chans.get(&self.id).map_or(0, |c| c.depth.saturating_sub(c.outq.len()))
+        let room = |inner: &Inner| inner.chans.get(&self.id).map_or(0, |c| c.depth.saturating_sub(c.outq.len()));
+        if room(&inner) == 0 {
+            // The queue may wait for the peer's read reports: read them
+            // (a sender that never polls must not stall).
+            let _ = inner.pump_read(None);
+        }
+        room(&inner)
     }
 
     fn capacity(&self) -> usize {
@@ -123,7 +131,9 @@ impl Link for MuxLink {
         let inner = self.session.lock();
         let chan = inner.chans.get(&self.id).ok_or(Error::PeerGone)?;
         wake.watch(chan.bell.fd().as_fd(), Interest::Read)?;
+        self.watching = None;
         wake.watch(inner.stream.as_fd(), Interest::Read)?;
+        self.watching = Some(Interest::Read);
         Ok(())
     }
 
@@ -139,21 +149,26 @@ impl Link for MuxLink {
             wake.unwatch(chan.bell.fd().as_fd());
         }
         wake.unwatch(inner.stream.as_fd());
+        self.watching = None;
     }
 
     fn arm(&mut self, wake: &WakeSet) -> Arm {
         let mut guard = self.session.lock();
         let inner = &mut *guard;
-        if inner.pump_read(Some(self.id)).is_err() {
+        // A socket the last read found empty need not be read again: the
+        // wake set watches it, so whatever came meanwhile wakes it at once.
+        if !inner.dry && inner.pump_read(Some(self.id)).is_err() {
             return Arm::Ready;
         }
         let Some(chan) = inner.chans.get_mut(&self.id) else { return Arm::Ready };
-        if !chan.inq.is_empty() || chan.peer_closed.is_some() {
+        if !chan.inq.is_empty() || chan.peer_closed.is_some() || inner.gone.is_some() {
             return Arm::Ready;
         }
-        let _ = chan.bell.reset();
+        if std::mem::take(&mut chan.rung) {
+            let _ = chan.bell.reset();
+        }
         chan.armed = true;
-        match inner.arm_socket(wake) {
+        match inner.arm_socket(wake, &mut self.watching) {
             Some(until) => Arm::Sleep { until: Some(until) },
             None => Arm::Ready,
         }
@@ -214,9 +229,10 @@ impl Link for MuxLink {
                 }
                 break;
             }
+            let out = inner.wants_write();
             drop(inner);
             let Some(left) = deadline.checked_duration_since(Instant::now()) else { break };
-            let _ = poll_out(&stream, left.min(Duration::from_millis(50)));
+            let _ = poll_out(&stream, out, left.min(Duration::from_millis(50)));
         }
     }
 
@@ -269,6 +285,8 @@ impl MuxLink {
         }
         if !last && chan.outq.len() >= chan.depth {
             inner.pump_write()?;
+            // Read reports may let held bulk go (see `room`).
+            let _ = inner.pump_read(None);
             let chan = inner.chans.get_mut(&self.id).ok_or(Error::PeerGone)?;
             if chan.outq.len() >= chan.depth {
                 return Err(Error::QueueFull);

@@ -53,8 +53,17 @@
 //! (`TCP_NOTSENT_LOWAT`), and its send buffer is kept small
 //! ([`SEND_BUFFER`]). What the peer's kernel has received and its
 //! application not yet read is ahead of a priority frame too: the
-//! receiver reads the stream in order. A channel's priority also orders
-//! reading: a poll of a channel that reads the connection for its own
+//! receiver reads the stream in order. So the session also keeps a *bulk
+//! budget* ([`MuxSession::set_bulk_budget`], default [`BULK_BUDGET`]): the
+//! receiver reports the bytes it has read from the connection (a *read
+//! report* every [`READ_REPORT_EVERY`] bytes), and the sender commits a
+//! frame of a bulk channel (priority 0) only while the bytes on their way
+//! — committed, not yet reported read — stay within the budget. Frames of
+//! channels of higher priority and the session's own frames are never
+//! held. What a priority frame queues behind, in the sender's queue and
+//! in both kernels together, is then at most the budget, plus frames of
+//! priority channels and of the session committed before it. A channel's
+//! priority also orders reading: a poll of a channel that reads the connection for its own
 //! message stops once a message of a channel of higher priority is
 //! complete (that channel's doorbell rings), so an application's loop gets
 //! back to its priority channel instead of reading on through bulk.
@@ -91,22 +100,30 @@
 //!   that the scheduler can no longer reorder. `TCP_NOTSENT_LOWAT` bounds
 //!   exactly those (HTTP/2 servers use it for the same reason), whatever
 //!   the send buffer holds of bytes sent and not yet acknowledged.
+//! - *A budget at the sender, not a small receive buffer.* The receiver's
+//!   kernel fills with whatever the sender wrote until its application
+//!   reads it; a small receive buffer bounds that, but it also closes the
+//!   TCP window on the bulk channels whenever the reader is late, and
+//!   (measured on loopback) made priority round trips longer, not shorter.
+//!   The sender knows which frames are bulk and can hold exactly those;
+//!   the read reports cost one 16-byte frame per [`READ_REPORT_EVERY`]
+//!   bytes read.
 //! - *Header read-ahead.* Each body or chunk is read together with the next
 //!   frame's header (into the session's own 16 bytes, never into a
 //!   buffer), so a stream of frames costs one `recvmsg` each.
 //!
-//! # Wire format, version 1 (little endian)
+//! # Wire format, version 2 (little endian)
 //!
-//! Both ends first send the 8 bytes `FERRYMX1`. Then frames:
+//! Both ends first send the 8 bytes `FERRYMX2`. Then frames:
 //!
 //! | offset | size | field |
 //! |---|---|---|
-//! | 0 | 1 | kind: 1 message, 2 payload chunk, 3 credit, 4 open, 5 open reply, 6 close, 7 keep-alive, 8 goodbye |
+//! | 0 | 1 | kind: 1 message, 2 payload chunk, 3 credit, 4 open, 5 open reply, 6 close, 7 keep-alive, 8 goodbye, 9 read report |
 //! | 1 | 1 | flags: close: bit 0 abort (the sender's end failed) |
 //! | 2 | 2 | zero |
-//! | 4 | 4 | channel (0 for keep-alive and goodbye, which are the session's) |
+//! | 4 | 4 | channel (0 for keep-alive, goodbye and read report, which are the session's) |
 //! | 8 | 4 | body length |
-//! | 12 | 4 | credit: messages granted (credit frames) |
+//! | 12 | 4 | credit: messages granted (credit frames), bytes read (read reports); zero otherwise |
 //! | 16 | body length | body |
 //!
 //! - *message*: the body is a TCP-backend frame header and meta (32 bytes
@@ -125,10 +142,19 @@
 //!   holds are lost.
 //! - *keep-alive*: sent when nothing else went out for a quarter of the
 //!   peer timeout; *goodbye*: the session ends on purpose.
+//! - *read report*: the sender of the report has read this many more bytes
+//!   of the stream (counted from the first byte after the magic, every
+//!   frame whole: headers, bodies, chunks). A receiver reports as soon as
+//!   it has read [`READ_REPORT_EVERY`] bytes or more since its last report
+//!   (without a body, at least one byte); reports never add up to more
+//!   than the bytes the peer wrote. A sender must not rely on a report
+//!   for fewer than [`READ_REPORT_EVERY`] bytes, so it never keeps less
+//!   than [`MIN_BULK_BUDGET`] on the way.
 //!
 //! Anything else — an unknown kind, lengths that do not fit the kind, a
 //! frame for a channel that was never opened, a chunk without a message,
-//! a message beyond the credit, a payload the gate refuses — is a protocol
+//! a message beyond the credit, a payload the gate refuses, a read report
+//! beyond the bytes written — is a protocol
 //! error: the session stops, every channel on it fails with
 //! [`Error::Protocol`] on the receiving side, and the peer sees its
 //! connection end. The end of the stream without a goodbye fails every
@@ -155,7 +181,7 @@ use codec::MAGIC;
 use session::Inner;
 
 pub use codec::{MuxHead, MAX_CHUNK, MUX_HEAD};
-pub use wire::{SEND_BUFFER, UNSENT_LOW_WATER};
+pub use wire::{BULK_BUDGET, MIN_BULK_BUDGET, READ_REPORT_EVERY, SEND_BUFFER, UNSENT_LOW_WATER};
 
 // ------------------------------------------------------------------ session
 
@@ -304,9 +330,77 @@ impl MuxSession {
         self.shared.peer
     }
 
+    /// What this side sends: keep at most `bytes` on their way before a
+    /// frame of bulk (a channel at priority 0) goes out — bytes committed
+    /// to the connection that the peer has not yet reported read (see the
+    /// module docs). Frames of a channel of higher priority, and the
+    /// session's own, are never held; what they queue behind in both
+    /// kernels is at most this. Default [`BULK_BUDGET`], chosen on
+    /// loopback; at least [`MIN_BULK_BUDGET`] (smaller values are raised to
+    /// it), `usize::MAX` for no budget.
+    ///
+    /// The budget is bulk's window: at most one budget goes per round trip
+    /// of the connection (and of the peer's event loop). 256 KiB over a
+    /// 1 ms round trip is at most about 2 Gbit/s of bulk, so a session
+    /// over a long or fast path wants about its bandwidth times its round
+    /// trip; smaller budgets keep priority round trips shorter.
+    ///
+    /// ```
+    /// # let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    /// # let addr = listener.local_addr()?;
+    /// # let t = std::time::Duration::from_secs(10);
+    /// # let other = std::thread::spawn(move || ferry::MuxSession::connect(addr, ferry::NetOptions::default(), t));
+    /// use ferry::backend::mux::{BULK_BUDGET, MIN_BULK_BUDGET};
+    ///
+    /// let session = ferry::MuxSession::accept(&listener, ferry::NetOptions::default(), t)?;
+    /// assert_eq!(session.bulk_budget(), BULK_BUDGET);
+    /// session.set_bulk_budget(4 << 20); // 10 Gbit/s over about 3 ms
+    /// assert_eq!(session.bulk_budget(), 4 << 20);
+    /// session.set_bulk_budget(0);
+    /// assert_eq!(session.bulk_budget(), MIN_BULK_BUDGET);
+    /// # drop(other.join().unwrap()?);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_bulk_budget(&self, bytes: usize) {
+        self.lock().budget = bytes.max(MIN_BULK_BUDGET);
+    }
+
+    /// The session's bulk budget (see [`MuxSession::set_bulk_budget`]).
+    pub fn bulk_budget(&self) -> usize {
+        self.lock().budget
+    }
+
+    /// The session's counters so far.
+    pub fn stats(&self) -> MuxStats {
+        self.lock().counters
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.shared.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// A session's counters ([`MuxSession::stats`]). Bytes count every frame
+/// after the magic: headers, bodies and payload.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MuxStats {
+    /// Bytes written to the connection.
+    pub bytes_sent: u64,
+    /// Bytes read from the connection.
+    pub bytes_received: u64,
+    /// Bytes of `bytes_sent` the peer has reported read.
+    pub bytes_reported_read: u64,
+    /// Bytes of `bytes_received` reported to the peer.
+    pub bytes_reported_to_peer: u64,
+    /// Times the scheduler stopped with bulk ready because the bulk budget
+    /// was spent.
+    pub budget_holds: u64,
+    /// The most bytes on their way (committed to the connection, not
+    /// reported read by the peer, less the frames it overtook) when a
+    /// frame of a channel above priority 0 was committed: what that frame
+    /// queued behind, in our wire queue and both kernels, plus at most
+    /// [`READ_REPORT_EVERY`] the peer had read and not reported yet.
+    pub max_ahead_of_priority: u64,
 }
 
 /// The endpoint of one logical channel of a [`MuxSession`].

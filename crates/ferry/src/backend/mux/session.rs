@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use super::codec::{MuxHead, K_CHUNK, K_CLOSE, MAX_CHUNK, MSG_HEAD, MUX_HEAD};
 use super::demux::Incoming;
-use super::wire::RxState;
+use super::wire::{RxState, BULK_BUDGET};
+use super::MuxStats;
 use crate::backend::{LinkStats, PayloadGate};
 use crate::error::{Error, Result};
 use crate::pool::{BufferId, Geometry, PoolMap, PoolMemory};
@@ -83,6 +84,8 @@ pub(super) struct Chan {
     pub(super) allowed: usize,
     pub(super) bell: Doorbell,
     pub(super) armed: bool,
+    /// The doorbell rang since it was last reset.
+    pub(super) rung: bool,
     /// The peer closed its end (`true`: it failed).
     pub(super) peer_closed: Option<bool>,
     /// Our end closed: a close frame follows what is queued.
@@ -114,6 +117,7 @@ impl Chan {
             allowed: 0,
             bell: Doorbell::new()?,
             armed: false,
+            rung: false,
             peer_closed: None,
             close_queued: None,
             close_sent: false,
@@ -126,12 +130,13 @@ impl Chan {
     pub(super) fn wake(&mut self) {
         if self.armed {
             self.armed = false;
+            self.rung = true;
             self.bell.ring();
         }
     }
 
-    /// Whether the channel has a frame to send now: `Some(true)` a chunk
-    /// or close (no credit needed), `Some(false)` a message.
+    /// Whether the channel has a frame to send now (a chunk, a message it
+    /// has credit for, or its close).
     pub(super) fn ready(&self) -> bool {
         if self.sending.is_some() {
             return true;
@@ -140,6 +145,22 @@ impl Chan {
             Some(m) => m.last || self.credit > 0,
             None => self.close_queued.is_some() && !self.close_sent,
         }
+    }
+
+    /// The length on the wire of the channel's next frame (when it is
+    /// [`ready`](Chan::ready)).
+    pub(super) fn next_len(&self) -> usize {
+        match (&self.sending, self.outq.front()) {
+            (Some((span, sent)), _) => MUX_HEAD + (span.len - sent).min(MAX_CHUNK),
+            (None, Some(m)) => m.head.len(),
+            (None, None) => MUX_HEAD,
+        }
+    }
+
+    /// Whether the channel's frames are bulk: held by the session's bulk
+    /// budget (priority 0, the default).
+    pub(super) fn bulk(&self) -> bool {
+        self.priority == 0
     }
 }
 
@@ -183,6 +204,18 @@ pub(super) struct Inner {
     pub(super) landed: Option<u8>,
     /// The session is over: the error, and whether the peer counts as dead.
     pub(super) gone: Option<(Error, bool)>,
+    /// The last read found the socket empty (nothing was read since).
+    pub(super) dry: bool,
+    /// When the session started: deadlines are rounded from it.
+    pub(super) epoch: Instant,
+    /// Bytes of bulk frames that may be on their way (committed and not
+    /// yet reported read by the peer) before the next one is held.
+    pub(super) budget: usize,
+    /// Bytes committed to the wire so far (every frame).
+    pub(super) committed: u64,
+    /// The session's counters: bytes written, read, reported read by the
+    /// peer and to it, and what the bulk budget did.
+    pub(super) counters: MuxStats,
 }
 
 impl Inner {
@@ -213,6 +246,11 @@ impl Inner {
             goodbye_seen: false,
             landed: None,
             gone: None,
+            dry: false,
+            epoch: now,
+            budget: BULK_BUDGET,
+            committed: 0,
+            counters: MuxStats::default(),
         })
     }
 
@@ -254,15 +292,34 @@ impl Inner {
     }
 
     pub(super) fn has_output(&self) -> bool {
-        !self.wire.is_empty() || !self.ctrl.is_empty() || self.chans.values().any(Chan::ready)
+        self.wants_write() || self.chans.values().any(Chan::ready)
+    }
+
+    /// Whether frames wait for the socket to take them (not for the
+    /// scheduler, credit or the bulk budget).
+    pub(super) fn wants_write(&self) -> bool {
+        !self.wire.is_empty() || !self.ctrl.is_empty()
+    }
+
+    /// Bytes committed to the wire that the peer has not reported read:
+    /// what is still in our wire queue, in both kernels, or read by the
+    /// peer since its last report.
+    pub(super) fn on_the_way(&self) -> u64 {
+        self.committed - self.counters.bytes_reported_read
+    }
+
+    /// Whether the bulk budget holds a frame of `len` bytes back.
+    fn held(&self, len: usize) -> bool {
+        self.on_the_way() + len as u64 > self.budget as u64
     }
 
     /// The next channel to send from: highest priority, round-robin among
-    /// equals (the first after the one served last).
+    /// equals (the first after the one served last). A bulk channel whose
+    /// next frame the budget holds back is skipped.
     pub(super) fn pick(&self) -> Option<u32> {
         let mut best: Option<(u8, bool, u32)> = None;
         for (&id, chan) in &self.chans {
-            if !chan.ready() {
+            if !chan.ready() || (chan.bulk() && self.held(chan.next_len())) {
                 continue;
             }
             // Among equals, ids after the last served come first, then the
@@ -322,10 +379,16 @@ impl Inner {
                     break;
                 }
                 let f = self.ctrl.pop_front().expect("not empty");
+                self.committed += f.len() as u64;
                 self.wire.push_back(f);
                 continue;
             }
-            let Some(id) = self.pick() else { break };
+            let Some(id) = self.pick() else {
+                if self.chans.values().any(Chan::ready) {
+                    self.counters.budget_holds += 1;
+                }
+                break;
+            };
             if self.committed_ahead_of(self.chans.get(&id).map(|c| c.priority)) {
                 break;
             }
@@ -339,6 +402,14 @@ impl Inner {
             while at > floor && self.wire[at - 1].priority.is_some_and(|p| Some(p) < f.priority) {
                 at -= 1;
             }
+            if f.priority > Some(0) {
+                // What this frame queues behind: everything on its way but
+                // the frames it overtakes.
+                let overtaken: usize = self.wire.iter().skip(at).map(WireFrame::len).sum();
+                let ahead = self.on_the_way().saturating_sub(overtaken as u64);
+                self.counters.max_ahead_of_priority = self.counters.max_ahead_of_priority.max(ahead);
+            }
+            self.committed += f.len() as u64;
             self.wire.insert(at, f);
         }
     }
@@ -433,6 +504,9 @@ mod tests {
         let (ours, _) = listener.accept().unwrap();
         let probe = ours.try_clone().unwrap();
         let session = MuxSession::over(ours);
+        // The peer here reads without reporting: no budget, the kernel
+        // alone bounds what it takes.
+        session.set_bulk_budget(usize::MAX);
         let mut links = [session.open_link(1, 8, 64), session.open_link(2, 8, 64), session.open_link(3, 8, 64)];
         session.lock().chans.get_mut(&3).expect("open").priority = 7;
         let geometry = |size| Geometry::new(size, 16).unwrap();

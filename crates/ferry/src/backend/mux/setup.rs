@@ -170,8 +170,10 @@ impl PendingSetup for MuxPending {
         if wake.watch(chan.bell.fd().as_fd(), Interest::Read).is_err() {
             return Arm::Ready;
         }
-        inner.chans.get_mut(&self.id).expect("present").armed = true;
-        match inner.arm_socket(wake) {
+        let chan = inner.chans.get_mut(&self.id).expect("present");
+        chan.rung = false;
+        chan.armed = true;
+        match inner.arm_socket(wake, &mut None) {
             Some(until) => Arm::Sleep { until: Some(self.deadline.map_or(until, |d| d.min(until))) },
             None => Arm::Ready,
         }
