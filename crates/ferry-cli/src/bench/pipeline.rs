@@ -17,7 +17,10 @@
 //!   once (`ferry::wait_any`): buffers from upstream, returns from
 //!   downstream, whichever comes first; on each wake-up it takes everything
 //!   waiting on both and sends it on in one batch per channel (one
-//!   publication, at most one doorbell), without spinning first.
+//!   publication, at most one doorbell), without spinning first. Stage 0
+//!   fills every free buffer at once (from a source file: in one read) and
+//!   moves them on in one batch; the last stage passes its returns back in
+//!   batches. So a sleeping stage is woken per batch, not per buffer.
 //! * **pipes** (`pipe-copy`): a shell-style chain, stage i's stdout is
 //!   stage i+1's stdin; every stage moves `--size` chunks with read()
 //!   (read fully) and write(); each pipe is enlarged to pipe-max-size
@@ -722,6 +725,25 @@ pub struct Forwarded {
     pub buffers: u64,
     /// Most buffers moved downstream in one wake-up.
     pub largest_batch: u64,
+    /// Buffers passed back upstream.
+    pub returns: u64,
+    /// Times those returns were let go upstream: a poll of the upstream
+    /// channel that found nothing while returns were staged (batching
+    /// publishes them then), or the flush at the end of a wake-up. (More
+    /// than 32 staged are also published in parts of 32 on the way.)
+    pub return_publications: u64,
+}
+
+/// Poll the upstream channel of a middle stage; a poll that finds nothing
+/// publishes what batching holds there: the `staged` returns, counted in
+/// `published` if there were any.
+fn poll_side(ch: &mut Channel, staged: &mut u64, published: &mut u64) -> Option<Event> {
+    let ev = ch.poll();
+    if ev.is_none() && *staged > 0 {
+        *published += 1;
+        *staged = 0;
+    }
+    ev
 }
 
 /// A middle stage: waits on both channels at once; on each wake-up takes
@@ -764,8 +786,13 @@ pub fn forwarder(
             }
             continue;
         };
-        // Everything already waiting on either channel, then one flush each.
+        // Everything already waiting on either channel, then one flush
+        // each. It stays with the channel it took the last event from while
+        // that one has more: polling the other channel empty publishes what
+        // is staged there, so switching after every event would send the
+        // returns upstream one by one.
         let mut batch = 0u64;
+        let mut returns = 0u64;
         let mut next = Some(first);
         while let Some((i, ev)) = next {
             if i == 0 {
@@ -781,18 +808,33 @@ pub fn forwarder(
                 batch += u64::from(moved);
             } else {
                 match ev {
-                    Event::BufferPassed { buffer, meta } => send_when_room(buffer, false, |b| inn.pass(b, &meta))?,
+                    Event::BufferPassed { buffer, meta } => {
+                        send_when_room(buffer, false, |b| inn.pass(b, &meta))?;
+                        returns += 1;
+                        done.returns += 1;
+                    }
                     Event::Error(e) => return Err(e.into()),
                     other => return Err(stage_got("forwarder (downstream)", &other)),
                 }
             }
-            next = match inn.poll() {
-                Some(ev) => Some((0, ev)),
-                None => out.poll().map(|ev| (1, ev)),
+            let mut from_inn = |inn: &mut Channel| poll_side(inn, &mut returns, &mut done.return_publications);
+            next = if i == 0 {
+                match from_inn(&mut inn) {
+                    Some(ev) => Some((0, ev)),
+                    None => out.poll().map(|ev| (1, ev)),
+                }
+            } else {
+                match out.poll() {
+                    Some(ev) => Some((1, ev)),
+                    None => from_inn(&mut inn).map(|ev| (0, ev)),
+                }
             };
         }
         out.flush()?;
         inn.flush()?;
+        if returns > 0 {
+            done.return_publications += 1;
+        }
         done.buffers += batch;
         done.largest_batch = done.largest_batch.max(batch);
     }
@@ -915,7 +957,8 @@ mod tests {
 
     /// Eight buffers wait upstream when the middle stage starts: it moves
     /// all eight on in its first wake-up, in one batch, and the consumer
-    /// finds all eight there at once.
+    /// finds all eight there at once; their eight returns, passed back
+    /// together, go upstream together too (one publication).
     #[test]
     fn a_middle_stage_forwards_everything_waiting_in_one_wake_up() {
         let (a, b, c) = (Domain::new("up"), Domain::new("middle"), Domain::new("down"));
@@ -949,14 +992,20 @@ mod tests {
             down.pass(buffer, &meta).unwrap();
         }
         down.flush().unwrap();
-        // Every buffer comes home through the middle stage; then close the chain.
-        let t0 = Instant::now();
-        while alloc.available() < 8 {
-            assert!(t0.elapsed() < STEP, "buffers did not come back");
-            if let Some(Event::BufferPassed { buffer, .. }) = up.wait(Some(Duration::from_millis(100))) {
-                drop(buffer);
+        // Every buffer comes home through the middle stage, all eight
+        // published upstream together; then close the chain.
+        let mut back = 0;
+        let mut ev = up.wait(Some(STEP));
+        while let Some(e) = ev {
+            match e {
+                Event::BufferPassed { buffer, .. } => drop(buffer),
+                other => panic!("expected a return, got {}", describe_event(&other)),
             }
+            back += 1;
+            ev = up.poll();
         }
+        assert_eq!(back, 8, "all eight returns visible upstream together");
+        assert_eq!(alloc.available(), 8);
         up.teardown().unwrap();
         let t0 = Instant::now();
         while !middle.is_finished() {
@@ -967,6 +1016,7 @@ mod tests {
         let done = middle.join().unwrap().unwrap();
         assert_eq!(done.buffers, 8);
         assert_eq!(done.largest_batch, 8, "{done:?}");
+        assert_eq!((done.returns, done.return_publications), (8, 1), "{done:?}");
         // One wake-up for the eight, one for the returns, one for the close
         // (returns and close may share one): never one per buffer.
         assert!(done.wakeups <= 3, "{done:?}");
