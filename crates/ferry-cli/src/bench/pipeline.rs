@@ -17,7 +17,8 @@
 //!   once (`ferry::wait_any`): buffers from upstream, returns from
 //!   downstream, whichever comes first; on each wake-up it takes everything
 //!   waiting on both and sends it on in one batch per channel (one
-//!   publication, at most one doorbell), without spinning first. Stage 0
+//!   publication, at most one doorbell), without spinning first (the
+//!   first and last stages do not spin either). Stage 0
 //!   fills every free buffer at once (from a source file: in one read) and
 //!   moves them on in one batch; the last stage passes its returns back in
 //!   batches. So a sleeping stage is woken per batch, not per buffer.
@@ -592,6 +593,10 @@ fn ferry_stage(a: &StageArgs) -> Result<(), CliError> {
 
 fn producer(a: &StageArgs, domain: &Domain, mut out: Channel) -> Result<(), CliError> {
     let busy = a.busy_poll;
+    if !busy {
+        // No spinning while it waits for returns (see the consumer).
+        out.set_spin(Duration::ZERO);
+    }
     let alloc = Allocator::new(domain, a.window as u64, a.size, PoolConstraints::default())?;
     out.assign_pool(alloc.pool())?;
     step(&mut out, "pool accepted downstream", |ev| matches!(ev, Event::PoolAssigned(_)).then_some(()))?;
@@ -854,6 +859,12 @@ fn consumer(
     // The returns go back in batches: published when nothing more is
     // waiting (the wait's first poll), with at most one doorbell.
     inn.set_batching(true)?;
+    if !busy {
+        // Sleep at once when nothing is waiting, as the middle stages do:
+        // more stages than cores, so a spinning end takes a CPU from the
+        // stages that would bring it something.
+        inn.set_spin(Duration::ZERO);
+    }
     loop {
         match next(&mut inn, busy) {
             Some(Event::PoolAssignRequest(req)) => {
