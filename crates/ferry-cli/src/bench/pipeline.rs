@@ -742,7 +742,7 @@ pub struct Forwarded {
 /// Poll the upstream channel of a middle stage; a poll that finds nothing
 /// publishes what batching holds there: the `staged` returns, counted in
 /// `published` if there were any.
-fn poll_side(ch: &mut Channel, staged: &mut u64, published: &mut u64) -> Option<Event> {
+fn poll_upstream(ch: &mut Channel, staged: &mut u64, published: &mut u64) -> Option<Event> {
     let ev = ch.poll();
     if ev.is_none() && *staged > 0 {
         *published += 1;
@@ -822,7 +822,7 @@ pub fn forwarder(
                     other => return Err(stage_got("forwarder (downstream)", &other)),
                 }
             }
-            let mut from_inn = |inn: &mut Channel| poll_side(inn, &mut returns, &mut done.return_publications);
+            let mut from_inn = |inn: &mut Channel| poll_upstream(inn, &mut returns, &mut done.return_publications);
             next = if i == 0 {
                 match from_inn(&mut inn) {
                     Some(ev) => Some((0, ev)),
