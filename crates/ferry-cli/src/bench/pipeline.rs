@@ -17,7 +17,11 @@
 //!   once (`ferry::wait_any`): buffers from upstream, returns from
 //!   downstream, whichever comes first; on each wake-up it takes everything
 //!   waiting on both and sends it on in one batch per channel (one
-//!   publication, at most one doorbell), without spinning first.
+//!   publication, at most one doorbell), without spinning first (the
+//!   first and last stages do not spin either). Stage 0
+//!   fills every free buffer at once (from a source file: in one read) and
+//!   moves them on in one batch; the last stage passes its returns back in
+//!   batches. So a sleeping stage is woken per batch, not per buffer.
 //! * **pipes** (`pipe-copy`): a shell-style chain, stage i's stdout is
 //!   stage i+1's stdin; every stage moves `--size` chunks with read()
 //!   (read fully) and write(); each pipe is enlarged to pipe-max-size
@@ -37,7 +41,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use ferry::{Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Event, PoolConstraints, Role};
+use ferry::{
+    Allocator, BindParams, Buffer, Channel, ChannelSetup, Direction, Domain, Endpoint, Event, PoolConstraints, Role,
+};
 use rustix::io::Errno;
 use serde_json::json;
 
@@ -580,13 +586,17 @@ fn ferry_stage(a: &StageArgs) -> Result<(), CliError> {
     match (inn, out) {
         (None, Some(out)) => producer(a, &domain, out),
         (Some(inn), Some(out)) => forwarder(&domain, inn, out, busy, a.touch_middle).map(|_| ()),
-        (Some(inn), None) => consumer(a, inn, busy),
+        (Some(inn), None) => consumer(a, inn, busy, &mut report),
         (None, None) => Err(CliError::Usage("a chain has at least two stages".into())),
     }
 }
 
 fn producer(a: &StageArgs, domain: &Domain, mut out: Channel) -> Result<(), CliError> {
     let busy = a.busy_poll;
+    if !busy {
+        // No spinning while it waits for returns (see the consumer).
+        out.set_spin(Duration::ZERO);
+    }
     let alloc = Allocator::new(domain, a.window as u64, a.size, PoolConstraints::default())?;
     out.assign_pool(alloc.pool())?;
     step(&mut out, "pool accepted downstream", |ev| matches!(ev, Event::PoolAssigned(_)).then_some(()))?;
@@ -596,18 +606,6 @@ fn producer(a: &StageArgs, domain: &Domain, mut out: Channel) -> Result<(), CliE
     }
     drop(bufs);
     let mut seq = 0u64;
-    let take_returns = |out: &mut Channel, block: bool| -> Result<(), CliError> {
-        let mut ev = if block { next(out, busy) } else { out.poll() };
-        while let Some(e) = ev {
-            match e {
-                Event::BufferPassed { buffer, .. } => drop(buffer),
-                Event::Error(e) => return Err(e.into()),
-                other => return Err(stage_got("producer", &other)),
-            }
-            ev = out.poll();
-        }
-        Ok(())
-    };
     for line in std::io::stdin().lock().lines() {
         line.map_err(failed("control"))?;
         // The source file, read by the kernel straight into pool buffers.
@@ -615,37 +613,83 @@ fn producer(a: &StageArgs, domain: &Domain, mut out: Channel) -> Result<(), CliE
             Some(p) => Some(ferry_io::Port::open(p).map_err(|e| CliError::Failed(e.to_string()))?),
             None => None,
         };
-        for _ in 0..per_run(a) {
-            while alloc.available() == 0 {
-                take_returns(&mut out, true)?;
-            }
-            let buf = match &mut source {
-                Some(port) => {
-                    let mut filled = port.read(&alloc, 1).map_err(|e| CliError::Failed(e.to_string()))?;
-                    match filled.pop() {
-                        Some(f) if f.len == a.size => f.buffer,
-                        _ => return Err(CliError::Failed("the source file is shorter than --total".into())),
-                    }
-                }
-                None => {
-                    let mut b = alloc.alloc().ok_or_else(|| CliError::Failed("no free buffer".into()))?;
-                    mark(b.as_mut_slice()?, seq, a.touch);
-                    b
-                }
-            };
-            send_when_room(buf, false, |b| out.move_buffer(b, &seq.to_le_bytes()))?;
-            seq += 1;
-        }
+        produce(&mut out, &alloc, source.as_mut(), &mut seq, per_run(a), a.touch, busy)?;
     }
     // End of input: every buffer home, then close the chain from here.
     while alloc.available() < a.window {
-        take_returns(&mut out, true)?;
+        take_returns(&mut out, true, busy)?;
     }
     out.teardown()?;
     while let Some(ev) = out.wait(Some(STEP)) {
         if matches!(ev, Event::Closed { .. }) {
             break;
         }
+    }
+    Ok(())
+}
+
+/// Take the returns waiting on the producer's channel (waiting for the
+/// first if `block`): their buffers go back to the free list.
+fn take_returns(out: &mut Channel, block: bool, busy: bool) -> Result<(), CliError> {
+    let mut ev = if block { next(out, busy) } else { out.poll() };
+    while let Some(e) = ev {
+        match e {
+            Event::BufferPassed { buffer, .. } => drop(buffer),
+            Event::Error(e) => return Err(e.into()),
+            other => return Err(stage_got("producer", &other)),
+        }
+        ev = out.poll();
+    }
+    Ok(())
+}
+
+/// One run of the producer: `count` buffers numbered from `*seq`, read
+/// from `source` (or marked here: `touch` writes the whole pattern) and
+/// moved down `out`. Every buffer that is free is filled at once — from
+/// the source in one read, the kernel writing straight into the pool
+/// buffers — and moved on together, with batching, so a downstream stage
+/// that sleeps is woken once for the whole batch (one publication per 32
+/// messages, at most one doorbell each), not once per buffer. It waits
+/// for returns only when no buffer is free.
+fn produce(
+    out: &mut Channel,
+    alloc: &Allocator,
+    mut source: Option<&mut ferry_io::Port>,
+    seq: &mut u64,
+    count: u64,
+    touch: bool,
+    busy: bool,
+) -> Result<(), CliError> {
+    out.set_batching(true)?;
+    let size = alloc.pool().geometry().buffer_size();
+    let mut left = count;
+    while left > 0 {
+        take_returns(out, alloc.available() == 0, busy)?;
+        let want = left.min(alloc.available() as u64) as usize;
+        let bufs: Vec<Buffer> = match &mut source {
+            Some(port) => {
+                let filled = port.read(alloc, want).map_err(|e| CliError::Failed(e.to_string()))?;
+                if filled.len() < want || filled.iter().any(|f| f.len != size) {
+                    return Err(CliError::Failed("the source file is shorter than --total".into()));
+                }
+                filled.into_iter().map(|f| f.buffer).collect()
+            }
+            None => {
+                let mut bufs = Vec::with_capacity(want);
+                for k in 0..want as u64 {
+                    let mut b = alloc.alloc().ok_or_else(|| CliError::Failed("no free buffer".into()))?;
+                    mark(b.as_mut_slice()?, *seq + k, touch);
+                    bufs.push(b);
+                }
+                bufs
+            }
+        };
+        for buf in bufs {
+            send_when_room(buf, false, |b| out.move_buffer(b, &seq.to_le_bytes()))?;
+            *seq += 1;
+        }
+        out.flush()?;
+        left -= want as u64;
     }
     Ok(())
 }
@@ -686,6 +730,25 @@ pub struct Forwarded {
     pub buffers: u64,
     /// Most buffers moved downstream in one wake-up.
     pub largest_batch: u64,
+    /// Buffers passed back upstream.
+    pub returns: u64,
+    /// Times those returns were let go upstream: a poll of the upstream
+    /// channel that found nothing while returns were staged (batching
+    /// publishes them then), or the flush at the end of a wake-up. (More
+    /// than 32 staged are also published in parts of 32 on the way.)
+    pub return_publications: u64,
+}
+
+/// Poll the upstream channel of a middle stage; a poll that finds nothing
+/// publishes what batching holds there: the `staged` returns, counted in
+/// `published` if there were any.
+fn poll_upstream(ch: &mut Channel, staged: &mut u64, published: &mut u64) -> Option<Event> {
+    let ev = ch.poll();
+    if ev.is_none() && *staged > 0 {
+        *published += 1;
+        *staged = 0;
+    }
+    ev
 }
 
 /// A middle stage: waits on both channels at once; on each wake-up takes
@@ -728,8 +791,13 @@ pub fn forwarder(
             }
             continue;
         };
-        // Everything already waiting on either channel, then one flush each.
+        // Everything already waiting on either channel, then one flush
+        // each. It stays with the channel it took the last event from while
+        // that one has more: polling the other channel empty publishes what
+        // is staged there, so switching after every event would send the
+        // returns upstream one by one.
         let mut batch = 0u64;
+        let mut returns = 0u64;
         let mut next = Some(first);
         while let Some((i, ev)) = next {
             if i == 0 {
@@ -745,26 +813,58 @@ pub fn forwarder(
                 batch += u64::from(moved);
             } else {
                 match ev {
-                    Event::BufferPassed { buffer, meta } => send_when_room(buffer, false, |b| inn.pass(b, &meta))?,
+                    Event::BufferPassed { buffer, meta } => {
+                        send_when_room(buffer, false, |b| inn.pass(b, &meta))?;
+                        returns += 1;
+                        done.returns += 1;
+                    }
                     Event::Error(e) => return Err(e.into()),
                     other => return Err(stage_got("forwarder (downstream)", &other)),
                 }
             }
-            next = match inn.poll() {
-                Some(ev) => Some((0, ev)),
-                None => out.poll().map(|ev| (1, ev)),
+            let mut from_inn = |inn: &mut Channel| poll_upstream(inn, &mut returns, &mut done.return_publications);
+            next = if i == 0 {
+                match from_inn(&mut inn) {
+                    Some(ev) => Some((0, ev)),
+                    None => out.poll().map(|ev| (1, ev)),
+                }
+            } else {
+                match out.poll() {
+                    Some(ev) => Some((1, ev)),
+                    None => from_inn(&mut inn).map(|ev| (0, ev)),
+                }
             };
         }
         out.flush()?;
         inn.flush()?;
+        if returns > 0 {
+            done.return_publications += 1;
+        }
         done.buffers += batch;
         done.largest_batch = done.largest_batch.max(batch);
     }
 }
 
-fn consumer(a: &StageArgs, mut inn: Channel, busy: bool) -> Result<(), CliError> {
+/// The last stage: checks each buffer, writes it to the sink if there is
+/// one, passes it back; tells the coordinator through `report` when it is
+/// ready and when each run is done. Its returns go back in batches.
+fn consumer(
+    a: &StageArgs,
+    mut inn: Channel,
+    busy: bool,
+    report: &mut dyn FnMut(&str) -> Result<(), CliError>,
+) -> Result<(), CliError> {
     let mut seq = 0u64;
     let mut sink: Option<std::fs::File> = None;
+    // The returns go back in batches: published when nothing more is
+    // waiting (the wait's first poll), with at most one doorbell.
+    inn.set_batching(true)?;
+    if !busy {
+        // Sleep at once when nothing is waiting, as the middle stages do:
+        // more stages than cores, so a spinning end takes a CPU from the
+        // stages that would bring it something.
+        inn.set_spin(Duration::ZERO);
+    }
     loop {
         match next(&mut inn, busy) {
             Some(Event::PoolAssignRequest(req)) => {
@@ -818,9 +918,58 @@ mod tests {
         (c, b)
     }
 
+    /// The producer fills every free buffer in one read and moves them on
+    /// together. Its source is a pipe fed by the test: with one buffer's
+    /// bytes in it, nothing moves (it reads on until all eight are full);
+    /// once all eight are written, the stage downstream finds all eight
+    /// at its first wake-up, published together.
+    #[test]
+    fn the_producer_moves_every_free_buffer_in_one_batch() {
+        let (a, c) = (Domain::new("source"), Domain::new("down"));
+        let (mut out, mut down) = connect(&a, &c, "produce-test");
+        let alloc = Allocator::new(&a, 8, 4096, PoolConstraints::default()).unwrap();
+        assign(&mut out, &mut down, alloc.pool()).unwrap();
+        let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+        let mut feed = std::fs::File::from(w);
+        let chunk = |seq: u64| {
+            let mut c = vec![7u8; 4096];
+            c[..8].copy_from_slice(&seq.to_le_bytes());
+            c
+        };
+        let producer = std::thread::spawn(move || {
+            let mut port = ferry_io::Port::from_fd(r, "feed").unwrap();
+            let mut seq = 0u64;
+            produce(&mut out, &alloc, Some(&mut port), &mut seq, 8, false, false).map(|()| (out, alloc, seq))
+        });
+        feed.write_all(&chunk(0)).unwrap();
+        if let Some(ev) = down.wait(Some(Duration::from_millis(300))) {
+            panic!("before every free buffer was filled, downstream got {}", describe_event(&ev));
+        }
+        for seq in 1..8 {
+            feed.write_all(&chunk(seq)).unwrap();
+        }
+        let mut got = Vec::new();
+        let mut ev = down.wait(Some(STEP));
+        while let Some(e) = ev {
+            match e {
+                Event::MoveReceived { buffer, meta } => got.push((buffer, meta)),
+                other => panic!("expected a buffer, got {}", describe_event(&other)),
+            }
+            ev = down.poll();
+        }
+        assert_eq!(got.len(), 8, "all eight visible downstream together");
+        for (seq, (buffer, meta)) in got.iter().enumerate() {
+            assert_eq!(meta[..8], (seq as u64).to_le_bytes());
+            assert_eq!(buffer[..], chunk(seq as u64)[..], "buffer {seq} holds what was read for it");
+        }
+        let (_out, _alloc, seq) = producer.join().unwrap().unwrap();
+        assert_eq!(seq, 8);
+    }
+
     /// Eight buffers wait upstream when the middle stage starts: it moves
     /// all eight on in its first wake-up, in one batch, and the consumer
-    /// finds all eight there at once.
+    /// finds all eight there at once; their eight returns, passed back
+    /// together, go upstream together too (one publication).
     #[test]
     fn a_middle_stage_forwards_everything_waiting_in_one_wake_up() {
         let (a, b, c) = (Domain::new("up"), Domain::new("middle"), Domain::new("down"));
@@ -854,14 +1003,20 @@ mod tests {
             down.pass(buffer, &meta).unwrap();
         }
         down.flush().unwrap();
-        // Every buffer comes home through the middle stage; then close the chain.
-        let t0 = Instant::now();
-        while alloc.available() < 8 {
-            assert!(t0.elapsed() < STEP, "buffers did not come back");
-            if let Some(Event::BufferPassed { buffer, .. }) = up.wait(Some(Duration::from_millis(100))) {
-                drop(buffer);
+        // Every buffer comes home through the middle stage, all eight
+        // published upstream together; then close the chain.
+        let mut back = 0;
+        let mut ev = up.wait(Some(STEP));
+        while let Some(e) = ev {
+            match e {
+                Event::BufferPassed { buffer, .. } => drop(buffer),
+                other => panic!("expected a return, got {}", describe_event(&other)),
             }
+            back += 1;
+            ev = up.poll();
         }
+        assert_eq!(back, 8, "all eight returns visible upstream together");
+        assert_eq!(alloc.available(), 8);
         up.teardown().unwrap();
         let t0 = Instant::now();
         while !middle.is_finished() {
@@ -872,8 +1027,88 @@ mod tests {
         let done = middle.join().unwrap().unwrap();
         assert_eq!(done.buffers, 8);
         assert_eq!(done.largest_batch, 8, "{done:?}");
+        assert_eq!((done.returns, done.return_publications), (8, 1), "{done:?}");
         // One wake-up for the eight, one for the returns, one for the close
         // (returns and close may share one): never one per buffer.
         assert!(done.wakeups <= 3, "{done:?}");
+    }
+
+    /// The last stage passes its returns back in one batch: with eight
+    /// buffers waiting and a sink (a FIFO read by the test) that takes one
+    /// buffer at a time, no return reaches the stage upstream while the
+    /// sink is stuck on the second buffer; once the sink has taken all
+    /// eight, all eight returns arrive together.
+    #[test]
+    fn the_last_stage_passes_its_returns_back_together() {
+        const SIZE: usize = 65536; // what a FIFO holds by default: one buffer
+        let dir = std::env::temp_dir().join(format!("ferry-consumer-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("sink");
+        let _ = std::fs::remove_file(&fifo);
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::RUSR | rustix::fs::Mode::WUSR,
+            0,
+        )
+        .unwrap();
+        let (a, c) = (Domain::new("up"), Domain::new("sink"));
+        let (mut up, mut inn) = connect(&a, &c, "consumer-test");
+        let alloc = Allocator::new(&a, 8, SIZE, PoolConstraints::default()).unwrap();
+        assign(&mut up, &mut inn, alloc.pool()).unwrap();
+        up.set_batching(true).unwrap();
+        for seq in 0u64..8 {
+            let mut b = alloc.alloc().unwrap();
+            b.as_mut_slice().unwrap()[..8].copy_from_slice(&seq.to_le_bytes());
+            up.move_buffer(b, &seq.to_le_bytes()).unwrap();
+        }
+        up.flush().unwrap();
+        let args = StageArgs {
+            variant: Variant::Ferry,
+            index: 1,
+            stages: 2,
+            size: SIZE,
+            total: 8 * SIZE as u64,
+            window: 8,
+            name: String::new(),
+            busy_poll: false,
+            touch: false,
+            source: None,
+            sink: Some(fifo.clone()),
+            touch_middle: false,
+        };
+        let (said, lines) = mpsc::channel();
+        let sink = std::thread::spawn(move || {
+            consumer(&args, inn, false, &mut |line: &str| {
+                let _ = said.send(line.to_owned());
+                Ok(())
+            })
+        });
+        // Opening blocks until the last stage opens its end to write.
+        let mut drain = std::fs::File::open(&fifo).unwrap();
+        if let Some(ev) = up.wait(Some(Duration::from_millis(300))) {
+            panic!("while the sink was stuck on the second buffer, upstream got {}", describe_event(&ev));
+        }
+        let mut written = vec![0u8; 8 * SIZE];
+        std::io::Read::read_exact(&mut drain, &mut written).unwrap();
+        for seq in 0..8 {
+            assert_eq!(written[seq * SIZE..][..8], (seq as u64).to_le_bytes(), "buffer {seq} in the sink");
+        }
+        let mut back = 0;
+        let mut ev = up.wait(Some(STEP));
+        while let Some(e) = ev {
+            match e {
+                Event::BufferPassed { buffer, .. } => drop(buffer),
+                other => panic!("expected a return, got {}", describe_event(&other)),
+            }
+            back += 1;
+            ev = up.poll();
+        }
+        assert_eq!(back, 8, "all eight returns visible upstream together");
+        assert_eq!(lines.recv_timeout(STEP).unwrap(), "done 1");
+        up.teardown().unwrap();
+        sink.join().unwrap().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
