@@ -44,7 +44,7 @@ use std::collections::HashMap;
 
 use ferry::{
     Aggregate, Allocator, BindParams, Buffer, BufferCopy, BufferId, Channel, ChannelSetup, Direction, Domain, Endpoint,
-    Error, Event as FEvent, Member, Pool, PoolConstraints, TrustLevel,
+    Error, Event as FEvent, Member, MuxSession, NetOptions, Pool, PoolConstraints, TrustLevel,
 };
 use model::gen::{
     pick_step, setup_links, use_aggregates, use_trusts, RawStep, Step, DOMAINS, LINKS, META, MIXED_LINKS, POOLS,
@@ -189,6 +189,55 @@ impl Backend for Net {
 
     fn deliver(&mut self, _: ChanId, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
         from.flush().expect("flush");
+        if expect {
+            to.wait(Some(std::time::Duration::from_secs(10)))
+        } else {
+            to.poll()
+        }
+    }
+}
+
+/// Every channel on one multiplexed TCP session (early demultiplexing):
+/// the run's channels share one connection, each with its own credits and
+/// its own pool buffers for the payload the session reads off the stream.
+/// A session pair per run; channel ids are never reused.
+#[derive(Default)]
+struct Mux {
+    sessions: Option<(MuxSession, MuxSession)>,
+    next_id: u32,
+}
+
+impl Backend for Mux {
+    fn name(&self, _: ChanId) -> &'static str {
+        "session"
+    }
+
+    const TRUSTS: &'static [Trust] = Net::TRUSTS;
+
+    fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
+        let t = std::time::Duration::from_secs(10);
+        let (a, b) = self.sessions.get_or_insert_with(|| {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+            let addr = listener.local_addr().expect("address");
+            let other = std::thread::spawn(move || MuxSession::connect(addr, NetOptions::default(), t));
+            let ours = MuxSession::accept(&listener, NetOptions::default(), t).expect("accept a session");
+            (ours, other.join().expect("connecting thread").expect("connect a session"))
+        });
+        self.next_id += 1;
+        let setup = ChannelSetup { direction: Direction::Tx, trust, meta_size: META, ..ChannelSetup::default() };
+        let mut s = Channel::create(source, &a.endpoint(self.next_id), setup).expect("create");
+        let mut r = Channel::bind(sink, &b.endpoint(self.next_id), BindParams::default()).expect("bind");
+        assert!(matches!(s.wait(Some(t)), Some(FEvent::BindRequest { .. })));
+        assert!(matches!(r.wait(Some(t)), Some(FEvent::Bound)));
+        (s, r)
+    }
+
+    fn deliver(&mut self, _: ChanId, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
+        // A failed flush is the library's answer: the harness compares it
+        // with the model's (and reports the steps) instead of stopping here.
+        if let Err(e) = from.flush() {
+            return Some(FEvent::Error(e));
+        }
         if expect {
             to.wait(Some(std::time::Duration::from_secs(10)))
         } else {
@@ -1573,6 +1622,13 @@ fn batched_shm_backend_follows_the_model() {
 #[test]
 fn net_backend_follows_the_model() {
     suite("net_backend_follows_the_model", || Net);
+}
+
+/// Every channel on one multiplexed TCP session against the reference
+/// model.
+#[test]
+fn session_backend_follows_the_model() {
+    suite("session_backend_follows_the_model", Mux::default);
 }
 
 /// Every channel on a backend of its own (local, shm or TCP), pools

@@ -127,6 +127,26 @@ fn one_channel_moves_and_passes_back() {
     assert_eq!(stats.payload_staged, 0, "{stats:?}");
 }
 
+/// A sink that tears down, whose source answers and closes, can still
+/// flush while the answer waits in its queue (the close the session read
+/// while serving another channel is not a dead peer), and then reads
+/// the answer: the channel closes as on a connection of its own.
+#[test]
+fn a_flush_after_the_peer_answered_a_teardown_is_not_an_error() {
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let (mut txs, mut rxs) = open_channels(&a, &b, 2, &da, &db);
+    let alloc = Allocator::new(&da, 8, SIZE, PoolConstraints::default()).unwrap();
+    assign_pair(&mut txs[1], &mut rxs[1], &alloc);
+    rxs[0].teardown().unwrap();
+    assert!(matches!(next(&mut txs[0]), Event::Closed { by_peer: true }));
+    // The close of channel 1 is read on the way to this move on channel 2.
+    txs[1].move_buffer(alloc.alloc().unwrap(), b"m").unwrap();
+    assert!(matches!(next(&mut rxs[1]), Event::MoveReceived { .. }));
+    rxs[0].flush().expect("flush after the peer's answer");
+    assert!(matches!(next(&mut rxs[0]), Event::Closed { by_peer: false }));
+}
+
 /// An aggregate crosses a session channel as one unit, as on the other
 /// backends: a header buffer moved, a body buffer that appears in two
 /// fragments (and is still held by the sender, so copied) crossing once.

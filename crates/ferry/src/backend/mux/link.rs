@@ -121,8 +121,11 @@ impl Link for MuxLink {
 
     fn flush(&mut self) -> Result<()> {
         let mut inner = self.session.lock();
-        if let Some((e, _)) = inner.chans.get(&self.id).and_then(|c| c.peer_closed.map(|a| (Error::PeerGone, a))) {
-            return Err(e);
+        // A peer end that died takes nothing more. One that closed after
+        // the teardown handshake is not gone: its answer may still wait in
+        // this channel's queue for `recv`, and nothing is left to send it.
+        if inner.chans.get(&self.id).and_then(|c| c.peer_closed) == Some(true) {
+            return Err(Error::PeerGone);
         }
         inner.pump_write()
     }
