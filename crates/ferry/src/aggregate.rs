@@ -459,20 +459,30 @@ impl Aggregate {
         self.frags.push_back(frag);
     }
 
+    /// The start of [`append`](Aggregate::append) and
+    /// [`prepend`](Aggregate::prepend): `true` if one side is empty, so
+    /// the other is the result as it is (a received table stays a table);
+    /// else both are made lists, to be joined.
+    fn join_without_lists(&mut self, other: &mut Aggregate) -> bool {
+        if self.is_empty() {
+            *self = std::mem::take(other);
+            return true;
+        }
+        if other.is_empty() {
+            return true;
+        }
+        self.materialize();
+        other.materialize();
+        false
+    }
+
     /// Put `other`'s bytes after this aggregate's. Where this aggregate's
     /// last fragment and `other`'s first are adjacent ranges of one buffer
     /// (pieces of one split, joined back), they become one fragment again.
     pub fn append(&mut self, mut other: Aggregate) {
-        if self.is_empty() {
-            // Nothing to put it after: it becomes this aggregate as it is.
-            *self = other;
+        if self.join_without_lists(&mut other) {
             return;
         }
-        if other.is_empty() {
-            return;
-        }
-        self.materialize();
-        other.materialize();
         self.len += other.len;
         if let (Some(last), Some(first)) = (self.frags.back_mut(), other.frags.front()) {
             if Arc::ptr_eq(&last.held, &first.held) && last.end == first.start {
@@ -490,15 +500,9 @@ impl Aggregate {
     /// Put `other`'s bytes before this aggregate's (a header); adjacent
     /// ranges of one buffer merge as in [`append`](Aggregate::append).
     pub fn prepend(&mut self, mut other: Aggregate) {
-        if self.is_empty() {
-            *self = other;
+        if self.join_without_lists(&mut other) {
             return;
         }
-        if other.is_empty() {
-            return;
-        }
-        self.materialize();
-        other.materialize();
         self.len += other.len;
         if let (Some(first), Some(last)) = (self.frags.front_mut(), other.frags.back()) {
             if Arc::ptr_eq(&first.held, &last.held) && last.end == first.start {

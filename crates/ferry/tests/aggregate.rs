@@ -418,25 +418,32 @@ fn layered_stack_copies_no_payload() {
     assert_eq!((payload.available(), headers.available()), (4, 4));
 }
 
-/// Copies received over a real channel go into aggregates; dropping the
-/// last aggregate that refers to a copy releases it to its owner, who can
-/// then write the buffer again.
-#[test]
-fn copies_are_released_when_the_last_fragment_goes() {
-    let (a, b) = (Domain::new("owner"), Domain::new("holder"));
+/// A local channel from `a` to `b`, connected, with a pool of two 4 KiB
+/// buffers of `a` assigned (`b` accepts every pool).
+fn local_pair_with_pool(a: &Domain, b: &Domain) -> (Channel, Channel, Allocator) {
     let ep = Endpoint::local();
-    let mut tx = Channel::create(&a, &ep, ChannelSetup::default()).unwrap();
-    let mut rx = Channel::bind(&b, &ep, BindParams::default()).unwrap();
+    let mut tx = Channel::create(a, &ep, ChannelSetup::default()).unwrap();
+    let mut rx = Channel::bind(b, &ep, BindParams::default()).unwrap();
     tx.wait_connected(T).unwrap();
     rx.wait_connected(T).unwrap();
     rx.set_pool_policy(PoolPolicy::AcceptAll);
-    let alloc = Allocator::new(&a, 2, 4096, PoolConstraints::default()).unwrap();
+    let alloc = Allocator::new(a, 2, 4096, PoolConstraints::default()).unwrap();
     tx.assign_pool(alloc.pool()).unwrap();
     rx.poll(); // accepts the pool (policy)
     match tx.wait(Some(T)) {
         Some(Event::PoolAssigned(_)) => {}
         other => panic!("unexpected {other:?}"),
     }
+    (tx, rx, alloc)
+}
+
+/// Copies received over a real channel go into aggregates; dropping the
+/// last aggregate that refers to a copy releases it to its owner, who can
+/// then write the buffer again.
+#[test]
+fn copies_are_released_when_the_last_fragment_goes() {
+    let (a, b) = (Domain::new("owner"), Domain::new("holder"));
+    let (mut tx, mut rx, alloc) = local_pair_with_pool(&a, &b);
 
     let mut buf = alloc.alloc().unwrap();
     buf.as_mut_slice().unwrap()[..11].copy_from_slice(b"hello world");
@@ -474,16 +481,7 @@ fn copies_are_released_when_the_last_fragment_goes() {
 #[test]
 fn received_buffers_go_back_with_their_last_fragment() {
     let (a, b) = (Domain::new("a"), Domain::new("b"));
-    let ep = Endpoint::local();
-    let mut tx = Channel::create(&a, &ep, ChannelSetup::default()).unwrap();
-    let mut rx = Channel::bind(&b, &ep, BindParams::default()).unwrap();
-    tx.wait_connected(T).unwrap();
-    rx.wait_connected(T).unwrap();
-    rx.set_pool_policy(PoolPolicy::AcceptAll);
-    let alloc = Allocator::new(&a, 2, 4096, PoolConstraints::default()).unwrap();
-    tx.assign_pool(alloc.pool()).unwrap();
-    rx.poll(); // accepts the pool (policy)
-    assert!(matches!(tx.wait(Some(T)), Some(Event::PoolAssigned(_))));
+    let (mut tx, mut rx, alloc) = local_pair_with_pool(&a, &b);
     let (x, y) = (Aggregate::from(alloc.alloc().unwrap()), Aggregate::from(alloc.alloc().unwrap()));
     let y_id = y.fragments().next().unwrap().buffer_id();
     // x[0..10] y[0..10] x[20..30]; `x` and `y` keep references: both cross as copies.

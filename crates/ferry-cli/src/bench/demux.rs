@@ -129,9 +129,9 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         }
     }
     for (k, &kind) in kinds.iter().enumerate() {
-        let head = |unit| Head {
+        let head_of = |backend, unit| Head {
             experiment: "demux",
-            backend: kind.name(),
+            backend,
             size,
             trust: "full",
             mode: "selector",
@@ -139,16 +139,8 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
             runs,
             unit,
         };
-        let idle_head = |unit| Head {
-            experiment: "demux",
-            backend: kind.idle_name(),
-            size,
-            trust: "full",
-            mode: "selector",
-            touch: false,
-            runs,
-            unit,
-        };
+        let head = |unit| head_of(kind.name(), unit);
+        let idle_head = |unit| head_of(kind.idle_name(), unit);
         if let Some(s) = Summary::of(&gbit[k]) {
             let extra = json!({"variant": format!("throughput, {n} channels"), "channels": n, "inflight": window});
             ctx.emit(Point::new(head("Gbit/s"), s, Some(0), extra));

@@ -1113,30 +1113,26 @@ mod tests {
         // sink is still stuck on the sixth (a whole window returned at once
         // would keep the producer waiting for the last write).
         std::io::Read::read_exact(&mut drain, &mut written[..4 * SIZE]).unwrap();
-        let mut back = 0;
-        let t0 = Instant::now();
-        while back < 4 {
-            assert!(t0.elapsed() < STEP, "only {back} returns while the sink was stuck on the sixth buffer");
-            match up.wait(Some(STEP)) {
-                Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
-                Some(other) => panic!("expected a return, got {}", describe_event(&other)),
-                None => continue,
+        // `n` returns, within STEP (`what`: when they were expected).
+        let returns = |up: &mut Channel, n: usize, what: &str| {
+            let t0 = Instant::now();
+            let mut back = 0;
+            while back < n {
+                assert!(t0.elapsed() < STEP, "only {back} of {n} returns {what}");
+                match up.wait(Some(STEP)) {
+                    Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
+                    Some(other) => panic!("expected a return, got {}", describe_event(&other)),
+                    None => continue,
+                }
+                back += 1;
             }
-            back += 1;
-        }
+        };
+        returns(&mut up, 4, "while the sink was stuck on the sixth buffer");
         std::io::Read::read_exact(&mut drain, &mut written[4 * SIZE..]).unwrap();
         for seq in 0..8 {
             assert_eq!(written[seq * SIZE..][..8], (seq as u64).to_le_bytes(), "buffer {seq} in the sink");
         }
-        while back < 8 {
-            assert!(t0.elapsed() < STEP, "only {back} of eight returns came back");
-            match up.wait(Some(STEP)) {
-                Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
-                Some(other) => panic!("expected a return, got {}", describe_event(&other)),
-                None => continue,
-            }
-            back += 1;
-        }
+        returns(&mut up, 4, "after the last write");
         assert_eq!(lines.recv_timeout(STEP).unwrap(), "done 1");
         up.teardown().unwrap();
         sink.join().unwrap().unwrap();
