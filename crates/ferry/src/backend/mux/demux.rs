@@ -333,6 +333,17 @@ mod tests {
         (session, theirs, links, pools)
     }
 
+    /// The message head of a move of buffer `index` of pool `pool`, with
+    /// an 8 KiB payload to follow in chunks.
+    fn move_of_8k(pool: u128, index: u32) -> [u8; MSG_HEAD] {
+        let mut h = [0u8; MSG_HEAD];
+        let buf = BufferId { pool: PoolId::from_u128(pool), index };
+        Message::Move { buf, meta: Meta::empty() }.encode(&mut h);
+        h[1] |= FLAG_PAYLOAD;
+        h[8..16].copy_from_slice(&8192u64.to_le_bytes());
+        h
+    }
+
     /// A payload in two chunks with another channel's frames between them
     /// lands whole in the named buffer of the right channel, and each
     /// channel gets its own message, whichever of them reads the socket.
@@ -346,17 +357,9 @@ mod tests {
         use std::io::Write;
         let (session, mut theirs, mut links, _pools) = two_channels();
         session.lock().chans.get_mut(&2).expect("open").priority = 7;
-        let message = |pool: u128, index: u32| {
-            let mut h = [0u8; MSG_HEAD];
-            let buf = BufferId { pool: PoolId::from_u128(pool), index };
-            Message::Move { buf, meta: Meta::empty() }.encode(&mut h);
-            h[1] |= FLAG_PAYLOAD;
-            h[8..16].copy_from_slice(&8192u64.to_le_bytes());
-            h
-        };
-        let mut stream = MuxHead::new(K_MESSAGE, 2, 0).frame(&message(0x101, 0));
+        let mut stream = MuxHead::new(K_MESSAGE, 2, 0).frame(&move_of_8k(0x101, 0));
         stream.extend(MuxHead::new(K_CHUNK, 2, 0).frame(&[2u8; 8192]));
-        stream.extend(MuxHead::new(K_MESSAGE, 1, 0).frame(&message(0x100, 1)));
+        stream.extend(MuxHead::new(K_MESSAGE, 1, 0).frame(&move_of_8k(0x100, 1)));
         stream.extend(MuxHead::new(K_CHUNK, 1, 0).frame(&[1u8; 8192]));
         theirs.write_all(&stream).unwrap();
         // The bulk channel polls first: it stops at the priority message.
@@ -393,17 +396,9 @@ mod tests {
         use std::io::Write;
         let (_session, mut theirs, mut links, pools) = two_channels();
         let frame = |kind, channel, body: &[u8]| MuxHead::new(kind, channel, 0).frame(body);
-        let message = |pool: u128, index: u32| {
-            let mut h = [0u8; MSG_HEAD];
-            let buf = BufferId { pool: PoolId::from_u128(pool), index };
-            Message::Move { buf, meta: Meta::empty() }.encode(&mut h);
-            h[1] |= FLAG_PAYLOAD;
-            h[8..16].copy_from_slice(&8192u64.to_le_bytes());
-            h
-        };
-        let mut stream = frame(K_MESSAGE, 1, &message(0x100, 1));
+        let mut stream = frame(K_MESSAGE, 1, &move_of_8k(0x100, 1));
         stream.extend(frame(K_CHUNK, 1, &[1u8; 4096]));
-        stream.extend(frame(K_MESSAGE, 2, &message(0x101, 0)));
+        stream.extend(frame(K_MESSAGE, 2, &move_of_8k(0x101, 0)));
         stream.extend(frame(K_CHUNK, 2, &[2u8; 8192]));
         stream.extend(frame(K_CHUNK, 1, &[3u8; 4096]));
         theirs.write_all(&stream).unwrap();
