@@ -1661,6 +1661,9 @@ impl Channel {
                     return Err(Error::Protocol("copy against the channel direction".into()));
                 }
                 let (view, ()) = self.delivered_view(buf, |st| {
+                    if st.record(buf).is_some_and(|r| !r.may_receive_copy()) {
+                        return Err(forged_copy(buf));
+                    }
                     st.copy_received(buf, key);
                     Ok(())
                 })?;
@@ -2051,6 +2054,12 @@ impl PayloadGate for DetachedGate {
     }
 }
 
+/// A copy of a buffer we own and have no copy out of: no such copy can
+/// exist, so the peer made it up (see `BufRecord::may_receive_copy`).
+fn forged_copy(buf: BufferId) -> Error {
+    Error::Protocol(format!("peer sent a copy of buffer {} which we own and never copied", buf.index))
+}
+
 /// See [`ChannelGate`]; `listed` says whether a pool is on the channel.
 fn admit_payload(
     domain: &Domain,
@@ -2075,6 +2084,9 @@ fn admit_payload(
         let count = st.entry(buf.pool).map_or(0, |e| e.view.geometry().count());
         if buf.index >= count {
             return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
+        }
+        if !gives && st.record(buf).is_some_and(|r| !r.may_receive_copy()) {
+            return Err(forged_copy(buf));
         }
         let view = &st.entry(buf.pool).expect("pool listed on the channel").view;
         match st.buffer_state(buf.pool, buf.index) {

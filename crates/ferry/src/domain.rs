@@ -242,6 +242,14 @@ impl BufRecord {
     pub(crate) fn is_owned(&self) -> bool {
         self.owned
     }
+
+    /// Whether a copy of this buffer may arrive here. A copy exists only
+    /// because its owner sent one, so an owner with no copy out cannot
+    /// receive one back: a peer that sends it forged it (and would leave
+    /// our buffer read-only until that copy went back).
+    pub(crate) fn may_receive_copy(&self) -> bool {
+        !self.owned || !self.copies_out.is_empty()
+    }
 }
 
 #[derive(Debug)]

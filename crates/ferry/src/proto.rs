@@ -389,7 +389,7 @@ impl Message {
             OP_TEARDOWN => Message::Teardown,
             OP_AGG => {
                 let frags =
-                    u32::try_from(aux).map_err(|_| Error::Protocol("aggregate fragment count too large".into()))?;
+                    u32::try_from(aux).map_err(|_| Error::Protocol("aggregate table-entry count too large".into()))?;
                 let total =
                     u64::try_from(pool.as_u128()).map_err(|_| Error::Protocol("aggregate length too large".into()))?;
                 if flags != 0 {

@@ -364,6 +364,129 @@ fn pass_of_a_buffer_a_local_neighbour_owns_is_refused() {
     peer.join().unwrap();
 }
 
+/// A peer that learned one of our pool ids (we assigned the pool to it on
+/// another channel) offers that pool back on a channel where we are the
+/// sink and sends a copy of a buffer we own and never copied: a free one
+/// in our allocator, or one we hold. No such copy can exist, so it is a
+/// protocol error, and our buffers stay ours and writable (before, the
+/// forged copy was delivered and our buffer turned read-only until the
+/// copy was dropped). Sent alone and as an aggregate member.
+#[test]
+fn a_forged_copy_of_a_buffer_we_own_is_refused() {
+    const COPY: u8 = 2;
+    const ASSIGN: u8 = 5;
+    const AGG: u8 = 12;
+    const TABLE: u8 = 13;
+    let table_entry = |len: u64| {
+        let mut v = 0u32.to_le_bytes().to_vec();
+        v.extend_from_slice(&[0; 6]);
+        v.extend_from_slice(&len.to_le_bytes()[..6]);
+        v
+    };
+    type Forge = fn(&mut RawPeer, u128, u32, usize, &[u8]);
+    let forgeries: [(&str, u32, Forge); 4] = [
+        ("a copy of a free buffer", 1, |p, pool, index, size, _| {
+            p.frame(COPY, 2, index, size as u64, pool, &[], &vec![0xee; size])
+        }),
+        ("a copy of a held buffer", 0, |p, pool, index, size, _| {
+            p.frame(COPY, 2, index, size as u64, pool, &[], &vec![0xee; size])
+        }),
+        ("a copy without payload", 0, |p, pool, index, _, _| p.frame(COPY, 0, index, 0, pool, &[], &[])),
+        ("an aggregate member", 1, |p, pool, index, size, table| {
+            p.frame(AGG, 0, 1, 1, size as u128, &[], &[]);
+            p.frame(COPY, 2, index, size as u64, pool, &[], &vec![0xee; size]);
+            p.frame(TABLE, 0, 0, 0, 0, table, &[]);
+        }),
+    ];
+    for (what, index, forge) in forgeries {
+        let d = Domain::new("victim");
+        let alloc = Allocator::new(&d, 2, 4096, PoolConstraints::default()).unwrap();
+        let mut mine = alloc.alloc().unwrap();
+        assert_eq!(mine.id().index, 0);
+        fill(mine.as_mut_slice().unwrap(), 5);
+
+        // Channel 1: we assign the pool to the peer, which learns its id.
+        let (mut out, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
+        let (learn, learned) = std::sync::mpsc::channel();
+        let peer1 = std::thread::spawn(move || {
+            let mut p = RawPeer::bind(addr);
+            learn.send(p.accept_pool()).unwrap();
+            p.drain();
+        });
+        assert!(matches!(next(&mut out), Event::BindRequest { .. }));
+        assign(&mut out, &alloc);
+        let (pool, size) = learned.recv().unwrap();
+        assert_eq!(pool, alloc.pool().id().as_u128());
+
+        // Channel 2: we are the sink; the peer offers our own pool back.
+        let setup = ChannelSetup { direction: Direction::Rx, role: Role::Master, ..ChannelSetup::default() };
+        let mut inbound = Channel::create(&d, &Endpoint::tcp(loopback()), setup).unwrap();
+        let addr = inbound.listen_addr().unwrap();
+        let table = table_entry(size as u64);
+        let peer2 = std::thread::spawn(move || {
+            let mut p = RawPeer::bind(addr);
+            p.frame(ASSIGN, 3 << 4, 2, size as u64, pool, &[], &[]);
+            forge(&mut p, pool, index, size, &table);
+            p.drain();
+        });
+        assert!(matches!(next(&mut inbound), Event::BindRequest { .. }));
+        let Event::PoolAssignRequest(req) = next(&mut inbound) else { panic!("{what}: no pool offer") };
+        inbound.respond_pool(req.pool, true).unwrap();
+        match error_within(&mut inbound, T) {
+            Error::Protocol(why) => assert!(why.contains("never copied"), "{what}: {why}"),
+            e => panic!("{what}: expected a protocol error, got {e:?}"),
+        }
+        assert_eq!(d.buffer_state(mine.id()), BufferState::ReadWrite, "{what}");
+        assert!(check(&mine, 5), "{what}: our buffer changed");
+        assert!(mine.as_mut_slice().is_ok(), "{what}: our buffer is still writable");
+        let free = alloc.alloc().expect("the free buffer is still in the allocator");
+        assert_eq!(d.buffer_state(free.id()), BufferState::ReadWrite, "{what}");
+        let mut free = free;
+        assert!(free.as_mut_slice().is_ok(), "{what}: the free buffer came out writable");
+        drop(inbound);
+        drop(out);
+        peer1.join().unwrap();
+        peer2.join().unwrap();
+    }
+}
+
+/// After a protocol error the connection ends at once, while the
+/// application still holds the failed channel: the peer reads the end of
+/// the stream (or a reset), and what it sends after is not taken in.
+#[test]
+fn a_protocol_error_ends_the_connection_at_once() {
+    let d = Domain::new("victim");
+    let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
+    let (sent, wait_sent) = std::sync::mpsc::channel();
+    let peer = std::thread::spawn(move || {
+        let mut p = RawPeer::bind(addr);
+        let (pool, _) = p.accept_pool();
+        p.frame(42, 0, 0, 0, pool, &[], &[]);
+        sent.send(()).unwrap();
+        // Well within the victim's peer timeout (10 s): only an end that
+        // comes from the protocol error counts.
+        p.s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut sink = [0u8; 4096];
+        loop {
+            match p.s.read(&mut sink) {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    });
+    assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
+    let alloc = Allocator::new(&d, 2, 4096, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    wait_sent.recv().unwrap();
+    assert!(matches!(error_within(&mut ch, T), Error::Protocol(_)));
+    let ended = peer.join().unwrap();
+    assert!(ended.is_ok(), "the connection stayed open after the protocol error: {ended:?}");
+    assert_eq!(ch.state(), ChannelState::Closed);
+    drop(ch);
+}
+
 // --------------------------------------------------------- other processes
 
 fn spawn_child(role: &str, addr: SocketAddr) -> Child {

@@ -24,14 +24,24 @@
 //!
 //! | offset | size | field |
 //! |---|---|---|
-//! | 0 | 1 | type: 1 move, 2 copy, 3 pass, 4 release, 5 pool assign, 6 assign reply, 7 pool remove, 8 remove reply, 9 teardown, 10 keep-alive, 11 goodbye |
-//! | 1 | 1 | flags: bit 0 accepted (replies), bit 1 payload follows, bits 4–7 trust (assign) |
-//! | 2 | 2 | meta length (at most the channel's meta size; 0 unless move, copy, pass) |
-//! | 4 | 4 | buffer index (buffer frames), buffer count (assign) |
-//! | 8 | 8 | payload length (buffer frames: 0 or the pool's buffer size), buffer size (assign) |
-//! | 16 | 16 | pool id |
-//! | 32 | meta length | meta data |
+//! | 0 | 1 | type: 1 move, 2 copy, 3 pass, 4 release, 5 pool assign, 6 assign reply, 7 pool remove, 8 remove reply, 9 teardown, 10 keep-alive, 11 goodbye, 12 aggregate header, 13 aggregate table |
+//! | 1 | 1 | flags: bit 0 accepted (replies), bit 1 payload follows, bits 4–7 trust (assign); 0 on types 12 and 13 |
+//! | 2 | 2 | meta length (at most the channel's meta size; 0 unless move, copy, pass or aggregate header); table length (type 13: 16 × entries) |
+//! | 4 | 4 | buffer index (buffer frames), buffer count (assign), member count (12), ordinal of the first entry (13) |
+//! | 8 | 8 | payload length (buffer frames: 0 or the pool's buffer size), buffer size (assign), table-entry count (12); 0 (13) |
+//! | 16 | 16 | pool id; the aggregate's total length in bytes (12); 0 (13) |
+//! | 32 | meta length | meta data (types 1–3, 12); table entries (13) |
 //! | 32 + meta | payload length | the buffer's bytes |
+//!
+//! An aggregate travels as a run of consecutive frames: its header (type
+//! 12), one move or copy frame per distinct member buffer (no meta data of
+//! its own; the payload rules below apply to each), then its table in as
+//! many type-13 frames as needed. A table entry is 16 bytes: member ordinal
+//! (u32), offset (u48), length (u48); an entry whose member is `u32::MAX`
+//! is a repeat entry (offset field: group size k, length field: count n)
+//! standing for the k fragments before it repeated n times. So the header
+//! counts table entries, not fragments: a train of a thousand units behind
+//! their headers is a few entries.
 //!
 //! Moves always carry the payload. A pass carries it unless the sender said
 //! the contents do not matter ([`crate::Channel::pass_unfilled`]). A copy
@@ -41,8 +51,10 @@
 //! peer timeout; goodbye says the sender closed its end on purpose (so the
 //! end of the stream is not a crash). Anything else — unknown type, flags or
 //! lengths that do not fit the type, a pool or index the channel does not
-//! have, a payload for a buffer the receiver owns — closes the channel with
-//! [`Error::Protocol`] on the receiving side.
+//! have, a move, pass or payload for a buffer the receiver owns, a copy of
+//! a buffer the receiver owns and has no copy out of — closes the channel
+//! with [`Error::Protocol`] on the receiving side, and ends the connection
+//! at once (the peer reads the end of the stream).
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
@@ -961,9 +973,13 @@ impl Link for NetLink {
 
     /// A failed end does not say goodbye: the peer then sees the end of the
     /// stream as a failure too and takes back what it lent us. The peer's
-    /// memory is its own, so what we lent it is safely ours again.
+    /// memory is its own, so what we lent it is safely ours again. The
+    /// connection ends now, not when the application drops the channel: a
+    /// peer that sent a bad frame gets nothing more through (what it still
+    /// sends is answered with a reset).
     fn abandon(&mut self) -> bool {
         self.fail(Error::PeerGone, true);
+        let _ = self.stream.shutdown(Shutdown::Both);
         self.died
     }
 
