@@ -52,6 +52,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 
 use ferry::{BufferId, BufferState, ChannelState, PoolId};
+use model::coverage::{run_covered, Floors};
 use model::gen::{pick_op, setup, use_aggregates, use_trusts, RawStep, DOMAINS, LINKS, POOLS};
 use model::lib_map::{buffer_state, cases as model_cases, channel_state, meta_bytes, trust_level, Stats};
 use model::reference::{
@@ -60,7 +61,7 @@ use model::reference::{
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
+use proptest::test_runner::{Config, RngSeed, TestRunner};
 
 use cluster::{endpoint_name, Cluster};
 use wire::{Cmd, Ev, LibError, Reply, StateReport};
@@ -89,9 +90,29 @@ fn kill_cases() -> u32 {
     (cases() / 4).max(1)
 }
 
-fn config(cases: u32) -> Config {
+/// The seed of a suite's random sequences: `FERRY_MODEL_SEED`, else a
+/// fresh one. Printed, so that a failure can be replayed.
+fn seed(test: &str) -> u64 {
+    let seed = std::env::var("FERRY_MODEL_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(std::process::id().into());
+        h.finish()
+    });
+    eprintln!("{test}: seed {seed} (replay with FERRY_MODEL_SEED={seed})");
+    seed
+}
+
+/// A round's seed (see `model::coverage`): the first round runs the
+/// suite's own.
+fn round_seed(seed: u64, round: u32) -> u64 {
+    seed.wrapping_add(u64::from(round).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+fn config(cases: u32, seed: u64) -> Config {
     Config {
         cases,
+        rng_seed: RngSeed::Fixed(seed),
         failure_persistence: None,
         // Shrinking re-runs whole sequences against processes: bounded.
         max_shrink_iters: 300,
@@ -630,27 +651,39 @@ fn suite(batched: bool, n: u32) {
     let t = std::time::Instant::now();
     let cl = RefCell::new(Cluster::start("model", DOMAINS).expect("start the domain processes"));
     let stats = RefCell::new(ProcStats::default());
-    let mut runner = TestRunner::new(config(n));
-    let result = runner.run(&strategy(), |(trusts, steps)| {
-        run_case(&mut cl.borrow_mut(), batched, &trusts, &steps, &mut stats.borrow_mut()).map_err(TestCaseError::fail)
-    });
-    if let Err(e) = result {
-        panic!("{e}");
-    }
+    let what = if batched { "batched model suite" } else { "model suite" };
+    let seed = seed(what);
+    // The comparison must not pass vacuously (see `model::coverage`).
+    let floors = || {
+        let stats = stats.borrow();
+        let (s, n) = (&stats.base, n as usize);
+        let mut f = Floors::default();
+        f.at_least("accepted operations", s.accepted, 5 * n)
+            .at_least("refusals", s.refused, 2 * n)
+            .at_least("deliveries", s.delivered, 5 * n)
+            .at_least("aggregates delivered", s.aggregates_delivered, n / 4);
+        if TRUSTS.contains(&Trust::Half) {
+            f.at_least("transfers under trust HALF", stats.half_transfers, n / 4);
+        }
+        f
+    };
+    let rounds = run_covered(
+        what,
+        |round| {
+            let mut runner = TestRunner::new(config(n, round_seed(seed, round)));
+            let result = runner.run(&strategy(), |(trusts, steps)| {
+                run_case(&mut cl.borrow_mut(), batched, &trusts, &steps, &mut stats.borrow_mut())
+                    .map_err(TestCaseError::fail)
+            });
+            if let Err(e) = result {
+                panic!("{what} (seed {}): {e}", round_seed(seed, round));
+            }
+        },
+        floors,
+    );
     let mut stats = stats.into_inner();
     stats.spawned = cl.borrow().spawned;
-    let what = if batched { "batched model suite" } else { "model suite" };
-    eprintln!("{what} across processes: {n} sequences in {:.1?}: {stats:?}", t.elapsed());
-    // The comparison must not pass vacuously.
-    let n = n as usize;
-    let s = &stats.base;
-    assert!(s.accepted >= 5 * n, "too few accepted operations: {stats:?}");
-    assert!(s.refused >= 2 * n, "too few refusals: {stats:?}");
-    assert!(s.delivered >= 5 * n, "too few deliveries: {stats:?}");
-    assert!(s.aggregates_delivered >= n / 4, "too few aggregates delivered: {stats:?}");
-    if TRUSTS.contains(&Trust::Half) {
-        assert!(stats.half_transfers >= n / 4, "too few transfers under trust HALF: {stats:?}");
-    }
+    eprintln!("{what} across processes: {rounds} × {n} sequences in {:.1?}: {stats:?}", t.elapsed());
     // Every run started from fresh domains in the same processes: none
     // died, and resets give every descriptor back.
     assert_eq!(stats.spawned, DOMAINS, "domain processes were restarted: {stats:?}");
@@ -681,23 +714,37 @@ fn killed_domain_gives_back_what_it_was_lent() {
     let cl = RefCell::new(Cluster::start("kill", DOMAINS).expect("start the domain processes"));
     let stats = RefCell::new(kill::KillStats::default());
     let n = kill_cases();
-    let mut runner = TestRunner::new(config(n));
-    let result = runner.run(&(strategy(), any::<u8>()), |((trusts, steps), victim)| {
-        kill::kill_case(&mut cl.borrow_mut(), &trusts, &steps, victim, &mut stats.borrow_mut())
-            .map_err(TestCaseError::fail)
-    });
-    if let Err(e) = result {
-        panic!("{e}");
-    }
+    let test = "kill suite";
+    let seed = seed(test);
+    let floors = || {
+        let stats = stats.borrow();
+        let n = n as usize;
+        let mut f = Floors::default();
+        f.at_least("buffers that came back", stats.reclaimed, n / 4)
+            .at_least("buffers allocated again", stats.reallocated, n / 8)
+            .at_least("copies voided", stats.voided, n / 16);
+        f
+    };
+    let rounds = run_covered(
+        test,
+        |round| {
+            let mut runner = TestRunner::new(config(n, round_seed(seed, round)));
+            let result = runner.run(&(strategy(), any::<u8>()), |((trusts, steps), victim)| {
+                kill::kill_case(&mut cl.borrow_mut(), &trusts, &steps, victim, &mut stats.borrow_mut())
+                    .map_err(TestCaseError::fail)
+            });
+            if let Err(e) = result {
+                panic!("{test} (seed {}): {e}", round_seed(seed, round));
+            }
+        },
+        floors,
+    );
     let mut stats = stats.into_inner();
     stats.run.spawned = cl.borrow().spawned;
-    eprintln!("kill suite: {n} sequences in {:.1?}: {stats:#?}", t.elapsed());
-    let n = n as usize;
+    eprintln!("kill suite: {rounds} × {n} sequences in {:.1?}: {stats:#?}", t.elapsed());
+    let n = rounds as usize * n as usize;
     assert_eq!(stats.kills, n, "{stats:?}");
     assert!(stats.notices >= n, "too few ends noticed a death: {stats:?}");
-    assert!(stats.reclaimed >= n / 4, "too few buffers came back: {stats:?}");
-    assert!(stats.reallocated >= n / 8, "too few buffers allocated again: {stats:?}");
-    assert!(stats.voided >= n / 16, "too few copies voided: {stats:?}");
 }
 
 /// A fixed sequence (all channels FULL), everything delivered, then
