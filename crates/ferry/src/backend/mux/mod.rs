@@ -78,6 +78,37 @@
 //! have sent meanwhile; a closed channel's number is free again once both
 //! sides have said close.
 //!
+//! # What a peer can make a session hold
+//!
+//! Everything a peer can make this side keep is bounded, and a peer that
+//! reads what it is sent never reaches a bound:
+//!
+//! - *Control frames waiting for the connection* (open replies, closes,
+//!   credit grants, read reports, keep-alives): at most the session's
+//!   control limit ([`MuxSession::set_control_limit`], default
+//!   [`CONTROL_LIMIT`], 1 MiB). A peer provokes them (each close of a
+//!   channel it opened is answered with a close, each message taken gives
+//!   credit back, each [`READ_REPORT_EVERY`] bytes read are reported); a
+//!   grant or report behind one of its kind that still waits is merged
+//!   into it, so a peer that reads keeps a few frames per channel waiting.
+//!   One that provokes more than the limit without reading is cut off:
+//!   the session fails with [`Error::PeerBacklog`] on every channel and
+//!   what was lent over it comes back, as when a peer dies. This side's
+//!   own opens never count against the peer: past the limit a bind says
+//!   [`Error::QueueFull`].
+//! - *Opens nobody listens on*: 64 bind requests of at most 64 bytes; one
+//!   more is a protocol error.
+//! - *Messages of a channel its application has not taken*: the channel's
+//!   queue depth (its credit) plus 64 (a closing end's last messages); one
+//!   more is a protocol error. Payloads land in the buffers the messages
+//!   name: they take no memory of the session's.
+//! - *A payload on its way*: one per channel, read straight into its
+//!   buffer (or, for a channel closed here, into one 64 KiB scratch buffer
+//!   and dropped).
+//! - *Time*: a peer that sends nothing for the peer timeout, or takes
+//!   nothing of what waits for it as long, is declared dead
+//!   ([`Error::PeerUnresponsive`]).
+//!
 //! # Why this way
 //!
 //! - *No thread of its own.* The channels drive the session under one
@@ -181,6 +212,7 @@ use codec::MAGIC;
 use session::Inner;
 
 pub use codec::{MuxHead, MAX_CHUNK, MUX_HEAD};
+pub use session::{CONTROL_LIMIT, MIN_CONTROL_LIMIT};
 pub use wire::{BULK_BUDGET, MIN_BULK_BUDGET, READ_REPORT_EVERY, SEND_BUFFER, UNSENT_LOW_WATER};
 
 // ------------------------------------------------------------------ session
@@ -273,6 +305,11 @@ impl MuxSession {
         if &magic != MAGIC {
             return Err(Error::Protocol("not a multiplexed session".into()));
         }
+        MuxSession::established(stream, options)
+    }
+
+    /// A session over a stream whose magic was exchanged.
+    fn established(stream: TcpStream, options: NetOptions) -> Result<MuxSession> {
         let peer = stream.peer_addr().ok();
         let _ = stream.set_nodelay(true);
         let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream.as_fd(), SEND_BUFFER);
@@ -370,6 +407,41 @@ impl MuxSession {
         self.lock().budget
     }
 
+    /// What this side holds for a peer that does not read: at most `bytes`
+    /// of control frames (open replies, closes, credit grants, read
+    /// reports, keep-alives) wait for the connection. A peer whose opens
+    /// and closes, messages or bytes make this side queue more is cut off:
+    /// the session fails with [`Error::PeerBacklog`] on every channel, and
+    /// what was lent over it comes back, as when a peer dies. This side's
+    /// own opens do not count against the peer: past the limit a bind on
+    /// the session says [`Error::QueueFull`]. Default [`CONTROL_LIMIT`];
+    /// at least [`MIN_CONTROL_LIMIT`] (smaller values are raised to it).
+    ///
+    /// ```
+    /// # let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    /// # let addr = listener.local_addr()?;
+    /// # let t = std::time::Duration::from_secs(10);
+    /// # let other = std::thread::spawn(move || ferry::MuxSession::connect(addr, ferry::NetOptions::default(), t));
+    /// use ferry::backend::mux::{CONTROL_LIMIT, MIN_CONTROL_LIMIT};
+    ///
+    /// let session = ferry::MuxSession::accept(&listener, ferry::NetOptions::default(), t)?;
+    /// assert_eq!(session.control_limit(), CONTROL_LIMIT);
+    /// session.set_control_limit(64 << 10);
+    /// assert_eq!(session.control_limit(), 64 << 10);
+    /// session.set_control_limit(0);
+    /// assert_eq!(session.control_limit(), MIN_CONTROL_LIMIT);
+    /// # drop(other.join().unwrap()?);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_control_limit(&self, bytes: usize) {
+        self.lock().control_limit = bytes.max(MIN_CONTROL_LIMIT);
+    }
+
+    /// The session's control limit (see [`MuxSession::set_control_limit`]).
+    pub fn control_limit(&self) -> usize {
+        self.lock().control_limit
+    }
+
     /// The session's counters so far.
     pub fn stats(&self) -> MuxStats {
         self.lock().counters
@@ -401,6 +473,10 @@ pub struct MuxStats {
     /// queued behind, in our wire queue and both kernels, plus at most
     /// [`READ_REPORT_EVERY`] the peer had read and not reported yet.
     pub max_ahead_of_priority: u64,
+    /// The most bytes of control frames that waited for the connection at
+    /// once: at most the control limit plus one frame
+    /// ([`MuxSession::set_control_limit`]).
+    pub max_control_queued: u64,
 }
 
 /// The endpoint of one logical channel of a [`MuxSession`].
