@@ -1,12 +1,13 @@
 //! Multiplexed sessions (`ferry::MuxSession`) against hostile peers, on
 //! real loopback sockets: a peer that makes the session queue answers it
-//! never reads. It is cut off with a clear error, nothing hangs, and
-//! well-behaved sessions of the same process go on.
+//! never reads, and connections that never say hello to a listening side.
+//! Each is cut off or closed with a clear error, nothing hangs, and
+//! well-behaved sessions and clients of the same process go on.
 
 mod support;
 
-use std::io::Write;
-use std::net::TcpListener;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -212,4 +213,74 @@ fn a_peer_that_provokes_replies_it_never_reads_is_cut_off() {
         }
     }
     assert_eq!(echo.join().unwrap(), seq);
+}
+
+/// Connections that connect and never send the magic, ahead of a good
+/// client (more of them than are served at once): the listening side
+/// serves them side by side, so the good client gets its session well
+/// within its own timeout (an accept that waited for the first silent one
+/// would have waited all of its timeout), and the silent ones are closed.
+#[test]
+fn silent_connections_do_not_delay_a_good_client() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    // In the listener's queue before the good client, in this order; more
+    // than are served at once, so the oldest are shed.
+    let count = ferry::backend::mux::MAX_HANDSHAKES + 4;
+    let mut silent: Vec<TcpStream> = (0..count).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    let accepting = std::thread::spawn(move || MuxSession::accept(&listener, NetOptions::default(), 3 * T));
+    let good = MuxSession::connect(addr, NetOptions::default(), Duration::from_secs(5));
+    let good = good.expect("the good client got its session despite the silent connections");
+    let ours = accepting.join().unwrap().expect("the accepting side's session");
+    let theirs = ours.peer_addr().unwrap();
+    assert!(silent.iter().all(|s| s.local_addr().unwrap() != theirs), "the session is the good client's");
+
+    // The silent connections were closed when the session was found
+    // (after our magic, nothing: the end of the stream).
+    for s in &mut silent {
+        s.set_read_timeout(Some(T)).unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).expect("closed, not left open");
+        assert_eq!(got, b"FERRYMX2");
+    }
+
+    // And the session works: a channel opens over it.
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let binder = std::thread::spawn(move || {
+        let mut rx = Channel::bind(&db, &good.endpoint(3), BindParams::default()).unwrap();
+        rx.wait_connected(T).map(|()| rx)
+    });
+    let mut tx = Channel::accept(&da, &ours.endpoint(3), tx_setup(), T).unwrap();
+    let rx = binder.join().unwrap().unwrap();
+    tx.teardown().unwrap();
+    drop(rx);
+}
+
+/// A connection that never completes its magic is closed at its
+/// deadline: an accept with nobody else there says `TimedOut` after its
+/// timeout, and the connection sees its end; one that sends another magic
+/// is closed at once and delays nobody either.
+#[test]
+fn handshakes_that_fail_are_closed() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut silent = TcpStream::connect(addr).unwrap();
+    let mut half = TcpStream::connect(addr).unwrap();
+    half.write_all(b"FERRY").unwrap();
+    let mut wrong = TcpStream::connect(addr).unwrap();
+    wrong.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let e = MuxSession::accept(&listener, NetOptions::default(), Duration::from_millis(300)).unwrap_err();
+    assert_eq!(e, Error::TimedOut);
+    for s in [&mut silent, &mut half] {
+        s.set_read_timeout(Some(T)).unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).expect("closed, not left open");
+        assert_eq!(got, b"FERRYMX2");
+    }
+    // Closed with bytes of its own unread: a reset, or the end.
+    wrong.set_read_timeout(Some(T)).unwrap();
+    match wrong.read_to_end(&mut Vec::new()) {
+        Ok(_) => {}
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "closed, not left open: {e}"),
+    }
 }

@@ -78,6 +78,13 @@
 //! have sent meanwhile; a closed channel's number is free again once both
 //! sides have said close.
 //!
+//! [`MuxSession::accept`] serves the connections on its listener side by
+//! side: the first whose magic arrives becomes the session. Each
+//! connection has [`HANDSHAKE_TIMEOUT`] to send its magic, at most
+//! [`MAX_HANDSHAKES`] wait at once (one more closes the oldest), and
+//! those still waiting when the session is found are closed; so silent
+//! connections delay a good client by nothing.
+//!
 //! # What a peer can make a session hold
 //!
 //! Everything a peer can make this side keep is bounded, and a peer that
@@ -199,6 +206,7 @@ mod session;
 mod setup;
 mod wire;
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
@@ -269,24 +277,61 @@ impl MuxSession {
 
     /// Accept one session on `listener` (waiting up to `timeout`; the
     /// listener is left non-blocking).
+    ///
+    /// Connections are served side by side, as they come: the first whose
+    /// magic arrives becomes the session, so connections that stay silent
+    /// (or send something else) delay nobody. Each has
+    /// [`HANDSHAKE_TIMEOUT`] (at most `timeout`) to send its magic and is
+    /// closed then; at most [`MAX_HANDSHAKES`] are served at once, one
+    /// more closes the oldest. Connections whose magic has not arrived
+    /// when the session is found are closed; those still waiting on the
+    /// listener stay there for the next call.
     pub fn accept(listener: &TcpListener, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + timeout.max(Duration::from_millis(1));
         listener.set_nonblocking(true)?;
+        let mut handshakes: VecDeque<Handshake> = VecDeque::new();
         loop {
-            match listener.accept() {
-                Ok((stream, _)) => {
-                    stream.set_nonblocking(false)?;
-                    return MuxSession::start(stream, options, timeout);
+            // A bounded number per round, so that a flood of connections
+            // cannot keep us from reading the ones we hold.
+            for _ in 0..4 * MAX_HANDSHAKES {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        let Some(hs) = Handshake::new(stream, deadline.min(Instant::now() + HANDSHAKE_TIMEOUT)) else {
+                            continue;
+                        };
+                        if handshakes.len() == MAX_HANDSHAKES {
+                            handshakes.pop_front();
+                        }
+                        handshakes.push_back(hs);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    // A connection that was reset while it waited.
+                    Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted) => {}
+                    Err(e) => return Err(e.into()),
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                        return Err(Error::TimedOut);
-                    };
-                    let _ = crate::wake::wait_readable(&[listener.as_fd()], Some(left));
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
             }
+            let now = Instant::now();
+            let mut i = 0;
+            while i < handshakes.len() {
+                match handshakes[i].poll(now) {
+                    Ok(false) => i += 1,
+                    Ok(true) => {
+                        let hs = handshakes.remove(i).expect("in range");
+                        return MuxSession::established(hs.stream, options);
+                    }
+                    // Silent past its deadline, gone, or not a session.
+                    Err(_) => {
+                        handshakes.remove(i);
+                    }
+                }
+            }
+            let Some(left) = deadline.checked_duration_since(now) else {
+                return Err(Error::TimedOut);
+            };
+            let first = handshakes.iter().map(|hs| hs.deadline.saturating_duration_since(now)).min();
+            let mut fds = vec![listener.as_fd()];
+            fds.extend(handshakes.iter().map(|hs| hs.stream.as_fd()));
+            let _ = crate::wake::wait_readable(&fds, Some(first.map_or(left, |f| f.min(left))));
         }
     }
 
@@ -477,6 +522,55 @@ pub struct MuxStats {
     /// once: at most the control limit plus one frame
     /// ([`MuxSession::set_control_limit`]).
     pub max_control_queued: u64,
+}
+
+/// How long a connection that [`MuxSession::accept`] took may take to send
+/// its magic (it is closed then).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections [`MuxSession::accept`] waits for the magic of at once;
+/// one more closes the oldest, so stalled connections cost a good client
+/// nothing.
+pub const MAX_HANDSHAKES: usize = 16;
+
+/// A connection accepted whose magic has not arrived (all of it) yet.
+struct Handshake {
+    stream: TcpStream,
+    magic: [u8; 8],
+    have: usize,
+    deadline: Instant,
+}
+
+impl Handshake {
+    /// Our magic goes out at once (a fresh socket's buffer takes it
+    /// without waiting); `None` if the connection cannot take it.
+    fn new(stream: TcpStream, deadline: Instant) -> Option<Handshake> {
+        stream.set_nonblocking(true).ok()?;
+        match (&stream).write(MAGIC) {
+            Ok(n) if n == MAGIC.len() => Some(Handshake { stream, magic: [0; 8], have: 0, deadline }),
+            _ => None,
+        }
+    }
+
+    /// `true` once the peer's magic is complete (nothing after it is
+    /// read: its frames may follow at once); `TimedOut` past the deadline,
+    /// `PeerGone` at the end of the stream, `Protocol` for another magic.
+    fn poll(&mut self, now: Instant) -> Result<bool> {
+        while self.have < MAGIC.len() {
+            match (&self.stream).read(&mut self.magic[self.have..]) {
+                Ok(0) => return Err(Error::PeerGone),
+                Ok(n) => self.have += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return if now >= self.deadline { Err(Error::TimedOut) } else { Ok(false) };
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if &self.magic != MAGIC {
+            return Err(Error::Protocol("not a multiplexed session".into()));
+        }
+        Ok(true)
+    }
 }
 
 /// The endpoint of one logical channel of a [`MuxSession`].
