@@ -631,4 +631,88 @@ mod tests {
         // The peer goes first: the channels' closes need not wait for it.
         drop(theirs);
     }
+
+    /// A session over one end of a socket pair whose other end (returned,
+    /// to keep it open) never reads: what the session queues stays queued.
+    fn unread_session() -> (MuxSession, std::os::unix::net::UnixStream) {
+        use std::os::fd::OwnedFd;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        (MuxSession::over(TcpStream::from(OwnedFd::from(ours))), theirs)
+    }
+
+    fn credit_of(frame: &super::WireFrame) -> u32 {
+        MuxHead::decode(frame.head[..MUX_HEAD].try_into().unwrap()).unwrap().credit
+    }
+
+    /// Credit grants of one channel, and read reports, that wait behind one
+    /// another are one frame; closes are not merged, and past the control
+    /// limit the session is cut off with `PeerBacklog` (the peer counts as
+    /// dead), having queued at most one frame more than the limit.
+    #[test]
+    fn waiting_grants_and_reports_merge_and_the_control_queue_is_bounded() {
+        use super::super::codec::{K_CLOSE, K_CREDIT, K_READ};
+        use super::{CONTROL_LIMIT, MIN_CONTROL_LIMIT};
+        use crate::error::Error;
+        let (session, _theirs) = unread_session();
+        assert_eq!(session.control_limit(), CONTROL_LIMIT);
+        session.set_control_limit(0);
+        let mut inner = session.lock();
+        inner.queue_ctrl(K_CREDIT, 1, Vec::new(), 2).unwrap();
+        inner.queue_ctrl(K_CREDIT, 1, Vec::new(), 3).unwrap();
+        assert_eq!((inner.ctrl.len(), credit_of(&inner.ctrl[0])), (1, 5));
+        inner.queue_ctrl(K_CREDIT, 2, Vec::new(), 1).unwrap();
+        inner.queue_ctrl(K_READ, 0, Vec::new(), u32::MAX - 1).unwrap();
+        inner.queue_ctrl(K_READ, 0, Vec::new(), 1).unwrap();
+        // A sum past u32 starts a new report.
+        inner.queue_ctrl(K_READ, 0, Vec::new(), 1).unwrap();
+        let credits: Vec<u32> = inner.ctrl.iter().map(credit_of).collect();
+        assert_eq!(credits, [5, 1, u32::MAX, 1]);
+        assert_eq!(inner.ctrl_bytes, 4 * MUX_HEAD);
+
+        let mut id = 100;
+        let e = loop {
+            if let Err(e) = inner.queue_ctrl(K_CLOSE, id, Vec::new(), 0) {
+                break e;
+            }
+            id += 1;
+            assert!(inner.ctrl_bytes <= MIN_CONTROL_LIMIT, "{} bytes queued", inner.ctrl_bytes);
+        };
+        assert_eq!(e, Error::PeerBacklog { what: "control frames", limit: MIN_CONTROL_LIMIT as u64 });
+        assert_eq!(inner.ctrl_bytes, MIN_CONTROL_LIMIT + MUX_HEAD);
+        assert_eq!(inner.counters.max_control_queued, (MIN_CONTROL_LIMIT + MUX_HEAD) as u64);
+        assert_eq!(inner.gone, Some((e.clone(), true)), "the peer counts as dead: lent buffers come back");
+        assert_eq!(inner.queue_ctrl(K_CREDIT, 1, Vec::new(), 1), Err(e));
+    }
+
+    /// This side's own opens never cut the peer off: past the control
+    /// limit a bind on the session says `QueueFull`, its number stays free,
+    /// and the session goes on.
+    #[test]
+    fn a_bind_past_the_control_limit_is_refused_and_the_session_goes_on() {
+        use super::super::codec::K_CLOSE;
+        use super::MIN_CONTROL_LIMIT;
+        use crate::backend::Endpoint;
+        use crate::error::Error;
+        use crate::BindParams;
+        let (session, _theirs) = unread_session();
+        session.set_control_limit(0);
+        let Endpoint::Mux(endpoint) = session.endpoint(7) else { unreachable!("a session's endpoint") };
+        {
+            let mut inner = session.lock();
+            // The socket takes nothing more, the wire queue is full.
+            let chunk = [0u8; 4096];
+            while rustix::net::send(&inner.stream, &chunk, rustix::net::SendFlags::DONTWAIT).is_ok() {}
+            let mut id = 100;
+            while inner.ctrl_bytes + MUX_HEAD <= MIN_CONTROL_LIMIT {
+                inner.queue_ctrl(K_CLOSE, id, Vec::new(), 0).unwrap();
+                inner.pump_write().unwrap();
+                id += 1;
+            }
+            assert!(!inner.ctrl_room(MUX_HEAD + 1));
+        }
+        assert!(matches!(endpoint.connect(&BindParams::default()), Err(Error::QueueFull)));
+        let inner = session.lock();
+        assert!(inner.check().is_ok(), "the session goes on");
+        assert!(!inner.chans.contains_key(&7), "the number is free again");
+    }
 }
