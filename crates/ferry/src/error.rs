@@ -199,6 +199,20 @@ pub enum Error {
         /// Its value.
         limit: u64,
     },
+    /// The peer made this end queue more than one of its bounds allows
+    /// and read none of it: a [`MuxSession`](crate::MuxSession) whose
+    /// peer provokes control frames (replies to its opens and closes,
+    /// credit, read reports) faster than it reads them (see
+    /// [`MuxSession::set_control_limit`](crate::MuxSession::set_control_limit)).
+    /// The session is cut off as if the peer had died: every channel on it
+    /// fails with this error and what was lent over it comes back.
+    #[error("the peer made this end queue more than {limit} bytes of {what} without reading them and was cut off; raise the session's control limit if the peer is trusted and only slow")]
+    PeerBacklog {
+        /// What was queued.
+        what: &'static str,
+        /// The bound, in bytes.
+        limit: u64,
+    },
     /// A [`DataPath`](crate::DataPath) needs another pool for its next
     /// buffer, and one more would exceed its quota
     /// ([`PathQuota`](crate::PathQuota)); its buffers are all in use. Only
@@ -387,6 +401,7 @@ mod tests {
                 why: "the offset is not aligned",
             })),
             Error::LimitExceeded { what: "pools assigned by the peer", limit: 256 },
+            Error::PeerBacklog { what: "control frames", limit: 1 << 20 },
             Error::QuotaExceeded { pools: 2, max_pools: 2, max_bytes: 1 << 20 },
         ]
     }

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod fault_proxy;
+pub mod mux_peer;
 pub mod netns;
 pub mod payload;
 pub mod raw_peer;

@@ -146,14 +146,12 @@ impl Inner {
                 // A binder that gave up before its open was answered: the
                 // close goes back so it can free the number.
                 if !self.chans.contains_key(&id) && self.unclaimed.remove(&id).is_some() {
-                    self.queue_ctrl(K_CLOSE, id, Vec::new(), 0);
-                    return Ok(());
+                    return self.queue_ctrl(K_CLOSE, id, Vec::new(), 0);
                 }
                 let chan = self.chan_of(&head)?;
                 if matches!(chan.state, ChanState::Listening { .. }) {
                     chan.setup_in = None;
-                    self.queue_ctrl(K_CLOSE, id, Vec::new(), 0);
-                    return Ok(());
+                    return self.queue_ctrl(K_CLOSE, id, Vec::new(), 0);
                 }
                 if chan.peer_closed.is_some() || chan.incoming.is_some() {
                     return Err(Error::Protocol(format!("close of channel {id} out of order")));
@@ -378,7 +376,7 @@ mod tests {
         use std::io::{Read, Write};
         let (session, mut theirs, mut links, _pools) = two_channels();
         // 16 bytes from us: a credit grant (channel 1 takes two messages).
-        session.lock().queue_ctrl(K_CREDIT, 1, Vec::new(), 2);
+        session.lock().queue_ctrl(K_CREDIT, 1, Vec::new(), 2).unwrap();
         links[0].flush().unwrap();
         let mut grant = [0u8; MUX_HEAD];
         theirs.read_exact(&mut grant).unwrap();

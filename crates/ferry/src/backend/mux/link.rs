@@ -100,8 +100,11 @@ impl Link for MuxLink {
             if chan.consumed >= self.grant_every && chan.peer_closed.is_none() {
                 let n = std::mem::take(&mut chan.consumed);
                 chan.allowed += n;
-                inner.queue_ctrl(K_CREDIT, id, Vec::new(), n as u32);
-                let _ = inner.pump_write();
+                // A session this cuts off reports it on the next call: the
+                // message taken here is the application's all the same.
+                if inner.queue_ctrl(K_CREDIT, id, Vec::new(), n as u32).is_ok() {
+                    let _ = inner.pump_write();
+                }
             }
             return Ok(Some(msg));
         }

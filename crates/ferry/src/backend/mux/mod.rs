@@ -78,6 +78,44 @@
 //! have sent meanwhile; a closed channel's number is free again once both
 //! sides have said close.
 //!
+//! [`MuxSession::accept`] serves the connections on its listener side by
+//! side: the first whose magic arrives becomes the session. Each
+//! connection has [`HANDSHAKE_TIMEOUT`] to send its magic, at most
+//! [`MAX_HANDSHAKES`] wait at once (one more closes the oldest), and
+//! those still waiting when the session is found are closed; so silent
+//! connections delay a good client by nothing.
+//!
+//! # What a peer can make a session hold
+//!
+//! Everything a peer can make this side keep is bounded, and a peer that
+//! reads what it is sent never reaches a bound:
+//!
+//! - *Control frames waiting for the connection* (open replies, closes,
+//!   credit grants, read reports, keep-alives): at most the session's
+//!   control limit ([`MuxSession::set_control_limit`], default
+//!   [`CONTROL_LIMIT`], 1 MiB). A peer provokes them (each close of a
+//!   channel it opened is answered with a close, each message taken gives
+//!   credit back, each [`READ_REPORT_EVERY`] bytes read are reported); a
+//!   grant or report behind one of its kind that still waits is merged
+//!   into it, so a peer that reads keeps a few frames per channel waiting.
+//!   One that provokes more than the limit without reading is cut off:
+//!   the session fails with [`Error::PeerBacklog`] on every channel and
+//!   what was lent over it comes back, as when a peer dies. This side's
+//!   own opens never count against the peer: past the limit a bind says
+//!   [`Error::QueueFull`].
+//! - *Opens nobody listens on*: 64 bind requests of at most 64 bytes; one
+//!   more is a protocol error.
+//! - *Messages of a channel its application has not taken*: the channel's
+//!   queue depth (its credit) plus 64 (a closing end's last messages); one
+//!   more is a protocol error. Payloads land in the buffers the messages
+//!   name: they take no memory of the session's.
+//! - *A payload on its way*: one per channel, read straight into its
+//!   buffer (or, for a channel closed here, into one 64 KiB scratch buffer
+//!   and dropped).
+//! - *Time*: a peer that sends nothing for the peer timeout, or takes
+//!   nothing of what waits for it as long, is declared dead
+//!   ([`Error::PeerUnresponsive`]).
+//!
 //! # Why this way
 //!
 //! - *No thread of its own.* The channels drive the session under one
@@ -168,6 +206,7 @@ mod session;
 mod setup;
 mod wire;
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
@@ -181,6 +220,7 @@ use codec::MAGIC;
 use session::Inner;
 
 pub use codec::{MuxHead, MAX_CHUNK, MUX_HEAD};
+pub use session::{CONTROL_LIMIT, MIN_CONTROL_LIMIT};
 pub use wire::{BULK_BUDGET, MIN_BULK_BUDGET, READ_REPORT_EVERY, SEND_BUFFER, UNSENT_LOW_WATER};
 
 // ------------------------------------------------------------------ session
@@ -237,24 +277,61 @@ impl MuxSession {
 
     /// Accept one session on `listener` (waiting up to `timeout`; the
     /// listener is left non-blocking).
+    ///
+    /// Connections are served side by side, as they come: the first whose
+    /// magic arrives becomes the session, so connections that stay silent
+    /// (or send something else) delay nobody. Each has
+    /// [`HANDSHAKE_TIMEOUT`] (at most `timeout`) to send its magic and is
+    /// closed then; at most [`MAX_HANDSHAKES`] are served at once, one
+    /// more closes the oldest. Connections whose magic has not arrived
+    /// when the session is found are closed; those still waiting on the
+    /// listener stay there for the next call.
     pub fn accept(listener: &TcpListener, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + timeout.max(Duration::from_millis(1));
         listener.set_nonblocking(true)?;
+        let mut handshakes: VecDeque<Handshake> = VecDeque::new();
         loop {
-            match listener.accept() {
-                Ok((stream, _)) => {
-                    stream.set_nonblocking(false)?;
-                    return MuxSession::start(stream, options, timeout);
+            // A bounded number per round, so that a flood of connections
+            // cannot keep us from reading the ones we hold.
+            for _ in 0..4 * MAX_HANDSHAKES {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        let Some(hs) = Handshake::new(stream, deadline.min(Instant::now() + HANDSHAKE_TIMEOUT)) else {
+                            continue;
+                        };
+                        if handshakes.len() == MAX_HANDSHAKES {
+                            handshakes.pop_front();
+                        }
+                        handshakes.push_back(hs);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    // A connection that was reset while it waited.
+                    Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted) => {}
+                    Err(e) => return Err(e.into()),
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                        return Err(Error::TimedOut);
-                    };
-                    let _ = crate::wake::wait_readable(&[listener.as_fd()], Some(left));
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
             }
+            let now = Instant::now();
+            let mut i = 0;
+            while i < handshakes.len() {
+                match handshakes[i].poll(now) {
+                    Ok(false) => i += 1,
+                    Ok(true) => {
+                        let hs = handshakes.remove(i).expect("in range");
+                        return MuxSession::established(hs.stream, options);
+                    }
+                    // Silent past its deadline, gone, or not a session.
+                    Err(_) => {
+                        handshakes.remove(i);
+                    }
+                }
+            }
+            let Some(left) = deadline.checked_duration_since(now) else {
+                return Err(Error::TimedOut);
+            };
+            let first = handshakes.iter().map(|hs| hs.deadline.saturating_duration_since(now)).min();
+            let mut fds = vec![listener.as_fd()];
+            fds.extend(handshakes.iter().map(|hs| hs.stream.as_fd()));
+            let _ = crate::wake::wait_readable(&fds, Some(first.map_or(left, |f| f.min(left))));
         }
     }
 
@@ -273,6 +350,11 @@ impl MuxSession {
         if &magic != MAGIC {
             return Err(Error::Protocol("not a multiplexed session".into()));
         }
+        MuxSession::established(stream, options)
+    }
+
+    /// A session over a stream whose magic was exchanged.
+    fn established(stream: TcpStream, options: NetOptions) -> Result<MuxSession> {
         let peer = stream.peer_addr().ok();
         let _ = stream.set_nodelay(true);
         let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream.as_fd(), SEND_BUFFER);
@@ -370,6 +452,41 @@ impl MuxSession {
         self.lock().budget
     }
 
+    /// What this side holds for a peer that does not read: at most `bytes`
+    /// of control frames (open replies, closes, credit grants, read
+    /// reports, keep-alives) wait for the connection. A peer whose opens
+    /// and closes, messages or bytes make this side queue more is cut off:
+    /// the session fails with [`Error::PeerBacklog`] on every channel, and
+    /// what was lent over it comes back, as when a peer dies. This side's
+    /// own opens do not count against the peer: past the limit a bind on
+    /// the session says [`Error::QueueFull`]. Default [`CONTROL_LIMIT`];
+    /// at least [`MIN_CONTROL_LIMIT`] (smaller values are raised to it).
+    ///
+    /// ```
+    /// # let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    /// # let addr = listener.local_addr()?;
+    /// # let t = std::time::Duration::from_secs(10);
+    /// # let other = std::thread::spawn(move || ferry::MuxSession::connect(addr, ferry::NetOptions::default(), t));
+    /// use ferry::backend::mux::{CONTROL_LIMIT, MIN_CONTROL_LIMIT};
+    ///
+    /// let session = ferry::MuxSession::accept(&listener, ferry::NetOptions::default(), t)?;
+    /// assert_eq!(session.control_limit(), CONTROL_LIMIT);
+    /// session.set_control_limit(64 << 10);
+    /// assert_eq!(session.control_limit(), 64 << 10);
+    /// session.set_control_limit(0);
+    /// assert_eq!(session.control_limit(), MIN_CONTROL_LIMIT);
+    /// # drop(other.join().unwrap()?);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn set_control_limit(&self, bytes: usize) {
+        self.lock().control_limit = bytes.max(MIN_CONTROL_LIMIT);
+    }
+
+    /// The session's control limit (see [`MuxSession::set_control_limit`]).
+    pub fn control_limit(&self) -> usize {
+        self.lock().control_limit
+    }
+
     /// The session's counters so far.
     pub fn stats(&self) -> MuxStats {
         self.lock().counters
@@ -401,6 +518,59 @@ pub struct MuxStats {
     /// queued behind, in our wire queue and both kernels, plus at most
     /// [`READ_REPORT_EVERY`] the peer had read and not reported yet.
     pub max_ahead_of_priority: u64,
+    /// The most bytes of control frames that waited for the connection at
+    /// once: at most the control limit plus one frame
+    /// ([`MuxSession::set_control_limit`]).
+    pub max_control_queued: u64,
+}
+
+/// How long a connection that [`MuxSession::accept`] took may take to send
+/// its magic (it is closed then).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections [`MuxSession::accept`] waits for the magic of at once;
+/// one more closes the oldest, so stalled connections cost a good client
+/// nothing.
+pub const MAX_HANDSHAKES: usize = 16;
+
+/// A connection accepted whose magic has not arrived (all of it) yet.
+struct Handshake {
+    stream: TcpStream,
+    magic: [u8; 8],
+    have: usize,
+    deadline: Instant,
+}
+
+impl Handshake {
+    /// Our magic goes out at once (a fresh socket's buffer takes it
+    /// without waiting); `None` if the connection cannot take it.
+    fn new(stream: TcpStream, deadline: Instant) -> Option<Handshake> {
+        stream.set_nonblocking(true).ok()?;
+        match (&stream).write(MAGIC) {
+            Ok(n) if n == MAGIC.len() => Some(Handshake { stream, magic: [0; 8], have: 0, deadline }),
+            _ => None,
+        }
+    }
+
+    /// `true` once the peer's magic is complete (nothing after it is
+    /// read: its frames may follow at once); `TimedOut` past the deadline,
+    /// `PeerGone` at the end of the stream, `Protocol` for another magic.
+    fn poll(&mut self, now: Instant) -> Result<bool> {
+        while self.have < MAGIC.len() {
+            match (&self.stream).read(&mut self.magic[self.have..]) {
+                Ok(0) => return Err(Error::PeerGone),
+                Ok(n) => self.have += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    return if now >= self.deadline { Err(Error::TimedOut) } else { Ok(false) };
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if &self.magic != MAGIC {
+            return Err(Error::Protocol("not a multiplexed session".into()));
+        }
+        Ok(true)
+    }
 }
 
 /// The endpoint of one logical channel of a [`MuxSession`].

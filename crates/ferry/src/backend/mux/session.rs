@@ -6,7 +6,7 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::codec::{MuxHead, K_CHUNK, K_CLOSE, MAX_CHUNK, MSG_HEAD, MUX_HEAD};
+use super::codec::{MuxHead, K_CHUNK, K_CLOSE, K_CREDIT, K_READ, MAX_CHUNK, MSG_HEAD, MUX_HEAD};
 use super::demux::Incoming;
 use super::wire::{RxState, BULK_BUDGET};
 use super::MuxStats;
@@ -25,6 +25,21 @@ pub(super) const WIRE_BYTES: usize = 4 * MAX_CHUNK;
 pub(super) const WIRE_FRAMES: usize = 64;
 /// Bind requests kept for channel numbers nobody listens on yet.
 pub(super) const MAX_UNCLAIMED: usize = 64;
+/// Bytes of control frames (the session's own frames and its answers to
+/// the peer: open replies, closes, credit, read reports, keep-alives)
+/// that may wait for the connection before the peer is cut off with
+/// [`Error::PeerBacklog`] (see [`MuxSession::set_control_limit`](super::MuxSession::set_control_limit)).
+///
+/// A peer that reads what it is sent never makes this end hold more than
+/// a few frames per channel: credit grants and read reports waiting in
+/// the queue are merged into one frame each, and the rest answers the
+/// peer's opens and closes, one each. 1 MiB is the answers to some 65,000
+/// opens and closes the peer did not read, on top of what both kernels
+/// hold; it costs a few MiB of memory at most.
+pub const CONTROL_LIMIT: usize = 1 << 20;
+/// The smallest control limit: room for about fifty of the largest
+/// control frames (open replies).
+pub const MIN_CONTROL_LIMIT: usize = 4 << 10;
 /// How long a closing channel tries to get its last frames out.
 pub(super) const CLOSE_FLUSH: Duration = Duration::from_secs(2);
 /// Messages a receiver takes beyond the credit it gave (its close's last
@@ -185,6 +200,10 @@ pub(super) struct Inner {
     pub(super) chans: HashMap<u32, Chan>,
     pub(super) unclaimed: HashMap<u32, Vec<u8>>,
     pub(super) ctrl: VecDeque<WireFrame>,
+    /// Bytes of the frames in `ctrl`.
+    pub(super) ctrl_bytes: usize,
+    /// The most `ctrl_bytes` may grow to before the peer is cut off.
+    pub(super) control_limit: usize,
     pub(super) wire: VecDeque<WireFrame>,
     pub(super) wire_sent: usize,
     /// Round-robin position: the channel served last.
@@ -232,6 +251,8 @@ impl Inner {
             chans: HashMap::new(),
             unclaimed: HashMap::new(),
             ctrl: VecDeque::new(),
+            ctrl_bytes: 0,
+            control_limit: CONTROL_LIMIT,
             wire: VecDeque::new(),
             wire_sent: 0,
             last_served: 0,
@@ -283,12 +304,40 @@ impl Inner {
         chan.allowed = depth as usize;
     }
 
-    pub(super) fn queue_ctrl(&mut self, kind: u8, channel: u32, body: Vec<u8>, credit: u32) {
-        let head = MuxHead { credit, ..MuxHead::new(kind, channel, 0) }.frame(&body);
+    /// Queue a control frame. A credit grant or read report right behind
+    /// one of the same kind (and channel) that still waits is merged into
+    /// it. Past the control limit the session fails with
+    /// [`Error::PeerBacklog`]: the peer provokes frames it does not read.
+    pub(super) fn queue_ctrl(&mut self, kind: u8, channel: u32, body: Vec<u8>, credit: u32) -> Result<()> {
+        self.check()?;
         if self.ctrl.is_empty() && self.wire.is_empty() {
             self.last_progress = Instant::now();
         }
+        if matches!(kind, K_CREDIT | K_READ) && body.is_empty() {
+            if let Some(last) = self.ctrl.back_mut().filter(|f| f.head.len() == MUX_HEAD) {
+                let same = last.head[0] == kind && last.head[4..8] == channel.to_le_bytes();
+                let queued = u32::from_le_bytes(last.head[12..16].try_into().expect("4 bytes"));
+                if let (true, Some(sum)) = (same, queued.checked_add(credit)) {
+                    last.head[12..16].copy_from_slice(&sum.to_le_bytes());
+                    return Ok(());
+                }
+            }
+        }
+        let head = MuxHead { credit, ..MuxHead::new(kind, channel, 0) }.frame(&body);
+        self.ctrl_bytes += head.len();
+        self.counters.max_control_queued = self.counters.max_control_queued.max(self.ctrl_bytes as u64);
         self.ctrl.push_back(WireFrame { head, payload: None, priority: None });
+        if self.ctrl_bytes > self.control_limit {
+            let e = Error::PeerBacklog { what: "control frames", limit: self.control_limit as u64 };
+            return Err(self.fail(e, true));
+        }
+        Ok(())
+    }
+
+    /// Whether a control frame of `len` bytes that this side starts (an
+    /// open) fits in the control limit now.
+    pub(super) fn ctrl_room(&self, len: usize) -> bool {
+        self.ctrl_bytes + len <= self.control_limit
     }
 
     pub(super) fn has_output(&self) -> bool {
@@ -379,6 +428,7 @@ impl Inner {
                     break;
                 }
                 let f = self.ctrl.pop_front().expect("not empty");
+                self.ctrl_bytes -= f.len();
                 self.committed += f.len() as u64;
                 self.wire.push_back(f);
                 continue;
@@ -580,5 +630,89 @@ mod tests {
         assert!(before < 16 * BULK, "the bulk channels were not saturating the session");
         // The peer goes first: the channels' closes need not wait for it.
         drop(theirs);
+    }
+
+    /// A session over one end of a socket pair whose other end (returned,
+    /// to keep it open) never reads: what the session queues stays queued.
+    fn unread_session() -> (MuxSession, std::os::unix::net::UnixStream) {
+        use std::os::fd::OwnedFd;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        (MuxSession::over(TcpStream::from(OwnedFd::from(ours))), theirs)
+    }
+
+    fn credit_of(frame: &super::WireFrame) -> u32 {
+        MuxHead::decode(frame.head[..MUX_HEAD].try_into().unwrap()).unwrap().credit
+    }
+
+    /// Credit grants of one channel, and read reports, that wait behind one
+    /// another are one frame; closes are not merged, and past the control
+    /// limit the session is cut off with `PeerBacklog` (the peer counts as
+    /// dead), having queued at most one frame more than the limit.
+    #[test]
+    fn waiting_grants_and_reports_merge_and_the_control_queue_is_bounded() {
+        use super::super::codec::{K_CLOSE, K_CREDIT, K_READ};
+        use super::{CONTROL_LIMIT, MIN_CONTROL_LIMIT};
+        use crate::error::Error;
+        let (session, _theirs) = unread_session();
+        assert_eq!(session.control_limit(), CONTROL_LIMIT);
+        session.set_control_limit(0);
+        let mut inner = session.lock();
+        inner.queue_ctrl(K_CREDIT, 1, Vec::new(), 2).unwrap();
+        inner.queue_ctrl(K_CREDIT, 1, Vec::new(), 3).unwrap();
+        assert_eq!((inner.ctrl.len(), credit_of(&inner.ctrl[0])), (1, 5));
+        inner.queue_ctrl(K_CREDIT, 2, Vec::new(), 1).unwrap();
+        inner.queue_ctrl(K_READ, 0, Vec::new(), u32::MAX - 1).unwrap();
+        inner.queue_ctrl(K_READ, 0, Vec::new(), 1).unwrap();
+        // A sum past u32 starts a new report.
+        inner.queue_ctrl(K_READ, 0, Vec::new(), 1).unwrap();
+        let credits: Vec<u32> = inner.ctrl.iter().map(credit_of).collect();
+        assert_eq!(credits, [5, 1, u32::MAX, 1]);
+        assert_eq!(inner.ctrl_bytes, 4 * MUX_HEAD);
+
+        let mut id = 100;
+        let e = loop {
+            if let Err(e) = inner.queue_ctrl(K_CLOSE, id, Vec::new(), 0) {
+                break e;
+            }
+            id += 1;
+            assert!(inner.ctrl_bytes <= MIN_CONTROL_LIMIT, "{} bytes queued", inner.ctrl_bytes);
+        };
+        assert_eq!(e, Error::PeerBacklog { what: "control frames", limit: MIN_CONTROL_LIMIT as u64 });
+        assert_eq!(inner.ctrl_bytes, MIN_CONTROL_LIMIT + MUX_HEAD);
+        assert_eq!(inner.counters.max_control_queued, (MIN_CONTROL_LIMIT + MUX_HEAD) as u64);
+        assert_eq!(inner.gone, Some((e.clone(), true)), "the peer counts as dead: lent buffers come back");
+        assert_eq!(inner.queue_ctrl(K_CREDIT, 1, Vec::new(), 1), Err(e));
+    }
+
+    /// This side's own opens never cut the peer off: past the control
+    /// limit a bind on the session says `QueueFull`, its number stays free,
+    /// and the session goes on.
+    #[test]
+    fn a_bind_past_the_control_limit_is_refused_and_the_session_goes_on() {
+        use super::super::codec::K_CLOSE;
+        use super::MIN_CONTROL_LIMIT;
+        use crate::backend::Endpoint;
+        use crate::error::Error;
+        use crate::BindParams;
+        let (session, _theirs) = unread_session();
+        session.set_control_limit(0);
+        let Endpoint::Mux(endpoint) = session.endpoint(7) else { unreachable!("a session's endpoint") };
+        {
+            let mut inner = session.lock();
+            // The socket takes nothing more, the wire queue is full.
+            let chunk = [0u8; 4096];
+            while rustix::net::send(&inner.stream, &chunk, rustix::net::SendFlags::DONTWAIT).is_ok() {}
+            let mut id = 100;
+            while inner.ctrl_bytes + MUX_HEAD <= MIN_CONTROL_LIMIT {
+                inner.queue_ctrl(K_CLOSE, id, Vec::new(), 0).unwrap();
+                inner.pump_write().unwrap();
+                id += 1;
+            }
+            assert!(!inner.ctrl_room(MUX_HEAD + 1));
+        }
+        assert!(matches!(endpoint.connect(&BindParams::default()), Err(Error::QueueFull)));
+        let inner = session.lock();
+        assert!(inner.check().is_ok(), "the session goes on");
+        assert!(!inner.chans.contains_key(&7), "the number is free again");
     }
 }

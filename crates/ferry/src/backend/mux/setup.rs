@@ -4,7 +4,7 @@
 use std::os::fd::AsFd;
 use std::time::Instant;
 
-use super::codec::{FLAG_ABORT, K_OPEN, K_REPLY};
+use super::codec::{FLAG_ABORT, K_OPEN, K_REPLY, MUX_HEAD};
 use super::link::MuxLink;
 use super::session::{Chan, ChanState, Inner};
 use super::{MuxEndpoint, MuxSession};
@@ -42,7 +42,13 @@ impl MuxEndpoint {
         self.claim(ChanState::Binding)?;
         let mut inner = self.session.lock();
         let body = setup_msg::encode_bind(params);
-        inner.queue_ctrl(K_OPEN, self.channel, body, 0);
+        // Our own opens never make the peer's backlog: past the control
+        // limit the bind is refused here, and the session goes on.
+        if !inner.ctrl_room(MUX_HEAD + body.len()) {
+            inner.chans.remove(&self.channel);
+            return Err(Error::QueueFull);
+        }
+        inner.queue_ctrl(K_OPEN, self.channel, body, 0)?;
         let _ = inner.pump_write();
         drop(inner);
         Ok(Box::new(MuxPending {
@@ -115,13 +121,19 @@ impl PendingSetup for MuxPending {
                 };
                 match negotiate(&setup, &params) {
                     Err(why) => {
-                        inner.queue_ctrl(K_REPLY, id, setup_msg::encode_refuse(why), 0);
+                        if let Err(e) = inner.queue_ctrl(K_REPLY, id, setup_msg::encode_refuse(why), 0) {
+                            drop(inner);
+                            return self.give_up(e);
+                        }
                         let _ = inner.pump_write();
                         None
                     }
                     Ok(neg) => {
                         let depth = setup.queue_depth;
-                        inner.queue_ctrl(K_REPLY, id, setup_msg::encode_accept(&neg, depth), 0);
+                        if let Err(e) = inner.queue_ctrl(K_REPLY, id, setup_msg::encode_accept(&neg, depth), 0) {
+                            drop(inner);
+                            return self.give_up(e);
+                        }
                         inner.open(id, &neg, depth);
                         let _ = inner.pump_write();
                         drop(inner);

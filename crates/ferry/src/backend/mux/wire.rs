@@ -161,7 +161,7 @@ impl Inner {
             return Err(self.fail(Error::PeerUnresponsive(timeout), true));
         }
         if !busy && now.duration_since(self.last_tx) > timeout / 4 {
-            self.queue_ctrl(K_KEEPALIVE, 0, Vec::new(), 0);
+            self.queue_ctrl(K_KEEPALIVE, 0, Vec::new(), 0)?;
             self.pump_write()?;
         }
         Ok(())
@@ -211,7 +211,7 @@ impl Inner {
         if report {
             let n = u32::try_from(unreported).unwrap_or(u32::MAX);
             self.counters.bytes_reported_to_peer += u64::from(n);
-            self.queue_ctrl(K_READ, 0, Vec::new(), n);
+            self.queue_ctrl(K_READ, 0, Vec::new(), n)?;
         }
         if report || (self.counters.bytes_reported_read != reported && self.has_output()) {
             self.pump_write()?;
@@ -354,7 +354,7 @@ impl Drop for Inner {
             return;
         }
         // The last handle is gone: what is queued, then goodbye.
-        self.queue_ctrl(K_GOODBYE, 0, Vec::new(), 0);
+        let _ = self.queue_ctrl(K_GOODBYE, 0, Vec::new(), 0);
         let deadline = Instant::now() + CLOSE_FLUSH.min(self.options.peer_timeout);
         while self.pump_write().is_ok() && self.has_output() {
             let Some(left) = deadline.checked_duration_since(Instant::now()) else { break };
