@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use ferry::backend::mux::MUX_HEAD;
 use ferry::{
-    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Error, Event, MuxSession, NetOptions,
+    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Error, Event, MuxListener, MuxSession, NetOptions,
     PoolConstraints, Role,
 };
 
@@ -283,4 +283,33 @@ fn handshakes_that_fail_are_closed() {
         Ok(_) => {}
         Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "closed, not left open: {e}"),
     }
+}
+
+/// A server that accepts session after session on a `MuxListener` loses
+/// no client that was still handshaking when another one's session was
+/// found: a client whose magic comes late (after the listener took its
+/// connection, and after another client's session was returned) gets its
+/// session from the next `accept`. (A one-shot `MuxSession::accept`
+/// closes such a connection.)
+#[test]
+fn a_listener_keeps_clients_still_handshaking_for_its_next_accept() {
+    let mut listener = MuxListener::bind("127.0.0.1:0".parse().unwrap(), NetOptions::default()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    // The slow client connects first and says nothing yet.
+    let mut slow = TcpStream::connect(addr).unwrap();
+    let quick = std::thread::spawn(move || MuxSession::connect(addr, NetOptions::default(), T));
+    let first = listener.accept(T).expect("the quick client's session");
+    let _quick = quick.join().unwrap().expect("the quick client got its session");
+    assert_ne!(first.peer_addr().unwrap(), slow.local_addr().unwrap(), "the first session is the quick client's");
+    assert_eq!(listener.handshaking(), 1, "the slow client's connection is kept");
+
+    // Now the slow client says hello, and the next accept is its session.
+    slow.write_all(b"FERRYMX2").unwrap();
+    slow.set_read_timeout(Some(T)).unwrap();
+    let mut magic = [0u8; 8];
+    slow.read_exact(&mut magic).expect("the listener's magic, not the end of the stream");
+    assert_eq!(&magic, b"FERRYMX2");
+    let second = listener.accept(T).expect("the slow client's session");
+    assert_eq!(second.peer_addr().unwrap(), slow.local_addr().unwrap());
+    assert_eq!(listener.handshaking(), 0);
 }

@@ -32,7 +32,7 @@ mod unshared;
 
 pub use local::LocalEndpoint;
 #[cfg(not(loom))]
-pub use mux::{MuxEndpoint, MuxSession};
+pub use mux::{MuxEndpoint, MuxListener, MuxSession};
 #[cfg(not(loom))]
 pub use net::{NetEndpoint, NetOptions};
 #[cfg(not(loom))]

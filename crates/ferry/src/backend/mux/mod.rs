@@ -80,10 +80,12 @@
 //!
 //! [`MuxSession::accept`] serves the connections on its listener side by
 //! side: the first whose magic arrives becomes the session. Each
-//! connection has [`HANDSHAKE_TIMEOUT`] to send its magic, at most
-//! [`MAX_HANDSHAKES`] wait at once (one more closes the oldest), and
-//! those still waiting when the session is found are closed; so silent
-//! connections delay a good client by nothing.
+//! connection has [`HANDSHAKE_TIMEOUT`] to send its magic, and at most
+//! [`MAX_HANDSHAKES`] wait at once (one more closes the oldest); so silent
+//! connections delay a good client by nothing. A [`MuxListener`] accepts
+//! session after session and keeps the connections still handshaking from
+//! one call to the next; the one-shot [`MuxSession::accept`] closes them
+//! when it returns.
 //!
 //! # What a peer can make a session hold
 //!
@@ -283,56 +285,13 @@ impl MuxSession {
     /// (or send something else) delay nobody. Each has
     /// [`HANDSHAKE_TIMEOUT`] (at most `timeout`) to send its magic and is
     /// closed then; at most [`MAX_HANDSHAKES`] are served at once, one
-    /// more closes the oldest. Connections whose magic has not arrived
-    /// when the session is found are closed; those still waiting on the
-    /// listener stay there for the next call.
+    /// more closes the oldest. Connections taken off the listener whose
+    /// magic has not arrived when this returns are closed: a server that
+    /// accepts many sessions uses a [`MuxListener`], which keeps them for
+    /// its next call.
     pub fn accept(listener: &TcpListener, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
         let deadline = Instant::now() + timeout.max(Duration::from_millis(1));
-        listener.set_nonblocking(true)?;
-        let mut handshakes: VecDeque<Handshake> = VecDeque::new();
-        loop {
-            // A bounded number per round, so that a flood of connections
-            // cannot keep us from reading the ones we hold.
-            for _ in 0..4 * MAX_HANDSHAKES {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        let Some(hs) = Handshake::new(stream, deadline.min(Instant::now() + HANDSHAKE_TIMEOUT)) else {
-                            continue;
-                        };
-                        if handshakes.len() == MAX_HANDSHAKES {
-                            handshakes.pop_front();
-                        }
-                        handshakes.push_back(hs);
-                    }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    // A connection that was reset while it waited.
-                    Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted) => {}
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            let now = Instant::now();
-            let mut i = 0;
-            while i < handshakes.len() {
-                match handshakes[i].poll(now) {
-                    Ok(false) => i += 1,
-                    Ok(true) => {
-                        let hs = handshakes.remove(i).expect("in range");
-                        return MuxSession::established(hs.stream, options);
-                    }
-                    // Silent past its deadline, gone, or not a session.
-                    Err(_) => {
-                        handshakes.remove(i);
-                    }
-                }
-            }
-            let Some(left) = deadline.checked_duration_since(now) else {
-                return Err(Error::TimedOut);
-            };
-            let first = handshakes.iter().map(|hs| hs.deadline.saturating_duration_since(now)).min();
-            let mut fds = vec![listener.as_fd()];
-            fds.extend(handshakes.iter().map(|hs| hs.stream.as_fd()));
-            let _ = crate::wake::wait_readable(&fds, Some(first.map_or(left, |f| f.min(left))));
-        }
+        accept_session(listener, &mut VecDeque::new(), options, deadline, Some(deadline))
     }
 
     /// A session over a connected stream (both ends exchange the magic).
@@ -524,6 +483,125 @@ pub struct MuxStats {
     pub max_control_queued: u64,
 }
 
+/// A listener that accepts many sessions, one per [`MuxListener::accept`]:
+/// connections whose magic has not arrived yet stay with the listener
+/// from one call to the next (each until its [`HANDSHAKE_TIMEOUT`]), so
+/// clients that connect at the same time all get their session, and
+/// silent connections delay none of them.
+///
+/// ```
+/// use std::time::Duration;
+/// use ferry::{MuxListener, MuxSession, NetOptions};
+///
+/// let t = Duration::from_secs(10);
+/// let mut listener = MuxListener::bind("127.0.0.1:0".parse()?, NetOptions::default())?;
+/// let addr = listener.local_addr()?;
+/// let clients: Vec<_> =
+///     (0..3).map(|_| std::thread::spawn(move || MuxSession::connect(addr, NetOptions::default(), t))).collect();
+/// let sessions: Vec<MuxSession> = (0..3).map(|_| listener.accept(t)).collect::<Result<_, _>>()?;
+/// assert_eq!(sessions.len(), 3);
+/// for c in clients {
+///     c.join().unwrap()?;
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct MuxListener {
+    listener: TcpListener,
+    options: NetOptions,
+    pending: VecDeque<Handshake>,
+}
+
+impl MuxListener {
+    /// Listen on `addr` (port 0: the kernel picks one, see
+    /// [`MuxListener::local_addr`]); sessions get `options`.
+    pub fn bind(addr: SocketAddr, options: NetOptions) -> Result<MuxListener> {
+        MuxListener::new(TcpListener::bind(addr)?, options)
+    }
+
+    /// Accept sessions on a listener the program made (it is made
+    /// non-blocking).
+    pub fn new(listener: TcpListener, options: NetOptions) -> Result<MuxListener> {
+        listener.set_nonblocking(true)?;
+        Ok(MuxListener { listener, options, pending: VecDeque::new() })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    /// The next session, waiting up to `timeout` (`TimedOut` then; the
+    /// connections still handshaking stay for the next call).
+    pub fn accept(&mut self, timeout: Duration) -> Result<MuxSession> {
+        let deadline = Instant::now() + timeout.max(Duration::from_millis(1));
+        accept_session(&self.listener, &mut self.pending, self.options, deadline, None)
+    }
+
+    /// Connections taken off the listener whose magic has not arrived yet.
+    pub fn handshaking(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+/// Serve the connections of `listener` side by side until one sends the
+/// magic (it becomes the session) or `deadline` passes. `pending` holds
+/// the connections still handshaking, before and after; `cap` bounds
+/// each new one's deadline (a one-shot accept drops them when it returns).
+fn accept_session(
+    listener: &TcpListener,
+    pending: &mut VecDeque<Handshake>,
+    options: NetOptions,
+    deadline: Instant,
+    cap: Option<Instant>,
+) -> Result<MuxSession> {
+    listener.set_nonblocking(true)?;
+    loop {
+        // A bounded number per round, so that a flood of connections
+        // cannot keep us from reading the ones we hold.
+        for _ in 0..4 * MAX_HANDSHAKES {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    let own = Instant::now() + HANDSHAKE_TIMEOUT;
+                    let Some(hs) = Handshake::new(stream, cap.map_or(own, |c| c.min(own))) else {
+                        continue;
+                    };
+                    if pending.len() == MAX_HANDSHAKES {
+                        pending.pop_front();
+                    }
+                    pending.push_back(hs);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                // A connection that was reset while it waited.
+                Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < pending.len() {
+            match pending[i].poll(now) {
+                Ok(false) => i += 1,
+                Ok(true) => {
+                    let hs = pending.remove(i).expect("in range");
+                    return MuxSession::established(hs.stream, options);
+                }
+                // Silent past its deadline, gone, or not a session.
+                Err(_) => {
+                    pending.remove(i);
+                }
+            }
+        }
+        let Some(left) = deadline.checked_duration_since(now) else {
+            return Err(Error::TimedOut);
+        };
+        let first = pending.iter().map(|hs| hs.deadline.saturating_duration_since(now)).min();
+        let mut fds = vec![listener.as_fd()];
+        fds.extend(pending.iter().map(|hs| hs.stream.as_fd()));
+        let _ = crate::wake::wait_readable(&fds, Some(first.map_or(left, |f| f.min(left))));
+    }
+}
+
 /// How long a connection that [`MuxSession::accept`] took may take to send
 /// its magic (it is closed then).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -533,6 +611,7 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub const MAX_HANDSHAKES: usize = 16;
 
 /// A connection accepted whose magic has not arrived (all of it) yet.
+#[derive(Debug)]
 struct Handshake {
     stream: TcpStream,
     magic: [u8; 8],
