@@ -24,7 +24,8 @@
 //! memory ([`MemStore`](crate::MemStore)) save that copy: a write of 64 KiB
 //! or more is received straight into the store's chunks as it arrives
 //! (receives that do not wait, header and payload in one when they wait
-//! together, [`Store::write_direct`]),
+//! together, [`Store::write_direct`]; the store makes memory ready for
+//! the bytes that have arrived, never for a payload only announced),
 //! and a read of 64 KiB or more is sent straight from them (one
 //! `sendmsg` that does not wait, [`Store::read_direct`]; what the socket
 //! does not take at once is copied into the connection's buffer and sent
@@ -53,6 +54,12 @@
 //! replies in one segment, and no reply waits for a request that has not
 //! arrived. Replies still queued when the client shuts its side of the
 //! connection down go before the server closes it.
+//!
+//! A write whose client goes away in the middle of its payload (it gets
+//! no reply) is applied in whole sectors of 512 bytes ([`SECTOR`]) from
+//! its start: every sector it covers holds all of its bytes for that
+//! sector or none, the same for every store and every way the payload
+//! came in; the bytes of a sector that did not arrive whole are dropped.
 
 use std::fmt;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
@@ -388,6 +395,8 @@ impl NbdServer {
             let accepted: io::Result<(Box<dyn Stream>, String, RawFd)> = match &self.listener {
                 Listener::Tcp(l) => l.accept().map(|(s, a)| {
                     let _ = s.set_nodelay(true);
+                    // Urgent data is ordinary data: no receive stops short at it.
+                    let _ = rustix::net::sockopt::set_socket_oobinline(&s, true);
                     if a.ip().is_loopback() {
                         // Fixed, so the kernel does not grow it (see the constant).
                         let _ = rustix::net::sockopt::set_socket_send_buffer_size(&s, LOOPBACK_SNDBUF);
@@ -396,6 +405,7 @@ impl NbdServer {
                     (Box::new(s) as Box<dyn Stream>, format!("tcp:{a}"), fd)
                 }),
                 Listener::Unix(l, _) => l.accept().map(|(s, _)| {
+                    let _ = rustix::net::sockopt::set_socket_oobinline(&s, true);
                     unix_peers += 1;
                     let fd = s.as_raw_fd();
                     (Box::new(s) as Box<dyn Stream>, format!("unix#{unix_peers}"), fd)
@@ -538,6 +548,11 @@ impl Socket {
                 Err(e) => return Err(e.into()),
             }
         }
+    }
+
+    /// How many bytes wait on the socket (`FIONREAD`; 0 on an error).
+    fn waiting(&self) -> usize {
+        rustix::io::ioctl_fionread(self.fd()).map_or(0, |n| n as usize)
     }
 
     /// Wait until something waits on the socket (or it ends or fails).
@@ -710,18 +725,38 @@ fn nbd_errno(e: &io::Error) -> u32 {
     }
 }
 
-/// Fill all of `parts` (one `readv` in the common case).
-fn read_all_parts<R: Read>(r: &mut R, parts: &mut [IoSliceMut<'_>]) -> io::Result<()> {
+/// Fill all of `parts` (one `readv` in the common case); on an error,
+/// also how many bytes arrived before it.
+fn read_parts_counted<R: Read>(r: &mut R, parts: &mut [IoSliceMut<'_>]) -> Result<(), (usize, io::Error)> {
     let mut parts = parts;
-    while !parts.is_empty() {
+    let mut arrived = 0;
+    while parts.iter().any(|p| !p.is_empty()) {
         match r.read_vectored(parts) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => IoSliceMut::advance_slices(&mut parts, n),
+            Ok(0) => return Err((arrived, io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => {
+                arrived += n;
+                IoSliceMut::advance_slices(&mut parts, n);
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            Err(e) => return Err((arrived, e)),
         }
     }
     Ok(())
+}
+
+/// Sectors of the export: a write the client does not send whole (it goes
+/// away in the middle of the payload, without a reply) is applied in
+/// whole sectors from its start — each sector it covers holds either all
+/// the bytes the write has for it or none of them — whatever the store
+/// and however the payload was received.
+pub const SECTOR: usize = 512;
+
+/// Of a payload for `offset` of which `arrived` bytes are here, the bytes
+/// that end on a sector boundary of the export (the part a write cut off
+/// there is applied with).
+fn whole_sectors(offset: u64, arrived: usize) -> usize {
+    let end = offset + arrived as u64;
+    (end - end % SECTOR as u64).saturating_sub(offset) as usize
 }
 
 /// Write all of `parts` (one `writev` in the common case).
@@ -1098,7 +1133,16 @@ impl<S: Read + Write> Session<'_, S> {
                 let mut head = [0u8; 28];
                 let (_, buf) = self.buffer.as_mut().expect("made just now");
                 let mem = buf.as_mut_slice().map_err(|e| io::Error::other(e.to_string()))?;
-                read_all_parts(&mut self.stream, &mut [IoSliceMut::new(&mut head), IoSliceMut::new(&mut mem[..len])])?;
+                let read = read_parts_counted(
+                    &mut self.stream,
+                    &mut [IoSliceMut::new(&mut head), IoSliceMut::new(&mut mem[..len])],
+                );
+                if let Err((arrived, e)) = read {
+                    if arrived > 28 {
+                        self.apply_cut_write(&head, arrived - 28);
+                    }
+                    return Err(e);
+                }
                 self.payload_read = true;
                 return Ok(head);
             }
@@ -1192,14 +1236,23 @@ impl<S: Read + Write> Session<'_, S> {
         let mem = buf.as_mut_slice().map_err(|e| io::Error::other(e.to_string()))?;
         let room = mem.len();
         let mut done = 0;
+        let mut cut = None;
         while done < len {
             let at = done % room;
             let n = (len - done).min(room - at);
             let ahead = (*in_end - *in_at).min(n);
             mem[at..at + ahead].copy_from_slice(&inbuf[*in_at..*in_at + ahead]);
             *in_at += ahead;
-            stream.read_exact(&mut mem[at + ahead..at + n])?;
+            if let Err((arrived, e)) = read_parts_counted(stream, &mut [IoSliceMut::new(&mut mem[at + ahead..at + n])])
+            {
+                cut = Some((done + ahead + arrived, e));
+                break;
+            }
             done += n;
+        }
+        if let Some((arrived, e)) = cut {
+            self.apply_cut_write(&head, arrived);
+            return Err(e);
         }
         self.payload_read = true;
         Ok(Some(head))
@@ -1209,11 +1262,15 @@ impl<S: Read + Write> Session<'_, S> {
     /// into the store, if the store hands out its memory and the request
     /// is valid: then the header read, else `None` and nothing read. The
     /// payload is taken as it arrives, with receives that do not wait
-    /// (header and payload in one when they wait together); between them
+    /// (header and payload in one when they wait together), each of the
+    /// bytes that wait: the store's memory is made ready for those only,
+    /// so a payload announced and not sent costs nothing. Between them
     /// the server waits for more with the store let go, so a client that
-    /// sends slowly holds no part of it. (A concurrent read of the range
-    /// may see part of the new bytes, as NBD allows for overlapping
-    /// requests in flight.)
+    /// sends slowly holds no part of it. The store gets whole sectors of
+    /// the export (see [`SECTOR`]): bytes that do not yet complete one
+    /// wait here, and are dropped if the client goes away. (A concurrent
+    /// read of the range may see part of the new sectors, as NBD allows
+    /// for overlapping requests in flight.)
     fn land_write(&mut self, head: &[u8; 28]) -> io::Result<Option<[u8; 28]>> {
         if self.socket.is_none() {
             return Ok(None);
@@ -1230,38 +1287,113 @@ impl<S: Read + Write> Session<'_, S> {
             return Ok(None);
         }
         let store = self.store;
+        // An empty range tells whether the store takes direct writes.
+        if store.write_direct(offset, 0, &mut |_| Ok(())).is_none() {
+            return Ok(None);
+        }
         let mut got = [0u8; 28];
-        // Bytes of header and payload taken.
-        let mut have = 0;
-        while have < 28 + len {
-            let done = have.saturating_sub(28);
-            let mut taken = None;
-            let socket = self.socket.as_ref().expect("checked above");
-            let landed = store.write_direct(offset + done as u64, len - done, &mut |parts| {
-                let mut all: Vec<IoSliceMut<'_>> = Vec::with_capacity(parts.len() + 1);
-                if have < 28 {
-                    all.push(IoSliceMut::new(&mut got[have..]));
-                }
-                all.extend(parts.iter_mut().map(|p| IoSliceMut::new(&mut p[..])));
-                taken = socket.recv_now(&mut all)?;
-                Ok(())
-            });
-            match landed {
-                None if have == 0 => return Ok(None),
-                None => return Err(io::Error::other("the store no longer takes the write's payload")),
-                Some(r) => r?,
+        let mut head_have = 0;
+        // Payload bytes in the store, and bytes taken after them that do
+        // not complete a sector yet.
+        let mut applied = 0;
+        let mut carry = [0u8; SECTOR];
+        let mut carried = 0;
+        while head_have < 28 || applied < len {
+            let mut waiting = self.socket.as_ref().expect("checked above").waiting();
+            if waiting == 0 {
+                // The replies go before the server waits for more.
+                self.flush_replies()?;
+                let socket = self.socket.as_ref().expect("checked above");
+                socket.wait_readable();
+                waiting = socket.waiting();
             }
-            match taken {
-                Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Some(n) => have += n,
-                None => {
-                    // The replies go before the server waits for more.
-                    self.flush_replies()?;
-                    self.socket.as_ref().expect("checked above").wait_readable();
+            let socket = self.socket.as_ref().expect("checked above");
+            let head_want = 28 - head_have;
+            let taken = applied + carried;
+            let coming = waiting.saturating_sub(head_want).min(len - taken);
+            let reach = taken + coming;
+            let upto = if reach == len { len } else { whole_sectors(offset, reach) };
+            if upto > applied {
+                // Whole sectors: straight into the store's memory, the
+                // carried bytes first, then what waits on the socket.
+                let want = head_want + (upto - taken);
+                let mut arrived = 0;
+                let landed = store.write_direct(offset + applied as u64, upto - applied, &mut |parts| {
+                    let mut all: Vec<IoSliceMut<'_>> = Vec::with_capacity(parts.len() + 1);
+                    all.push(IoSliceMut::new(&mut got[head_have..]));
+                    let mut skip = carried;
+                    for p in parts.iter_mut() {
+                        let n = skip.min(p.len());
+                        p[..n].copy_from_slice(&carry[carried - skip..carried - skip + n]);
+                        skip -= n;
+                        all.push(IoSliceMut::new(&mut p[n..]));
+                    }
+                    // The kernel hands over every byte it counts as
+                    // waiting; a second receive only if the first stops
+                    // short all the same.
+                    let mut rest = &mut all[..];
+                    while arrived < want {
+                        match socket.recv_now(rest)? {
+                            Some(0) | None => break,
+                            Some(n) => {
+                                arrived += n;
+                                IoSliceMut::advance_slices(&mut rest, n);
+                            }
+                        }
+                    }
+                    Ok(())
+                });
+                match landed {
+                    Some(r) => r?,
+                    None => return Err(io::Error::other("the store no longer takes the write's payload")),
+                }
+                let from_head = arrived.min(head_want);
+                head_have += from_head;
+                let now = taken + arrived - from_head;
+                self.summary.landed_bytes += (now - taken) as u64;
+                if now == upto {
+                    applied = upto;
+                    carried = 0;
+                } else {
+                    // Short of what waited: the bytes past the last whole
+                    // sector are carried (and the sector completed with
+                    // them) like any others.
+                    let whole = whole_sectors(offset, now).max(applied);
+                    carried = now - whole;
+                    applied = whole;
+                    store.read_at(offset + applied as u64, &mut carry[..carried])?;
+                    if arrived == 0 {
+                        return Err(io::Error::other("the socket counts bytes that cannot be received"));
+                    }
+                }
+            } else {
+                // Fewer bytes than complete a sector (or none: the end of
+                // the stream or an error, which a receive tells): they
+                // wait here.
+                let to_boundary = SECTOR - ((offset + taken as u64) % SECTOR as u64) as usize;
+                let room = if coming > 0 { coming } else { to_boundary.min(len - taken) };
+                let mut parts =
+                    [IoSliceMut::new(&mut got[head_have..]), IoSliceMut::new(&mut carry[carried..carried + room])];
+                match socket.recv_now(&mut parts)? {
+                    Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    Some(n) => {
+                        let from_head = n.min(head_want);
+                        head_have += from_head;
+                        carried += n - from_head;
+                    }
+                    None if waiting > 0 => {
+                        return Err(io::Error::other("the socket counts bytes that cannot be received"))
+                    }
+                    // Woken without data: wait again.
+                    None => {}
+                }
+                if carried > 0 && (applied + carried == len || whole_sectors(offset, applied + carried) > applied) {
+                    store.write_at(offset + applied as u64, &carry[..carried], false)?;
+                    applied += carried;
+                    carried = 0;
                 }
             }
         }
-        self.summary.landed_bytes += len as u64;
         Ok(Some(got))
     }
 
@@ -1330,6 +1462,29 @@ impl<S: Read + Write> Session<'_, S> {
             }
         }
         write_all_parts(&mut self.stream, &mut parts)
+    }
+
+    /// A write whose header is `head` was cut off after `arrived` bytes of
+    /// its payload, which are at the start of the connection's buffer:
+    /// apply its whole sectors (see [`SECTOR`]) if the write is one the
+    /// server would have carried out.
+    fn apply_cut_write(&mut self, head: &[u8; 28], arrived: usize) {
+        let flags = u16::from_be_bytes(head[4..6].try_into().expect("2 bytes"));
+        let offset = u64::from_be_bytes(head[16..24].try_into().expect("8 bytes"));
+        let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes"));
+        if flags & !CMD_FLAG_FUA != 0
+            || self.config.read_only
+            || len > self.config.max_payload
+            || arrived >= len as usize
+            || !self.in_bounds(offset, len)
+        {
+            return;
+        }
+        let keep = whole_sectors(offset, arrived);
+        if let (Some((_, buf)), true) = (&self.buffer, keep > 0) {
+            // The client is gone: nobody to tell if the store fails.
+            let _ = self.store.write_at(offset, &buf[..keep], false);
+        }
     }
 
     fn in_bounds(&self, offset: u64, len: u32) -> bool {
@@ -1551,7 +1706,14 @@ impl<S: Read + Write> Session<'_, S> {
             return Ok(self.error(req.handle, EINVAL, "write larger than the maximum block size")?);
         }
         if !payload_read {
-            stream.read_exact(&mut mem[..len])?;
+            if let Err((arrived, e)) = read_parts_counted(stream, &mut [IoSliceMut::new(&mut mem[..len])]) {
+                let mut head = [0u8; 28];
+                head[4..6].copy_from_slice(&req.flags.to_be_bytes());
+                head[16..24].copy_from_slice(&req.offset.to_be_bytes());
+                head[24..].copy_from_slice(&req.len.to_be_bytes());
+                self.apply_cut_write(&head, arrived);
+                return Err(e.into());
+            }
         }
         if req.flags & !CMD_FLAG_FUA != 0 {
             return Ok(self.error(req.handle, EINVAL, "flag not valid for NBD_CMD_WRITE")?);

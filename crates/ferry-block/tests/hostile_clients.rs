@@ -1,0 +1,214 @@
+//! The NBD server against clients that mean it harm: writes announced and
+//! never sent, writes cut off in the middle of a sector, connections that
+//! never finish their handshake, more connections than the server takes.
+//! Each client here is written from the protocol specification and talks
+//! to a real server on a loopback socket.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_block::{ConnSummary, FileStore, MemStore, NbdServer, ServerConfig, Store, MEM_CHUNK};
+
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+/// Every wait here ends within this.
+const LIMIT: Duration = Duration::from_secs(30);
+
+/// A server on a kernel-chosen loopback port; connection summaries come
+/// back through the receiver.
+fn serve(store: Arc<dyn Store>, config: ServerConfig) -> (String, mpsc::Receiver<ConnSummary>) {
+    let server = NbdServer::bind(&"tcp:127.0.0.1:0".parse().expect("addr"), store, config).expect("bind");
+    let addr = server.local_addr().to_string().strip_prefix("tcp:").expect("tcp").to_string();
+    let (tx, rx) = mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    server
+        .spawn(move |summary| {
+            let _ = tx.lock().unwrap().send(summary.clone());
+        })
+        .expect("accept thread");
+    (addr, rx)
+}
+
+fn request_header(flags: u16, kind: u16, handle: u64, offset: u64, len: u32) -> Vec<u8> {
+    let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
+    m.extend_from_slice(&flags.to_be_bytes());
+    m.extend_from_slice(&kind.to_be_bytes());
+    m.extend_from_slice(&handle.to_be_bytes());
+    m.extend_from_slice(&offset.to_be_bytes());
+    m.extend_from_slice(&len.to_be_bytes());
+    m
+}
+
+/// Connect and read the greeting; nothing sent yet.
+fn connect_silent(addr: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(LIMIT)).expect("timeout");
+    let mut hello = [0u8; 18];
+    s.read_exact(&mut hello).expect("greeting");
+    assert_eq!(&hello[..8], b"NBDMAGIC");
+    s
+}
+
+/// Connect, greet and enter transmission with NBD_OPT_EXPORT_NAME "".
+fn connect(addr: &str) -> TcpStream {
+    let mut s = connect_silent(addr);
+    let mut m = 3u32.to_be_bytes().to_vec(); // FIXED_NEWSTYLE | NO_ZEROES
+    m.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    m.extend_from_slice(&1u32.to_be_bytes());
+    m.extend_from_slice(&0u32.to_be_bytes());
+    s.write_all(&m).expect("export name");
+    let mut r = [0u8; 10];
+    s.read_exact(&mut r).expect("export reply");
+    s
+}
+
+/// Send a whole write and take its simple reply; the reply's error.
+fn write(s: &mut TcpStream, handle: u64, offset: u64, data: &[u8]) -> u32 {
+    let mut m = request_header(0, 1, handle, offset, data.len() as u32);
+    m.extend_from_slice(data);
+    s.write_all(&m).expect("send write");
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h).expect("reply");
+    assert_eq!(u64::from_be_bytes(h[8..].try_into().unwrap()), handle);
+    u32::from_be_bytes(h[4..8].try_into().unwrap())
+}
+
+/// Wait for the summary of one connection that ended.
+fn ended(rx: &mpsc::Receiver<ConnSummary>) -> ConnSummary {
+    rx.recv_timeout(LIMIT).expect("a connection ended")
+}
+
+/// Wait until `cond` holds (polled), failing after [`LIMIT`].
+fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < LIMIT, "not within {LIMIT:?}: {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) | 1).collect()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferry-hostile-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+/// Writes of 32 MiB announced on 4 connections, each with 1000 bytes of
+/// payload sent and the rest never: the memory store holds memory for
+/// the bytes that came (one chunk each), not for the 128 MiB announced,
+/// and no more once the clients are gone. The payloads land in the store
+/// (the connections wrote a large write before, so the server receives
+/// these straight into the store's chunks).
+#[test]
+fn a_write_announced_and_not_sent_allocates_nothing_for_the_missing_bytes() {
+    let store = Arc::new(MemStore::new(256 << 20).expect("store"));
+    let (addr, summaries) = serve(store.clone(), ServerConfig::default());
+    let first = pattern(64 << 10, 7);
+    let sent = pattern(1000, 99);
+    let mut clients = Vec::new();
+    for i in 0..4u64 {
+        let mut c = connect(&addr);
+        assert_eq!(write(&mut c, 1, 0, &first), 0);
+        let at = (1 + i) * (32 << 20);
+        let mut m = request_header(0, 1, 2, at, 32 << 20);
+        m.extend_from_slice(&sent);
+        c.write_all(&m).expect("header and 1000 bytes");
+        clients.push((c, at));
+    }
+    // The server has taken what came once the first sector of each write
+    // is in the store.
+    for (_, at) in &clients {
+        until("the first sector of each stalled write is in the store", || {
+            let mut b = [0u8; 512];
+            store.read_at(*at, &mut b).unwrap();
+            b[..] == sent[..512]
+        });
+    }
+    assert_eq!(
+        store.allocated_bytes(),
+        5 * MEM_CHUNK,
+        "chunk 0 and one chunk for each write's bytes, not the 128 MiB announced"
+    );
+    for (c, _) in clients.drain(..) {
+        drop(c);
+    }
+    for _ in 0..4 {
+        let s = ended(&summaries);
+        assert!(s.end.contains("dropped") && s.landed_bytes > 0, "{s}");
+    }
+    assert_eq!(store.allocated_bytes(), 5 * MEM_CHUNK, "nothing allocated for the missing bytes afterwards");
+    let extents = store.extents(32 << 20, 32 << 20, 16).unwrap();
+    assert_eq!(extents[0].len, MEM_CHUNK, "{extents:?}");
+    assert!(!extents[0].hole && extents[1].hole && extents[1].len == (32 << 20) - MEM_CHUNK, "{extents:?}");
+}
+
+/// How a cut-off write reaches the server.
+#[derive(Debug, Clone, Copy)]
+enum Path {
+    /// The connection's first request: received ahead with what follows.
+    First,
+    /// After a large write: the header looked at before it is taken (a
+    /// memory store receives the payload straight into its chunks).
+    AfterLarge,
+    /// After a large write, behind a FLUSH sent with it.
+    BehindFlush,
+}
+
+/// A write whose payload stops in the middle of a sector, the client gone
+/// then: every sector the write covers holds all its bytes for that
+/// sector or none, on the memory and the file store and whichever way
+/// the payload came in. The sectors that arrived whole are applied.
+#[test]
+fn a_write_cut_off_mid_sector_leaves_no_sector_half_written() {
+    let dir = scratch("cut");
+    for (n, path) in [Path::First, Path::AfterLarge, Path::BehindFlush].into_iter().enumerate() {
+        let file: Arc<dyn Store> =
+            Arc::new(FileStore::open(&dir.join(format!("d{n}.img")), Some(8 << 20), false).expect("file store"));
+        let mem: Arc<dyn Store> = Arc::new(MemStore::new(8 << 20).expect("memory store"));
+        for store in [mem, file] {
+            let old = vec![0xeeu8; 1 << 20];
+            store.write_at(1 << 20, &old, false).unwrap();
+            let (addr, summaries) = serve(store.clone(), ServerConfig::default());
+            let mut c = connect(&addr);
+            // An offset inside a sector: the write covers the rest of that
+            // one, then 2 whole sectors arrive, then 300 bytes of the next.
+            let offset = (1 << 20) + 1000;
+            let len: u32 = if matches!(path, Path::AfterLarge) { 256 << 10 } else { 8192 };
+            let arrived = (1024 - 1000) + 2 * 512 + 300;
+            let new = pattern(len as usize, n as u8);
+            let mut m = Vec::new();
+            if !matches!(path, Path::First) {
+                assert_eq!(write(&mut c, 1, 6 << 20, &pattern(64 << 10, 3)), 0);
+            }
+            if matches!(path, Path::BehindFlush) {
+                m.extend_from_slice(&request_header(0, 3, 2, 0, 0));
+            }
+            m.extend_from_slice(&request_header(0, 1, 3, offset, len));
+            m.extend_from_slice(&new[..arrived]);
+            c.write_all(&m).expect("send");
+            c.shutdown(std::net::Shutdown::Write).expect("shut down");
+            let s = ended(&summaries);
+            assert!(s.end.contains("dropped"), "{path:?} {}: {s}", store.describe());
+            if matches!(path, Path::AfterLarge) && store.describe().starts_with("memory") {
+                assert!(s.landed_bytes > 0, "the payload went straight into the store: {s}");
+            }
+            let mut back = vec![0u8; 1 << 20];
+            store.read_at(1 << 20, &mut back).unwrap();
+            let applied = 1000 + (1024 - 1000) + 2 * 512;
+            let mut expect = old.clone();
+            expect[1000..applied].copy_from_slice(&new[..applied - 1000]);
+            let first_bad = back.iter().zip(&expect).position(|(a, b)| a != b);
+            assert_eq!(first_bad, None, "{path:?} {}: the whole sectors and nothing else", store.describe());
+            drop(c);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
