@@ -72,6 +72,7 @@ use std::time::{Duration, Instant};
 
 use ferry::{Allocator, Buffer, Domain, PoolConstraints};
 
+use crate::conns::{Conns, Notices};
 use crate::store::{Extent, Store};
 use crate::Error;
 
@@ -192,7 +193,29 @@ pub struct ServerConfig {
     /// transfers go faster, a request may wait for the end of a time slice
     /// on a busy machine. `false` keeps the policy threads inherit.
     pub batch_threads: bool,
+    /// Most connections [`NbdServer::run`] serves at once (default
+    /// [`DEFAULT_MAX_CONNECTIONS`], at least 1). A client that comes when
+    /// there are this many closes the oldest connection still in its
+    /// handshake, or, if every one is past it, is refused (its connection
+    /// closed at once). Running out of file descriptors or memory closes
+    /// the oldest connection still in its handshake too.
+    pub max_connections: usize,
+    /// How long a client has from connecting to the end of its option
+    /// negotiation (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`) before
+    /// [`NbdServer::run`] closes its connection (default
+    /// [`DEFAULT_HANDSHAKE_TIMEOUT`]; more than zero).
+    pub handshake_timeout: Duration,
 }
+
+/// [`ServerConfig::max_connections`] unless told otherwise: room for the
+/// connections of many clients (nbdcopy opens 4, qemu one per
+/// `multi-conn`), and two file descriptors each (the socket and the
+/// connection's buffer) well within the usual limit of 1024.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
+
+/// [`ServerConfig::handshake_timeout`] unless told otherwise: a client on
+/// the other side of the world negotiates in well under a second.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -202,6 +225,8 @@ impl Default for ServerConfig {
             max_payload: 32 << 20,
             read_only: false,
             batch_threads: true,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
         }
     }
 }
@@ -341,6 +366,7 @@ pub struct NbdServer {
     listener: Listener,
     store: Arc<dyn Store>,
     config: Arc<ServerConfig>,
+    notice: Arc<dyn Fn(&str) + Send + Sync>,
 }
 
 impl NbdServer {
@@ -357,6 +383,12 @@ impl NbdServer {
         if config.export_name.len() > MAX_STRING {
             return Err(Error::BadSpec("export name longer than 4096 bytes".into()));
         }
+        if config.max_connections == 0 {
+            return Err(Error::BadSpec("a server takes at least 1 connection".into()));
+        }
+        if config.handshake_timeout.is_zero() {
+            return Err(Error::BadSpec("a handshake needs more than no time".into()));
+        }
         let io_err = |e: io::Error| Error::Io { what: format!("cannot listen on {listen}"), source: e };
         let listener = match listen {
             Listen::Tcp(addr) => Listener::Tcp(TcpListener::bind(addr).map_err(io_err)?),
@@ -370,7 +402,17 @@ impl NbdServer {
                 Listener::Unix(UnixListener::bind(path).map_err(io_err)?, path.clone())
             }
         };
-        Ok(NbdServer { listener, store, config: Arc::new(config) })
+        let at = listen.to_string();
+        let notice = Arc::new(move |line: &str| eprintln!("ferry block: NBD server on {at}: {line}"));
+        Ok(NbdServer { listener, store, config: Arc::new(config), notice })
+    }
+
+    /// Where lines about the server itself go (connections closed or
+    /// refused because it is at its limits), at most one of a kind every
+    /// 10 s; standard error unless told otherwise.
+    pub fn on_notice(mut self, notice: impl Fn(&str) + Send + Sync + 'static) -> Self {
+        self.notice = Arc::new(notice);
+        self
     }
 
     /// Where the server listens (with the port the kernel picked).
@@ -386,14 +428,63 @@ impl NbdServer {
 
     /// Accept clients until the process ends, each on a thread of its
     /// own; `on_end` is told about each connection when it ends. Returns
-    /// only if the listening socket fails (running out of fds or memory
-    /// for a while is waited out).
+    /// only if the listening socket fails.
+    ///
+    /// A connection that has not finished its handshake within
+    /// [`ServerConfig::handshake_timeout`] is closed. At
+    /// [`ServerConfig::max_connections`], and when the process is out of
+    /// file descriptors or memory, the oldest connection still in its
+    /// handshake is closed to make room (a client that never negotiates
+    /// does not keep the others out); with none to close, a new client
+    /// is refused at the limit, and out of resources the server waits a
+    /// little and tries again (never spinning). Such events are told to
+    /// [`NbdServer::on_notice`].
     pub fn run(self, on_end: impl Fn(&ConnSummary) + Send + Sync + 'static) -> Result<(), Error> {
         let on_end = Arc::new(on_end);
+        let conns = Arc::new(Conns::default());
+        let mut notices = Notices::new(self.notice.clone());
+        let listen_err = |e: io::Error| Error::Io { what: "cannot accept clients".into(), source: e };
+        match &self.listener {
+            Listener::Tcp(l) => l.set_nonblocking(true),
+            Listener::Unix(l, _) => l.set_nonblocking(true),
+        }
+        .map_err(listen_err)?;
+        let listen_fd = match &self.listener {
+            Listener::Tcp(l) => l.as_raw_fd(),
+            Listener::Unix(l, _) => l.as_raw_fd(),
+        };
+        let cap = self.config.max_connections;
         let mut unix_peers = 0u64;
+        // The buffer of the next connection, made before it is accepted.
+        let mut spare: Option<(Allocator, Buffer)> = None;
+        let mut backoff = BACKOFF_MIN;
         loop {
+            let next_deadline = conns.expire(self.config.handshake_timeout);
+            // Wait for a client, or until the next handshake runs out.
+            let wait = next_deadline.map_or(ACCEPT_WAIT, |d| d.saturating_duration_since(Instant::now()));
+            let wait = rustix::event::Timespec::try_from(wait.min(ACCEPT_WAIT)).unwrap_or_default();
+            // SAFETY: the listening socket is open as long as `self`.
+            let lfd = unsafe { BorrowedFd::borrow_raw(listen_fd) };
+            let mut fds = [rustix::event::PollFd::new(&lfd, rustix::event::PollFlags::IN)];
+            match rustix::event::poll(&mut fds, Some(&wait)) {
+                Ok(0) | Err(rustix::io::Errno::INTR) => continue,
+                Ok(_) => {}
+                Err(e) => return Err(listen_err(e.into())),
+            }
+            // A client waits: its buffer first (then the connection needs
+            // no file descriptor once accepted).
+            if spare.is_none() {
+                match connection_buffer(self.config.max_payload) {
+                    Ok(b) => spare = Some(b),
+                    Err(why) => {
+                        out_of_resources(&conns, &mut notices, &why, &mut backoff);
+                        continue;
+                    }
+                }
+            }
             let accepted: io::Result<(Box<dyn Stream>, String, RawFd)> = match &self.listener {
-                Listener::Tcp(l) => l.accept().map(|(s, a)| {
+                Listener::Tcp(l) => l.accept().and_then(|(s, a)| {
+                    s.set_nonblocking(false)?;
                     let _ = s.set_nodelay(true);
                     // Urgent data is ordinary data: no receive stops short at it.
                     let _ = rustix::net::sockopt::set_socket_oobinline(&s, true);
@@ -402,45 +493,73 @@ impl NbdServer {
                         let _ = rustix::net::sockopt::set_socket_send_buffer_size(&s, LOOPBACK_SNDBUF);
                     }
                     let fd = s.as_raw_fd();
-                    (Box::new(s) as Box<dyn Stream>, format!("tcp:{a}"), fd)
+                    Ok((Box::new(s) as Box<dyn Stream>, format!("tcp:{a}"), fd))
                 }),
-                Listener::Unix(l, _) => l.accept().map(|(s, _)| {
+                Listener::Unix(l, _) => l.accept().and_then(|(s, _)| {
+                    s.set_nonblocking(false)?;
                     let _ = rustix::net::sockopt::set_socket_oobinline(&s, true);
                     unix_peers += 1;
                     let fd = s.as_raw_fd();
-                    (Box::new(s) as Box<dyn Stream>, format!("unix#{unix_peers}"), fd)
+                    Ok((Box::new(s) as Box<dyn Stream>, format!("unix#{unix_peers}"), fd))
                 }),
             };
             let (stream, peer, fd) = match accepted {
                 Ok(x) => x,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 // The listening socket itself is unusable: nothing to wait for.
-                Err(e) if matches!(e.raw_os_error(), Some(9) | Some(22) | Some(88)) => {
-                    return Err(Error::Io { what: "cannot accept clients".into(), source: e });
-                }
-                // Out of fds or memory for a moment (many clients at once), or
-                // a client gone before it was accepted: wait a little and go
-                // on serving the others.
-                Err(_) => {
-                    std::thread::sleep(Duration::from_millis(10));
+                Err(e) if matches!(e.raw_os_error(), Some(9) | Some(22) | Some(88)) => return Err(listen_err(e)),
+                // Out of file descriptors (EMFILE, ENFILE) or memory (ENOMEM, ENOBUFS).
+                Err(e) if matches!(e.raw_os_error(), Some(24) | Some(23) | Some(12) | Some(105)) => {
+                    out_of_resources(&conns, &mut notices, &format!("cannot accept a client ({e})"), &mut backoff);
                     continue;
                 }
+                // A client gone before it was accepted, and the like.
+                Err(_) => continue,
             };
-            let (store, config, on_end) = (self.store.clone(), self.config.clone(), on_end.clone());
+            backoff = BACKOFF_MIN;
+            if conns.active() >= cap {
+                let why = format!("closed to make room at the limit of {cap} connections");
+                match conns.shed_oldest_handshaking(&why) {
+                    Some(shed) => notices.notice("shed at the limit", || {
+                        format!("at the limit of {cap} connections: closed {shed}, the oldest still in its handshake, to take {peer}")
+                    }),
+                    None => {
+                        notices.notice("refused at the limit", || {
+                            format!("at the limit of {cap} connections, all past their handshake: refused {peer}")
+                        });
+                        continue;
+                    }
+                }
+            }
+            let id = conns.add(fd, &peer);
+            let (store, config, on_end, conns_t) =
+                (self.store.clone(), self.config.clone(), on_end.clone(), conns.clone());
+            let buffer = spare.take();
             let spawned = std::thread::Builder::new().name(format!("nbd {peer}")).spawn(move || {
+                let mut stream = stream;
                 if config.batch_threads {
                     // If the system refuses, the thread stays as it was.
                     let _ = crate::sys::batch_scheduling();
                 }
-                // `fd` is the socket of `stream`, which `serve_socket` owns
-                // (and so keeps open) for as long as it uses `socket`.
+                // `fd` is the socket of `stream`, which this thread keeps
+                // open for as long as `serve_socket` uses `socket`.
                 let socket = Socket { fd };
-                let summary = serve_socket(stream, &*store, &config, peer, Some(socket));
+                let guard = Some(Guard { conns: &conns_t, id });
+                let mut summary = serve_socket(&mut stream, &*store, &config, peer, Some(socket), guard, buffer);
+                let closed = conns_t.remove(id);
+                drop(stream);
+                conns_t.closed_one();
+                if let Some(why) = closed {
+                    summary.end = format!("dropped: {why}");
+                }
                 on_end(&summary);
             });
             if spawned.is_err() {
-                // No thread for it: the client's connection closes with the
+                // No thread for it: the client's connection closed with the
                 // dropped closure.
-                std::thread::sleep(Duration::from_millis(10));
+                conns.remove(id);
+                conns.closed_one();
+                out_of_resources(&conns, &mut notices, "cannot start a thread", &mut backoff);
             }
         }
     }
@@ -460,6 +579,55 @@ impl Drop for NbdServer {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// Longest wait for a client before the accepting thread looks at the
+/// handshakes again.
+const ACCEPT_WAIT: Duration = Duration::from_secs(1);
+/// Waits of the accepting thread out of file descriptors or memory with
+/// no connection to close: from the first to the last, doubling.
+const BACKOFF_MIN: Duration = Duration::from_millis(10);
+const BACKOFF_MAX: Duration = Duration::from_millis(500);
+/// Wait for a closed connection to give back what it held.
+const SHED_WAIT: Duration = Duration::from_millis(200);
+
+/// The process is out of file descriptors or memory (`why`): close the
+/// oldest connection still in its handshake and wait for it to end, or,
+/// with none, wait a little (longer each time in a row).
+fn out_of_resources(conns: &Conns, notices: &mut Notices, why: &str, backoff: &mut Duration) {
+    let seen = conns.ends();
+    match conns.shed_oldest_handshaking(&format!("closed to make room: {why}")) {
+        Some(shed) => {
+            notices.notice("shed out of resources", || {
+                format!("{why}: closed {shed}, the oldest connection still in its handshake, to make room")
+            });
+            conns.wait_for_end(seen, SHED_WAIT);
+        }
+        None => {
+            notices.notice("out of resources", || {
+                format!("{why}, and every connection is past its handshake: new clients wait")
+            });
+            conns.wait_for_end(seen, *backoff);
+            *backoff = (*backoff * 2).min(BACKOFF_MAX);
+        }
+    }
+}
+
+/// A connection's pool of one buffer of `max_payload` bytes, in a domain
+/// of its own (its memory is only touched, and so only allocated, as far
+/// as requests reach).
+fn connection_buffer(max_payload: u32) -> Result<(Allocator, Buffer), String> {
+    let domain = Domain::new("nbd connection");
+    let pool = Allocator::new(&domain, 1, max_payload as usize, PoolConstraints::default())
+        .map_err(|e| format!("no buffer for a connection ({e})"))?;
+    let buffer = pool.alloc().ok_or_else(|| "the connection's pool is empty".to_string())?;
+    Ok((pool, buffer))
+}
+
+/// A connection's entry in its server's table of connections.
+struct Guard<'a> {
+    conns: &'a Conns,
+    id: u64,
 }
 
 /// Send buffer of a TCP connection to a client on the same machine
@@ -502,7 +670,7 @@ pub fn serve_connection<S: Read + Write>(
     config: &ServerConfig,
     peer: String,
 ) -> ConnSummary {
-    serve_socket(stream, store, config, peer, None)
+    serve_socket(stream, store, config, peer, None, None, None)
 }
 
 /// The socket under a connection's stream, for what a byte stream cannot
@@ -593,6 +761,8 @@ fn serve_socket<S: Read + Write>(
     config: &ServerConfig,
     peer: String,
     socket: Option<Socket>,
+    guard: Option<Guard<'_>>,
+    buffer: Option<(Allocator, Buffer)>,
 ) -> ConnSummary {
     let started = Instant::now();
     let mut session = Session {
@@ -602,7 +772,7 @@ fn serve_socket<S: Read + Write>(
         structured: false,
         meta: false,
         no_zeroes: false,
-        buffer: None,
+        buffer,
         summary: ConnSummary { peer, ..ConnSummary::default() },
         socket,
         landed: false,
@@ -617,6 +787,9 @@ fn serve_socket<S: Read + Write>(
         small: true,
     };
     let end = session.handshake().and_then(|()| {
+        if guard.is_some_and(|g| !g.conns.enter_transmission(g.id)) {
+            return Err(End::Hard("closed by the server".into()));
+        }
         session.summary.transmission = true;
         let end = session.transmission();
         if end.is_err() {
@@ -986,19 +1159,12 @@ impl<S: Read + Write> Session<'_, S> {
 
     // ----- transmission -----
 
-    /// The connection's buffer, made on first use: a pool of one buffer of
-    /// `max_payload` bytes in a domain of this connection (its memory is
-    /// only touched, and so only allocated, as far as requests reach).
+    /// The connection's buffer ([`connection_buffer`]): made before the
+    /// connection was accepted when [`NbdServer::run`] serves it, else on
+    /// first use.
     fn buffer(&mut self) -> Step<&mut Buffer> {
         if self.buffer.is_none() {
-            let domain = Domain::new("nbd connection");
-            let made = Allocator::new(&domain, 1, self.config.max_payload as usize, PoolConstraints::default())
-                .map_err(|e| End::Hard(format!("no pool for the connection ({e})")))
-                .and_then(|a| {
-                    let b = a.alloc().ok_or_else(|| End::Hard("the connection's pool is empty".into()))?;
-                    Ok((a, b))
-                })?;
-            self.buffer = Some(made);
+            self.buffer = Some(connection_buffer(self.config.max_payload).map_err(End::Hard)?);
         }
         Ok(&mut self.buffer.as_mut().expect("made just now").1)
     }

@@ -212,3 +212,114 @@ fn a_write_cut_off_mid_sector_leaves_no_sector_half_written() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A server whose lines about itself (notices) come back too.
+fn serve_noticed(
+    store: Arc<dyn Store>,
+    config: ServerConfig,
+) -> (String, mpsc::Receiver<ConnSummary>, Arc<std::sync::Mutex<Vec<String>>>) {
+    let notices = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = notices.clone();
+    let server = NbdServer::bind(&"tcp:127.0.0.1:0".parse().expect("addr"), store, config)
+        .expect("bind")
+        .on_notice(move |line| kept.lock().unwrap().push(line.to_string()));
+    let addr = server.local_addr().to_string().strip_prefix("tcp:").expect("tcp").to_string();
+    let (tx, rx) = mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    server
+        .spawn(move |summary| {
+            let _ = tx.lock().unwrap().send(summary.clone());
+        })
+        .expect("accept thread");
+    (addr, rx, notices)
+}
+
+/// Whether the server closed the connection (end of stream, or reset)
+/// within [`LIMIT`].
+fn closed(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 64];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return true,
+            Err(e) => return !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+            // Option replies the server sent before it closed.
+            Ok(_) => {}
+        }
+    }
+}
+
+/// A client that connects and says nothing, and one that keeps sending
+/// options without ever ending the negotiation, are closed once the
+/// handshake deadline has passed; a client that finished its handshake in
+/// time is served past it.
+#[test]
+fn a_handshake_not_finished_in_time_is_closed() {
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(1 << 20).expect("store"));
+    let config = ServerConfig { handshake_timeout: Duration::from_millis(300), ..ServerConfig::default() };
+    let (addr, summaries) = serve(store, config);
+    let mut silent = connect_silent(&addr);
+    let mut chatty = connect_silent(&addr);
+    let mut good = connect(&addr);
+    chatty.write_all(&3u32.to_be_bytes()).expect("client flags");
+    let stop = Instant::now() + LIMIT;
+    let mut chatty_closed = false;
+    // NBD_OPT_LIST every 50 ms, its replies taken, until the server closes.
+    while Instant::now() < stop {
+        let mut m = IHAVEOPT.to_be_bytes().to_vec();
+        m.extend_from_slice(&3u32.to_be_bytes());
+        m.extend_from_slice(&0u32.to_be_bytes());
+        if chatty.write_all(&m).is_err() {
+            chatty_closed = true;
+            break;
+        }
+        let mut reply = [0u8; 20 + 4 + 20];
+        if chatty.read_exact(&mut reply).is_err() {
+            chatty_closed = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(chatty_closed, "a client negotiating forever is closed");
+    assert!(closed(&mut silent), "a silent client is closed");
+    for _ in 0..2 {
+        let s = ended(&summaries);
+        assert!(s.end.contains("no handshake within 0.3 s") && !s.transmission, "{s}");
+    }
+    assert_eq!(write(&mut good, 1, 0, b"still served"), 0, "a client past its handshake is not closed");
+}
+
+/// At the limit of connections, a new client closes the oldest one still
+/// in its handshake and is served; with every connection past its
+/// handshake, a new client is refused. Each is said in a notice.
+#[test]
+fn at_the_connection_limit_the_oldest_handshake_makes_room() {
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(1 << 20).expect("store"));
+    let config = ServerConfig { max_connections: 3, handshake_timeout: LIMIT * 4, ..ServerConfig::default() };
+    let (addr, summaries, notices) = serve_noticed(store, config);
+    let mut silent: Vec<TcpStream> = (0..3).map(|_| connect_silent(&addr)).collect();
+    let mut real = connect(&addr);
+    assert_eq!(write(&mut real, 1, 0, b"in"), 0, "a real client gets in");
+    assert!(closed(&mut silent[0]), "the oldest silent connection made room");
+    let s = ended(&summaries);
+    assert!(s.end.contains("limit of 3 connections"), "{s}");
+    // Two more real clients: the two other silent ones make room.
+    let mut more: Vec<TcpStream> = (0..2).map(|_| connect(&addr)).collect();
+    for (i, c) in more.iter_mut().enumerate() {
+        assert_eq!(write(c, 2, 100 * i as u64, b"in too"), 0);
+    }
+    assert!(closed(&mut silent[1]) && closed(&mut silent[2]));
+    // All 3 past their handshake: the next client is refused.
+    let mut refused = TcpStream::connect(&addr).expect("connect");
+    refused.set_read_timeout(Some(LIMIT)).unwrap();
+    let mut b = [0u8; 18];
+    let got = refused.read(&mut b);
+    assert!(
+        matches!(got, Ok(0)) || got.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "no greeting for a client over the limit: {got:?}"
+    );
+    assert_eq!(write(&mut real, 3, 0, b"served"), 0, "the connections past their handshake are kept");
+    until("a notice of the shed and the refused client", || {
+        let n = notices.lock().unwrap();
+        n.iter().any(|l| l.contains("oldest still in its handshake")) && n.iter().any(|l| l.contains("refused"))
+    });
+}
