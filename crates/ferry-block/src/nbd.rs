@@ -34,6 +34,15 @@
 //! more over zero extents of the store sends those as holes
 //! (`NBD_REPLY_TYPE_OFFSET_HOLE`): only the data crosses the wire.
 //!
+//! Clients that mean harm cost the server little: [`NbdServer::run`]
+//! closes a connection that has not finished its handshake within
+//! [`ServerConfig::handshake_timeout`], serves at most
+//! [`ServerConfig::max_connections`] at once, and makes room for a new
+//! client — at that limit, or out of file descriptors or memory — by
+//! closing the oldest connection still in its handshake (the NBD
+//! specification lets a server end a session it takes for a denial of
+//! service). A write's payload takes store memory only as it arrives.
+//!
 //! A connection is served by [`serve_connection`], one thread each
 //! (under `SCHED_BATCH` when [`NbdServer::run`] starts it: a server woken
 //! for more room on its socket does not preempt its client); a
@@ -663,7 +672,9 @@ type Step<T> = Result<T, End>;
 
 /// Serve one client on `stream` until it disconnects or breaks the
 /// protocol; the summary says what it did. Never panics on anything the
-/// client sends.
+/// client sends. The handshake has no deadline here: a caller that takes
+/// clients it does not trust bounds the stream itself (as
+/// [`NbdServer::run`] does).
 pub fn serve_connection<S: Read + Write>(
     stream: S,
     store: &dyn Store,
