@@ -255,7 +255,7 @@ fn closed(s: &mut TcpStream) -> bool {
 #[test]
 fn a_handshake_not_finished_in_time_is_closed() {
     let store: Arc<dyn Store> = Arc::new(MemStore::new(1 << 20).expect("store"));
-    let config = ServerConfig { handshake_timeout: Duration::from_millis(300), ..ServerConfig::default() };
+    let config = ServerConfig { handshake_timeout: Duration::from_millis(1500), ..ServerConfig::default() };
     let (addr, summaries) = serve(store, config);
     let mut silent = connect_silent(&addr);
     let mut chatty = connect_silent(&addr);
@@ -283,7 +283,7 @@ fn a_handshake_not_finished_in_time_is_closed() {
     assert!(closed(&mut silent), "a silent client is closed");
     for _ in 0..2 {
         let s = ended(&summaries);
-        assert!(s.end.contains("no handshake within 0.3 s") && !s.transmission, "{s}");
+        assert!(s.end.contains("no handshake within 1.5 s") && !s.transmission, "{s}");
     }
     assert_eq!(write(&mut good, 1, 0, b"still served"), 0, "a client past its handshake is not closed");
 }
@@ -322,4 +322,30 @@ fn at_the_connection_limit_the_oldest_handshake_makes_room() {
         let n = notices.lock().unwrap();
         n.iter().any(|l| l.contains("oldest still in its handshake")) && n.iter().any(|l| l.contains("refused"))
     });
+}
+
+/// The handshake deadline holds on a Unix socket too.
+#[test]
+fn a_silent_client_on_a_unix_socket_is_closed_at_the_deadline() {
+    let dir = scratch("unix");
+    let path = dir.join("nbd.sock");
+    let store: Arc<dyn Store> = Arc::new(MemStore::new(1 << 20).expect("store"));
+    let config = ServerConfig { handshake_timeout: Duration::from_millis(500), ..ServerConfig::default() };
+    let server = NbdServer::bind(&ferry_block::Listen::Unix(path.clone()), store, config).expect("bind");
+    let (tx, summaries) = mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    server
+        .spawn(move |summary| {
+            let _ = tx.lock().unwrap().send(summary.clone());
+        })
+        .expect("accept thread");
+    let mut c = std::os::unix::net::UnixStream::connect(&path).expect("connect");
+    c.set_read_timeout(Some(LIMIT)).unwrap();
+    let mut hello = [0u8; 18];
+    c.read_exact(&mut hello).expect("greeting");
+    let mut b = [0u8; 1];
+    assert!(matches!(c.read(&mut b), Ok(0)), "closed by the server");
+    let s = ended(&summaries);
+    assert!(s.end.contains("no handshake within 0.5 s"), "{s}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
