@@ -105,6 +105,17 @@ impl PyDomain {
         self.inner.name().to_string()
     }
 
+    /// The pool `pool_id` as this domain knows it (one it made, or one a
+    /// peer assigned to it), or None.
+    fn pool(&self, pool_id: u128) -> Option<PyPool> {
+        self.inner.pool(PoolId::from_u128(pool_id)).map(|inner| PyPool { inner })
+    }
+
+    /// Ids of the pools this domain knows.
+    fn pools(&self) -> Vec<u128> {
+        self.inner.pools().into_iter().map(PoolId::as_u128).collect()
+    }
+
     fn __repr__(&self) -> String {
         format!("<ferry.Domain {:?}>", self.inner.name())
     }
