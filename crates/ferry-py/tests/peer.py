@@ -10,7 +10,6 @@ mismatch, with the reason on stderr).
 
 import json
 import sys
-import time
 
 import numpy as np
 
@@ -75,7 +74,12 @@ def hold(spec, n):
             elif ev is None:
                 return 1
         print(f"holding {len(held)}", flush=True)
-        time.sleep(600)
+        # Until killed, or until the source goes away.
+        try:
+            while rx.wait(600) is not None:
+                pass
+        except ferry.PeerGone:
+            pass
     return 0
 
 
