@@ -215,7 +215,7 @@ def main():
     for what, rate in rates.items():
         ratio = "—" if what.startswith("Ferry") else f"{ferry_rate / rate:.1f}× faster"
         print(f"| {what} | {rate / 1e9:.2f} | {ratio} |")
-    print("| iceoryx2 (PyPI) | not measured | its Python binding is not benchmarked here yet |")
+    print("| iceoryx2 (PyPI) | not measured | the comparison is not written yet |")
     results.update({k: v for k, v in rates.items()})
     if args.json:
         print(json.dumps(results))
