@@ -9,7 +9,8 @@ of moving arrays between processes (run by scripts/bench-python).
    multiprocessing.Pipe (send_bytes / recv_bytes_into), and
    multiprocessing.shared_memory slots with a Queue each way for the
    signalling. The sender writes a sequence number into each array, the
-   receiver reads it: what is measured is the handing over.
+   receiver reads it: what is measured is the handing over. And iceoryx2's
+   Python binding (PyPI `iceoryx2`) on the same publish/receive pattern.
 """
 
 import argparse
@@ -186,6 +187,73 @@ def shm_throughput(n):
     return n * MIB / elapsed
 
 
+ICEORYX2_SERVICE = "ferry-bench-python/arrays"
+
+
+def iceoryx2_service(iox2, node, create):
+    import ctypes
+
+    builder = (node.service_builder(iox2.ServiceName.new(f"{ICEORYX2_SERVICE}-{os.getppid() if not create else os.getpid()}"))
+               .publish_subscribe(iox2.Slice[ctypes.c_uint8])
+               .enable_safe_overflow(False)
+               .subscriber_max_buffer_size(SLOTS)
+               .history_size(0)
+               .max_publishers(1)
+               .max_subscribers(1))
+    return builder.create() if create else builder.open()
+
+
+def iceoryx2_sink(n):
+    import iceoryx2 as iox2
+
+    iox2.set_log_level(iox2.LogLevel.Error)
+    node = iox2.NodeBuilder.new().create(iox2.ServiceType.Ipc)
+    sub = iceoryx2_service(iox2, node, create=False).subscriber_builder().buffer_size(SLOTS).create()
+    print("ready", flush=True)
+    total = got = 0
+    while got < n:
+        sample = sub.receive()
+        if sample is None:
+            continue
+        arr = np.frombuffer(sample.payload().as_memory_view(), dtype=np.uint64)
+        total += int(arr[0])
+        del arr
+        sample.delete()
+        got += 1
+    print(total, flush=True)
+
+
+def iceoryx2_throughput(n):
+    """The same pattern on iceoryx2's Python binding: the publisher loans a
+    1 MiB slice, writes the sequence number through a numpy view, sends;
+    the subscriber views it, reads the number, drops the sample. No sample
+    is dropped (safe overflow off, the publisher retries until delivered)."""
+    try:
+        import iceoryx2 as iox2
+    except ImportError as e:
+        return f"not installed ({e})"
+    iox2.set_log_level(iox2.LogLevel.Error)
+    node = iox2.NodeBuilder.new().create(iox2.ServiceType.Ipc)
+    service = iceoryx2_service(iox2, node, create=True)
+    pub = (service.publisher_builder().initial_max_slice_len(MIB)
+           .backpressure_strategy(iox2.BackpressureStrategy.RetryUntilDelivered).create())
+    child = subprocess.Popen([sys.executable, __file__, "iceoryx2-sink", str(n)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    pub.update_connections()
+    start = time.perf_counter()
+    for seq in range(n):
+        sample = pub.loan_slice_uninit(MIB)
+        arr = np.frombuffer(sample.payload().as_memory_view(), dtype=np.uint64)
+        arr[0] = seq
+        del arr
+        sample.assume_init().send()
+    total = int(child.stdout.readline())
+    elapsed = time.perf_counter() - start
+    child.wait(30)
+    assert total == n * (n - 1) // 2
+    return n * MIB / elapsed
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run: few runs and few arrays")
@@ -200,6 +268,7 @@ def main():
         "Ferry (shm)": ferry_throughput(arrays),
         "multiprocessing.Pipe": pipe_throughput(arrays),
         "shared_memory + Queue": shm_throughput(arrays),
+        "iceoryx2 (PyPI)": iceoryx2_throughput(arrays),
     }
     print(f"Ferry from Python ({'quick smoke run' if args.quick else 'full run'}), Python {sys.version.split()[0]}")
     print()
@@ -213,9 +282,11 @@ def main():
     print("|---|---:|---:|")
     ferry_rate = rates["Ferry (shm)"]
     for what, rate in rates.items():
+        if isinstance(rate, str):
+            print(f"| {what} | {rate} | — |")
+            continue
         ratio = "—" if what.startswith("Ferry") else f"{ferry_rate / rate:.1f}× faster"
         print(f"| {what} | {rate / 1e9:.2f} | {ratio} |")
-    print("| iceoryx2 (PyPI) | not measured | the comparison is not written yet |")
     results.update({k: v for k, v in rates.items()})
     if args.json:
         print(json.dumps(results))
@@ -224,5 +295,7 @@ def main():
 if __name__ == "__main__":
     if sys.argv[1:2] == ["ferry-sink"]:
         ferry_sink(sys.argv[2])
+    elif sys.argv[1:2] == ["iceoryx2-sink"]:
+        iceoryx2_sink(int(sys.argv[2]))
     else:
         main()
