@@ -28,9 +28,10 @@ def test_create_and_bind_return_at_once_and_one_thread_drives_both():
         rx.respond_pool(req.pool, True)
         assert isinstance(tx.poll(), ferry.PoolAssigned)
         assert tx.is_assigned(alloc) and rx.is_assigned(req.pool)
-        match Pair.moved(type("P", (), {"tx": tx, "rx": rx})(), alloc.alloc(), b"m"):
-            case ferry.MoveReceived(buf, meta):
-                assert meta == b"m" and len(buf) == 4096
+        tx.move(alloc.alloc(), b"m")
+        ev = rx.wait(10)
+        assert isinstance(ev, ferry.MoveReceived) and ev.meta == b"m" and len(ev.buffer) == 4096
+        assert ferry.MoveReceived.__match_args__ == ("buffer", "meta")
     assert tx.closed and tx.state == "closed" and tx.poll() is None and tx.wait(0) is None
     with pytest.raises(ferry.NotConnected, match="closed"):
         tx.move(alloc.alloc())
