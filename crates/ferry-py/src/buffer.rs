@@ -338,6 +338,7 @@ impl PyBuf {
         state.id().map(|id| id.index).ok_or_else(|| gone_of(py, &state.held))
     }
 
+    /// How it reads in the interpreter.
     fn __repr__(&self) -> String {
         let state = self.lock();
         match &state.held {

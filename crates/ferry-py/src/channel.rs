@@ -668,6 +668,7 @@ impl PyChannel {
         slf.py().import("ferry._aio")?.call_method1("next_event", (slf,))
     }
 
+    /// The channel itself: `async for event in channel`.
     fn __aiter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
         slf
     }
@@ -677,6 +678,7 @@ impl PyChannel {
         slf.py().import("ferry._aio")?.call_method1("anext", (slf,))
     }
 
+    /// The channel itself: `for event in channel`.
     fn __iter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
         slf
     }
@@ -694,10 +696,12 @@ impl PyChannel {
         drop(channel);
     }
 
+    /// `with channel:` gives the channel and closes it at the end.
     fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
         slf
     }
 
+    /// Close the channel at the end of a `with` block (exceptions go on).
     fn __exit__(
         &self,
         py: Python<'_>,
@@ -709,8 +713,17 @@ impl PyChannel {
         false
     }
 
-    fn __repr__(&self, py: Python<'_>) -> String {
-        format!("<ferry.Channel {}, {}>", self.label, self.state(py))
+    /// How it reads in the interpreter.
+    fn __repr__(&self) -> String {
+        // Without waiting for a thread that is using the channel.
+        let state = match self.inner.try_lock() {
+            Ok(guard) => guard.as_ref().map_or("closed", |ch| state_name(ch.state())),
+            Err(TryLockError::Poisoned(poisoned)) => {
+                poisoned.into_inner().as_ref().map_or("closed", |ch| state_name(ch.state()))
+            }
+            Err(TryLockError::WouldBlock) => "in use by another thread",
+        };
+        format!("<ferry.Channel {}, {}>", self.label, state)
     }
 }
 

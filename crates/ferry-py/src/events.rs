@@ -26,6 +26,7 @@ macro_rules! event {
                 PyTuple::new(py, [$(stringify!($field)),*] as [&str; 0 $(+ { let _ = stringify!($field); 1 })*])
             }
 
+            /// How it reads in the interpreter.
             #[allow(unused_variables)]
             fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
                 let fields: Vec<String> = vec![$(

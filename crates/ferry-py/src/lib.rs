@@ -116,6 +116,7 @@ impl PyDomain {
         self.inner.pools().into_iter().map(PoolId::as_u128).collect()
     }
 
+    /// How it reads in the interpreter.
     fn __repr__(&self) -> String {
         format!("<ferry.Domain {:?}>", self.inner.name())
     }
@@ -177,6 +178,7 @@ impl PyEndpoint {
         Ok(PyEndpoint { inner: ferry::Endpoint::tcp(addr), label: format!("tcp:{addr}") })
     }
 
+    /// How it reads in the interpreter.
     fn __repr__(&self) -> String {
         format!("<ferry.Endpoint {}>", self.label)
     }
@@ -216,6 +218,7 @@ impl PyPool {
         self.inner.base_address()
     }
 
+    /// How it reads in the interpreter.
     fn __repr__(&self) -> String {
         let g = self.inner.geometry();
         format!("<ferry.Pool {}: {} buffers of {} bytes>", self.inner.id(), g.count(), g.buffer_size())
@@ -316,6 +319,7 @@ impl PyAllocator {
         self.inner.pool().geometry().count()
     }
 
+    /// How it reads in the interpreter.
     fn __repr__(&self) -> String {
         let g = self.inner.pool().geometry();
         format!(
@@ -363,6 +367,7 @@ impl PySelector {
         list.len() != before
     }
 
+    /// How many channels the selector waits on.
     fn __len__(&self) -> usize {
         self.list().len()
     }
