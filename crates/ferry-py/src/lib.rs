@@ -74,6 +74,9 @@ pub(crate) fn pool_id_of(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Poo
     if let Ok(id) = obj.extract::<u128>() {
         return Ok(PoolId::from_u128(id));
     }
+    if obj.is_instance_of::<pyo3::types::PyInt>() {
+        return Err(invalid(py, format!("{obj} is not a pool id; a pool id is an int in 0..2**128 (Pool.id)")));
+    }
     pool_of(py, obj).map(|p| p.id()).map_err(|_| {
         invalid(py, format!("expected a pool id (an int), a ferry.Pool or a ferry.Allocator, got {}", type_name(obj)))
     })
@@ -146,9 +149,15 @@ impl PyEndpoint {
     /// listens there, a process binds to it. The file goes away once
     /// connected.
     #[staticmethod]
-    fn shm(path: std::path::PathBuf) -> Self {
+    fn shm(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
+        if path.as_os_str().is_empty() {
+            return Err(invalid(
+                py,
+                "a shared-memory endpoint needs a socket path; give one such as /tmp/app.sock".into(),
+            ));
+        }
         let label = format!("shm:{}", path.display());
-        PyEndpoint { inner: ferry::Endpoint::shm(path), label }
+        Ok(PyEndpoint { inner: ferry::Endpoint::shm(path), label })
     }
 
     /// A shared-memory endpoint with a Linux abstract socket name (no

@@ -148,6 +148,10 @@ def test_bad_arguments_raise_clear_exceptions():
         p.alloc.alloc()[0:4] = b"12345"
     with pytest.raises(ferry.PoolError, match="no assignment request"):
         p.rx.respond_pool(12345, True)
+    with pytest.raises(ferry.InvalidArgument, match="not a pool id"):
+        p.rx.respond_pool(-1, True)
+    with pytest.raises(ferry.InvalidArgument, match="socket path"):
+        ferry.Endpoint.shm("")
 
 
 def test_exceptions_mirror_the_library():
