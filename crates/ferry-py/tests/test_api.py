@@ -1,6 +1,8 @@
 """The channel API from Python: setup, events, iteration, selectors,
 errors for bad arguments, and waits that release the GIL."""
 
+import gc
+import os
 import selectors
 import threading
 import time
@@ -160,3 +162,33 @@ def test_exceptions_mirror_the_library():
     assert issubclass(ferry.PeerGone, ferry.Error) and issubclass(ferry.PeerGone, ConnectionError)
     assert issubclass(ferry.TimedOut, TimeoutError) and issubclass(ferry.InvalidArgument, ValueError)
     assert ferry.PeerGone.__module__ == "ferry"
+
+
+def test_closed_channels_leave_no_fd_and_no_buffer_behind(sock):
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    def round_trip(i):
+        p = Pair(count=4)
+        ev = p.moved(p.alloc.alloc(), bytes([i % 256]))
+        p.rx.pass_(ev.buffer)
+        assert isinstance(p.tx.wait(10), ferry.BufferPassed)
+        p.tx.close()
+        p.rx.close()
+        shm_tx = ferry.Channel.create(p.a, ferry.Endpoint.shm(sock))
+        shm_rx = ferry.Channel.bind(p.b, ferry.Endpoint.shm(sock))
+        shm_tx.wait_connected(10)
+        shm_rx.wait_connected(10)
+        with shm_tx, shm_rx:
+            pass
+        return p.alloc
+
+    round_trip(0)
+    gc.collect()
+    before = fds()
+    allocs = [round_trip(i) for i in range(1, 30)]
+    gc.collect()
+    assert all(a.available == 4 for a in allocs)
+    del allocs
+    gc.collect()
+    assert fds() == before
