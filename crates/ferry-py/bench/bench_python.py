@@ -257,13 +257,12 @@ def iceoryx2_throughput(n):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run: few runs and few arrays")
-    ap.add_argument("--json", action="store_true", help="print the results as one JSON line too")
+    ap.add_argument("--json", metavar="FILE", help="append the results to FILE as JSON lines (scripts/bench-report)")
     args = ap.parse_args()
     runs, arrays = (3, 300) if args.quick else (50, 5000)
 
     py_rtt = python_rtt(runs)
     rs_rtt = rust_rtt(runs)
-    results = {"rtt_python_us": py_rtt, "rtt_rust_us": rs_rtt}
     rates = {
         "Ferry (shm)": ferry_throughput(arrays),
         "multiprocessing.Pipe": pipe_throughput(arrays),
@@ -287,9 +286,18 @@ def main():
             continue
         ratio = "—" if what.startswith("Ferry") else f"{ferry_rate / rate:.1f}× faster"
         print(f"| {what} | {rate / 1e9:.2f} | {ratio} |")
-    results.update({k: v for k, v in rates.items()})
     if args.json:
-        print(json.dumps(results))
+        with open(args.json, "a") as out:
+            for who, median in (("python", py_rtt), ("rust", rs_rtt)):
+                out.write(json.dumps({"kind": "rtt", "who": who, "size": 4096, "median": median, "unit": "us",
+                                      "runs": runs, "quick": args.quick}) + "\n")
+            for who, rate in rates.items():
+                point = {"kind": "throughput", "who": who, "size": MIB, "arrays": arrays, "quick": args.quick}
+                if isinstance(rate, str):
+                    point["missing"] = rate
+                else:
+                    point["gb_s"] = rate / 1e9
+                out.write(json.dumps(point) + "\n")
 
 
 if __name__ == "__main__":
