@@ -136,11 +136,15 @@ impl PyChannel {
     }
 
     /// Wait in slices without the GIL until `step` returns `Some`, the
-    /// deadline passes, or Python has a signal to raise.
+    /// deadline passes (`None`), or Python has a signal to raise. The
+    /// channel is locked only while a slice runs, not while Python runs
+    /// signal handlers (which may use or close the channel): a channel
+    /// closed meanwhile ends the wait with `closed`.
     fn wait_sliced<T>(
+        &self,
         py: Python<'_>,
         deadline: Option<Instant>,
-        ch: &mut Channel,
+        closed: impl Fn() -> PyResult<Option<T>>,
         mut step: impl FnMut(&mut Channel, Duration) -> Option<T> + Send,
     ) -> PyResult<Option<T>>
     where
@@ -154,8 +158,12 @@ impl PyChannel {
                     _ => return Ok(None),
                 },
             };
-            if let Some(done) = py.detach(|| step(ch, slice)) {
-                return Ok(Some(done));
+            {
+                let mut guard = self.lock(py);
+                let Some(ch) = guard.as_mut() else { return closed() };
+                if let Some(done) = py.detach(|| step(ch, slice)) {
+                    return Ok(Some(done));
+                }
             }
             py.check_signals()?;
         }
@@ -611,12 +619,8 @@ impl PyChannel {
     /// The next event, or None if none is waiting (never waits). A failed
     /// channel raises its failure once.
     fn poll(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
-        let mut guard = self.lock(py);
-        let Some(ch) = guard.as_mut() else { return Ok(None) };
-        match ch.poll() {
-            Some(ev) => self.event(py, ev, "Channel.poll").map(Some),
-            None => Ok(None),
-        }
+        let ev = self.lock(py).as_mut().and_then(Channel::poll);
+        ev.map(|ev| self.event(py, ev, "Channel.poll")).transpose()
     }
 
     /// Wait up to `timeout` seconds (None: no limit) for the next event,
@@ -627,16 +631,27 @@ impl PyChannel {
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyAny>>> {
         let timeout = duration(py, timeout, "timeout")?;
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut guard = self.lock(py);
-        let Some(ch) = guard.as_mut() else { return Ok(None) };
-        if let Some(ev) = ch.poll() {
+        // An event already there is taken without giving up the GIL.
+        let first = {
+            let mut guard = self.lock(py);
+            match guard.as_mut() {
+                None => return Ok(None),
+                Some(ch) => ch.poll(),
+            }
+        };
+        if let Some(ev) = first {
             return self.event(py, ev, "Channel.wait").map(Some);
         }
-        let got = Self::wait_sliced(py, deadline, ch, |ch, slice| match ch.wait(Some(slice)) {
-            Some(ev) => Some(Some(ev)),
-            None if ch.state() == ChannelState::Closed => Some(None),
-            None => None,
-        })?;
+        let got = self.wait_sliced(
+            py,
+            deadline,
+            || Ok(Some(None)),
+            |ch, slice| match ch.wait(Some(slice)) {
+                Some(ev) => Some(Some(ev)),
+                None if ch.state() == ChannelState::Closed => Some(None),
+                None => None,
+            },
+        )?;
         match got.flatten() {
             Some(ev) => self.event(py, ev, "Channel.wait").map(Some),
             None => Ok(None),
@@ -730,12 +745,15 @@ impl PyChannel {
 impl PyChannel {
     fn connected(&self, py: Python<'_>, timeout: Option<Duration>, op: &str) -> PyResult<()> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        let mut guard = self.lock(py);
-        let ch = guard.as_mut().ok_or_else(|| self.closed_error(py, op))?;
-        let got = Self::wait_sliced(py, deadline, ch, |ch, slice| match ch.wait_connected(slice) {
-            Err(Error::TimedOut) => None,
-            other => Some(other),
-        })?;
+        let got = self.wait_sliced(
+            py,
+            deadline,
+            || Err(self.closed_error(py, op)),
+            |ch, slice| match ch.wait_connected(slice) {
+                Err(Error::TimedOut) => None,
+                other => Some(other),
+            },
+        )?;
         match got {
             Some(Ok(())) => Ok(()),
             Some(Err(e)) => Err(self.err(py, &e, op)),

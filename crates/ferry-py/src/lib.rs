@@ -395,40 +395,47 @@ impl PySelector {
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<(Py<PyChannel>, Py<PyAny>)>> {
         let deadline = duration(py, timeout, "timeout")?.map(|t| Instant::now() + t);
         let chans: Vec<Py<PyChannel>> = self.list().iter().map(|c| c.clone_ref(py)).collect();
-        let mut guards: Vec<(usize, MutexGuard<'_, Option<Channel>>)> = Vec::with_capacity(chans.len());
-        for (i, c) in chans.iter().enumerate() {
-            let guard = c.get().inner().try_lock().map_err(|_| {
-                errors::raise(
-                    py,
-                    "Error",
-                    "ChannelBusy",
-                    format!(
-                        "Selector.wait: {} is in use by another thread; use a channel from one thread at a time",
-                        c.get().label()
-                    ),
-                )
-            })?;
-            if guard.is_some() {
-                guards.push((i, guard));
-            }
-        }
-        let which: Vec<usize> = guards.iter().map(|(i, _)| *i).collect();
-        let mut refs: Vec<&mut Channel> = guards.iter_mut().filter_map(|(_, g)| g.as_mut()).collect();
-        if refs.is_empty() {
-            return Ok(None);
-        }
         loop {
             let slice = match deadline {
                 None => Duration::from_millis(100),
-                Some(d) => match d.checked_duration_since(Instant::now()) {
-                    Some(left) if !left.is_zero() => left.min(Duration::from_millis(100)),
-                    _ => Duration::ZERO,
-                },
+                Some(d) => d
+                    .checked_duration_since(Instant::now())
+                    .map_or(Duration::ZERO, |l| l.min(Duration::from_millis(100))),
             };
-            let waiting = &mut refs;
-            let got = py.detach(move || ferry::wait_any(waiting, Some(slice)));
-            if let Some((k, ev)) = got {
-                let chan = &chans[which[k]];
+            // The channels are locked only while a slice runs, not while
+            // Python runs signal handlers or builds the event.
+            let got = {
+                let mut guards: Vec<(usize, MutexGuard<'_, Option<Channel>>)> = Vec::with_capacity(chans.len());
+                for (i, c) in chans.iter().enumerate() {
+                    let guard = c.get().inner().try_lock().map_err(|_| {
+                        errors::raise(
+                            py,
+                            "Error",
+                            "ChannelBusy",
+                            format!(
+                                "Selector.wait: {} is in use by another thread; use a channel from one thread at a time",
+                                c.get().label()
+                            ),
+                        )
+                    })?;
+                    if guard.is_some() {
+                        guards.push((i, guard));
+                    }
+                }
+                let which: Vec<usize> = guards.iter().map(|(i, _)| *i).collect();
+                let mut refs: Vec<&mut Channel> = guards.iter_mut().filter_map(|(_, g)| g.as_mut()).collect();
+                if refs.is_empty() {
+                    return Ok(None);
+                }
+                let waiting = &mut refs;
+                match py.detach(move || ferry::wait_any(waiting, Some(slice))) {
+                    Some((k, ev)) => Some((which[k], ev)),
+                    None if refs.iter().all(|c| c.state() == ChannelState::Closed) => return Ok(None),
+                    None => None,
+                }
+            };
+            if let Some((i, ev)) = got {
+                let chan = &chans[i];
                 let context = format!("Selector.wait ({})", chan.get().label());
                 return match events::to_py_event(py, ev, &context) {
                     Ok(obj) => Ok(Some((chan.clone_ref(py), obj))),
@@ -438,7 +445,7 @@ impl PySelector {
                     }
                 };
             }
-            if refs.iter().all(|c| c.state() == ChannelState::Closed) || slice.is_zero() {
+            if slice.is_zero() {
                 return Ok(None);
             }
             py.check_signals()?;

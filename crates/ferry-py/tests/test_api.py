@@ -4,6 +4,7 @@ errors for bad arguments, and waits that release the GIL."""
 import gc
 import os
 import selectors
+import signal
 import threading
 import time
 
@@ -192,3 +193,24 @@ def test_closed_channels_leave_no_fd_and_no_buffer_behind(sock):
     del allocs
     gc.collect()
     assert fds() == before
+
+
+def test_signal_handlers_run_during_a_wait_and_may_close_the_channel(pair):
+    """A wait lets Python run signal handlers (Ctrl-C works), without
+    holding the channel: a handler may close it, and the wait ends."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            pair.rx.wait(30)
+        signal.signal(signal.SIGALRM, lambda signum, frame: pair.rx.close())
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        assert pair.rx.wait(30) is None
+        assert pair.rx.closed
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
