@@ -105,7 +105,7 @@ impl PyChannel {
 
     /// The channel, after any other thread using it is done (waiting for
     /// that without the GIL).
-    fn lock(&self, py: Python<'_>) -> MutexGuard<'_, Option<Channel>> {
+    pub(crate) fn lock(&self, py: Python<'_>) -> MutexGuard<'_, Option<Channel>> {
         loop {
             match self.inner.try_lock() {
                 Ok(guard) => return guard,

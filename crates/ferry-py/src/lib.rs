@@ -11,7 +11,7 @@ use std::net::ToSocketAddrs;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use ferry::{Channel, ChannelState, PoolConstraints, PoolId, Role, TrustLevel};
+use ferry::{ChannelState, PoolConstraints, PoolId, Role, TrustLevel};
 use pyo3::prelude::*;
 
 mod buffer;
@@ -342,13 +342,154 @@ impl PyAllocator {
 }
 
 /// Waits on many channels at once (of any backends), from one thread,
-/// without the GIL: `wait(timeout)` returns `(channel, event)` from the
-/// first channel that has one, serving them in turn so a busy channel does
-/// not starve the others. For a handful to a few dozen channels; the
-/// channels stay usable on their own between waits.
+/// without the GIL: `wait(timeout)` returns `(channel, event)` from a
+/// channel that has one. Built as the library's `Selector`: an epoll set of
+/// the channels' fds, so a wait costs in proportion to the channels that
+/// woke, not to all of them, and the channels that may have an event are
+/// served in turn (one that always has another cannot starve the others).
+/// The channels stay usable on their own between waits; while `wait` runs,
+/// another thread that uses one of them gets `ferry.Error` (kind
+/// "ChannelBusy").
 #[pyclass(module = "ferry", name = "Selector", frozen)]
 pub struct PySelector {
-    channels: Mutex<Vec<Py<PyChannel>>>,
+    state: Mutex<SelectorState>,
+}
+
+/// One channel of a selector.
+struct Member {
+    channel: Py<PyChannel>,
+    /// In the ready queue (not asleep in the epoll set).
+    queued: bool,
+}
+
+struct SelectorState {
+    epoll: std::os::fd::OwnedFd,
+    members: Vec<Option<Member>>,
+    /// Keys free for reuse.
+    free: Vec<usize>,
+    /// Channels that may have an event, in the order they are served.
+    ready: std::collections::VecDeque<usize>,
+    /// Events served since the epoll set was last looked at.
+    served: usize,
+}
+
+/// What one round of a selector's wait came to.
+enum Round {
+    Event(Py<PyChannel>, ferry::Event),
+    Nothing,
+}
+
+impl SelectorState {
+    fn key_of(&self, channel: &Bound<'_, PyChannel>) -> Option<usize> {
+        self.members.iter().position(|m| m.as_ref().is_some_and(|m| m.channel.is(channel)))
+    }
+
+    /// Poll each queued channel once, in turn: the first event (its
+    /// channel goes to the back of the queue), or `Nothing` once every
+    /// queued channel is armed or asked to be polled again.
+    fn serve_round(&mut self, py: Python<'_>) -> PyResult<Round> {
+        for _ in 0..self.ready.len() {
+            let Some(key) = self.ready.pop_front() else { break };
+            let Some(member) = self.members.get_mut(key).and_then(Option::as_mut) else { continue };
+            let chan = member.channel.get();
+            let mut guard = match chan.inner().try_lock() {
+                Ok(g) => g,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    self.ready.push_front(key);
+                    return Err(errors::raise(
+                        py,
+                        "Error",
+                        "ChannelBusy",
+                        format!(
+                            "Selector.wait: {} is in use by another thread; use a channel from one thread at a time",
+                            chan.label()
+                        ),
+                    ));
+                }
+            };
+            // A channel closed from Python is no longer served.
+            let Some(ch) = guard.as_mut() else {
+                member.queued = false;
+                continue;
+            };
+            if let Some(ev) = ch.poll() {
+                drop(guard);
+                let channel = member.channel.clone_ref(py);
+                self.ready.push_back(key);
+                return Ok(Round::Event(channel, ev));
+            }
+            if ch.arm() {
+                member.queued = false;
+            } else {
+                self.ready.push_back(key);
+            }
+        }
+        Ok(Round::Nothing)
+    }
+
+    /// Wait up to `timeout` (without the GIL) for armed channels to wake,
+    /// and queue them; how many woke.
+    fn collect(&mut self, py: Python<'_>, timeout: Duration) -> usize {
+        use rustix::event::{epoll, Timespec};
+        let ts = Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: i64::from(timeout.subsec_nanos()) };
+        let epfd = &self.epoll;
+        let keys: Vec<usize> = py.detach(|| {
+            let mut buf = [std::mem::MaybeUninit::uninit(); 64];
+            match epoll::wait(epfd, &mut buf, Some(&ts)) {
+                Ok((events, _)) => events.iter().map(|ev| ev.data.u64() as usize).collect(),
+                Err(_) => Vec::new(),
+            }
+        });
+        for &key in &keys {
+            if let Some(Some(member)) = self.members.get_mut(key) {
+                if !member.queued {
+                    member.queued = true;
+                    self.ready.push_back(key);
+                }
+            }
+        }
+        keys.len()
+    }
+
+    /// Whether every channel is closed (nothing more can come).
+    fn all_closed(&self, py: Python<'_>) -> PyResult<bool> {
+        for member in self.members.iter().flatten() {
+            let chan = member.channel.get();
+            let open =
+                match chan.inner().try_lock() {
+                    Ok(g) => g.as_ref().is_some_and(|ch| ch.state() != ChannelState::Closed),
+                    Err(std::sync::TryLockError::Poisoned(p)) => {
+                        p.into_inner().as_ref().is_some_and(|ch| ch.state() != ChannelState::Closed)
+                    }
+                    Err(std::sync::TryLockError::WouldBlock) => return Err(errors::raise(
+                        py,
+                        "Error",
+                        "ChannelBusy",
+                        format!(
+                            "Selector.wait: {} is in use by another thread; use a channel from one thread at a time",
+                            chan.label()
+                        ),
+                    )),
+                };
+            if open {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Queue every channel (a backstop, when a long sleep found nothing).
+    fn queue_all(&mut self) {
+        for (key, member) in self.members.iter_mut().enumerate() {
+            if let Some(m) = member {
+                if !m.queued {
+                    m.queued = true;
+                    self.ready.push_back(key);
+                }
+            }
+        }
+    }
 }
 
 #[pymethods]
@@ -356,106 +497,169 @@ impl PySelector {
     /// A selector over `channels` (more can be added).
     #[new]
     #[pyo3(signature = (channels=Vec::new()))]
-    fn new(channels: Vec<Py<PyChannel>>) -> Self {
-        PySelector { channels: Mutex::new(channels) }
+    fn new(py: Python<'_>, channels: Vec<Bound<'_, PyChannel>>) -> PyResult<Self> {
+        let epoll = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)
+            .map_err(|e| to_py(py, &ferry::Error::Os(std::io::Error::from(e).to_string()), "Selector"))?;
+        let sel = PySelector {
+            state: Mutex::new(SelectorState {
+                epoll,
+                members: Vec::new(),
+                free: Vec::new(),
+                ready: std::collections::VecDeque::new(),
+                served: 0,
+            }),
+        };
+        for c in &channels {
+            sel.add(py, c)?;
+        }
+        Ok(sel)
     }
 
-    /// Add a channel (once).
-    fn add(&self, py: Python<'_>, channel: Py<PyChannel>) {
-        let mut list = self.list();
-        if !list.iter().any(|c| c.is(&channel)) {
-            list.push(channel.clone_ref(py));
+    /// Add a channel (once; adding it again does nothing). A closed
+    /// channel is refused (`ferry.NotConnected`).
+    fn add(&self, py: Python<'_>, channel: &Bound<'_, PyChannel>) -> PyResult<()> {
+        let mut st = self.lock(py);
+        if st.key_of(channel).is_some() {
+            return Ok(());
         }
+        let key = st.free.pop().unwrap_or(st.members.len());
+        {
+            let guard = channel.get().lock(py);
+            let Some(ch) = guard.as_ref() else {
+                return Err(to_py(py, &ferry::Error::NotConnected(ChannelState::Closed), "Selector.add"));
+            };
+            use rustix::event::epoll;
+            // Registering fails only for lack of kernel memory; the channel
+            // is then polled in turn instead (queued after each event).
+            let _ = epoll::add(&st.epoll, ch, epoll::EventData::new_u64(key as u64), epoll::EventFlags::IN);
+        }
+        let member = Some(Member { channel: channel.clone().unbind(), queued: true });
+        if key == st.members.len() {
+            st.members.push(member);
+        } else {
+            st.members[key] = member;
+        }
+        st.ready.push_back(key);
+        Ok(())
     }
 
     /// Remove a channel; False if it was not there.
-    fn remove(&self, channel: &Bound<'_, PyChannel>) -> bool {
-        let mut list = self.list();
-        let before = list.len();
-        list.retain(|c| !c.is(channel));
-        list.len() != before
+    fn remove(&self, py: Python<'_>, channel: &Bound<'_, PyChannel>) -> bool {
+        let mut st = self.lock(py);
+        let Some(key) = st.key_of(channel) else { return false };
+        let member = st.members[key].take().expect("found just now");
+        {
+            let guard = channel.get().lock(py);
+            // A channel closed from Python left the epoll set with its fd.
+            if let Some(ch) = guard.as_ref() {
+                let _ = rustix::event::epoll::delete(&st.epoll, ch);
+            }
+        }
+        if member.queued {
+            st.ready.retain(|k| *k != key);
+        }
+        st.free.push(key);
+        true
     }
 
     /// How many channels the selector waits on.
-    fn __len__(&self) -> usize {
-        self.list().len()
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.lock(py).members.iter().flatten().count()
     }
 
-    /// The channels, in order.
+    /// The channels, in the order they were added.
     #[getter]
     fn channels(&self, py: Python<'_>) -> Vec<Py<PyChannel>> {
-        self.list().iter().map(|c| c.clone_ref(py)).collect()
+        self.lock(py).members.iter().flatten().map(|m| m.channel.clone_ref(py)).collect()
     }
 
     /// Wait up to `timeout` seconds (None: no limit) for an event on any
-    /// channel: `(channel, event)`, or None on timeout or when every
-    /// channel is closed. A channel that failed raises its failure (the
-    /// exception's `channel` attribute says which).
+    /// channel: `(channel, event)`, or None on timeout or when the selector
+    /// is empty. A channel that failed raises its failure (the exception's
+    /// `channel` attribute says which).
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<(Py<PyChannel>, Py<PyAny>)>> {
         let deadline = duration(py, timeout, "timeout")?.map(|t| Instant::now() + t);
-        let chans: Vec<Py<PyChannel>> = self.list().iter().map(|c| c.clone_ref(py)).collect();
         loop {
-            let slice = match deadline {
-                None => Duration::from_millis(100),
-                Some(d) => d
-                    .checked_duration_since(Instant::now())
-                    .map_or(Duration::ZERO, |l| l.min(Duration::from_millis(100))),
-            };
-            // The channels are locked only while a slice runs, not while
-            // Python runs signal handlers or builds the event.
-            let got = {
-                let mut guards: Vec<(usize, MutexGuard<'_, Option<Channel>>)> = Vec::with_capacity(chans.len());
-                for (i, c) in chans.iter().enumerate() {
-                    let guard = c.get().inner().try_lock().map_err(|_| {
-                        errors::raise(
-                            py,
-                            "Error",
-                            "ChannelBusy",
-                            format!(
-                                "Selector.wait: {} is in use by another thread; use a channel from one thread at a time",
-                                c.get().label()
-                            ),
-                        )
-                    })?;
-                    if guard.is_some() {
-                        guards.push((i, guard));
-                    }
-                }
-                let which: Vec<usize> = guards.iter().map(|(i, _)| *i).collect();
-                let mut refs: Vec<&mut Channel> = guards.iter_mut().filter_map(|(_, g)| g.as_mut()).collect();
-                if refs.is_empty() {
+            // The selector is locked only for one round, not while Python
+            // runs signal handlers or builds the event.
+            let round = {
+                let mut st = self.lock(py);
+                if st.members.iter().flatten().next().is_none() {
                     return Ok(None);
                 }
-                let waiting = &mut refs;
-                match py.detach(move || ferry::wait_any(waiting, Some(slice))) {
-                    Some((k, ev)) => Some((which[k], ev)),
-                    None if refs.iter().all(|c| c.state() == ChannelState::Closed) => return Ok(None),
-                    None => None,
+                // Once per round, take in the channels that woke meanwhile,
+                // so busy channels in the queue cannot starve them.
+                if st.served >= st.ready.len().max(1) {
+                    st.served = 0;
+                    st.collect(py, Duration::ZERO);
+                }
+                match st.serve_round(py)? {
+                    Round::Event(ch, ev) => {
+                        st.served += 1;
+                        Round::Event(ch, ev)
+                    }
+                    Round::Nothing if !st.ready.is_empty() => {
+                        // Armed channels said "poll again": do, after a look at the set.
+                        st.collect(py, Duration::ZERO);
+                        Round::Nothing
+                    }
+                    Round::Nothing if st.all_closed(py)? => return Ok(None),
+                    Round::Nothing => {
+                        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+                        if left.is_some_and(|l| l.is_zero()) {
+                            // Time is up, but channels may have woken meanwhile.
+                            if st.collect(py, Duration::ZERO) == 0 {
+                                return Ok(None);
+                            }
+                            match st.serve_round(py)? {
+                                Round::Event(ch, ev) => {
+                                    st.served += 1;
+                                    Round::Event(ch, ev)
+                                }
+                                Round::Nothing => return Ok(None),
+                            }
+                        } else {
+                            let slice = left.map_or(SELECTOR_SLICE, |l| l.min(SELECTOR_SLICE));
+                            if st.collect(py, slice) == 0 && left.is_none() {
+                                // A long sleep found nothing: poll every channel once.
+                                st.queue_all();
+                            }
+                            Round::Nothing
+                        }
+                    }
                 }
             };
-            if let Some((i, ev)) = got {
-                let chan = &chans[i];
+            if let Round::Event(chan, ev) = round {
                 let context = format!("Selector.wait ({})", chan.get().label());
                 return match events::to_py_event(py, ev, &context) {
-                    Ok(obj) => Ok(Some((chan.clone_ref(py), obj))),
+                    Ok(obj) => Ok(Some((chan, obj))),
                     Err(err) => {
-                        let _ = err.value(py).setattr("channel", chan);
+                        let _ = err.value(py).setattr("channel", &chan);
                         Err(err)
                     }
                 };
-            }
-            if slice.is_zero() {
-                return Ok(None);
             }
             py.check_signals()?;
         }
     }
 }
 
+/// The longest a selector's wait runs without the GIL before it lets
+/// Python check for signals.
+const SELECTOR_SLICE: Duration = Duration::from_millis(100);
+
 impl PySelector {
-    fn list(&self) -> MutexGuard<'_, Vec<Py<PyChannel>>> {
-        self.channels.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    /// The selector's state, after a thread waiting in it is done (waiting
+    /// for that without the GIL).
+    fn lock(&self, py: Python<'_>) -> MutexGuard<'_, SelectorState> {
+        loop {
+            match self.state.try_lock() {
+                Ok(guard) => return guard,
+                Err(std::sync::TryLockError::Poisoned(poisoned)) => return poisoned.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => py.detach(|| drop(self.state.lock())),
+            }
+        }
     }
 }
 

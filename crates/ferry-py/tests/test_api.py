@@ -68,6 +68,8 @@ def test_arm_and_fileno_with_selectors(pair):
 def test_selector_serves_many_channels():
     pairs = [Pair(count=4) for _ in range(3)]
     sel = ferry.Selector([p.rx for p in pairs])
+    assert len(sel) == 3 and sel.channels[1] is pairs[1].rx
+    sel.add(pairs[0].rx)  # once only
     assert len(sel) == 3
     pairs[2].tx.move(pairs[2].alloc.alloc(), b"two")
     pairs[0].tx.move(pairs[0].alloc.alloc(), b"zero")
@@ -77,6 +79,36 @@ def test_selector_serves_many_channels():
         got[ev.meta] = ch
     assert got[b"two"] is pairs[2].rx and got[b"zero"] is pairs[0].rx
     assert sel.wait(0.01) is None
+    assert sel.remove(pairs[1].rx) and not sel.remove(pairs[1].rx) and len(sel) == 2
+
+
+def test_selector_is_fair_and_scales():
+    """64 channels; one always has another event, yet an event on another
+    channel is served within a round; a channel whose peer went away raises
+    from the selector with the channel named; with every channel closed the
+    wait ends."""
+    pairs = [Pair(count=16) for _ in range(64)]
+    sel = ferry.Selector([p.rx for p in pairs])
+    busy, quiet = pairs[5], pairs[60]
+    for i in range(16):
+        busy.tx.move(busy.alloc.alloc(), bytes([i]))
+    ch, ev = sel.wait(10)
+    assert ch is busy.rx
+    quiet.tx.move(quiet.alloc.alloc(), b"q")
+    served = []
+    for _ in range(4):
+        ch, ev = sel.wait(10)
+        served.append(ch)
+    assert quiet.rx in served[:3]
+    quiet.tx.close()
+    with pytest.raises(ferry.PeerGone) as info:
+        while True:
+            ch, ev = sel.wait(10)
+            assert ch is busy.rx
+    assert info.value.channel is quiet.rx
+    for p in pairs:
+        p.rx.close()
+    assert sel.wait(None) is None
 
 
 def test_wait_releases_the_gil(pair):
