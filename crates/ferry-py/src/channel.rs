@@ -99,7 +99,9 @@ fn constraints(alignment: usize, min_buffer_size: usize, max_buffer_size: usize)
 
 impl PyChannel {
     fn new(channel: Channel, endpoint: &PyEndpoint) -> PyChannel {
-        let label = format!("channel of domain {:?} on {}", channel.domain().name(), endpoint.label);
+        // A TCP creator of port 0 is named by the port the kernel chose.
+        let place = channel.listen_addr().map_or_else(|| endpoint.label.clone(), |addr| format!("tcp:{addr}"));
+        let label = format!("channel of domain {:?} on {place}", channel.domain().name());
         PyChannel { inner: Mutex::new(Some(channel)), label }
     }
 

@@ -456,13 +456,13 @@ impl SelectorState {
     fn all_closed(&self, py: Python<'_>) -> PyResult<bool> {
         for member in self.members.iter().flatten() {
             let chan = member.channel.get();
-            let open =
-                match chan.inner().try_lock() {
-                    Ok(g) => g.as_ref().is_some_and(|ch| ch.state() != ChannelState::Closed),
-                    Err(std::sync::TryLockError::Poisoned(p)) => {
-                        p.into_inner().as_ref().is_some_and(|ch| ch.state() != ChannelState::Closed)
-                    }
-                    Err(std::sync::TryLockError::WouldBlock) => return Err(errors::raise(
+            let open = match chan.inner().try_lock() {
+                Ok(g) => g.as_ref().is_some_and(|ch| ch.state() != ChannelState::Closed),
+                Err(std::sync::TryLockError::Poisoned(p)) => {
+                    p.into_inner().as_ref().is_some_and(|ch| ch.state() != ChannelState::Closed)
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    return Err(errors::raise(
                         py,
                         "Error",
                         "ChannelBusy",
@@ -470,8 +470,9 @@ impl SelectorState {
                             "Selector.wait: {} is in use by another thread; use a channel from one thread at a time",
                             chan.label()
                         ),
-                    )),
-                };
+                    ))
+                }
+            };
             if open {
                 return Ok(false);
             }
