@@ -804,15 +804,16 @@ impl Port {
         Ok(total)
     }
 
-    /// Each chunk one datagram, as many per `sendmmsg` as `IOV_MAX` allows;
-    /// each buffer goes back once the kernel has taken its datagram.
     /// Move up to `max` bytes of the regular file `src`, from its current
     /// offset, to this port inside the kernel (`sendfile`): the bytes never
     /// pass through user memory, and to a stream socket the kernel sends
     /// the file's page-cache pages themselves, without copying them. Both
     /// ports' offsets advance. Returns the bytes moved: fewer than `max`
-    /// only where `src` ends (0 at its end) or an error stopped the
-    /// transfer after some bytes (the next call reports it).
+    /// only where `src` ends (0 at its end). An error is returned as it
+    /// happens, even after some bytes moved: those count in both ports'
+    /// offsets (and in the error's), so a send that stopped because the
+    /// peer went away or stalled past the socket's send timeout is told
+    /// from a file that ended.
     ///
     /// To a socket or a pipe the kernel hands on the file's pages
     /// themselves: if the file is changed before the reader has them, the
@@ -833,8 +834,7 @@ impl Port {
             // pointer makes the kernel use and advance `src`'s file position.
             let n = match retry(|| unsafe { libc::sendfile(self.fd, src.fd, std::ptr::null_mut(), want) as isize }) {
                 Ok(n) => n,
-                // What moved before the error counts; the next call meets it again.
-                Err(_) if moved > 0 => break,
+                // What moved before counts in the offsets, the error's too.
                 Err(e) => return Err(self.err("sendfile", e)),
             };
             if n == 0 {
@@ -872,6 +872,8 @@ impl Port {
         Ok(())
     }
 
+    /// Each chunk one datagram, as many per `sendmmsg` as `IOV_MAX` allows;
+    /// each buffer goes back once the kernel has taken its datagram.
     fn send_datagrams(&mut self, mut q: VecDeque<Chunk>) -> Result<u64, IoError> {
         let mut total = 0u64;
         while !q.is_empty() {
