@@ -121,10 +121,9 @@ fn amount(n: u64) -> String {
     }
 }
 
-/// Whether `e` is the `--timeout` of a socket running out: on a blocking
-/// socket, `SO_RCVTIMEO` and `SO_SNDTIMEO` end a read or write with EAGAIN.
+/// Whether `e` is the `--timeout` of a socket running out.
 fn timed_out(e: &IoError) -> bool {
-    matches!(e, IoError::Os { source, .. } if source.kind() == std::io::ErrorKind::WouldBlock)
+    matches!(e, IoError::TimedOut { .. })
 }
 
 /// The `--timeout` in words.
@@ -200,7 +199,7 @@ fn receive_failed(why: String, written: u64, dst: &str) -> CliError {
     }
 }
 
-/// The line for a socket whose timeouts could not be set.
+/// The line for a socket whose connect timeout could not be set.
 fn no_timeout(name: &str, e: std::io::Error) -> CliError {
     CliError::Failed(format!("{name}: cannot set the timeout: {e}; nothing was copied"))
 }
@@ -249,13 +248,7 @@ fn connect_unix(path: &Path, name: &str, limit: Option<Duration>) -> Result<Unix
     }
 }
 
-fn open_source(
-    place: &Place,
-    name: &str,
-    direct: bool,
-    quiet: bool,
-    limit: Option<Duration>,
-) -> Result<Port, CliError> {
+fn open_source(place: &Place, name: &str, direct: bool, quiet: bool) -> Result<Port, CliError> {
     let port = match place {
         Place::Std => Port::stdin(),
         Place::File(p) if direct => Port::open_direct(p),
@@ -272,7 +265,6 @@ fn open_source(
             let (s, _) = l.accept().map_err(|e| {
                 CliError::Failed(format!("{name}: accepting a connection failed: {e}; nothing was copied"))
             })?;
-            s.set_read_timeout(limit).and_then(|()| s.set_write_timeout(limit)).map_err(|e| no_timeout(name, e))?;
             Port::from_fd(s, name)
         }
         Place::Unix(path) => {
@@ -287,7 +279,6 @@ fn open_source(
             let (s, _) = accepted.map_err(|e| {
                 CliError::Failed(format!("{name}: accepting a connection failed: {e}; nothing was copied"))
             })?;
-            s.set_read_timeout(limit).and_then(|()| s.set_write_timeout(limit)).map_err(|e| no_timeout(name, e))?;
             Port::from_fd(s, name)
         }
     };
@@ -301,12 +292,10 @@ fn open_destination(place: &Place, name: &str, direct: bool, limit: Option<Durat
         Place::File(p) => Port::create(p),
         Place::Tcp(addr) => {
             let s = connect_tcp(addr, name, limit)?;
-            s.set_read_timeout(limit).and_then(|()| s.set_write_timeout(limit)).map_err(|e| no_timeout(name, e))?;
             Port::from_fd(s, name)
         }
         Place::Unix(path) => {
             let s = connect_unix(path, name, limit)?;
-            s.set_read_timeout(limit).and_then(|()| s.set_write_timeout(limit)).map_err(|e| no_timeout(name, e))?;
             Port::from_fd(s, name)
         }
     };
@@ -581,8 +570,15 @@ pub fn run(args: &CpArgs) -> Result<(), CliError> {
     let limit = args.limit();
     let domain = Domain::new("ferry-cp");
     let alloc = Allocator::new(&domain, POOL_BUFFERS, BUFFER_SIZE, PoolConstraints::default())?;
-    let mut input = open_source(&src, &args.src, args.direct, args.quiet, limit)?;
+    let mut input = open_source(&src, &args.src, args.direct, args.quiet)?;
     let mut output = open_destination(&dst, &dst_name, args.direct, limit)?;
+    // Every wait on a socket, for data or for room, is bounded (a poll
+    // each time the socket has nothing or no room).
+    for (port, socket) in [(&mut input, framed(&src)), (&mut output, framed(&dst))] {
+        if socket {
+            port.set_timeout(limit).map_err(|e| failed(e, 0))?;
+        }
+    }
 
     let total = match &src {
         Place::File(p) => std::fs::metadata(p).ok().filter(|m| m.is_file()).map(|m| m.len()),

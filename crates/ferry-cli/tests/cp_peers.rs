@@ -18,6 +18,9 @@ const LIMIT: Duration = Duration::from_secs(90);
 /// is still sending when its peer misbehaves.
 const BIG: u64 = 256 << 20;
 const MIB: usize = 1 << 20;
+/// How long a run with `--timeout 2` may take to give up: a bound that a
+/// loaded machine meets with room to spare, not a measure of speed.
+const GIVES_UP: Duration = Duration::from_secs(30);
 
 fn ferry() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
@@ -28,6 +31,8 @@ fn ferry() -> Command {
 struct Run {
     code: Option<i32>,
     stderr: String,
+    /// From the call of `finish` to the exit.
+    took: Duration,
 }
 
 /// Wait for `child` (feeding it `input` when given), killed after LIMIT.
@@ -67,7 +72,8 @@ fn finish(mut child: Child, input: Option<Vec<u8>>) -> Run {
     out_reader.join().unwrap();
     let stderr = err_reader.join().unwrap();
     assert!(status.is_some(), "ferry cp did not finish within {LIMIT:?}\nstderr: {stderr}");
-    Run { code: status.and_then(|s| s.code()), stderr }
+    let took = t0.elapsed();
+    Run { code: status.and_then(|s| s.code()), stderr, took }
 }
 
 fn dir(name: &str) -> PathBuf {
@@ -282,6 +288,7 @@ fn a_receiver_times_out_on_a_silent_sender() {
     let s = TcpStream::connect(at).unwrap();
     let r = finish(rx, None);
     assert_failed(&r, "tcp:127.0.0.1:0", &["the sender sent nothing for 2 s", "timeout", "nothing was copied"]);
+    assert!(r.took < GIVES_UP, "{:?}", r.took);
     drop(s);
     // Sends one batch, then goes silent with the connection open.
     let out = d.join("out2");
@@ -292,6 +299,7 @@ fn a_receiver_times_out_on_a_silent_sender() {
     let line = assert_failed(&r, "tcp:127.0.0.1:0", &["the sender sent nothing for 2 s", "the copy is incomplete"]);
     let in_file = std::fs::metadata(&out).unwrap().len();
     assert_eq!((reported_written(&line, &out), in_file), (MIB as u64, MIB as u64), "{line}");
+    assert!(r.took < GIVES_UP, "{:?}", r.took);
     drop(s);
     std::fs::remove_dir_all(d).unwrap();
 }
@@ -329,6 +337,7 @@ fn a_sender_times_out_on_a_receiver_that_takes_nothing() {
             &dst,
             &["the receiver took nothing for 2 s after", "timeout, see --timeout", "the copy is incomplete"],
         );
+        assert!(r.took < GIVES_UP, "{:?}", r.took);
         drop(done);
         peer.join().unwrap();
     }
@@ -356,5 +365,26 @@ fn timeout_zero_is_no_limit_and_bad_values_are_refused() {
     let help = ferry().args(["cp", "--help"]).output().unwrap();
     let help = String::from_utf8_lossy(&help.stdout);
     assert!(help.contains("--timeout <SECONDS>") && help.contains("[default: 30]"), "{help}");
+    std::fs::remove_dir_all(d).unwrap();
+}
+
+#[test]
+fn a_connect_nobody_answers_times_out() {
+    use rustix::net::{bind, connect, listen, socket, AddressFamily, SocketAddrUnix, SocketType};
+    let d = dir("connect");
+    std::fs::write(d.join("src"), b"data").unwrap();
+    // A Unix listener that never accepts, with a queue of one that one
+    // connection fills: the next connect waits for room.
+    let path = d.join("sock");
+    let listener = socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+    bind(&listener, &SocketAddrUnix::new(&path).unwrap()).unwrap();
+    listen(&listener, 0).unwrap();
+    let first = socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+    connect(&first, &SocketAddrUnix::new(&path).unwrap()).unwrap();
+    let dst = format!("unix:{}", s(&path));
+    let r = finish(ferry().args(["cp", "--timeout", "2", s(&d.join("src")), &dst]).spawn().unwrap(), None);
+    assert_failed(&r, &dst, &["cannot connect: no answer within 2 s", "timeout", "nothing was copied"]);
+    assert!(r.took < GIVES_UP, "{:?}", r.took);
+    drop((first, listener));
     std::fs::remove_dir_all(d).unwrap();
 }
