@@ -408,19 +408,22 @@ impl Port {
         let deadline = std::time::Instant::now().checked_add(limit);
         loop {
             let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(std::time::Instant::now()));
-            let ms = left.as_millis().min(i32::MAX as u128) as libc::c_int;
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            // Rounded up: poll may wake a little early, and then waits on.
+            let ms = left.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as libc::c_int;
             let mut pfd = libc::pollfd { fd: self.fd, events, revents: 0 };
             // SAFETY: one valid pollfd, alive for the call.
             let n = unsafe { libc::poll(&mut pfd, 1, ms) };
             if n > 0 {
                 return Ok(());
             }
-            if n == 0 {
-                return Err(io::ErrorKind::TimedOut.into());
-            }
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINTR) {
-                return Err(e);
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    return Err(e);
+                }
             }
         }
     }
