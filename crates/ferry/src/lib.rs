@@ -140,6 +140,8 @@ mod secure;
 mod select;
 mod setup;
 mod sys;
+#[cfg(not(loom))]
+pub mod tls;
 #[cfg(feature = "tokio")]
 pub mod tokio;
 mod wake;
