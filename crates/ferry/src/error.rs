@@ -166,7 +166,9 @@ pub enum Error {
     // --- security ------------------------------------------------------------------------
     /// A TLS certificate, key or setting cannot be used (the message names
     /// the file and what is wrong with it).
-    #[error("the TLS configuration cannot be used: {0}; fix the file (`ferry tls gen DIR` writes a test set) and try again")]
+    #[error(
+        "the TLS configuration cannot be used: {0}; fix the file (`ferry tls gen DIR` writes a test set) and try again"
+    )]
     TlsConfig(Box<crate::tls::TlsConfigError>),
     /// The TLS handshake or a TLS record failed: the peer's certificate was
     /// refused (or ours by the peer), the peer does not speak TLS, or a

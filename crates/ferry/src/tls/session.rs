@@ -28,6 +28,14 @@ pub(crate) struct TlsSession {
     peer_closed: bool,
     /// The socket reached the end of the stream.
     eof: bool,
+    /// Ciphertext bytes the socket took so far.
+    written: u64,
+}
+
+impl std::fmt::Debug for TlsSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsSession").field("handshaking", &self.conn.is_handshaking()).finish()
+    }
 }
 
 /// The socket as rustls's reader and writer: never blocking, never
@@ -89,12 +97,16 @@ impl TlsSession {
             plain: 0,
             peer_closed: false,
             eof: false,
+            written: 0,
         }
     }
 
-    /// Whether the handshake is still going on.
-    pub(crate) fn handshaking(&self) -> bool {
-        self.conn.is_handshaking()
+    /// The error for a connection that ended (or was reset) during the
+    /// handshake; `None` once the handshake is done.
+    pub(crate) fn ended_in_handshake(&self) -> Option<Error> {
+        self.conn
+            .is_handshaking()
+            .then(|| Error::Tls("the connection ended during the TLS handshake; does the peer use TLS".into()))
     }
 
     /// Whether ciphertext waits for the socket: the caller must wake for
@@ -110,11 +122,16 @@ impl TlsSession {
         self.plain > 0 || self.start < self.end || (self.peer_closed && !self.eof)
     }
 
+    /// Ciphertext bytes the socket took so far (progress, for liveness).
+    pub(crate) fn written(&self) -> u64 {
+        self.written
+    }
+
     /// Send the ciphertext waiting for the socket, as far as it takes it.
     pub(crate) fn flush(&mut self, fd: BorrowedFd<'_>) -> io::Result<()> {
         while self.conn.wants_write() {
             match self.conn.write_tls(&mut Sock(fd)) {
-                Ok(_) => {}
+                Ok(n) => self.written += n as u64,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
@@ -149,21 +166,21 @@ impl TlsSession {
         loop {
             if self.plain > 0 {
                 let mut given = 0;
-                'parts: for part in parts.iter_mut() {
+                for part in parts.iter_mut() {
                     let dst = part.as_mut_slice();
                     let mut at = 0;
-                    while at < dst.len() {
-                        if self.plain == 0 {
-                            break 'parts;
-                        }
+                    while at < dst.len() && self.plain > 0 {
                         let n = self.conn.reader().read(&mut dst[at..])?;
                         if n == 0 {
-                            break 'parts;
+                            break;
                         }
                         at += n;
                         self.plain -= n;
                     }
                     given += at;
+                    if at < dst.len() {
+                        break;
+                    }
                 }
                 if given > 0 {
                     return Ok(given);
