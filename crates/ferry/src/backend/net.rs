@@ -99,9 +99,10 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_HALF_OPEN: usize = 16;
 /// How long a closing end tries to get its last frames out.
 const CLOSE_FLUSH: Duration = Duration::from_secs(2);
-/// Most ciphertext a TLS link holds for the socket: a 1 MiB payload goes
-/// out in four rounds of encrypting and sending.
-const TLS_SEND_LIMIT: usize = 256 << 10;
+/// Most ciphertext a TLS link holds for the socket (rustls's default):
+/// more makes the allocator return and fault in the records' memory over
+/// and over.
+const TLS_SEND_LIMIT: usize = 64 << 10;
 
 /// Options of a TCP endpoint or session.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -696,7 +697,15 @@ impl NetLink {
             let sent = {
                 let mut parts: Vec<SendPart<'_>> = Vec::with_capacity(2 * FRAMES_PER_SEND.min(self.out.len()));
                 let mut skip = self.out_sent;
+                // TLS takes at most its send limit per call: frames past
+                // that would only be laid out again next call.
+                let budget = if self.tls.is_some() { TLS_SEND_LIMIT } else { usize::MAX };
+                let mut laid = 0;
                 for f in self.out.iter().take(FRAMES_PER_SEND) {
+                    if laid >= budget {
+                        break;
+                    }
+                    laid += f.len() - skip;
                     if skip < f.head_len {
                         parts.push(SendPart::slice(&f.head[skip..f.head_len]));
                         skip = 0;
