@@ -16,7 +16,26 @@
 //! is full), so many small frames share one system call; a payload is never
 //! copied to be batched.
 //!
+//! # Security
+//!
+//! [`NetOptions::security`] says what protects the connection (see
+//! [`crate::tls`] and docs/SECURITY.md): by default plain TCP between
+//! loopback addresses only; [`Security::Tls`] for TLS 1.3 with mutual
+//! certificates; [`Security::None`] for plain TCP anywhere, on purpose.
+//! With TLS, the sender encrypts each payload from the buffer's memory
+//! into TLS records and the receiver decrypts the records into the
+//! buffer (through rustls's buffers): what the kernel did in one copy on
+//! each side, TLS does in user space, and only authenticated bytes land.
+//! A record that fails authentication fails the channel with
+//! [`Error::Tls`]. A creator runs the TLS handshakes of its half-open
+//! connections side by side, within the same setup deadline and shedding
+//! as the bind requests.
+//!
 //! # Wire format, version 1 (little endian)
+//!
+//! With TLS, everything below is the plaintext of one TLS 1.3 connection
+//! that starts with the first byte after the TCP connect (the binder is the
+//! TLS client, the creator the server); the frames are the same.
 //!
 //! Setup: the binder connects and sends its bind request; the creator
 //! answers with the acceptance or a refusal (the messages of `setup_msg`,

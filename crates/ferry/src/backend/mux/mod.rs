@@ -87,6 +87,23 @@
 //! one call to the next; the one-shot [`MuxSession::accept`] closes them
 //! when it returns.
 //!
+//! # TLS
+//!
+//! With [`Security::Tls`](crate::tls::Security::Tls) in the session's
+//! [`NetOptions`], the whole connection is one TLS 1.3 connection from the
+//! first byte after the TCP connect (the magic and every frame are its
+//! plaintext; the connecting side is the TLS client). The handshake runs
+//! within the same deadline as the magic, side by side with the other
+//! connections of a listener; one that fails it (no certificate, one the
+//! CA did not sign, plain text) is closed like a silent one. Chunks are
+//! encrypted from the buffer's memory and decrypted into the target
+//! buffer; only authenticated bytes land, and a record that fails its
+//! authentication ends the session with [`Error::Tls`]. TLS holds at most
+//! one chunk of ciphertext for the socket beyond what the kernel holds, so
+//! priority frames queue behind little more than without it. A plain
+//! session to or from an address that is not a loopback address needs
+//! [`Security::None`](crate::tls::Security::None) on purpose.
+//!
 //! # What a peer can make a session hold
 //!
 //! Everything a peer can make this side keep is bounded, and a peer that
