@@ -360,3 +360,58 @@ fn tls_files_that_cannot_be_used_are_named() {
     }
     assert!(matches!(TlsConfig::from_dir(&pki.dir.0, "not a name!"), Err(Error::TlsConfig(_))));
 }
+
+/// Bytes TLS has already taken off the socket are not the socket's to
+/// signal: after one of two messages that came in one record, the sink's
+/// `arm` must say something is ready (or its fd must be readable), as it
+/// would with the second message still in the kernel.
+#[test]
+fn arm_after_an_event_sees_what_tls_already_decrypted() {
+    let pki = Pki::new();
+    let src = Domain::new("src");
+    let (mut tx, addr) = source(&src, loopback(), pki.options());
+    let options = pki.options();
+    let mut rx =
+        Channel::bind(&Domain::new("sink"), &Endpoint::tcp_with(addr, options), BindParams::default()).unwrap();
+    // Both ends drive the handshake.
+    let (mut bound, mut requested) = (false, false);
+    let until = Instant::now() + T;
+    while !(bound && requested) {
+        assert!(Instant::now() < until, "no TLS channel within {T:?}");
+        requested |= matches!(tx.wait(Some(Duration::from_millis(5))), Some(Event::BindRequest { .. }));
+        bound |= matches!(rx.wait(Some(Duration::from_millis(5))), Some(Event::Bound));
+    }
+    let alloc = Allocator::new(&src, 4, 4096, PoolConstraints::default()).unwrap();
+    tx.assign_pool(alloc.pool()).unwrap();
+    loop {
+        match rx.wait(Some(Duration::from_millis(5))) {
+            Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
+            None => {}
+            ev => panic!("sink: {ev:?}"),
+        }
+        if let Some(ev) = tx.poll() {
+            assert!(matches!(ev, Event::PoolAssigned(_)), "{ev:?}");
+            break;
+        }
+    }
+    // Two small moves in one send: one TLS record.
+    for seq in 0..2u64 {
+        let mut b = alloc.alloc().unwrap();
+        fill(b.as_mut_slice().unwrap(), seq);
+        tx.move_buffer(b, &seq.to_le_bytes()).unwrap();
+    }
+    tx.flush().unwrap();
+    match rx.wait(Some(T)) {
+        Some(Event::MoveReceived { buffer, .. }) => assert!(check(&buffer, 0)),
+        ev => panic!("sink: {ev:?}"),
+    }
+    if rx.arm() {
+        let mut fds = [rustix::event::PollFd::new(&rx, rustix::event::PollFlags::IN)];
+        let ready = rustix::event::poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 2, tv_nsec: 0 })).unwrap();
+        assert_eq!(ready, 1, "the sink armed and its fd stays quiet while the second message waits in TLS");
+    }
+    match rx.poll() {
+        Some(Event::MoveReceived { buffer, .. }) => assert!(check(&buffer, 1)),
+        ev => panic!("sink: {ev:?}"),
+    }
+}
