@@ -246,7 +246,7 @@ impl NetEndpoint {
             // rustls holds the request until the handshake is done; the
             // handshake goes on without waiting, as `poll` reads.
             stream.set_nonblocking(true)?;
-            t.send_parts(stream.as_fd(), &[SendPart::slice(&request)]).map_err(|e| io_error(&e))?;
+            t.queue(stream.as_fd(), &request).map_err(|e| io_error(&e))?;
         } else {
             // A bind request fits in any socket buffer: this write does not wait.
             stream.set_write_timeout(Some(timeout))?;
@@ -298,7 +298,7 @@ impl SetupConn {
     fn send(&mut self, msg: &[u8]) -> bool {
         match &mut self.tls {
             None => (&self.stream).write_all(msg).is_ok(),
-            Some(t) => t.send_parts(self.stream.as_fd(), &[SendPart::slice(msg)]).is_ok_and(|n| n == msg.len()),
+            Some(t) => t.queue(self.stream.as_fd(), msg).is_ok_and(|n| n == msg.len()),
         }
     }
 

@@ -140,6 +140,16 @@ impl TlsSession {
         Ok(())
     }
 
+    /// Hand a small message (a setup message, a magic) to TLS whatever
+    /// waits for the socket, and send what the socket takes: the bytes TLS
+    /// took (all of them, within its send limit). Before the handshake is
+    /// done TLS holds them and sends them once it is.
+    pub(crate) fn queue(&mut self, fd: BorrowedFd<'_>, msg: &[u8]) -> io::Result<usize> {
+        let n = self.conn.writer().write(msg)?;
+        self.flush(fd)?;
+        Ok(n)
+    }
+
     /// Encrypt from `parts` in order, as much as rustls takes (up to its
     /// send limit), and send what the socket takes. The bytes counted are
     /// the caller's: encrypted and on their way (`WouldBlock` while

@@ -699,7 +699,7 @@ impl Handshake {
         stream.set_nonblocking(true).ok()?;
         let sent = match &mut tls {
             None => (&stream).write(MAGIC),
-            Some(t) => t.send_parts(stream.as_fd(), &[crate::sys::SendPart::slice(MAGIC)]),
+            Some(t) => t.queue(stream.as_fd(), MAGIC),
         };
         match sent {
             Ok(n) if n == MAGIC.len() => Some(Handshake { stream, tls, magic: [0; 8], have: 0, deadline }),
