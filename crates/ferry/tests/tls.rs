@@ -415,3 +415,36 @@ fn arm_after_an_event_sees_what_tls_already_decrypted() {
         ev => panic!("sink: {ev:?}"),
     }
 }
+
+/// Silent connections and ones that stall in the middle of a TLS
+/// handshake (more than the creator keeps at once) do not keep a good
+/// client out: the creator serves handshakes side by side and sheds the
+/// oldest.
+#[test]
+fn stalled_handshakes_do_not_keep_a_good_client_out() {
+    use std::io::Write;
+    let pki = Pki::new();
+    let src = Domain::new("src");
+    let (mut tx, addr) = source(&src, loopback(), pki.options());
+    let mut stalled = Vec::new();
+    for i in 0..24 {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        if i % 2 == 0 {
+            // The start of a TLS record (a handshake message), then nothing.
+            s.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01]).unwrap();
+        }
+        stalled.push(s);
+    }
+    // The creator takes them in.
+    assert!(tx.wait(Some(Duration::from_millis(100))).is_none());
+    let options = pki.options();
+    let sink = std::thread::spawn(move || {
+        let rx = Channel::bind(&Domain::new("sink"), &Endpoint::tcp_with(addr, options), BindParams::default());
+        echo_sink(rx.unwrap())
+    });
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    round_trips(&mut tx, &src, 3);
+    finish(tx);
+    assert_eq!(sink.join().unwrap(), (3, None));
+    drop(stalled);
+}
