@@ -22,6 +22,7 @@ mod pattern;
 mod pin;
 mod setup;
 mod stats;
+mod tls;
 
 #[derive(Parser)]
 #[command(name = "ferry", version, about = "Zero-copy bulk transfer: demo and benchmarks")]
@@ -46,6 +47,8 @@ enum Command {
     BenchChild(bench::child::ChildArgs),
     /// Ferry's network block service: serve a store to NBD clients.
     Block(block::BlockArgs),
+    /// TLS helpers: `ferry tls gen DIR` writes test certificates.
+    Tls(tls::TlsArgs),
 }
 
 fn main() -> ExitCode {
@@ -55,8 +58,9 @@ fn main() -> ExitCode {
         Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => e.exit(),
         Err(e) if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
         Err(e) => {
-            let sub =
-                std::env::args().nth(1).filter(|a| ["demo", "bench", "echo", "block", "cp"].contains(&a.as_str()));
+            let sub = std::env::args()
+                .nth(1)
+                .filter(|a| ["demo", "bench", "echo", "block", "cp", "tls"].contains(&a.as_str()));
             eprintln!("ferry: {}", args::usage_line(&e, sub.as_deref()));
             return ExitCode::from(2);
         }
@@ -68,6 +72,7 @@ fn main() -> ExitCode {
         Command::Cp(args) => cp::run(&args),
         Command::BenchChild(args) => bench::child::run(&args),
         Command::Block(args) => block::run(&args),
+        Command::Tls(args) => tls::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -163,6 +163,25 @@ pub enum Error {
     #[error("waiting timed out; wait longer, or check that the peer is still working")]
     TimedOut,
 
+    // --- security ------------------------------------------------------------------------
+    /// A TLS certificate, key or setting cannot be used (the message names
+    /// the file and what is wrong with it).
+    #[error(
+        "the TLS configuration cannot be used: {0}; fix the file (`ferry tls gen DIR` writes a test set) and try again"
+    )]
+    TlsConfig(Box<crate::tls::TlsConfigError>),
+    /// The TLS handshake or a TLS record failed: the peer's certificate was
+    /// refused (or ours by the peer), the peer does not speak TLS, or a
+    /// record failed its authentication (the stream was altered on its
+    /// way). The connection is closed; nothing of a failed record landed.
+    #[error("the TLS connection failed ({0}), so it was closed; check that both ends use TLS with certificates from the same CA and that the server's certificate names the host connected to")]
+    Tls(String),
+    /// Plain TCP on an address that is not a loopback address, without
+    /// saying so: give the endpoint or session `Security::Tls`, or
+    /// `Security::None` on purpose.
+    #[error("{0} is not a loopback address, and plain TCP leaves this machine only when chosen on purpose; give the endpoint's NetOptions the security Tls with a TLS configuration, or None on a network you trust")]
+    InsecureAddress(std::net::IpAddr),
+
     // --- helpers -----------------------------------------------------------------------
     /// [`Channel::assign_pool_and_wait`](crate::Channel::assign_pool_and_wait):
     /// the peer (or its library, for a pool outside the channel's
@@ -388,6 +407,9 @@ mod tests {
             Error::QueueFull,
             Error::AggregateTooLarge { slots: 70, capacity: 64 },
             Error::PeerGone,
+            Error::TlsConfig(Box::new(crate::tls::TlsConfigError::for_tests())),
+            Error::Tls("decrypt error".into()),
+            Error::InsecureAddress([192, 0, 2, 1].into()),
             Error::PeerUnresponsive(Duration::from_millis(5200)),
             Error::Protocol("frame type 122: unknown".into()),
             Error::TimedOut,

@@ -140,6 +140,7 @@ mod secure;
 mod select;
 mod setup;
 mod sys;
+pub mod tls;
 #[cfg(feature = "tokio")]
 pub mod tokio;
 mod wake;

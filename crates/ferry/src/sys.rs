@@ -339,9 +339,27 @@ impl<'a> RecvPart<'a> {
             _life: std::marker::PhantomData,
         })
     }
+
+    /// The range as a slice, for a user-space writer (TLS decrypting into
+    /// a buffer) instead of the kernel.
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `recv_parts`: a live, writable range for `'a` (a
+        // slice borrowed mutably, or a checked range of a borrowed
+        // mapping); `&mut self` keeps this the only slice made from it
+        // while it lives. No domain of this process owns or reads a buffer
+        // while its payload lands (the channel's payload gate).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
 }
 
 impl<'a> SendPart<'a> {
+    /// The range as a slice, for a user-space reader (TLS encrypting from
+    /// a buffer) instead of the kernel.
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        // SAFETY: as in `send_parts`: a live, readable range for `'a`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
     pub(crate) fn slice(s: &'a [u8]) -> Self {
         SendPart { ptr: s.as_ptr(), len: s.len(), _life: std::marker::PhantomData }
     }

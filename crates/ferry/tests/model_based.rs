@@ -198,6 +198,48 @@ impl Backend for Net {
     }
 }
 
+/// The TCP backend over TLS 1.3 (mutual certificates from a test CA):
+/// every frame and payload encrypted from one domain's pool memory and
+/// decrypted into the other's mirror of it.
+struct Tls(std::sync::Arc<support::tls_pki::Pki>);
+
+impl Backend for Tls {
+    fn name(&self, _: ChanId) -> &'static str {
+        "tls"
+    }
+
+    const TRUSTS: &'static [Trust] = Net::TRUSTS;
+
+    fn connect(&mut self, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
+        let ep = Endpoint::tcp_with("127.0.0.1:0".parse().unwrap(), self.0.options());
+        let setup = ChannelSetup { direction: Direction::Tx, trust, meta_size: META, ..ChannelSetup::default() };
+        let mut s = Channel::create(source, &ep, setup).expect("create");
+        let ep = Endpoint::tcp_with(s.listen_addr().expect("listening"), self.0.options());
+        let mut r = Channel::bind(sink, &ep, BindParams::default()).expect("bind");
+        let t = std::time::Duration::from_secs(10);
+        // Both ends run their side of the handshake: wait on them in turn.
+        let mut bound = (None, None);
+        let until = std::time::Instant::now() + t;
+        while bound.0.is_none() || bound.1.is_none() {
+            assert!(std::time::Instant::now() < until, "no TLS channel within {t:?}");
+            let slice = std::time::Duration::from_millis(5);
+            if bound.0.is_none() {
+                bound.0 = s.wait(Some(slice));
+            }
+            if bound.1.is_none() {
+                bound.1 = r.wait(Some(slice));
+            }
+        }
+        assert!(matches!(bound.0, Some(FEvent::BindRequest { .. })), "{:?}", bound.0);
+        assert!(matches!(bound.1, Some(FEvent::Bound)), "{:?}", bound.1);
+        (s, r)
+    }
+
+    fn deliver(&mut self, chan: ChanId, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
+        Net.deliver(chan, to, from, expect)
+    }
+}
+
 /// Every channel on one multiplexed TCP session (early demultiplexing):
 /// the run's channels share one connection, each with its own credits and
 /// its own pool buffers for the payload the session reads off the stream.
@@ -1576,12 +1618,17 @@ where
 }
 
 fn suite<B: Backend>(test: &str, make: impl Fn() -> B) {
+    suite_of(test, make, cases())
+}
+
+/// [`suite`] with `cases` cases a round.
+fn suite_of<B: Backend>(test: &str, make: impl Fn() -> B, cases: u32) {
     let stats = std::cell::RefCell::new(Stats::default());
     // Half of the runs first assign every pool to every channel it can
     // reach, so that received aggregates can be forwarded.
     let strategy = (vec(any::<u8>(), LINKS.len()), any::<bool>(), vec(any::<RawStep>(), 1..150));
     let seed = seed(test);
-    let n = cases() as usize;
+    let n = cases as usize;
     // The comparison must not pass vacuously (see `model::coverage`).
     let floors = || {
         let stats = stats.borrow();
@@ -1606,7 +1653,7 @@ fn suite<B: Backend>(test: &str, make: impl Fn() -> B) {
     run_covered(
         test,
         |round| {
-            run_suite(test, round_seed(seed, round), cases(), strategy.clone(), |(trusts, assigned, steps)| {
+            run_suite(test, round_seed(seed, round), cases, strategy.clone(), |(trusts, assigned, steps)| {
                 let plan = vec![assigned; LINKS.len() * POOLS.len()];
                 run_case(make(), &LINKS, &trusts, &plan, &steps, Probe::Sampled, &mut stats.borrow_mut())
             })
@@ -1644,6 +1691,14 @@ fn batched_shm_backend_follows_the_model() {
 #[test]
 fn net_backend_follows_the_model() {
     suite("net_backend_follows_the_model", || Net);
+}
+
+/// The TCP backend over TLS against the reference model (a quarter of
+/// the cases: every channel pays a handshake).
+#[test]
+fn tls_backend_follows_the_model() {
+    let pki = std::sync::Arc::new(support::tls_pki::Pki::new());
+    suite_of("tls_backend_follows_the_model", || Tls(pki.clone()), (cases() / 4).max(1));
 }
 
 /// Every channel on one multiplexed TCP session against the reference

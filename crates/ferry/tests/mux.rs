@@ -38,7 +38,8 @@ fn tx_setup() -> ChannelSetup {
 fn session_pair(options: NetOptions) -> (MuxSession, MuxSession) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let other = std::thread::spawn(move || MuxSession::connect(addr, options, T).unwrap());
+    let theirs = options.clone();
+    let other = std::thread::spawn(move || MuxSession::connect(addr, theirs, T).unwrap());
     let ours = MuxSession::accept(&listener, options, T).unwrap();
     (ours, other.join().unwrap())
 }

@@ -247,10 +247,12 @@ fn stream_cut_mid_payload() {
 fn netns_child() {
     let (Ok(role), Ok(addr)) = (std::env::var("FERRY_NET_ROLE"), std::env::var("FERRY_NET_ADDR")) else { return };
     let addr: SocketAddr = addr.parse().unwrap();
+    // Plain TCP between the namespaces, chosen on purpose.
+    let insecure = NetOptions::default().with_security(ferry::tls::Security::None);
     let d = Domain::new(&role);
     if role == "listen-echo" {
         let setup = ChannelSetup { direction: Direction::Rx, ..ChannelSetup::default() };
-        let mut ch = Channel::create(&d, &Endpoint::tcp(addr), setup).unwrap();
+        let mut ch = Channel::create(&d, &Endpoint::tcp_with(addr, insecure.clone()), setup).unwrap();
         loop {
             match ch.wait(Some(T)) {
                 Some(Event::BindRequest { .. }) => {}
@@ -264,7 +266,7 @@ fn netns_child() {
     // The listener may not be up yet.
     let t = Instant::now();
     let mut ch = loop {
-        match Channel::bind(&d, &Endpoint::tcp(addr), BindParams::default()) {
+        match Channel::bind(&d, &Endpoint::tcp_with(addr, insecure.clone()), BindParams::default()) {
             Ok(ch) => break ch,
             Err(Error::EndpointNotListening) if t.elapsed() < T => std::thread::sleep(Duration::from_millis(20)),
             Err(e) => panic!("source: bind: {e}"),

@@ -52,7 +52,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         if !primary.is_ferry() {
             ctx.progress = Progress::new((runs * sizes.len()) as u64, a.json);
             // As given: the peer has its own default (the eventfd floor has no size at all).
-            for p in peers::measure(ctx, primary, &a.sizes)? {
+            for p in baseline(ctx, primary, &a.sizes)? {
                 ctx.emit(p);
             }
             return Ok(());
@@ -85,7 +85,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                 }
                 ctx.progress.say(format!("{} {} {size} B", a.experiment.name(), b.name()));
                 let only = if b == Backend::Eventfd { Vec::new() } else { vec![size] };
-                for mut p in peers::measure(ctx, b, &only)? {
+                for mut p in baseline(ctx, b, &only)? {
                     p.set("round", json!(round + 1));
                     ctx.emit(p);
                 }
@@ -96,6 +96,21 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
         rig.finish()?;
     }
     Ok(())
+}
+
+/// Payload copies in user space per message: none, but TLS encrypts into
+/// and decrypts out of its records (not counted per message).
+fn user_copies(backend: Backend) -> Option<u64> {
+    (backend != Backend::NetTls).then_some(0)
+}
+
+/// A baseline's or peer's points: bench/peers, or rustls on a stream
+/// (measured here).
+fn baseline(ctx: &Ctx<'_>, backend: Backend, sizes: &[usize]) -> Result<Vec<Point>, CliError> {
+    match backend {
+        Backend::RustlsStream => super::tls_stream::measure(ctx, sizes),
+        _ => peers::measure(ctx, backend, sizes),
+    }
 }
 
 /// One point on one of Ferry's backends.
@@ -317,7 +332,7 @@ fn rtt_with(
     }
     let summary = Summary::of(&samples).ok_or_else(|| CliError::Failed("no samples".into()))?;
     let extra = if a.idle_us > 0 { json!({ "idle_us": a.idle_us }) } else { json!({}) };
-    let point = Point::new(head(ctx, backend, size, runs, "us"), summary, Some(0), extra);
+    let point = Point::new(head(ctx, backend, size, runs, "us"), summary, user_copies(backend), extra);
     Ok((point, ((runs + 1) * MOVES_PER_RUN) as u64))
 }
 
@@ -382,7 +397,7 @@ fn throughput(
     let summary = Summary::of(&rates).ok_or_else(|| CliError::Failed("no samples".into()))?;
     let gbit = round(summary.median * 1e6 * size as f64 * 8.0 / 1e9);
     let extra = json!({ "inflight": window, "moves_per_run": moves, "gbit_s_median": gbit });
-    let point = Point::new(head(ctx, backend, size, runs, "Mops/s"), summary, Some(0), extra);
+    let point = Point::new(head(ctx, backend, size, runs, "Mops/s"), summary, user_copies(backend), extra);
     Ok((point, ((runs + 1) * moves) as u64))
 }
 
@@ -397,6 +412,19 @@ mod tests {
     struct T {
         #[command(flatten)]
         a: BenchArgs,
+    }
+
+    /// TLS throughput runs beside the rustls-stream baseline, every
+    /// buffer echoed (the echo's count is checked at the teardown), and
+    /// the ratio of the two is printed.
+    #[test]
+    fn net_tls_throughput_runs_beside_a_rustls_stream() {
+        let args = ["t", "throughput", "--backend", "net-tls", "--size", "65536", "--runs", "1", "--moves", "300"];
+        let t = T::try_parse_from(args.iter().chain(&["--inflight", "32", "--compare", "--rounds", "1"])).unwrap();
+        let mut ctx = Ctx { args: &t.a, progress: Progress::hidden(), points: Vec::new() };
+        run(&mut ctx).unwrap();
+        let got: Vec<(&str, Option<f64>)> = ctx.points.iter().map(|p| (p.backend(), p.num("samples"))).collect();
+        assert_eq!(got, [("net-tls", Some(1.0)), ("rustls-stream", Some(1.0))]);
     }
 
     /// Each wait mode measures its own point, and the source comes back from

@@ -17,7 +17,9 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
         Experiment::Rtt => {
             &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2, Backend::Eventfd]
         }
-        Experiment::Throughput => &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2],
+        Experiment::Throughput => {
+            &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2, Backend::RustlsStream]
+        }
         Experiment::FbufsTable | Experiment::Fbufs => &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy],
         Experiment::Pipeline => &[Backend::PipeCopy],
         // Its baselines are Ferry's own (one channel, independent pairs): always measured.
@@ -39,7 +41,7 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
                     names.join(", ")
                 )));
             }
-            if a.experiment != Experiment::Pipeline {
+            if a.experiment != Experiment::Pipeline && b != Backend::RustlsStream {
                 peers::check(b)?;
             }
             if !v.contains(&b) {
@@ -51,10 +53,19 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
     let defaults: &[Backend] = match a.experiment {
         // One copy baseline is the comparison of [FBUFS] Table 1; the others are a flag away.
         Experiment::FbufsTable | Experiment::Fbufs => &[Backend::UdsCopy],
+        // TLS against TLS: the same bytes through rustls on a plain stream.
+        Experiment::Throughput if a.backend() == Backend::NetTls => &[Backend::RustlsStream],
         _ => applies,
     };
     let mut v = Vec::new();
     for &b in defaults {
+        // Only TLS is compared with TLS (measured by this command).
+        if b == Backend::RustlsStream {
+            if a.backend() == Backend::NetTls {
+                v.push(b);
+            }
+            continue;
+        }
         if a.experiment == Experiment::Pipeline {
             v.push(b);
             continue;
@@ -86,7 +97,7 @@ fn label(p: &Point) -> String {
 }
 
 fn is_ferry(p: &Point) -> bool {
-    matches!(p.backend(), "local" | "shm" | "net")
+    matches!(p.backend(), "local" | "shm" | "net" | "net-tls")
 }
 
 /// Print Ferry / baseline ratios of the medians, per round, for every pair

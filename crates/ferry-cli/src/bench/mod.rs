@@ -37,6 +37,7 @@ pub mod point;
 pub mod progress;
 pub mod rig;
 pub mod socket_touch;
+mod tls_stream;
 pub mod udp_forward;
 
 use std::path::PathBuf;
@@ -181,6 +182,12 @@ pub enum Backend {
     Shm,
     /// Ferry: two processes over TCP (loopback; the echo process is started by the benchmark, or by hand: --peer tcp:HOST:PORT).
     Net,
+    /// Ferry: TCP with TLS 1.3 and mutual certificates (loopback; the echo is a thread of this
+    /// process; test certificates made for the run). Its --compare baseline is rustls-stream.
+    NetTls,
+    /// Baseline: rustls on a plain TCP stream over loopback, the same bytes as net-tls (an echo
+    /// thread writes every message back; this command, no bench/peers).
+    RustlsStream,
     /// Baseline: a Unix stream socket, each message copied through the kernel (bench/peers).
     UdsCopy,
     /// Baseline: TCP over 127.0.0.1 (bench/peers).
@@ -201,6 +208,8 @@ impl Backend {
             Backend::Local => "local",
             Backend::Shm => "shm",
             Backend::Net => "net",
+            Backend::NetTls => "net-tls",
+            Backend::RustlsStream => "rustls-stream",
             Backend::UdsCopy => "uds-copy",
             Backend::TcpCopy => "tcp-copy",
             Backend::PipeCopy => "pipe-copy",
@@ -211,7 +220,7 @@ impl Backend {
 
     /// Whether this is one of Ferry's own backends (measured in this process).
     pub fn is_ferry(self) -> bool {
-        matches!(self, Backend::Local | Backend::Shm | Backend::Net)
+        matches!(self, Backend::Local | Backend::Shm | Backend::Net | Backend::NetTls)
     }
 }
 
@@ -567,7 +576,7 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     }
     if a.compare && !backend.is_ferry() {
         return Err(usage(format!(
-            "--compare with --backend {}: --compare runs Ferry against its baselines; choose --backend local, shm or net",
+            "--compare with --backend {}: --compare runs Ferry against its baselines; choose --backend local, shm, net or net-tls",
             backend.name()
         )));
     }
@@ -716,6 +725,8 @@ mod tests {
             &["layers", "--compare"],
             &["layers", "--trust", "half"],
             &["layers", "--busy-poll"],
+            &["throughput", "--backend", "net-tls", "--peer", "tcp:127.0.0.1:1"],
+            &["throughput", "--compare", "--against", "rustls-stream", "--backend", "rustls-stream"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }
@@ -734,6 +745,8 @@ mod tests {
             &["fanin", "--channels", "8", "--runs", "1", "--inflight", "4"],
             &["layers", "--quick"],
             &["layers", "--size", "1048576", "--rounds", "3"],
+            &["throughput", "--backend", "net-tls", "--compare", "--size", "1048576"],
+            &["throughput", "--backend", "rustls-stream", "--size", "65536"],
         ] {
             assert!(check(good).is_ok(), "{good:?} refused");
         }

@@ -122,6 +122,9 @@ fn wait_for<T>(
 /// Connect a source to an echo domain over `backend`.
 pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Option<&str>) -> Result<Rig, CliError> {
     let domain = Domain::new("source");
+    if backend == Backend::NetTls {
+        return connect_tls(domain, setup, spec);
+    }
     if backend == Backend::Local {
         let ep = Endpoint::local();
         let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
@@ -205,6 +208,37 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
     pin::to_cpu(0);
     source.set_batching(spec.batch)?;
     Ok(Rig { domain, source, echo: Echo::Process(Some(child)) })
+}
+
+/// A source on loopback TCP with TLS, and its echo on a thread of this
+/// process binding with the same test certificates.
+fn connect_tls(domain: Domain, setup: ChannelSetup, spec: EchoSpec) -> Result<Rig, CliError> {
+    let tls = super::tls_stream::config()?;
+    let options = ferry::NetOptions::default().with_security(ferry::tls::Security::Tls(tls));
+    let ep = Endpoint::tcp_with(([127, 0, 0, 1], 0).into(), options.clone());
+    let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
+    let addr = source.listen_addr().ok_or_else(|| CliError::Failed("the TLS channel is not listening".into()))?;
+    let handle = std::thread::Builder::new()
+        .name("echo".into())
+        .spawn(move || {
+            pin::to_cpu(1);
+            let echo_domain = Domain::new("echo");
+            let ep = Endpoint::tcp_with(addr, options);
+            let mut sink = Channel::bind(&echo_domain, &ep, BindParams::default()).map_err(|e| e.to_string())?;
+            match spec.role {
+                EchoRole::Standard => echo::serve(
+                    &mut sink,
+                    EchoOptions { busy: spec.busy, touch: false, verify: spec.touch, batch: spec.batch },
+                ),
+                EchoRole::Fbufs => super::fbufs::serve(&mut sink, spec.busy),
+            }
+        })
+        .map_err(|e| CliError::Failed(format!("cannot start the echo thread: {e}")))?;
+    let alive = || Ok(());
+    wait_for(&mut source, STEP, "bind from the TLS echo thread", alive, bound)?;
+    pin::to_cpu(0);
+    source.set_batching(spec.batch)?;
+    Ok(Rig { domain, source, echo: Echo::Thread(Some(handle)) })
 }
 
 fn bound(ev: Event) -> Option<Result<(), CliError>> {

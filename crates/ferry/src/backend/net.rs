@@ -16,7 +16,26 @@
 //! is full), so many small frames share one system call; a payload is never
 //! copied to be batched.
 //!
+//! # Security
+//!
+//! [`NetOptions::security`] says what protects the connection (see
+//! [`crate::tls`] and docs/SECURITY.md): by default plain TCP between
+//! loopback addresses only; [`Security::Tls`] for TLS 1.3 with mutual
+//! certificates; [`Security::None`] for plain TCP anywhere, on purpose.
+//! With TLS, the sender encrypts each payload from the buffer's memory
+//! into TLS records and the receiver decrypts the records into the
+//! buffer (through rustls's buffers): what the kernel did in one copy on
+//! each side, TLS does in user space, and only authenticated bytes land.
+//! A record that fails authentication fails the channel with
+//! [`Error::Tls`]. A creator runs the TLS handshakes of its half-open
+//! connections side by side, within the same setup deadline and shedding
+//! as the bind requests.
+//!
 //! # Wire format, version 1 (little endian)
+//!
+//! With TLS, everything below is the plaintext of one TLS 1.3 connection
+//! that starts with the first byte after the TCP connect (the binder is the
+//! TLS client, the creator the server); the frames are the same.
 //!
 //! Setup: the binder connects and sends its bind request; the creator
 //! answers with the acceptance or a refusal (the messages of `setup_msg`,
@@ -59,7 +78,7 @@
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,6 +92,7 @@ use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory};
 use crate::proto::{self, Message, Meta};
 use crate::setup::{check_reply, negotiate, BindParams, ChannelSetup};
 use crate::sys::{self, Access, Mapping, RecvPart, SendPart};
+use crate::tls::{self, Security, TlsSession};
 use crate::wake::{timespec, Arm, Interest, WakeSet};
 
 /// Size of a frame header.
@@ -98,9 +118,13 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_HALF_OPEN: usize = 16;
 /// How long a closing end tries to get its last frames out.
 const CLOSE_FLUSH: Duration = Duration::from_secs(2);
+/// Most ciphertext a TLS link holds for the socket (rustls's default):
+/// more makes the allocator return and fault in the records' memory over
+/// and over.
+const TLS_SEND_LIMIT: usize = 64 << 10;
 
-/// Options of a TCP endpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Options of a TCP endpoint or session.
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct NetOptions {
     /// A peer that sends nothing (not even a keep-alive) or takes none of
@@ -108,18 +132,49 @@ pub struct NetOptions {
     /// [`Error::PeerUnresponsive`] and the buffers lent to it come back.
     /// Keep-alives go out every quarter of it. Default 10 s.
     pub peer_timeout: Duration,
+    /// What protects the connection. Default [`Security::LoopbackOnly`]:
+    /// plain TCP, and an address that is not a loopback address is
+    /// refused ([`Error::InsecureAddress`]); across machines use
+    /// [`Security::Tls`], or [`Security::None`] on purpose.
+    pub security: Security,
 }
 
 impl Default for NetOptions {
     fn default() -> Self {
-        NetOptions { peer_timeout: Duration::from_secs(10) }
+        NetOptions { peer_timeout: Duration::from_secs(10), security: Security::LoopbackOnly }
     }
 }
 
 impl NetOptions {
     /// Options with the given peer timeout (at least 100 ms).
     pub fn with_peer_timeout(timeout: Duration) -> NetOptions {
-        NetOptions { peer_timeout: timeout.max(Duration::from_millis(100)) }
+        NetOptions { peer_timeout: timeout.max(Duration::from_millis(100)), ..NetOptions::default() }
+    }
+
+    /// These options with `security`.
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use ferry::tls::{Security, TlsConfig};
+    /// use ferry::{Endpoint, NetOptions};
+    ///
+    /// let tls = Arc::new(TlsConfig::from_dir("/etc/ferry/tls", "server.example")?);
+    /// let options = NetOptions::default().with_security(Security::Tls(tls));
+    /// let endpoint = Endpoint::tcp_with("192.0.2.7:7000".parse()?, options);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_security(self, security: Security) -> NetOptions {
+        NetOptions { security, ..self }
+    }
+
+    /// The accepting side's TLS state for a new connection, if TLS.
+    pub(crate) fn tls_server(&self, send_limit: usize) -> Result<Option<Box<TlsSession>>> {
+        self.security.tls().map(|c| TlsSession::server(c, send_limit).map(Box::new)).transpose()
+    }
+
+    /// The connecting side's TLS state for a new connection, if TLS.
+    pub(crate) fn tls_client(&self, send_limit: usize) -> Result<Option<Box<TlsSession>>> {
+        self.security.tls().map(|c| TlsSession::client(c, send_limit).map(Box::new)).transpose()
     }
 }
 
@@ -162,6 +217,10 @@ impl NetEndpoint {
     }
 
     pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
+        self.options.security.check_address(self.addr)?;
+        if let Some(c) = self.options.security.tls() {
+            c.server_config()?;
+        }
         let listener = TcpListener::bind(self.addr).map_err(|e| match e.kind() {
             io::ErrorKind::AddrInUse => Error::EndpointInUse,
             _ => Error::from(e),
@@ -170,26 +229,42 @@ impl NetEndpoint {
         Ok(Box::new(CreatorPending {
             listener: Some(listener),
             setup: *setup,
-            options: self.options,
+            options: self.options.clone(),
             half_open: VecDeque::new(),
         }))
     }
 
     pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
+        self.options.security.check_address(self.addr)?;
+        let mut tls = self.options.tls_client(TLS_SEND_LIMIT)?;
         let deadline = Instant::now() + params.timeout;
         let timeout = params.timeout.max(Duration::from_millis(1));
         let stream = connect_stream(self.addr, timeout)?;
         stream.set_nodelay(true)?;
-        // A bind request fits in any socket buffer: this write does not wait.
-        stream.set_write_timeout(Some(timeout))?;
-        (&stream).write_all(&framed(&setup_msg::encode_bind(params)))?;
-        stream.set_nonblocking(true)?;
+        let request = framed(&setup_msg::encode_bind(params));
+        if let Some(t) = &mut tls {
+            // rustls holds the request until the handshake is done; the
+            // handshake goes on without waiting, as `poll` reads.
+            stream.set_nonblocking(true)?;
+            t.queue(stream.as_fd(), &request).map_err(|e| io_error(&e))?;
+        } else {
+            // A bind request fits in any socket buffer: this write does not wait.
+            stream.set_write_timeout(Some(timeout))?;
+            (&stream).write_all(&request)?;
+            stream.set_nonblocking(true)?;
+        }
         Ok(Box::new(BinderPending {
-            conn: Some(SetupConn::new(stream, deadline)),
-            options: self.options,
+            conn: Some(SetupConn::new(stream, tls, deadline)),
+            options: self.options.clone(),
             params: *params,
         }))
     }
+}
+
+/// The error an I/O error of a connection is: [`Error::Tls`] for a TLS
+/// failure.
+fn io_error(e: &io::Error) -> Error {
+    tls::failure(e).unwrap_or_else(|| Error::Os(e.to_string()))
 }
 
 /// A setup message with its u16 length in front.
@@ -203,16 +278,38 @@ fn framed(msg: &[u8]) -> Vec<u8> {
 
 /// A connection during setup, reading one length-prefixed setup message
 /// without ever reading past it (frames may follow at once).
+/// With TLS, the handshake runs within the same deadline, and what TLS
+/// read ahead stays with the connection's TLS state.
 pub(crate) struct SetupConn {
     stream: TcpStream,
+    tls: Option<Box<TlsSession>>,
     buf: [u8; 2 + setup_msg::MAX_LEN],
     have: usize,
     deadline: Instant,
 }
 
 impl SetupConn {
-    pub(crate) fn new(stream: TcpStream, deadline: Instant) -> Self {
-        SetupConn { stream, buf: [0; 2 + setup_msg::MAX_LEN], have: 0, deadline }
+    pub(crate) fn new(stream: TcpStream, tls: Option<Box<TlsSession>>, deadline: Instant) -> Self {
+        SetupConn { stream, tls, buf: [0; 2 + setup_msg::MAX_LEN], have: 0, deadline }
+    }
+
+    /// Send a setup message without waiting: a fresh socket's buffer (or
+    /// TLS's) takes it at once; `false` if the connection did not.
+    fn send(&mut self, msg: &[u8]) -> bool {
+        match &mut self.tls {
+            None => (&self.stream).write_all(msg).is_ok(),
+            Some(t) => t.queue(self.stream.as_fd(), msg).is_ok_and(|n| n == msg.len()),
+        }
+    }
+
+    /// What to wake for: the socket's input, and its room while TLS has
+    /// ciphertext for it.
+    fn interest(&self) -> Interest {
+        if self.tls.as_ref().is_some_and(|t| t.wants_write()) {
+            Interest::ReadWrite
+        } else {
+            Interest::Read
+        }
     }
 
     /// The message once it is complete; `PeerGone` at end of stream,
@@ -231,14 +328,24 @@ impl SetupConn {
             if self.have == need && need > 2 {
                 return Ok(Some(&self.buf[2..need]));
             }
-            match self.stream.read(&mut self.buf[self.have..need]) {
-                Ok(0) => return Err(Error::PeerGone),
+            let got = match &mut self.tls {
+                None => self.stream.read(&mut self.buf[self.have..need]),
+                Some(t) => t.recv_parts(self.stream.as_fd(), &mut [RecvPart::slice(&mut self.buf[self.have..need])]),
+            };
+            let ended = || self.tls.as_ref().and_then(|t| t.ended_in_handshake());
+            match got {
+                Ok(0) => return Err(ended().unwrap_or(Error::PeerGone)),
                 Ok(n) => self.have += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     return if Instant::now() >= self.deadline { Err(Error::TimedOut) } else { Ok(None) };
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(tls::failure(&e).or_else(ended).unwrap_or_else(|| e.into())),
+            }
+            // A TLS peer answering a plain one: its first record (an alert
+            // or a handshake message) is no setup message.
+            if self.tls.is_none() && self.have >= 2 && matches!(self.buf[..2], [0x15 | 0x16, 0x03]) {
+                return Err(Error::Tls("the peer speaks TLS and this end does not; give it Security Tls".into()));
             }
         }
     }
@@ -258,23 +365,22 @@ struct CreatorPending {
 impl CreatorPending {
     /// Answer a complete bind request: `Ok(None)` if refused or if the
     /// binder went away.
-    fn answer(&mut self, conn: SetupConn) -> Result<Option<SetupDone>> {
+    fn answer(&mut self, mut conn: SetupConn) -> Result<Option<SetupDone>> {
         let params = setup_msg::parse_bind(&conn.buf[2..conn.have])?;
-        let stream = conn.stream;
         let neg = match negotiate(&self.setup, &params) {
             Ok(neg) => neg,
             Err(why) => {
-                let _ = (&stream).write_all(&framed(&setup_msg::encode_refuse(why)));
+                conn.send(&framed(&setup_msg::encode_refuse(why)));
                 return Ok(None);
             }
         };
         let depth = self.setup.queue_depth;
         // A fresh socket's buffer takes the reply at once (the stream is
         // non-blocking: a binder that reads nothing cannot hold us here).
-        if (&stream).write_all(&framed(&setup_msg::encode_accept(&neg, depth))).is_err() {
+        if !conn.send(&framed(&setup_msg::encode_accept(&neg, depth))) {
             return Ok(None);
         }
-        let link = NetLink::new(stream, neg.meta_size, depth, self.options)?;
+        let link = NetLink::new(conn.stream, conn.tls, neg.meta_size, depth, self.options.clone())?;
         Ok(Some((Box::new(link), neg, true)))
     }
 
@@ -288,10 +394,12 @@ impl CreatorPending {
             if stream.set_nonblocking(true).is_err() || stream.set_nodelay(true).is_err() {
                 continue;
             }
+            // The configuration was checked when the endpoint was created.
+            let Ok(tls) = self.options.tls_server(TLS_SEND_LIMIT) else { continue };
             if self.half_open.len() == MAX_HALF_OPEN {
                 self.half_open.pop_front();
             }
-            self.half_open.push_back(SetupConn::new(stream, Instant::now() + SETUP_TIMEOUT));
+            self.half_open.push_back(SetupConn::new(stream, tls, Instant::now() + SETUP_TIMEOUT));
         }
     }
 }
@@ -329,7 +437,18 @@ impl PendingSetup for CreatorPending {
 
     fn arm(&mut self, wake: &WakeSet) -> Arm {
         let Some(listener) = &self.listener else { return Arm::SLEEP };
-        super::arm_listening(wake, listener.as_fd(), self.half_open.iter().map(|c| (c.stream.as_fd(), c.deadline)))
+        // A TLS handshake read ahead (or still has its answer to send).
+        if self.half_open.iter().any(|c| c.tls.as_ref().is_some_and(|t| t.has_input())) {
+            return Arm::Ready;
+        }
+        let arm =
+            super::arm_listening(wake, listener.as_fd(), self.half_open.iter().map(|c| (c.stream.as_fd(), c.deadline)));
+        for c in self.half_open.iter().filter(|c| c.interest() != Interest::Read) {
+            if wake.watch(c.stream.as_fd(), c.interest()).is_err() {
+                return Arm::Ready;
+            }
+        }
+        arm
     }
 
     fn listen_addr(&self) -> Option<SocketAddr> {
@@ -354,14 +473,17 @@ impl PendingSetup for BinderPending {
         };
         let conn = self.conn.take().expect("present");
         Some(reply.and_then(|(neg, depth)| {
-            let link = NetLink::new(conn.stream, neg.meta_size, depth, self.options)?;
+            let link = NetLink::new(conn.stream, conn.tls, neg.meta_size, depth, self.options.clone())?;
             Ok((Box::new(link) as Box<dyn Link>, neg, false))
         }))
     }
 
     fn arm(&mut self, wake: &WakeSet) -> Arm {
         let Some(c) = &self.conn else { return Arm::SLEEP };
-        if wake.watch(c.stream.as_fd(), Interest::Read).is_err() {
+        if c.tls.as_ref().is_some_and(|t| t.has_input()) {
+            return Arm::Ready;
+        }
+        if wake.watch(c.stream.as_fd(), c.interest()).is_err() {
             return Arm::Ready;
         }
         Arm::Sleep { until: Some(c.deadline) }
@@ -419,6 +541,9 @@ enum RxState {
 /// One end of a TCP channel.
 pub(crate) struct NetLink {
     stream: TcpStream,
+    /// The TLS state (`None`: plain TCP, sent and received by the kernel
+    /// straight from and into buffer memory).
+    tls: Option<Box<TlsSession>>,
     meta_size: usize,
     depth: usize,
     options: NetOptions,
@@ -453,7 +578,13 @@ pub(crate) struct NetLink {
 }
 
 impl NetLink {
-    fn new(stream: TcpStream, meta_size: usize, depth: u32, options: NetOptions) -> Result<Self> {
+    fn new(
+        stream: TcpStream,
+        tls: Option<Box<TlsSession>>,
+        meta_size: usize,
+        depth: u32,
+        options: NetOptions,
+    ) -> Result<Self> {
         stream.set_nonblocking(true)?;
         // Not a TCP socket under the fuzzer (a Unix socket pair).
         let _ = stream.set_nodelay(true);
@@ -461,6 +592,7 @@ impl NetLink {
         let now = Instant::now();
         Ok(NetLink {
             stream,
+            tls,
             meta_size,
             depth: depth as usize,
             options,
@@ -489,7 +621,7 @@ impl NetLink {
     /// A link over any connected stream socket (fuzzing: a socket pair).
     #[cfg(feature = "fuzzing")]
     pub(crate) fn over(stream: TcpStream, meta_size: usize) -> Self {
-        NetLink::new(stream, meta_size, 256, NetOptions::default()).expect("socket options")
+        NetLink::new(stream, None, meta_size, 256, NetOptions::default()).expect("socket options")
     }
 
     fn register(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
@@ -584,7 +716,15 @@ impl NetLink {
             let sent = {
                 let mut parts: Vec<SendPart<'_>> = Vec::with_capacity(2 * FRAMES_PER_SEND.min(self.out.len()));
                 let mut skip = self.out_sent;
+                // TLS takes at most its send limit per call: frames past
+                // that would only be laid out again next call.
+                let budget = if self.tls.is_some() { TLS_SEND_LIMIT } else { usize::MAX };
+                let mut laid = 0;
                 for f in self.out.iter().take(FRAMES_PER_SEND) {
+                    if laid >= budget {
+                        break;
+                    }
+                    laid += f.len() - skip;
                     if skip < f.head_len {
                         parts.push(SendPart::slice(&f.head[skip..f.head_len]));
                         skip = 0;
@@ -599,7 +739,10 @@ impl NetLink {
                     }
                     skip = 0;
                 }
-                sys::send_parts(self.stream.as_fd(), &parts)
+                match &mut self.tls {
+                    None => sys::send_parts(self.stream.as_fd(), &parts),
+                    Some(t) => t.send_parts(self.stream.as_fd(), &parts),
+                }
             };
             let n = match sent {
                 Ok(n) => n,
@@ -613,12 +756,31 @@ impl NetLink {
             self.stats.send_calls += 1;
             self.consume_sent(n);
         }
+        // Ciphertext of frames TLS has taken (their buffers are free
+        // again) still goes out: what flushing means for this link.
+        if let Some(t) = &mut self.tls {
+            let before = t.written();
+            if t.flush(self.stream.as_fd()).is_err() {
+                return Err(self.fail(Error::PeerGone, true));
+            }
+            if t.written() != before {
+                let now = Instant::now();
+                self.last_tx = now;
+                self.last_progress = now;
+            }
+        }
         if self.out.is_empty() && !self.retired.is_empty() {
             for id in std::mem::take(&mut self.retired) {
                 self.pools.remove(&id);
             }
         }
         Ok(())
+    }
+
+    /// Whether anything waits to go out: queued frames, or ciphertext TLS
+    /// holds for the socket.
+    fn unsent(&self) -> bool {
+        !self.out.is_empty() || self.tls.as_ref().is_some_and(|t| t.wants_write())
     }
 
     fn consume_sent(&mut self, mut n: usize) {
@@ -645,10 +807,10 @@ impl NetLink {
         if now.duration_since(self.last_rx) > timeout {
             return Err(self.fail(Error::PeerUnresponsive(timeout), true));
         }
-        if !self.out.is_empty() && now.duration_since(self.last_progress) > timeout {
+        if self.unsent() && now.duration_since(self.last_progress) > timeout {
             return Err(self.fail(Error::PeerUnresponsive(timeout), true));
         }
-        if self.out.is_empty() && now.duration_since(self.last_tx) > timeout / 4 {
+        if !self.unsent() && now.duration_since(self.last_tx) > timeout / 4 {
             self.queue_control(TYPE_KEEPALIVE)?;
             self.flush()?;
         }
@@ -662,7 +824,11 @@ impl NetLink {
         if self.goodbye_seen {
             return self.fail(Error::PeerGone, false);
         }
-        let _ = err;
+        // A record that failed its authentication, or a TLS alert: like a
+        // malformed frame, whoever sent it.
+        if let Some(e) = err.as_ref().and_then(tls::failure) {
+            return self.fail(e, false);
+        }
         self.fail(Error::PeerGone, true)
     }
 
@@ -746,7 +912,7 @@ impl NetLink {
             let got = match self.rx {
                 RxState::Head { have } => {
                     let part = RecvPart::slice(&mut self.head[have..FRAME_HEAD]);
-                    sys::recv_parts(self.stream.as_fd(), &[part])
+                    recv_into(&mut self.tls, self.stream.as_fd(), &mut [part])
                 }
                 RxState::Body { meta, have_meta, target, len, have } => {
                     let mut parts = Vec::with_capacity(3);
@@ -773,7 +939,7 @@ impl NetLink {
                         // be read ahead into our own memory.
                         parts.push(RecvPart::slice(&mut next[..]));
                     }
-                    sys::recv_parts(self.stream.as_fd(), &parts)
+                    recv_into(&mut self.tls, self.stream.as_fd(), &mut parts)
                 }
             };
             let n = match got {
@@ -882,7 +1048,7 @@ impl Link for NetLink {
                 self.tick()?;
                 Ok(None)
             }
-            Err(e @ Error::Protocol(_)) => Err(self.fail(e, false)),
+            Err(e @ (Error::Protocol(_) | Error::Tls(_))) => Err(self.fail(e, false)),
             Err(e) => Err(e),
         }
     }
@@ -902,8 +1068,13 @@ impl Link for NetLink {
         if self.gone.is_some() || NetLink::flush(self).is_err() || self.tick().is_err() {
             return Arm::Ready;
         }
+        // Bytes TLS took off the socket and has not given out: the socket
+        // will not say so again.
+        if self.tls.as_ref().is_some_and(|t| t.has_input()) {
+            return Arm::Ready;
+        }
         // Output queued: wake when the socket takes more (room, progress).
-        let interest = if self.out.is_empty() { Interest::Read } else { Interest::ReadWrite };
+        let interest = if self.unsent() { Interest::ReadWrite } else { Interest::Read };
         if interest != self.interest {
             if wake.watch(self.stream.as_fd(), interest).is_err() {
                 return Arm::Ready;
@@ -913,7 +1084,7 @@ impl Link for NetLink {
         // Wake for the keep-alive and the liveness checks on time (`tick`
         // acts once a limit is passed, hence the millisecond after it).
         let timeout = self.options.peer_timeout;
-        let ours = if self.out.is_empty() { self.last_tx + timeout / 4 } else { self.last_progress + timeout };
+        let ours = if self.unsent() { self.last_progress + timeout } else { self.last_tx + timeout / 4 };
         let until = ours.min(self.last_rx + timeout) + Duration::from_millis(1);
         Arm::Sleep { until: Some(until) }
     }
@@ -958,7 +1129,26 @@ impl Link for NetLink {
             }
             let _ = self.queue_control(TYPE_GOODBYE);
             let deadline = Instant::now() + CLOSE_FLUSH.min(self.options.peer_timeout);
-            while !self.out.is_empty() && self.flush().is_ok() {
+            let mut notified = false;
+            loop {
+                if !self.unsent() {
+                    // TLS: close_notify after the goodbye, so the peer's
+                    // TLS sees an orderly end of the stream too.
+                    match &mut self.tls {
+                        Some(t) if !notified => {
+                            t.close(self.stream.as_fd());
+                            notified = true;
+                            continue;
+                        }
+                        _ => break,
+                    }
+                }
+                if self.flush().is_err() {
+                    break;
+                }
+                if !self.unsent() {
+                    continue;
+                }
                 let Some(left) = deadline.checked_duration_since(Instant::now()) else { break };
                 let _ = poll_fd(self.stream.as_fd(), PollFlags::OUT, left);
             }
@@ -998,6 +1188,15 @@ impl Drop for NetLink {
         // connection under frames it has not read yet.
         let mut sink = [0u8; 4096];
         while matches!((&self.stream).read(&mut sink), Ok(n) if n > 0) {}
+    }
+}
+
+/// Receive into `parts`: by the kernel straight into them, or decrypted
+/// by TLS.
+fn recv_into(tls: &mut Option<Box<TlsSession>>, fd: BorrowedFd<'_>, parts: &mut [RecvPart<'_>]) -> io::Result<usize> {
+    match tls {
+        None => sys::recv_parts(fd, parts),
+        Some(t) => t.recv_parts(fd, parts),
     }
 }
 

@@ -10,6 +10,7 @@ pub mod netns;
 pub mod payload;
 pub mod raw_peer;
 pub mod scenarios;
+pub mod tls_pki;
 
 /// A name no other test of any process uses at the same time (abstract
 /// socket names, endpoint names): `ferry-{tag}-{pid}-{n}`.

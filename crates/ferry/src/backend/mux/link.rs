@@ -229,7 +229,7 @@ impl Link for MuxLink {
             }
             let Some(chan) = inner.chans.get(&id) else { break };
             self.final_stats = chan.stats;
-            if chan.close_sent && inner.wire.is_empty() {
+            if chan.close_sent && inner.wire.is_empty() && !inner.tls_unsent() {
                 if chan.peer_closed.is_some() {
                     inner.chans.remove(&id);
                 }

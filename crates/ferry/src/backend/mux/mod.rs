@@ -87,6 +87,23 @@
 //! one call to the next; the one-shot [`MuxSession::accept`] closes them
 //! when it returns.
 //!
+//! # TLS
+//!
+//! With [`Security::Tls`](crate::tls::Security::Tls) in the session's
+//! [`NetOptions`], the whole connection is one TLS 1.3 connection from the
+//! first byte after the TCP connect (the magic and every frame are its
+//! plaintext; the connecting side is the TLS client). The handshake runs
+//! within the same deadline as the magic, side by side with the other
+//! connections of a listener; one that fails it (no certificate, one the
+//! CA did not sign, plain text) is closed like a silent one. Chunks are
+//! encrypted from the buffer's memory and decrypted into the target
+//! buffer; only authenticated bytes land, and a record that fails its
+//! authentication ends the session with [`Error::Tls`]. TLS holds at most
+//! one chunk of ciphertext for the socket beyond what the kernel holds, so
+//! priority frames queue behind little more than without it. A plain
+//! session to or from an address that is not a loopback address needs
+//! [`Security::None`](crate::tls::Security::None) on purpose.
+//!
 //! # What a peer can make a session hold
 //!
 //! Everything a peer can make this side keep is bounded, and a peer that
@@ -217,6 +234,8 @@ use std::time::{Duration, Instant};
 
 use super::Endpoint;
 use crate::error::{Error, Result};
+use crate::sys::RecvPart;
+use crate::tls::TlsSession;
 use crate::NetOptions;
 use codec::MAGIC;
 use session::Inner;
@@ -271,10 +290,26 @@ struct Shared {
 
 impl MuxSession {
     /// Connect to a peer that accepts sessions at `addr`.
+    ///
+    /// With [`Security::Tls`](crate::tls::Security::Tls) in `options`, the
+    /// TLS handshake and the magic both happen within `timeout`; a plain
+    /// session to an address that is not a loopback address needs
+    /// [`Security::None`](crate::tls::Security::None) on purpose
+    /// ([`Error::InsecureAddress`]).
     pub fn connect(addr: SocketAddr, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
+        options.security.check_address(addr)?;
+        let tls = options.tls_client(TLS_SEND_LIMIT)?;
         let timeout = timeout.max(Duration::from_millis(1));
+        let deadline = Instant::now() + timeout;
         let stream = super::net::connect_stream(addr, timeout)?;
-        MuxSession::start(stream, options, timeout)
+        let mut hs = Handshake::new(stream, tls, deadline).ok_or(Error::PeerGone)?;
+        loop {
+            if hs.poll(Instant::now()).map_err(|e| hs.error(e))? {
+                return MuxSession::established(hs.stream, hs.tls, options);
+            }
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            let _ = wait_handshakes(None, std::slice::from_ref(&hs), left);
+        }
     }
 
     /// Accept one session on `listener` (waiting up to `timeout`; the
@@ -289,42 +324,33 @@ impl MuxSession {
     /// magic has not arrived when this returns are closed: a server that
     /// accepts many sessions uses a [`MuxListener`], which keeps them for
     /// its next call.
+    ///
+    /// With [`Security::Tls`](crate::tls::Security::Tls) in `options`, each
+    /// connection's TLS handshake runs within its handshake deadline too,
+    /// and one that fails it (no certificate, one the CA did not sign,
+    /// plain text) is closed like a silent one. A plain session on a
+    /// listener whose address is not a loopback address needs
+    /// [`Security::None`](crate::tls::Security::None) on purpose
+    /// ([`Error::InsecureAddress`]).
     pub fn accept(listener: &TcpListener, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
+        check_listener(listener, &options)?;
         let deadline = Instant::now() + timeout.max(Duration::from_millis(1));
-        accept_session(listener, &mut VecDeque::new(), options, deadline, Some(deadline))
-    }
-
-    /// A session over a connected stream (both ends exchange the magic).
-    fn start(stream: TcpStream, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
-        let timeout = timeout.max(Duration::from_millis(1));
-        stream.set_write_timeout(Some(timeout))?;
-        stream.set_read_timeout(Some(timeout))?;
-        (&stream).write_all(MAGIC)?;
-        let mut magic = [0u8; 8];
-        (&stream).read_exact(&mut magic).map_err(|e| match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::TimedOut,
-            io::ErrorKind::UnexpectedEof => Error::PeerGone,
-            _ => Error::from(e),
-        })?;
-        if &magic != MAGIC {
-            return Err(Error::Protocol("not a multiplexed session".into()));
-        }
-        MuxSession::established(stream, options)
+        accept_session(listener, &mut VecDeque::new(), &options, deadline, Some(deadline))
     }
 
     /// A session over a stream whose magic was exchanged.
-    fn established(stream: TcpStream, options: NetOptions) -> Result<MuxSession> {
+    fn established(stream: TcpStream, tls: Option<Box<TlsSession>>, options: NetOptions) -> Result<MuxSession> {
         let peer = stream.peer_addr().ok();
         let _ = stream.set_nodelay(true);
         let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream.as_fd(), SEND_BUFFER);
-        Ok(MuxSession { shared: Arc::new(Shared { inner: Mutex::new(Inner::new(stream, options)?), peer }) })
+        Ok(MuxSession { shared: Arc::new(Shared { inner: Mutex::new(Inner::new(stream, tls, options)?), peer }) })
     }
 
     /// A session over any connected stream socket whose magic was exchanged
     /// already (fuzzing: one end of a socket pair).
     #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn over(stream: TcpStream) -> MuxSession {
-        let inner = Inner::new(stream, NetOptions::default()).expect("socket options");
+        let inner = Inner::new(stream, None, NetOptions::default()).expect("socket options");
         MuxSession { shared: Arc::new(Shared { inner: Mutex::new(inner), peer: None }) }
     }
 
@@ -521,7 +547,12 @@ impl MuxListener {
 
     /// Accept sessions on a listener the program made (it is made
     /// non-blocking).
+    ///
+    /// A plain listener on an address that is not a loopback address needs
+    /// [`Security::None`](crate::tls::Security::None) on purpose
+    /// ([`Error::InsecureAddress`]).
     pub fn new(listener: TcpListener, options: NetOptions) -> Result<MuxListener> {
+        check_listener(&listener, &options)?;
         listener.set_nonblocking(true)?;
         Ok(MuxListener { listener, options, pending: VecDeque::new() })
     }
@@ -535,7 +566,7 @@ impl MuxListener {
     /// connections still handshaking stay for the next call).
     pub fn accept(&mut self, timeout: Duration) -> Result<MuxSession> {
         let deadline = Instant::now() + timeout.max(Duration::from_millis(1));
-        accept_session(&self.listener, &mut self.pending, self.options, deadline, None)
+        accept_session(&self.listener, &mut self.pending, &self.options, deadline, None)
     }
 
     /// Connections taken off the listener whose magic has not arrived yet.
@@ -551,7 +582,7 @@ impl MuxListener {
 fn accept_session(
     listener: &TcpListener,
     pending: &mut VecDeque<Handshake>,
-    options: NetOptions,
+    options: &NetOptions,
     deadline: Instant,
     cap: Option<Instant>,
 ) -> Result<MuxSession> {
@@ -563,7 +594,8 @@ fn accept_session(
             match listener.accept() {
                 Ok((stream, _)) => {
                     let own = Instant::now() + HANDSHAKE_TIMEOUT;
-                    let Some(hs) = Handshake::new(stream, cap.map_or(own, |c| c.min(own))) else {
+                    let tls = options.tls_server(TLS_SEND_LIMIT)?;
+                    let Some(hs) = Handshake::new(stream, tls, cap.map_or(own, |c| c.min(own))) else {
                         continue;
                     };
                     if pending.len() == MAX_HANDSHAKES {
@@ -584,9 +616,10 @@ fn accept_session(
                 Ok(false) => i += 1,
                 Ok(true) => {
                     let hs = pending.remove(i).expect("in range");
-                    return MuxSession::established(hs.stream, options);
+                    return MuxSession::established(hs.stream, hs.tls, options.clone());
                 }
-                // Silent past its deadline, gone, or not a session.
+                // Silent past its deadline, gone, not a session, or one
+                // whose TLS handshake failed.
                 Err(_) => {
                     pending.remove(i);
                 }
@@ -596,11 +629,43 @@ fn accept_session(
             return Err(Error::TimedOut);
         };
         let first = pending.iter().map(|hs| hs.deadline.saturating_duration_since(now)).min();
-        let mut fds = vec![listener.as_fd()];
-        fds.extend(pending.iter().map(|hs| hs.stream.as_fd()));
-        let _ = crate::wake::wait_readable(&fds, Some(first.map_or(left, |f| f.min(left))));
+        pending.make_contiguous();
+        let _ = wait_handshakes(Some(listener), pending.as_slices().0, first.map_or(left, |f| f.min(left)));
     }
 }
+
+/// The non-loopback rule for a listener, and a TLS configuration that can
+/// accept.
+fn check_listener(listener: &TcpListener, options: &NetOptions) -> Result<()> {
+    options.security.check_address(listener.local_addr()?)?;
+    if let Some(c) = options.security.tls() {
+        c.server_config()?;
+    }
+    Ok(())
+}
+
+/// Wait up to `timeout` until the listener has a connection or a
+/// handshake can go on (input, or room for TLS output); at once if TLS
+/// holds input already.
+fn wait_handshakes(listener: Option<&TcpListener>, pending: &[Handshake], timeout: Duration) -> io::Result<()> {
+    use rustix::event::{PollFd, PollFlags};
+    if pending.iter().any(|hs| hs.tls.as_ref().is_some_and(|t| t.has_input())) {
+        return Ok(());
+    }
+    let mut fds: Vec<PollFd<'_>> = listener.map(|l| PollFd::new(l, PollFlags::IN)).into_iter().collect();
+    for hs in pending {
+        let out = hs.tls.as_ref().is_some_and(|t| t.wants_write());
+        fds.push(PollFd::new(&hs.stream, if out { PollFlags::IN | PollFlags::OUT } else { PollFlags::IN }));
+    }
+    match rustix::event::poll(&mut fds, Some(&crate::wake::timespec(timeout))) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Most ciphertext a session's TLS holds for the socket: one chunk, so
+/// priority frames queue behind little more than without TLS.
+const TLS_SEND_LIMIT: usize = MAX_CHUNK + 4096;
 
 /// How long a connection that [`MuxSession::accept`] took may take to send
 /// its magic (it is closed then).
@@ -610,23 +675,48 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// nothing.
 pub const MAX_HANDSHAKES: usize = 16;
 
-/// A connection accepted whose magic has not arrived (all of it) yet.
-#[derive(Debug)]
+/// A connection whose magic has not arrived (all of it) yet; with TLS,
+/// the handshake runs first, within the same deadline.
 struct Handshake {
     stream: TcpStream,
+    tls: Option<Box<TlsSession>>,
     magic: [u8; 8],
     have: usize,
     deadline: Instant,
 }
 
+impl std::fmt::Debug for Handshake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handshake").field("tls", &self.tls.is_some()).field("have", &self.have).finish()
+    }
+}
+
 impl Handshake {
     /// Our magic goes out at once (a fresh socket's buffer takes it
-    /// without waiting); `None` if the connection cannot take it.
-    fn new(stream: TcpStream, deadline: Instant) -> Option<Handshake> {
+    /// without waiting; TLS holds it until its handshake is done); `None`
+    /// if the connection cannot take it.
+    fn new(stream: TcpStream, mut tls: Option<Box<TlsSession>>, deadline: Instant) -> Option<Handshake> {
         stream.set_nonblocking(true).ok()?;
-        match (&stream).write(MAGIC) {
-            Ok(n) if n == MAGIC.len() => Some(Handshake { stream, magic: [0; 8], have: 0, deadline }),
+        let sent = match &mut tls {
+            None => (&stream).write(MAGIC),
+            Some(t) => t.queue(stream.as_fd(), MAGIC),
+        };
+        match sent {
+            Ok(n) if n == MAGIC.len() => Some(Handshake { stream, tls, magic: [0; 8], have: 0, deadline }),
             _ => None,
+        }
+    }
+
+    /// The error a connecting side reports: a TLS peer answering a plain
+    /// one is named as such.
+    fn error(&self, e: Error) -> Error {
+        match e {
+            Error::Protocol(_)
+                if self.tls.is_none() && self.have >= 2 && matches!(self.magic[..2], [0x15 | 0x16, 0x03]) =>
+            {
+                Error::Tls("the peer speaks TLS and this end does not; give it Security Tls".into())
+            }
+            e => e,
         }
     }
 
@@ -635,14 +725,19 @@ impl Handshake {
     /// `PeerGone` at the end of the stream, `Protocol` for another magic.
     fn poll(&mut self, now: Instant) -> Result<bool> {
         while self.have < MAGIC.len() {
-            match (&self.stream).read(&mut self.magic[self.have..]) {
-                Ok(0) => return Err(Error::PeerGone),
+            let got = match &mut self.tls {
+                None => (&self.stream).read(&mut self.magic[self.have..]),
+                Some(t) => t.recv_parts(self.stream.as_fd(), &mut [RecvPart::slice(&mut self.magic[self.have..])]),
+            };
+            let ended = || self.tls.as_ref().and_then(|t| t.ended_in_handshake());
+            match got {
+                Ok(0) => return Err(ended().unwrap_or(Error::PeerGone)),
                 Ok(n) => self.have += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     return if now >= self.deadline { Err(Error::TimedOut) } else { Ok(false) };
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(crate::tls::failure(&e).or_else(ended).unwrap_or_else(|| e.into())),
             }
         }
         if &self.magic != MAGIC {

@@ -16,6 +16,7 @@ use crate::pool::{BufferId, Geometry, PoolMap, PoolMemory};
 use crate::proto::{self, Message};
 use crate::setup::{ChannelSetup, Negotiated};
 use crate::sys::{Access, Mapping};
+use crate::tls::TlsSession;
 use crate::wake::Doorbell;
 use crate::NetOptions;
 
@@ -196,6 +197,8 @@ impl WireFrame {
 
 pub(super) struct Inner {
     pub(super) stream: TcpStream,
+    /// The TLS state (`None`: plain TCP, straight from and into buffers).
+    pub(super) tls: Option<Box<TlsSession>>,
     pub(super) options: NetOptions,
     pub(super) chans: HashMap<u32, Chan>,
     pub(super) unclaimed: HashMap<u32, Vec<u8>>,
@@ -238,7 +241,7 @@ pub(super) struct Inner {
 }
 
 impl Inner {
-    pub(super) fn new(stream: TcpStream, options: NetOptions) -> Result<Inner> {
+    pub(super) fn new(stream: TcpStream, tls: Option<Box<TlsSession>>, options: NetOptions) -> Result<Inner> {
         stream.set_nonblocking(true)?;
         let _ = stream.set_read_timeout(None);
         let _ = stream.set_write_timeout(None);
@@ -247,6 +250,7 @@ impl Inner {
         let now = Instant::now();
         Ok(Inner {
             stream,
+            tls,
             options,
             chans: HashMap::new(),
             unclaimed: HashMap::new(),
@@ -347,7 +351,13 @@ impl Inner {
     /// Whether frames wait for the socket to take them (not for the
     /// scheduler, credit or the bulk budget).
     pub(super) fn wants_write(&self) -> bool {
-        !self.wire.is_empty() || !self.ctrl.is_empty()
+        !self.wire.is_empty() || !self.ctrl.is_empty() || self.tls_unsent()
+    }
+
+    /// Whether TLS holds ciphertext of frames already taken off the wire
+    /// queue for the socket.
+    pub(super) fn tls_unsent(&self) -> bool {
+        self.tls.as_ref().is_some_and(|t| t.wants_write())
     }
 
     /// Bytes committed to the wire that the peer has not reported read:

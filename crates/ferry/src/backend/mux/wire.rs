@@ -3,7 +3,7 @@
 
 use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 use super::codec::{MuxHead, K_CHUNK, K_GOODBYE, K_KEEPALIVE, K_READ, MAX_CHUNK, MUX_HEAD};
@@ -11,6 +11,7 @@ use super::demux::Target;
 use super::session::{Chan, Inner, CLOSE_FLUSH};
 use crate::error::{Error, Result};
 use crate::sys::{self, RecvPart, SendPart};
+use crate::tls::TlsSession;
 use crate::wake::{Interest, WakeSet};
 
 /// The socket send buffer asked for: small, so that bytes sent and not yet
@@ -94,6 +95,18 @@ impl Inner {
     /// Send what the socket takes now.
     pub(super) fn pump_write(&mut self) -> Result<()> {
         self.check()?;
+        // Ciphertext TLS holds goes first: it is older than any frame.
+        if let Some(t) = &mut self.tls {
+            let before = t.written();
+            if t.flush(self.stream.as_fd()).is_err() {
+                return Err(self.fail(Error::PeerGone, true));
+            }
+            if t.written() != before {
+                let now = Instant::now();
+                self.last_tx = now;
+                self.last_progress = now;
+            }
+        }
         loop {
             if self.wire.is_empty() {
                 if self.ctrl.is_empty() && !self.chans.values().any(Chan::ready) {
@@ -123,7 +136,10 @@ impl Inner {
                     }
                     skip = 0;
                 }
-                sys::send_parts(self.stream.as_fd(), &parts)
+                match &mut self.tls {
+                    None => sys::send_parts(self.stream.as_fd(), &parts),
+                    Some(t) => t.send_parts(self.stream.as_fd(), &parts),
+                }
             };
             let mut n = match sent {
                 Ok(n) => n,
@@ -156,7 +172,7 @@ impl Inner {
         if now.duration_since(self.last_rx) > timeout {
             return Err(self.fail(Error::PeerUnresponsive(timeout), true));
         }
-        let busy = !self.wire.is_empty() || !self.ctrl.is_empty();
+        let busy = self.wants_write();
         if busy && now.duration_since(self.last_progress) > timeout {
             return Err(self.fail(Error::PeerUnresponsive(timeout), true));
         }
@@ -174,6 +190,11 @@ impl Inner {
     /// interest costs no system call.
     pub(super) fn arm_socket(&mut self, wake: &WakeSet, watching: &mut Option<Interest>) -> Option<Instant> {
         if self.gone.is_some() || self.pump_write().is_err() || self.tick().is_err() {
+            return None;
+        }
+        // Bytes TLS took off the socket and has not given out: the socket
+        // will not say so again.
+        if self.tls.as_ref().is_some_and(|t| t.has_input()) {
             return None;
         }
         let out = self.wants_write();
@@ -237,7 +258,7 @@ impl Inner {
             match self.read_frame() {
                 Ok(true) => {}
                 Ok(false) => return Ok(()),
-                Err(e @ Error::Protocol(_)) => return Err(self.fail(e, false)),
+                Err(e @ (Error::Protocol(_) | Error::Tls(_))) => return Err(self.fail(e, false)),
                 Err(e) => return Err(e),
             }
         }
@@ -256,11 +277,15 @@ impl Inner {
                 RxState::Head { have: MUX_HEAD } => Ok(usize::MAX),
                 RxState::Head { have } => {
                     let have = *have;
-                    sys::recv_parts(self.stream.as_fd(), &[RecvPart::slice(&mut self.head[have..])])
+                    recv_into(&mut self.tls, self.stream.as_fd(), &mut [RecvPart::slice(&mut self.head[have..])])
                 }
                 RxState::Body { head, have } => {
                     let (len, have) = (head.len as usize, *have);
-                    sys::recv_parts(self.stream.as_fd(), &[RecvPart::slice(&mut self.body[have..len]), next])
+                    recv_into(
+                        &mut self.tls,
+                        self.stream.as_fd(),
+                        &mut [RecvPart::slice(&mut self.body[have..len]), next],
+                    )
                 }
                 RxState::Chunk { chan, have, len } => {
                     let (id, have, len) = (*chan, *have, *len);
@@ -269,12 +294,12 @@ impl Inner {
                         (Target::Land, Some(pool)) => {
                             let at = inc.offset + inc.got + have;
                             let part = RecvPart::mapping(&pool.map, at, len - have).expect("checked range");
-                            sys::recv_parts(self.stream.as_fd(), &[part, next])
+                            recv_into(&mut self.tls, self.stream.as_fd(), &mut [part, next])
                         }
                         _ => {
                             self.scratch.resize(MAX_CHUNK, 0);
                             let part = RecvPart::slice(&mut self.scratch[..len - have]);
-                            sys::recv_parts(self.stream.as_fd(), &[part, next])
+                            recv_into(&mut self.tls, self.stream.as_fd(), &mut [part, next])
                         }
                     }
                 }
@@ -288,7 +313,12 @@ impl Inner {
                     return Ok(false);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => return Err(self.stream_ended()),
+                // A record that failed its authentication, or a TLS
+                // alert: like a malformed frame, whoever sent it.
+                Err(e) => match crate::tls::failure(&e) {
+                    Some(e) => return Err(self.fail(e, false)),
+                    None => return Err(self.stream_ended()),
+                },
             };
             self.dry = false;
             self.last_rx = Instant::now();
@@ -364,9 +394,26 @@ impl Drop for Inner {
                 break;
             }
         }
+        // TLS: close_notify after the goodbye.
+        if let (Some(t), None) = (&mut self.tls, &self.gone) {
+            t.close(self.stream.as_fd());
+            while t.wants_write() && t.flush(self.stream.as_fd()).is_ok() {
+                let Some(left) = deadline.checked_duration_since(Instant::now()) else { break };
+                let _ = poll_out(&self.stream, true, left);
+            }
+        }
         let _ = self.stream.shutdown(Shutdown::Write);
         let mut sink = [0u8; 4096];
         while matches!((&self.stream).read(&mut sink), Ok(n) if n > 0) {}
+    }
+}
+
+/// Receive into `parts`: by the kernel straight into them, or decrypted
+/// by TLS.
+fn recv_into(tls: &mut Option<Box<TlsSession>>, fd: BorrowedFd<'_>, parts: &mut [RecvPart<'_>]) -> io::Result<usize> {
+    match tls {
+        None => sys::recv_parts(fd, parts),
+        Some(t) => t.recv_parts(fd, parts),
     }
 }
 

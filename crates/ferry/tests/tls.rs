@@ -1,0 +1,450 @@
+//! TLS on TCP channels and sessions: data both ways with every byte
+//! checked, a man in the middle who flips one byte, clients that must be
+//! refused (no certificate, another CA's, plain text) while the listening
+//! side goes on serving, the non-loopback rule, and the configuration
+//! loader's errors. Real sockets on loopback, certificates made here.
+
+mod support;
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry::tls::{Security, TlsConfig};
+use ferry::{
+    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, Event, MuxListener, MuxSession,
+    NetOptions, PoolConstraints, Role,
+};
+use support::fault_proxy::{Fault, FaultProxy};
+use support::payload::{check, fill};
+use support::tls_pki::{client_without_certificate, write_foreign_client, Pki, TempDir};
+
+const T: Duration = Duration::from_secs(10);
+const SIZE: usize = 64 << 10;
+
+fn loopback() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+fn next(ch: &mut Channel) -> Event {
+    ch.wait(Some(T)).unwrap_or_else(|| panic!("no event within {T:?} (state {:?})", ch.state()))
+}
+
+/// A source channel listening on `at` with `options`.
+fn source(domain: &Domain, at: SocketAddr, options: NetOptions) -> (Channel, SocketAddr) {
+    let setup = ChannelSetup { direction: Direction::Tx, role: Role::Master, ..ChannelSetup::default() };
+    let ch = Channel::create(domain, &Endpoint::tcp_with(at, options), setup).expect("create");
+    let addr = ch.listen_addr().expect("listening");
+    (ch, addr)
+}
+
+/// The sink side: takes the pool, checks every buffer it gets (it must
+/// hold the pattern of its sequence number), writes `seq + 1` into it and
+/// passes it back, until the channel closes or fails. Returns the buffers
+/// it checked and the error, if one ended it.
+fn echo_sink(mut rx: Channel) -> (u64, Option<Error>) {
+    let mut checked = 0;
+    loop {
+        match rx.wait(Some(T)) {
+            Some(Event::Bound) => {}
+            Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
+            Some(Event::MoveReceived { mut buffer, meta }) => {
+                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                assert!(check(&buffer, seq), "buffer {seq} arrived with other bytes than were sent");
+                checked += 1;
+                fill(buffer.as_mut_slice().unwrap(), seq + 1);
+                // The channel may have failed meanwhile: the error event says so.
+                let _ = rx.pass(buffer, &meta);
+            }
+            Some(Event::Closed { .. }) => return (checked, None),
+            Some(Event::Error(e)) => return (checked, Some(e)),
+            Some(ev) => panic!("sink: unexpected {ev:?}"),
+            None => panic!("sink: no event within {T:?}"),
+        }
+    }
+}
+
+fn assign(ch: &mut Channel, alloc: &Allocator) {
+    ch.assign_pool(alloc.pool()).unwrap();
+    assert!(matches!(next(ch), Event::PoolAssigned(_)));
+}
+
+/// Tear a source down in order (the sink sees `Closed`).
+fn finish(mut tx: Channel) {
+    tx.teardown().unwrap();
+    loop {
+        match next(&mut tx) {
+            Event::Closed { .. } => return,
+            Event::BufferPassed { .. } => {}
+            ev => panic!("while closing: {ev:?}"),
+        }
+    }
+}
+
+/// Move `total` buffers over a bound source and take each back.
+fn round_trips(tx: &mut Channel, domain: &Domain, total: u64) {
+    let alloc = Allocator::new(domain, 8, SIZE, PoolConstraints::default()).unwrap();
+    assign(tx, &alloc);
+    let back = support::payload::move_and_take_back(tx, &alloc, total, |seq| seq + 1);
+    assert_eq!(back.len() as u64, total);
+}
+
+#[test]
+fn a_tls_channel_carries_exact_bytes_both_ways() {
+    let pki = Pki::new();
+    let src = Domain::new("src");
+    let (mut tx, addr) = source(&src, loopback(), pki.options());
+    let options = pki.options();
+    let sink = std::thread::spawn(move || {
+        let rx = Channel::bind(&Domain::new("sink"), &Endpoint::tcp_with(addr, options), BindParams::default());
+        echo_sink(rx.unwrap())
+    });
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    round_trips(&mut tx, &src, 300);
+    let stats = tx.link_stats().expect("TCP keeps counters");
+    assert!(stats.payload_sent >= 300 * SIZE as u64, "{stats:?}");
+    finish(tx);
+    let (checked, error) = sink.join().unwrap();
+    assert_eq!((checked, error), (300, None));
+}
+
+/// A proxy flips one byte of the encrypted stream from the source to the
+/// sink, deep in the payloads: the sink gets a TLS error event, and every
+/// buffer it received before holds exactly the bytes sent.
+#[test]
+fn a_flipped_byte_in_the_stream_is_an_error_never_corrupt_data() {
+    let pki = Pki::new();
+    let src = Domain::new("src");
+    let (mut tx, addr) = source(&src, loopback(), pki.options());
+    let proxy = FaultProxy::start(addr).unwrap();
+    // The creator is the TLS server: its stream reaches the client past
+    // the handshake (a few KiB) and about fifteen 64 KiB payloads.
+    proxy.set(Fault::CorruptAt { towards_server: false, offset: 1_000_000, xor: 0x01 });
+    let (via, options) = (proxy.addr(), pki.options());
+    let sink = std::thread::spawn(move || {
+        let rx = Channel::bind(&Domain::new("sink"), &Endpoint::tcp_with(via, options), BindParams::default());
+        echo_sink(rx.unwrap())
+    });
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    let alloc = Allocator::new(&src, 8, SIZE, PoolConstraints::default()).unwrap();
+    assign(&mut tx, &alloc);
+    // Move until the channel fails (the sink closes the connection).
+    let deadline = Instant::now() + T;
+    let mut sent = 0u64;
+    loop {
+        assert!(Instant::now() < deadline, "the source saw no end of the channel");
+        while let Some(mut b) = alloc.alloc() {
+            fill(b.as_mut_slice().unwrap(), sent);
+            if tx.move_buffer(b, &sent.to_le_bytes()).is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        match tx.wait(Some(T)) {
+            Some(Event::BufferPassed { buffer, meta }) => {
+                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                assert!(check(&buffer, seq + 1), "buffer {seq} came back with other bytes than the sink wrote");
+            }
+            Some(Event::Error(_)) | Some(Event::Closed { .. }) => break,
+            ev => panic!("source: unexpected {ev:?}"),
+        }
+    }
+    let (checked, error) = sink.join().unwrap();
+    assert!(matches!(error, Some(Error::Tls(_))), "the sink's channel ended with {error:?}");
+    assert!(checked > 5 && checked < sent, "{checked} of {sent} buffers checked before the flipped byte");
+}
+
+/// Clients without a certificate, with one another CA signed, and in
+/// plain text are refused with a clear error; the listening channel then
+/// serves a good client.
+#[test]
+fn clients_the_ca_did_not_certify_are_refused_and_the_listener_goes_on() {
+    let pki = Pki::new();
+    let src = Domain::new("src");
+    let (mut tx, addr) = source(&src, loopback(), pki.options());
+    let foreign_dir = TempDir::new("tls-foreign");
+    write_foreign_client(&foreign_dir.0, &pki.dir.0);
+    let foreign = Arc::new(TlsConfig::from_dir(&foreign_dir.0, "127.0.0.1").unwrap());
+    let bad = [
+        ("no certificate", Security::Tls(client_without_certificate(&pki))),
+        ("another CA's certificate", Security::Tls(foreign)),
+        ("plain text", Security::LoopbackOnly),
+    ];
+    let clients = std::thread::spawn(move || {
+        let d = Domain::new("clients");
+        for (what, security) in bad {
+            let ep = Endpoint::tcp_with(addr, NetOptions::default().with_security(security));
+            match Channel::connect(&d, &ep, BindParams::default(), T) {
+                Err(Error::Tls(why)) => eprintln!("{what}: refused: {why}"),
+                Err(e) => panic!("{what}: refused without a TLS error: {e:?}"),
+                Ok(_) => panic!("{what}: accepted"),
+            }
+        }
+    });
+    // The creator polls (serving the handshakes) while the bad clients try.
+    while !clients.is_finished() {
+        assert!(tx.wait(Some(Duration::from_millis(20))).is_none(), "an event before any good client came");
+    }
+    clients.join().unwrap();
+    let options = pki.options();
+    let sink = std::thread::spawn(move || {
+        let rx = Channel::bind(&Domain::new("sink"), &Endpoint::tcp_with(addr, options), BindParams::default());
+        echo_sink(rx.unwrap())
+    });
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    round_trips(&mut tx, &src, 20);
+    finish(tx);
+    assert_eq!(sink.join().unwrap(), (20, None));
+}
+
+/// A TLS client against a plain endpoint is refused too, and says why.
+#[test]
+fn a_tls_client_against_a_plain_endpoint_is_refused() {
+    let pki = Pki::new();
+    let src = Domain::new("src");
+    let (mut tx, addr) = source(&src, loopback(), NetOptions::default());
+    let options = pki.options();
+    let client = std::thread::spawn(move || {
+        Channel::connect(&Domain::new("c"), &Endpoint::tcp_with(addr, options), BindParams::default(), T).err()
+    });
+    while !client.is_finished() {
+        assert!(tx.wait(Some(Duration::from_millis(20))).is_none());
+    }
+    let e = client.join().unwrap();
+    assert!(matches!(e, Some(Error::Tls(_))), "{e:?}");
+}
+
+/// One multiplexed session over TLS: a channel each way, every byte
+/// checked; a client without a certificate is refused first and the
+/// listener goes on.
+#[test]
+fn a_session_over_tls_moves_data_both_ways() {
+    let pki = Pki::new();
+    let mut listener = MuxListener::bind(loopback(), pki.options()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let nocert = NetOptions::default().with_security(Security::Tls(client_without_certificate(&pki)));
+    let refused = std::thread::spawn(move || MuxSession::connect(addr, nocert, T).err());
+    let e = loop {
+        if refused.is_finished() {
+            break refused.join().unwrap();
+        }
+        assert!(matches!(listener.accept(Duration::from_millis(20)), Err(Error::TimedOut)));
+    };
+    assert!(matches!(e, Some(Error::Tls(_))), "a client without a certificate got {e:?}");
+
+    let options = pki.options();
+    let peer = std::thread::spawn(move || {
+        let session = MuxSession::connect(addr, options, T).unwrap();
+        let d = Domain::new("b");
+        // Channel 1: we are its sink; channel 2: its source.
+        let rx = Channel::connect(&d, &session.endpoint(1), BindParams::default(), T).unwrap();
+        let setup = ChannelSetup { direction: Direction::Tx, role: Role::Master, ..ChannelSetup::default() };
+        let mut tx = Channel::accept(&d, &session.endpoint(2), setup, T).unwrap();
+        let sink = std::thread::spawn(move || echo_sink(rx));
+        round_trips(&mut tx, &d, 50);
+        finish(tx);
+        sink.join().unwrap()
+    });
+    let session = listener.accept(T).unwrap();
+    let d = Domain::new("a");
+    let setup = ChannelSetup { direction: Direction::Tx, role: Role::Master, ..ChannelSetup::default() };
+    let mut tx = Channel::accept(&d, &session.endpoint(1), setup, T).unwrap();
+    let rx = Channel::connect(&d, &session.endpoint(2), BindParams::default(), T).unwrap();
+    let sink = std::thread::spawn(move || echo_sink(rx));
+    round_trips(&mut tx, &d, 50);
+    finish(tx);
+    assert_eq!(sink.join().unwrap(), (50, None));
+    assert_eq!(peer.join().unwrap(), (50, None));
+}
+
+/// Plain TCP off the loopback is refused unless chosen: a channel created
+/// on all interfaces, a bind to a non-loopback address, a session
+/// listener and a session connect. With `Security::None` or TLS the same
+/// calls work (the binds go to the wildcard address, which is this
+/// host).
+#[test]
+fn plain_tcp_off_the_loopback_needs_an_explicit_choice() {
+    let any: SocketAddr = "0.0.0.0:0".parse().unwrap();
+    let d = Domain::new("d");
+    let setup = ChannelSetup::default();
+    let e = Channel::create(&d, &Endpoint::tcp(any), setup).unwrap_err();
+    assert_eq!(e, Error::InsecureAddress(any.ip()));
+    assert!(e.to_string().contains("0.0.0.0 is not a loopback address"), "{e}");
+    assert!(matches!(MuxListener::bind(any, NetOptions::default()), Err(Error::InsecureAddress(_))));
+    let std_listener = TcpListener::bind(any).unwrap();
+    let port = std_listener.local_addr().unwrap().port();
+    assert!(matches!(
+        MuxSession::accept(&std_listener, NetOptions::default(), Duration::from_millis(1)),
+        Err(Error::InsecureAddress(_))
+    ));
+    // The wildcard address reaches this host; the rule refuses it before
+    // any packet goes out.
+    let wildcard = SocketAddr::from(([0, 0, 0, 0], port));
+    assert!(matches!(MuxSession::connect(wildcard, NetOptions::default(), T), Err(Error::InsecureAddress(_))));
+    let e = Channel::connect(&d, &Endpoint::tcp(wildcard), BindParams::default(), T).unwrap_err();
+    assert!(matches!(e, Error::InsecureAddress(_)), "{e:?}");
+
+    // Chosen on purpose: plain TCP on all interfaces.
+    let insecure = NetOptions::default().with_security(Security::None);
+    let (mut tx, addr) = source(&d, any, insecure.clone());
+    let to = SocketAddr::from(([0, 0, 0, 0], addr.port()));
+    let sink = std::thread::spawn(move || {
+        echo_sink(Channel::bind(&Domain::new("s"), &Endpoint::tcp_with(to, insecure), BindParams::default()).unwrap())
+    });
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    round_trips(&mut tx, &d, 5);
+    finish(tx);
+    assert_eq!(sink.join().unwrap(), (5, None));
+
+    // TLS on all interfaces.
+    let pki = Pki::new();
+    let (mut tx, addr) = source(&d, any, pki.options());
+    let options = pki.options();
+    let sink = std::thread::spawn(move || {
+        let to = SocketAddr::from(([127, 0, 0, 1], addr.port()));
+        echo_sink(Channel::bind(&Domain::new("s"), &Endpoint::tcp_with(to, options), BindParams::default()).unwrap())
+    });
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    round_trips(&mut tx, &d, 5);
+    finish(tx);
+    assert_eq!(sink.join().unwrap(), (5, None));
+}
+
+/// The loader names the file at fault and why.
+#[test]
+fn tls_files_that_cannot_be_used_are_named() {
+    let pki = Pki::new();
+    let dir = TempDir::new("tls-bad");
+    let err = |dir: &std::path::Path| match TlsConfig::from_dir(dir, "localhost") {
+        Err(Error::TlsConfig(e)) => e,
+        other => panic!("expected a TLS configuration error, got {other:?}"),
+    };
+    let e = err(&dir.0);
+    assert_eq!(e.path(), Some(dir.0.join("ca-cert.pem").as_path()));
+    assert!(e.why().contains("missing"), "{e}");
+
+    std::fs::copy(pki.dir.0.join("ca-cert.pem"), dir.0.join("ca-cert.pem")).unwrap();
+    let e = err(&dir.0);
+    assert!(e.why().contains("holds neither"), "{e}");
+
+    std::fs::copy(pki.dir.0.join("server-cert.pem"), dir.0.join("server-cert.pem")).unwrap();
+    let e = err(&dir.0);
+    assert_eq!(e.path(), Some(dir.0.join("server-key.pem").as_path()), "{e}");
+
+    std::fs::write(dir.0.join("server-key.pem"), "not a key\n").unwrap();
+    let e = err(&dir.0);
+    assert_eq!(e.path(), Some(dir.0.join("server-key.pem").as_path()), "{e}");
+    assert!(e.why().contains("no private key"), "{e}");
+
+    // A key of another pair.
+    std::fs::copy(pki.dir.0.join("client-key.pem"), dir.0.join("server-key.pem")).unwrap();
+    let e = err(&dir.0);
+    assert_eq!(e.path(), Some(dir.0.join("server-cert.pem").as_path()), "{e}");
+
+    std::fs::write(dir.0.join("ca-cert.pem"), "-----BEGIN CERTIFICATE-----\n!!\n-----END CERTIFICATE-----\n").unwrap();
+    let e = err(&dir.0);
+    assert_eq!(e.path(), Some(dir.0.join("ca-cert.pem").as_path()), "{e}");
+
+    // A server-only directory cannot connect, and says which file it lacks.
+    let server_only = TempDir::new("tls-server-only");
+    for f in ["ca-cert.pem", "server-cert.pem", "server-key.pem"] {
+        std::fs::copy(pki.dir.0.join(f), server_only.0.join(f)).unwrap();
+    }
+    let config = Arc::new(TlsConfig::from_dir(&server_only.0, "127.0.0.1").unwrap());
+    assert!(config.can_accept() && !config.can_connect());
+    let ep =
+        Endpoint::tcp_with("127.0.0.1:1".parse().unwrap(), NetOptions::default().with_security(Security::Tls(config)));
+    match Channel::connect(&Domain::new("d"), &ep, BindParams::default(), T) {
+        Err(Error::TlsConfig(e)) => assert_eq!(e.path(), Some(server_only.0.join("client-cert.pem").as_path())),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(TlsConfig::from_dir(&pki.dir.0, "not a name!"), Err(Error::TlsConfig(_))));
+}
+
+/// Bytes TLS has already taken off the socket are not the socket's to
+/// signal: after one of two messages that came in one record, the sink's
+/// `arm` must say something is ready (or its fd must be readable), as it
+/// would with the second message still in the kernel.
+#[test]
+fn arm_after_an_event_sees_what_tls_already_decrypted() {
+    let pki = Pki::new();
+    let src = Domain::new("src");
+    let (mut tx, addr) = source(&src, loopback(), pki.options());
+    let options = pki.options();
+    let mut rx =
+        Channel::bind(&Domain::new("sink"), &Endpoint::tcp_with(addr, options), BindParams::default()).unwrap();
+    // Both ends drive the handshake.
+    let (mut bound, mut requested) = (false, false);
+    let until = Instant::now() + T;
+    while !(bound && requested) {
+        assert!(Instant::now() < until, "no TLS channel within {T:?}");
+        requested |= matches!(tx.wait(Some(Duration::from_millis(5))), Some(Event::BindRequest { .. }));
+        bound |= matches!(rx.wait(Some(Duration::from_millis(5))), Some(Event::Bound));
+    }
+    let alloc = Allocator::new(&src, 4, 4096, PoolConstraints::default()).unwrap();
+    tx.assign_pool(alloc.pool()).unwrap();
+    loop {
+        match rx.wait(Some(Duration::from_millis(5))) {
+            Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
+            None => {}
+            ev => panic!("sink: {ev:?}"),
+        }
+        if let Some(ev) = tx.poll() {
+            assert!(matches!(ev, Event::PoolAssigned(_)), "{ev:?}");
+            break;
+        }
+    }
+    // Two small moves in one send: one TLS record.
+    for seq in 0..2u64 {
+        let mut b = alloc.alloc().unwrap();
+        fill(b.as_mut_slice().unwrap(), seq);
+        tx.move_buffer(b, &seq.to_le_bytes()).unwrap();
+    }
+    tx.flush().unwrap();
+    match rx.wait(Some(T)) {
+        Some(Event::MoveReceived { buffer, .. }) => assert!(check(&buffer, 0)),
+        ev => panic!("sink: {ev:?}"),
+    }
+    if rx.arm() {
+        let mut fds = [rustix::event::PollFd::new(&rx, rustix::event::PollFlags::IN)];
+        let ready = rustix::event::poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 2, tv_nsec: 0 })).unwrap();
+        assert_eq!(ready, 1, "the sink armed and its fd stays quiet while the second message waits in TLS");
+    }
+    match rx.poll() {
+        Some(Event::MoveReceived { buffer, .. }) => assert!(check(&buffer, 1)),
+        ev => panic!("sink: {ev:?}"),
+    }
+}
+
+/// Silent connections and ones that stall in the middle of a TLS
+/// handshake (more than the creator keeps at once) do not keep a good
+/// client out: the creator serves handshakes side by side and sheds the
+/// oldest.
+#[test]
+fn stalled_handshakes_do_not_keep_a_good_client_out() {
+    use std::io::Write;
+    let pki = Pki::new();
+    let src = Domain::new("src");
+    let (mut tx, addr) = source(&src, loopback(), pki.options());
+    let mut stalled = Vec::new();
+    for i in 0..24 {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        if i % 2 == 0 {
+            // The start of a TLS record (a handshake message), then nothing.
+            s.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01]).unwrap();
+        }
+        stalled.push(s);
+    }
+    // The creator takes them in.
+    assert!(tx.wait(Some(Duration::from_millis(100))).is_none());
+    let options = pki.options();
+    let sink = std::thread::spawn(move || {
+        let rx = Channel::bind(&Domain::new("sink"), &Endpoint::tcp_with(addr, options), BindParams::default());
+        echo_sink(rx.unwrap())
+    });
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    round_trips(&mut tx, &src, 3);
+    finish(tx);
+    assert_eq!(sink.join().unwrap(), (3, None));
+    drop(stalled);
+}
