@@ -40,9 +40,10 @@ mod sys;
 
 pub use native::{run_proxy, BlockClient, Completion, Op};
 pub use nbd::{
-    serve_connection, ConnSummary, Listen, NbdServer, ServerConfig, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    serve_connection, ConnSummary, Listen, NbdServer, NbdTls, ServerConfig, DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
 };
-pub use server::{accept_client, serve_channel, serve_client, serve_endpoint, ChannelSummary, ClientReport};
+pub use server::{accept_client, serve_channel, serve_client, serve_endpoint, serve_tcp, ChannelSummary, ClientReport};
 pub use store::{open_store, parse_size, Extent, FileStore, MemStore, Store, StoreSpec, MAX_STORE_SIZE, MEM_CHUNK};
 
 /// What can go wrong setting up the block service (requests that fail are
