@@ -847,7 +847,8 @@ fn serve_socket<S: Read + Write>(
     buffer: Option<(Allocator, Buffer)>,
 ) -> ConnSummary {
     let started = Instant::now();
-    let mut session = Session::new(stream, store, config, ConnSummary { peer, ..ConnSummary::default() }, socket, buffer);
+    let mut session =
+        Session::new(stream, store, config, ConnSummary { peer, ..ConnSummary::default() }, socket, buffer);
     let negotiated = session.hello().and_then(|()| session.options());
     let mut summary = match (negotiated, config.tls.config()) {
         (Ok(Negotiated::StartTls), Some(tls)) => serve_tls(session, tls, guard),
