@@ -497,3 +497,77 @@ fn ferry_protocol_over_tls_through_the_proxy() {
     let _ = proxy.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Inside TLS (a client of its own, rustls with the certificates of
+/// `ferry tls gen`): what was negotiated in plain text before
+/// NBD_OPT_STARTTLS is forgotten (structured replies asked for in plain
+/// text do not hold: a READ is answered with a simple reply), a second
+/// STARTTLS is invalid, and the export is served through TLS.
+#[test]
+fn state_from_before_starttls_is_forgotten_and_starttls_is_once() {
+    use ferry::tls::rustls;
+    const OPT_STRUCTURED_REPLY: u32 = 8;
+    const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+    let dir = scratch("raw");
+    let pki = certificates(&dir.join("pki"));
+    let server = Server::start(&["--tls=on", "--tls-certificates", s(&pki)]);
+    let mut c = plain_hello(&server.at);
+    send_option(&mut c, OPT_STRUCTURED_REPLY, &[]);
+    assert_eq!(option_reply(&mut c, OPT_STRUCTURED_REPLY), REP_ACK);
+    send_option(&mut c, OPT_STARTTLS, &[]);
+    assert_eq!(option_reply(&mut c, OPT_STARTTLS), REP_ACK);
+    let config = ferry::tls::TlsConfig::from_dir(&pki, "127.0.0.1").unwrap();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let conn = rustls::ClientConnection::new(config.client_config().unwrap(), name).unwrap();
+    let mut t = rustls::StreamOwned::new(conn, c);
+    // Option replies through TLS: the same helpers on the TLS stream.
+    let reply = |t: &mut rustls::StreamOwned<rustls::ClientConnection, TcpStream>, option: u32| {
+        let mut head = [0u8; 20];
+        t.read_exact(&mut head).expect("an option reply through TLS");
+        assert_eq!(u32::from_be_bytes(head[8..12].try_into().unwrap()), option);
+        let mut data = vec![0u8; u32::from_be_bytes(head[16..].try_into().unwrap()) as usize];
+        t.read_exact(&mut data).unwrap();
+        u32::from_be_bytes(head[12..16].try_into().unwrap())
+    };
+    let option = |t: &mut rustls::StreamOwned<rustls::ClientConnection, TcpStream>, option: u32, data: &[u8]| {
+        let mut m = b"IHAVEOPT".to_vec();
+        m.extend_from_slice(&option.to_be_bytes());
+        m.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        m.extend_from_slice(data);
+        t.write_all(&m).unwrap();
+    };
+    option(&mut t, OPT_STARTTLS, &[]);
+    assert_eq!(reply(&mut t, OPT_STARTTLS), REP_ERR_INVALID, "TLS is on already");
+    option(&mut t, OPT_GO, &GO_DEFAULT);
+    loop {
+        match reply(&mut t, OPT_GO) {
+            REP_ACK => break,
+            3 => {} // NBD_REP_INFO
+            other => panic!("NBD_OPT_GO answered {other:#x}"),
+        }
+    }
+    // READ 8 bytes at 0 (handle 7): a simple reply, since structured
+    // replies were asked for only in plain text.
+    let mut req = Vec::new();
+    req.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+    req.extend_from_slice(&0u16.to_be_bytes());
+    req.extend_from_slice(&0u16.to_be_bytes());
+    req.extend_from_slice(&7u64.to_be_bytes());
+    req.extend_from_slice(&0u64.to_be_bytes());
+    req.extend_from_slice(&8u32.to_be_bytes());
+    t.write_all(&req).unwrap();
+    let mut answer = [0u8; 24];
+    t.read_exact(&mut answer).unwrap();
+    assert_eq!(u32::from_be_bytes(answer[..4].try_into().unwrap()), 0x6744_6698, "a simple reply");
+    assert_eq!(u32::from_be_bytes(answer[4..8].try_into().unwrap()), 0, "no error");
+    assert_eq!(u64::from_be_bytes(answer[8..16].try_into().unwrap()), 7);
+    // NBD_CMD_DISC: the server ends the TLS session.
+    let mut disc = req.clone();
+    disc[6..8].copy_from_slice(&2u16.to_be_bytes());
+    t.write_all(&disc).unwrap();
+    let line = server.client_line();
+    assert!(line.contains("(TLS) disconnected (NBD_CMD_DISC)") && line.contains("1 reads"), "{line}");
+    let mut rest = Vec::new();
+    assert!(t.read_to_end(&mut rest).is_ok() && rest.is_empty(), "close_notify ends the TLS session cleanly");
+    let _ = std::fs::remove_dir_all(&dir);
+}
