@@ -28,6 +28,16 @@
 //!   shared and only descriptors travel: a read moves a data buffer of the
 //!   client's, which the server fills in place and passes back.
 //!
+//! Over TCP both channels take the endpoint's [`NetOptions`] and so its
+//! security: give them with [`BlockClient::connect_tcp`] and
+//! [`serve_tcp`](crate::serve_tcp), and with
+//! [`Security::Tls`](ferry::tls::Security::Tls) every request, payload and
+//! reply goes through TLS 1.3 with mutual certificate authentication
+//! (the server's certificate checked against the CA and the name, the
+//! client's against the CA). [`BlockClient::connect`] and
+//! [`serve_endpoint`](crate::serve_endpoint) give a TCP endpoint's
+//! read-data channel the default options (plain TCP, loopback only).
+//!
 //! Many requests may be in flight, matched by request id, answered in the
 //! order they are done. The server ([`crate::server`]) serves all clients
 //! of an endpoint from one thread.

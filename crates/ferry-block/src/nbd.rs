@@ -64,6 +64,47 @@
 //! arrived. Replies still queued when the client shuts its side of the
 //! connection down go before the server closes it.
 //!
+//! # TLS
+//!
+//! [`ServerConfig::tls`] offers TLS the protocol's own way
+//! (`NBD_OPT_STARTTLS`), with the meanings nbdkit and qemu-nbd give
+//! `--tls=off|on|require` ([`NbdTls`]): off refuses `NBD_OPT_STARTTLS`
+//! with `NBD_REP_ERR_POLICY`; on serves clients that ask for TLS and
+//! clients that do not; require answers every option but
+//! `NBD_OPT_STARTTLS` and `NBD_OPT_ABORT` with `NBD_REP_ERR_TLS_REQD`
+//! until TLS is up, and ends the connection of a client that asks for the
+//! export in plain text with `NBD_OPT_EXPORT_NAME` (which cannot be
+//! answered with an error), so no byte of the export leaves unencrypted.
+//! After the server's `NBD_REP_ACK` comes the TLS 1.3 handshake (rustls,
+//! through the library's [`TlsConfig`]): the server presents its
+//! certificate and takes only a client whose certificate the CA signed;
+//! a client without one, or with one of another CA, fails the handshake
+//! and loses its connection. Then the rest of the option haggling and the
+//! whole transmission phase go through TLS, and what was negotiated in
+//! plain text before (structured replies, metadata contexts) is
+//! forgotten, as the protocol asks: a man in the middle could have
+//! injected it. A second `NBD_OPT_STARTTLS` is `NBD_REP_ERR_INVALID`;
+//! `NBD_CMD_DISC` ends the TLS session with `close_notify`.
+//!
+//! The TLS handshake counts as part of the connection's handshake: the
+//! handshake deadline and the connection cap of [`NbdServer::run`] bound
+//! it as they bound the rest, so clients that stall in it cannot keep
+//! others out.
+//!
+//! Under TLS the payload paths that go around the byte stream are not
+//! taken: every payload is decrypted by rustls from its records into the
+//! connection's buffer (or the store's memory is not received into
+//! directly), and every read's data is encrypted from the buffer the store
+//! filled into records. That is the one copy encryption needs; the plain
+//! path keeps its zero-copy receives and sends unchanged. Requests are
+//! served one at a time, each reply leaving before the server waits for
+//! the next request.
+//!
+//! libnbd and qemu offer X.509 certificates and pre-shared keys (PSK).
+//! Only certificates are served: rustls has no TLS 1.3 PSK
+//! authentication without certificates (its PSK support is for session
+//! resumption), so a client that offers only a PSK fails the handshake.
+//!
 //! A write whose client goes away in the middle of its payload (it gets
 //! no reply) is applied in whole sectors of 512 bytes ([`SECTOR`]) from
 //! its start: every sector it covers holds all of its bytes for that

@@ -179,8 +179,8 @@ fn options_unknown_list_info_meta_context_abort() {
 
     c.option(99, b"whatever data");
     assert_eq!(c.reply(), (99, REP_ERR_UNSUP, b"option not supported by this server".to_vec()));
-    c.option(5, b""); // STARTTLS: this server has no TLS
-    assert_eq!(c.reply().1, REP_ERR_UNSUP);
+    c.option(5, b""); // STARTTLS: this server offers no TLS (tls off)
+    assert_eq!(c.reply(), (5, (1 << 31) + 2, b"this server does not offer TLS".to_vec()), "NBD_REP_ERR_POLICY");
 
     // LIST: the default export "" and the ACK.
     c.option(3, b"");
