@@ -92,9 +92,9 @@
 //! others out.
 //!
 //! Under TLS the payload paths that go around the byte stream are not
-//! taken: every payload is decrypted by rustls from its records into the
-//! connection's buffer (or the store's memory is not received into
-//! directly), and every read's data is encrypted from the buffer the store
+//! taken: every write's payload is decrypted by rustls from its records
+//! into the connection's buffer (never received straight into the store's
+//! memory), and every read's data is encrypted from the buffer the store
 //! filled into records. That is the one copy encryption needs; the plain
 //! path keeps its zero-copy receives and sends unchanged. Requests are
 //! served one at a time, each reply leaving before the server waits for
@@ -255,7 +255,8 @@ pub struct ServerConfig {
     /// the oldest connection still in its handshake too.
     pub max_connections: usize,
     /// How long a client has from connecting to the end of its option
-    /// negotiation (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`) before
+    /// negotiation (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`; a TLS handshake
+    /// in between included) before
     /// [`NbdServer::run`] closes its connection (default
     /// [`DEFAULT_HANDSHAKE_TIMEOUT`]; more than zero).
     pub handshake_timeout: Duration,
