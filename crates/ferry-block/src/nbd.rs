@@ -506,8 +506,8 @@ impl NbdServer {
             if let (Some(how), false, false) = (plain, addr.ip().to_canonical().is_loopback(), config.insecure) {
                 return Err(Error::BadSpec(format!(
                     "{listen} is not a loopback address, and serving it {how} lets anyone who reaches the port \
-                     read and write the export in plain text; require TLS (with a server certificate), \
-                     or choose plain text on a network you trust on purpose (insecure)"
+                     read and write the export in plain text; require TLS (NbdTls::Require, tls require), \
+                     or choose plain text on purpose on a network you trust (insecure)"
                 )));
             }
         }
