@@ -96,9 +96,10 @@
 //! into the connection's buffer (never received straight into the store's
 //! memory), and every read's data is encrypted from the buffer the store
 //! filled into records. That is the one copy encryption needs; the plain
-//! path keeps its zero-copy receives and sends unchanged. Requests are
-//! served one at a time, each reply leaving before the server waits for
-//! the next request.
+//! path keeps its zero-copy receives and sends unchanged. Replies are
+//! held while requests the client pipelined are already decrypted, and
+//! leave together (in as few records as rustls makes of them) before the
+//! server waits for more.
 //!
 //! libnbd and qemu offer X.509 certificates and pre-shared keys (PSK).
 //! Only certificates are served: rustls has no TLS 1.3 PSK
@@ -971,12 +972,20 @@ fn serve_tls<S: Read + Write>(plain: Session<'_, S>, tls: &TlsConfig, guard: Opt
     let mut session: Session<'_, TlsStream<S>> = Session::new(stream, store, config, summary, None, buffer);
     session.no_zeroes = no_zeroes;
     session.tls_up = true;
+    session.decrypted = Some(decrypted::<S>);
     let negotiated = session.options();
     let summary = session.serve(negotiated, guard);
     // The TLS session ends with close_notify (the client may be gone).
     session.stream.conn.send_close_notify();
     let _ = session.stream.flush();
     summary
+}
+
+/// Bytes rustls holds decrypted for the server to read.
+fn decrypted<S: Read + Write>(stream: &mut TlsStream<S>) -> usize {
+    // Records already taken off the socket are decrypted here; an error
+    // counts as nothing held (the next read reports it).
+    stream.conn.process_new_packets().map_or(0, |state| state.plaintext_bytes_to_read())
 }
 
 /// `summary` of a connection that ended `how` during its handshake.
@@ -1022,6 +1031,9 @@ struct Session<'a, S> {
     small: bool,
     /// The stream is a TLS connection (after `NBD_OPT_STARTTLS`).
     tls_up: bool,
+    /// Bytes the stream holds decrypted (under TLS): a read of that many
+    /// does not wait.
+    decrypted: Option<fn(&mut S) -> usize>,
 }
 
 /// Bytes of requests received ahead in one receive at most.
@@ -1151,6 +1163,7 @@ impl<'a, S: Read + Write> Session<'a, S> {
             in_end: 0,
             small: true,
             tls_up: false,
+            decrypted: None,
         }
     }
 
@@ -1586,7 +1599,10 @@ impl<'a, S: Read + Write> Session<'a, S> {
             }
             return Ok(self.staged.pop_front().expect("staged"));
         }
-        if whole == 0 {
+        // Under TLS a whole header already decrypted is read without
+        // waiting: the replies stay queued, to leave together.
+        let decrypted = self.decrypted.map_or(0, |held| held(&mut self.stream));
+        if whole == 0 && decrypted < 28 {
             // Nothing more is waiting: the replies go before we wait.
             self.flush_replies()?;
         }

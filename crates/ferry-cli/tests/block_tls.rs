@@ -571,3 +571,66 @@ fn state_from_before_starttls_is_forgotten_and_starttls_is_once() {
     assert!(t.read_to_end(&mut rest).is_ok() && rest.is_empty(), "close_notify ends the TLS session cleanly");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Many requests pipelined in one go through TLS (writes and reads of
+/// distinct ranges): every one is answered, the reads with the bytes the
+/// writes put there, while the server holds replies for the requests it
+/// has already decrypted.
+#[test]
+fn pipelined_requests_through_tls_are_all_answered() {
+    use ferry::tls::rustls;
+    let dir = scratch("pipeline");
+    let pki = certificates(&dir.join("pki"));
+    let server = Server::start(&["--tls=require", "--tls-certificates", s(&pki)]);
+    let mut c = plain_hello(&server.at);
+    send_option(&mut c, OPT_STARTTLS, &[]);
+    assert_eq!(option_reply(&mut c, OPT_STARTTLS), REP_ACK);
+    let config = ferry::tls::TlsConfig::from_dir(&pki, "127.0.0.1").unwrap();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let conn = rustls::ClientConnection::new(config.client_config().unwrap(), name).unwrap();
+    let mut t = rustls::StreamOwned::new(conn, c);
+    // NBD_OPT_EXPORT_NAME inside TLS: size (8), flags (2), no zeroes.
+    t.write_all(b"IHAVEOPT").unwrap();
+    t.write_all(&OPT_EXPORT_NAME.to_be_bytes()).unwrap();
+    t.write_all(&0u32.to_be_bytes()).unwrap();
+    let mut export = [0u8; 10];
+    t.read_exact(&mut export).unwrap();
+    assert_eq!(u64::from_be_bytes(export[..8].try_into().unwrap()), 16 << 20);
+    let request = |kind: u16, handle: u64, offset: u64, len: u32| {
+        let mut r = Vec::with_capacity(28);
+        r.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        r.extend_from_slice(&0u16.to_be_bytes());
+        r.extend_from_slice(&kind.to_be_bytes());
+        r.extend_from_slice(&handle.to_be_bytes());
+        r.extend_from_slice(&offset.to_be_bytes());
+        r.extend_from_slice(&len.to_be_bytes());
+        r
+    };
+    const N: u64 = 200;
+    let mut all = Vec::new();
+    for i in 0..N {
+        all.extend(request(1, i, i * 4096, 512));
+        all.extend(std::iter::repeat_n(i as u8, 512));
+    }
+    for i in 0..N {
+        all.extend(request(0, N + i, i * 4096, 512));
+    }
+    t.write_all(&all).unwrap();
+    for i in 0..2 * N {
+        let mut head = [0u8; 16];
+        t.read_exact(&mut head).unwrap();
+        assert_eq!(u32::from_be_bytes(head[..4].try_into().unwrap()), 0x6744_6698);
+        assert_eq!(u32::from_be_bytes(head[4..8].try_into().unwrap()), 0, "request {i} failed");
+        let handle = u64::from_be_bytes(head[8..].try_into().unwrap());
+        assert_eq!(handle, i, "replies in order");
+        if handle >= N {
+            let mut data = [0u8; 512];
+            t.read_exact(&mut data).unwrap();
+            assert!(data.iter().all(|&b| b == (handle - N) as u8), "read {handle} sees its write");
+        }
+    }
+    t.write_all(&request(2, 0, 0, 0)).unwrap();
+    let line = server.client_line();
+    assert!(line.contains("(TLS) disconnected (NBD_CMD_DISC)") && line.contains("200 reads"), "{line}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
