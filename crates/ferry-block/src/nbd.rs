@@ -101,6 +101,11 @@
 //! leave together (in as few records as rustls makes of them) before the
 //! server waits for more.
 //!
+//! The TLS version is 1.3 only, as everywhere in Ferry
+//! ([`TlsConfig`]). The NBD specification asks for TLS 1.2 as well;
+//! libnbd and qemu (GnuTLS) negotiate 1.3, and a client that can only
+//! talk 1.2 fails the handshake.
+//!
 //! libnbd and qemu offer X.509 certificates and pre-shared keys (PSK).
 //! Only certificates are served: rustls has no TLS 1.3 PSK
 //! authentication without certificates (its PSK support is for session
