@@ -12,6 +12,18 @@
 //! a large payload is received straight into the store and sent straight
 //! from it, one copy fewer per byte.
 //!
+//! Between machines the NBD server speaks TLS 1.3 the protocol's own way
+//! (`NBD_OPT_STARTTLS`, [`NbdTls`]: off, on or require, as nbdkit and
+//! qemu-nbd mean them), with mutual certificate authentication through
+//! the library's [`TlsConfig`](ferry::tls::TlsConfig); a plain-text
+//! server off the loopback is a choice made on purpose
+//! ([`ServerConfig::insecure`]). Ferry's own block protocol takes the
+//! [`Security`](ferry::tls::Security) of its TCP endpoint's options, for
+//! the request and the read-data channel alike ([`serve_tcp`],
+//! [`BlockClient::connect_tcp`]). Under TLS payloads are decrypted into
+//! (and encrypted from) the server's buffers by rustls: the zero-copy
+//! receive into a memory store is a plain-text path.
+//!
 //! The crate sits above the library: it uses `ferry`, `ferry` knows
 //! nothing of it. `ferry block serve` (in `ferry-cli`) is its command.
 //!
@@ -40,9 +52,10 @@ mod sys;
 
 pub use native::{run_proxy, BlockClient, Completion, Op};
 pub use nbd::{
-    serve_connection, ConnSummary, Listen, NbdServer, ServerConfig, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    serve_connection, ConnSummary, Listen, NbdServer, NbdTls, ServerConfig, DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
 };
-pub use server::{accept_client, serve_channel, serve_client, serve_endpoint, ChannelSummary, ClientReport};
+pub use server::{accept_client, serve_channel, serve_client, serve_endpoint, serve_tcp, ChannelSummary, ClientReport};
 pub use store::{open_store, parse_size, Extent, FileStore, MemStore, Store, StoreSpec, MAX_STORE_SIZE, MEM_CHUNK};
 
 /// What can go wrong setting up the block service (requests that fail are

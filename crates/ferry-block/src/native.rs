@@ -28,6 +28,16 @@
 //!   shared and only descriptors travel: a read moves a data buffer of the
 //!   client's, which the server fills in place and passes back.
 //!
+//! Over TCP both channels take the endpoint's [`NetOptions`] and so its
+//! security: give them with [`BlockClient::connect_tcp`] and
+//! [`serve_tcp`](crate::serve_tcp), and with
+//! [`Security::Tls`](ferry::tls::Security::Tls) every request, payload and
+//! reply goes through TLS 1.3 with mutual certificate authentication
+//! (the server's certificate checked against the CA and the name, the
+//! client's against the CA). [`BlockClient::connect`] and
+//! [`serve_endpoint`](crate::serve_endpoint) give a TCP endpoint's
+//! read-data channel the default options (plain TCP, loopback only).
+//!
 //! Many requests may be in flight, matched by request id, answered in the
 //! order they are done. The server ([`crate::server`]) serves all clients
 //! of an endpoint from one thread.
@@ -104,7 +114,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Allocator, BindParams, Buffer, Channel, ChannelSetup, Direction, Domain, Endpoint, Event, LinkStats,
+    Allocator, BindParams, Buffer, Channel, ChannelSetup, Direction, Domain, Endpoint, Event, LinkStats, NetOptions,
     PoolConstraints, PoolPolicy, Role,
 };
 
@@ -244,6 +254,37 @@ impl BlockClient {
         buffer_size: usize,
         timeout: Duration,
     ) -> Result<BlockClient, Error> {
+        BlockClient::connect_with(domain, endpoint, NetOptions::default(), buffers, buffer_size, timeout)
+    }
+
+    /// [`BlockClient::connect`] to a server on TCP at `addr` (one that
+    /// [`serve_tcp`](crate::serve_tcp) serves with the same security):
+    /// the request channel and the read-data channel connect with
+    /// `options`, so [`ferry::tls::Security::Tls`] protects both (the
+    /// configuration's client certificate, the server's checked against
+    /// its CA and name).
+    pub fn connect_tcp(
+        domain: &Domain,
+        addr: std::net::SocketAddr,
+        options: NetOptions,
+        buffers: u64,
+        buffer_size: usize,
+        timeout: Duration,
+    ) -> Result<BlockClient, Error> {
+        let endpoint = Endpoint::tcp_with(addr, options.clone());
+        BlockClient::connect_with(domain, &endpoint, options, buffers, buffer_size, timeout)
+    }
+
+    /// [`BlockClient::connect`], the read-data channel (over TCP)
+    /// connecting with `data_options`.
+    fn connect_with(
+        domain: &Domain,
+        endpoint: &Endpoint,
+        data_options: NetOptions,
+        buffers: u64,
+        buffer_size: usize,
+        timeout: Duration,
+    ) -> Result<BlockClient, Error> {
         let params = BindParams { role: Role::Master, max_meta_size: META_SIZE, ..BindParams::default() };
         let mut ch = connect_retrying(domain, endpoint, params, timeout)?;
         let alloc = Allocator::new(domain, buffers, buffer_size, PoolConstraints::default())?;
@@ -281,7 +322,8 @@ impl BlockClient {
         client.size = client.last_extra;
         if let (Some(ip), Some(port)) = (server_ip, port) {
             let params = BindParams { role: Role::Slave, max_meta_size: META_SIZE, ..BindParams::default() };
-            let mut data = connect_retrying(domain, &Endpoint::tcp((ip, port).into()), params, timeout)?;
+            let data_ep = Endpoint::tcp_with((ip, port).into(), data_options);
+            let mut data = connect_retrying(domain, &data_ep, params, timeout)?;
             data.set_pool_policy(PoolPolicy::AcceptAll);
             client.data = Some(data);
             client.server_buffers = buffers as usize;

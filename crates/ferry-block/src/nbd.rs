@@ -64,6 +64,53 @@
 //! arrived. Replies still queued when the client shuts its side of the
 //! connection down go before the server closes it.
 //!
+//! # TLS
+//!
+//! [`ServerConfig::tls`] offers TLS the protocol's own way
+//! (`NBD_OPT_STARTTLS`), with the meanings nbdkit and qemu-nbd give
+//! `--tls=off|on|require` ([`NbdTls`]): off refuses `NBD_OPT_STARTTLS`
+//! with `NBD_REP_ERR_POLICY`; on serves clients that ask for TLS and
+//! clients that do not; require answers every option but
+//! `NBD_OPT_STARTTLS` and `NBD_OPT_ABORT` with `NBD_REP_ERR_TLS_REQD`
+//! until TLS is up, and ends the connection of a client that asks for the
+//! export in plain text with `NBD_OPT_EXPORT_NAME` (which cannot be
+//! answered with an error), so no byte of the export leaves unencrypted.
+//! After the server's `NBD_REP_ACK` comes the TLS 1.3 handshake (rustls,
+//! through the library's [`TlsConfig`]): the server presents its
+//! certificate and takes only a client whose certificate the CA signed;
+//! a client without one, or with one of another CA, fails the handshake
+//! and loses its connection. Then the rest of the option haggling and the
+//! whole transmission phase go through TLS, and what was negotiated in
+//! plain text before (structured replies, metadata contexts) is
+//! forgotten, as the protocol asks: a man in the middle could have
+//! injected it. A second `NBD_OPT_STARTTLS` is `NBD_REP_ERR_INVALID`;
+//! `NBD_CMD_DISC` ends the TLS session with `close_notify`.
+//!
+//! The TLS handshake counts as part of the connection's handshake: the
+//! handshake deadline and the connection cap of [`NbdServer::run`] bound
+//! it as they bound the rest, so clients that stall in it cannot keep
+//! others out.
+//!
+//! Under TLS the payload paths that go around the byte stream are not
+//! taken: every write's payload is decrypted by rustls from its records
+//! into the connection's buffer (never received straight into the store's
+//! memory), and every read's data is encrypted from the buffer the store
+//! filled into records. That is the one copy encryption needs; the plain
+//! path keeps its zero-copy receives and sends unchanged. Replies are
+//! held while requests the client pipelined are already decrypted, and
+//! leave together (in as few records as rustls makes of them) before the
+//! server waits for more.
+//!
+//! The TLS version is 1.3 only, as everywhere in Ferry
+//! ([`TlsConfig`]). The NBD specification asks for TLS 1.2 as well;
+//! libnbd and qemu (GnuTLS) negotiate 1.3, and a client that can only
+//! talk 1.2 fails the handshake.
+//!
+//! libnbd and qemu offer X.509 certificates and pre-shared keys (PSK).
+//! Only certificates are served: rustls has no TLS 1.3 PSK
+//! authentication without certificates (its PSK support is for session
+//! resumption), so a client that offers only a PSK fails the handshake.
+//!
 //! A write whose client goes away in the middle of its payload (it gets
 //! no reply) is applied in whole sectors of 512 bytes ([`SECTOR`]) from
 //! its start: every sector it covers holds all of its bytes for that
@@ -79,6 +126,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ferry::tls::{rustls, TlsConfig};
 use ferry::{Allocator, Buffer, Domain, PoolConstraints};
 
 use crate::conns::{Conns, Notices};
@@ -98,6 +146,7 @@ const CLIENT_NO_ZEROES: u32 = 1 << 1;
 const OPT_EXPORT_NAME: u32 = 1;
 const OPT_ABORT: u32 = 2;
 const OPT_LIST: u32 = 3;
+const OPT_STARTTLS: u32 = 5;
 const OPT_INFO: u32 = 6;
 const OPT_GO: u32 = 7;
 const OPT_STRUCTURED_REPLY: u32 = 8;
@@ -110,7 +159,9 @@ const REP_SERVER: u32 = 2;
 const REP_INFO: u32 = 3;
 const REP_META_CONTEXT: u32 = 4;
 const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
+const REP_ERR_POLICY: u32 = (1 << 31) + 2;
 const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
 const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
 
 // Information types of NBD_OPT_INFO / NBD_OPT_GO.
@@ -210,10 +261,54 @@ pub struct ServerConfig {
     /// the oldest connection still in its handshake too.
     pub max_connections: usize,
     /// How long a client has from connecting to the end of its option
-    /// negotiation (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`) before
+    /// negotiation (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`; a TLS handshake
+    /// in between included) before
     /// [`NbdServer::run`] closes its connection (default
     /// [`DEFAULT_HANDSHAKE_TIMEOUT`]; more than zero).
     pub handshake_timeout: Duration,
+    /// TLS through `NBD_OPT_STARTTLS` (see [`NbdTls`]). Default
+    /// [`NbdTls::Off`].
+    pub tls: NbdTls,
+    /// Serve clients in plain text on a TCP address that is not a loopback
+    /// address, chosen on purpose: anyone who reaches the port may use the
+    /// export, and the network sees and can change every byte. Without
+    /// it, [`NbdServer::bind`] takes such an address only with
+    /// [`NbdTls::Require`] (plain text stays as easy as ever on the
+    /// loopback and on Unix sockets).
+    pub insecure: bool,
+}
+
+/// When a client talks TLS to the server: nbdkit's and qemu-nbd's
+/// `--tls=off|on|require`. TLS starts the protocol's own way: the client
+/// sends `NBD_OPT_STARTTLS` during option haggling, the server
+/// acknowledges it, and from the TLS handshake on the whole connection
+/// (the rest of the options, every request and reply) goes through TLS
+/// 1.3 with mutual certificate authentication: the server presents the
+/// configuration's server certificate and takes only a client whose
+/// certificate the configuration's CA signed ([`TlsConfig`]).
+#[derive(Debug, Clone, Default)]
+pub enum NbdTls {
+    /// No TLS: `NBD_OPT_STARTTLS` is refused with `NBD_REP_ERR_POLICY`.
+    #[default]
+    Off,
+    /// TLS for the clients that ask for it; the others are served in
+    /// plain text.
+    On(Arc<TlsConfig>),
+    /// TLS only: until TLS is up, every option but `NBD_OPT_STARTTLS` and
+    /// `NBD_OPT_ABORT` is refused with `NBD_REP_ERR_TLS_REQD`, and a
+    /// client that asks for the export in plain text
+    /// (`NBD_OPT_EXPORT_NAME`, which cannot be refused) loses its
+    /// connection: no byte of the export goes out unencrypted.
+    Require(Arc<TlsConfig>),
+}
+
+impl NbdTls {
+    fn config(&self) -> Option<&Arc<TlsConfig>> {
+        match self {
+            NbdTls::Off => None,
+            NbdTls::On(c) | NbdTls::Require(c) => Some(c),
+        }
+    }
 }
 
 /// [`ServerConfig::max_connections`] unless told otherwise: room for the
@@ -236,6 +331,8 @@ impl Default for ServerConfig {
             batch_threads: true,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            tls: NbdTls::Off,
+            insecure: false,
         }
     }
 }
@@ -295,6 +392,8 @@ pub struct ConnSummary {
     pub transmission: bool,
     /// Whether structured replies were negotiated.
     pub structured: bool,
+    /// Whether the connection went over TLS (`NBD_OPT_STARTTLS`).
+    pub tls: bool,
     /// READ requests answered with data.
     pub reads: u64,
     /// Bytes read.
@@ -328,7 +427,8 @@ pub struct ConnSummary {
 impl fmt::Display for ConnSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
-        write!(f, "client {} {} after {:.3} s", self.peer, self.end, self.elapsed.as_secs_f64())?;
+        let tls = if self.tls { " (TLS)" } else { "" };
+        write!(f, "client {}{tls} {} after {:.3} s", self.peer, self.end, self.elapsed.as_secs_f64())?;
         if !self.transmission {
             return write!(f, " (handshake only)");
         }
@@ -397,6 +497,25 @@ impl NbdServer {
         }
         if config.handshake_timeout.is_zero() {
             return Err(Error::BadSpec("a handshake needs more than no time".into()));
+        }
+        if let Some(tls) = config.tls.config() {
+            // A configuration without the server's pair cannot serve: say
+            // which file is missing now, not at the first client.
+            tls.server_config()?;
+        }
+        if let Listen::Tcp(addr) = listen {
+            let plain = match config.tls {
+                NbdTls::Off => Some("without TLS"),
+                NbdTls::On(_) => Some("with TLS only for the clients that ask for it (tls on)"),
+                NbdTls::Require(_) => None,
+            };
+            if let (Some(how), false, false) = (plain, addr.ip().to_canonical().is_loopback(), config.insecure) {
+                return Err(Error::BadSpec(format!(
+                    "{listen} is not a loopback address, and serving it {how} lets anyone who reaches the port \
+                     read and write the export in plain text; require TLS (NbdTls::Require, tls require), \
+                     or choose plain text on purpose on a network you trust (insecure)"
+                )));
+            }
         }
         let io_err = |e: io::Error| Error::Io { what: format!("cannot listen on {listen}"), source: e };
         let listener = match listen {
@@ -776,50 +895,107 @@ fn serve_socket<S: Read + Write>(
     buffer: Option<(Allocator, Buffer)>,
 ) -> ConnSummary {
     let started = Instant::now();
-    let mut session = Session {
-        stream,
-        store,
-        config,
-        structured: false,
-        meta: false,
-        no_zeroes: false,
-        buffer,
-        summary: ConnSummary { peer, ..ConnSummary::default() },
-        socket,
-        landed: false,
-        staged: std::collections::VecDeque::new(),
-        replies: Vec::new(),
-        cursor: 0,
-        payload_read: false,
-        written: 0,
-        inbuf: Vec::new(),
-        in_at: 0,
-        in_end: 0,
-        small: true,
-    };
-    let end = session.handshake().and_then(|()| {
-        if guard.is_some_and(|g| !g.conns.enter_transmission(g.id)) {
-            return Err(End::Hard("closed by the server".into()));
-        }
-        session.summary.transmission = true;
-        let end = session.transmission();
-        if end.is_err() {
-            // The replies still queued: a client that has shut down its
-            // side of the connection (or sent something the server cannot
-            // serve) reads them before the end.
-            let _ = session.flush_replies();
-        }
-        end
-    });
-    let mut summary = session.summary;
-    summary.structured = session.structured;
-    summary.end = match end {
-        Ok(()) | Err(End::Soft(_)) if !summary.transmission => "left (NBD_OPT_ABORT)".into(),
-        Ok(()) => "disconnected".into(),
-        Err(End::Soft(how)) => format!("disconnected ({how})"),
-        Err(End::Hard(why)) => format!("dropped: {why}"),
+    let mut session =
+        Session::new(stream, store, config, ConnSummary { peer, ..ConnSummary::default() }, socket, buffer);
+    let negotiated = session.hello().and_then(|()| session.options());
+    let mut summary = match (negotiated, config.tls.config()) {
+        (Ok(Negotiated::StartTls), Some(tls)) => serve_tls(session, tls, guard),
+        (negotiated, _) => session.serve(negotiated, guard),
     };
     summary.elapsed = started.elapsed();
+    summary
+}
+
+/// What option haggling ended with.
+#[derive(Debug, PartialEq, Eq)]
+enum Negotiated {
+    /// The export was given: the transmission phase begins.
+    Transmission,
+    /// `NBD_OPT_STARTTLS` was acknowledged: the TLS handshake begins.
+    StartTls,
+}
+
+/// Ciphertext taken off the socket per read under TLS (rustls itself
+/// reads a few KiB at a time).
+const TLS_READ_AHEAD: usize = 64 << 10;
+
+/// The plain stream under a TLS connection: reads go through a buffer (a
+/// record or several per system call), writes straight to the stream.
+struct Ciphertext<S: Read + Write>(io::BufReader<S>);
+
+impl<S: Read + Write> Read for Ciphertext<S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+impl<S: Read + Write> Write for Ciphertext<S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.get_mut().write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.0.get_mut().write_vectored(bufs)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.0.get_mut().flush()
+    }
+}
+
+type TlsStream<S> = rustls::StreamOwned<rustls::ServerConnection, Ciphertext<S>>;
+
+/// The rest of a connection after `NBD_OPT_STARTTLS` was acknowledged:
+/// the TLS handshake (within the connection's handshake deadline, which
+/// [`NbdServer::run`] keeps), then option haggling anew and the
+/// transmission phase, every byte through TLS. What was negotiated in
+/// plain text (structured replies, metadata contexts) is forgotten, as the
+/// protocol asks: a man in the middle could have sent it. The socket is
+/// not handed to the session, so every payload is decrypted and encrypted
+/// through rustls (no zero-copy path).
+fn serve_tls<S: Read + Write>(plain: Session<'_, S>, tls: &TlsConfig, guard: Option<Guard<'_>>) -> ConnSummary {
+    let Session { stream, store, config, no_zeroes, buffer, mut summary, .. } = plain;
+    summary.tls = true;
+    let conn = match tls.server_config().map(rustls::ServerConnection::new) {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => return ended(summary, format!("dropped: cannot start TLS ({e})")),
+        Err(e) => return ended(summary, format!("dropped: cannot start TLS ({e})")),
+    };
+    let mut stream = rustls::StreamOwned::new(conn, Ciphertext(io::BufReader::with_capacity(TLS_READ_AHEAD, stream)));
+    while stream.conn.is_handshaking() {
+        if let Err(e) = stream.conn.complete_io(&mut stream.sock) {
+            let why = match e.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>()) {
+                Some(e) => format!("dropped: TLS handshake failed ({e})"),
+                None if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    "dropped: closed the connection during the TLS handshake".to_string()
+                }
+                None => format!("dropped: TLS handshake failed ({e})"),
+            };
+            return ended(summary, why);
+        }
+    }
+    let mut session: Session<'_, TlsStream<S>> = Session::new(stream, store, config, summary, None, buffer);
+    session.no_zeroes = no_zeroes;
+    session.tls_up = true;
+    session.decrypted = Some(decrypted::<S>);
+    let negotiated = session.options();
+    let summary = session.serve(negotiated, guard);
+    // The TLS session ends with close_notify (the client may be gone).
+    session.stream.conn.send_close_notify();
+    let _ = session.stream.flush();
+    summary
+}
+
+/// Bytes rustls holds decrypted for the server to read.
+fn decrypted<S: Read + Write>(stream: &mut TlsStream<S>) -> usize {
+    // Records already taken off the socket are decrypted here; an error
+    // counts as nothing held (the next read reports it).
+    stream.conn.process_new_packets().map_or(0, |state| state.plaintext_bytes_to_read())
+}
+
+/// `summary` of a connection that ended `how` during its handshake.
+fn ended(mut summary: ConnSummary, how: String) -> ConnSummary {
+    summary.end = how;
     summary
 }
 
@@ -858,6 +1034,11 @@ struct Session<'a, S> {
     /// The last request was not a write large enough to land in the
     /// store: the next ones are received ahead into `inbuf`.
     small: bool,
+    /// The stream is a TLS connection (after `NBD_OPT_STARTTLS`).
+    tls_up: bool,
+    /// Bytes the stream holds decrypted (under TLS): a read of that many
+    /// does not wait.
+    decrypted: Option<fn(&mut S) -> usize>,
 }
 
 /// Bytes of requests received ahead in one receive at most.
@@ -957,7 +1138,71 @@ fn write_all_parts<W: Write>(w: &mut W, parts: &mut [IoSlice<'_>]) -> io::Result
     Ok(())
 }
 
-impl<S: Read + Write> Session<'_, S> {
+impl<'a, S: Read + Write> Session<'a, S> {
+    fn new(
+        stream: S,
+        store: &'a dyn Store,
+        config: &'a ServerConfig,
+        summary: ConnSummary,
+        socket: Option<Socket>,
+        buffer: Option<(Allocator, Buffer)>,
+    ) -> Self {
+        Session {
+            stream,
+            store,
+            config,
+            structured: false,
+            meta: false,
+            no_zeroes: false,
+            buffer,
+            summary,
+            socket,
+            landed: false,
+            staged: std::collections::VecDeque::new(),
+            replies: Vec::new(),
+            cursor: 0,
+            payload_read: false,
+            written: 0,
+            inbuf: Vec::new(),
+            in_at: 0,
+            in_end: 0,
+            small: true,
+            tls_up: false,
+            decrypted: None,
+        }
+    }
+
+    /// The transmission phase after option haggling ended with
+    /// `negotiated`, and how the connection ended.
+    fn serve(&mut self, negotiated: Step<Negotiated>, guard: Option<Guard<'_>>) -> ConnSummary {
+        let end = negotiated.and_then(|n| {
+            if n != Negotiated::Transmission {
+                return Err(End::Hard("TLS is not offered by this server".into()));
+            }
+            if guard.is_some_and(|g| !g.conns.enter_transmission(g.id)) {
+                return Err(End::Hard("closed by the server".into()));
+            }
+            self.summary.transmission = true;
+            let end = self.transmission();
+            if end.is_err() {
+                // The replies still queued: a client that has shut down its
+                // side of the connection (or sent something the server
+                // cannot serve) reads them before the end.
+                let _ = self.flush_replies();
+            }
+            end
+        });
+        let mut summary = std::mem::take(&mut self.summary);
+        summary.structured = self.structured;
+        summary.end = match end {
+            Ok(()) | Err(End::Soft(_)) if !summary.transmission => "left (NBD_OPT_ABORT)".into(),
+            Ok(()) => "disconnected".into(),
+            Err(End::Soft(how)) => format!("disconnected ({how})"),
+            Err(End::Hard(why)) => format!("dropped: {why}"),
+        };
+        summary
+    }
+
     fn transmission_flags(&self) -> u16 {
         let mut flags = TF_HAS_FLAGS
             | TF_SEND_FLUSH
@@ -977,7 +1222,8 @@ impl<S: Read + Write> Session<'_, S> {
 
     // ----- handshake -----
 
-    fn handshake(&mut self) -> Step<()> {
+    /// The server's greeting and the client's flags.
+    fn hello(&mut self) -> Step<()> {
         let mut hello = [0u8; 18];
         hello[..8].copy_from_slice(&NBDMAGIC.to_be_bytes());
         hello[8..16].copy_from_slice(&IHAVEOPT.to_be_bytes());
@@ -990,6 +1236,13 @@ impl<S: Read + Write> Session<'_, S> {
             return Err(End::Hard(format!("sent unknown client flags {client_flags:#x}")));
         }
         self.no_zeroes = client_flags & CLIENT_NO_ZEROES != 0;
+        Ok(())
+    }
+
+    /// Option haggling, until the client picks the export or asks for TLS
+    /// (acknowledged).
+    fn options(&mut self) -> Step<Negotiated> {
+        let require = matches!(self.config.tls, NbdTls::Require(_)) && !self.tls_up;
         loop {
             let mut head = [0u8; 16];
             self.stream.read_exact(&mut head)?;
@@ -1004,7 +1257,27 @@ impl<S: Read + Write> Session<'_, S> {
             }
             let mut data = vec![0u8; len as usize];
             self.stream.read_exact(&mut data)?;
+            if require && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
+                if option == OPT_EXPORT_NAME {
+                    // It cannot be refused: the connection ends instead.
+                    return Err(End::Hard("asked for the export in plain text; this server requires TLS".into()));
+                }
+                self.opt_error(option, REP_ERR_TLS_REQD, "this server requires TLS: send NBD_OPT_STARTTLS first")?;
+                continue;
+            }
             match option {
+                OPT_STARTTLS => {
+                    if self.config.tls.config().is_none() {
+                        self.opt_error(option, REP_ERR_POLICY, "this server does not offer TLS")?;
+                    } else if self.tls_up {
+                        self.opt_error(option, REP_ERR_INVALID, "TLS is on already")?;
+                    } else if !data.is_empty() {
+                        self.opt_error(option, REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data")?;
+                    } else {
+                        self.opt_reply(option, REP_ACK, &[])?;
+                        return Ok(Negotiated::StartTls);
+                    }
+                }
                 OPT_EXPORT_NAME => {
                     let name = std::str::from_utf8(&data).unwrap_or("\u{fffd}");
                     if name != self.config.export_name {
@@ -1017,7 +1290,7 @@ impl<S: Read + Write> Session<'_, S> {
                         reply.resize(reply.len() + 124, 0);
                     }
                     self.stream.write_all(&reply)?;
-                    return Ok(());
+                    return Ok(Negotiated::Transmission);
                 }
                 OPT_ABORT => {
                     if data.is_empty() {
@@ -1041,7 +1314,7 @@ impl<S: Read + Write> Session<'_, S> {
                 }
                 OPT_INFO | OPT_GO => {
                     if self.info(option, &data)? && option == OPT_GO {
-                        return Ok(());
+                        return Ok(Negotiated::Transmission);
                     }
                 }
                 OPT_STRUCTURED_REPLY => {
@@ -1331,7 +1604,10 @@ impl<S: Read + Write> Session<'_, S> {
             }
             return Ok(self.staged.pop_front().expect("staged"));
         }
-        if whole == 0 {
+        // Under TLS a whole header already decrypted is read without
+        // waiting: the replies stay queued, to leave together.
+        let decrypted = self.decrypted.map_or(0, |held| held(&mut self.stream));
+        if whole == 0 && decrypted < 28 {
             // Nothing more is waiting: the replies go before we wait.
             self.flush_replies()?;
         }

@@ -16,12 +16,12 @@
 //! for the protocol.
 
 use std::collections::{HashMap, VecDeque};
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Allocator, Buffer, Channel, ChannelSetup, Direction, Domain, Endpoint, Event, PoolConstraints, PoolPolicy, Role,
-    Selector,
+    Allocator, Buffer, Channel, ChannelSetup, Direction, Domain, Endpoint, Event, NetOptions, PoolConstraints,
+    PoolPolicy, Role, Selector,
 };
 
 use crate::native::{
@@ -106,14 +106,37 @@ pub fn serve_endpoint(
     lp.run(Some(endpoint), stop, gone)
 }
 
+/// [`serve_endpoint`] on TCP at `addr` with `options`: the request
+/// channels and the read-data channels alike take the options' security
+/// ([`ferry::tls::Security`]: TLS with mutual certificate
+/// authentication, or plain TCP), so a client connects with the same
+/// ([`BlockClient::connect_tcp`](crate::BlockClient::connect_tcp)). Under
+/// TLS every request, payload and reply is encrypted, a read's data from
+/// the server's buffer into TLS records and a write's from TLS records
+/// into the server's buffer (the one copy encryption needs).
+pub fn serve_tcp(
+    domain: &Domain,
+    addr: SocketAddr,
+    options: NetOptions,
+    store: &dyn Store,
+    stop: &dyn Fn() -> bool,
+    gone: &mut dyn FnMut(&ClientReport),
+) -> Result<(), Error> {
+    let endpoint = Endpoint::tcp_with(addr, options.clone());
+    let mut lp = Loop::new(domain, store, Some((addr.ip(), options)))?;
+    lp.run(Some(&endpoint), stop, gone)
+}
+
 fn request_setup() -> ChannelSetup {
     ChannelSetup { direction: Direction::Rx, role: Role::Slave, meta_size: META_SIZE, ..ChannelSetup::default() }
 }
 
-/// Where read-data channels listen: the address of a TCP endpoint.
-fn data_ip(endpoint: &Endpoint) -> Option<IpAddr> {
+/// Where read-data channels listen, and with what options: the address
+/// of a TCP endpoint (with the default options; [`serve_tcp`] gives its
+/// own).
+fn data_ip(endpoint: &Endpoint) -> Option<(IpAddr, NetOptions)> {
     match endpoint {
-        Endpoint::Net(ep) => Some(ep.addr().ip()),
+        Endpoint::Net(ep) => Some((ep.addr().ip(), NetOptions::default())),
         _ => None,
     }
 }
@@ -160,7 +183,8 @@ struct Client {
 struct Loop<'a> {
     domain: Domain,
     store: &'a dyn Store,
-    data_ip: Option<IpAddr>,
+    /// Where and how read-data channels listen (TCP only).
+    data_ip: Option<(IpAddr, NetOptions)>,
     sel: Selector,
     slots: HashMap<usize, Slot>,
     clients: HashMap<u64, Client>,
@@ -170,7 +194,7 @@ struct Loop<'a> {
 }
 
 impl<'a> Loop<'a> {
-    fn new(domain: &Domain, store: &'a dyn Store, data_ip: Option<IpAddr>) -> Result<Self, Error> {
+    fn new(domain: &Domain, store: &'a dyn Store, data_ip: Option<(IpAddr, NetOptions)>) -> Result<Self, Error> {
         Ok(Loop {
             domain: domain.clone(),
             store,
@@ -334,7 +358,7 @@ impl<'a> Loop<'a> {
                     let count = u64::from_le_bytes(meta[16..24].try_into().expect("8 bytes"));
                     let mut reply = reply_meta(req_id, 0, self.store.size());
                     c.summary.requests += 1;
-                    if let (Some(ip), None) = (self.data_ip, c.data) {
+                    if let (Some((ip, options)), None) = (&self.data_ip, c.data) {
                         // At most 1024 buffers and 1 GiB for one client.
                         let fits = (1..=1024).contains(&count) && (size as u64).saturating_mul(count) <= 1 << 30;
                         let made = fits.then_some(()).and_then(|()| {
@@ -345,7 +369,8 @@ impl<'a> Loop<'a> {
                                 meta_size: META_SIZE,
                                 ..ChannelSetup::default()
                             };
-                            let ch = Channel::create(&self.domain, &Endpoint::tcp((ip, 0).into()), setup).ok()?;
+                            let ep = Endpoint::tcp_with((*ip, 0).into(), options.clone());
+                            let ch = Channel::create(&self.domain, &ep, setup).ok()?;
                             let port = ch.listen_addr()?.port();
                             Some((pool, ch, port))
                         });
