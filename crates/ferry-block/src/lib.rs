@@ -31,6 +31,7 @@
 //! # Ok::<(), ferry_block::Error>(())
 //! ```
 
+mod conns;
 pub mod native;
 pub mod nbd;
 pub mod server;
@@ -38,7 +39,9 @@ pub mod store;
 mod sys;
 
 pub use native::{run_proxy, BlockClient, Completion, Op};
-pub use nbd::{serve_connection, ConnSummary, Listen, NbdServer, ServerConfig};
+pub use nbd::{
+    serve_connection, ConnSummary, Listen, NbdServer, ServerConfig, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+};
 pub use server::{accept_client, serve_channel, serve_client, serve_endpoint, ChannelSummary, ClientReport};
 pub use store::{open_store, parse_size, Extent, FileStore, MemStore, Store, StoreSpec, MAX_STORE_SIZE, MEM_CHUNK};
 

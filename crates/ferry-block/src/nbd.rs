@@ -24,7 +24,8 @@
 //! memory ([`MemStore`](crate::MemStore)) save that copy: a write of 64 KiB
 //! or more is received straight into the store's chunks as it arrives
 //! (receives that do not wait, header and payload in one when they wait
-//! together, [`Store::write_direct`]),
+//! together, [`Store::write_direct`]; the store makes memory ready for
+//! the bytes that have arrived, never for a payload only announced),
 //! and a read of 64 KiB or more is sent straight from them (one
 //! `sendmsg` that does not wait, [`Store::read_direct`]; what the socket
 //! does not take at once is copied into the connection's buffer and sent
@@ -32,6 +33,15 @@
 //! server waits for it. A structured read of 64 KiB or
 //! more over zero extents of the store sends those as holes
 //! (`NBD_REPLY_TYPE_OFFSET_HOLE`): only the data crosses the wire.
+//!
+//! Clients that mean harm cost the server little: [`NbdServer::run`]
+//! closes a connection that has not finished its handshake within
+//! [`ServerConfig::handshake_timeout`], serves at most
+//! [`ServerConfig::max_connections`] at once, and makes room for a new
+//! client — at that limit, or out of file descriptors or memory — by
+//! closing the oldest connection still in its handshake (the NBD
+//! specification lets a server end a session it takes for a denial of
+//! service). A write's payload takes store memory only as it arrives.
 //!
 //! A connection is served by [`serve_connection`], one thread each
 //! (under `SCHED_BATCH` when [`NbdServer::run`] starts it: a server woken
@@ -53,6 +63,12 @@
 //! replies in one segment, and no reply waits for a request that has not
 //! arrived. Replies still queued when the client shuts its side of the
 //! connection down go before the server closes it.
+//!
+//! A write whose client goes away in the middle of its payload (it gets
+//! no reply) is applied in whole sectors of 512 bytes ([`SECTOR`]) from
+//! its start: every sector it covers holds all of its bytes for that
+//! sector or none, the same for every store and every way the payload
+//! came in; the bytes of a sector that did not arrive whole are dropped.
 
 use std::fmt;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
@@ -65,6 +81,7 @@ use std::time::{Duration, Instant};
 
 use ferry::{Allocator, Buffer, Domain, PoolConstraints};
 
+use crate::conns::{Conns, Notices};
 use crate::store::{Extent, Store};
 use crate::Error;
 
@@ -185,7 +202,29 @@ pub struct ServerConfig {
     /// transfers go faster, a request may wait for the end of a time slice
     /// on a busy machine. `false` keeps the policy threads inherit.
     pub batch_threads: bool,
+    /// Most connections [`NbdServer::run`] serves at once (default
+    /// [`DEFAULT_MAX_CONNECTIONS`], at least 1). A client that comes when
+    /// there are this many closes the oldest connection still in its
+    /// handshake, or, if every one is past it, is refused (its connection
+    /// closed at once). Running out of file descriptors or memory closes
+    /// the oldest connection still in its handshake too.
+    pub max_connections: usize,
+    /// How long a client has from connecting to the end of its option
+    /// negotiation (`NBD_OPT_GO` or `NBD_OPT_EXPORT_NAME`) before
+    /// [`NbdServer::run`] closes its connection (default
+    /// [`DEFAULT_HANDSHAKE_TIMEOUT`]; more than zero).
+    pub handshake_timeout: Duration,
 }
+
+/// [`ServerConfig::max_connections`] unless told otherwise: room for the
+/// connections of many clients (nbdcopy opens 4, qemu one per
+/// `multi-conn`), and two file descriptors each (the socket and the
+/// connection's buffer) well within the usual limit of 1024.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
+
+/// [`ServerConfig::handshake_timeout`] unless told otherwise: a client on
+/// the other side of the world negotiates in well under a second.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -195,6 +234,8 @@ impl Default for ServerConfig {
             max_payload: 32 << 20,
             read_only: false,
             batch_threads: true,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
         }
     }
 }
@@ -334,6 +375,7 @@ pub struct NbdServer {
     listener: Listener,
     store: Arc<dyn Store>,
     config: Arc<ServerConfig>,
+    notice: Arc<dyn Fn(&str) + Send + Sync>,
 }
 
 impl NbdServer {
@@ -350,6 +392,12 @@ impl NbdServer {
         if config.export_name.len() > MAX_STRING {
             return Err(Error::BadSpec("export name longer than 4096 bytes".into()));
         }
+        if config.max_connections == 0 {
+            return Err(Error::BadSpec("a server takes at least 1 connection".into()));
+        }
+        if config.handshake_timeout.is_zero() {
+            return Err(Error::BadSpec("a handshake needs more than no time".into()));
+        }
         let io_err = |e: io::Error| Error::Io { what: format!("cannot listen on {listen}"), source: e };
         let listener = match listen {
             Listen::Tcp(addr) => Listener::Tcp(TcpListener::bind(addr).map_err(io_err)?),
@@ -363,7 +411,17 @@ impl NbdServer {
                 Listener::Unix(UnixListener::bind(path).map_err(io_err)?, path.clone())
             }
         };
-        Ok(NbdServer { listener, store, config: Arc::new(config) })
+        let at = listen.to_string();
+        let notice = Arc::new(move |line: &str| eprintln!("ferry block: NBD server on {at}: {line}"));
+        Ok(NbdServer { listener, store, config: Arc::new(config), notice })
+    }
+
+    /// Where lines about the server itself go (connections closed or
+    /// refused because it is at its limits), at most one of a kind every
+    /// 10 s; standard error unless told otherwise.
+    pub fn on_notice(mut self, notice: impl Fn(&str) + Send + Sync + 'static) -> Self {
+        self.notice = Arc::new(notice);
+        self
     }
 
     /// Where the server listens (with the port the kernel picked).
@@ -379,58 +437,138 @@ impl NbdServer {
 
     /// Accept clients until the process ends, each on a thread of its
     /// own; `on_end` is told about each connection when it ends. Returns
-    /// only if the listening socket fails (running out of fds or memory
-    /// for a while is waited out).
+    /// only if the listening socket fails.
+    ///
+    /// A connection that has not finished its handshake within
+    /// [`ServerConfig::handshake_timeout`] is closed. At
+    /// [`ServerConfig::max_connections`], and when the process is out of
+    /// file descriptors or memory, the oldest connection still in its
+    /// handshake is closed to make room (a client that never negotiates
+    /// does not keep the others out); with none to close, a new client
+    /// is refused at the limit, and out of resources the server waits a
+    /// little and tries again (never spinning). Such events are told to
+    /// [`NbdServer::on_notice`].
     pub fn run(self, on_end: impl Fn(&ConnSummary) + Send + Sync + 'static) -> Result<(), Error> {
         let on_end = Arc::new(on_end);
+        let conns = Arc::new(Conns::default());
+        let mut notices = Notices::new(self.notice.clone());
+        let listen_err = |e: io::Error| Error::Io { what: "cannot accept clients".into(), source: e };
+        match &self.listener {
+            Listener::Tcp(l) => l.set_nonblocking(true),
+            Listener::Unix(l, _) => l.set_nonblocking(true),
+        }
+        .map_err(listen_err)?;
+        let listen_fd = match &self.listener {
+            Listener::Tcp(l) => l.as_raw_fd(),
+            Listener::Unix(l, _) => l.as_raw_fd(),
+        };
+        let cap = self.config.max_connections;
         let mut unix_peers = 0u64;
+        // The buffer of the next connection, made before it is accepted.
+        let mut spare: Option<(Allocator, Buffer)> = None;
+        let mut backoff = BACKOFF_MIN;
         loop {
+            let next_deadline = conns.expire(self.config.handshake_timeout);
+            // Wait for a client, or until the next handshake runs out.
+            let wait = next_deadline.map_or(ACCEPT_WAIT, |d| d.saturating_duration_since(Instant::now()));
+            let wait = rustix::event::Timespec::try_from(wait.min(ACCEPT_WAIT)).unwrap_or_default();
+            // SAFETY: the listening socket is open as long as `self`.
+            let lfd = unsafe { BorrowedFd::borrow_raw(listen_fd) };
+            let mut fds = [rustix::event::PollFd::new(&lfd, rustix::event::PollFlags::IN)];
+            match rustix::event::poll(&mut fds, Some(&wait)) {
+                Ok(0) | Err(rustix::io::Errno::INTR) => continue,
+                Ok(_) => {}
+                Err(e) => return Err(listen_err(e.into())),
+            }
+            // A client waits: its buffer first (then the connection needs
+            // no file descriptor once accepted).
+            if spare.is_none() {
+                match connection_buffer(self.config.max_payload) {
+                    Ok(b) => spare = Some(b),
+                    Err(why) => {
+                        out_of_resources(&conns, &mut notices, &why, &mut backoff);
+                        continue;
+                    }
+                }
+            }
             let accepted: io::Result<(Box<dyn Stream>, String, RawFd)> = match &self.listener {
-                Listener::Tcp(l) => l.accept().map(|(s, a)| {
+                Listener::Tcp(l) => l.accept().and_then(|(s, a)| {
+                    s.set_nonblocking(false)?;
                     let _ = s.set_nodelay(true);
+                    // Urgent data is ordinary data: no receive stops short at it.
+                    let _ = rustix::net::sockopt::set_socket_oobinline(&s, true);
                     if a.ip().is_loopback() {
                         // Fixed, so the kernel does not grow it (see the constant).
                         let _ = rustix::net::sockopt::set_socket_send_buffer_size(&s, LOOPBACK_SNDBUF);
                     }
                     let fd = s.as_raw_fd();
-                    (Box::new(s) as Box<dyn Stream>, format!("tcp:{a}"), fd)
+                    Ok((Box::new(s) as Box<dyn Stream>, format!("tcp:{a}"), fd))
                 }),
-                Listener::Unix(l, _) => l.accept().map(|(s, _)| {
+                Listener::Unix(l, _) => l.accept().and_then(|(s, _)| {
+                    s.set_nonblocking(false)?;
+                    let _ = rustix::net::sockopt::set_socket_oobinline(&s, true);
                     unix_peers += 1;
                     let fd = s.as_raw_fd();
-                    (Box::new(s) as Box<dyn Stream>, format!("unix#{unix_peers}"), fd)
+                    Ok((Box::new(s) as Box<dyn Stream>, format!("unix#{unix_peers}"), fd))
                 }),
             };
             let (stream, peer, fd) = match accepted {
                 Ok(x) => x,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 // The listening socket itself is unusable: nothing to wait for.
-                Err(e) if matches!(e.raw_os_error(), Some(9) | Some(22) | Some(88)) => {
-                    return Err(Error::Io { what: "cannot accept clients".into(), source: e });
-                }
-                // Out of fds or memory for a moment (many clients at once), or
-                // a client gone before it was accepted: wait a little and go
-                // on serving the others.
-                Err(_) => {
-                    std::thread::sleep(Duration::from_millis(10));
+                Err(e) if matches!(e.raw_os_error(), Some(9) | Some(22) | Some(88)) => return Err(listen_err(e)),
+                // Out of file descriptors (EMFILE, ENFILE) or memory (ENOMEM, ENOBUFS).
+                Err(e) if matches!(e.raw_os_error(), Some(24) | Some(23) | Some(12) | Some(105)) => {
+                    out_of_resources(&conns, &mut notices, &format!("cannot accept a client ({e})"), &mut backoff);
                     continue;
                 }
+                // A client gone before it was accepted, and the like.
+                Err(_) => continue,
             };
-            let (store, config, on_end) = (self.store.clone(), self.config.clone(), on_end.clone());
+            backoff = BACKOFF_MIN;
+            if conns.active() >= cap {
+                let why = format!("closed to make room at the limit of {cap} connections");
+                match conns.shed_oldest_handshaking(&why) {
+                    Some(shed) => notices.notice("shed at the limit", || {
+                        format!("at the limit of {cap} connections: closed {shed}, the oldest still in its handshake, to take {peer}")
+                    }),
+                    None => {
+                        notices.notice("refused at the limit", || {
+                            format!("at the limit of {cap} connections, all past their handshake: refused {peer}")
+                        });
+                        continue;
+                    }
+                }
+            }
+            let id = conns.add(fd, &peer);
+            let (store, config, on_end, conns_t) =
+                (self.store.clone(), self.config.clone(), on_end.clone(), conns.clone());
+            let buffer = spare.take();
             let spawned = std::thread::Builder::new().name(format!("nbd {peer}")).spawn(move || {
+                let mut stream = stream;
                 if config.batch_threads {
                     // If the system refuses, the thread stays as it was.
                     let _ = crate::sys::batch_scheduling();
                 }
-                // `fd` is the socket of `stream`, which `serve_socket` owns
-                // (and so keeps open) for as long as it uses `socket`.
+                // `fd` is the socket of `stream`, which this thread keeps
+                // open for as long as `serve_socket` uses `socket`.
                 let socket = Socket { fd };
-                let summary = serve_socket(stream, &*store, &config, peer, Some(socket));
+                let guard = Some(Guard { conns: &conns_t, id });
+                let mut summary = serve_socket(&mut stream, &*store, &config, peer, Some(socket), guard, buffer);
+                let closed = conns_t.remove(id);
+                drop(stream);
+                conns_t.closed_one();
+                if let Some(why) = closed {
+                    summary.end = format!("dropped: {why}");
+                }
                 on_end(&summary);
             });
             if spawned.is_err() {
-                // No thread for it: the client's connection closes with the
+                // No thread for it: the client's connection closed with the
                 // dropped closure.
-                std::thread::sleep(Duration::from_millis(10));
+                conns.remove(id);
+                conns.closed_one();
+                out_of_resources(&conns, &mut notices, "cannot start a thread", &mut backoff);
             }
         }
     }
@@ -450,6 +588,55 @@ impl Drop for NbdServer {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// Longest wait for a client before the accepting thread looks at the
+/// handshakes again.
+const ACCEPT_WAIT: Duration = Duration::from_secs(1);
+/// Waits of the accepting thread out of file descriptors or memory with
+/// no connection to close: from the first to the last, doubling.
+const BACKOFF_MIN: Duration = Duration::from_millis(10);
+const BACKOFF_MAX: Duration = Duration::from_millis(500);
+/// Wait for a closed connection to give back what it held.
+const SHED_WAIT: Duration = Duration::from_millis(200);
+
+/// The process is out of file descriptors or memory (`why`): close the
+/// oldest connection still in its handshake and wait for it to end, or,
+/// with none, wait a little (longer each time in a row).
+fn out_of_resources(conns: &Conns, notices: &mut Notices, why: &str, backoff: &mut Duration) {
+    let seen = conns.ends();
+    match conns.shed_oldest_handshaking(&format!("closed to make room: {why}")) {
+        Some(shed) => {
+            notices.notice("shed out of resources", || {
+                format!("{why}: closed {shed}, the oldest connection still in its handshake, to make room")
+            });
+            conns.wait_for_end(seen, SHED_WAIT);
+        }
+        None => {
+            notices.notice("out of resources", || {
+                format!("{why}, and every connection is past its handshake: new clients wait")
+            });
+            conns.wait_for_end(seen, *backoff);
+            *backoff = (*backoff * 2).min(BACKOFF_MAX);
+        }
+    }
+}
+
+/// A connection's pool of one buffer of `max_payload` bytes, in a domain
+/// of its own (its memory is only touched, and so only allocated, as far
+/// as requests reach).
+fn connection_buffer(max_payload: u32) -> Result<(Allocator, Buffer), String> {
+    let domain = Domain::new("nbd connection");
+    let pool = Allocator::new(&domain, 1, max_payload as usize, PoolConstraints::default())
+        .map_err(|e| format!("no buffer for a connection ({e})"))?;
+    let buffer = pool.alloc().ok_or_else(|| "the connection's pool is empty".to_string())?;
+    Ok((pool, buffer))
+}
+
+/// A connection's entry in its server's table of connections.
+struct Guard<'a> {
+    conns: &'a Conns,
+    id: u64,
 }
 
 /// Send buffer of a TCP connection to a client on the same machine
@@ -485,14 +672,16 @@ type Step<T> = Result<T, End>;
 
 /// Serve one client on `stream` until it disconnects or breaks the
 /// protocol; the summary says what it did. Never panics on anything the
-/// client sends.
+/// client sends. The handshake has no deadline here: a caller that takes
+/// clients it does not trust bounds the stream itself (as
+/// [`NbdServer::run`] does).
 pub fn serve_connection<S: Read + Write>(
     stream: S,
     store: &dyn Store,
     config: &ServerConfig,
     peer: String,
 ) -> ConnSummary {
-    serve_socket(stream, store, config, peer, None)
+    serve_socket(stream, store, config, peer, None, None, None)
 }
 
 /// The socket under a connection's stream, for what a byte stream cannot
@@ -540,6 +729,11 @@ impl Socket {
         }
     }
 
+    /// How many bytes wait on the socket (`FIONREAD`; 0 on an error).
+    fn waiting(&self) -> usize {
+        rustix::io::ioctl_fionread(self.fd()).map_or(0, |n| n as usize)
+    }
+
     /// Wait until something waits on the socket (or it ends or fails).
     fn wait_readable(&self) {
         let fd = self.fd();
@@ -578,6 +772,8 @@ fn serve_socket<S: Read + Write>(
     config: &ServerConfig,
     peer: String,
     socket: Option<Socket>,
+    guard: Option<Guard<'_>>,
+    buffer: Option<(Allocator, Buffer)>,
 ) -> ConnSummary {
     let started = Instant::now();
     let mut session = Session {
@@ -587,7 +783,7 @@ fn serve_socket<S: Read + Write>(
         structured: false,
         meta: false,
         no_zeroes: false,
-        buffer: None,
+        buffer,
         summary: ConnSummary { peer, ..ConnSummary::default() },
         socket,
         landed: false,
@@ -602,6 +798,9 @@ fn serve_socket<S: Read + Write>(
         small: true,
     };
     let end = session.handshake().and_then(|()| {
+        if guard.is_some_and(|g| !g.conns.enter_transmission(g.id)) {
+            return Err(End::Hard("closed by the server".into()));
+        }
         session.summary.transmission = true;
         let end = session.transmission();
         if end.is_err() {
@@ -710,18 +909,38 @@ fn nbd_errno(e: &io::Error) -> u32 {
     }
 }
 
-/// Fill all of `parts` (one `readv` in the common case).
-fn read_all_parts<R: Read>(r: &mut R, parts: &mut [IoSliceMut<'_>]) -> io::Result<()> {
+/// Fill all of `parts` (one `readv` in the common case); on an error,
+/// also how many bytes arrived before it.
+fn read_parts_counted<R: Read>(r: &mut R, parts: &mut [IoSliceMut<'_>]) -> Result<(), (usize, io::Error)> {
     let mut parts = parts;
-    while !parts.is_empty() {
+    let mut arrived = 0;
+    while parts.iter().any(|p| !p.is_empty()) {
         match r.read_vectored(parts) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => IoSliceMut::advance_slices(&mut parts, n),
+            Ok(0) => return Err((arrived, io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => {
+                arrived += n;
+                IoSliceMut::advance_slices(&mut parts, n);
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            Err(e) => return Err((arrived, e)),
         }
     }
     Ok(())
+}
+
+/// Sectors of the export: a write the client does not send whole (it goes
+/// away in the middle of the payload, without a reply) is applied in
+/// whole sectors from its start — each sector it covers holds either all
+/// the bytes the write has for it or none of them — whatever the store
+/// and however the payload was received.
+pub const SECTOR: usize = 512;
+
+/// Of a payload for `offset` of which `arrived` bytes are here, the bytes
+/// that end on a sector boundary of the export (the part a write cut off
+/// there is applied with).
+fn whole_sectors(offset: u64, arrived: usize) -> usize {
+    let end = offset + arrived as u64;
+    (end - end % SECTOR as u64).saturating_sub(offset) as usize
 }
 
 /// Write all of `parts` (one `writev` in the common case).
@@ -951,19 +1170,12 @@ impl<S: Read + Write> Session<'_, S> {
 
     // ----- transmission -----
 
-    /// The connection's buffer, made on first use: a pool of one buffer of
-    /// `max_payload` bytes in a domain of this connection (its memory is
-    /// only touched, and so only allocated, as far as requests reach).
+    /// The connection's buffer ([`connection_buffer`]): made before the
+    /// connection was accepted when [`NbdServer::run`] serves it, else on
+    /// first use.
     fn buffer(&mut self) -> Step<&mut Buffer> {
         if self.buffer.is_none() {
-            let domain = Domain::new("nbd connection");
-            let made = Allocator::new(&domain, 1, self.config.max_payload as usize, PoolConstraints::default())
-                .map_err(|e| End::Hard(format!("no pool for the connection ({e})")))
-                .and_then(|a| {
-                    let b = a.alloc().ok_or_else(|| End::Hard("the connection's pool is empty".into()))?;
-                    Ok((a, b))
-                })?;
-            self.buffer = Some(made);
+            self.buffer = Some(connection_buffer(self.config.max_payload).map_err(End::Hard)?);
         }
         Ok(&mut self.buffer.as_mut().expect("made just now").1)
     }
@@ -1098,7 +1310,16 @@ impl<S: Read + Write> Session<'_, S> {
                 let mut head = [0u8; 28];
                 let (_, buf) = self.buffer.as_mut().expect("made just now");
                 let mem = buf.as_mut_slice().map_err(|e| io::Error::other(e.to_string()))?;
-                read_all_parts(&mut self.stream, &mut [IoSliceMut::new(&mut head), IoSliceMut::new(&mut mem[..len])])?;
+                let read = read_parts_counted(
+                    &mut self.stream,
+                    &mut [IoSliceMut::new(&mut head), IoSliceMut::new(&mut mem[..len])],
+                );
+                if let Err((arrived, e)) = read {
+                    if arrived > 28 {
+                        self.apply_cut_write(&head, arrived - 28);
+                    }
+                    return Err(e);
+                }
                 self.payload_read = true;
                 return Ok(head);
             }
@@ -1192,14 +1413,23 @@ impl<S: Read + Write> Session<'_, S> {
         let mem = buf.as_mut_slice().map_err(|e| io::Error::other(e.to_string()))?;
         let room = mem.len();
         let mut done = 0;
+        let mut cut = None;
         while done < len {
             let at = done % room;
             let n = (len - done).min(room - at);
             let ahead = (*in_end - *in_at).min(n);
             mem[at..at + ahead].copy_from_slice(&inbuf[*in_at..*in_at + ahead]);
             *in_at += ahead;
-            stream.read_exact(&mut mem[at + ahead..at + n])?;
+            if let Err((arrived, e)) = read_parts_counted(stream, &mut [IoSliceMut::new(&mut mem[at + ahead..at + n])])
+            {
+                cut = Some((done + ahead + arrived, e));
+                break;
+            }
             done += n;
+        }
+        if let Some((arrived, e)) = cut {
+            self.apply_cut_write(&head, arrived);
+            return Err(e);
         }
         self.payload_read = true;
         Ok(Some(head))
@@ -1209,11 +1439,15 @@ impl<S: Read + Write> Session<'_, S> {
     /// into the store, if the store hands out its memory and the request
     /// is valid: then the header read, else `None` and nothing read. The
     /// payload is taken as it arrives, with receives that do not wait
-    /// (header and payload in one when they wait together); between them
+    /// (header and payload in one when they wait together), each of the
+    /// bytes that wait: the store's memory is made ready for those only,
+    /// so a payload announced and not sent costs nothing. Between them
     /// the server waits for more with the store let go, so a client that
-    /// sends slowly holds no part of it. (A concurrent read of the range
-    /// may see part of the new bytes, as NBD allows for overlapping
-    /// requests in flight.)
+    /// sends slowly holds no part of it. The store gets whole sectors of
+    /// the export (see [`SECTOR`]): bytes that do not yet complete one
+    /// wait here, and are dropped if the client goes away. (A concurrent
+    /// read of the range may see part of the new sectors, as NBD allows
+    /// for overlapping requests in flight.)
     fn land_write(&mut self, head: &[u8; 28]) -> io::Result<Option<[u8; 28]>> {
         if self.socket.is_none() {
             return Ok(None);
@@ -1230,38 +1464,113 @@ impl<S: Read + Write> Session<'_, S> {
             return Ok(None);
         }
         let store = self.store;
+        // An empty range tells whether the store takes direct writes.
+        if store.write_direct(offset, 0, &mut |_| Ok(())).is_none() {
+            return Ok(None);
+        }
         let mut got = [0u8; 28];
-        // Bytes of header and payload taken.
-        let mut have = 0;
-        while have < 28 + len {
-            let done = have.saturating_sub(28);
-            let mut taken = None;
-            let socket = self.socket.as_ref().expect("checked above");
-            let landed = store.write_direct(offset + done as u64, len - done, &mut |parts| {
-                let mut all: Vec<IoSliceMut<'_>> = Vec::with_capacity(parts.len() + 1);
-                if have < 28 {
-                    all.push(IoSliceMut::new(&mut got[have..]));
-                }
-                all.extend(parts.iter_mut().map(|p| IoSliceMut::new(&mut p[..])));
-                taken = socket.recv_now(&mut all)?;
-                Ok(())
-            });
-            match landed {
-                None if have == 0 => return Ok(None),
-                None => return Err(io::Error::other("the store no longer takes the write's payload")),
-                Some(r) => r?,
+        let mut head_have = 0;
+        // Payload bytes in the store, and bytes taken after them that do
+        // not complete a sector yet.
+        let mut applied = 0;
+        let mut carry = [0u8; SECTOR];
+        let mut carried = 0;
+        while head_have < 28 || applied < len {
+            let mut waiting = self.socket.as_ref().expect("checked above").waiting();
+            if waiting == 0 {
+                // The replies go before the server waits for more.
+                self.flush_replies()?;
+                let socket = self.socket.as_ref().expect("checked above");
+                socket.wait_readable();
+                waiting = socket.waiting();
             }
-            match taken {
-                Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Some(n) => have += n,
-                None => {
-                    // The replies go before the server waits for more.
-                    self.flush_replies()?;
-                    self.socket.as_ref().expect("checked above").wait_readable();
+            let socket = self.socket.as_ref().expect("checked above");
+            let head_want = 28 - head_have;
+            let taken = applied + carried;
+            let coming = waiting.saturating_sub(head_want).min(len - taken);
+            let reach = taken + coming;
+            let upto = if reach == len { len } else { whole_sectors(offset, reach) };
+            if upto > applied {
+                // Whole sectors: straight into the store's memory, the
+                // carried bytes first, then what waits on the socket.
+                let want = head_want + (upto - taken);
+                let mut arrived = 0;
+                let landed = store.write_direct(offset + applied as u64, upto - applied, &mut |parts| {
+                    let mut all: Vec<IoSliceMut<'_>> = Vec::with_capacity(parts.len() + 1);
+                    all.push(IoSliceMut::new(&mut got[head_have..]));
+                    let mut skip = carried;
+                    for p in parts.iter_mut() {
+                        let n = skip.min(p.len());
+                        p[..n].copy_from_slice(&carry[carried - skip..carried - skip + n]);
+                        skip -= n;
+                        all.push(IoSliceMut::new(&mut p[n..]));
+                    }
+                    // The kernel hands over every byte it counts as
+                    // waiting; a second receive only if the first stops
+                    // short all the same.
+                    let mut rest = &mut all[..];
+                    while arrived < want {
+                        match socket.recv_now(rest)? {
+                            Some(0) | None => break,
+                            Some(n) => {
+                                arrived += n;
+                                IoSliceMut::advance_slices(&mut rest, n);
+                            }
+                        }
+                    }
+                    Ok(())
+                });
+                match landed {
+                    Some(r) => r?,
+                    None => return Err(io::Error::other("the store no longer takes the write's payload")),
+                }
+                let from_head = arrived.min(head_want);
+                head_have += from_head;
+                let now = taken + arrived - from_head;
+                self.summary.landed_bytes += (now - taken) as u64;
+                if now == upto {
+                    applied = upto;
+                    carried = 0;
+                } else {
+                    // Short of what waited: the bytes past the last whole
+                    // sector are carried (and the sector completed with
+                    // them) like any others.
+                    let whole = whole_sectors(offset, now).max(applied);
+                    carried = now - whole;
+                    applied = whole;
+                    store.read_at(offset + applied as u64, &mut carry[..carried])?;
+                    if arrived == 0 {
+                        return Err(io::Error::other("the socket counts bytes that cannot be received"));
+                    }
+                }
+            } else {
+                // Fewer bytes than complete a sector (or none: the end of
+                // the stream or an error, which a receive tells): they
+                // wait here.
+                let to_boundary = SECTOR - ((offset + taken as u64) % SECTOR as u64) as usize;
+                let room = if coming > 0 { coming } else { to_boundary.min(len - taken) };
+                let mut parts =
+                    [IoSliceMut::new(&mut got[head_have..]), IoSliceMut::new(&mut carry[carried..carried + room])];
+                match socket.recv_now(&mut parts)? {
+                    Some(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    Some(n) => {
+                        let from_head = n.min(head_want);
+                        head_have += from_head;
+                        carried += n - from_head;
+                    }
+                    None if waiting > 0 => {
+                        return Err(io::Error::other("the socket counts bytes that cannot be received"))
+                    }
+                    // Woken without data: wait again.
+                    None => {}
+                }
+                if carried > 0 && (applied + carried == len || whole_sectors(offset, applied + carried) > applied) {
+                    store.write_at(offset + applied as u64, &carry[..carried], false)?;
+                    applied += carried;
+                    carried = 0;
                 }
             }
         }
-        self.summary.landed_bytes += len as u64;
         Ok(Some(got))
     }
 
@@ -1330,6 +1639,29 @@ impl<S: Read + Write> Session<'_, S> {
             }
         }
         write_all_parts(&mut self.stream, &mut parts)
+    }
+
+    /// A write whose header is `head` was cut off after `arrived` bytes of
+    /// its payload, which are at the start of the connection's buffer:
+    /// apply its whole sectors (see [`SECTOR`]) if the write is one the
+    /// server would have carried out.
+    fn apply_cut_write(&mut self, head: &[u8; 28], arrived: usize) {
+        let flags = u16::from_be_bytes(head[4..6].try_into().expect("2 bytes"));
+        let offset = u64::from_be_bytes(head[16..24].try_into().expect("8 bytes"));
+        let len = u32::from_be_bytes(head[24..].try_into().expect("4 bytes"));
+        if flags & !CMD_FLAG_FUA != 0
+            || self.config.read_only
+            || len > self.config.max_payload
+            || arrived >= len as usize
+            || !self.in_bounds(offset, len)
+        {
+            return;
+        }
+        let keep = whole_sectors(offset, arrived);
+        if let (Some((_, buf)), true) = (&self.buffer, keep > 0) {
+            // The client is gone: nobody to tell if the store fails.
+            let _ = self.store.write_at(offset, &buf[..keep], false);
+        }
     }
 
     fn in_bounds(&self, offset: u64, len: u32) -> bool {
@@ -1551,7 +1883,14 @@ impl<S: Read + Write> Session<'_, S> {
             return Ok(self.error(req.handle, EINVAL, "write larger than the maximum block size")?);
         }
         if !payload_read {
-            stream.read_exact(&mut mem[..len])?;
+            if let Err((arrived, e)) = read_parts_counted(stream, &mut [IoSliceMut::new(&mut mem[..len])]) {
+                let mut head = [0u8; 28];
+                head[4..6].copy_from_slice(&req.flags.to_be_bytes());
+                head[16..24].copy_from_slice(&req.offset.to_be_bytes());
+                head[24..].copy_from_slice(&req.len.to_be_bytes());
+                self.apply_cut_write(&head, arrived);
+                return Err(e.into());
+            }
         }
         if req.flags & !CMD_FLAG_FUA != 0 {
             return Ok(self.error(req.handle, EINVAL, "flag not valid for NBD_CMD_WRITE")?);

@@ -75,7 +75,8 @@ pub trait Store: Send + Sync {
     /// the store cannot (the caller then uses [`Store::write_at`]); else
     /// what `fill` returned (on an error the range holds some of the new
     /// bytes). A store that keeps data in memory implements it;
-    /// the default says `None`.
+    /// the default says `None`. An empty range (`len` 0) makes nothing
+    /// ready and tells whether the store takes direct writes at all.
     fn write_direct(
         &self,
         _offset: u64,

@@ -80,6 +80,15 @@ struct ServeArgs {
     /// The export's name (the default export is "").
     #[arg(long, default_value = "", value_parser = export_arg)]
     export: String,
+    /// Most NBD connections served at once, per --nbd address. A client that
+    /// comes at the limit closes the oldest connection still in its
+    /// handshake; with every one past it, the client is refused.
+    #[arg(long, default_value_t = ferry_block::DEFAULT_MAX_CONNECTIONS, value_parser = connections_arg)]
+    max_connections: usize,
+    /// Seconds an NBD client has from connecting to the end of its
+    /// handshake before its connection is closed (e.g. 10, 0.5).
+    #[arg(long, default_value = "10", value_parser = seconds_arg)]
+    handshake_timeout: std::time::Duration,
 }
 
 fn store_arg(s: &str) -> Result<StoreSpec, String> {
@@ -98,6 +107,20 @@ fn listen_arg(s: &str) -> Result<Listen, String> {
 
 fn size_arg(s: &str) -> Result<u64, String> {
     parse_size(s)
+}
+
+fn connections_arg(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err("give a whole number of connections, at least 1".into()),
+    }
+}
+
+fn seconds_arg(s: &str) -> Result<std::time::Duration, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 86_400.0 => Ok(std::time::Duration::from_secs_f64(x)),
+        _ => Err("give a number of seconds above 0, at most 86400 (e.g. 10 or 0.5)".into()),
+    }
 }
 
 fn export_arg(s: &str) -> Result<String, String> {
@@ -137,6 +160,8 @@ fn serve(a: &ServeArgs) -> Result<(), CliError> {
         description: format!("Ferry block store: {description}"),
         read_only: a.read_only,
         batch_threads: !a.no_batch_threads,
+        max_connections: a.max_connections,
+        handshake_timeout: a.handshake_timeout,
         ..ServerConfig::default()
     };
     let mut servers = Vec::new();

@@ -5,17 +5,18 @@
 //! kernel moves its pages to the destination itself (`sendfile`).
 
 use std::io::IsTerminal;
-use std::net::{TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use ferry::{Allocator, Domain, PoolConstraints};
-use ferry_io::{Chunk, Done, Filled, IoError, Kind, Port, Ring};
+use ferry_io::{Chunk, Completion, Done, Filled, IoError, Kind, Port, Ring};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::args::whole;
 use crate::CliError;
 
 /// Buffers in the pool of `ferry cp`.
@@ -25,6 +26,11 @@ pub const BUFFER_SIZE: usize = 1 << 20;
 /// Buffers one read fills at most (the other half of the pool is free for
 /// the next read while these are written).
 const BATCH: usize = 8;
+/// Seconds a socket peer may go without sending or taking a byte, and a
+/// connect may take, unless `--timeout` says otherwise.
+pub const DEFAULT_TIMEOUT_SECS: u64 = 30;
+/// The largest `--timeout` (a day).
+const MAX_TIMEOUT_SECS: u64 = 86_400;
 
 /// Arguments of `ferry cp`.
 #[derive(Debug, Args)]
@@ -40,7 +46,15 @@ const BATCH: usize = 8;
     (sendfile: the kernel sends the file's pages, or copies them once to a file); into a file from a\n\
     socket or pipe, the writes run on an io_uring queue beside the reads. A progress bar is shown when\n\
     standard error is a terminal; a summary line (bytes, time, GB/s) goes to standard error.\n\
-    Exit status 0 only when every byte was copied; otherwise 1, with one line naming the file.")]
+    Over a socket, a peer that sends nothing (receiving) or takes nothing (sending) for --timeout\n\
+    seconds (default 30; 0: no limit), or a connect that gets no answer that long, ends the copy;\n\
+    the wait for a sender to connect to a listening SRC is not limited.\n\n\
+    Exit status 0 only when every byte was copied; otherwise 1, with one line that names the file or\n\
+    socket that failed and why: a receiver that closed or reset the connection, a sender that stopped\n\
+    before the end mark or reset it, a peer past the timeout, a full device. A receiver's line says\n\
+    how many bytes are in the destination file (\"the copy is incomplete (N bytes written to DST)\"),\n\
+    a sender's how many it had sent. A sender's exit 0 means every byte went out on the socket with\n\
+    the end mark; only the receiver's exit 0 says they are all in DST. A bad command line exits 2.")]
 pub struct CpArgs {
     /// What to copy.
     pub src: String,
@@ -53,6 +67,18 @@ pub struct CpArgs {
     /// No summary line, no "listening on" line.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Seconds a socket peer may send or take nothing, and a connect may
+    /// wait for an answer, before the copy fails (0: no limit).
+    #[arg(allow_negative_numbers = true, long, value_name = "SECONDS", default_value_t = DEFAULT_TIMEOUT_SECS,
+          value_parser = whole::<u64>(0, MAX_TIMEOUT_SECS))]
+    pub timeout: u64,
+}
+
+impl CpArgs {
+    /// The limit on a stalled socket; `None`: no limit.
+    fn limit(&self) -> Option<Duration> {
+        (self.timeout > 0).then(|| Duration::from_secs(self.timeout))
+    }
 }
 
 /// One side of a copy, as written on the command line.
@@ -86,6 +112,142 @@ fn failed(e: IoError, copied: u64) -> CliError {
     }
 }
 
+/// `n` bytes for people: exact, with MiB beside a large count.
+fn amount(n: u64) -> String {
+    if n >= 1 << 20 {
+        format!("{n} bytes ({:.1} MiB)", n as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{n} bytes")
+    }
+}
+
+/// Whether `e` is the `--timeout` of a socket running out.
+fn timed_out(e: &IoError) -> bool {
+    matches!(e, IoError::TimedOut { .. })
+}
+
+/// The `--timeout` in words.
+fn seconds(limit: Option<Duration>) -> String {
+    limit.map_or_else(|| "no limit".to_string(), |d| format!("{} s", d.as_secs()))
+}
+
+/// The line for a write to `output` that failed with `e` after `sent`
+/// bytes of the copy. To a socket it names the receiver and what it did
+/// (closed, reset, stalled), never the source; elsewhere the error as it is.
+fn send_failed(e: IoError, output: &Port, sent: u64, limit: Option<Duration>) -> CliError {
+    if output.kind() != Kind::Stream {
+        return failed(e, sent);
+    }
+    let why = match &e {
+        IoError::ConnectionReset { .. } => {
+            format!("the receiver closed the connection after {} (connection reset by peer)", amount(sent))
+        }
+        IoError::BrokenPipe { .. } => {
+            format!("the receiver closed the connection after {} (broken pipe)", amount(sent))
+        }
+        e if timed_out(e) => {
+            format!("the receiver took nothing for {} after {} (timeout, see --timeout)", seconds(limit), amount(sent))
+        }
+        _ => return failed(e, sent),
+    };
+    CliError::Failed(format!("{}: {why}; the copy is incomplete", output.name()))
+}
+
+/// Why reading the source of a copy stopped.
+#[derive(Debug)]
+enum ReadFailure {
+    /// The source failed.
+    Io(IoError),
+    /// A framed stream ended between batches, without the end mark.
+    Stopped,
+    /// A framed stream announced a batch no `ferry cp` sends.
+    NotFerry(u64),
+}
+
+impl ReadFailure {
+    /// `SOURCE: what happened`, in the words of the side that failed: from
+    /// a socket, what the sender did (stopped, reset, went silent).
+    fn describe(&self, input: &Port, framed: bool, limit: Option<Duration>) -> String {
+        let name = input.name();
+        let stream = input.kind() == Kind::Stream;
+        match self {
+            ReadFailure::Stopped => format!("{name}: the sender closed the connection before the end of the copy"),
+            ReadFailure::NotFerry(len) => format!("{name}: not a `ferry cp` sender (a batch of {len} bytes announced)"),
+            ReadFailure::Io(IoError::UnexpectedEof { missing, .. }) if framed => {
+                format!(
+                    "{name}: the sender closed the connection in the middle of a batch, {missing} bytes short of it"
+                )
+            }
+            ReadFailure::Io(IoError::ConnectionReset { .. }) if stream => {
+                format!("{name}: the sender reset the connection before the end of the copy (connection reset by peer)")
+            }
+            ReadFailure::Io(e) if stream && timed_out(e) => {
+                format!("{name}: the sender sent nothing for {} (timeout, see --timeout)", seconds(limit))
+            }
+            ReadFailure::Io(e) => e.to_string(),
+        }
+    }
+}
+
+/// The line for a copy whose source failed (`why`, from
+/// [`ReadFailure::describe`]) with `written` bytes in the destination `dst`.
+fn receive_failed(why: String, written: u64, dst: &str) -> CliError {
+    if written == 0 {
+        CliError::Failed(format!("{why}; nothing was copied"))
+    } else {
+        CliError::Failed(format!("{why}; the copy is incomplete ({written} bytes written to {dst})"))
+    }
+}
+
+/// The line for a socket whose connect timeout could not be set.
+fn no_timeout(name: &str, e: std::io::Error) -> CliError {
+    CliError::Failed(format!("{name}: cannot set the timeout: {e}; nothing was copied"))
+}
+
+/// Connect to `addr` (each of its addresses in turn), each attempt
+/// waiting at most `limit`.
+fn connect_tcp(addr: &str, name: &str, limit: Option<Duration>) -> Result<TcpStream, CliError> {
+    let cannot = |why: String| CliError::Failed(format!("{name}: cannot connect: {why}; nothing was copied"));
+    let addrs = addr.to_socket_addrs().map_err(|e| cannot(e.to_string()))?;
+    let mut last = None;
+    for a in addrs {
+        let attempt = match limit {
+            Some(t) => TcpStream::connect_timeout(&a, t),
+            None => TcpStream::connect(a),
+        };
+        match attempt {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(cannot(match last {
+        Some(e) if e.kind() == std::io::ErrorKind::TimedOut && limit.is_some() => {
+            format!("no answer within {} (timeout, see --timeout)", seconds(limit))
+        }
+        Some(e) => e.to_string(),
+        None => "the name has no address".to_string(),
+    }))
+}
+
+/// Connect to the Unix socket `path`, waiting at most `limit` (a listener
+/// whose queue is full keeps a connect waiting; the send timeout bounds it).
+fn connect_unix(path: &Path, name: &str, limit: Option<Duration>) -> Result<UnixStream, CliError> {
+    use rustix::net::sockopt::{set_socket_timeout, Timeout};
+    use rustix::net::{connect, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let cannot = |why: String| CliError::Failed(format!("{name}: cannot connect: {why}; nothing was copied"));
+    let fd = socket_with(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None)
+        .map_err(|e| cannot(std::io::Error::from(e).to_string()))?;
+    set_socket_timeout(&fd, Timeout::Send, limit).map_err(|e| no_timeout(name, e.into()))?;
+    let at = SocketAddrUnix::new(path).map_err(|e| cannot(std::io::Error::from(e).to_string()))?;
+    match connect(&fd, &at) {
+        Ok(()) => Ok(UnixStream::from(fd)),
+        Err(rustix::io::Errno::AGAIN) if limit.is_some() => {
+            Err(cannot(format!("no answer within {} (timeout, see --timeout)", seconds(limit))))
+        }
+        Err(e) => Err(cannot(std::io::Error::from(e).to_string())),
+    }
+}
+
 fn open_source(place: &Place, name: &str, direct: bool, quiet: bool) -> Result<Port, CliError> {
     let port = match place {
         Place::Std => Port::stdin(),
@@ -98,6 +260,8 @@ fn open_source(place: &Place, name: &str, direct: bool, quiet: bool) -> Result<P
                 let at = l.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| addr.clone());
                 eprintln!("ferry cp: listening on tcp:{at}");
             }
+            // The wait for a sender is not limited: the receiver is
+            // started first, the sender whenever its user gets to it.
             let (s, _) = l.accept().map_err(|e| {
                 CliError::Failed(format!("{name}: accepting a connection failed: {e}; nothing was copied"))
             })?;
@@ -121,19 +285,17 @@ fn open_source(place: &Place, name: &str, direct: bool, quiet: bool) -> Result<P
     port.map_err(|e| failed(e, 0))
 }
 
-fn open_destination(place: &Place, name: &str, direct: bool) -> Result<Port, CliError> {
+fn open_destination(place: &Place, name: &str, direct: bool, limit: Option<Duration>) -> Result<Port, CliError> {
     let port = match place {
         Place::Std => Port::stdout(),
         Place::File(p) if direct => Port::create_direct(p),
         Place::File(p) => Port::create(p),
         Place::Tcp(addr) => {
-            let s = TcpStream::connect(addr.as_str())
-                .map_err(|e| CliError::Failed(format!("{name}: cannot connect: {e}; nothing was copied")))?;
+            let s = connect_tcp(addr, name, limit)?;
             Port::from_fd(s, name)
         }
         Place::Unix(path) => {
-            let s = UnixStream::connect(path)
-                .map_err(|e| CliError::Failed(format!("{name}: cannot connect: {e}; nothing was copied")))?;
+            let s = connect_unix(path, name, limit)?;
             Port::from_fd(s, name)
         }
     };
@@ -148,22 +310,17 @@ fn framed(place: &Place) -> bool {
 }
 
 /// The next batch of filled buffers; empty at the end of the input.
-fn read_batch(input: &mut Port, alloc: &Allocator, framed: bool, copied: u64) -> Result<Vec<Filled>, CliError> {
+fn read_batch(input: &mut Port, alloc: &Allocator, framed: bool) -> Result<Vec<Filled>, ReadFailure> {
     if !framed {
         // Files are read in full batches; a pipe, socket or terminal gives
         // what it has, so the data flows on as it comes.
         let read = if input.kind() == Kind::File { input.read(alloc, BATCH) } else { input.read_some(alloc, BATCH) };
-        return read.map_err(|e| failed(e, copied));
+        return read.map_err(ReadFailure::Io);
     }
     let header = match input.read_exact(alloc, 8) {
         Ok(h) => h,
-        Err(IoError::UnexpectedEof { .. }) => {
-            return Err(CliError::Failed(format!(
-                "{}: the sender stopped after {copied} bytes, before the end of the copy; the copy is incomplete",
-                input.name()
-            )))
-        }
-        Err(e) => return Err(failed(e, copied)),
+        Err(IoError::UnexpectedEof { .. }) => return Err(ReadFailure::Stopped),
+        Err(e) => return Err(ReadFailure::Io(e)),
     };
     let mut word = [0u8; 8];
     word.copy_from_slice(&header[0].bytes()[..8]);
@@ -173,16 +330,15 @@ fn read_batch(input: &mut Port, alloc: &Allocator, framed: bool, copied: u64) ->
         return Ok(Vec::new());
     }
     if len > (BATCH * BUFFER_SIZE) as u64 {
-        return Err(CliError::Failed(format!(
-            "{}: not a `ferry cp` sender (a batch of {len} bytes announced); the copy is incomplete ({copied} bytes written)",
-            input.name()
-        )));
+        return Err(ReadFailure::NotFerry(len));
     }
-    input.read_exact(alloc, len).map_err(|e| failed(e, copied))
+    input.read_exact(alloc, len).map_err(ReadFailure::Io)
 }
 
 /// Write a batch (framed: after its length); returns the payload bytes
-/// written. An empty framed batch is the end mark.
+/// written. An empty framed batch is the end mark. On error, the payload
+/// bytes of the batch that did go out are `output.offset()` past where it
+/// was, less the 8 of the length when framed ([`payload`]).
 fn write_batch(output: &mut Port, alloc: &Allocator, framed: bool, filled: Vec<Filled>) -> Result<u64, IoError> {
     if !framed {
         return output.write(filled);
@@ -196,52 +352,114 @@ fn write_batch(output: &mut Port, alloc: &Allocator, framed: bool, filled: Vec<F
     Ok(output.write(chunks)? - 8)
 }
 
+/// Payload bytes among `moved` bytes of one [`write_batch`].
+fn payload(moved: u64, framed: bool) -> u64 {
+    if framed {
+        moved.saturating_sub(8)
+    } else {
+        moved
+    }
+}
+
+/// Count the bytes of finished writes into `written`; the first failure
+/// among them, if any (every success is counted all the same).
+fn tally(done: Vec<Completion>, written: &mut u64) -> Option<IoError> {
+    let mut first = None;
+    for c in done {
+        match c.result {
+            Ok(Done::Written(n)) => *written += n,
+            Ok(Done::Read(_)) => {}
+            Err(e) => {
+                first.get_or_insert(e);
+            }
+        }
+    }
+    first
+}
+
+/// Wait for every write in flight on `ring`, counting what they wrote, so
+/// a failed copy reports what is in the destination; the first failure.
+fn drain(ring: &mut Ring, written: &mut u64) -> Option<IoError> {
+    let mut first = None;
+    while ring.in_flight() > 0 {
+        match ring.wait(None) {
+            Ok(done) => {
+                if let Some(e) = tally(done, written) {
+                    first.get_or_insert(e);
+                }
+            }
+            Err(e) => {
+                // The ring itself failed: its drop waits for the rest.
+                first.get_or_insert(e);
+                break;
+            }
+        }
+    }
+    first
+}
+
 /// A socket, pipe or standard input into a file: the writes go on an
 /// io_uring [`Ring`] (the pool registered as fixed buffers), so the file
 /// writes of one batch run while the next batch is read; the pool's other
-/// half holds the batch being read. Returns the bytes written.
+/// half holds the batch being read. Returns the bytes written. On failure
+/// every write in flight is waited for first, so the line counts the bytes
+/// that are in `dst`.
 fn receive_into_file(
     input: &mut Port,
     output: &mut Port,
     alloc: &Allocator,
     framed: bool,
     bar: Option<&ProgressBar>,
+    limit: Option<Duration>,
+    dst: &str,
 ) -> Result<u64, CliError> {
     let mut ring = Ring::new(32).map_err(|e| failed(e, 0))?;
     ring.register(alloc);
     let (mut submitted, mut written) = (0u64, 0u64);
-    let collect = |ring: &mut Ring, written: &mut u64, block: bool| -> Result<(), CliError> {
-        let done = if block { ring.wait(None) } else { ring.completions() }.map_err(|e| failed(e, *written))?;
-        for c in done {
-            match c.result {
-                Ok(Done::Written(n)) => *written += n,
-                Ok(Done::Read(_)) => {}
-                Err(e) => return Err(failed(e, *written)),
-            }
-        }
-        Ok(())
+    let write_failed = |ring: &mut Ring, e: IoError, written: &mut u64| {
+        drain(ring, written);
+        failed(e, *written)
     };
     loop {
         // A framed batch needs BATCH buffers and one for its header.
         while alloc.available() < BATCH + 1 && ring.in_flight() > 0 {
-            collect(&mut ring, &mut written, true)?;
+            let done = ring.wait(None);
+            match done.map(|d| tally(d, &mut written)) {
+                Ok(None) => {}
+                Ok(Some(e)) | Err(e) => return Err(write_failed(&mut ring, e, &mut written)),
+            }
         }
-        let filled = read_batch(input, alloc, framed, written)?;
+        let filled = match read_batch(input, alloc, framed) {
+            Ok(f) => f,
+            Err(why) => {
+                // What the writes in flight put in the file counts too.
+                let write_error = drain(&mut ring, &mut written);
+                return Err(match write_error {
+                    Some(e) => failed(e, written),
+                    None => receive_failed(why.describe(input, framed, limit), written, dst),
+                });
+            }
+        };
         if filled.is_empty() {
             break;
         }
         for f in filled {
             let len = f.len as u64;
-            ring.submit_write(output, Some(submitted), f, submitted).map_err(|e| failed(e, written))?;
+            if let Err(e) = ring.submit_write(output, Some(submitted), f, submitted) {
+                return Err(write_failed(&mut ring, e, &mut written));
+            }
             submitted += len;
         }
-        collect(&mut ring, &mut written, false)?;
+        match ring.completions().map(|d| tally(d, &mut written)) {
+            Ok(None) => {}
+            Ok(Some(e)) | Err(e) => return Err(write_failed(&mut ring, e, &mut written)),
+        }
         if let Some(b) = bar {
             b.set_position(written);
         }
     }
-    while ring.in_flight() > 0 {
-        collect(&mut ring, &mut written, true)?;
+    if let Some(e) = drain(&mut ring, &mut written) {
+        return Err(failed(e, written));
     }
     Ok(written)
 }
@@ -253,15 +471,19 @@ fn send_file_plain(
     output: &mut Port,
     bar: Option<&ProgressBar>,
     copied: &mut u64,
+    limit: Option<Duration>,
 ) -> Result<bool, CliError> {
+    let start = output.offset();
     loop {
         match output.send_from(input, 64 << 20) {
             Ok(0) => return Ok(true),
             Ok(n) => *copied += n,
-            Err(IoError::Os { source, .. }) if *copied == 0 && source.raw_os_error() == Some(libc::EINVAL) => {
+            Err(IoError::Os { source, .. })
+                if output.offset() == start && source.raw_os_error() == Some(libc::EINVAL) =>
+            {
                 return Ok(false)
             }
-            Err(e) => return Err(failed(e, *copied)),
+            Err(e) => return Err(send_failed(e, output, output.offset() - start, limit)),
         }
         if let Some(b) = bar {
             b.set_position(*copied);
@@ -272,7 +494,13 @@ fn send_file_plain(
 /// Send the rest of the file `input` on the stream `output` in framed
 /// batches, each moved by the kernel without passing through user memory.
 /// Returns the payload bytes sent.
-fn send_file_framed(input: &mut Port, output: &mut Port, bar: Option<&ProgressBar>) -> Result<u64, CliError> {
+fn send_file_framed(
+    input: &mut Port,
+    output: &mut Port,
+    bar: Option<&ProgressBar>,
+    limit: Option<Duration>,
+) -> Result<u64, CliError> {
+    let start = input.offset();
     let mut copied = 0u64;
     loop {
         let size = rustix::fs::fstat(&*input)
@@ -287,8 +515,10 @@ fn send_file_framed(input: &mut Port, output: &mut Port, bar: Option<&ProgressBa
         if batch == 0 {
             return Ok(copied);
         }
-        output.send_more(&batch.to_le_bytes()).map_err(|e| failed(e, copied))?;
-        let n = output.send_from(input, batch).map_err(|e| failed(e, copied))?;
+        output.send_more(&batch.to_le_bytes()).map_err(|e| send_failed(e, output, copied, limit))?;
+        // An error comes back as it happens (the bytes moved before it
+        // count in the file's offset): a short count is the file ending.
+        let n = output.send_from(input, batch).map_err(|e| send_failed(e, output, input.offset() - start, limit))?;
         copied += n;
         if n < batch {
             return Err(CliError::Failed(format!(
@@ -337,10 +567,18 @@ pub fn run(args: &CpArgs) -> Result<(), CliError> {
             return Err(CliError::Failed(format!("{} and {dst_name} are the same file; nothing was copied", args.src)));
         }
     }
+    let limit = args.limit();
     let domain = Domain::new("ferry-cp");
     let alloc = Allocator::new(&domain, POOL_BUFFERS, BUFFER_SIZE, PoolConstraints::default())?;
     let mut input = open_source(&src, &args.src, args.direct, args.quiet)?;
-    let mut output = open_destination(&dst, &dst_name, args.direct)?;
+    let mut output = open_destination(&dst, &dst_name, args.direct, limit)?;
+    // Every wait on a socket, for data or for room, is bounded (a poll
+    // each time the socket has nothing or no room).
+    for (port, socket) in [(&mut input, framed(&src)), (&mut output, framed(&dst))] {
+        if socket {
+            port.set_timeout(limit).map_err(|e| failed(e, 0))?;
+        }
+    }
 
     let total = match &src {
         Place::File(p) => std::fs::metadata(p).ok().filter(|m| m.is_file()).map(|m| m.len()),
@@ -358,14 +596,14 @@ pub fn run(args: &CpArgs) -> Result<(), CliError> {
     let from_file = input.kind() == Kind::File && !input.is_direct() && !output.is_direct();
     let mut by_kernel = false;
     if from_file && framed_out && output.kind() == Kind::Stream {
-        copied = send_file_framed(&mut input, &mut output, bar.as_ref())?;
+        copied = send_file_framed(&mut input, &mut output, bar.as_ref(), limit)?;
         by_kernel = true;
     } else if from_file && !framed_out && output.kind() != Kind::Datagram {
         // A file to a file, pipe or device: the kernel moves the pages
         // (sendfile: one copy, page cache to page cache) where a read and
         // a write through the pool copy twice, as `cat` does. An fd that
         // does not take sendfile (O_APPEND) goes through the pool.
-        by_kernel = send_file_plain(&mut input, &mut output, bar.as_ref(), &mut copied)?;
+        by_kernel = send_file_plain(&mut input, &mut output, bar.as_ref(), &mut copied, limit)?;
     }
     // A socket, pipe or terminal into a file: the file writes go through
     // the io_uring Ring so they overlap the next batch's reads. Measured
@@ -374,22 +612,26 @@ pub fn run(args: &CpArgs) -> Result<(), CliError> {
     // against 0.20/0.40/0.26 GB/s. File sources need no Ring: sendfile above.
     let ring_out = !by_kernel && output.kind() == Kind::File && !output.is_direct() && input.kind() != Kind::File;
     if ring_out {
-        copied = receive_into_file(&mut input, &mut output, &alloc, framed_in, bar.as_ref())?;
+        copied = receive_into_file(&mut input, &mut output, &alloc, framed_in, bar.as_ref(), limit, &dst_name)?;
     } else if !by_kernel {
         loop {
-            let filled = read_batch(&mut input, &alloc, framed_in, copied)?;
+            let filled = read_batch(&mut input, &alloc, framed_in)
+                .map_err(|why| receive_failed(why.describe(&input, framed_in, limit), copied, &dst_name))?;
             if filled.is_empty() {
                 break;
             }
-            copied += write_batch(&mut output, &alloc, framed_out, filled)
-                .map_err(|e| failed(e, copied.max(output.offset())))?;
+            let before = output.offset();
+            copied += write_batch(&mut output, &alloc, framed_out, filled).map_err(|e| {
+                let sent = copied + payload(output.offset() - before, framed_out);
+                send_failed(e, &output, sent, limit)
+            })?;
             if let Some(b) = &bar {
                 b.set_position(copied);
             }
         }
     }
     if framed_out {
-        write_batch(&mut output, &alloc, true, Vec::new()).map_err(|e| failed(e, copied))?;
+        write_batch(&mut output, &alloc, true, Vec::new()).map_err(|e| send_failed(e, &output, copied, limit))?;
     }
     drop(output); // closes a socket: the receiver sees the end
     let secs = t0.elapsed().as_secs_f64();

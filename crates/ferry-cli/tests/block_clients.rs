@@ -23,26 +23,50 @@ struct Server {
     listening: Vec<String>,
 }
 
+/// The lines a stream gives, as they come.
+fn lines_of(stream: impl std::io::Read + Send + 'static) -> Receiver<String> {
+    let (tx, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    lines
+}
+
 impl Server {
     fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ferry"));
+        command.args(["block", "serve"]).args(args).stderr(Stdio::inherit());
+        Server::launch(command, args)
+    }
+
+    /// A server that may have at most `nofile` file descriptors open
+    /// (`ulimit -n` of the shell that becomes it), and the lines it prints
+    /// on standard error.
+    fn start_limited(nofile: u32, args: &[&str]) -> (Server, Receiver<String>) {
+        let mut command = Command::new("sh");
+        command
+            .args(["-c", "ulimit -n \"$0\" && exec \"$@\"", &nofile.to_string(), env!("CARGO_BIN_EXE_ferry")])
             .args(["block", "serve"])
             .args(args)
+            .stderr(Stdio::piped());
+        let mut server = Server::launch(command, args);
+        let errors = lines_of(server.child.stderr.take().expect("piped"));
+        (server, errors)
+    }
+
+    fn launch(mut command: Command, args: &[&str]) -> Server {
+        let mut child = command
             .env("RUST_BACKTRACE", "0")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .expect("start ferry block serve");
         let out = child.stdout.take().expect("piped");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = lines_of(out);
         let mut server = Server { child, lines, listening: Vec::new() };
         let want = args.iter().filter(|a| **a == "--nbd").count();
         while server.listening.len() < want {
@@ -425,6 +449,9 @@ fn bad_values_get_the_one_line_usage_error() {
         vec!["block", "serve", "--store", "mem:1G", "--size", "1G", "--nbd", "tcp:127.0.0.1:0"],
         vec!["block", "serve", "--store", &missing, "--nbd", "tcp:127.0.0.1:0"],
         vec!["block", "serve", "--store", "mem:1G", "--nbd", "tcp:127.0.0.1:0", "--size", "lots"],
+        vec!["block", "serve", "--store", "mem:1G", "--nbd", "tcp:127.0.0.1:0", "--max-connections", "0"],
+        vec!["block", "serve", "--store", "mem:1G", "--nbd", "tcp:127.0.0.1:0", "--handshake-timeout", "0"],
+        vec!["block", "serve", "--store", "mem:1G", "--nbd", "tcp:127.0.0.1:0", "--handshake-timeout", "soon"],
         vec!["block", "nothing"],
     ];
     for args in cases {
@@ -556,4 +583,99 @@ fn user_domain_to_proxy_process_to_server_process() {
     let _ = proxy.wait();
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The first line from `lines` that contains `what`, within [`LIMIT`].
+fn line_with(lines: &Receiver<String>, what: &str) -> Option<String> {
+    let t0 = Instant::now();
+    while let Some(left) = LIMIT.checked_sub(t0.elapsed()) {
+        match lines.recv_timeout(left) {
+            Ok(l) if l.contains(what) => return Some(l),
+            Ok(_) => {}
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
+/// A server that may open 64 file descriptors, and 100 connections that
+/// never say a word (each would hold a descriptor until its handshake
+/// deadline, here 10 minutes): nbdinfo and nbdcopy still get in, the
+/// server closing the oldest silent connections to take them, and says
+/// so on standard error.
+#[test]
+fn silent_connections_at_the_fd_limit_do_not_keep_real_clients_out() {
+    let dir = scratch("fd-limit");
+    let (server, errors) = Server::start_limited(
+        64,
+        &["--store", "mem:4M", "--nbd", "tcp:127.0.0.1:0", "--handshake-timeout", "600", "--max-connections", "1000"],
+    );
+    let at = server.listening[0].strip_prefix("tcp:").expect("tcp").to_string();
+    let silent: Vec<std::net::TcpStream> =
+        (0..100).map(|_| std::net::TcpStream::connect(&at).expect("connect")).collect();
+    let size = ok("nbdinfo", &["--size", &server.uri()]);
+    assert_eq!(size.trim(), "4194304", "nbdinfo --size");
+    let out = dir.join("out.img");
+    ok("nbdcopy", &[&server.uri(), out.to_str().unwrap()]);
+    assert_eq!(std::fs::metadata(&out).expect("copied").len(), 4 << 20);
+    let said = line_with(&errors, "still in its handshake").expect("a line on standard error about the shedding");
+    assert!(said.contains("cannot accept") || said.contains("no buffer"), "{said}");
+    drop(silent);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// CPU time (user and system) the process `pid` has used so far.
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/PID/stat");
+    let after_name = &stat[stat.rfind(')').expect("(comm)") + 2..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // utime and stime: fields 14 and 15 of stat(5), 12 and 13 after the name.
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf only reads its argument.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_millis(ticks * 1000 / per_second)
+}
+
+/// A server out of file descriptors with every connection past its
+/// handshake (nothing to close) waits for one to end without spinning:
+/// over 3 seconds it uses far less CPU time than a loop retrying
+/// `accept` would (a generous bound: even a small share of a busy core
+/// is more). Once clients leave, the waiting one gets in.
+#[test]
+fn out_of_fds_with_nothing_to_close_the_server_waits_without_spinning() {
+    let (mut server, errors) = Server::start_limited(40, &["--store", "mem:1M", "--nbd", "tcp:127.0.0.1:0"]);
+    let at = server.listening[0].strip_prefix("tcp:").expect("tcp").to_string();
+    // Clients that finish their handshake, one after the other, until the
+    // server takes no more.
+    let (tx, served) = mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::Read;
+        for _ in 0..40 {
+            let Ok(mut c) = std::net::TcpStream::connect(&at) else { return };
+            c.set_read_timeout(Some(LIMIT * 2)).unwrap();
+            let mut hello = [0u8; 18];
+            let mut m = 3u32.to_be_bytes().to_vec();
+            m.extend_from_slice(&0x4948_4156_454f_5054u64.to_be_bytes());
+            m.extend_from_slice(&1u32.to_be_bytes());
+            m.extend_from_slice(&0u32.to_be_bytes());
+            let mut reply = [0u8; 10];
+            let done = c.read_exact(&mut hello).and_then(|()| c.write_all(&m)).and_then(|()| c.read_exact(&mut reply));
+            if done.is_err() || tx.send(c).is_err() {
+                return;
+            }
+        }
+    });
+    line_with(&errors, "new clients wait").expect("the server says it is out of descriptors");
+    let mut clients: Vec<std::net::TcpStream> = served.try_iter().collect();
+    assert!(!clients.is_empty() && clients.len() < 40, "{} clients served", clients.len());
+    let pid = server.child.id();
+    let before = cpu_time(pid);
+    std::thread::sleep(Duration::from_secs(3));
+    let used = cpu_time(pid) - before;
+    assert!(used < Duration::from_millis(300), "the server used {used:?} of CPU in 3 s while it waited");
+    // Clients leave: the waiting one is served.
+    let n = clients.len();
+    clients.truncate(n - 2);
+    served.recv_timeout(LIMIT).expect("the waiting client got in once others left");
+    server.kill();
 }

@@ -111,6 +111,19 @@ pub enum IoError {
         /// The file.
         name: String,
     },
+    /// No byte could move for the port's timeout ([`crate::Port::set_timeout`]):
+    /// the peer sent nothing, or took nothing, for that long.
+    #[error("{name}: {op} moved nothing for {} s, the port's timeout, at byte {offset}", limit.as_secs_f64())]
+    TimedOut {
+        /// The socket or pipe.
+        name: String,
+        /// What was being done (`read`, `write`, `sendfile`, ...).
+        op: &'static str,
+        /// Bytes transferred before.
+        offset: u64,
+        /// The timeout.
+        limit: std::time::Duration,
+    },
     /// Any other failure of the operating system.
     #[error("{name}: {op} failed at byte {offset}: {source}")]
     Os {
@@ -155,6 +168,7 @@ impl IoError {
             | IoError::DatagramRefused { name, .. }
             | IoError::NoBuffer { name, .. }
             | IoError::BufferShared { name }
+            | IoError::TimedOut { name, .. }
             | IoError::Os { name, .. } => name,
             IoError::BadRange { .. } => "",
         }
@@ -170,6 +184,7 @@ impl IoError {
             | IoError::DatagramTooLarge { offset, .. }
             | IoError::DatagramRefused { offset, .. }
             | IoError::NoBuffer { offset, .. }
+            | IoError::TimedOut { offset, .. }
             | IoError::Os { offset, .. } => Some(*offset),
             _ => None,
         }

@@ -8,6 +8,7 @@ use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::time::Duration;
 
 use ferry::{Allocator, Buffer, Domain};
 
@@ -159,6 +160,9 @@ pub struct Port {
     /// twice as many buffers plus one, so a socket that holds one datagram
     /// at a time does not cost a whole batch of allocations per call.
     last_batch: usize,
+    /// The longest a transfer waits for the fd to become ready
+    /// ([`Port::set_timeout`]); `None`: the fd blocks as it was opened.
+    timeout: Option<Duration>,
 }
 
 /// Retry `f` while it fails with `EINTR`; a negative return is the errno.
@@ -239,6 +243,7 @@ impl Port {
             pipe: None,
             backlog: VecDeque::new(),
             last_batch: 0,
+            timeout: None,
         })
     }
 
@@ -286,6 +291,7 @@ impl Port {
             pipe: None,
             backlog: VecDeque::new(),
             last_batch: 0,
+            timeout: None,
         })
     }
 
@@ -316,6 +322,7 @@ impl Port {
             pipe: None,
             backlog: VecDeque::new(),
             last_batch: 0,
+            timeout: None,
         })
     }
 
@@ -341,7 +348,84 @@ impl Port {
     }
 
     fn err(&self, op: &'static str, e: io::Error) -> IoError {
-        IoError::from_os(&self.name, op, self.offset, e)
+        match self.timeout {
+            // Made by `wait_ready` (an errno ETIMEDOUT is the network's).
+            Some(limit) if e.kind() == io::ErrorKind::TimedOut && e.raw_os_error().is_none() => {
+                IoError::TimedOut { name: self.name.clone(), op, offset: self.offset, limit }
+            }
+            _ => IoError::from_os(&self.name, op, self.offset, e),
+        }
+    }
+
+    /// Bound every wait of this port's reads and writes on a socket or
+    /// pipe: a transfer that can move no byte for `limit` fails with
+    /// [`IoError::TimedOut`] (the bytes moved before count, as with any
+    /// error); `None` lifts the bound. The fd is made non-blocking
+    /// (`O_NONBLOCK`, which every fd sharing its open file sees) and each
+    /// wait is a `poll` for room or data, so the limit is the time without
+    /// progress, however the kernel splits a transfer. Regular files and
+    /// devices are not waited on: there the call changes nothing. A port
+    /// with a timeout is not for a [`crate::Ring`], which would meet EAGAIN.
+    pub fn set_timeout(&mut self, limit: Option<Duration>) -> Result<(), IoError> {
+        if !matches!(self.kind, Kind::Stream | Kind::Datagram | Kind::Pipe) {
+            return Ok(());
+        }
+        // SAFETY: F_GETFL/F_SETFL on our open fd.
+        let flags = unsafe { libc::fcntl(self.fd, libc::F_GETFL) };
+        let want = if limit.is_some() { flags | libc::O_NONBLOCK } else { flags & !libc::O_NONBLOCK };
+        // SAFETY: as above.
+        if flags < 0 || unsafe { libc::fcntl(self.fd, libc::F_SETFL, want) } < 0 {
+            return Err(self.err("fcntl", io::Error::last_os_error()));
+        }
+        self.timeout = limit;
+        Ok(())
+    }
+
+    /// The limit of [`Port::set_timeout`].
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+
+    /// `f`, a read or write of this port's fd, retried after EINTR and,
+    /// with a timeout set, after EAGAIN once the fd is ready for `events`
+    /// (`POLLIN`, `POLLOUT`) within the limit.
+    fn transfer(&self, events: libc::c_short, mut f: impl FnMut() -> isize) -> io::Result<usize> {
+        loop {
+            match retry(&mut f) {
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && self.timeout.is_some() => {
+                    self.wait_ready(events)?
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Wait for `events` on the fd, at most the port's timeout; an
+    /// `ErrorKind::TimedOut` without errno when it runs out. An error or a
+    /// hang-up on the fd counts as ready: the next transfer reports it.
+    fn wait_ready(&self, events: libc::c_short) -> io::Result<()> {
+        let limit = self.timeout.unwrap_or(Duration::MAX);
+        let deadline = std::time::Instant::now().checked_add(limit);
+        loop {
+            let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(std::time::Instant::now()));
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            // Rounded up: poll may wake a little early, and then waits on.
+            let ms = left.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as libc::c_int;
+            let mut pfd = libc::pollfd { fd: self.fd, events, revents: 0 };
+            // SAFETY: one valid pollfd, alive for the call.
+            let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if n > 0 {
+                return Ok(());
+            }
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    return Err(e);
+                }
+            }
+        }
     }
 
     /// Turn `O_DIRECT` off (an unaligned transfer, or a file system that
@@ -454,7 +538,8 @@ impl Port {
             // this call owns read-write (checked above) and keeps alive and
             // unaliased until it returns; the kernel writes at most iov_len
             // bytes to each.
-            let r = retry(|| unsafe { libc::readv(self.fd, iov.as_ptr(), iov.len() as libc::c_int) });
+            let r =
+                self.transfer(libc::POLLIN, || unsafe { libc::readv(self.fd, iov.as_ptr(), iov.len() as libc::c_int) });
             let n = match r {
                 Ok(n) => n,
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) && self.direct => {
@@ -524,7 +609,7 @@ impl Port {
         // SAFETY: every mmsghdr points at one iovec of `iov`, each covering a
         // buffer of `bufs` owned read-write by this call and alive until it
         // returns; the kernel writes at most iov_len bytes into each.
-        let r = retry(|| unsafe {
+        let r = self.transfer(libc::POLLIN, || unsafe {
             libc::recvmmsg(self.fd, msgs.as_mut_ptr(), msgs.len() as libc::c_uint, flags, std::ptr::null_mut()) as isize
         });
         let got = r.map_err(|e| self.err("receive", e))?;
@@ -610,10 +695,12 @@ impl Port {
                 msg.msg_iovlen = iov.len();
                 // SAFETY: the iovecs cover live buffers in `q`, which the kernel
                 // only reads; MSG_NOSIGNAL turns SIGPIPE into EPIPE.
-                retry(|| unsafe { libc::sendmsg(self.fd, &msg, libc::MSG_NOSIGNAL) })
+                self.transfer(libc::POLLOUT, || unsafe { libc::sendmsg(self.fd, &msg, libc::MSG_NOSIGNAL) })
             } else {
                 // SAFETY: the iovecs cover live buffers in `q`, which the kernel only reads.
-                retry(|| unsafe { libc::writev(self.fd, iov.as_ptr(), iov.len() as libc::c_int) })
+                self.transfer(libc::POLLOUT, || unsafe {
+                    libc::writev(self.fd, iov.as_ptr(), iov.len() as libc::c_int)
+                })
             };
             let mut n = match r {
                 Ok(0) => return Err(self.err("write", io::ErrorKind::WriteZero.into())),
@@ -675,7 +762,7 @@ impl Port {
                 let n = if self.kind == Kind::Pipe {
                     // SAFETY: `off` is a valid in/out pointer; the kernel writes
                     // into the memfd's pages of this buffer, which we own.
-                    retry(|| unsafe {
+                    self.transfer(libc::POLLIN, || unsafe {
                         libc::splice(self.fd, std::ptr::null_mut(), memfd, &mut off, size - len, libc::SPLICE_F_MOVE)
                             as isize
                     })
@@ -723,7 +810,7 @@ impl Port {
         }
         let (r, w) = self.pipe.as_ref().map(|(r, w)| (r.as_raw_fd(), w.as_raw_fd())).expect("made above");
         // SAFETY: no pointers but the null offsets (the file position is used).
-        let n = retry(|| unsafe {
+        let n = self.transfer(libc::POLLIN, || unsafe {
             libc::splice(self.fd, std::ptr::null_mut(), w, std::ptr::null_mut(), max, libc::SPLICE_F_MOVE) as isize
         })?;
         let mut moved = 0;
@@ -782,7 +869,7 @@ impl Port {
                 // SAFETY: `off` is a valid out pointer; both fds are open (the
                 // pool lives while `pool` does). The kernel reads the memfd's
                 // pages of this buffer, which the chunk's owner holds.
-                match retry(|| unsafe { libc::sendfile(self.fd, memfd, &mut off, want) }) {
+                match self.transfer(libc::POLLOUT, || unsafe { libc::sendfile(self.fd, memfd, &mut off, want) }) {
                     Ok(0) => return Err(self.err("sendfile", io::ErrorKind::WriteZero.into())),
                     Ok(n) => {
                         total += n as u64;
@@ -804,15 +891,16 @@ impl Port {
         Ok(total)
     }
 
-    /// Each chunk one datagram, as many per `sendmmsg` as `IOV_MAX` allows;
-    /// each buffer goes back once the kernel has taken its datagram.
     /// Move up to `max` bytes of the regular file `src`, from its current
     /// offset, to this port inside the kernel (`sendfile`): the bytes never
     /// pass through user memory, and to a stream socket the kernel sends
     /// the file's page-cache pages themselves, without copying them. Both
     /// ports' offsets advance. Returns the bytes moved: fewer than `max`
-    /// only where `src` ends (0 at its end) or an error stopped the
-    /// transfer after some bytes (the next call reports it).
+    /// only where `src` ends (0 at its end). An error is returned as it
+    /// happens, even after some bytes moved: those count in both ports'
+    /// offsets (and in the error's), so a send that stopped because the
+    /// peer went away or stalled past the socket's send timeout is told
+    /// from a file that ended.
     ///
     /// To a socket or a pipe the kernel hands on the file's pages
     /// themselves: if the file is changed before the reader has them, the
@@ -831,10 +919,11 @@ impl Port {
             let want = (max - moved).min(1 << 30) as usize;
             // SAFETY: both fds are open while the ports live; a null offset
             // pointer makes the kernel use and advance `src`'s file position.
-            let n = match retry(|| unsafe { libc::sendfile(self.fd, src.fd, std::ptr::null_mut(), want) as isize }) {
+            let n = match self.transfer(libc::POLLOUT, || unsafe {
+                libc::sendfile(self.fd, src.fd, std::ptr::null_mut(), want) as isize
+            }) {
                 Ok(n) => n,
-                // What moved before the error counts; the next call meets it again.
-                Err(_) if moved > 0 => break,
+                // What moved before counts in the offsets, the error's too.
                 Err(e) => return Err(self.err("sendfile", e)),
             };
             if n == 0 {
@@ -857,10 +946,10 @@ impl Port {
             let n = if self.kind == Kind::Stream {
                 let flags = libc::MSG_NOSIGNAL | libc::MSG_MORE;
                 // SAFETY: `rest` is live memory the kernel only reads.
-                retry(|| unsafe { libc::send(self.fd, rest.as_ptr().cast(), rest.len(), flags) })
+                self.transfer(libc::POLLOUT, || unsafe { libc::send(self.fd, rest.as_ptr().cast(), rest.len(), flags) })
             } else {
                 // SAFETY: as above.
-                retry(|| unsafe { libc::write(self.fd, rest.as_ptr().cast(), rest.len()) })
+                self.transfer(libc::POLLOUT, || unsafe { libc::write(self.fd, rest.as_ptr().cast(), rest.len()) })
             }
             .map_err(|e| self.err("write", e))?;
             if n == 0 {
@@ -872,6 +961,8 @@ impl Port {
         Ok(())
     }
 
+    /// Each chunk one datagram, as many per `sendmmsg` as `IOV_MAX` allows;
+    /// each buffer goes back once the kernel has taken its datagram.
     fn send_datagrams(&mut self, mut q: VecDeque<Chunk>) -> Result<u64, IoError> {
         let mut total = 0u64;
         while !q.is_empty() {
@@ -883,7 +974,7 @@ impl Port {
             let mut msgs = one_datagram_each(&mut iov);
             // SAFETY: every mmsghdr points at one iovec of `iov`, each covering
             // a live chunk of `q`, which the kernel only reads.
-            let r = retry(|| unsafe {
+            let r = self.transfer(libc::POLLOUT, || unsafe {
                 libc::sendmmsg(self.fd, msgs.as_mut_ptr(), msgs.len() as libc::c_uint, libc::MSG_NOSIGNAL) as isize
             });
             match r {

@@ -1783,6 +1783,10 @@ impl Channel {
             self.link_mut().discard_pool(pool);
             return Ok(Event::PoolVetoed(pool));
         }
+        // From here until an unknown pool is in the list, no other channel
+        // of the domain may import the same pool.
+        let shared = Arc::clone(&self.domain.shared);
+        let _importing = shared.importing();
         // A known pool's request relation is counted under the lock that
         // finds it, so the pool cannot leave the list while we answer.
         // A pool only offered to us so far (never created nor accepted

@@ -47,6 +47,12 @@ pub(crate) struct DomainShared {
     /// Some copy handle was dropped and waits for its channel to release
     /// it: lets channels skip the lock on every poll.
     pub(crate) has_deferred: AtomicBool,
+    /// Held by a channel from finding an offered pool unknown until it is
+    /// in the list: two threads taking offers of the same new pool at once
+    /// must not both import it (the second would replace the first's
+    /// memory in the list, under the first channel's feet). Offers are
+    /// rare; the state lock is not held across the import's system calls.
+    imports: Mutex<()>,
 }
 
 static NEXT_DOMAIN: AtomicU64 = AtomicU64::new(1);
@@ -61,6 +67,7 @@ impl Domain {
                 state: Mutex::new(DomainState::default()),
                 next_chan: AtomicU64::new(1),
                 has_deferred: AtomicBool::new(false),
+                imports: Mutex::new(()),
             }),
         }
     }
@@ -147,6 +154,12 @@ impl Domain {
 }
 
 impl DomainShared {
+    /// Serialize the offers of pools this domain may not know yet (see
+    /// `DomainShared::imports`); never taken while the state lock is held.
+    pub(crate) fn importing(&self) -> MutexGuard<'_, ()> {
+        self.imports.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, DomainState> {
         // A panic while holding the lock leaves consistent data (every
         // transition is a few field updates), so poisoning is ignored.

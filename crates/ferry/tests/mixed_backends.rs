@@ -421,3 +421,52 @@ fn a_copy_resent_without_payload_after_one_that_was_already_here() {
     let mut t = Triangle { a_b, b_a, b_c, c_b, a_c, c_a };
     copy_resent_after_a_discarded_one(&alloc, &mut t);
 }
+
+/// Two threads of one domain take offers of the same pool, unknown to the
+/// domain, at the same moment, each on a channel of its own: the domain
+/// must end with one copy of the pool that both channels use, so the
+/// bytes moved over either channel are the ones the domain reads (two
+/// imports, the second replacing the first in the domain's list, would
+/// leave one channel landing payloads in memory the domain no longer
+/// reads). Repeated, so the two offers overlap in many runs.
+#[test]
+fn offers_of_one_unknown_pool_on_two_threads_at_once_share_one_pool() {
+    for kind in [Kind::Tcp, Kind::Shm] {
+        for round in 0..60u64 {
+            let (source, sink) = (Domain::new("source"), Domain::new("sink"));
+            let alloc = Allocator::new(&source, 2, SIZE, PoolConstraints::default()).unwrap();
+            let (mut tx1, rx1) = connect(kind, &source, &sink, TrustLevel::Full);
+            let (mut tx2, rx2) = connect(kind, &source, &sink, TrustLevel::Full);
+            let start = std::sync::Arc::new(std::sync::Barrier::new(3));
+            let sinks: Vec<_> = [rx1, rx2]
+                .into_iter()
+                .map(|mut rx| {
+                    let start = start.clone();
+                    std::thread::spawn(move || {
+                        start.wait();
+                        let Some(Event::PoolAssignRequest(req)) = rx.wait(Some(WAIT)) else { panic!("no offer") };
+                        rx.respond_pool(req.pool, true).unwrap();
+                        rx.flush().unwrap();
+                        let buf = received(&mut rx);
+                        (rx, buf)
+                    })
+                })
+                .collect();
+            start.wait();
+            tx1.assign_pool(alloc.pool()).unwrap();
+            tx2.assign_pool(alloc.pool()).unwrap();
+            tx1.flush().unwrap();
+            tx2.flush().unwrap();
+            for tx in [&mut tx1, &mut tx2] {
+                assert!(matches!(tx.wait(Some(WAIT)), Some(Event::PoolAssigned(_))), "{kind:?} round {round}");
+            }
+            write_and_move(&mut tx1, alloc.alloc().unwrap(), 2 * round + 1);
+            write_and_move(&mut tx2, alloc.alloc().unwrap(), 2 * round + 2);
+            for (i, s) in sinks.into_iter().enumerate() {
+                let (_rx, buf) = s.join().unwrap();
+                let seq = 2 * round + 1 + i as u64;
+                assert!(check(&buf, seq), "{kind:?} round {round}: channel {i} delivered other bytes than were moved");
+            }
+        }
+    }
+}

@@ -653,7 +653,14 @@ impl Link for ShmLink {
         // Pool files come on the socket ahead of the descriptors that need
         // them and are read then: only its hang-up (the peer process gone)
         // wakes us.
-        Ok(wake.watch(self.conn.as_fd(), Interest::HangUp)?)
+        wake.watch(self.conn.as_fd(), Interest::HangUp)?;
+        // The channel end's fd stays readable until its next arm, and the
+        // setup that woke it has just left the set. Until this end arms,
+        // the peer does not ring for what it sends (we have not said we
+        // sleep), and it may send at once: ring our own bell, so the fd
+        // stays readable until the arm that declares us asleep.
+        wake::ring(&self.bell);
+        Ok(())
     }
 
     fn unregister(&mut self, wake: &WakeSet) {
