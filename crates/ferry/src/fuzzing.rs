@@ -106,7 +106,7 @@ pub fn net_setup_from_peer(data: &[u8]) {
     let _ = theirs.write_all(&bytes[..bytes.len().min(64 << 10)]);
     drop(theirs);
     let stream = std::net::TcpStream::from(OwnedFd::from(ours));
-    let mut conn = SetupConn::new(stream, Instant::now() + Duration::from_secs(3600));
+    let mut conn = SetupConn::new(stream, None, Instant::now() + Duration::from_secs(3600));
     for _ in 0..bytes.len() + 2 {
         match conn.poll() {
             Ok(Some(msg)) => {

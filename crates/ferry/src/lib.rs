@@ -140,7 +140,6 @@ mod secure;
 mod select;
 mod setup;
 mod sys;
-#[cfg(not(loom))]
 pub mod tls;
 #[cfg(feature = "tokio")]
 pub mod tokio;

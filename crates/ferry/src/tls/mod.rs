@@ -58,6 +58,7 @@
 //! alerts arrive as control messages. This machine's kernel has no kTLS,
 //! so that path is neither built nor tested.
 
+#[cfg(not(loom))]
 mod session;
 
 use std::fmt;
@@ -70,6 +71,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
 use crate::error::{Error, Result};
 
+#[cfg(not(loom))]
 pub(crate) use session::{failure, TlsSession};
 
 /// The rustls version Ferry is built with, for programs that build a
