@@ -16,6 +16,7 @@ mod args;
 mod bench;
 mod block;
 mod cp;
+mod cp_tls;
 mod demo;
 mod echo;
 mod pattern;
@@ -23,6 +24,7 @@ mod pin;
 mod setup;
 mod stats;
 mod tls;
+mod tls_args;
 
 #[derive(Parser)]
 #[command(name = "ferry", version, about = "Zero-copy bulk transfer: demo and benchmarks")]
