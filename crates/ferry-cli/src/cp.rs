@@ -710,7 +710,7 @@ fn run_tls(
     let mut input = match (src, &src_tls) {
         (Place::Tcp(addr), Some(config)) => {
             let sock = accept_tcp(addr, &args.src, args.quiet)?;
-            Input::Tls(cp_tls::accept(sock, config, &args.src, limit)?)
+            Input::Tls(Box::new(cp_tls::accept(sock, config, &args.src, limit)?))
         }
         _ => {
             let mut port = open_source(src, &args.src, args.direct, args.quiet)?;
@@ -723,7 +723,7 @@ fn run_tls(
     let mut output = match (dst, &dst_tls) {
         (Place::Tcp(addr), Some(config)) => {
             let sock = connect_tcp(addr, dst_name, limit)?;
-            Output::Tls(cp_tls::connect(sock, config, dst_name, limit)?)
+            Output::Tls(Box::new(cp_tls::connect(sock, config, dst_name, limit)?))
         }
         _ => {
             let mut port = open_destination(dst, dst_name, args.direct, limit)?;

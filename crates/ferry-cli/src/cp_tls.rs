@@ -199,7 +199,7 @@ pub enum Input {
     /// A file, standard input or a plain socket (framed when a socket).
     Port(Port, bool),
     /// A TLS connection from a sender.
-    Tls(TlsStream),
+    Tls(Box<TlsStream>),
 }
 
 /// Where the copy writes to.
@@ -207,7 +207,7 @@ pub enum Output {
     /// A file, standard output or a plain socket (framed when a socket).
     Port(Port, bool),
     /// A TLS connection to a receiver.
-    Tls(TlsStream),
+    Tls(Box<TlsStream>),
 }
 
 /// Why a TLS source stopped, in the words of the sender's side.

@@ -38,7 +38,7 @@ enum Command {
     /// Move real data through Ferry, verify every byte, report the rate.
     Demo(demo::DemoArgs),
     /// Run one of the benchmark experiments (see BENCHMARKS.md).
-    Bench(bench::BenchArgs),
+    Bench(Box<bench::BenchArgs>),
     /// Be the echo domain of an experiment run elsewhere: bind to the
     /// endpoint, pass every buffer back until the channel closes.
     Echo(echo::EchoArgs),

@@ -420,9 +420,9 @@ mod tests {
     fn endpoints_by_backend() {
         let (_, d) = process_endpoint(Backend::Shm, "x", None, &TlsFlags::default()).unwrap();
         assert_eq!(d, "shm@x");
-        let (_, d) = process_endpoint(Backend::Shm, "x", Some("shm:/tmp/e")).unwrap();
+        let (_, d) = process_endpoint(Backend::Shm, "x", Some("shm:/tmp/e"), &TlsFlags::default()).unwrap();
         assert_eq!(d, "shm:/tmp/e");
-        let (_, d) = process_endpoint(Backend::Net, "x", Some("tcp:127.0.0.1:7000")).unwrap();
+        let (_, d) = process_endpoint(Backend::Net, "x", Some("tcp:127.0.0.1:7000"), &TlsFlags::default()).unwrap();
         assert_eq!(d, "tcp:127.0.0.1:7000");
         // Without --peer the listener's port is chosen by the kernel, so the
         // descriptor is filled in by `connect` once the channel listens.
