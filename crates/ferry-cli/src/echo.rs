@@ -34,7 +34,10 @@ pub struct EchoOptions {
 
 #[derive(Debug, Args)]
 pub struct EchoArgs {
-    /// Endpoint to bind to: `shm:PATH`, `shm@ABSTRACT-NAME` or `tcp:HOST:PORT`.
+    /// Endpoint to bind to: `shm:PATH`, `shm@ABSTRACT-NAME` or `tcp:HOST:PORT`. Over TCP the echo
+    /// connects: with --tls-certificates DIR it presents client-cert.pem and takes only a server
+    /// whose certificate ca-cert.pem signed for HOST; without TLS, HOST must be a loopback address
+    /// unless --insecure is given.
     #[arg(long, value_parser = endpoint_arg)]
     endpoint: String,
     /// Spin instead of sleeping.
@@ -52,9 +55,7 @@ pub struct EchoArgs {
     /// Pin to this CPU (0 to the number of CPUs less one).
     #[arg(allow_negative_numbers = true, long, value_parser = crate::args::cpu)]
     cpu: Option<usize>,
-    /// TLS on a tcp: endpoint: the echo connects, so --tls-certificates needs ca-cert.pem,
-    /// client-cert.pem and client-key.pem, and the other side's server certificate must name
-    /// the HOST of --endpoint.
+    // TLS on a tcp: endpoint (the echo is the connecting side).
     #[command(flatten)]
     tls: TlsFlags,
 }

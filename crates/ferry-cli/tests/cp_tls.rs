@@ -438,3 +438,24 @@ fn bench_starts_its_echo_with_the_same_tls_flags() {
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+#[test]
+fn a_silent_peer_in_the_tls_handshake_times_out_on_both_sides() {
+    let d = dir("silent");
+    let certs = certificates(&d);
+    let (src, dst) = (d.join("src"), d.join("dst"));
+    std::fs::write(&src, data(MIB)).unwrap();
+    // A receiver whose sender connects and says nothing (no ClientHello).
+    let (rx, at) = receiver(&["--timeout", "2", "--tls-certificates", s(&certs)], "127.0.0.1:0", s(&dst));
+    let silent = TcpStream::connect(at).unwrap();
+    let rx = finish(rx, None);
+    drop(silent);
+    assert_failed(&rx, &["did not finish the TLS handshake within 2 s", "--timeout", "nothing was copied"]);
+    // A sender whose receiver accepts and says nothing (no ServerHello).
+    let quiet = TcpListener::bind("127.0.0.1:0").unwrap();
+    let to = quiet.local_addr().unwrap();
+    let tx = send(&["--timeout", "2", "--tls-certificates", s(&certs)], s(&src), to, None);
+    drop(quiet);
+    assert_failed(&tx, &["did not finish the TLS handshake within 2 s", "--timeout", "nothing was copied"]);
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -355,12 +355,12 @@ pub struct BenchArgs {
     /// shm (net): use an echo domain started by hand (`ferry echo --endpoint ENDPOINT`, started
     /// after this command is waiting) instead of starting one; rtt and throughput only. With net,
     /// ENDPOINT is tcp:HOST:PORT, the address this command listens on (off the loopback: TLS, or
-    /// --insecure).
+    /// --insecure). The TLS flags apply to rtt and throughput with --backend net: this command
+    /// listens (--tls-certificates needs the server pair), the echo connects (the client pair); an
+    /// echo this command starts gets the same flags, one started by hand needs them too.
     #[arg(long, value_name = "ENDPOINT")]
     pub peer: Option<String>,
-    /// --backend net, rtt and throughput: TLS between this command (which listens: --tls-certificates
-    /// needs ca-cert.pem, server-cert.pem and server-key.pem) and the echo (which connects: the
-    /// client pair); the echo this command starts gets the same flags, one started by hand needs them.
+    // --backend net, rtt and throughput: TLS between this command and the echo (see --peer).
     #[command(flatten)]
     pub tls: crate::tls_args::TlsFlags,
     /// rtt, fanin: pause this many µs between round trips, so a blocking channel goes idle and the
