@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::args::whole;
 use crate::cp_tls::{self, Input, Output};
-use crate::tls_args::{host_of, Side, TlsFlags};
+use crate::tls_args::{host_of, Side, TlsFlags, TlsMode};
 use crate::CliError;
 
 /// Buffers in the pool of `ferry cp`.
@@ -600,6 +600,12 @@ pub fn run(args: &CpArgs) -> Result<(), CliError> {
         (tls_for(&src, Side::Accept, &args.src, &args.tls)?, tls_for(&dst, Side::Connect, &args.dst, &args.tls)?);
     if src_tls.is_some() || dst_tls.is_some() {
         return run_tls(args, &src, &dst, &dst_name, src_tls, dst_tls);
+    }
+    if args.tls.tls == TlsMode::Require {
+        return Err(CliError::Usage(
+            "--tls=require: neither SRC nor DST is tcp:HOST:PORT, and TLS protects tcp: streams only; drop --tls=require"
+                .into(),
+        ));
     }
     let domain = Domain::new("ferry-cp");
     let alloc = Allocator::new(&domain, POOL_BUFFERS, BUFFER_SIZE, PoolConstraints::default())?;

@@ -318,6 +318,10 @@ fn bad_combinations_are_usage_errors_naming_the_flag_and_the_file() {
         &run(&["cp", "--insecure", "--tls-certificates", s(&certs), s(&src), "tcp:127.0.0.1:9"]),
         &["--insecure", "--tls-certificates"],
     );
+    assert_usage(
+        &run(&["cp", "--tls=require", "--tls-certificates", s(&certs), s(&src), s(&d.join("dst"))]),
+        &["--tls=require", "tcp:"],
+    );
     assert_usage(&run(&["cp", "--tls=maybe", s(&src), "tcp:127.0.0.1:9"]), &["--tls", "off, on, require"]);
     // A sender needs the client pair: a directory without client-key.pem.
     let half = d.join("half");
