@@ -5,18 +5,22 @@
 //! kernel moves its pages to the destination itself (`sendfile`).
 
 use std::io::IsTerminal;
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use ferry::tls::{Security, TlsConfig};
 use ferry::{Allocator, Domain, PoolConstraints};
 use ferry_io::{Chunk, Completion, Done, Filled, IoError, Kind, Port, Ring};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::args::whole;
+use crate::cp_tls::{self, Input, Output};
+use crate::tls_args::{host_of, Side, TlsFlags, TlsMode};
 use crate::CliError;
 
 /// Buffers in the pool of `ferry cp`.
@@ -25,7 +29,7 @@ pub const POOL_BUFFERS: u64 = 16;
 pub const BUFFER_SIZE: usize = 1 << 20;
 /// Buffers one read fills at most (the other half of the pool is free for
 /// the next read while these are written).
-const BATCH: usize = 8;
+pub(crate) const BATCH: usize = 8;
 /// Seconds a socket peer may go without sending or taking a byte, and a
 /// connect may take, unless `--timeout` says otherwise.
 pub const DEFAULT_TIMEOUT_SECS: u64 = 30;
@@ -54,7 +58,19 @@ const MAX_TIMEOUT_SECS: u64 = 86_400;
     before the end mark or reset it, a peer past the timeout, a full device. A receiver's line says\n\
     how many bytes are in the destination file (\"the copy is incomplete (N bytes written to DST)\"),\n\
     a sender's how many it had sent. A sender's exit 0 means every byte went out on the socket with\n\
-    the end mark; only the receiver's exit 0 says they are all in DST. A bad command line exits 2.")]
+    the end mark; only the receiver's exit 0 says they are all in DST. A bad command line exits 2.\n\n\
+    Across machines: with --tls-certificates DIR (the same directory layout as nbdkit and qemu; `ferry tls\n\
+    gen DIR` writes one) a tcp: stream is TLS 1.3 and both ends check each other's certificate: the\n\
+    receiver (tcp: as SRC) needs ca-cert.pem, server-cert.pem and server-key.pem, the sender (tcp: as DST)\n\
+    ca-cert.pem, client-cert.pem and client-key.pem, and connects by a name the server certificate\n\
+    carries. Both ends must choose TLS: a plain end against a TLS end fails. A byte changed on the way\n\
+    ends the copy (exit 1) and the destination holds only bytes that arrived intact (a prefix of the\n\
+    source). Over TLS a file is read into the pool and encrypted from there (no sendfile). Plain TCP\n\
+    is allowed on loopback addresses only, unless --insecure is given.\n\n\
+    Examples:\n  \
+    ferry tls gen certs --host receiver.example      (copy certs/ to both machines)\n  \
+    receiver$ ferry cp --tls-certificates certs tcp:0.0.0.0:7000 disk.img\n  \
+    sender$   ferry cp --tls-certificates certs disk.img tcp:receiver.example:7000")]
 pub struct CpArgs {
     /// What to copy.
     pub src: String,
@@ -72,6 +88,8 @@ pub struct CpArgs {
     #[arg(allow_negative_numbers = true, long, value_name = "SECONDS", default_value_t = DEFAULT_TIMEOUT_SECS,
           value_parser = whole::<u64>(0, MAX_TIMEOUT_SECS))]
     pub timeout: u64,
+    #[command(flatten)]
+    pub tls: TlsFlags,
 }
 
 impl CpArgs {
@@ -104,7 +122,7 @@ impl Place {
     }
 }
 
-fn failed(e: IoError, copied: u64) -> CliError {
+pub(crate) fn failed(e: IoError, copied: u64) -> CliError {
     if copied == 0 {
         CliError::Failed(format!("{e}; nothing was copied"))
     } else {
@@ -113,7 +131,7 @@ fn failed(e: IoError, copied: u64) -> CliError {
 }
 
 /// `n` bytes for people: exact, with MiB beside a large count.
-fn amount(n: u64) -> String {
+pub(crate) fn amount(n: u64) -> String {
     if n >= 1 << 20 {
         format!("{n} bytes ({:.1} MiB)", n as f64 / (1u64 << 20) as f64)
     } else {
@@ -127,7 +145,7 @@ fn timed_out(e: &IoError) -> bool {
 }
 
 /// The `--timeout` in words.
-fn seconds(limit: Option<Duration>) -> String {
+pub(crate) fn seconds(limit: Option<Duration>) -> String {
     limit.map_or_else(|| "no limit".to_string(), |d| format!("{} s", d.as_secs()))
 }
 
@@ -155,7 +173,7 @@ fn send_failed(e: IoError, output: &Port, sent: u64, limit: Option<Duration>) ->
 
 /// Why reading the source of a copy stopped.
 #[derive(Debug)]
-enum ReadFailure {
+pub(crate) enum ReadFailure {
     /// The source failed.
     Io(IoError),
     /// A framed stream ended between batches, without the end mark.
@@ -167,11 +185,15 @@ enum ReadFailure {
 impl ReadFailure {
     /// `SOURCE: what happened`, in the words of the side that failed: from
     /// a socket, what the sender did (stopped, reset, went silent).
-    fn describe(&self, input: &Port, framed: bool, limit: Option<Duration>) -> String {
+    pub(crate) fn describe(&self, input: &Port, framed: bool, limit: Option<Duration>) -> String {
         let name = input.name();
         let stream = input.kind() == Kind::Stream;
         match self {
             ReadFailure::Stopped => format!("{name}: the sender closed the connection before the end of the copy"),
+            // A TLS handshake record starts 0x16 0x03.
+            ReadFailure::NotFerry(len) if len & 0xffff == 0x0316 => {
+                format!("{name}: the sender speaks TLS and this receiver does not; give both --tls-certificates DIR")
+            }
             ReadFailure::NotFerry(len) => format!("{name}: not a `ferry cp` sender (a batch of {len} bytes announced)"),
             ReadFailure::Io(IoError::UnexpectedEof { missing, .. }) if framed => {
                 format!(
@@ -191,7 +213,7 @@ impl ReadFailure {
 
 /// The line for a copy whose source failed (`why`, from
 /// [`ReadFailure::describe`]) with `written` bytes in the destination `dst`.
-fn receive_failed(why: String, written: u64, dst: &str) -> CliError {
+pub(crate) fn receive_failed(why: String, written: u64, dst: &str) -> CliError {
     if written == 0 {
         CliError::Failed(format!("{why}; nothing was copied"))
     } else {
@@ -248,23 +270,29 @@ fn connect_unix(path: &Path, name: &str, limit: Option<Duration>) -> Result<Unix
     }
 }
 
+/// Listen on `addr` and take one connection.
+fn accept_tcp(addr: &str, name: &str, quiet: bool) -> Result<TcpStream, CliError> {
+    let l = TcpListener::bind(addr)
+        .map_err(|e| CliError::Failed(format!("{name}: cannot listen there: {e}; nothing was copied")))?;
+    if !quiet {
+        let at = l.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| addr.to_string());
+        eprintln!("ferry cp: listening on tcp:{at}");
+    }
+    // The wait for a sender is not limited: the receiver is
+    // started first, the sender whenever its user gets to it.
+    let (s, _) = l
+        .accept()
+        .map_err(|e| CliError::Failed(format!("{name}: accepting a connection failed: {e}; nothing was copied")))?;
+    Ok(s)
+}
+
 fn open_source(place: &Place, name: &str, direct: bool, quiet: bool) -> Result<Port, CliError> {
     let port = match place {
         Place::Std => Port::stdin(),
         Place::File(p) if direct => Port::open_direct(p),
         Place::File(p) => Port::open(p),
         Place::Tcp(addr) => {
-            let l = TcpListener::bind(addr.as_str())
-                .map_err(|e| CliError::Failed(format!("{name}: cannot listen there: {e}; nothing was copied")))?;
-            if !quiet {
-                let at = l.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| addr.clone());
-                eprintln!("ferry cp: listening on tcp:{at}");
-            }
-            // The wait for a sender is not limited: the receiver is
-            // started first, the sender whenever its user gets to it.
-            let (s, _) = l.accept().map_err(|e| {
-                CliError::Failed(format!("{name}: accepting a connection failed: {e}; nothing was copied"))
-            })?;
+            let s = accept_tcp(addr, name, quiet)?;
             Port::from_fd(s, name)
         }
         Place::Unix(path) => {
@@ -310,7 +338,7 @@ fn framed(place: &Place) -> bool {
 }
 
 /// The next batch of filled buffers; empty at the end of the input.
-fn read_batch(input: &mut Port, alloc: &Allocator, framed: bool) -> Result<Vec<Filled>, ReadFailure> {
+pub(crate) fn read_batch(input: &mut Port, alloc: &Allocator, framed: bool) -> Result<Vec<Filled>, ReadFailure> {
     if !framed {
         // Files are read in full batches; a pipe, socket or terminal gives
         // what it has, so the data flows on as it comes.
@@ -568,6 +596,17 @@ pub fn run(args: &CpArgs) -> Result<(), CliError> {
         }
     }
     let limit = args.limit();
+    let (src_tls, dst_tls) =
+        (tls_for(&src, Side::Accept, &args.src, &args.tls)?, tls_for(&dst, Side::Connect, &args.dst, &args.tls)?);
+    if src_tls.is_some() || dst_tls.is_some() {
+        return run_tls(args, &src, &dst, &dst_name, src_tls, dst_tls);
+    }
+    if args.tls.tls == TlsMode::Require {
+        return Err(CliError::Usage(
+            "--tls=require: neither SRC nor DST is tcp:HOST:PORT, and TLS protects tcp: streams only; drop --tls=require"
+                .into(),
+        ));
+    }
     let domain = Domain::new("ferry-cp");
     let alloc = Allocator::new(&domain, POOL_BUFFERS, BUFFER_SIZE, PoolConstraints::default())?;
     let mut input = open_source(&src, &args.src, args.direct, args.quiet)?;
@@ -641,6 +680,84 @@ pub fn run(args: &CpArgs) -> Result<(), CliError> {
     if !args.quiet {
         let rate = if secs > 0.0 { copied as f64 / secs / 1e9 } else { 0.0 };
         eprintln!("ferry cp: {copied} bytes from {} to {dst_name} in {secs:.3} s = {rate:.2} GB/s", args.src);
+    }
+    Ok(())
+}
+
+/// The TLS configuration of the side `place` (`None`: plain), after the
+/// rules of the TLS flags: plain TCP off the loopback needs `--insecure`,
+/// `--tls=require` needs a tcp: side.
+fn tls_for(place: &Place, side: Side, text: &str, flags: &TlsFlags) -> Result<Option<Arc<TlsConfig>>, CliError> {
+    let Place::Tcp(addr) = place else {
+        flags.uses_tls()?;
+        return Ok(None);
+    };
+    // A name that does not resolve fails at the bind or connect, with its reason.
+    let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map(Iterator::collect).unwrap_or_default();
+    match flags.security(side, text, host_of(addr), &addrs)? {
+        Security::Tls(config) => Ok(Some(config)),
+        _ => Ok(None),
+    }
+}
+
+/// `ferry cp` with TLS on a tcp: side (see [`cp_tls`]); the other side is
+/// opened as on the plain path.
+fn run_tls(
+    args: &CpArgs,
+    src: &Place,
+    dst: &Place,
+    dst_name: &str,
+    src_tls: Option<Arc<TlsConfig>>,
+    dst_tls: Option<Arc<TlsConfig>>,
+) -> Result<(), CliError> {
+    let limit = args.limit();
+    let domain = Domain::new("ferry-cp");
+    let alloc = Allocator::new(&domain, POOL_BUFFERS, BUFFER_SIZE, PoolConstraints::default())?;
+    let mut input = match (src, &src_tls) {
+        (Place::Tcp(addr), Some(config)) => {
+            let sock = accept_tcp(addr, &args.src, args.quiet)?;
+            Input::Tls(Box::new(cp_tls::accept(sock, config, &args.src, limit)?))
+        }
+        _ => {
+            let mut port = open_source(src, &args.src, args.direct, args.quiet)?;
+            if framed(src) {
+                port.set_timeout(limit).map_err(|e| failed(e, 0))?;
+            }
+            Input::Port(port, framed(src))
+        }
+    };
+    let mut output = match (dst, &dst_tls) {
+        (Place::Tcp(addr), Some(config)) => {
+            let sock = connect_tcp(addr, dst_name, limit)?;
+            Output::Tls(Box::new(cp_tls::connect(sock, config, dst_name, limit)?))
+        }
+        _ => {
+            let mut port = open_destination(dst, dst_name, args.direct, limit)?;
+            if framed(dst) {
+                port.set_timeout(limit).map_err(|e| failed(e, 0))?;
+            }
+            Output::Port(port, framed(dst))
+        }
+    };
+    let total = match src {
+        Place::File(p) => std::fs::metadata(p).ok().filter(|m| m.is_file()).map(|m| m.len()),
+        _ => None,
+    };
+    let bar = progress(total);
+    let t0 = Instant::now();
+    let copied = cp_tls::copy(&mut input, &mut output, &alloc, limit, &args.src, dst_name, |n| {
+        if let Some(b) = &bar {
+            b.set_position(n);
+        }
+    })?;
+    drop(output); // closes a socket: the receiver sees the end
+    let secs = t0.elapsed().as_secs_f64();
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    if !args.quiet {
+        let rate = if secs > 0.0 { copied as f64 / secs / 1e9 } else { 0.0 };
+        eprintln!("ferry cp: {copied} bytes from {} to {dst_name} over TLS in {secs:.3} s = {rate:.2} GB/s", args.src);
     }
     Ok(())
 }

@@ -15,6 +15,7 @@ use clap::Args;
 use ferry::{BindParams, Buffer, Channel, ChannelSetup, Domain, Endpoint, Event, Meta};
 
 use crate::setup::{describe, describe_event, next_event};
+use crate::tls_args::{host_of, Side, TlsFlags};
 use crate::{pattern, pin, CliError};
 
 /// How the echo behaves.
@@ -33,7 +34,10 @@ pub struct EchoOptions {
 
 #[derive(Debug, Args)]
 pub struct EchoArgs {
-    /// Endpoint to bind to: `shm:PATH`, `shm@ABSTRACT-NAME` or `tcp:HOST:PORT`.
+    /// Endpoint to bind to: `shm:PATH`, `shm@ABSTRACT-NAME` or `tcp:HOST:PORT`. Over TCP the echo
+    /// connects: with --tls-certificates DIR it presents client-cert.pem and takes only a server
+    /// whose certificate ca-cert.pem signed for HOST; without TLS, HOST must be a loopback address
+    /// unless --insecure is given.
     #[arg(long, value_parser = endpoint_arg)]
     endpoint: String,
     /// Spin instead of sleeping.
@@ -51,6 +55,9 @@ pub struct EchoArgs {
     /// Pin to this CPU (0 to the number of CPUs less one).
     #[arg(allow_negative_numbers = true, long, value_parser = crate::args::cpu)]
     cpu: Option<usize>,
+    // TLS on a tcp: endpoint (the echo is the connecting side).
+    #[command(flatten)]
+    tls: TlsFlags,
 }
 
 /// Parse an endpoint descriptor; the error says what is allowed (the
@@ -74,6 +81,28 @@ pub fn parse_endpoint(s: &str) -> Result<Endpoint, String> {
     Err("not an endpoint; give shm:PATH, shm@NAME or tcp:HOST:PORT".to_string())
 }
 
+/// The endpoint `s` names, with what protects it when it is TCP (the TLS
+/// flags, as `side`); `flag` names where `s` was given, for messages. The
+/// TLS flags on a shared-memory endpoint are a usage error.
+pub fn secure_endpoint(s: &str, flags: &TlsFlags, side: Side, flag: &str) -> Result<Endpoint, CliError> {
+    let ep = parse_endpoint(s).map_err(|why| CliError::Usage(format!("{flag} {s}: {why}")))?;
+    let Some(hostport) = s.strip_prefix("tcp:") else {
+        if !flags.is_default() {
+            return Err(CliError::Usage(format!(
+                "{flag} {s}: --tls, --tls-certificates and --insecure apply to tcp: endpoints only; drop them"
+            )));
+        }
+        return Ok(ep);
+    };
+    use std::net::ToSocketAddrs;
+    let addr = hostport
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| CliError::Usage(format!("{flag} {s}: not a reachable TCP address")))?;
+    Ok(Endpoint::tcp_with(addr, flags.net_options(side, s, host_of(hostport), addr)?))
+}
+
 /// `--endpoint`: checked when the command line is read.
 pub fn endpoint_arg(s: &str) -> Result<String, String> {
     parse_endpoint(s).map(|_| s.to_string())
@@ -91,8 +120,7 @@ pub enum Transport {
 /// `ferry echo`: bind to the endpoint, echo until the peer closes, print
 /// how many buffers came through.
 pub fn run(args: &EchoArgs) -> Result<(), CliError> {
-    let ep = parse_endpoint(&args.endpoint)
-        .map_err(|why| CliError::Usage(format!("--endpoint {}: {why}", args.endpoint)))?;
+    let ep = secure_endpoint(&args.endpoint, &args.tls, Side::Connect, "--endpoint")?;
     if let Some(cpu) = args.cpu {
         pin::to_cpu(cpu);
     }

@@ -16,6 +16,7 @@ mod args;
 mod bench;
 mod block;
 mod cp;
+mod cp_tls;
 mod demo;
 mod echo;
 mod pattern;
@@ -23,6 +24,7 @@ mod pin;
 mod setup;
 mod stats;
 mod tls;
+mod tls_args;
 
 #[derive(Parser)]
 #[command(name = "ferry", version, about = "Zero-copy bulk transfer: demo and benchmarks")]
@@ -36,7 +38,7 @@ enum Command {
     /// Move real data through Ferry, verify every byte, report the rate.
     Demo(demo::DemoArgs),
     /// Run one of the benchmark experiments (see BENCHMARKS.md).
-    Bench(bench::BenchArgs),
+    Bench(Box<bench::BenchArgs>),
     /// Be the echo domain of an experiment run elsewhere: bind to the
     /// endpoint, pass every buffer back until the channel closes.
     Echo(echo::EchoArgs),

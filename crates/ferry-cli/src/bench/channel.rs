@@ -137,7 +137,7 @@ fn ferry_point(
     let spec = EchoSpec { role: EchoRole::Standard, busy: a.busy(), touch: a.touch, batch: !a.no_batching };
     let mut rig = match kept.take() {
         Some(r) => r,
-        None => rig::connect(backend, setup, spec, a.peer.as_deref())?,
+        None => rig::connect(backend, setup, spec, a.peer.as_deref(), &a.tls)?,
     };
     let alloc = Allocator::new(&rig.domain, count as u64, size, PoolConstraints::default())?;
     rig.assign(&alloc)?;

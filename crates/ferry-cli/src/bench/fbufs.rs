@@ -232,8 +232,13 @@ fn transfer_point(
         queue_depth: 64,
         ..ChannelSetup::default()
     };
-    let mut rig =
-        rig::connect(backend, setup, EchoSpec { role: EchoRole::Fbufs, busy, touch: false, batch: false }, None)?;
+    let mut rig = rig::connect(
+        backend,
+        setup,
+        EchoSpec { role: EchoRole::Fbufs, busy, touch: false, batch: false },
+        None,
+        &crate::tls_args::TlsFlags::default(),
+    )?;
     let layer = a.experiment == Experiment::Fbufs;
     let cached = if v.cached() && !layer {
         let alloc = Allocator::new(&rig.domain, 4, size, PoolConstraints::default())?;

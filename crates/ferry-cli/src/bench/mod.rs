@@ -353,9 +353,16 @@ pub struct BenchArgs {
     #[arg(allow_negative_numbers = true, long, default_value_t = 2, value_parser = whole::<usize>(1, 100))]
     pub rounds: usize,
     /// shm (net): use an echo domain started by hand (`ferry echo --endpoint ENDPOINT`, started
-    /// after this command is waiting) instead of starting one; rtt and throughput only.
+    /// after this command is waiting) instead of starting one; rtt and throughput only. With net,
+    /// ENDPOINT is tcp:HOST:PORT, the address this command listens on (off the loopback: TLS, or
+    /// --insecure). The TLS flags apply to rtt and throughput with --backend net: this command
+    /// listens (--tls-certificates needs the server pair), the echo connects (the client pair); an
+    /// echo this command starts gets the same flags, one started by hand needs them too.
     #[arg(long, value_name = "ENDPOINT")]
     pub peer: Option<String>,
+    // --backend net, rtt and throughput: TLS between this command and the echo (see --peer).
+    #[command(flatten)]
+    pub tls: crate::tls_args::TlsFlags,
     /// rtt, fanin: pause this many µs between round trips, so a blocking channel goes idle and the
     /// measured path is the doorbell/sleep path rather than the spin (0 to 10 000 000, i.e. 10 s).
     #[arg(allow_negative_numbers = true, long, default_value_t = 0, value_parser = whole::<u64>(0, 10_000_000))]
@@ -579,6 +586,14 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
             "--compare with --backend {}: --compare runs Ferry against its baselines; choose --backend local, shm, net or net-tls",
             backend.name()
         )));
+    }
+    if !a.tls.is_default() {
+        if backend != Backend::Net || !matches!(exp, Experiment::Rtt | Experiment::Throughput) {
+            return Err(usage(
+                "--tls, --tls-certificates and --insecure apply to rtt and throughput with --backend net; add those, or drop the TLS flags",
+            ));
+        }
+        a.tls.uses_tls()?;
     }
     if a.peer.is_some() {
         if !matches!(backend, Backend::Shm | Backend::Net) {

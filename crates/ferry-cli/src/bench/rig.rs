@@ -18,6 +18,7 @@ use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Even
 use super::{trust_error, Backend};
 use crate::echo::{self, EchoOptions};
 use crate::setup::{describe, describe_event};
+use crate::tls_args::{Side, TlsFlags};
 use crate::{pin, CliError};
 
 /// How long setup steps may take before we call the peer dead.
@@ -67,7 +68,12 @@ pub struct Rig {
 /// fresh one, or the one named by `--peer` — and the descriptor the echo
 /// process binds to (`ferry echo --endpoint …`). The one place that knows
 /// each backend's endpoints.
-fn process_endpoint(backend: Backend, name: &str, peer: Option<&str>) -> Result<(Endpoint, String), CliError> {
+fn process_endpoint(
+    backend: Backend,
+    name: &str,
+    peer: Option<&str>,
+    tls: &TlsFlags,
+) -> Result<(Endpoint, String), CliError> {
     match backend {
         Backend::Shm => match peer {
             Some(p) if p.starts_with("shm") => Ok((peer_endpoint(p)?, p.to_string())),
@@ -80,11 +86,17 @@ fn process_endpoint(backend: Backend, name: &str, peer: Option<&str>) -> Result<
         // the kernel picks: the descriptor is known once the channel listens
         // (see `connect`).
         Backend::Net => match peer {
-            Some(p) if p.starts_with("tcp:") => Ok((peer_endpoint(p)?, p.to_string())),
+            Some(p) if p.starts_with("tcp:") => {
+                Ok((echo::secure_endpoint(p, tls, Side::Accept, "--peer")?, p.to_string()))
+            }
             Some(p) => {
                 Err(CliError::Usage(format!("--peer {p}: not a TCP endpoint; with --backend net give tcp:HOST:PORT")))
             }
-            None => Ok((Endpoint::tcp(([127, 0, 0, 1], 0).into()), String::new())),
+            None => {
+                let addr = ([127, 0, 0, 1], 0).into();
+                let options = tls.net_options(Side::Accept, "the echo's endpoint", "127.0.0.1", addr)?;
+                Ok((Endpoint::tcp_with(addr, options), String::new()))
+            }
         },
         other => Err(CliError::Usage(format!(
             "--backend {}: not one of Ferry's process backends; give shm or net",
@@ -120,7 +132,15 @@ fn wait_for<T>(
 }
 
 /// Connect a source to an echo domain over `backend`.
-pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Option<&str>) -> Result<Rig, CliError> {
+/// The TLS flags apply to `Backend::Net` (the source listens, the echo
+/// connects): the echo process started here gets the same flags.
+pub fn connect(
+    backend: Backend,
+    setup: ChannelSetup,
+    spec: EchoSpec,
+    peer: Option<&str>,
+    tls: &TlsFlags,
+) -> Result<Rig, CliError> {
     let domain = Domain::new("source");
     if backend == Backend::NetTls {
         return connect_tls(domain, setup, spec);
@@ -162,11 +182,12 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
     use std::sync::atomic::{AtomicU32, Ordering};
     static N: AtomicU32 = AtomicU32::new(0);
     let name = format!("ferry-bench-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
-    let (ep, descriptor) = process_endpoint(backend, &name, peer)?;
+    let (ep, descriptor) = process_endpoint(backend, &name, peer, tls)?;
     let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
     if peer.is_some() {
+        let flags = if tls.is_default() { String::new() } else { format!(" {}", tls.forward().join(" ")) };
         eprintln!(
-            "ferry bench: waiting up to {} s for the echo: start `ferry echo --endpoint {descriptor}`",
+            "ferry bench: waiting up to {} s for the echo: start `ferry echo --endpoint {descriptor}{flags}`",
             BY_HAND.as_secs()
         );
         wait_for(&mut source, BY_HAND, "echo process (--peer)", || Ok(()), bound)?;
@@ -184,6 +205,9 @@ pub fn connect(backend: Backend, setup: ChannelSetup, spec: EchoSpec, peer: Opti
     };
     // CPU 1, or the only one there is (`--cpu` takes only CPUs this machine has).
     args.extend(["--endpoint".into(), descriptor, "--cpu".into(), (1 % pin::cpus()).to_string()]);
+    if backend == Backend::Net && spec.role == EchoRole::Standard && !tls.is_default() {
+        args.extend(tls.forward());
+    }
     if spec.busy {
         args.push("--busy-poll".into());
     }
@@ -394,20 +418,23 @@ mod tests {
 
     #[test]
     fn endpoints_by_backend() {
-        let (_, d) = process_endpoint(Backend::Shm, "x", None).unwrap();
+        let (_, d) = process_endpoint(Backend::Shm, "x", None, &TlsFlags::default()).unwrap();
         assert_eq!(d, "shm@x");
-        let (_, d) = process_endpoint(Backend::Shm, "x", Some("shm:/tmp/e")).unwrap();
+        let (_, d) = process_endpoint(Backend::Shm, "x", Some("shm:/tmp/e"), &TlsFlags::default()).unwrap();
         assert_eq!(d, "shm:/tmp/e");
-        let (_, d) = process_endpoint(Backend::Net, "x", Some("tcp:127.0.0.1:7000")).unwrap();
+        let (_, d) = process_endpoint(Backend::Net, "x", Some("tcp:127.0.0.1:7000"), &TlsFlags::default()).unwrap();
         assert_eq!(d, "tcp:127.0.0.1:7000");
         // Without --peer the listener's port is chosen by the kernel, so the
         // descriptor is filled in by `connect` once the channel listens.
-        let (_, d) = process_endpoint(Backend::Net, "x", None).unwrap();
+        let (_, d) = process_endpoint(Backend::Net, "x", None, &TlsFlags::default()).unwrap();
         assert_eq!(d, "");
         for (b, peer) in
             [(Backend::Shm, Some("tcp:1.2.3.4:5")), (Backend::Net, Some("shm@x")), (Backend::UdsCopy, None)]
         {
-            assert!(matches!(process_endpoint(b, "x", peer), Err(CliError::Usage(_))), "{b:?} {peer:?}");
+            assert!(
+                matches!(process_endpoint(b, "x", peer, &TlsFlags::default()), Err(CliError::Usage(_))),
+                "{b:?} {peer:?}"
+            );
         }
     }
 }
