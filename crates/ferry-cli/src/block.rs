@@ -18,14 +18,14 @@
 //! nbdkit's memory plugin driven by the same client.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use clap::{Args, Subcommand, ValueEnum};
-use ferry::tls::{Security, TlsConfig};
+use clap::{Args, Subcommand};
 use ferry::{Endpoint, NetOptions};
+
 use ferry_block::{open_store, parse_size, Listen, NbdServer, NbdTls, ServerConfig, StoreSpec};
 
+use crate::tls_args::{Side, TlsFlags, TlsMode};
 use crate::CliError;
 
 mod bench;
@@ -63,83 +63,33 @@ struct ProxyArgs {
     tls: TlsFlags,
 }
 
-/// When TLS is used (nbdkit's and qemu-nbd's `--tls`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum TlsMode {
-    /// No TLS (NBD clients that ask for it are refused).
-    Off,
-    /// TLS for NBD clients that ask for it, plain text for the others
-    /// (Ferry's own protocol: TLS for every client).
-    On,
-    /// TLS only: an NBD client gets the export only after NBD_OPT_STARTTLS.
-    Require,
+/// How the NBD server uses TLS, from the flags every command shares:
+/// none without certificates, offered beside plain text with `--tls=on`
+/// (NBD clients negotiate it with NBD_OPT_STARTTLS), required with
+/// `--tls=require`. Ferry's own protocol has no negotiation: with
+/// certificates its clients always use TLS.
+fn nbd_tls(flags: &TlsFlags) -> Result<NbdTls, CliError> {
+    // The server's name is only checked by clients: any valid one will do.
+    Ok(match flags.config(Side::Accept, "localhost")? {
+        None => NbdTls::Off,
+        Some(c) if flags.tls == TlsMode::Require => NbdTls::Require(c),
+        Some(c) => NbdTls::On(c),
+    })
 }
 
-/// The TLS flags of `block serve` and `block proxy`.
-#[derive(Debug, Args)]
-struct TlsFlags {
-    /// TLS: off, on or require, as nbdkit and qemu-nbd mean them. Default
-    /// off; a listening or server address off the loopback needs require
-    /// (or --insecure).
-    #[arg(long, value_enum, value_name = "MODE")]
-    tls: Option<TlsMode>,
-    /// The certificates and keys: ca-cert.pem, and server-cert.pem and
-    /// server-key.pem to serve or client-cert.pem and client-key.pem to
-    /// connect (the layout nbdkit, qemu and libnbd share; `ferry tls gen
-    /// DIR` writes one for testing).
-    #[arg(long, value_name = "DIR")]
-    tls_certificates: Option<PathBuf>,
-    /// Plain text off the loopback, chosen on purpose: anyone who reaches
-    /// the port may use the store, and the network sees every byte.
-    #[arg(long)]
-    insecure: bool,
-}
-
-impl TlsFlags {
-    fn mode(&self) -> TlsMode {
-        self.tls.unwrap_or(TlsMode::Off)
+/// Refuse an NBD listening address off the loopback where clients could
+/// use the store in plain text (TLS off or only offered), unless
+/// `--insecure` says so on purpose.
+fn check_nbd_listen(flags: &TlsFlags, tls: &NbdTls, listen: &Listen, addr: SocketAddr) -> Result<(), CliError> {
+    let plain = !matches!(tls, NbdTls::Require(_));
+    if plain && !flags.insecure && !addr.ip().to_canonical().is_loopback() {
+        return Err(CliError::Usage(format!(
+            "--nbd {listen}: not a loopback address, and NBD clients could use the store in plain text there \
+             while the network sees every byte; give --tls=require --tls-certificates DIR, \
+             or --insecure (without certificates) on a network you trust"
+        )));
     }
-
-    /// The TLS configuration for `--tls=on|require` (checking the server
-    /// by `server_name` when connecting); `None` for off.
-    fn config(&self, server_name: &str) -> Result<Option<Arc<TlsConfig>>, CliError> {
-        match (self.mode(), &self.tls_certificates) {
-            (TlsMode::Off, None) => Ok(None),
-            (TlsMode::Off, Some(_)) => {
-                Err(CliError::Usage("--tls-certificates is used with --tls=on or --tls=require; give one".into()))
-            }
-            (mode, None) => Err(CliError::Usage(format!(
-                "--tls={} needs --tls-certificates DIR (`ferry tls gen DIR` writes one for testing)",
-                if mode == TlsMode::On { "on" } else { "require" }
-            ))),
-            (_, Some(dir)) => TlsConfig::from_dir(dir, server_name)
-                .map(|c| Some(Arc::new(c)))
-                .map_err(|e| CliError::Usage(format!("--tls-certificates {}: {e}", dir.display()))),
-        }
-    }
-
-    /// Refuse plain text at `addr` off the loopback without --insecure
-    /// (`plain`: how plain text would be used, for the message).
-    fn check_plain(&self, flag: &str, spec: &str, addr: SocketAddr, plain: bool) -> Result<(), CliError> {
-        if plain && !self.insecure && !addr.ip().to_canonical().is_loopback() {
-            return Err(CliError::Usage(format!(
-                "{flag} {spec}: not a loopback address, and without TLS anyone who reaches it may use the store \
-                 and the network sees every byte; give --tls=require --tls-certificates DIR, \
-                 or --insecure on a network you trust"
-            )));
-        }
-        Ok(())
-    }
-
-    /// The security of a Ferry TCP endpoint: TLS for on and require (the
-    /// protocol has no plain-text fallback), else plain TCP.
-    fn security(&self, tls: &Option<Arc<TlsConfig>>) -> Security {
-        match tls {
-            Some(c) => Security::Tls(c.clone()),
-            None if self.insecure => Security::None,
-            None => Security::LoopbackOnly,
-        }
-    }
+    Ok(())
 }
 
 /// `tcp:HOST:PORT` → (host as written, address); `None` for other endpoints.
@@ -256,32 +206,17 @@ fn serve(a: &ServeArgs) -> Result<(), CliError> {
     if matches!(a.store, StoreSpec::Memory { .. }) && a.size.is_some() {
         return Err(CliError::Usage("--size is for file stores; a memory store takes its size from mem:SIZE".into()));
     }
-    // The server's name is only checked by clients: any valid one will do.
-    let tls = a.tls.config("localhost")?;
-    if let (Some(c), Some(dir)) = (&tls, &a.tls.tls_certificates) {
-        if !c.can_accept() {
-            return Err(CliError::Usage(format!(
-                "--tls-certificates {}: no server-cert.pem and server-key.pem there, which a server needs",
-                dir.display()
-            )));
-        }
-    }
-    let nbd_tls = match (a.tls.mode(), &tls) {
-        (TlsMode::On, Some(c)) => NbdTls::On(c.clone()),
-        (TlsMode::Require, Some(c)) => NbdTls::Require(c.clone()),
-        _ => NbdTls::Off,
-    };
+    let nbd_tls = nbd_tls(&a.tls)?;
     for listen in &a.nbd {
         if let Listen::Tcp(addr) = listen {
-            a.tls.check_plain("--nbd", &listen.to_string(), *addr, a.tls.mode() != TlsMode::Require)?;
+            check_nbd_listen(&a.tls, &nbd_tls, listen, *addr)?;
         }
     }
     let mut ferry_eps = Vec::new();
     for at in &a.ferry {
         let ep = match tcp_parts(at) {
             Some((_, addr)) => {
-                a.tls.check_plain("--ferry", at, addr, tls.is_none())?;
-                FerryEndpoint::Tcp(addr, NetOptions::default().with_security(a.tls.security(&tls)))
+                FerryEndpoint::Tcp(addr, a.tls.net_options(Side::Accept, &format!("--ferry {at}"), "", addr)?)
             }
             None => FerryEndpoint::Local(
                 crate::echo::parse_endpoint(at).map_err(|m| CliError::Usage(format!("--ferry {at}: {m}")))?,
@@ -312,10 +247,10 @@ fn serve(a: &ServeArgs) -> Result<(), CliError> {
         a.export,
         if a.read_only { ", read-only" } else { "" }
     );
-    let tls_note = match a.tls.mode() {
-        TlsMode::Off => "",
-        TlsMode::On => " (TLS for NBD clients that ask; Ferry clients: TLS)",
-        TlsMode::Require => " (TLS required)",
+    let tls_note = match &config.tls {
+        NbdTls::Off => "",
+        NbdTls::On(_) => " (TLS for NBD clients that ask; Ferry clients: TLS)",
+        NbdTls::Require(_) => " (TLS required)",
     };
     for s in &servers {
         println!("listening for NBD clients on {}{tls_note}", s.local_addr());
@@ -394,21 +329,12 @@ fn say(line: &str) {
 
 fn proxy(a: &ProxyArgs) -> Result<(), CliError> {
     let server_host = tcp_parts(&a.server).map_or_else(|| "localhost".to_string(), |(host, _)| host);
-    let tls = a.tls.config(&server_host)?;
-    if let (Some(c), Some(dir)) = (&tls, &a.tls.tls_certificates) {
-        if !c.can_connect() {
-            return Err(CliError::Usage(format!(
-                "--tls-certificates {}: no client-cert.pem and client-key.pem there, which the proxy needs",
-                dir.display()
-            )));
-        }
-    }
     let endpoint = |flag: &str, spec: &str| -> Result<Endpoint, CliError> {
         match tcp_parts(spec) {
-            Some((_, addr)) => {
-                a.tls.check_plain(flag, spec, addr, tls.is_none())?;
-                Ok(Endpoint::tcp_with(addr, NetOptions::default().with_security(a.tls.security(&tls))))
-            }
+            Some((_, addr)) => Ok(Endpoint::tcp_with(
+                addr,
+                a.tls.net_options(Side::Connect, &format!("{flag} {spec}"), &server_host, addr)?,
+            )),
             None => crate::echo::parse_endpoint(spec).map_err(|m| CliError::Usage(format!("{flag} {spec}: {m}"))),
         }
     };

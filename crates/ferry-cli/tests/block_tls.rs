@@ -396,7 +396,8 @@ fn tls_handshake_has_the_handshake_deadline() {
 }
 
 /// Off the loopback, plain text needs --insecure (and `on`, which serves
-/// plain text too); TLS flags that cannot work are refused with one line.
+/// plain text too, needs --tls=require instead); TLS flags that cannot work
+/// are refused with one line.
 #[test]
 fn plain_text_off_the_loopback_and_bad_tls_flags_are_refused() {
     let dir = scratch("flags");
@@ -409,13 +410,17 @@ fn plain_text_off_the_loopback_and_bad_tls_flags_are_refused() {
     let err = serve(&["--nbd", "tcp:192.0.2.1:10809"]);
     assert!(err.contains("not a loopback address") && err.contains("--insecure"), "{err}");
     let err = serve(&["--nbd", "tcp:192.0.2.1:10809", "--tls=on", "--tls-certificates", s(&pki)]);
-    assert!(err.contains("--insecure"), "{err}");
+    assert!(err.contains("--tls=require") && err.contains("--insecure"), "{err}");
+    // Plain text beside TLS off the loopback is not a choice: --insecure is
+    // for plain text without certificates.
+    let err = serve(&["--nbd", "tcp:192.0.2.1:10809", "--tls=on", "--tls-certificates", s(&pki), "--insecure"]);
+    assert!(err.contains("--insecure") && err.contains("drop one of them"), "{err}");
     let err = serve(&["--nbd", "tcp:127.0.0.1:0", "--ferry", "tcp:192.0.2.1:7000"]);
-    assert!(err.contains("--ferry tcp:192.0.2.1:7000: not a loopback address"), "{err}");
+    assert!(err.contains("--ferry tcp:192.0.2.1:7000: 192.0.2.1 is not a loopback address"), "{err}");
     let err = serve(&["--nbd", "tcp:127.0.0.1:0", "--tls=require"]);
-    assert!(err.contains("--tls=require needs --tls-certificates DIR"), "{err}");
-    let err = serve(&["--nbd", "tcp:127.0.0.1:0", "--tls-certificates", s(&pki)]);
-    assert!(err.contains("--tls=on or --tls=require"), "{err}");
+    assert!(err.contains("--tls=require needs certificates; give --tls-certificates DIR"), "{err}");
+    let err = serve(&["--nbd", "tcp:127.0.0.1:0", "--tls=off", "--tls-certificates", s(&pki)]);
+    assert!(err.contains("not used with --tls=off"), "{err}");
     let err = serve(&["--nbd", "tcp:127.0.0.1:0", "--tls=on", "--tls-certificates", s(&dir)]);
     assert!(err.contains("ca-cert.pem") && err.contains("missing"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
