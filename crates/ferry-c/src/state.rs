@@ -556,6 +556,7 @@ impl Registry {
     pub fn answer_pool(&mut self, token: usize, pool: PoolId, accept: bool) {
         if let Some(c) = self.channel(token) {
             let _ = c.respond_pool(pool, accept);
+            let _ = c.flush();
         }
         if let Some(e) = self.pools.get_mut(&pool) {
             refresh_trust(&self.domain, e);
@@ -982,6 +983,7 @@ impl Registry {
         if let Some(mut c) = channel {
             if c.state() == ChannelState::Connected {
                 let _ = c.teardown();
+                let _ = c.flush();
             }
             // Dropping the end closes it: the peer learns of it.
             drop(c);
@@ -1038,9 +1040,13 @@ impl Registry {
         let e = self.pools.get_mut(&id).ok_or(ERR_INVALID_POOL)?;
         if assign {
             c.assign_pool(&e.pool).map_err(|e| of_error(&e))?;
-            chan.assigning.push((id, cont));
         } else {
             c.remove_pool(id).map_err(|e| of_error(&e))?;
+        }
+        let _ = c.flush();
+        if assign {
+            chan.assigning.push((id, cont));
+        } else {
             chan.removing.push((id, cont));
         }
         refresh_trust(&self.domain, e);
@@ -1082,6 +1088,9 @@ impl Registry {
             return Err(of_error(&r.error));
         }
         refresh(&self.domain, e, i);
+        // The TCP backend holds messages back until the channel is polled;
+        // a C program may send and then not dispatch for a while (or exit).
+        let _ = c.flush();
         self.queue_cont(token, ch, cont);
         Ok(())
     }
@@ -1109,6 +1118,9 @@ impl Registry {
         };
         sent.map_err(|e| of_error(&e))?;
         refresh(&self.domain, e, i);
+        // The TCP backend holds messages back until the channel is polled;
+        // a C program may send and then not dispatch for a while (or exit).
+        let _ = c.flush();
         self.queue_cont(token, ch, cont);
         Ok(())
     }
@@ -1128,6 +1140,9 @@ impl Registry {
             return Err(of_error(&r.error));
         }
         refresh(&self.domain, e, i);
+        // The TCP backend holds messages back until the channel is polled;
+        // a C program may send and then not dispatch for a while (or exit).
+        let _ = c.flush();
         self.queue_cont(token, ch, cont);
         Ok(())
     }
