@@ -14,4 +14,6 @@ mod boundary;
 mod cmem;
 pub mod codes;
 pub mod ffi;
+#[cfg(test)]
+mod layout;
 mod state;
