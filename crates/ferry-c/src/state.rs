@@ -173,7 +173,12 @@ struct Waitset {
     bell: OwnedFd,
     rung: bool,
     pending: VecDeque<Work>,
+    /// Channel events served since queued work last ran.
+    streak: u32,
 }
+
+/// Channel events served in a row before one queued work runs.
+const FAIRNESS: u32 = 32;
 
 impl Waitset {
     fn new() -> Res<(usize, Waitset)> {
@@ -193,8 +198,19 @@ impl Waitset {
             bell,
             rung: false,
             pending: VecDeque::new(),
+            streak: 0,
         };
         Ok((key, ws))
+    }
+
+    /// The oldest queued work (the fd stays readable while more is queued).
+    fn pop(&mut self) -> Option<Work> {
+        let w = self.pending.pop_front()?;
+        self.streak = 0;
+        if self.pending.is_empty() {
+            self.quiet();
+        }
+        Some(w)
     }
 
     fn push(&mut self, w: Work) {
@@ -394,22 +410,35 @@ impl Registry {
         Ok(self.waitsets.get(&ws).ok_or(ERR_INVALID_WAITSET)?.epoll.as_raw_fd())
     }
 
-    /// The next thing dispatch does on `ws`.
+    /// The next thing dispatch does on `ws`: a channel event if one is
+    /// due, else queued work (continuations, and the further callbacks of
+    /// an event that called for several). Channel events come first
+    /// because they carry the peer's actions, which a program waits for;
+    /// a continuation only reports that one of its own calls completed.
+    /// After [`FAIRNESS`] events in a row one queued work runs, so a busy
+    /// peer cannot hold continuations back for ever.
     pub fn next_step(&mut self, ws_key: usize) -> Res<Step> {
         let ws = self.waitsets.get_mut(&ws_key).ok_or(ERR_INVALID_WAITSET)?;
-        if let Some(w) = ws.pending.pop_front() {
-            if ws.pending.is_empty() {
-                ws.quiet();
+        if ws.streak >= FAIRNESS {
+            if let Some(w) = ws.pop() {
+                return Ok(Step::Run(w));
             }
-            return Ok(Step::Run(w));
         }
-        ws.quiet();
+        if ws.pending.is_empty() {
+            ws.quiet();
+        }
         match ws.selector.wait(Some(Duration::ZERO)) {
-            Some((key, ev)) => Ok(match self.take_event(ws_key, key, ev) {
-                Some(w) => Step::Run(w),
-                None => Step::Again,
-            }),
-            None => Ok(Step::Idle { fd: ws.epoll.as_raw_fd(), live: !ws.selector.is_empty() }),
+            Some((key, ev)) => {
+                ws.streak += 1;
+                Ok(match self.take_event(ws_key, key, ev) {
+                    Some(w) => Step::Run(w),
+                    None => Step::Again,
+                })
+            }
+            None => match ws.pop() {
+                Some(w) => Ok(Step::Run(w)),
+                None => Ok(Step::Idle { fd: ws.epoll.as_raw_fd(), live: !ws.selector.is_empty() }),
+            },
         }
     }
 
@@ -1045,6 +1074,9 @@ impl Registry {
         }
         let _ = c.flush();
         if assign {
+            // As the original's local backend does, a continuation given
+            // without an argument gets the pool as its argument.
+            let cont = cont.map(|c| Cont { arg: if c.arg == 0 { pool } else { c.arg }, ..c });
             chan.assigning.push((id, cont));
         } else {
             chan.removing.push((id, cont));
