@@ -39,6 +39,14 @@ impl<T> CArray<T> {
         self.cells.len()
     }
 
+    /// Reads object `i`.
+    pub fn read<R>(&self, i: usize, f: impl FnOnce(&T) -> R) -> R {
+        // SAFETY: the library writes the objects only through `update`,
+        // which needs `&mut self`; C code never writes them (they are
+        // read-only to the program), so no write overlaps this read.
+        f(unsafe { &*self.cells[i].get() })
+    }
+
     /// Changes object `i`.
     pub fn update(&mut self, i: usize, f: impl FnOnce(&mut T)) {
         // `&mut self` comes from under the registry lock: no other Rust
