@@ -3,6 +3,8 @@
 //! Each lives in a boxed slice that never moves, so its address stays valid
 //! for as long as the library keeps the pool.
 
+#![allow(unsafe_code)]
+
 use std::cell::UnsafeCell;
 
 /// A fixed-address array of C-visible objects. The library changes them
