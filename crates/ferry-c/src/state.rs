@@ -240,8 +240,9 @@ impl Waitset {
 struct Slot {
     /// The program owns the buffer.
     owned: Option<Buffer>,
-    /// Copies the program received, with the channel each came over.
-    copies: Vec<(usize, BufferCopy)>,
+    /// Copies the program received, with the channel each came over and
+    /// the C object it was given with.
+    copies: Vec<(usize, BufferCopy, View)>,
 }
 
 /// A pool this process knows, with its C objects.
@@ -334,16 +335,26 @@ fn check_sending(c: &Channel, dir: Direction) -> Res<()> {
 fn refresh(domain: &Domain, e: &mut PoolEntry, i: usize) {
     let id = BufferId { pool: e.pool.id(), index: i as u32 };
     let slot = &e.slots[i];
-    // The owner's view: the domain's state while the program owns the
-    // buffer (READ_WRITE, or RO_OWNED with copies out), else INVALID. The
-    // copy view: READ_ONLY while the program holds a copy.
-    let owned = if slot.owned.is_some() { buffer_state_to(domain.buffer_state(id)) } else { 0 };
-    let copies = slot.copies.len() as u32;
-    let copy_state = if copies > 0 { buffer_state_to(BufferState::ReadOnly) } else { 0 };
-    e.bufs.update(i, |b| b.state = owned);
+    let held = |v: View| slot.copies.iter().filter(|c| c.2 == v).count() as u32;
+    let (owner_copies, view_copies) = (held(View::Owner), held(View::Copy));
+    let read_only = buffer_state_to(BufferState::ReadOnly);
+    // The owner's object: the domain's state while the program owns the
+    // buffer (READ_WRITE, or RO_OWNED with copies out); READ_ONLY while a
+    // copy was given with it; else INVALID. The copy object: READ_ONLY
+    // while a copy was given with it.
+    let owner_state = match (&slot.owned, owner_copies) {
+        (Some(_), _) => buffer_state_to(domain.buffer_state(id)),
+        (None, 0) => 0,
+        (None, _) => read_only,
+    };
+    let copy_state = if view_copies > 0 { read_only } else { 0 };
+    e.bufs.update(i, |b| {
+        b.state = owner_state;
+        b.local_ref_count = owner_copies;
+    });
     e.copy_bufs.update(i, |b| {
         b.state = copy_state;
-        b.local_ref_count = copies;
+        b.local_ref_count = view_copies;
     });
 }
 
@@ -513,9 +524,24 @@ impl Registry {
                 self.pool_ptr_or_add(id.pool)?;
                 let e = self.pools.get_mut(&id.pool)?;
                 let i = id.index as usize;
-                e.slots[i].copies.push((token, copy));
+                // A copy arriving where the program neither owns the buffer
+                // nor holds a copy of it through the owner's object (another
+                // process's buffer) comes in that object, the one in
+                // `pool->buffers`; a copy of a buffer the program owns or
+                // reads through it already (a local channel: one domain)
+                // comes in the copy object, which has its own state.
+                let slot = &mut e.slots[i];
+                let view = if slot.owned.is_none() && !slot.copies.iter().any(|c| c.2 == View::Owner) {
+                    View::Owner
+                } else {
+                    View::Copy
+                };
+                slot.copies.push((token, copy, view));
                 refresh(&self.domain, e, i);
-                let buffer = e.copy_bufs.ptr(i) as usize;
+                let buffer = match view {
+                    View::Owner => e.bufs.ptr(i),
+                    View::Copy => e.copy_bufs.ptr(i),
+                } as usize;
                 let meta = meta_bytes(&meta, meta_size);
                 cbs.copy_received.map(|f| Work::Buffer { f, ch, token, buffer, id, handed: Handed::Copy, meta })
             }
@@ -1077,8 +1103,8 @@ impl Registry {
         }
         for e in self.pools.values_mut() {
             for i in 0..e.slots.len() {
-                if e.slots[i].copies.iter().any(|(t, _)| *t == token) {
-                    e.slots[i].copies.retain(|(t, _)| *t != token);
+                if e.slots[i].copies.iter().any(|c| c.0 == token) {
+                    e.slots[i].copies.retain(|c| c.0 != token);
                     refresh(&self.domain, e, i);
                 }
             }
@@ -1188,9 +1214,10 @@ impl Registry {
         let e = self.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
         let meta = boundary::read_meta(meta, c.meta_size());
         let slot = &e.slots[i];
-        let sent = match (view, &slot.owned, slot.copies.first()) {
+        let held = slot.copies.iter().find(|h| h.2 == view).map(|h| &h.1);
+        let sent = match (view, &slot.owned, held) {
             (View::Owner, Some(b), _) => c.copy(b, &meta),
-            (View::Copy, _, Some((_, copy))) => c.copy(copy, &meta),
+            (_, _, Some(copy)) => c.copy(copy, &meta),
             _ => return Err(ERR_BUFFER_NOT_OWNED),
         };
         sent.map_err(|e| of_error(&e))?;
@@ -1210,13 +1237,10 @@ impl Registry {
         check_sending(c, Direction::Rx)?;
         let (id, i, view) = buffer_at_in(&self.buffer_addr, &self.pools, buffer)?;
         let e = self.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
-        if view == View::Owner {
-            return Err(ERR_NOT_A_COPY);
-        }
-        let at = e.slots[i].copies.iter().position(|(t, _)| *t == token).ok_or(ERR_NOT_A_COPY)?;
-        let (_, copy) = e.slots[i].copies.remove(at);
+        let at = e.slots[i].copies.iter().position(|h| h.0 == token && h.2 == view).ok_or(ERR_NOT_A_COPY)?;
+        let (_, copy, _) = e.slots[i].copies.remove(at);
         if let Err(r) = c.release(copy) {
-            e.slots[i].copies.insert(at, (token, r.value));
+            e.slots[i].copies.insert(at, (token, r.value, view));
             return Err(of_error(&r.error));
         }
         refresh(&self.domain, e, i);
