@@ -151,6 +151,8 @@ pub struct Waitset {
     selector: Selector,
     /// Selector key → channel token.
     keys: HashMap<usize, usize>,
+    /// The selector keys, in the order the channels are polled.
+    order: Vec<usize>,
     /// The channel ends, by token.
     chans: HashMap<usize, Chan>,
     /// The program's fd: the selector's fd and `bell`.
@@ -224,6 +226,7 @@ impl Waitset {
             _tag: tag,
             selector,
             keys: HashMap::new(),
+            order: Vec::new(),
             chans: HashMap::new(),
             epoll: ep,
             bell,
@@ -281,6 +284,7 @@ impl Waitset {
     pub fn insert(&mut self, token: usize, ch: usize, callbacks: usize, channel: Channel, bind_cont: Option<Cont>) {
         let key = self.selector.insert(channel);
         self.keys.insert(key, token);
+        self.order.push(key);
         self.chans.insert(
             token,
             Chan {
@@ -353,14 +357,12 @@ impl Waitset {
     /// Polls every attached channel once, starting after the one that
     /// had the last event: the first event.
     fn poll_channels(&mut self) -> Option<(usize, Event)> {
-        let n = self.keys.len();
+        let n = self.order.len();
         if n == 0 {
             return None;
         }
-        let mut keys: Vec<usize> = self.keys.keys().copied().collect();
-        keys.sort_unstable();
         for j in 0..n {
-            let key = keys[(self.next_poll + j) % n];
+            let key = self.order[(self.next_poll + j) % n];
             if let Some(ev) = self.selector.get_mut(key).and_then(Channel::poll) {
                 self.next_poll = (self.next_poll + j + 1) % n;
                 return Some((key, ev));
@@ -383,6 +385,7 @@ impl Waitset {
         let Some(chan) = self.chans.get_mut(&token) else { return };
         if let Link::Attached(key) = chan.link {
             self.keys.remove(&key);
+            self.order.retain(|k| *k != key);
             if let Some(c) = self.selector.remove(key) {
                 chan.link = Link::Detached(Box::new(c));
             }
@@ -542,6 +545,7 @@ impl Waitset {
         let channel = match std::mem::replace(&mut chan.link, Link::Attached(usize::MAX)) {
             Link::Attached(key) => {
                 self.keys.remove(&key);
+                self.order.retain(|k| *k != key);
                 self.selector.remove(key)
             }
             Link::Detached(c) => Some(*c),
