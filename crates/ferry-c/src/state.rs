@@ -299,8 +299,8 @@ pub fn channel_create(
     if s.meta_size > MAX_META_SIZE {
         return Err(ERR_INVALID_ARGUMENT);
     }
-    let (ws_key, ws) = waitset_or_default(s.waitset as usize)?;
     let (endpoint, backend) = endpoint(ep, false)?;
+    let (ws_key, ws) = waitset_or_default(s.waitset as usize)?;
     let setup = ChannelSetup {
         direction,
         role,
@@ -334,8 +334,8 @@ pub fn channel_bind(
         TrustLevel::Uninitialized => None,
         t => Some(t),
     };
-    let (ws_key, ws) = waitset_or_default(p.waitset as usize)?;
     let (endpoint, _) = endpoint(ep, true)?;
+    let (ws_key, ws) = waitset_or_default(p.waitset as usize)?;
     let params = BindParams {
         role,
         trust,
