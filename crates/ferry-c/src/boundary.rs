@@ -205,14 +205,15 @@ pub fn c_string(s: *const c_char, max: usize) -> Option<Vec<u8>> {
     (bytes.len() <= max).then(|| bytes.to_vec())
 }
 
-/// `meta_size` bytes of the program's meta data (zeros for NULL).
-pub fn read_meta(meta: *const c_void, meta_size: usize) -> Vec<u8> {
-    if meta.is_null() || meta_size == 0 {
-        return vec![0; meta_size];
+/// `meta_size` bytes of the program's meta data (zeros for NULL), in `buf`.
+pub fn read_meta(meta: *const c_void, meta_size: usize, buf: &mut [u8]) -> &[u8] {
+    let n = meta_size.min(buf.len());
+    if !meta.is_null() && n > 0 {
+        // SAFETY: non-NULL meta data points to the channel's meta_size
+        // bytes (interface contract); at most that many are read.
+        unsafe { ptr::copy_nonoverlapping(meta as *const u8, buf.as_mut_ptr(), n) };
     }
-    // SAFETY: non-NULL meta data points to the channel's meta_size bytes
-    // (interface contract).
-    unsafe { std::slice::from_raw_parts(meta as *const u8, meta_size) }.to_vec()
+    &buf[..n]
 }
 
 fn until_nul(chars: &[c_char]) -> Vec<u8> {

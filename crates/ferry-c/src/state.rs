@@ -189,13 +189,41 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
 
 // ---------------------------------------------------------------------- channels
 
-/// The token and waitset of a live channel struct.
-fn channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
+/// A channel end as a thread remembers it: token, struct address, waitset.
+type LastChannel = Option<(usize, usize, std::sync::Weak<Mutex<Waitset>>)>;
+
+thread_local! {
+    /// The channel end this thread called last: its token, struct address
+    /// and waitset. A stale entry is harmless: a waitset checks token and
+    /// address again under its lock (tokens are never reused).
+    static LAST_CHANNEL: std::cell::RefCell<LastChannel> = const { std::cell::RefCell::new(None) };
+}
+
+/// The token and waitset of a live channel struct, from the directory.
+fn channel_listed(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
     let token = boundary::channel_token(ch);
     match channels_read().get(&token) {
         Some(r) if r.c_addr == ch as usize => Ok((token, r.ws.clone())),
         _ => Err(ERR_INVALID_CHANNEL),
     }
+}
+
+/// The token and waitset of a channel struct, for a call on it (which its
+/// waitset checks again): from this thread's last call if it was on the
+/// same channel, so that a thread busy with one channel shares no
+/// directory lock with others.
+fn channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
+    let token = boundary::channel_token(ch);
+    let cached = LAST_CHANNEL.with(|l| match &*l.borrow() {
+        Some((t, c, ws)) if *t == token && *c == ch as usize => ws.upgrade(),
+        _ => None,
+    });
+    if let Some(ws) = cached {
+        return Ok((token, ws));
+    }
+    let (token, ws) = channel_listed(ch)?;
+    LAST_CHANNEL.with(|l| *l.borrow_mut() = Some((token, ch as usize, Arc::downgrade(&ws))));
+    Ok((token, ws))
 }
 
 /// The Ferry endpoint an endpoint descriptor names, and its backend.
@@ -279,7 +307,7 @@ fn register(
 
 /// Refuses a channel struct that is in use.
 fn check_unused(ch: *mut BulkChannel) -> Res<()> {
-    match channel(ch) {
+    match channel_listed(ch) {
         Ok(_) => Err(ERR_CHANNEL_IN_USE),
         Err(_) => Ok(()),
     }

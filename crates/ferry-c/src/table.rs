@@ -73,6 +73,14 @@ impl PoolEntry {
 
     /// Rewrites buffer `i`'s C objects from the handles and the domain.
     pub fn refresh(&mut self, i: usize) {
+        self.refresh_as(i, None);
+    }
+
+    /// [`refresh`](Self::refresh) when the caller knows the domain's state
+    /// of a buffer the program owns (a buffer moved, passed or allocated to
+    /// it is READ_WRITE: nothing can be copied from a buffer in flight or
+    /// free), sparing the domain's lock on the data path.
+    pub fn refresh_as(&mut self, i: usize, known: Option<BufferState>) {
         let id = BufferId { pool: self.pool.id(), index: i as u32 };
         let slot = &self.slots[i];
         let held = |v: View| slot.copies.iter().filter(|c| c.2 == v).count() as u32;
@@ -83,7 +91,7 @@ impl PoolEntry {
         // a copy was given with it; else INVALID. The second object:
         // READ_ONLY while a copy was given with it.
         let owner_state = match (&slot.owned, owner_copies) {
-            (Some(_), _) => buffer_state_to(DOMAIN.buffer_state(id)),
+            (Some(_), _) => buffer_state_to(known.unwrap_or_else(|| DOMAIN.buffer_state(id))),
             (None, 0) => 0,
             (None, _) => read_only,
         };
@@ -326,7 +334,7 @@ impl Table {
         let free = alloc.available();
         let i = b.id().index as usize;
         e.slots[i].owned = Some(b);
-        e.refresh(i);
+        e.refresh_as(i, Some(BufferState::ReadWrite));
         boundary::set_num_free(a, free);
         Ok(e.buffer_ptr(i, View::Owner))
     }

@@ -7,7 +7,9 @@ use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use ferry::{Buffer, BufferId, Channel, ChannelState, Direction, Event, Meta, PoolId, Selector};
+use ferry::{
+    Buffer, BufferId, BufferState, Channel, ChannelState, Direction, Event, Meta, PoolId, Selector, MAX_META_SIZE,
+};
 use rustix::event::{epoll, eventfd, EventfdFlags};
 
 use crate::boundary::{self, call, ChannelFields};
@@ -481,11 +483,11 @@ impl Waitset {
                 let meta = meta_bytes(&meta, meta_size);
                 cbs.copy_received.map(|f| Work::Buffer { f, ch, token, buffer, id, owned: false, meta })
             }
-            Event::CopyReleased { buffer: id, .. } => {
+            Event::CopyReleased { buffer: id, writable } => {
                 let mut t = table();
                 let e = t.pools.get_mut(&id.pool)?;
                 let i = id.index as usize;
-                e.refresh(i);
+                e.refresh_as(i, Some(if writable { BufferState::ReadWrite } else { BufferState::ReadOnlyOwned }));
                 let buffer = e.buffer_ptr(i, View::Owner);
                 cbs.copy_released.map(|f| Work::Released { f, ch, token, buffer })
             }
@@ -639,10 +641,11 @@ impl Waitset {
             return Err(ERR_BUFFER_NOT_OWNED);
         }
         let b = e.slots[i].owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
-        let meta = boundary::read_meta(meta, c.meta_size());
+        let mut bytes = [0u8; MAX_META_SIZE];
+        let meta = boundary::read_meta(meta, c.meta_size(), &mut bytes);
         let sent = match dir {
-            Direction::Tx => c.move_buffer(b, &meta),
-            Direction::Rx => c.pass(b, &meta),
+            Direction::Tx => c.move_buffer(b, meta),
+            Direction::Rx => c.pass(b, meta),
         };
         if let Err(r) = sent {
             e.slots[i].owned = Some(r.value);
@@ -672,12 +675,13 @@ impl Waitset {
         let mut t = table();
         let (id, i, view) = t.buffer_at(buffer)?;
         let e = t.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
-        let meta = boundary::read_meta(meta, c.meta_size());
+        let mut bytes = [0u8; MAX_META_SIZE];
+        let meta = boundary::read_meta(meta, c.meta_size(), &mut bytes);
         let slot = &e.slots[i];
         let held = slot.copies.iter().find(|h| h.2 == view).map(|h| &h.1);
         let sent = match (view, &slot.owned, held) {
-            (View::Owner, Some(b), _) => c.copy(b, &meta),
-            (_, _, Some(copy)) => c.copy(copy, &meta),
+            (View::Owner, Some(b), _) => c.copy(b, meta),
+            (_, _, Some(copy)) => c.copy(copy, meta),
             _ => return Err(ERR_BUFFER_NOT_OWNED),
         };
         sent.map_err(|e| of_error(&e))?;
@@ -742,7 +746,7 @@ fn received_owned(
     let e = t.pools.get_mut(&id.pool)?;
     let i = id.index as usize;
     e.slots[i].owned = Some(buffer);
-    e.refresh(i);
+    e.refresh_as(i, Some(BufferState::ReadWrite));
     let ptr = e.buffer_ptr(i, View::Owner);
     f.map(|f| Work::Buffer { f, ch, token, buffer: ptr, id, owned: true, meta: meta_bytes(meta, meta_size) })
 }
