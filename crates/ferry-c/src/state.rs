@@ -28,7 +28,7 @@ use ferry::{
 use crate::boundary::{self, call};
 use crate::codes::*;
 use crate::ffi::*;
-use crate::table::table;
+use crate::table::{forget, unheld_pools, GENERATION};
 use crate::waitset::{Cont, Step, Waitset};
 
 /// A result whose error is a C error code.
@@ -148,10 +148,32 @@ pub fn waitset_set_spin(key: usize, spin: Duration) -> Res<()> {
     Ok(())
 }
 
+thread_local! {
+    /// The waitset this thread dispatched last (a thread usually serves one),
+    /// so that a busy dispatch loop takes no directory lock. A destroyed one
+    /// does not upgrade (or says so under its lock).
+    static LAST_WAITSET: std::cell::RefCell<Option<(usize, std::sync::Weak<Mutex<Waitset>>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The waitset to dispatch.
+fn dispatched_waitset(key: usize) -> Res<WsRef> {
+    let cached = LAST_WAITSET.with(|l| match &*l.borrow() {
+        Some((k, ws)) if *k == key => ws.upgrade(),
+        _ => None,
+    });
+    if let Some(ws) = cached {
+        return Ok(ws);
+    }
+    let ws = waitset(key)?;
+    LAST_WAITSET.with(|l| *l.borrow_mut() = Some((key, Arc::downgrade(&ws))));
+    Ok(ws)
+}
+
 /// `bulk_waitset_dispatch`: runs the next due work of `ws`, waiting up to
 /// the timeout (`None`: no limit) for some.
 pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
-    let ws = waitset(key)?;
+    let ws = dispatched_waitset(key)?;
     let start = Instant::now();
     // A timeout too long to represent is no limit.
     let deadline = timeout.and_then(|t| start.checked_add(t));
@@ -160,6 +182,9 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
         // The lock is held only to pick the work; callbacks run without it.
         let step = {
             let mut w = lock(&ws);
+            if w.dead {
+                return Err(ERR_INVALID_WAITSET);
+            }
             let until = *spin_until.get_or_insert_with(|| start + w.spin);
             w.next_step(until)
         };
@@ -433,7 +458,7 @@ pub fn answer_pool(token: usize, pool: PoolId, accept: bool) {
 
 /// `bulk_alloc_free`.
 pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
-    table().alloc_free(a)?;
+    crate::table::alloc_free(a)?;
     collect_pools();
     Ok(())
 }
@@ -443,10 +468,8 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
 /// them, no queued callback that hands them over. Their C objects are
 /// freed. Called with no lock held.
 pub fn collect_pools() {
-    let (mut candidates, generation) = {
-        let t = table();
-        (t.unheld_pools(), t.generation)
-    };
+    let generation = GENERATION.load(Ordering::SeqCst);
+    let mut candidates = unheld_pools();
     if candidates.is_empty() {
         return;
     }
@@ -454,12 +477,9 @@ pub fn collect_pools() {
     for ws in all {
         lock(&ws).keep_used(&mut candidates);
     }
-    let mut t = table();
     // A channel may have taken up one of them while we looked: next time.
-    if t.generation != generation {
+    if GENERATION.load(Ordering::SeqCst) != generation {
         return;
     }
-    for id in candidates {
-        t.forget(id);
-    }
+    forget(&candidates);
 }
