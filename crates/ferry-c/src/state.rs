@@ -185,7 +185,7 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
             if w.dead {
                 return Err(ERR_INVALID_WAITSET);
             }
-            let until = *spin_until.get_or_insert_with(|| start + w.spin);
+            let until = *spin_until.get_or_insert_with(|| w.spin_until(start));
             w.next_step(until)
         };
         match step {

@@ -155,6 +155,10 @@ const FAIRNESS: u32 = 32;
 /// program thereby never makes its peer ring a doorbell.
 pub const DEFAULT_SPIN: Duration = ferry::DEFAULT_SPIN;
 
+/// A waitset that handed out work this recently is busy: dispatch spins
+/// on it. One that has been idle longer arms at once.
+const BUSY: Duration = Duration::from_millis(1);
+
 /// Hashes the small integers a waitset's maps are keyed by (selector keys,
 /// channel tokens) with one multiplication: no SipHash on the data path.
 #[derive(Default, Clone, Copy)]
@@ -200,6 +204,8 @@ pub struct Waitset {
     next_poll: usize,
     /// See [`DEFAULT_SPIN`].
     pub spin: Duration,
+    /// When the last work was handed to dispatch.
+    last_work: Instant,
     /// Destroyed: takes no more channels.
     pub dead: bool,
 }
@@ -270,6 +276,7 @@ impl Waitset {
             streak: 0,
             next_poll: 0,
             spin: DEFAULT_SPIN,
+            last_work: Instant::now(),
             dead: false,
         };
         Ok((key, ws))
@@ -356,6 +363,24 @@ impl Waitset {
     /// to ring); after it they are armed, and `Idle` means the fd will
     /// tell when to look again.
     pub fn next_step(&mut self, spin_until: Instant) -> Step {
+        let step = self.next_step_inner(spin_until);
+        if matches!(step, Step::Run(_)) {
+            self.last_work = Instant::now();
+        }
+        step
+    }
+
+    /// Until when a dispatch that started at `start` polls before arming:
+    /// the spin, if the waitset is busy.
+    pub fn spin_until(&self, start: Instant) -> Instant {
+        if start.saturating_duration_since(self.last_work) < BUSY {
+            start + self.spin
+        } else {
+            start
+        }
+    }
+
+    fn next_step_inner(&mut self, spin_until: Instant) -> Step {
         if self.streak >= FAIRNESS {
             if let Some(w) = self.pop() {
                 return Step::Run(w);
