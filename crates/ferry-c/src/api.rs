@@ -1,5 +1,5 @@
 //! The exported functions of the C interface. Each checks its arguments
-//! (NULL first), then works on the registry; a panic never crosses into C
+//! (NULL first), then works on the library state; a panic never crosses into C
 //! (it becomes `BULK_ERR_INTERNAL`). Nothing here touches C memory
 //! itself: that is [`crate::boundary`]'s.
 

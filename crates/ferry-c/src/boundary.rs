@@ -6,7 +6,7 @@
 //! callbacks are functions of the declared signature.
 //!
 //! Pointers that name library-owned objects (pools, buffers, waitsets) are
-//! never dereferenced here: they are looked up by address in the registry.
+//! never dereferenced here: they are looked up by address in the library state.
 
 #![allow(unsafe_code)]
 
@@ -58,7 +58,7 @@ pub struct ChannelFields {
 pub fn write_channel_fields(ch: *mut BulkChannel, f: &ChannelFields) {
     // SAFETY: `ch` is a live channel struct registered with the library
     // (it stays at its address until destroyed: interface contract); we
-    // hold the registry lock, so no other library code writes it now.
+    // hold its waitset's lock, so no other library code writes it now.
     unsafe {
         ptr::addr_of_mut!((*ch).state).write_unaligned(f.state);
         ptr::addr_of_mut!((*ch).direction).write_unaligned(f.direction);
@@ -220,7 +220,7 @@ fn until_nul(chars: &[c_char]) -> Vec<u8> {
     chars.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect()
 }
 
-/// The calls into the program's code. Each runs without the registry
+/// The calls into the program's code. Each runs without any library
 /// lock held, so the program may call the library from it.
 pub mod call {
     use super::*;
