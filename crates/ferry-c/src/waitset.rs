@@ -323,7 +323,10 @@ impl Waitset {
     }
 
     /// Adds a channel end (its C struct is filled already).
-    pub fn insert(&mut self, token: usize, ch: usize, callbacks: usize, channel: Channel, bind_cont: Option<Cont>) {
+    pub fn insert(&mut self, token: usize, ch: usize, callbacks: usize, mut channel: Channel, bind_cont: Option<Cont>) {
+        // Armed, its fd tells the program's loop when it has an event; one
+        // that may have one already makes the loop look at once.
+        let may_have_event = !channel.arm();
         let key = self.selector.insert(channel);
         self.keys.insert(key, token);
         self.order.push(key);
@@ -339,9 +342,9 @@ impl Waitset {
                 connected_once: false,
             },
         );
-        // The program's own loop polls the new channel once (it may have
-        // an event before its fd was ever armed).
-        self.ring();
+        if may_have_event {
+            self.ring();
+        }
     }
 
     /// The channel end of `token` (checked against the C struct's address).
