@@ -174,9 +174,8 @@ fn dispatched_waitset(key: usize) -> Res<WsRef> {
 /// the timeout (`None`: no limit) for some.
 pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
     let ws = dispatched_waitset(key)?;
-    let start = Instant::now();
-    // A timeout too long to represent is no limit.
-    let deadline = timeout.and_then(|t| start.checked_add(t));
+    // Read the clock only once there is nothing to do at once.
+    let mut deadline: Option<Option<Instant>> = None;
     let mut spin_until = None;
     loop {
         // The lock is held only to pick the work; callbacks run without it.
@@ -185,8 +184,7 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
             if w.dead {
                 return Err(ERR_INVALID_WAITSET);
             }
-            let until = *spin_until.get_or_insert_with(|| w.spin_until(start));
-            w.next_step(until)
+            w.next_step(&mut spin_until)
         };
         match step {
             Step::Run(work) => {
@@ -195,6 +193,8 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
             }
             Step::Spin => std::hint::spin_loop(),
             Step::Idle { fd, live } => {
+                // A timeout too long to represent is no limit.
+                let deadline = *deadline.get_or_insert_with(|| timeout.and_then(|t| Instant::now().checked_add(t)));
                 let left = match deadline {
                     None if timeout.is_none() && !live => return Err(ERR_WAITSET_EMPTY),
                     None => None,

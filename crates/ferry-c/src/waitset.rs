@@ -204,8 +204,11 @@ pub struct Waitset {
     next_poll: usize,
     /// See [`DEFAULT_SPIN`].
     pub spin: Duration,
-    /// When the last work was handed to dispatch.
+    /// About when the last work was handed to dispatch: read when a
+    /// dispatch first finds nothing after `worked`.
     last_work: Instant,
+    /// Work was handed out since `last_work` was read.
+    worked: bool,
     /// Destroyed: takes no more channels.
     pub dead: bool,
 }
@@ -277,6 +280,7 @@ impl Waitset {
             next_poll: 0,
             spin: DEFAULT_SPIN,
             last_work: Instant::now(),
+            worked: false,
             dead: false,
         };
         Ok((key, ws))
@@ -365,25 +369,29 @@ impl Waitset {
     /// channels are only polled (no system call, no doorbell for the peer
     /// to ring); after it they are armed, and `Idle` means the fd will
     /// tell when to look again.
-    pub fn next_step(&mut self, spin_until: Instant) -> Step {
+    pub fn next_step(&mut self, spin_until: &mut Option<Instant>) -> Step {
         let step = self.next_step_inner(spin_until);
         if matches!(step, Step::Run(_)) {
-            self.last_work = Instant::now();
+            self.worked = true;
         }
         step
     }
 
-    /// Until when a dispatch that started at `start` polls before arming:
-    /// the spin, if the waitset is busy.
-    pub fn spin_until(&self, start: Instant) -> Instant {
-        if start.saturating_duration_since(self.last_work) < BUSY {
-            start + self.spin
+    /// Until when a dispatch that found nothing at `now` polls before
+    /// arming: the spin, if the waitset is busy (the clock is read only
+    /// once a dispatch finds nothing to do).
+    fn spin_until(&mut self, now: Instant) -> Instant {
+        if std::mem::take(&mut self.worked) {
+            self.last_work = now;
+        }
+        if now.saturating_duration_since(self.last_work) < BUSY {
+            now + self.spin
         } else {
-            start
+            now
         }
     }
 
-    fn next_step_inner(&mut self, spin_until: Instant) -> Step {
+    fn next_step_inner(&mut self, spin_until: &mut Option<Instant>) -> Step {
         if self.streak >= FAIRNESS {
             if let Some(w) = self.pop() {
                 return Step::Run(w);
@@ -399,7 +407,12 @@ impl Waitset {
         if let Some(w) = self.pop() {
             return Step::Run(w);
         }
-        if Instant::now() < spin_until {
+        let now = Instant::now();
+        let until = match *spin_until {
+            Some(until) => until,
+            None => *spin_until.insert(self.spin_until(now)),
+        };
+        if now < until {
             return Step::Spin;
         }
         if self.pending.is_empty() {
