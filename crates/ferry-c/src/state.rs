@@ -7,11 +7,12 @@
 //! (Ferry allows it).
 //!
 //! Locks, in the order they are taken (never the other way round): a
-//! waitset's ([`Waitset`], with its channel ends), then the table's
-//! ([`crate::table`], pools and buffers). The two directories below map C
-//! handles to waitsets; they are held only while looking up or changing an
-//! entry, never while another lock is taken. A thread that busy-polls its
-//! own waitset thereby takes no lock another thread's waitset needs.
+//! waitset's ([`Waitset`], with its channel ends), then the table's, a
+//! pool's allocator's and a buffer's ([`crate::table`]). The two
+//! directories below map C handles to waitsets; each is the last lock a
+//! thread takes, held only while looking up or changing an entry. A thread
+//! that busy-polls its own waitset thereby takes no lock another thread's
+//! waitset needs.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
