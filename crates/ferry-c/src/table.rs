@@ -100,6 +100,11 @@ impl Slot {
         });
     }
 
+    /// What the owner's object says now.
+    pub fn owner_state(&self) -> u32 {
+        self.owner_state
+    }
+
     /// The state the object of `view` shows.
     fn state_of(&self, view: View) -> u32 {
         let (owner_state, _, copy_state, _) = self.states(None);

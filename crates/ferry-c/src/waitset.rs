@@ -145,6 +145,12 @@ pub struct Chan {
     removing: Vec<(PoolId, Option<Cont>)>,
     /// Bound once: its end is reported by teardown_received.
     connected_once: bool,
+    /// Payload bytes this end gave a network link to send, in all.
+    queued_payload: u64,
+    /// Continuations of sends over a network link whose bytes are not all
+    /// written to the socket yet: they run once the link's count of payload
+    /// bytes sent reaches the number.
+    unsent: VecDeque<(u64, Cont)>,
 }
 
 /// Channel events served in a row before one queued work runs.
@@ -200,6 +206,8 @@ pub struct Waitset {
     pending: VecDeque<Work>,
     /// Channel events served since queued work last ran.
     streak: u32,
+    /// Continuations waiting for their bytes to be written, on all channels.
+    unsent: usize,
     /// Where the next direct poll of the channels starts (fairness).
     next_poll: usize,
     /// See [`DEFAULT_SPIN`].
@@ -277,6 +285,7 @@ impl Waitset {
             rung: false,
             pending: VecDeque::new(),
             streak: 0,
+            unsent: 0,
             next_poll: 0,
             spin: DEFAULT_SPIN,
             last_work: Instant::now(),
@@ -344,6 +353,8 @@ impl Waitset {
                 assigning: Vec::new(),
                 removing: Vec::new(),
                 connected_once: false,
+                queued_payload: 0,
+                unsent: VecDeque::new(),
             },
         );
         if may_have_event {
@@ -392,6 +403,7 @@ impl Waitset {
     }
 
     fn next_step_inner(&mut self, spin_until: &mut Option<Instant>) -> Step {
+        self.release_written();
         if self.streak >= FAIRNESS {
             if let Some(w) = self.pop() {
                 return Step::Run(w);
@@ -572,12 +584,11 @@ impl Waitset {
                 if let Some(cont) = chan.bind_cont.take() {
                     works.push(Work::Cont { cont, err, ch });
                 }
+                let unsent = chan.unsent.len();
                 let unanswered = chan.assigning.drain(..).chain(chan.removing.drain(..));
-                works.extend(unanswered.filter_map(|(_, c)| c).map(|cont| Work::Cont {
-                    cont,
-                    err: ERR_CHANNEL_CLOSED,
-                    ch,
-                }));
+                let unanswered = unanswered.filter_map(|(_, c)| c).chain(chan.unsent.drain(..).map(|(_, c)| c));
+                works.extend(unanswered.map(|cont| Work::Cont { cont, err: ERR_CHANNEL_CLOSED, ch }));
+                self.unsent -= unsent;
                 if chan.connected_once {
                     if let Some(f) = cbs.teardown_received {
                         works.push(Work::Teardown { f, ch, token });
@@ -641,11 +652,13 @@ impl Waitset {
             })
             .collect();
         drop_channel_handles(token, &never_handed);
+        self.unsent -= chan.unsent.len();
         let unanswered = chan
             .bind_cont
             .take()
             .into_iter()
-            .chain(chan.assigning.drain(..).chain(chan.removing.drain(..)).filter_map(|(_, c)| c));
+            .chain(chan.assigning.drain(..).chain(chan.removing.drain(..)).filter_map(|(_, c)| c))
+            .chain(chan.unsent.drain(..).map(|(_, c)| c));
         for c in unanswered {
             self.push(Work::Cont { cont: c, err: ERR_CHANNEL_DESTROYED, ch });
         }
@@ -681,10 +694,51 @@ impl Waitset {
         Ok(())
     }
 
-    /// Queues an accepted call's continuation.
-    fn queue_cont(&mut self, ch: usize, cont: Option<Cont>) {
-        if let Some(cont) = cont {
-            self.push(Work::Cont { cont, err: OK, ch });
+    /// After an accepted send of `payload` bytes: flushes the channel and
+    /// queues the call's continuation. Over a network link the continuation
+    /// waits until the link has written the payload queued so far to its
+    /// socket (the TCP backend batches, and a program may exit once its
+    /// continuation ran); elsewhere the message is in the peer's ring once
+    /// the call returned.
+    fn sent(&mut self, token: usize, ch: usize, payload: u64, cont: Option<Cont>) {
+        let Some(chan) = self.chans.get_mut(&token) else { return };
+        let Some(c) = channel_of(&mut self.selector, chan) else { return };
+        let _ = c.flush();
+        let written = c.link_stats().map(|s| s.payload_sent);
+        chan.queued_payload += payload;
+        let Some(cont) = cont else { return };
+        match written {
+            Some(written) if written < chan.queued_payload => {
+                chan.unsent.push_back((chan.queued_payload, cont));
+                self.unsent += 1;
+            }
+            _ => self.push(Work::Cont { cont, err: OK, ch }),
+        }
+    }
+
+    /// Queues the continuations of sends whose bytes are written now.
+    fn release_written(&mut self) {
+        if self.unsent == 0 {
+            return;
+        }
+        let mut done = Vec::new();
+        for chan in self.chans.values_mut() {
+            if chan.unsent.is_empty() {
+                continue;
+            }
+            let ch = chan.c_addr;
+            let Some(c) = channel_of(&mut self.selector, chan) else { continue };
+            let _ = c.flush();
+            let written = c.link_stats().map_or(u64::MAX, |s| s.payload_sent);
+            while chan.unsent.front().is_some_and(|(target, _)| *target <= written) {
+                if let Some((_, cont)) = chan.unsent.pop_front() {
+                    done.push(Work::Cont { cont, err: OK, ch });
+                }
+            }
+        }
+        self.unsent -= done.len();
+        for w in done {
+            self.push(w);
         }
     }
 
@@ -701,7 +755,7 @@ impl Waitset {
         let (chan, selector) = self.chan(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, dir)?;
-        with_buffer(buffer, |e, i, view| {
+        let payload = with_buffer(buffer, |e, i, view| {
             if view == View::Copy {
                 return Err(ERR_BUFFER_NOT_OWNED);
             }
@@ -718,12 +772,9 @@ impl Waitset {
                 return Err(of_error(&r.error));
             }
             s.refresh();
-            Ok(())
+            Ok(e.pool.geometry().buffer_size() as u64)
         })?;
-        // The TCP backend holds messages back until the channel is polled;
-        // a C program may send and then not dispatch for a while (or exit).
-        let _ = c.flush();
-        self.queue_cont(ch, cont);
+        self.sent(token, ch, payload, cont);
         Ok(())
     }
 
@@ -739,11 +790,19 @@ impl Waitset {
         let (chan, selector) = self.chan(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Tx)?;
-        with_buffer(buffer, |e, i, view| {
+        let payload = with_buffer(buffer, |e, i, view| {
             let mut bytes = [0u8; MAX_META_SIZE];
             let meta = boundary::read_meta(meta, c.meta_size(), &mut bytes);
             let mut slot = e.slot(i);
             let held = slot.copies.iter().find(|h| h.2 == view).map(|h| &h.1);
+            // The bytes travel unless the peer may hold a copy already: an
+            // owner's buffer with no copies out surely sends them; for
+            // the rest the continuation does not wait for them.
+            let size = e.pool.geometry().buffer_size() as u64;
+            let payload = match (view, &slot.owned) {
+                (View::Owner, Some(_)) if slot.owner_state() == buffer_state_to(BufferState::ReadWrite) => size,
+                _ => 0,
+            };
             let sent = match (view, &slot.owned, held) {
                 (View::Owner, Some(b), _) => c.copy(b, meta),
                 (_, _, Some(copy)) => c.copy(copy, meta),
@@ -751,10 +810,9 @@ impl Waitset {
             };
             sent.map_err(|e| of_error(&e))?;
             slot.refresh();
-            Ok(())
+            Ok(payload)
         })?;
-        let _ = c.flush();
-        self.queue_cont(ch, cont);
+        self.sent(token, ch, payload, cont);
         Ok(())
     }
 
@@ -774,8 +832,7 @@ impl Waitset {
             s.refresh();
             Ok(())
         })?;
-        let _ = c.flush();
-        self.queue_cont(ch, cont);
+        self.sent(token, ch, 0, cont);
         Ok(())
     }
 
