@@ -1,0 +1,486 @@
+//! The library's state behind the C interface, and the operations on it.
+//! Everything here is safe Rust; C memory is reached only through
+//! [`crate::boundary`] and [`crate::cmem`].
+//!
+//! The process is one Ferry [`Domain`], as in the original implementation
+//! (a domain per process). A local channel joins two ends in that domain
+//! (Ferry allows it).
+//!
+//! Locks, in the order they are taken (never the other way round): a
+//! waitset's ([`Waitset`], with its channel ends), then the table's, a
+//! pool's allocator's and a buffer's ([`crate::table`]). The two
+//! directories below map C handles to waitsets; each is the last lock a
+//! thread takes, held only while looking up or changing an entry. A thread
+//! that busy-polls its own waitset thereby takes no lock another thread's
+//! waitset needs.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use ferry::{
+    BindParams, Channel, ChannelConstraints, ChannelSetup, Direction, Domain, Endpoint, PoolId, TrustLevel,
+    MAX_META_SIZE,
+};
+
+use crate::boundary::{self, call};
+use crate::codes::*;
+use crate::ffi::*;
+use crate::table::{forget, unheld_pools, GENERATION};
+use crate::waitset::{Cont, Step, Waitset};
+
+/// A result whose error is a C error code.
+pub type Res<T> = Result<T, Errval>;
+
+/// The process's domain.
+pub static DOMAIN: LazyLock<Domain> = LazyLock::new(|| Domain::new(&format!("process {}", std::process::id())));
+
+static NEXT_TOKEN: AtomicUsize = AtomicUsize::new(0x1000);
+
+/// A new token for a channel's or allocator's `impl_data` (never 0, never reused).
+pub fn new_token() -> usize {
+    NEXT_TOKEN.fetch_add(16, Ordering::Relaxed) + 16
+}
+
+type WsRef = Arc<Mutex<Waitset>>;
+
+fn lock(ws: &WsRef) -> MutexGuard<'_, Waitset> {
+    ws.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A channel end as the directory knows it.
+struct ChanRef {
+    /// Address of the program's `struct bulk_channel`.
+    c_addr: usize,
+    ws: WsRef,
+    /// A local creator's endpoint, for its binder.
+    local_ep: Option<Endpoint>,
+}
+
+/// Waitsets by the address given to C, and the default one.
+#[derive(Default)]
+struct Waitsets {
+    by_key: HashMap<usize, WsRef>,
+    default: Option<usize>,
+}
+
+static WAITSETS: LazyLock<RwLock<Waitsets>> = LazyLock::new(Default::default);
+static CHANNELS: LazyLock<RwLock<HashMap<usize, ChanRef>>> = LazyLock::new(Default::default);
+
+fn waitsets_read() -> std::sync::RwLockReadGuard<'static, Waitsets> {
+    WAITSETS.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn waitsets_write() -> std::sync::RwLockWriteGuard<'static, Waitsets> {
+    WAITSETS.write().unwrap_or_else(|p| p.into_inner())
+}
+
+fn channels_read() -> std::sync::RwLockReadGuard<'static, HashMap<usize, ChanRef>> {
+    CHANNELS.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn channels_write() -> std::sync::RwLockWriteGuard<'static, HashMap<usize, ChanRef>> {
+    CHANNELS.write().unwrap_or_else(|p| p.into_inner())
+}
+
+// ---------------------------------------------------------------------- waitsets
+
+fn waitset(key: usize) -> Res<WsRef> {
+    waitsets_read().by_key.get(&key).cloned().ok_or(ERR_INVALID_WAITSET)
+}
+
+/// `bulk_waitset_create`.
+pub fn waitset_create() -> Res<usize> {
+    let (key, ws) = Waitset::new()?;
+    waitsets_write().by_key.insert(key, Arc::new(Mutex::new(ws)));
+    Ok(key)
+}
+
+/// `bulk_waitset_default`.
+pub fn waitset_default() -> Res<usize> {
+    if let Some(k) = waitsets_read().default {
+        return Ok(k);
+    }
+    let (key, ws) = Waitset::new()?;
+    let mut w = waitsets_write();
+    if let Some(k) = w.default {
+        return Ok(k); // another thread made it meanwhile
+    }
+    w.by_key.insert(key, Arc::new(Mutex::new(ws)));
+    w.default = Some(key);
+    Ok(key)
+}
+
+/// The waitset a setup names (NULL: the default one).
+fn waitset_or_default(key: usize) -> Res<(usize, WsRef)> {
+    let key = if key == 0 { waitset_default()? } else { key };
+    Ok((key, waitset(key)?))
+}
+
+/// `bulk_waitset_destroy`.
+pub fn waitset_destroy(key: usize) -> Res<()> {
+    let ws = waitset(key)?;
+    {
+        let mut w = lock(&ws);
+        if w.busy() {
+            return Err(ERR_WAITSET_BUSY);
+        }
+        w.dead = true;
+    }
+    let mut all = waitsets_write();
+    all.by_key.remove(&key);
+    if all.default == Some(key) {
+        all.default = None;
+    }
+    Ok(())
+}
+
+/// `bulk_waitset_fd`.
+pub fn waitset_fd(key: usize) -> Res<i32> {
+    Ok(lock(&waitset(key)?).fd())
+}
+
+/// `bulk_waitset_set_spin`.
+pub fn waitset_set_spin(key: usize, spin: Duration) -> Res<()> {
+    lock(&waitset(key)?).spin = spin;
+    Ok(())
+}
+
+thread_local! {
+    /// The waitset this thread dispatched last (a thread usually serves one),
+    /// so that a busy dispatch loop takes no directory lock. A destroyed one
+    /// does not upgrade (or says so under its lock).
+    static LAST_WAITSET: std::cell::RefCell<Option<(usize, std::sync::Weak<Mutex<Waitset>>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The waitset to dispatch.
+fn dispatched_waitset(key: usize) -> Res<WsRef> {
+    let cached = LAST_WAITSET.with(|l| match &*l.borrow() {
+        Some((k, ws)) if *k == key => ws.upgrade(),
+        _ => None,
+    });
+    if let Some(ws) = cached {
+        return Ok(ws);
+    }
+    let ws = waitset(key)?;
+    LAST_WAITSET.with(|l| *l.borrow_mut() = Some((key, Arc::downgrade(&ws))));
+    Ok(ws)
+}
+
+/// `bulk_waitset_dispatch`: runs the next due work of `ws`, waiting up to
+/// the timeout (`None`: no limit) for some.
+pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
+    let ws = dispatched_waitset(key)?;
+    // Read the clock only once there is nothing to do at once.
+    let mut deadline: Option<Option<Instant>> = None;
+    let mut spin_until = None;
+    loop {
+        // The lock is held only to pick the work; callbacks run without it.
+        let step = {
+            let mut w = lock(&ws);
+            if w.dead {
+                return Err(ERR_INVALID_WAITSET);
+            }
+            w.next_step(&mut spin_until)
+        };
+        match step {
+            Step::Run(work) => {
+                work.run();
+                return Ok(());
+            }
+            Step::Spin => std::hint::spin_loop(),
+            Step::Idle { fd, live } => {
+                // A timeout too long to represent is no limit.
+                let deadline = *deadline.get_or_insert_with(|| timeout.and_then(|t| Instant::now().checked_add(t)));
+                let left = match deadline {
+                    None if timeout.is_none() && !live => return Err(ERR_WAITSET_EMPTY),
+                    None => None,
+                    Some(d) => {
+                        let left = d.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            return Err(ERR_TIMEOUT);
+                        }
+                        Some(left)
+                    }
+                };
+                call::poll_readable(fd, left);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------- channels
+
+/// A channel end as a thread remembers it: token, struct address, waitset.
+type LastChannel = Option<(usize, usize, std::sync::Weak<Mutex<Waitset>>)>;
+
+thread_local! {
+    /// The channel end this thread called last: its token, struct address
+    /// and waitset. A stale entry is harmless: a waitset checks token and
+    /// address again under its lock (tokens are never reused).
+    static LAST_CHANNEL: std::cell::RefCell<LastChannel> = const { std::cell::RefCell::new(None) };
+}
+
+/// The token and waitset of a live channel struct, from the directory.
+fn channel_listed(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
+    let token = boundary::channel_token(ch);
+    match channels_read().get(&token) {
+        Some(r) if r.c_addr == ch as usize => Ok((token, r.ws.clone())),
+        _ => Err(ERR_INVALID_CHANNEL),
+    }
+}
+
+/// The token and waitset of a channel struct, for a call on it (which its
+/// waitset checks again): from this thread's last call if it was on the
+/// same channel, so that a thread busy with one channel shares no
+/// directory lock with others.
+fn channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
+    let token = boundary::channel_token(ch);
+    let cached = LAST_CHANNEL.with(|l| match &*l.borrow() {
+        Some((t, c, ws)) if *t == token && *c == ch as usize => ws.upgrade(),
+        _ => None,
+    });
+    if let Some(ws) = cached {
+        return Ok((token, ws));
+    }
+    let (token, ws) = channel_listed(ch)?;
+    LAST_CHANNEL.with(|l| *l.borrow_mut() = Some((token, ch as usize, Arc::downgrade(&ws))));
+    Ok((token, ws))
+}
+
+/// The Ferry endpoint an endpoint descriptor names, and its backend.
+fn endpoint(ep: *mut BulkEndpointDescriptor, remote: bool) -> Res<(Endpoint, u32)> {
+    let d = boundary::read_endpoint(ep);
+    if d.magic != EP_MAGIC {
+        return Err(ERR_INVALID_ENDPOINT);
+    }
+    let endpoint = match d.backend {
+        BACKEND_LOCAL => {
+            let other = boundary::local_other_channel(ep);
+            match (remote, other.is_null()) {
+                (false, true) => Endpoint::local(),
+                (true, false) => {
+                    let token = boundary::channel_token(other);
+                    match channels_read().get(&token) {
+                        Some(r) if r.c_addr == other as usize => r.local_ep.clone().ok_or(ERR_INVALID_ENDPOINT)?,
+                        _ => return Err(ERR_ENDPOINT_NOT_LISTENING),
+                    }
+                }
+                _ => return Err(ERR_INVALID_ENDPOINT),
+            }
+        }
+        BACKEND_SM if (d.remote != 0) == remote => Endpoint::shm(OsStr::from_bytes(&boundary::sm_path(ep))),
+        BACKEND_NET if (d.remote != 0) == remote => {
+            let (ip, port) = boundary::net_addr(ep);
+            let ip: std::net::IpAddr =
+                std::str::from_utf8(&ip).ok().and_then(|s| s.parse().ok()).ok_or(ERR_INVALID_ENDPOINT)?;
+            Endpoint::tcp(std::net::SocketAddr::new(ip, port))
+        }
+        _ => return Err(ERR_INVALID_ENDPOINT),
+    };
+    Ok((endpoint, d.backend))
+}
+
+/// What a new channel end's struct and directory entry need.
+struct NewEnd {
+    ch: *mut BulkChannel,
+    ep: *mut BulkEndpointDescriptor,
+    callbacks: *mut BulkChannelCallbacks,
+    constraints: BulkChannelConstraints,
+    user_state: *mut std::ffi::c_void,
+}
+
+/// Registers a new channel end: directory, the program's struct, then the
+/// waitset (whose dispatch may write the struct from then on).
+fn register(
+    end: NewEnd,
+    ws_key: usize,
+    ws: WsRef,
+    channel: Channel,
+    local_ep: Option<Endpoint>,
+    bind_cont: Option<Cont>,
+) -> Res<()> {
+    let token = new_token();
+    let mut w = lock(&ws);
+    if w.dead {
+        return Err(ERR_INVALID_WAITSET);
+    }
+    channels_write().insert(token, ChanRef { c_addr: end.ch as usize, ws: ws.clone(), local_ep });
+    boundary::init_channel(
+        end.ch,
+        BulkChannel {
+            callbacks: end.callbacks,
+            ep: end.ep,
+            state: state_to(channel.state()),
+            pools: std::ptr::null_mut(),
+            direction: direction_to(channel.direction()),
+            role: role_to(channel.role()),
+            trust: trust_to(channel.trust()),
+            constraints: end.constraints,
+            meta_size: channel.meta_size(),
+            waitset: ws_key as *mut std::ffi::c_void,
+            user_state: end.user_state,
+            impl_data: token as *mut std::ffi::c_void,
+        },
+    );
+    w.insert(token, end.ch as usize, end.callbacks as usize, channel, bind_cont);
+    Ok(())
+}
+
+/// Refuses a channel struct that is in use.
+fn check_unused(ch: *mut BulkChannel) -> Res<()> {
+    match channel_listed(ch) {
+        Ok(_) => Err(ERR_CHANNEL_IN_USE),
+        Err(_) => Ok(()),
+    }
+}
+
+/// `bulk_channel_create`.
+pub fn channel_create(
+    ch: *mut BulkChannel,
+    ep: *mut BulkEndpointDescriptor,
+    callbacks: *mut BulkChannelCallbacks,
+    s: BulkChannelSetup,
+) -> Res<()> {
+    check_unused(ch)?;
+    let direction = direction_from(s.direction).ok_or(ERR_INVALID_ARGUMENT)?;
+    let role = role_from(s.role).ok_or(ERR_INVALID_ARGUMENT)?;
+    let trust = trust_from(s.trust).filter(|t| *t != TrustLevel::Uninitialized).ok_or(ERR_INVALID_ARGUMENT)?;
+    if s.meta_size > MAX_META_SIZE {
+        return Err(ERR_INVALID_ARGUMENT);
+    }
+    let (endpoint, backend) = endpoint(ep, false)?;
+    let (ws_key, ws) = waitset_or_default(s.waitset as usize)?;
+    let setup = ChannelSetup {
+        direction,
+        role,
+        trust,
+        meta_size: s.meta_size,
+        constraints: ChannelConstraints { alignment: s.constraints.men_align, ..ChannelConstraints::default() },
+        ..ChannelSetup::default()
+    };
+    let channel = Channel::create(&DOMAIN, &endpoint, setup).map_err(|e| of_error(&e))?;
+    if backend == BACKEND_NET {
+        if let Some(addr) = channel.listen_addr() {
+            boundary::set_net_port(ep, addr.port());
+        }
+    }
+    let local_ep = (backend == BACKEND_LOCAL).then_some(endpoint);
+    let end = NewEnd { ch, ep, callbacks, constraints: s.constraints, user_state: s.user_state };
+    register(end, ws_key, ws, channel, local_ep, None)
+}
+
+/// `bulk_channel_bind`.
+pub fn channel_bind(
+    ch: *mut BulkChannel,
+    ep: *mut BulkEndpointDescriptor,
+    callbacks: *mut BulkChannelCallbacks,
+    p: BulkChannelBindParams,
+    cont: Option<Cont>,
+) -> Res<()> {
+    check_unused(ch)?;
+    let role = role_from(p.role).ok_or(ERR_INVALID_ARGUMENT)?;
+    let trust = match trust_from(p.trust).ok_or(ERR_INVALID_ARGUMENT)? {
+        TrustLevel::Uninitialized => None,
+        t => Some(t),
+    };
+    let (endpoint, _) = endpoint(ep, true)?;
+    let (ws_key, ws) = waitset_or_default(p.waitset as usize)?;
+    let params = BindParams {
+        role,
+        trust,
+        constraints: ChannelConstraints { alignment: p.constraints.men_align, ..ChannelConstraints::default() },
+        ..BindParams::default()
+    };
+    let channel = Channel::bind(&DOMAIN, &endpoint, params).map_err(|e| of_error(&e))?;
+    let end = NewEnd { ch, ep, callbacks, constraints: p.constraints, user_state: p.user_state };
+    register(end, ws_key, ws, channel, None, cont)
+}
+
+/// `bulk_channel_destroy`.
+pub fn channel_destroy(ch: *mut BulkChannel, cont: Option<Cont>) -> Res<()> {
+    let (token, ws) = channel(ch)?;
+    lock(&ws).destroy(token, ch as usize, cont)?;
+    channels_write().remove(&token);
+    collect_pools();
+    Ok(())
+}
+
+/// `bulk_channel_assign_pool` and `bulk_channel_remove_pool`.
+pub fn channel_pool(ch: *mut BulkChannel, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
+    let (token, ws) = channel(ch)?;
+    let mut w = lock(&ws);
+    w.channel_pool(token, ch as usize, pool, cont, assign)
+}
+
+/// `bulk_channel_move` and `bulk_channel_pass`.
+pub fn channel_send(
+    ch: *mut BulkChannel,
+    buffer: usize,
+    meta: *const std::ffi::c_void,
+    cont: Option<Cont>,
+    dir: Direction,
+) -> Res<()> {
+    let (token, ws) = channel(ch)?;
+    let mut w = lock(&ws);
+    w.send(token, ch as usize, buffer, meta, cont, dir)
+}
+
+/// `bulk_channel_copy`.
+pub fn channel_copy(ch: *mut BulkChannel, buffer: usize, meta: *const std::ffi::c_void, cont: Option<Cont>) -> Res<()> {
+    let (token, ws) = channel(ch)?;
+    let mut w = lock(&ws);
+    w.copy(token, ch as usize, buffer, meta, cont)
+}
+
+/// `bulk_channel_release`.
+pub fn channel_release(ch: *mut BulkChannel, buffer: usize, cont: Option<Cont>) -> Res<()> {
+    let (token, ws) = channel(ch)?;
+    let mut w = lock(&ws);
+    w.release(token, ch as usize, buffer, cont)
+}
+
+/// The program's answer to a pool offer (after its `pool_assigned` ran).
+pub fn answer_pool(token: usize, pool: PoolId, accept: bool) {
+    let ws = channels_read().get(&token).map(|r| r.ws.clone());
+    if let Some(ws) = ws {
+        lock(&ws).answer_pool(token, pool, accept);
+    }
+    if !accept {
+        collect_pools();
+    }
+}
+
+// ---------------------------------------------------------------------- pools
+
+/// `bulk_alloc_free`.
+pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
+    crate::table::alloc_free(a)?;
+    collect_pools();
+    Ok(())
+}
+
+/// Forgets the pools nothing refers to any more: no allocator, no buffer
+/// or copy held by the program, no channel end that lists or negotiates
+/// them, no queued callback that hands them over. Their C objects are
+/// freed. Called with no lock held.
+pub fn collect_pools() {
+    let generation = GENERATION.load(Ordering::SeqCst);
+    let mut candidates = unheld_pools();
+    if candidates.is_empty() {
+        return;
+    }
+    let all: Vec<WsRef> = waitsets_read().by_key.values().cloned().collect();
+    for ws in all {
+        lock(&ws).keep_used(&mut candidates);
+    }
+    // A channel may have taken up one of them while we looked: next time.
+    if GENERATION.load(Ordering::SeqCst) != generation {
+        return;
+    }
+    forget(&candidates);
+}

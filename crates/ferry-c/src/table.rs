@@ -1,0 +1,601 @@
+//! The pools this process knows, their C objects, the program's buffer
+//! handles and the allocators. The table (an index from ids and addresses
+//! to pools) is read-mostly; each pool's allocator and each buffer have
+//! their own lock, so threads working on different buffers never wait for
+//! each other. Locks are taken in this order: a waitset's, the table's, a
+//! pool's allocator, a buffer's.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, RwLock};
+
+use ferry::{Allocator, Buffer, BufferCopy, BufferId, BufferState, Pool, PoolConstraints, PoolId, TrustLevel};
+
+use crate::boundary;
+use crate::cmem::{CArray, CRef};
+use crate::codes::*;
+use crate::ffi::*;
+use crate::state::{new_token, Res, DOMAIN};
+
+static TABLE: LazyLock<RwLock<Table>> = LazyLock::new(Default::default);
+
+/// Counts the moments a channel may have started to refer to a pool (an
+/// assignment, an offer), so that collecting pools can tell that what it
+/// saw of the channels is out of date.
+pub static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+fn read() -> std::sync::RwLockReadGuard<'static, Table> {
+    TABLE.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write() -> std::sync::RwLockWriteGuard<'static, Table> {
+    TABLE.write().unwrap_or_else(|p| p.into_inner())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Which of a buffer's two C objects a pointer names.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum View {
+    /// The owner's (allocator, move, pass; `pool->buffers`).
+    Owner,
+    /// The second one, for a copy held beside the owner's buffer.
+    Copy,
+}
+
+/// One buffer: the program's handles of it and its two C objects.
+pub struct Slot {
+    id: BufferId,
+    /// The program owns the buffer.
+    pub owned: Option<Buffer>,
+    /// Copies the program received, with the channel each came over and
+    /// the C object it was given with.
+    pub copies: Vec<(usize, BufferCopy, View)>,
+    owner_obj: CRef<BulkBuffer>,
+    copy_obj: CRef<BulkBuffer>,
+    /// What `owner_obj.state` says.
+    owner_state: u32,
+}
+
+impl Slot {
+    fn states(&self, known: Option<BufferState>) -> (u32, u32, u32, u32) {
+        let held = |v: View| self.copies.iter().filter(|c| c.2 == v).count() as u32;
+        let (owner_copies, view_copies) = (held(View::Owner), held(View::Copy));
+        let read_only = buffer_state_to(BufferState::ReadOnly);
+        // The owner's object: the domain's state while the program owns the
+        // buffer (READ_WRITE, or RO_OWNED with copies out); READ_ONLY while
+        // a copy was given with it; else INVALID. The second object:
+        // READ_ONLY while a copy was given with it.
+        let owner_state = match (&self.owned, owner_copies) {
+            (Some(_), _) => buffer_state_to(known.unwrap_or_else(|| DOMAIN.buffer_state(self.id))),
+            (None, 0) => 0,
+            (None, _) => read_only,
+        };
+        let copy_state = if view_copies > 0 { read_only } else { 0 };
+        (owner_state, owner_copies, copy_state, view_copies)
+    }
+
+    /// Rewrites the C objects from the handles and the domain.
+    pub fn refresh(&mut self) {
+        self.refresh_as(None);
+    }
+
+    /// [`refresh`](Self::refresh) when the caller knows the domain's state
+    /// of a buffer the program owns (a buffer moved, passed or allocated to
+    /// it is READ_WRITE: nothing can be copied from a buffer in flight or
+    /// free), sparing the domain's lock on the data path.
+    pub fn refresh_as(&mut self, known: Option<BufferState>) {
+        let (owner_state, owner_copies, copy_state, view_copies) = self.states(known);
+        self.owner_state = owner_state;
+        self.owner_obj.update(|b| {
+            b.state = owner_state;
+            b.local_ref_count = owner_copies;
+        });
+        self.copy_obj.update(|b| {
+            b.state = copy_state;
+            b.local_ref_count = view_copies;
+        });
+    }
+
+    /// What the owner's object says now.
+    pub fn owner_state(&self) -> u32 {
+        self.owner_state
+    }
+
+    /// The state the object of `view` shows.
+    fn state_of(&self, view: View) -> u32 {
+        let (owner_state, _, copy_state, _) = self.states(None);
+        match view {
+            View::Owner => owner_state,
+            View::Copy => copy_state,
+        }
+    }
+
+    /// Whether the program holds nothing of it.
+    fn is_empty(&self) -> bool {
+        self.owned.is_none() && self.copies.is_empty()
+    }
+}
+
+/// A pool this process knows, with its C objects.
+pub struct PoolEntry {
+    /// Ferry's handle (keeps the pool in the domain's list).
+    pub pool: Pool,
+    cpool: CArray<BulkPool>,
+    /// Writes the pool's `trust`.
+    cpool_ref: Mutex<CRef<BulkPool>>,
+    bufs: CArray<BulkBuffer>,
+    /// The second object of each buffer (same address; its own state and
+    /// count), for a copy held beside the owner's buffer.
+    copy_bufs: CArray<BulkBuffer>,
+    /// The pool's `buffers` array.
+    _ptrs: CArray<*mut BulkBuffer>,
+    slots: Box<[Mutex<Slot>]>,
+    /// Made by bulk_alloc_init: the allocator struct's token and the allocator.
+    allocator: Mutex<Option<(usize, Allocator)>>,
+}
+
+impl PoolEntry {
+    /// The `struct bulk_pool`.
+    pub fn pool_ptr(&self) -> usize {
+        self.cpool.ptr(0) as usize
+    }
+
+    /// Buffer `i`'s C object of `view`.
+    pub fn buffer_ptr(&self, i: usize, view: View) -> usize {
+        match view {
+            View::Owner => self.bufs.ptr(i) as usize,
+            View::Copy => self.copy_bufs.ptr(i) as usize,
+        }
+    }
+
+    /// Buffer `i`, locked.
+    pub fn slot(&self, i: usize) -> MutexGuard<'_, Slot> {
+        lock(&self.slots[i])
+    }
+
+    /// Rewrites the pool's trust from the domain.
+    pub fn refresh_trust(&self) {
+        let t = trust_to(DOMAIN.pool_trust(self.pool.id()).unwrap_or(TrustLevel::Uninitialized));
+        lock(&self.cpool_ref).update(|p| p.trust = t);
+    }
+
+    /// Whether nothing but channels may refer to the pool.
+    fn unheld(&self) -> bool {
+        lock(&self.allocator).is_none() && self.slots.iter().all(|s| lock(s).is_empty())
+    }
+}
+
+/// An allocator struct initialized by bulk_alloc_init.
+struct AllocEntry {
+    c_addr: usize,
+    pool: PoolId,
+}
+
+/// The index of the pools.
+#[derive(Default)]
+pub struct Table {
+    pools: HashMap<PoolId, Arc<PoolEntry>>,
+    /// `struct bulk_pool` address → pool.
+    pool_addr: HashMap<usize, PoolId>,
+    /// Address of a pool's first `struct bulk_buffer` of each view → pool.
+    buffer_addr: BTreeMap<usize, (PoolId, View)>,
+    allocators: HashMap<usize, AllocEntry>,
+}
+
+fn pool_id_words(id: PoolId) -> BulkPoolId {
+    let v = id.as_u128();
+    BulkPoolId { machine: (v >> 96) as u32, dom: (v >> 64) as u32, local: (v >> 32) as u32, tag: v as u32 }
+}
+
+/// Ferry's pool id of a `struct bulk_pool_id`.
+pub fn pool_id_of(w: BulkPoolId) -> PoolId {
+    let v = (u128::from(w.machine) << 96) | (u128::from(w.dom) << 64) | (u128::from(w.local) << 32) | u128::from(w.tag);
+    PoolId::from_u128(v)
+}
+
+fn new_buffers(n: usize, base: usize, size: usize, pool: *mut BulkPool) -> (CArray<BulkBuffer>, Vec<CRef<BulkBuffer>>) {
+    CArray::new(
+        (0..n)
+            .map(|i| BulkBuffer {
+                address: (base + i * size) as *mut std::ffi::c_void,
+                pool,
+                bufferid: i as u32,
+                state: 0,
+                local_ref_count: 0,
+                reserved: 0,
+            })
+            .collect(),
+    )
+}
+
+impl Table {
+    /// Registers a pool and makes its C objects.
+    fn add_pool(&mut self, pool: Pool, allocator: Option<(usize, Allocator)>) -> Arc<PoolEntry> {
+        let id = pool.id();
+        let g = pool.geometry();
+        let (n, size, base) = (g.count() as usize, g.buffer_size(), pool.base_address());
+        let (cpool, mut cpool_refs) = CArray::new(vec![BulkPool {
+            id: pool_id_words(id),
+            base_address: base,
+            buffer_size: size,
+            trust: 0,
+            num_buffers: n,
+            buffers: std::ptr::null_mut(),
+        }]);
+        let pool_ptr = cpool.ptr(0);
+        let (bufs, owner_objs) = new_buffers(n, base, size, pool_ptr);
+        let (copy_bufs, copy_objs) = new_buffers(n, base, size, pool_ptr);
+        let (ptrs, _) = CArray::new((0..n).map(|i| bufs.ptr(i)).collect());
+        let ptrs_base = ptrs.ptr(0);
+        let mut cpool_ref = cpool_refs.pop().expect("one pool object");
+        cpool_ref.update(|p| p.buffers = ptrs_base);
+        let slots = owner_objs
+            .into_iter()
+            .zip(copy_objs)
+            .enumerate()
+            .map(|(i, (owner_obj, copy_obj))| {
+                let mut s = Slot {
+                    id: BufferId { pool: id, index: i as u32 },
+                    owned: None,
+                    copies: Vec::new(),
+                    owner_obj,
+                    copy_obj,
+                    owner_state: 0,
+                };
+                s.refresh();
+                Mutex::new(s)
+            })
+            .collect();
+        self.pool_addr.insert(pool_ptr as usize, id);
+        self.buffer_addr.insert(bufs.base(), (id, View::Owner));
+        self.buffer_addr.insert(copy_bufs.base(), (id, View::Copy));
+        let e = Arc::new(PoolEntry {
+            pool,
+            cpool,
+            cpool_ref: Mutex::new(cpool_ref),
+            bufs,
+            copy_bufs,
+            _ptrs: ptrs,
+            slots,
+            allocator: Mutex::new(allocator),
+        });
+        e.refresh_trust();
+        self.pools.insert(id, e.clone());
+        e
+    }
+}
+
+/// A pool this process knows, if it does.
+pub fn pool(id: PoolId) -> Option<Arc<PoolEntry>> {
+    read().pools.get(&id).cloned()
+}
+
+/// A pool this process knows, registered on first sight (a pool offered
+/// by a peer, a buffer that arrives).
+pub fn pool_or_add(id: PoolId) -> Option<Arc<PoolEntry>> {
+    if let Some(e) = pool(id) {
+        return Some(e);
+    }
+    let mut t = write();
+    if let Some(e) = t.pools.get(&id) {
+        return Some(e.clone());
+    }
+    let p = DOMAIN.pool(id)?;
+    Some(t.add_pool(p, None))
+}
+
+/// The pool at a `struct bulk_pool` address.
+pub fn pool_at(p: usize) -> Res<Arc<PoolEntry>> {
+    let t = read();
+    let id = t.pool_addr.get(&p).ok_or(ERR_INVALID_POOL)?;
+    t.pools.get(id).cloned().ok_or(ERR_INVALID_POOL)
+}
+
+/// Bumped whenever a pool is forgotten: a thread's cache of pools is good
+/// only while it has not changed.
+static EPOCH: AtomicU64 = AtomicU64::new(0);
+
+/// The pools and allocators a thread used last, held strongly so that a
+/// lookup that hits costs no shared lock and no reference count (both would
+/// move a cache line between the cores of two busy threads).
+#[derive(Default)]
+struct Cache {
+    epoch: u64,
+    pools: Vec<Arc<PoolEntry>>,
+    /// Token and struct address of an allocator, and its pool.
+    allocs: Vec<(usize, usize, Arc<PoolEntry>)>,
+}
+
+/// Entries a thread keeps of each kind.
+const CACHED: usize = 4;
+
+thread_local! {
+    static CACHE: RefCell<Cache> = RefCell::new(Cache::default());
+}
+
+/// Runs `f` on the cached pool that `pick` chooses, if the cache is good
+/// and has one; else gives `f` back.
+fn try_cached<R, F: FnOnce(&PoolEntry) -> R>(pick: impl Fn(&PoolEntry) -> bool, f: F) -> Result<R, F> {
+    let epoch = EPOCH.load(Ordering::Acquire);
+    CACHE.with(|c| {
+        let Ok(c) = c.try_borrow() else { return Err(f) };
+        if c.epoch != epoch {
+            return Err(f);
+        }
+        match c.pools.iter().find(|e| pick(e)) {
+            Some(e) => Ok(f(e)),
+            None => Err(f),
+        }
+    })
+}
+
+/// Keeps `e` in this thread's cache (looked up at `epoch`).
+fn remember(e: Arc<PoolEntry>, epoch: u64) {
+    CACHE.with(|c| {
+        let Ok(mut c) = c.try_borrow_mut() else { return };
+        if c.epoch != epoch {
+            *c = Cache { epoch, ..Cache::default() };
+        }
+        c.pools.retain(|x| !Arc::ptr_eq(x, &e));
+        c.pools.insert(0, e);
+        c.pools.truncate(CACHED);
+    });
+}
+
+impl PoolEntry {
+    /// Index and view of a `struct bulk_buffer` address in this pool.
+    fn locate(&self, p: usize) -> Option<(usize, View)> {
+        let size = std::mem::size_of::<BulkBuffer>();
+        let n = self.bufs.len();
+        [(self.bufs.base(), View::Owner), (self.copy_bufs.base(), View::Copy)].into_iter().find_map(|(base, view)| {
+            let off = p.checked_sub(base)?;
+            (off % size == 0 && off / size < n).then_some((off / size, view))
+        })
+    }
+}
+
+/// Runs `f` on the pool, index and view of a `struct bulk_buffer` address.
+pub fn with_buffer<R>(p: usize, f: impl FnOnce(&PoolEntry, usize, View) -> Res<R>) -> Res<R> {
+    let run = |e: &PoolEntry| match e.locate(p) {
+        Some((i, view)) => f(e, i, view),
+        None => Err(ERR_INVALID_BUFFER),
+    };
+    let run = match try_cached(|e| e.locate(p).is_some(), run) {
+        Ok(r) => return r,
+        Err(run) => run,
+    };
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let e = {
+        let t = read();
+        let (_, &(id, _)) = t.buffer_addr.range(..=p).next_back().ok_or(ERR_INVALID_BUFFER)?;
+        t.pools.get(&id).ok_or(ERR_INVALID_BUFFER)?.clone()
+    };
+    let r = run(&e);
+    remember(e, epoch);
+    r
+}
+
+/// Runs `f` on a pool this process knows (registered on first sight with
+/// `add`: a pool offered by a peer, a buffer that arrives).
+pub fn with_pool<R>(id: PoolId, add: bool, f: impl FnOnce(&PoolEntry) -> R) -> Option<R> {
+    let f = match try_cached(|e| e.pool.id() == id, f) {
+        Ok(r) => return Some(r),
+        Err(f) => f,
+    };
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let e = if add { pool_or_add(id) } else { pool(id) }?;
+    let r = f(&e);
+    remember(e, epoch);
+    Some(r)
+}
+
+/// The pools that nothing but a channel may refer to.
+pub fn unheld_pools() -> Vec<PoolId> {
+    read().pools.iter().filter(|(_, e)| e.unheld()).map(|(id, _)| *id).collect()
+}
+
+/// Forgets pools that are still unheld; their C objects are freed once no
+/// call that looked one up still holds it.
+pub fn forget(ids: &[PoolId]) {
+    let mut t = write();
+    EPOCH.fetch_add(1, Ordering::AcqRel);
+    for id in ids {
+        if t.pools.get(id).is_some_and(|e| e.unheld()) {
+            if let Some(e) = t.pools.remove(id) {
+                t.pool_addr.remove(&e.pool_ptr());
+                t.buffer_addr.remove(&e.bufs.base());
+                t.buffer_addr.remove(&e.copy_bufs.base());
+            }
+        }
+    }
+}
+
+/// `bulk_pool_domain_list_get`.
+pub fn pool_by_id(id: PoolId) -> Option<usize> {
+    pool_or_add(id).map(|e| e.pool_ptr())
+}
+
+/// `bulk_buffer_change_state`.
+pub fn buffer_change_state(buffer: usize, state: u32) -> Res<()> {
+    with_buffer(buffer, |e, i, view| {
+        if state > 3 {
+            return Err(ERR_INVALID_ARGUMENT);
+        }
+        let mut s = e.slot(i);
+        s.refresh();
+        if s.state_of(view) == state {
+            Ok(())
+        } else {
+            Err(ERR_BUFFER_STATE)
+        }
+    })
+}
+
+/// Takes the handles the program held of buffers received over a destroyed
+/// channel and never handed to it (their callbacks were dropped), and the
+/// copies it held over that channel.
+pub fn drop_channel_handles(token: usize, never_handed: &[BufferId]) {
+    for id in never_handed {
+        if let Some(e) = pool(id.pool) {
+            let mut s = e.slot(id.index as usize);
+            s.owned = None;
+            s.refresh();
+        }
+    }
+    let all: Vec<Arc<PoolEntry>> = read().pools.values().cloned().collect();
+    for e in all {
+        for slot in e.slots.iter() {
+            let mut s = lock(slot);
+            if s.copies.iter().any(|c| c.0 == token) {
+                s.copies.retain(|c| c.0 != token);
+                s.refresh();
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------- allocators
+
+/// Runs `f` on the token and pool of a live allocator struct (the pool's
+/// allocator lock checks the token again).
+fn with_allocator<R>(a: *mut BulkAllocator, f: impl FnOnce(usize, &PoolEntry) -> Res<R>) -> Res<R> {
+    let token = boundary::allocator_token(a);
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let mut f = Some(f);
+    let hit = CACHE.with(|c| {
+        let c = c.try_borrow().ok()?;
+        if c.epoch != epoch {
+            return None;
+        }
+        let (_, _, e) = c.allocs.iter().find(|(t, addr, _)| *t == token && *addr == a as usize)?;
+        Some((f.take()?)(token, e))
+    });
+    if let Some(r) = hit {
+        return r;
+    }
+    let e = {
+        let t = read();
+        match t.allocators.get(&token) {
+            Some(ae) if ae.c_addr == a as usize => t.pools.get(&ae.pool).cloned().ok_or(ERR_INVALID_ALLOCATOR)?,
+            _ => return Err(ERR_INVALID_ALLOCATOR),
+        }
+    };
+    let r = (f.take().ok_or(ERR_INTERNAL)?)(token, &e);
+    CACHE.with(|c| {
+        let Ok(mut c) = c.try_borrow_mut() else { return };
+        if c.epoch != epoch {
+            *c = Cache { epoch, ..Cache::default() };
+        }
+        c.allocs.retain(|(t, _, _)| *t != token);
+        c.allocs.insert(0, (token, a as usize, e));
+        c.allocs.truncate(CACHED);
+    });
+    r
+}
+
+/// `bulk_alloc_init`.
+pub fn alloc_init(a: *mut BulkAllocator, count: usize, size: usize, c: Option<BulkPoolConstraints>) -> Res<()> {
+    let live = with_allocator(a, |token, e| Ok(lock(&e.allocator).as_ref().is_some_and(|(t, _)| *t == token)));
+    if live == Ok(true) {
+        return Err(ERR_ALLOCATOR_IN_USE);
+    }
+    let (trust, alignment) = match c {
+        Some(c) => (trust_from(c.trust).ok_or(ERR_INVALID_ARGUMENT)?, c.alignment),
+        None => (TrustLevel::Uninitialized, 0),
+    };
+    let count = u64::try_from(count).map_err(|_| ERR_BAD_BUFFER_SIZE)?;
+    let alloc = Allocator::new(&DOMAIN, count, size, PoolConstraints { trust, alignment }).map_err(|e| of_error(&e))?;
+    let pool = DOMAIN.pool(alloc.pool().id()).ok_or(ERR_INTERNAL)?;
+    let id = pool.id();
+    let free = alloc.available();
+    let token = new_token();
+    let mut t = write();
+    let e = t.add_pool(pool, Some((token, alloc)));
+    t.allocators.insert(token, AllocEntry { c_addr: a as usize, pool: id });
+    boundary::write_allocator(a, e.pool_ptr() as *mut BulkPool, free, token);
+    Ok(())
+}
+
+/// `bulk_alloc_free` (the caller collects the pool afterwards).
+pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
+    let token = boundary::allocator_token(a);
+    let mut t = write();
+    let e = match t.allocators.get(&token) {
+        Some(ae) if ae.c_addr == a as usize => t.pools.get(&ae.pool).cloned(),
+        _ => return Err(ERR_INVALID_ALLOCATOR),
+    };
+    t.allocators.remove(&token);
+    EPOCH.fetch_add(1, Ordering::AcqRel);
+    if let Some(e) = e {
+        let mut alloc = lock(&e.allocator);
+        // The program's handles of the pool go back first, then the allocator.
+        for slot in e.slots.iter() {
+            let mut s = lock(slot);
+            s.owned = None;
+            s.copies.clear();
+            s.refresh();
+        }
+        *alloc = None;
+    }
+    boundary::clear_allocator(a);
+    Ok(())
+}
+
+/// `bulk_alloc_new_buffer`.
+pub fn alloc_new_buffer(a: *mut BulkAllocator) -> Res<usize> {
+    with_allocator(a, |token, e| {
+        let alloc = lock(&e.allocator);
+        let alloc = match &*alloc {
+            Some((t, alloc)) if *t == token => alloc,
+            _ => return Err(ERR_INVALID_ALLOCATOR),
+        };
+        let Some(b) = alloc.alloc() else {
+            boundary::set_num_free(a, 0);
+            return Err(ERR_NO_RESOURCES);
+        };
+        let free = alloc.available();
+        let i = b.id().index as usize;
+        let mut s = e.slot(i);
+        s.owned = Some(b);
+        s.refresh_as(Some(BufferState::ReadWrite));
+        boundary::set_num_free(a, free);
+        Ok(e.buffer_ptr(i, View::Owner))
+    })
+}
+
+/// `bulk_alloc_return_buffer`.
+pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
+    with_allocator(a, |token, e| {
+        let Some((i, view)) = e.locate(buffer) else {
+            // Not this pool's: a buffer of another pool, or no buffer at all.
+            return with_buffer(buffer, |_, _, _| Err(ERR_FOREIGN_POOL));
+        };
+        let alloc = lock(&e.allocator);
+        let alloc = match &*alloc {
+            Some((t, alloc)) if *t == token => alloc,
+            _ => return Err(ERR_INVALID_ALLOCATOR),
+        };
+        let mut s = e.slot(i);
+        if view == View::Copy || s.owned.is_none() {
+            return Err(ERR_BUFFER_NOT_OWNED);
+        }
+        // A buffer whose copies are out stays with the program: handed out
+        // again, its new user could not write it.
+        if s.owner_state == buffer_state_to(BufferState::ReadOnlyOwned) {
+            return Err(ERR_COPIES_OUTSTANDING);
+        }
+        let b = s.owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
+        if let Err(r) = alloc.free(b) {
+            s.owned = Some(r.value);
+            return Err(of_error(&r.error));
+        }
+        s.refresh();
+        let free = alloc.available();
+        boundary::set_num_free(a, free);
+        Ok(())
+    })
+}
