@@ -1,0 +1,1 @@
+//! Ferry's C interface (implementation follows the headers in include/).
