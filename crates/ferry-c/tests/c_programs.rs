@@ -1,0 +1,513 @@
+//! Ferry's C interface as C programs see it.
+//!
+//! Installs the library, headers and pkg-config file with `scripts/install-c`
+//! into a prefix under the target directory (once per run), compiles every
+//! program of `tests/c/` with the system C compiler through `pkg-config`
+//! (`-std=c11 -Wall -Wextra -Werror`, and again with AddressSanitizer,
+//! LeakSanitizer and UBSan), compiles every installed header on its own as C11
+//! and as C++17, and runs the programs as real processes, each with a
+//! deadline, checking exit status, fatal signal and output.
+//!
+//! Programs that must fault (a read or write of a buffer the program no longer
+//! owns at trust NONE) are run with the sanitizers' own SIGSEGV/SIGBUS
+//! handlers off, so that the signal ends the process and is seen here.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// Deadline of one program run that moves little data.
+const SHORT: Duration = Duration::from_secs(60);
+/// Deadline of one bulk run (1 GiB, or less under the sanitizers).
+const LONG: Duration = Duration::from_secs(150);
+
+/// Bytes moved by the bulk runs of the plain build.
+const BULK_BYTES: u64 = 1 << 30;
+/// Bytes moved by the bulk runs of the sanitizer build (instrumented
+/// checksums are several times slower).
+const BULK_BYTES_SANITIZED: u64 = 64 << 20;
+
+/// The workspace root (the directory of `scripts/`).
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("workspace root")
+}
+
+/// The C sources of the test programs.
+fn sources() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c")
+}
+
+/// Where `scripts/install-c` put Ferry for this run.
+struct Install {
+    prefix: PathBuf,
+    /// `pkg-config --cflags --libs ferry`, split into words.
+    flags: Vec<String>,
+}
+
+/// Installs Ferry into a fresh prefix, once per test binary run.
+fn install() -> &'static Install {
+    static INSTALL: OnceLock<Install> = OnceLock::new();
+    INSTALL.get_or_init(|| {
+        let prefix = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-c-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&prefix);
+        std::fs::create_dir_all(&prefix).expect("create the install prefix");
+        let out = Command::new(workspace().join("scripts/install-c"))
+            .arg(&prefix)
+            .current_dir(workspace())
+            .output()
+            .expect("run scripts/install-c");
+        assert!(
+            out.status.success(),
+            "scripts/install-c {} failed ({}):\n{}\n{}",
+            prefix.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let pc = Command::new("pkg-config")
+            .args(["--cflags", "--libs", "ferry"])
+            .env("PKG_CONFIG_PATH", prefix.join("lib/pkgconfig"))
+            .output()
+            .expect("run pkg-config");
+        assert!(
+            pc.status.success(),
+            "pkg-config --cflags --libs ferry failed: {}",
+            String::from_utf8_lossy(&pc.stderr)
+        );
+        let flags = String::from_utf8(pc.stdout).expect("pkg-config output").split_whitespace().map(String::from).collect();
+        for dir in ["bin", "run"] {
+            std::fs::create_dir_all(prefix.join(dir)).expect("create a directory in the prefix");
+        }
+        Install { prefix, flags }
+    })
+}
+
+/// How a program is built.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Build {
+    /// `-O2`, warnings as errors.
+    Plain,
+    /// Also `-fsanitize=address,undefined`, leaks included.
+    Sanitized,
+}
+
+impl Build {
+    fn name(self) -> &'static str {
+        match self {
+            Build::Plain => "plain",
+            Build::Sanitized => "asan",
+        }
+    }
+}
+
+const STRICT_C: [&str; 4] = ["-std=c11", "-Wall", "-Wextra", "-Werror"];
+
+/// Compiles `path` (a C source) once per build and returns the executable.
+fn compile_path(path: &Path, build: Build) -> PathBuf {
+    type Slot = Arc<OnceLock<PathBuf>>;
+    static BUILT: OnceLock<Mutex<HashMap<(PathBuf, Build), Slot>>> = OnceLock::new();
+    let slot = BUILT.get_or_init(Default::default).lock().unwrap().entry((path.to_owned(), build)).or_default().clone();
+    slot.get_or_init(|| {
+        let inst = install();
+        let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
+        let exe = inst.prefix.join("bin").join(format!("{stem}-{}", build.name()));
+        let mut cc = Command::new("cc");
+        cc.args(STRICT_C).arg("-g");
+        match build {
+            Build::Plain => cc.arg("-O2"),
+            Build::Sanitized => cc.args(["-O1", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]),
+        };
+        cc.arg(path).arg("-o").arg(&exe).args(&inst.flags);
+        cc.arg(format!("-Wl,-rpath,{}", inst.prefix.join("lib").display()));
+        let out = cc.output().expect("run cc");
+        assert!(
+            out.status.success(),
+            "compiling {} ({:?}) failed:\n{:?}\n{}{}",
+            path.display(),
+            build,
+            cc,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        exe
+    })
+    .clone()
+}
+
+/// Compiles the test program `tests/c/NAME`.
+fn compile(name: &str, build: Build) -> PathBuf {
+    compile_path(&sources().join(name), build)
+}
+
+/// A path for a Unix socket, unique in this run.
+fn socket_path(tag: &str) -> PathBuf {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    install().prefix.join("run").join(format!("{tag}-{n}.sock"))
+}
+
+/// What a running program is expected to do with SIGSEGV/SIGBUS.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Faults {
+    /// A fault is a failure; the sanitizers report it.
+    No,
+    /// The program is meant to fault: the signal must end it.
+    Expected,
+}
+
+/// One program running as a child process, its stdout and stderr read line by
+/// line (interleaved as they come) by two threads.
+struct Proc {
+    what: String,
+    child: Child,
+    lines: Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Proc {
+    fn spawn(exe: &Path, args: &[&str], env: &[(&str, &str)], build: Build, faults: Faults) -> Proc {
+        let mut cmd = Command::new(exe);
+        cmd.args(args).envs(env.iter().copied()).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        if build == Build::Sanitized {
+            let mut asan = String::from("detect_leaks=1:abort_on_error=0:exitcode=86");
+            if faults == Faults::Expected {
+                asan.push_str(":handle_segv=0:handle_sigbus=0");
+            }
+            cmd.env("ASAN_OPTIONS", asan);
+            cmd.env("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1");
+            cmd.env("LSAN_OPTIONS", "exitcode=87");
+        }
+        let what = format!("{} {}", exe.file_name().unwrap().to_string_lossy(), args.join(" "));
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {what}: {e}"));
+        let (tx, rx) = mpsc::channel();
+        for stream in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let tx = tx.clone();
+            thread::spawn(move || {
+                for line in BufReader::new(stream).lines() {
+                    match line {
+                        Ok(l) => {
+                            if tx.send(l).is_err() {
+                                break;
+                            }
+                        }
+                        Err(_) => break,
+                    }
+                }
+            });
+        }
+        Proc { what, child, lines: rx, seen: Vec::new() }
+    }
+
+    /// Output seen so far.
+    fn transcript(&self) -> String {
+        self.seen.join("\n")
+    }
+
+    /// Waits (at most `within`) for a line containing `needle`; returns it.
+    fn wait_for_line(&mut self, needle: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        if let Some(l) = self.seen.iter().find(|l| l.contains(needle)) {
+            return l.clone();
+        }
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    let hit = l.contains(needle);
+                    self.seen.push(l.clone());
+                    if hit {
+                        return l;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    let _ = self.child.kill();
+                    panic!("{}: no line with {needle:?} within {within:?}; output:\n{}", self.what, self.transcript());
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let status = self.child.wait().ok();
+                    panic!(
+                        "{}: ended ({status:?}) without a line with {needle:?}; output:\n{}",
+                        self.what,
+                        self.transcript()
+                    );
+                }
+            }
+        }
+    }
+
+    /// Waits (at most `within`) for the program to end; returns its status
+    /// and its whole output. Kills it and fails the test at the deadline.
+    fn finish(mut self, within: Duration) -> Ended {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                // The readers end at EOF, once the program (and anything
+                // that inherited its pipes) is gone.
+                while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(10)) {
+                    self.seen.push(l);
+                }
+                return Ended { what: self.what, status, output: self.seen.join("\n") };
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                while let Ok(l) = self.lines.try_recv() {
+                    self.seen.push(l);
+                }
+                panic!("{}: still running after {within:?}; output:\n{}", self.what, self.transcript());
+            }
+            match self.lines.recv_timeout(Duration::from_millis(20)) {
+                Ok(l) => self.seen.push(l),
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// Ends a program that is meant to be waiting forever: it must still be
+    /// running. Returns its output.
+    fn kill_waiting(mut self) -> String {
+        let early = self.child.try_wait().expect("try_wait");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(5)) {
+            self.seen.push(l);
+        }
+        assert!(early.is_none(), "{}: was to wait for its peer but ended ({early:?}); output:\n{}", self.what, self.transcript());
+        self.transcript()
+    }
+}
+
+/// A program that ended.
+struct Ended {
+    what: String,
+    status: ExitStatus,
+    output: String,
+}
+
+impl Ended {
+    /// Exit status 0.
+    fn success(&self) -> &Self {
+        assert!(self.status.success(), "{}: {}; output:\n{}", self.what, self.status, self.output);
+        self
+    }
+
+    /// Killed by SIGSEGV or SIGBUS (a protected buffer was touched).
+    fn faulted(&self) -> &Self {
+        let sig = self.status.signal();
+        assert!(
+            sig == Some(libc::SIGSEGV) || sig == Some(libc::SIGBUS),
+            "{}: expected to die by SIGSEGV or SIGBUS, ended with {}; output:\n{}",
+            self.what,
+            self.status,
+            self.output
+        );
+        self
+    }
+
+    fn contains(&self, needle: &str) -> &Self {
+        assert!(self.output.contains(needle), "{}: no {needle:?} in the output:\n{}", self.what, self.output);
+        self
+    }
+
+    fn lacks(&self, needle: &str) -> &Self {
+        assert!(!self.output.contains(needle), "{}: {needle:?} in the output:\n{}", self.what, self.output);
+        self
+    }
+
+    /// The value of `key=VALUE` on the last line that has it.
+    fn value(&self, key: &str) -> String {
+        let pat = format!("{key}=");
+        self.output
+            .lines()
+            .rev()
+            .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix(&pat)))
+            .unwrap_or_else(|| panic!("{}: no {pat}... in the output:\n{}", self.what, self.output))
+            .to_string()
+    }
+}
+
+/// Runs one program to its end.
+fn run(exe: &Path, args: &[&str], build: Build, within: Duration) -> Ended {
+    Proc::spawn(exe, args, &[], build, Faults::No).finish(within)
+}
+
+// ---------------------------------------------------------------------------
+// Headers
+
+/// The headers the interface promises.
+const HEADERS: [&str; 6] =
+    ["bulk_transfer.h", "bulk_allocator.h", "bulk_local.h", "bulk_sm.h", "bulk_net.h", "barrelfish_compat.h"];
+
+/// Compiles a translation unit that includes only `header`, with `compiler`
+/// and `flags`.
+fn compile_header_alone(header: &str, compiler: &str, lang: &str, flags: &[&str]) {
+    let inst = install();
+    let include = inst.prefix.join("include");
+    let out = Command::new(compiler)
+        .args(flags)
+        .args(["-x", lang, "-c", "-o", "/dev/null", "-I"])
+        .arg(&include)
+        .arg("-")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            writeln!(c.stdin.take().unwrap(), "#include <bulk_transfer/{header}>")?;
+            c.wait_with_output()
+        })
+        .expect("run the compiler");
+    assert!(
+        out.status.success(),
+        "<bulk_transfer/{header}> alone does not compile with {compiler} {flags:?} -x {lang}:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn every_header_is_installed_and_compiles_alone_as_c11() {
+    let inst = install();
+    for h in HEADERS {
+        assert!(inst.prefix.join("include/bulk_transfer").join(h).is_file(), "{h} is not installed");
+        compile_header_alone(h, "cc", "c", &["-std=c11", "-Wall", "-Wextra", "-Werror", "-pedantic"]);
+    }
+}
+
+#[test]
+fn every_header_compiles_alone_as_cpp17() {
+    let inst = install();
+    for h in HEADERS {
+        assert!(inst.prefix.join("include/bulk_transfer").join(h).is_file(), "{h} is not installed");
+        compile_header_alone(h, "g++", "c++", &["-std=c++17", "-Wall", "-Werror"]);
+    }
+}
+
+/// A C++ program links against the C library: the headers declare the
+/// functions `extern "C"`.
+#[test]
+fn cpp_program_links_and_runs() {
+    let inst = install();
+    let exe = inst.prefix.join("bin/cpp_links");
+    let out = Command::new("g++")
+        .args(["-std=c++17", "-Wall", "-Werror", "-x", "c++"])
+        .arg(sources().join("cpp_links.cpp"))
+        .args(["-x", "none", "-o"])
+        .arg(&exe)
+        .args(&inst.flags)
+        .arg(format!("-Wl,-rpath,{}", inst.prefix.join("lib").display()))
+        .output()
+        .expect("run g++");
+    assert!(out.status.success(), "g++ cpp_links.cpp failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    run(&exe, &[], Build::Plain, SHORT).success().contains("cpp_links: ok");
+}
+
+/// The implementation's own example, if it has one, builds and runs.
+#[test]
+fn example_hello_builds_and_runs() {
+    let hello = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/hello.c");
+    if !hello.exists() {
+        eprintln!("no examples/hello.c: nothing to build");
+        return;
+    }
+    for build in [Build::Plain, Build::Sanitized] {
+        let exe = compile_path(&hello, build);
+        run(&exe, &[], build, SHORT).success();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Ports of the original test programs
+
+fn bulk_mini(build: Build) {
+    let exe = compile("bulk_mini.c", build);
+    let ended = run(&exe, &[], build, SHORT);
+    ended.success().contains("bulk_mini: four rounds done").lacks("Assertion");
+    let rounds = ended.output.lines().filter(|l| l.contains("DONE.")).count();
+    assert_eq!(rounds, 4, "bulk_mini: four rounds of move, pass, copy, release expected:\n{}", ended.output);
+}
+
+#[test]
+fn bulk_mini_port() {
+    bulk_mini(Build::Plain);
+}
+
+#[test]
+fn bulk_mini_port_sanitized() {
+    bulk_mini(Build::Sanitized);
+}
+
+/// Runs test `test` of the bulk_shm port: agent 1 creates the channel, agent 2
+/// is started once agent 1 listens.
+fn bulk_shm(test: u32, build: Build) {
+    let exe = compile("bulk_shm.c", build);
+    let sock = socket_path(&format!("bulk_shm{test}-{}", build.name()));
+    let sock = sock.to_str().unwrap();
+    let t = test.to_string();
+    let env = [("BULK_SHM_SOCKET", sock)];
+    // Which agent faults: 2, 5 and 6 agent 2; 3 and 4 agent 1.
+    let a1_faults = matches!(test, 3 | 4);
+    let a2_faults = matches!(test, 2 | 5 | 6);
+    let f = |b: bool| if b { Faults::Expected } else { Faults::No };
+    let mut a1 = Proc::spawn(&exe, &["1", &t], &env, build, f(a1_faults));
+    a1.wait_for_line("Agent 1: channel created. waiting for buffer.", SHORT);
+    let a2 = Proc::spawn(&exe, &["2", &t], &env, build, f(a2_faults));
+    let announce = |agent: u32| format!("Agent {agent}: Test {test}: This should abort the program.");
+    let manual = |agent: u32| format!("Agent {agent}: failed");
+    match test {
+        0 | 1 => {
+            a2.finish(SHORT).success().contains("Agent 2: match.").contains("Agent 2: DONE.");
+            a1.finish(SHORT).success().contains("Agent 1: sucessful.").contains("Agent 1: DONE.");
+        }
+        2 | 5 => {
+            a2.finish(SHORT).faulted().contains(&announce(2)).lacks(&manual(2));
+            a1.kill_waiting();
+        }
+        3 => {
+            a1.finish(SHORT).faulted().contains(&announce(1)).lacks(&manual(1));
+            a2.finish(SHORT).success().contains("Agent 2: expecting Agent 1 to fail. Terminating.");
+        }
+        4 => {
+            a1.finish(SHORT).faulted().contains(&announce(1)).lacks(&manual(1));
+            a2.kill_waiting();
+        }
+        6 => {
+            a2.finish(SHORT).faulted().contains(&announce(2)).lacks(&manual(2));
+            a1.finish(SHORT).success().contains("Agent 1: DONE.");
+        }
+        _ => unreachable!(),
+    }
+}
+
+macro_rules! bulk_shm_tests {
+    ($($plain:ident, $sanitized:ident = $n:expr;)*) => {$(
+        #[test]
+        fn $plain() {
+            bulk_shm($n, Build::Plain);
+        }
+        #[test]
+        fn $sanitized() {
+            bulk_shm($n, Build::Sanitized);
+        }
+    )*};
+}
+
+bulk_shm_tests! {
+    bulk_shm_port_0_trusted, bulk_shm_port_0_trusted_sanitized = 0;
+    bulk_shm_port_1_untrusted, bulk_shm_port_1_untrusted_sanitized = 1;
+    bulk_shm_port_2_no_access_after_pass, bulk_shm_port_2_no_access_after_pass_sanitized = 2;
+    bulk_shm_port_3_no_access_after_move, bulk_shm_port_3_no_access_after_move_sanitized = 3;
+    bulk_shm_port_4_no_write_to_copied, bulk_shm_port_4_no_write_to_copied_sanitized = 4;
+    bulk_shm_port_5_no_write_to_received_copy, bulk_shm_port_5_no_write_to_received_copy_sanitized = 5;
+    bulk_shm_port_6_no_access_after_release, bulk_shm_port_6_no_access_after_release_sanitized = 6;
+}
