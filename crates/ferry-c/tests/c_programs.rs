@@ -511,3 +511,138 @@ bulk_shm_tests! {
     bulk_shm_port_5_no_write_to_received_copy, bulk_shm_port_5_no_write_to_received_copy_sanitized = 5;
     bulk_shm_port_6_no_access_after_release, bulk_shm_port_6_no_access_after_release_sanitized = 6;
 }
+
+// ---------------------------------------------------------------------------
+// Two processes moving data
+
+/// Starts the sink (creator) of `transfer.c` and, once it listens, the
+/// source (binder); returns both.
+fn start_transfer(backend: &str, build: Build, bytes: u64, trust: &str, mode: &str) -> (Proc, Proc) {
+    let exe = compile("transfer.c", build);
+    let bytes = bytes.to_string();
+    let bufsz = (1usize << 20).to_string();
+    let path = socket_path(&format!("transfer-{backend}-{}", build.name()));
+    let create_addr = if backend == "net" { "127.0.0.1".to_string() } else { path.to_str().unwrap().to_string() };
+    let source_faults = if mode == "stream" { Faults::No } else { Faults::Expected };
+    let mut sink =
+        Proc::spawn(&exe, &[backend, "create", &create_addr, &bytes, &bufsz, trust, mode], &[], build, Faults::No);
+    let listening = sink.wait_for_line("listening", SHORT);
+    let bind_addr = if backend == "net" {
+        listening
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("port="))
+            .unwrap_or_else(|| panic!("no port in {listening:?}"))
+            .to_string()
+    } else {
+        create_addr
+    };
+    let source =
+        Proc::spawn(&exe, &[backend, "bind", &bind_addr, &bytes, &bufsz, trust, mode], &[], build, source_faults);
+    (sink, source)
+}
+
+/// Moves `bytes` in 1 MiB buffers from the source to the sink and back;
+/// both must end cleanly with the same checksum over the same bytes.
+fn transfer(backend: &str, build: Build, bytes: u64, trust: &str) {
+    let (sink, source) = start_transfer(backend, build, bytes, trust, "stream");
+    let source = source.finish(LONG);
+    source.success().contains("veto: continuation err=");
+    let sink = sink.finish(LONG);
+    sink.success();
+    assert_eq!(source.value("bytes"), bytes.to_string(), "source: bytes moved");
+    assert_eq!(sink.value("bytes"), bytes.to_string(), "sink: bytes received");
+    assert_eq!(sink.value("buffers"), (bytes >> 20).to_string(), "sink: buffers received");
+    assert_eq!(
+        source.value("checksum"),
+        sink.value("checksum"),
+        "checksums differ:\nsource:\n{}\nsink:\n{}",
+        source.output,
+        sink.output
+    );
+}
+
+#[test]
+fn transfer_1gib_over_shm() {
+    transfer("sm", Build::Plain, BULK_BYTES, "full");
+}
+
+#[test]
+fn transfer_1gib_over_tcp() {
+    transfer("net", Build::Plain, BULK_BYTES, "full");
+}
+
+#[test]
+fn transfer_over_shm_untrusted() {
+    transfer("sm", Build::Plain, BULK_BYTES / 4, "none");
+}
+
+#[test]
+fn transfer_over_shm_sanitized() {
+    transfer("sm", Build::Sanitized, BULK_BYTES_SANITIZED, "half");
+}
+
+#[test]
+fn transfer_over_tcp_sanitized() {
+    transfer("net", Build::Sanitized, BULK_BYTES_SANITIZED, "full");
+}
+
+/// The source moves one buffer, then touches it: it must die by the
+/// signal, after saying it is about to; the sink hears of its death as a
+/// teardown and ends cleanly.
+fn touch_after_move(backend: &str, build: Build, trust: &str, mode: &str, announce: &str) {
+    let (sink, source) = start_transfer(backend, build, 1 << 20, trust, mode);
+    source.finish(SHORT).faulted().contains(announce).lacks("without a fault");
+    sink.finish(SHORT).success();
+}
+
+#[test]
+fn trust_none_read_after_move_faults_over_shm() {
+    touch_after_move("sm", Build::Plain, "none", "fault-read", "reading a moved buffer");
+}
+
+#[test]
+fn trust_none_read_after_move_faults_over_shm_sanitized() {
+    touch_after_move("sm", Build::Sanitized, "none", "fault-read", "reading a moved buffer");
+}
+
+#[test]
+fn trust_none_read_after_move_faults_over_tcp() {
+    touch_after_move("net", Build::Plain, "none", "fault-read", "reading a moved buffer");
+}
+
+#[test]
+fn trust_half_write_after_move_faults_over_shm() {
+    touch_after_move("sm", Build::Plain, "half", "fault-write", "writing a moved buffer");
+}
+
+#[test]
+fn trust_half_write_after_move_faults_over_tcp() {
+    touch_after_move("net", Build::Plain, "half", "fault-write", "writing a moved buffer");
+}
+
+// ---------------------------------------------------------------------------
+// One process
+
+#[test]
+fn waitset_fd_in_epoll_beside_timerfd() {
+    run(&compile("waitset_epoll.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("waitset_epoll: ok");
+}
+
+#[test]
+fn waitset_fd_in_epoll_beside_timerfd_sanitized() {
+    run(&compile("waitset_epoll.c", Build::Sanitized), &[], Build::Sanitized, SHORT)
+        .success()
+        .contains("waitset_epoll: ok");
+}
+
+#[test]
+fn error_paths() {
+    run(&compile("error_paths.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("error_paths: ok");
+}
+
+#[test]
+fn error_paths_sanitized() {
+    run(&compile("error_paths.c", Build::Sanitized), &[], Build::Sanitized, SHORT)
+        .success()
+        .contains("error_paths: ok");
+}
