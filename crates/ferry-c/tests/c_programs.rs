@@ -81,7 +81,8 @@ fn install() -> &'static Install {
             "pkg-config --cflags --libs ferry failed: {}",
             String::from_utf8_lossy(&pc.stderr)
         );
-        let flags = String::from_utf8(pc.stdout).expect("pkg-config output").split_whitespace().map(String::from).collect();
+        let flags =
+            String::from_utf8(pc.stdout).expect("pkg-config output").split_whitespace().map(String::from).collect();
         for dir in ["bin", "run"] {
             std::fs::create_dir_all(prefix.join(dir)).expect("create a directory in the prefix");
         }
@@ -122,7 +123,9 @@ fn compile_path(path: &Path, build: Build) -> PathBuf {
         cc.args(STRICT_C).arg("-g");
         match build {
             Build::Plain => cc.arg("-O2"),
-            Build::Sanitized => cc.args(["-O1", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]),
+            Build::Sanitized => {
+                cc.args(["-O1", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"])
+            }
         };
         cc.arg(path).arg("-o").arg(&exe).args(&inst.flags);
         cc.arg(format!("-Wl,-rpath,{}", inst.prefix.join("lib").display()));
@@ -187,10 +190,9 @@ impl Proc {
         let what = format!("{} {}", exe.file_name().unwrap().to_string_lossy(), args.join(" "));
         let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {what}: {e}"));
         let (tx, rx) = mpsc::channel();
-        for stream in [
-            Box::new(child.stdout.take().unwrap()) as Box<dyn Read + Send>,
-            Box::new(child.stderr.take().unwrap()),
-        ] {
+        for stream in
+            [Box::new(child.stdout.take().unwrap()) as Box<dyn Read + Send>, Box::new(child.stderr.take().unwrap())]
+        {
             let tx = tx.clone();
             thread::spawn(move || {
                 for line in BufReader::new(stream).lines() {
@@ -266,9 +268,8 @@ impl Proc {
                 }
                 panic!("{}: still running after {within:?}; output:\n{}", self.what, self.transcript());
             }
-            match self.lines.recv_timeout(Duration::from_millis(20)) {
-                Ok(l) => self.seen.push(l),
-                Err(_) => {}
+            if let Ok(l) = self.lines.recv_timeout(Duration::from_millis(20)) {
+                self.seen.push(l);
             }
         }
     }
@@ -282,7 +283,12 @@ impl Proc {
         while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(5)) {
             self.seen.push(l);
         }
-        assert!(early.is_none(), "{}: was to wait for its peer but ended ({early:?}); output:\n{}", self.what, self.transcript());
+        assert!(
+            early.is_none(),
+            "{}: was to wait for its peer but ended ({early:?}); output:\n{}",
+            self.what,
+            self.transcript()
+        );
         self.transcript()
     }
 }
