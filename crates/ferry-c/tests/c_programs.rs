@@ -51,43 +51,49 @@ struct Install {
     flags: Vec<String>,
 }
 
-/// Installs Ferry into a fresh prefix, once per test binary run.
+/// Installs Ferry into a fresh prefix, once per test binary run (a failed
+/// installation fails every test that needs it, with its output, without
+/// being tried again).
 fn install() -> &'static Install {
-    static INSTALL: OnceLock<Install> = OnceLock::new();
-    INSTALL.get_or_init(|| {
-        let prefix = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-c-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&prefix);
-        std::fs::create_dir_all(&prefix).expect("create the install prefix");
-        let out = Command::new(workspace().join("scripts/install-c"))
-            .arg(&prefix)
-            .current_dir(workspace())
-            .output()
-            .expect("run scripts/install-c");
-        assert!(
-            out.status.success(),
+    static INSTALL: OnceLock<Result<Install, String>> = OnceLock::new();
+    match INSTALL.get_or_init(try_install) {
+        Ok(i) => i,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn try_install() -> Result<Install, String> {
+    let prefix = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-c-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&prefix);
+    std::fs::create_dir_all(&prefix).map_err(|e| format!("create {}: {e}", prefix.display()))?;
+    let script = workspace().join("scripts/install-c");
+    let out = Command::new(&script)
+        .arg(&prefix)
+        .current_dir(workspace())
+        .output()
+        .map_err(|e| format!("run {}: {e}", script.display()))?;
+    if !out.status.success() {
+        return Err(format!(
             "scripts/install-c {} failed ({}):\n{}\n{}",
             prefix.display(),
             out.status,
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
-        );
-        let pc = Command::new("pkg-config")
-            .args(["--cflags", "--libs", "ferry"])
-            .env("PKG_CONFIG_PATH", prefix.join("lib/pkgconfig"))
-            .output()
-            .expect("run pkg-config");
-        assert!(
-            pc.status.success(),
-            "pkg-config --cflags --libs ferry failed: {}",
-            String::from_utf8_lossy(&pc.stderr)
-        );
-        let flags =
-            String::from_utf8(pc.stdout).expect("pkg-config output").split_whitespace().map(String::from).collect();
-        for dir in ["bin", "run"] {
-            std::fs::create_dir_all(prefix.join(dir)).expect("create a directory in the prefix");
-        }
-        Install { prefix, flags }
-    })
+        ));
+    }
+    let pc = Command::new("pkg-config")
+        .args(["--cflags", "--libs", "ferry"])
+        .env("PKG_CONFIG_PATH", prefix.join("lib/pkgconfig"))
+        .output()
+        .map_err(|e| format!("run pkg-config: {e}"))?;
+    if !pc.status.success() {
+        return Err(format!("pkg-config --cflags --libs ferry failed: {}", String::from_utf8_lossy(&pc.stderr)));
+    }
+    let flags = String::from_utf8_lossy(&pc.stdout).split_whitespace().map(String::from).collect();
+    for dir in ["bin", "run"] {
+        std::fs::create_dir_all(prefix.join(dir)).map_err(|e| format!("create {dir} in the prefix: {e}"))?;
+    }
+    Ok(Install { prefix, flags })
 }
 
 /// How a program is built.
