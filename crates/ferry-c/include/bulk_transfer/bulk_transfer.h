@@ -324,7 +324,7 @@ struct bulk_channel_bind_params {
 };
 
 /** The largest meta_size a channel may have. */
-#define BULK_MAX_META_SIZE 4096
+#define BULK_MAX_META_SIZE 224
 
 /**
  * Creates a channel on a local endpoint (one made with
