@@ -11,7 +11,9 @@
  *   stream: the source assigns a pool that the sink vetoes (its
  *     continuation must get an error, and a move of one of its buffers
  *     must be refused and leave the buffer usable), then a pool the sink
- *     accepts; then it moves BYTES in buffers of BUFSZ, each filled with a
+ *     accepts; then it copies one buffer (RO_OWNED at the source and
+ *     READ_ONLY at the sink until the sink releases it, the bytes the
+ *     same), then it moves BYTES in buffers of BUFSZ, each filled with a
  *     pattern, and the sink passes each back. Both print
  *     "checksum=HEX bytes=N buffers=N"; the harness compares. Checked on
  *     the way: every continuation runs exactly once; buffers arrive in
@@ -81,6 +83,15 @@ static void transfer_cont(void *arg, errval_t err, struct bulk_channel *ch)
     cont_runs[seq]++;
     cont_errs[seq] = err;
     conts_ran++;
+}
+
+static unsigned release_runs;
+static void release_cont(void *arg, errval_t err, struct bulk_channel *ch)
+{
+    (void)arg;
+    CHECK(ch == &channel, "release continuation with a foreign channel");
+    CHECK(err == BULK_OK, "release: %s", bulk_strerror(err));
+    release_runs++;
 }
 
 static unsigned never_ran;
@@ -158,6 +169,29 @@ static void sink_move_received(struct bulk_channel *ch, struct bulk_buffer *b, v
     pass_len++;
 }
 
+#define COPY_SEQ UINT64_MAX
+#define COPY_SEED 0xc0c0
+static unsigned sink_copies;
+
+static void sink_copy_received(struct bulk_channel *ch, struct bulk_buffer *b, void *meta)
+{
+    struct meta m;
+    CHECK(ch == &channel, "copy_received on a foreign channel");
+    CHECK(meta != NULL, "copy_received without meta");
+    memcpy(&m, meta, sizeof m);
+    CHECK(m.magic == META_MAGIC && m.seq == COPY_SEQ, "copy's meta garbled");
+    CHECK(b->state == BULK_BUFFER_READ_ONLY, "received copy in state %d", (int)b->state);
+    CHECK(b->bufferid == m.bufferid, "copy's bufferid %u here, %u at the source", b->bufferid, m.bufferid);
+    check_index(b);
+    void *expected = malloc(b->pool->buffer_size);
+    CHECK(expected != NULL, "out of memory");
+    uint64_t want = fill_pattern(expected, b->pool->buffer_size, COPY_SEED);
+    free(expected);
+    CHECK(hash_bytes(b->address, b->pool->buffer_size) == want, "the copy has other bytes than the source wrote");
+    sink_copies++;
+    EXPECT_OK(bulk_channel_release(&channel, b, MK_BULK_CONT(release_cont, NULL)));
+}
+
 static void sink_teardown_received(struct bulk_channel *ch)
 {
     CHECK(ch == &channel, "teardown_received on a foreign channel");
@@ -201,6 +235,7 @@ static int run_sink(const char *addr, const char *mode)
         .teardown_received = sink_teardown_received,
         .pool_assigned = sink_pool_assigned,
         .move_received = sink_move_received,
+        .copy_received = sink_copy_received,
     };
     struct bulk_channel_setup setup = {
         .direction = BULK_DIRECTION_RX,
@@ -242,6 +277,8 @@ static int run_sink(const char *addr, const char *mode)
     if (strcmp(mode, "stream") == 0) {
         CHECK(received == total_buffers, "%" PRIu64 " of %" PRIu64 " buffers arrived", received, total_buffers);
         CHECK(pools_offered == 2, "%u pools offered, expected the vetoed one and the accepted one", pools_offered);
+        CHECK(sink_copies == 1 && release_runs == 1, "%u copies received, %u release continuations", sink_copies,
+              release_runs);
         CHECK(pass_len == 0, "%u buffers were not passed back", pass_len);
     }
     struct done destroyed = { 0, 0 };
@@ -284,6 +321,16 @@ static void source_buffer_received(struct bulk_channel *ch, struct bulk_buffer *
     EXPECT_OK(bulk_alloc_return_buffer(&alloc, b));
 }
 
+static struct bulk_buffer *copied_buffer;
+static unsigned copies_released;
+
+static void source_copy_released(struct bulk_channel *ch, struct bulk_buffer *b)
+{
+    CHECK(ch == &channel, "copy_released on a foreign channel");
+    CHECK(b == copied_buffer, "copy_released for another buffer");
+    copies_released++;
+}
+
 static void source_teardown_received(struct bulk_channel *ch)
 {
     (void)ch;
@@ -305,6 +352,7 @@ static int run_source(const char *addr, const char *mode)
     }
     struct bulk_channel_callbacks cbs = {
         .buffer_received = source_buffer_received,
+        .copy_released = source_copy_released,
         .teardown_received = source_teardown_received,
     };
     struct bulk_channel_bind_params params = {
@@ -372,6 +420,24 @@ static int run_source(const char *addr, const char *mode)
         fflush(stdout);
         return 3;
     }
+
+    /* A copy: read-only at both ends until the sink releases it. */
+    copied_buffer = bulk_alloc_new_buffer(&alloc);
+    CHECK(copied_buffer != NULL, "no buffer to copy");
+    uint64_t copy_hash = fill_pattern(copied_buffer->address, buffer_size, COPY_SEED);
+    struct meta cm = { .seq = COPY_SEQ, .bufferid = copied_buffer->bufferid, .magic = META_MAGIC };
+    struct done copied = { 0, 0 };
+    EXPECT_OK(bulk_channel_copy(&channel, copied_buffer, &cm, MK_BULK_CONT(done_cont, &copied)));
+    CHECK(copied_buffer->state == BULK_BUFFER_RO_OWNED, "copied buffer in state %d at its owner",
+          (int)copied_buffer->state);
+    CHECK(hash_bytes(copied_buffer->address, buffer_size) == copy_hash, "the owner cannot read its copied buffer");
+    WAIT_FOR(ws, copied.runs > 0 && copies_released > 0, "the copy's release");
+    CHECK(copied.runs == 1 && copied.err == BULK_OK, "copy continuation: %u runs, %s", copied.runs,
+          bulk_strerror(copied.err));
+    CHECK(copied_buffer->state == BULK_BUFFER_READ_WRITE, "released buffer in state %d at its owner",
+          (int)copied_buffer->state);
+    memset(copied_buffer->address, 0, buffer_size);
+    EXPECT_OK(bulk_alloc_return_buffer(&alloc, copied_buffer));
 
     uint64_t sent = 0;
     struct bulk_buffer *pending = NULL;
