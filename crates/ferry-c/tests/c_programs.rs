@@ -658,3 +658,26 @@ fn error_paths_sanitized() {
         .success()
         .contains("error_paths: ok");
 }
+
+// ---------------------------------------------------------------------------
+// The C benchmark (its numbers are scripts/bench-c's business; here it only
+// has to build warning-free and run each experiment on each backend)
+
+#[test]
+fn bench_program_runs_each_experiment() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/bulk_bench.c");
+    for build in [Build::Plain, Build::Sanitized] {
+        let exe = compile_path(&src, build);
+        for (exp, backend, extra) in [
+            ("rtt", "local", &["--runs", "1"][..]),
+            ("rtt", "sm", &["--runs", "1"][..]),
+            ("throughput", "local", &["--runs", "1", "--moves", "500", "--inflight", "50"][..]),
+            ("throughput", "sm", &["--runs", "1", "--moves", "500", "--inflight", "50"][..]),
+        ] {
+            let mut args = vec![exp, backend, "--json"];
+            args.extend_from_slice(extra);
+            let ended = run(&exe, &args, build, SHORT);
+            ended.success().contains(&format!("\"experiment\":\"{exp}\"")).contains("\"median\":");
+        }
+    }
+}
