@@ -681,3 +681,37 @@ fn bench_program_runs_each_experiment() {
         }
     }
 }
+
+/// A program links against libferry.a (pkg-config --static for what the Rust
+/// standard library needs) and runs without libferry.so.
+#[test]
+fn static_library_links_and_runs() {
+    let inst = install();
+    let pc = Command::new("pkg-config")
+        .args(["--static", "--libs", "ferry"])
+        .env("PKG_CONFIG_PATH", inst.prefix.join("lib/pkgconfig"))
+        .output()
+        .expect("run pkg-config");
+    assert!(pc.status.success(), "pkg-config --static --libs ferry: {}", String::from_utf8_lossy(&pc.stderr));
+    let archive = inst.prefix.join("lib/libferry.a");
+    let libs: Vec<String> = String::from_utf8_lossy(&pc.stdout)
+        .split_whitespace()
+        .map(|w| if w == "-lferry" { archive.display().to_string() } else { w.to_string() })
+        .collect();
+    let exe = inst.prefix.join("bin/bulk_mini-static");
+    let out = Command::new("cc")
+        .args(STRICT_C)
+        .args(["-O2", "-I"])
+        .arg(inst.prefix.join("include"))
+        .arg(sources().join("bulk_mini.c"))
+        .arg("-o")
+        .arg(&exe)
+        .args(&libs)
+        .output()
+        .expect("run cc");
+    assert!(out.status.success(), "static link of bulk_mini.c failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let dynamic = Command::new("readelf").arg("-d").arg(&exe).output().expect("run readelf");
+    let needed = String::from_utf8_lossy(&dynamic.stdout);
+    assert!(!needed.contains("libferry"), "the static build still needs libferry.so:\n{needed}");
+    run(&exe, &[], Build::Plain, SHORT).success().contains("bulk_mini: four rounds done");
+}

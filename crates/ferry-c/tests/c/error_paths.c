@@ -526,6 +526,40 @@ static void test_channels(struct bulk_allocator *a, struct bulk_allocator *b, st
     CHECK(lb_bound.runs == 1 && lb_destroyed.runs == 1 && l_destroyed.runs == 1 && lone_destroyed.runs == 1,
           "continuations ran more than once");
 
+    /* Callbacks left NULL: an incoming pool is accepted. A NULL waitset in
+     * the setup and bind parameters: the default one. */
+    struct bulk_channel quiet_rx, quiet_tx;
+    struct bulk_local_endpoint quiet_ep, quiet_bind_ep;
+    struct bulk_channel_setup quiet_setup = {
+        .direction = BULK_DIRECTION_RX,
+        .role = BULK_ROLE_GENERIC,
+        .trust = BULK_TRUST_HALF,
+        .waitset = NULL,
+    };
+    struct bulk_channel_bind_params quiet_params = { .waitset = NULL };
+    struct waitset *dws = bulk_waitset_default();
+    CHECK(dws != NULL && dws != ws, "bulk_waitset_default");
+    bulk_local_init_endpoint(&quiet_ep, NULL);
+    EXPECT_OK(bulk_channel_create(&quiet_rx, &quiet_ep.generic, &none, &quiet_setup));
+    CHECK(quiet_rx.waitset == dws, "a NULL setup.waitset is not the default waitset");
+    bulk_local_init_endpoint(&quiet_bind_ep, &quiet_rx);
+    struct done q_bound = { 0, 0, NULL }, q_assigned = { 0, 0, NULL };
+    struct done q_destroyed_tx = { 0, 0, NULL }, q_destroyed_rx = { 0, 0, NULL };
+    EXPECT_OK(bulk_channel_bind(&quiet_tx, &quiet_bind_ep.generic, &none, &quiet_params, DONE(q_bound)));
+    CHECK(quiet_tx.waitset == dws, "a NULL params.waitset is not the default waitset");
+    WAIT_FOR(dws, q_bound.runs > 0, "the bind on the default waitset");
+    CHECK(q_bound.err == BULK_OK, "bind without callbacks: %s", bulk_strerror(q_bound.err));
+    EXPECT_OK(bulk_channel_assign_pool(&quiet_tx, c->pool, DONE(q_assigned)));
+    WAIT_FOR(dws, q_assigned.runs > 0, "the assignment to a channel without pool_assigned");
+    CHECK(q_assigned.err == BULK_OK, "a pool offered to a channel without pool_assigned: %s",
+          bulk_strerror(q_assigned.err));
+    EXPECT_OK(bulk_channel_destroy(&quiet_tx, DONE(q_destroyed_tx)));
+    EXPECT_OK(bulk_channel_destroy(&quiet_rx, DONE(q_destroyed_rx)));
+    WAIT_FOR(dws, q_destroyed_tx.runs > 0 && q_destroyed_rx.runs > 0, "destroy on the default waitset");
+    drain(dws);
+    CHECK(q_bound.runs == 1 && q_assigned.runs == 1 && q_destroyed_tx.runs == 1 && q_destroyed_rx.runs == 1,
+          "a continuation on the default waitset ran more than once");
+
     /* Exactly once, and never for a refused call. */
     CHECK(bound.runs == 1 && assigned.runs == 1 && vetoed.runs == 1 && moved.runs == 1 && passed.runs == 1 &&
               copied.runs == 1 && released.runs == 1 && destroyed.runs == 1 && rx_destroyed.runs == 1,
