@@ -63,7 +63,9 @@ fn install() -> &'static Install {
 }
 
 fn try_install() -> Result<Install, String> {
-    let prefix = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-c-{}", std::process::id()));
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    remove_stale_prefixes(tmp);
+    let prefix = tmp.join(format!("ferry-c-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&prefix);
     std::fs::create_dir_all(&prefix).map_err(|e| format!("create {}: {e}", prefix.display()))?;
     let script = workspace().join("scripts/install-c");
@@ -94,6 +96,18 @@ fn try_install() -> Result<Install, String> {
         std::fs::create_dir_all(prefix.join(dir)).map_err(|e| format!("create {dir} in the prefix: {e}"))?;
     }
     Ok(Install { prefix, flags })
+}
+
+/// Removes the prefixes of earlier runs whose process is gone.
+fn remove_stale_prefixes(tmp: &Path) {
+    let Ok(entries) = std::fs::read_dir(tmp) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("ferry-c-")) else { continue };
+        if pid.parse::<u32>().is_ok() && !Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// How a program is built.
