@@ -3,6 +3,10 @@
 //! (it becomes `BULK_ERR_INTERNAL`). Nothing here touches C memory
 //! itself: that is [`crate::boundary`]'s.
 
+// `#[no_mangle]` (exporting the C names) is all this lint finds here: the
+// module has no unsafe block.
+#![allow(unsafe_code)]
+
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
@@ -284,7 +288,8 @@ pub extern "C" fn bulk_waitset_dispatch(ws: *mut c_void, timeout_ns: i64) -> Err
 
 /// Runs the next due work of `ws`, waiting up to the timeout for some.
 fn dispatch(ws: usize, timeout_ns: i64) -> Res<()> {
-    let deadline = u64::try_from(timeout_ns).ok().map(|ns| Instant::now() + Duration::from_nanos(ns));
+    // A timeout too long to represent is no limit.
+    let deadline = u64::try_from(timeout_ns).ok().and_then(|ns| Instant::now().checked_add(Duration::from_nanos(ns)));
     loop {
         // The lock is held only to pick the work; callbacks run without it.
         let step = registry().next_step(ws)?;

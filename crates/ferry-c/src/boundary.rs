@@ -8,6 +8,8 @@
 //! Pointers that name library-owned objects (pools, buffers, waitsets) are
 //! never dereferenced here: they are looked up by address in the registry.
 
+#![allow(unsafe_code)]
+
 use std::ffi::{c_char, c_void, CStr};
 use std::ptr;
 

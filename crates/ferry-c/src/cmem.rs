@@ -3,6 +3,8 @@
 //! Each lives in a boxed slice that never moves, so its address stays valid
 //! for as long as the library keeps the pool.
 
+#![allow(unsafe_code)]
+
 use std::cell::UnsafeCell;
 
 /// A fixed-address array of C-visible objects. The library changes them
@@ -37,6 +39,14 @@ impl<T> CArray<T> {
     /// How many objects there are.
     pub fn len(&self) -> usize {
         self.cells.len()
+    }
+
+    /// Reads object `i`.
+    pub fn read<R>(&self, i: usize, f: impl FnOnce(&T) -> R) -> R {
+        // SAFETY: the library writes the objects only through `update`,
+        // which needs `&mut self`; C code never writes them (they are
+        // read-only to the program), so no write overlaps this read.
+        f(unsafe { &*self.cells[i].get() })
     }
 
     /// Changes object `i`.

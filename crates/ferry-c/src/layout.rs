@@ -323,3 +323,12 @@ fn a_drifted_header_is_caught() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("value of BULK_ERR_TIMEOUT"));
 }
+
+#[test]
+fn the_readme_shows_the_example_the_tests_build() {
+    let readme = include_str!("../../../README.md");
+    let section = &readme[readme.find("## Using Ferry from C").expect("the README's C section")..];
+    let start = section.find("```c\n").expect("a C block") + "```c\n".len();
+    let block = &section[start..start + section[start..].find("```").expect("its end")];
+    assert_eq!(block, include_str!("../examples/hello.c"), "README's program differs from examples/hello.c");
+}

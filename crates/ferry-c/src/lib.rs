@@ -9,6 +9,8 @@
 //! `cmem` every unsafe access to C memory, `state` the library's state
 //! (safe Rust), [`api`] the exported functions.
 
+#![deny(unsafe_code)]
+
 pub mod api;
 mod boundary;
 mod cmem;

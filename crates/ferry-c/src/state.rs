@@ -16,8 +16,9 @@ use std::sync::{LazyLock, Mutex, MutexGuard};
 use std::time::Duration;
 
 use ferry::{
-    Allocator, BindParams, Buffer, BufferCopy, BufferId, Channel, ChannelConstraints, ChannelSetup, ChannelState,
-    Direction, Domain, Endpoint, Event, Meta, Pool, PoolConstraints, PoolId, Selector, TrustLevel, MAX_META_SIZE,
+    Allocator, BindParams, Buffer, BufferCopy, BufferId, BufferState, Channel, ChannelConstraints, ChannelSetup,
+    ChannelState, Direction, Domain, Endpoint, Event, Meta, Pool, PoolConstraints, PoolId, Selector, TrustLevel,
+    MAX_META_SIZE,
 };
 use rustix::event::{epoll, eventfd, EventfdFlags};
 
@@ -239,8 +240,9 @@ impl Waitset {
 struct Slot {
     /// The program owns the buffer.
     owned: Option<Buffer>,
-    /// Copies the program received, with the channel each came over.
-    copies: Vec<(usize, BufferCopy)>,
+    /// Copies the program received, with the channel each came over and
+    /// the C object it was given with.
+    copies: Vec<(usize, BufferCopy, View)>,
 }
 
 /// A pool this process knows, with its C objects.
@@ -248,6 +250,9 @@ struct PoolEntry {
     pool: Pool,
     cpool: CArray<BulkPool>,
     bufs: CArray<BulkBuffer>,
+    /// The copy view: what a program holding a read-only copy of buffer
+    /// *i* is given (same address; its own state and count).
+    copy_bufs: CArray<BulkBuffer>,
     /// The pool's `buffers` array.
     _ptrs: CArray<*mut BulkBuffer>,
     slots: Vec<Slot>,
@@ -271,8 +276,8 @@ pub struct Registry {
     pools: HashMap<PoolId, PoolEntry>,
     /// `struct bulk_pool` address → pool.
     pool_addr: HashMap<usize, PoolId>,
-    /// Address of a pool's first `struct bulk_buffer` → pool.
-    buffer_addr: BTreeMap<usize, PoolId>,
+    /// Address of a pool's first `struct bulk_buffer` of each view → pool.
+    buffer_addr: BTreeMap<usize, (PoolId, View)>,
     allocators: HashMap<usize, AllocEntry>,
 }
 
@@ -329,11 +334,27 @@ fn check_sending(c: &Channel, dir: Direction) -> Res<()> {
 
 fn refresh(domain: &Domain, e: &mut PoolEntry, i: usize) {
     let id = BufferId { pool: e.pool.id(), index: i as u32 };
-    let state = buffer_state_to(domain.buffer_state(id));
-    let copies = e.slots[i].copies.len() as u32;
+    let slot = &e.slots[i];
+    let held = |v: View| slot.copies.iter().filter(|c| c.2 == v).count() as u32;
+    let (owner_copies, view_copies) = (held(View::Owner), held(View::Copy));
+    let read_only = buffer_state_to(BufferState::ReadOnly);
+    // The owner's object: the domain's state while the program owns the
+    // buffer (READ_WRITE, or RO_OWNED with copies out); READ_ONLY while a
+    // copy was given with it; else INVALID. The copy object: READ_ONLY
+    // while a copy was given with it.
+    let owner_state = match (&slot.owned, owner_copies) {
+        (Some(_), _) => buffer_state_to(domain.buffer_state(id)),
+        (None, 0) => 0,
+        (None, _) => read_only,
+    };
+    let copy_state = if view_copies > 0 { read_only } else { 0 };
     e.bufs.update(i, |b| {
-        b.state = state;
-        b.local_ref_count = copies;
+        b.state = owner_state;
+        b.local_ref_count = owner_copies;
+    });
+    e.copy_bufs.update(i, |b| {
+        b.state = copy_state;
+        b.local_ref_count = view_copies;
     });
 }
 
@@ -503,9 +524,24 @@ impl Registry {
                 self.pool_ptr_or_add(id.pool)?;
                 let e = self.pools.get_mut(&id.pool)?;
                 let i = id.index as usize;
-                e.slots[i].copies.push((token, copy));
+                // A copy arriving where the program neither owns the buffer
+                // nor holds a copy of it through the owner's object (another
+                // process's buffer) comes in that object, the one in
+                // `pool->buffers`; a copy of a buffer the program owns or
+                // reads through it already (a local channel: one domain)
+                // comes in the copy object, which has its own state.
+                let slot = &mut e.slots[i];
+                let view = if slot.owned.is_none() && !slot.copies.iter().any(|c| c.2 == View::Owner) {
+                    View::Owner
+                } else {
+                    View::Copy
+                };
+                slot.copies.push((token, copy, view));
                 refresh(&self.domain, e, i);
-                let buffer = e.bufs.ptr(i) as usize;
+                let buffer = match view {
+                    View::Owner => e.bufs.ptr(i),
+                    View::Copy => e.copy_bufs.ptr(i),
+                } as usize;
                 let meta = meta_bytes(&meta, meta_size);
                 cbs.copy_received.map(|f| Work::Buffer { f, ch, token, buffer, id, handed: Handed::Copy, meta })
             }
@@ -665,13 +701,33 @@ impl Registry {
                 })
                 .collect(),
         );
+        let copy_bufs = CArray::new(
+            (0..n)
+                .map(|i| BulkBuffer {
+                    address: (base + i * size) as *mut std::ffi::c_void,
+                    pool: pool_ptr,
+                    bufferid: i as u32,
+                    state: 0,
+                    local_ref_count: 0,
+                    reserved: 0,
+                })
+                .collect(),
+        );
         let ptrs = CArray::new((0..n).map(|i| bufs.ptr(i)).collect());
         let ptrs_base = ptrs.ptr(0);
         cpool.update(0, |p| p.buffers = ptrs_base);
         self.pool_addr.insert(pool_ptr as usize, id);
-        self.buffer_addr.insert(bufs.base(), id);
-        let mut e =
-            PoolEntry { pool, cpool, bufs, _ptrs: ptrs, slots: (0..n).map(|_| Slot::default()).collect(), allocator };
+        self.buffer_addr.insert(bufs.base(), (id, View::Owner));
+        self.buffer_addr.insert(copy_bufs.base(), (id, View::Copy));
+        let mut e = PoolEntry {
+            pool,
+            cpool,
+            bufs,
+            copy_bufs,
+            _ptrs: ptrs,
+            slots: (0..n).map(|_| Slot::default()).collect(),
+            allocator,
+        };
         refresh_trust(&self.domain, &mut e);
         for i in 0..n {
             refresh(&self.domain, &mut e, i);
@@ -712,6 +768,7 @@ impl Registry {
                 if let Some(e) = self.pools.remove(&id) {
                     self.pool_addr.remove(&(e.cpool.ptr(0) as usize));
                     self.buffer_addr.remove(&e.bufs.base());
+                    self.buffer_addr.remove(&e.copy_bufs.base());
                 }
             }
         }
@@ -724,13 +781,16 @@ impl Registry {
 
     /// `bulk_buffer_change_state`.
     pub fn buffer_change_state(&mut self, buffer: usize, state: u32) -> Res<()> {
-        let (id, i) = buffer_at_in(&self.buffer_addr, &self.pools, buffer)?;
+        let (id, i, view) = buffer_at_in(&self.buffer_addr, &self.pools, buffer)?;
         if state > 3 {
             return Err(ERR_INVALID_ARGUMENT);
         }
         let e = self.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
         refresh(&self.domain, e, i);
-        let now = buffer_state_to(self.domain.buffer_state(BufferId { pool: id, index: i as u32 }));
+        let now = match view {
+            View::Owner => e.bufs.read(i, |b| b.state),
+            View::Copy => e.copy_bufs.read(i, |b| b.state),
+        };
         if now == state {
             Ok(())
         } else {
@@ -816,12 +876,20 @@ impl Registry {
     /// `bulk_alloc_return_buffer`.
     pub fn alloc_return_buffer(&mut self, a: *mut BulkAllocator, buffer: usize) -> Res<()> {
         let (_, id) = self.alloc_entry(a)?;
-        let (bpool, i) = buffer_at_in(&self.buffer_addr, &self.pools, buffer)?;
+        let (bpool, i, view) = buffer_at_in(&self.buffer_addr, &self.pools, buffer)?;
         if bpool != id {
             return Err(ERR_FOREIGN_POOL);
         }
         let e = self.pools.get_mut(&id).ok_or(ERR_INTERNAL)?;
         let alloc = e.allocator.as_ref().ok_or(ERR_INTERNAL)?;
+        if view == View::Copy || e.slots[i].owned.is_none() {
+            return Err(ERR_BUFFER_NOT_OWNED);
+        }
+        // A buffer whose copies are out stays with the program: handed out
+        // again, its new user could not write it.
+        if self.domain.buffer_state(BufferId { pool: id, index: i as u32 }) == BufferState::ReadOnlyOwned {
+            return Err(ERR_COPIES_OUTSTANDING);
+        }
         let b = e.slots[i].owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
         if let Err(r) = alloc.free(b) {
             e.slots[i].owned = Some(r.value);
@@ -1035,8 +1103,8 @@ impl Registry {
         }
         for e in self.pools.values_mut() {
             for i in 0..e.slots.len() {
-                if e.slots[i].copies.iter().any(|(t, _)| *t == token) {
-                    e.slots[i].copies.retain(|(t, _)| *t != token);
+                if e.slots[i].copies.iter().any(|c| c.0 == token) {
+                    e.slots[i].copies.retain(|c| c.0 != token);
                     refresh(&self.domain, e, i);
                 }
             }
@@ -1107,8 +1175,11 @@ impl Registry {
         let chan = self.channels.get_mut(&token).expect("checked");
         let c = channel_of(&mut self.waitsets, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, dir)?;
-        let (id, i) = buffer_at_in(&self.buffer_addr, &self.pools, buffer)?;
+        let (id, i, view) = buffer_at_in(&self.buffer_addr, &self.pools, buffer)?;
         let e = self.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
+        if view == View::Copy {
+            return Err(ERR_BUFFER_NOT_OWNED);
+        }
         let b = e.slots[i].owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
         let meta = boundary::read_meta(meta, c.meta_size());
         let sent = match dir {
@@ -1139,14 +1210,15 @@ impl Registry {
         let chan = self.channels.get_mut(&token).expect("checked");
         let c = channel_of(&mut self.waitsets, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Tx)?;
-        let (id, i) = buffer_at_in(&self.buffer_addr, &self.pools, buffer)?;
+        let (id, i, view) = buffer_at_in(&self.buffer_addr, &self.pools, buffer)?;
         let e = self.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
         let meta = boundary::read_meta(meta, c.meta_size());
         let slot = &e.slots[i];
-        let sent = match (&slot.owned, slot.copies.first()) {
-            (Some(b), _) => c.copy(b, &meta),
-            (None, Some((_, copy))) => c.copy(copy, &meta),
-            (None, None) => return Err(ERR_BUFFER_NOT_OWNED),
+        let held = slot.copies.iter().find(|h| h.2 == view).map(|h| &h.1);
+        let sent = match (view, &slot.owned, held) {
+            (View::Owner, Some(b), _) => c.copy(b, &meta),
+            (_, _, Some(copy)) => c.copy(copy, &meta),
+            _ => return Err(ERR_BUFFER_NOT_OWNED),
         };
         sent.map_err(|e| of_error(&e))?;
         refresh(&self.domain, e, i);
@@ -1163,12 +1235,12 @@ impl Registry {
         let chan = self.channels.get_mut(&token).expect("checked");
         let c = channel_of(&mut self.waitsets, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Rx)?;
-        let (id, i) = buffer_at_in(&self.buffer_addr, &self.pools, buffer)?;
+        let (id, i, view) = buffer_at_in(&self.buffer_addr, &self.pools, buffer)?;
         let e = self.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
-        let at = e.slots[i].copies.iter().position(|(t, _)| *t == token).ok_or(ERR_NOT_A_COPY)?;
-        let (_, copy) = e.slots[i].copies.remove(at);
+        let at = e.slots[i].copies.iter().position(|h| h.0 == token && h.2 == view).ok_or(ERR_NOT_A_COPY)?;
+        let (_, copy, _) = e.slots[i].copies.remove(at);
         if let Err(r) = c.release(copy) {
-            e.slots[i].copies.insert(at, (token, r.value));
+            e.slots[i].copies.insert(at, (token, r.value, view));
             return Err(of_error(&r.error));
         }
         refresh(&self.domain, e, i);
@@ -1180,15 +1252,27 @@ impl Registry {
     }
 }
 
-/// [`Registry::buffer_at`] on the two maps it needs (for callers that
-/// hold other parts of the registry borrowed).
-fn buffer_at_in(addrs: &BTreeMap<usize, PoolId>, pools: &HashMap<PoolId, PoolEntry>, p: usize) -> Res<(PoolId, usize)> {
-    let (&base, &id) = addrs.range(..=p).next_back().ok_or(ERR_INVALID_BUFFER)?;
+/// Which of a buffer's two C objects a pointer names.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum View {
+    /// The one given to the owner (allocator, move, pass; `pool->buffers`).
+    Owner,
+    /// The one given to the holder of a read-only copy.
+    Copy,
+}
+
+/// The pool, index and view of a `struct bulk_buffer` address.
+fn buffer_at_in(
+    addrs: &BTreeMap<usize, (PoolId, View)>,
+    pools: &HashMap<PoolId, PoolEntry>,
+    p: usize,
+) -> Res<(PoolId, usize, View)> {
+    let (&base, &(id, view)) = addrs.range(..=p).next_back().ok_or(ERR_INVALID_BUFFER)?;
     let e = pools.get(&id).ok_or(ERR_INVALID_BUFFER)?;
     let size = std::mem::size_of::<BulkBuffer>();
     let off = p - base;
     if off % size != 0 || off / size >= e.bufs.len() {
         return Err(ERR_INVALID_BUFFER);
     }
-    Ok((id, off / size))
+    Ok((id, off / size, view))
 }
