@@ -729,3 +729,26 @@ fn static_library_links_and_runs() {
     assert!(!needed.contains("libferry"), "the static build still needs libferry.so:\n{needed}");
     run(&exe, &[], Build::Plain, SHORT).success().contains("bulk_mini: four rounds done");
 }
+
+/// The source ends its process while the sink holds four of its buffers:
+/// the sink hears of it as a teardown and ends cleanly (no hang, no leak).
+fn peer_dies(backend: &str, build: Build, trust: &str) {
+    let (sink, source) = start_transfer(backend, build, 4 << 20, trust, "die");
+    source.finish(SHORT).success().contains("source: ending without a teardown");
+    sink.finish(SHORT).success().contains("buffers=4");
+}
+
+#[test]
+fn peer_death_is_a_teardown_over_shm() {
+    peer_dies("sm", Build::Plain, "half");
+}
+
+#[test]
+fn peer_death_is_a_teardown_over_shm_sanitized() {
+    peer_dies("sm", Build::Sanitized, "none");
+}
+
+#[test]
+fn peer_death_is_a_teardown_over_tcp_sanitized() {
+    peer_dies("net", Build::Sanitized, "full");
+}

@@ -25,11 +25,16 @@
  *     that must kill it by SIGSEGV/SIGBUS (after it printed
  *     "reading a moved buffer").
  *   fault-write: as fault-read, but writes (trust HALF or NONE).
+ *   die: the source moves four buffers and ends its process without
+ *     destroying the channel; the sink, holding them, must hear of it as a
+ *     teardown and end cleanly (leaks included).
  *
  * The creator prints "listening" (net: "listening port=N") once
  * bulk_channel_create returned; the binder may be started then.
  */
 #define _GNU_SOURCE
+#include <unistd.h>
+
 #include <bulk_transfer/bulk_transfer.h>
 #include <bulk_transfer/bulk_allocator.h>
 #include <bulk_transfer/bulk_sm.h>
@@ -397,6 +402,19 @@ static int run_source(const char *addr, const char *mode)
     CHECK(accept.err == BULK_OK, "accepted assignment: %s", bulk_strerror(accept.err));
     CHECK(alloc.pool->trust == trust, "assigned pool has trust %d", (int)alloc.pool->trust);
 
+    if (strcmp(mode, "die") == 0) {
+        for (uint64_t i = 0; i < 4; i++) {
+            struct bulk_buffer *b = bulk_alloc_new_buffer(&alloc);
+            CHECK(b != NULL, "no buffer");
+            fill_pattern(b->address, buffer_size, i);
+            struct meta m = { .seq = i, .bufferid = b->bufferid, .magic = META_MAGIC };
+            EXPECT_OK(bulk_channel_move(&channel, b, &m, MK_BULK_CONT(transfer_cont, (void *)(uintptr_t)i)));
+        }
+        WAIT_FOR(ws, conts_ran == 4, "the move continuations");
+        printf("source: ending without a teardown\n");
+        fflush(stdout);
+        _exit(0);
+    }
     if (strcmp(mode, "stream") != 0) {
         struct bulk_buffer *b = bulk_alloc_new_buffer(&alloc);
         CHECK(b != NULL, "no buffer");
@@ -508,7 +526,7 @@ static int run_source(const char *addr, const char *mode)
 int main(int argc, char **argv)
 {
     if (argc != 8) {
-        fprintf(stderr, "usage: %s sm|net create|bind ADDR BYTES BUFSZ full|half|none stream|fault-read|fault-write\n",
+        fprintf(stderr, "usage: %s sm|net create|bind ADDR BYTES BUFSZ full|half|none stream|fault-read|fault-write|die\n",
                 argv[0]);
         return 2;
     }
@@ -522,7 +540,7 @@ int main(int argc, char **argv)
                                            : BULK_TRUST_FULL;
     const char *mode = argv[7];
     CHECK(buffer_size >= 4096 && bytes >= buffer_size, "bad sizes");
-    total_buffers = strcmp(mode, "stream") == 0 ? bytes / buffer_size : 1;
+    total_buffers = strcmp(mode, "stream") == 0 ? bytes / buffer_size : strcmp(mode, "die") == 0 ? 4 : 1;
     cont_runs = calloc(total_buffers, sizeof *cont_runs);
     cont_errs = calloc(total_buffers, sizeof *cont_errs);
     CHECK(cont_runs != NULL && cont_errs != NULL, "out of memory");
