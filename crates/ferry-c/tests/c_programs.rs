@@ -752,3 +752,19 @@ fn peer_death_is_a_teardown_over_shm_sanitized() {
 fn peer_death_is_a_teardown_over_tcp_sanitized() {
     peer_dies("net", Build::Sanitized, "full");
 }
+
+/// The short program of the README's "Using Ferry from C" is
+/// examples/hello.c, which `example_hello_builds_and_runs` builds and runs.
+#[test]
+fn readme_program_is_the_example() {
+    let readme = std::fs::read_to_string(workspace().join("README.md")).expect("read README.md");
+    let section = readme.split("## Using Ferry from C").nth(1).expect("README has \"## Using Ferry from C\"");
+    let block = section
+        .split("```c\n")
+        .nth(1)
+        .and_then(|b| b.split("\n```").next())
+        .expect("a ```c block in the README's C section");
+    let hello = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/hello.c"))
+        .expect("read examples/hello.c");
+    assert_eq!(block.trim_end(), hello.trim_end(), "the README's C program is not examples/hello.c");
+}
