@@ -768,3 +768,32 @@ fn readme_program_is_the_example() {
         .expect("read examples/hello.c");
     assert_eq!(block.trim_end(), hello.trim_end(), "the README's C program is not examples/hello.c");
 }
+
+/// Trust HALF over a local channel: writes to a moved buffer, to a buffer
+/// with a copy out, and to a received copy fault; the owner's write to its
+/// own buffer does not.
+#[test]
+fn trust_half_protects_local_channels() {
+    let exe = compile("local_protect.c", Build::Plain);
+    for mode in ["write-moved", "write-copied", "write-copy"] {
+        Proc::spawn(&exe, &[mode], &[], Build::Plain, Faults::Expected)
+            .finish(SHORT)
+            .faulted()
+            .contains("touching buffer")
+            .lacks("without a fault");
+    }
+    run(&exe, &["write-owned"], Build::Plain, SHORT).success().contains("wrote it without a fault");
+}
+
+#[test]
+fn trust_half_protects_local_channels_sanitized() {
+    let exe = compile("local_protect.c", Build::Sanitized);
+    for mode in ["write-moved", "write-copied", "write-copy"] {
+        Proc::spawn(&exe, &[mode], &[], Build::Sanitized, Faults::Expected)
+            .finish(SHORT)
+            .faulted()
+            .contains("touching buffer")
+            .lacks("without a fault");
+    }
+    run(&exe, &["write-owned"], Build::Sanitized, SHORT).success().contains("wrote it without a fault");
+}
