@@ -9,14 +9,16 @@
 
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ferry::Direction;
 
-use crate::boundary::{self, call};
+use crate::boundary;
 use crate::codes::*;
 use crate::ffi::*;
-use crate::state::{pool_id_of, registry, Cont, Res, Step};
+use crate::state::{self, Res};
+use crate::table::{pool_id_of, table};
+use crate::waitset::Cont;
 
 /// Runs `f`, turning its result and any panic into an error code.
 fn guard(f: impl FnOnce() -> Res<()>) -> Errval {
@@ -61,7 +63,7 @@ pub extern "C" fn bulk_channel_create(
         nonnull(ep_desc)?;
         nonnull(callbacks)?;
         let setup = boundary::read(setup).ok_or(ERR_NULL_ARGUMENT)?;
-        registry().channel_create(channel, ep_desc, callbacks, setup)
+        state::channel_create(channel, ep_desc, callbacks, setup)
     })
 }
 
@@ -79,7 +81,7 @@ pub extern "C" fn bulk_channel_bind(
         nonnull(remote_ep_desc)?;
         nonnull(callbacks)?;
         let params = boundary::read(params).ok_or(ERR_NULL_ARGUMENT)?;
-        registry().channel_bind(channel, remote_ep_desc, callbacks, params, Cont::of(cont))
+        state::channel_bind(channel, remote_ep_desc, callbacks, params, Cont::of(cont))
     })
 }
 
@@ -93,7 +95,7 @@ pub extern "C" fn bulk_channel_assign_pool(
     guard(|| {
         nonnull(channel)?;
         nonnull(pool)?;
-        registry().channel_pool(channel, pool as usize, Cont::of(cont), true)
+        state::channel_pool(channel, pool as usize, Cont::of(cont), true)
     })
 }
 
@@ -107,7 +109,7 @@ pub extern "C" fn bulk_channel_remove_pool(
     guard(|| {
         nonnull(channel)?;
         nonnull(pool)?;
-        registry().channel_pool(channel, pool as usize, Cont::of(cont), false)
+        state::channel_pool(channel, pool as usize, Cont::of(cont), false)
     })
 }
 
@@ -116,7 +118,7 @@ pub extern "C" fn bulk_channel_remove_pool(
 pub extern "C" fn bulk_channel_destroy(channel: *mut BulkChannel, cont: BulkContinuation) -> Errval {
     guard(|| {
         nonnull(channel)?;
-        registry().channel_destroy(channel, Cont::of(cont))
+        state::channel_destroy(channel, Cont::of(cont))
     })
 }
 
@@ -131,7 +133,7 @@ pub extern "C" fn bulk_channel_move(
     guard(|| {
         nonnull(channel)?;
         nonnull(buffer)?;
-        registry().channel_send(channel, buffer as usize, meta, Cont::of(cont), Direction::Tx)
+        state::channel_send(channel, buffer as usize, meta, Cont::of(cont), Direction::Tx)
     })
 }
 
@@ -146,7 +148,7 @@ pub extern "C" fn bulk_channel_pass(
     guard(|| {
         nonnull(channel)?;
         nonnull(buffer)?;
-        registry().channel_send(channel, buffer as usize, meta, Cont::of(cont), Direction::Rx)
+        state::channel_send(channel, buffer as usize, meta, Cont::of(cont), Direction::Rx)
     })
 }
 
@@ -161,7 +163,7 @@ pub extern "C" fn bulk_channel_copy(
     guard(|| {
         nonnull(channel)?;
         nonnull(buffer)?;
-        registry().channel_copy(channel, buffer as usize, meta, Cont::of(cont))
+        state::channel_copy(channel, buffer as usize, meta, Cont::of(cont))
     })
 }
 
@@ -175,7 +177,7 @@ pub extern "C" fn bulk_channel_release(
     guard(|| {
         nonnull(channel)?;
         nonnull(buffer)?;
-        registry().channel_release(channel, buffer as usize, Cont::of(cont))
+        state::channel_release(channel, buffer as usize, Cont::of(cont))
     })
 }
 
@@ -186,7 +188,7 @@ pub extern "C" fn bulk_channel_release(
 pub extern "C" fn bulk_pool_domain_list_get(id: *mut BulkPoolId) -> *mut BulkPool {
     guard_ptr(|| {
         let id = boundary::read(id)?;
-        registry().pool_by_id(pool_id_of(id)).map(|p| p as *mut BulkPool)
+        table().pool_by_id(pool_id_of(id)).map(|p| p as *mut BulkPool)
     })
 }
 
@@ -195,7 +197,7 @@ pub extern "C" fn bulk_pool_domain_list_get(id: *mut BulkPoolId) -> *mut BulkPoo
 pub extern "C" fn bulk_buffer_change_state(buffer: *mut BulkBuffer, state: u32) -> Errval {
     guard(|| {
         nonnull(buffer)?;
-        registry().buffer_change_state(buffer as usize, state)
+        table().buffer_change_state(buffer as usize, state)
     })
 }
 
@@ -209,7 +211,7 @@ pub extern "C" fn bulk_alloc_init(
 ) -> Errval {
     guard(|| {
         nonnull(alloc)?;
-        registry().alloc_init(alloc, buffer_count, buffer_size, boundary::read(constraints))
+        table().alloc_init(alloc, buffer_count, buffer_size, boundary::read(constraints))
     })
 }
 
@@ -218,7 +220,7 @@ pub extern "C" fn bulk_alloc_init(
 pub extern "C" fn bulk_alloc_free(alloc: *mut BulkAllocator) -> Errval {
     guard(|| {
         nonnull(alloc)?;
-        registry().alloc_free(alloc)
+        state::alloc_free(alloc)
     })
 }
 
@@ -229,7 +231,7 @@ pub extern "C" fn bulk_alloc_new_buffer(alloc: *mut BulkAllocator) -> *mut BulkB
         if alloc.is_null() {
             return None;
         }
-        registry().alloc_new_buffer(alloc).ok().map(|p| p as *mut BulkBuffer)
+        table().alloc_new_buffer(alloc).ok().map(|p| p as *mut BulkBuffer)
     })
 }
 
@@ -239,7 +241,7 @@ pub extern "C" fn bulk_alloc_return_buffer(alloc: *mut BulkAllocator, buffer: *m
     guard(|| {
         nonnull(alloc)?;
         nonnull(buffer)?;
-        registry().alloc_return_buffer(alloc, buffer as usize)
+        table().alloc_return_buffer(alloc, buffer as usize)
     })
 }
 
@@ -250,7 +252,7 @@ pub extern "C" fn bulk_alloc_return_buffer(alloc: *mut BulkAllocator, buffer: *m
 pub extern "C" fn bulk_waitset_create(ws: *mut *mut c_void) -> Errval {
     guard(|| {
         nonnull(ws)?;
-        let key = registry().waitset_create()?;
+        let key = state::waitset_create()?;
         boundary::write_out(ws, key as *mut c_void);
         Ok(())
     })
@@ -261,20 +263,29 @@ pub extern "C" fn bulk_waitset_create(ws: *mut *mut c_void) -> Errval {
 pub extern "C" fn bulk_waitset_destroy(ws: *mut c_void) -> Errval {
     guard(|| {
         nonnull(ws)?;
-        registry().waitset_destroy(ws as usize)
+        state::waitset_destroy(ws as usize)
     })
 }
 
 /// `bulk_waitset_default`.
 #[no_mangle]
 pub extern "C" fn bulk_waitset_default() -> *mut c_void {
-    guard_ptr(|| registry().waitset_default().ok().map(|k| k as *mut c_void))
+    guard_ptr(|| state::waitset_default().ok().map(|k| k as *mut c_void))
+}
+
+/// `bulk_waitset_set_spin`.
+#[no_mangle]
+pub extern "C" fn bulk_waitset_set_spin(ws: *mut c_void, spin_ns: u64) -> Errval {
+    guard(|| {
+        nonnull(ws)?;
+        state::waitset_set_spin(ws as usize, Duration::from_nanos(spin_ns))
+    })
 }
 
 /// `bulk_waitset_fd`.
 #[no_mangle]
 pub extern "C" fn bulk_waitset_fd(ws: *mut c_void) -> c_int {
-    catch_unwind(|| registry().waitset_fd(ws as usize).unwrap_or(-1)).unwrap_or(-1)
+    catch_unwind(|| state::waitset_fd(ws as usize).unwrap_or(-1)).unwrap_or(-1)
 }
 
 /// `bulk_waitset_dispatch`.
@@ -282,39 +293,8 @@ pub extern "C" fn bulk_waitset_fd(ws: *mut c_void) -> c_int {
 pub extern "C" fn bulk_waitset_dispatch(ws: *mut c_void, timeout_ns: i64) -> Errval {
     guard(|| {
         nonnull(ws)?;
-        dispatch(ws as usize, timeout_ns)
+        state::dispatch(ws as usize, u64::try_from(timeout_ns).ok().map(Duration::from_nanos))
     })
-}
-
-/// Runs the next due work of `ws`, waiting up to the timeout for some.
-fn dispatch(ws: usize, timeout_ns: i64) -> Res<()> {
-    // A timeout too long to represent is no limit.
-    let deadline = u64::try_from(timeout_ns).ok().and_then(|ns| Instant::now().checked_add(Duration::from_nanos(ns)));
-    loop {
-        // The lock is held only to pick the work; callbacks run without it.
-        let step = registry().next_step(ws)?;
-        match step {
-            Step::Run(work) => {
-                work.run();
-                return Ok(());
-            }
-            Step::Again => {}
-            Step::Idle { fd, live } => {
-                let left = match deadline {
-                    None if !live => return Err(ERR_WAITSET_EMPTY),
-                    None => None,
-                    Some(d) => {
-                        let left = d.saturating_duration_since(Instant::now());
-                        if left.is_zero() {
-                            return Err(ERR_TIMEOUT);
-                        }
-                        Some(left)
-                    }
-                };
-                call::poll_readable(fd, left);
-            }
-        }
-    }
 }
 
 // ---------------------------------------------------------------------- endpoints

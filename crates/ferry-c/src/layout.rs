@@ -237,6 +237,7 @@ fn assertions() -> String {
     function!(o, bulk_waitset_destroy, extern "C" fn(Void) -> Errval, "errval_t (*)(struct waitset *)");
     function!(o, bulk_waitset_default, extern "C" fn() -> Void, "struct waitset *(*)(void)");
     function!(o, bulk_waitset_dispatch, extern "C" fn(Void, i64) -> Errval, "errval_t (*)(struct waitset *, int64_t)");
+    function!(o, bulk_waitset_set_spin, extern "C" fn(Void, u64) -> Errval, "errval_t (*)(struct waitset *, uint64_t)");
     function!(o, bulk_waitset_fd, extern "C" fn(Void) -> std::ffi::c_int, "int (*)(struct waitset *)");
     function!(
         o,

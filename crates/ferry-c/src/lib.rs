@@ -19,3 +19,5 @@ pub mod ffi;
 #[cfg(test)]
 mod layout;
 mod state;
+mod table;
+mod waitset;

@@ -1,0 +1,744 @@
+//! A waitset: a Ferry [`Selector`] over its channel ends, the ends' C-side
+//! state, and the work due (continuations, further callbacks). Each
+//! waitset has its own lock; the table's lock is taken inside it when an
+//! event or a call touches buffers or pools, never the other way round.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use ferry::{Buffer, BufferId, Channel, ChannelState, Direction, Event, Meta, PoolId, Selector};
+use rustix::event::{epoll, eventfd, EventfdFlags};
+
+use crate::boundary::{self, call, ChannelFields};
+use crate::codes::*;
+use crate::ffi::*;
+use crate::state::{self, Res};
+use crate::table::{table, Table, View};
+
+/// A continuation the program gave with a call that was accepted.
+#[derive(Clone, Copy)]
+pub struct Cont {
+    handler: ContHandler,
+    arg: usize,
+}
+
+impl Cont {
+    /// `None` for a continuation without handler (nothing to run).
+    pub fn of(c: BulkContinuation) -> Option<Cont> {
+        c.handler.map(|handler| Cont { handler, arg: c.arg as usize })
+    }
+}
+
+/// One thing for dispatch to run, outside every lock.
+pub enum Work {
+    /// A continuation.
+    Cont { cont: Cont, err: Errval, ch: usize },
+    /// `bind_received`.
+    Bind { f: unsafe extern "C" fn(*mut BulkChannel) -> Errval, ch: usize, token: usize },
+    /// `teardown_received`.
+    Teardown { f: unsafe extern "C" fn(*mut BulkChannel), ch: usize, token: usize },
+    /// `pool_assigned`, whose answer goes back to the peer.
+    PoolAssigned {
+        f: unsafe extern "C" fn(*mut BulkChannel, *mut BulkPool) -> Errval,
+        ch: usize,
+        token: usize,
+        pool_ptr: usize,
+        pool: PoolId,
+    },
+    /// `pool_removed`.
+    PoolRemoved {
+        f: unsafe extern "C" fn(*mut BulkChannel, *mut BulkPool) -> Errval,
+        ch: usize,
+        token: usize,
+        pool_ptr: usize,
+        pool: PoolId,
+    },
+    /// `move_received`, `buffer_received` (`owned`), `copy_received`.
+    Buffer { f: BufferCallback, ch: usize, token: usize, buffer: usize, id: BufferId, owned: bool, meta: Vec<u8> },
+    /// `copy_released`.
+    Released { f: unsafe extern "C" fn(*mut BulkChannel, *mut BulkBuffer), ch: usize, token: usize, buffer: usize },
+}
+
+impl Work {
+    /// The channel a callback is for (`None` for continuations, which run
+    /// even after their channel is destroyed).
+    fn callback_token(&self) -> Option<usize> {
+        match self {
+            Work::Cont { .. } => None,
+            Work::Bind { token, .. }
+            | Work::Teardown { token, .. }
+            | Work::PoolAssigned { token, .. }
+            | Work::PoolRemoved { token, .. }
+            | Work::Buffer { token, .. }
+            | Work::Released { token, .. } => Some(*token),
+        }
+    }
+
+    /// A pool the work hands to the program.
+    pub fn pool(&self) -> Option<PoolId> {
+        match self {
+            Work::PoolAssigned { pool, .. } | Work::PoolRemoved { pool, .. } => Some(*pool),
+            _ => None,
+        }
+    }
+
+    /// Runs it. Called without any lock held.
+    pub fn run(self) {
+        match self {
+            Work::Cont { cont, err, ch } => call::cont(cont.handler, cont.arg, err, ch),
+            Work::Bind { f, ch, .. } => call::channel_only_errval(f, ch),
+            Work::Teardown { f, ch, .. } => call::channel_only(f, ch),
+            Work::PoolAssigned { f, ch, token, pool_ptr, pool } => {
+                let answer = call::pool(f, ch, pool_ptr);
+                state::answer_pool(token, pool, answer == OK);
+            }
+            Work::PoolRemoved { f, ch, pool_ptr, .. } => {
+                call::pool(f, ch, pool_ptr);
+            }
+            Work::Buffer { f, ch, buffer, mut meta, .. } => call::buffer_meta(f, ch, buffer, &mut meta),
+            Work::Released { f, ch, buffer, .. } => call::buffer(f, ch, buffer),
+        }
+    }
+}
+
+/// What dispatch does next.
+pub enum Step {
+    /// Run this, then return.
+    Run(Work),
+    /// Nothing now, and the waitset is still spinning: look again.
+    Spin,
+    /// Nothing is due and the channels are armed: wait for `fd`. `live`:
+    /// something can still happen.
+    Idle { fd: i32, live: bool },
+}
+
+/// Where a channel end is.
+enum Link {
+    /// In the selector, under this key.
+    Attached(usize),
+    /// Out of the selector because it closed (kept until destroyed).
+    Detached(Box<Channel>),
+}
+
+/// A channel end created or bound through the C interface.
+pub struct Chan {
+    /// Address of the program's `struct bulk_channel`.
+    c_addr: usize,
+    /// Address of the program's callbacks.
+    callbacks: usize,
+    link: Link,
+    bind_cont: Option<Cont>,
+    /// Our pool assignments and removals waiting for the peer's answer.
+    assigning: Vec<(PoolId, Option<Cont>)>,
+    removing: Vec<(PoolId, Option<Cont>)>,
+    /// Bound once: its end is reported by teardown_received.
+    connected_once: bool,
+}
+
+/// Channel events served in a row before one queued work runs.
+const FAIRNESS: u32 = 32;
+
+/// How long dispatch polls the channels before it arms them and, with a
+/// timeout, sleeps: Ferry's own spin before sleeping. A busy-polling
+/// program thereby never makes its peer ring a doorbell.
+pub const DEFAULT_SPIN: Duration = ferry::DEFAULT_SPIN;
+
+/// A waitset.
+pub struct Waitset {
+    /// The allocation whose address is the `struct waitset *`.
+    _tag: Box<u64>,
+    selector: Selector,
+    /// Selector key → channel token.
+    keys: HashMap<usize, usize>,
+    /// The channel ends, by token.
+    chans: HashMap<usize, Chan>,
+    /// The program's fd: the selector's fd and `bell`.
+    epoll: OwnedFd,
+    /// Readable while `pending` has work (or a new channel wants a poll).
+    bell: OwnedFd,
+    rung: bool,
+    pending: VecDeque<Work>,
+    /// Channel events served since queued work last ran.
+    streak: u32,
+    /// Where the next direct poll of the channels starts (fairness).
+    next_poll: usize,
+    /// See [`DEFAULT_SPIN`].
+    pub spin: Duration,
+    /// Destroyed: takes no more channels.
+    pub dead: bool,
+}
+
+/// The bytes a callback sees as meta data: the channel's meta size,
+/// zero-padded (at least one byte, even when the size is 0).
+fn meta_bytes(meta: &Meta, meta_size: usize) -> Vec<u8> {
+    let mut v = vec![0u8; meta_size.max(1)];
+    let n = meta.len().min(meta_size);
+    v[..n].copy_from_slice(&meta[..n]);
+    v
+}
+
+fn fields_of(c: &Channel, closed: bool) -> ChannelFields {
+    ChannelFields {
+        state: if closed { STATE_CLOSED } else { state_to(c.state()) },
+        direction: direction_to(c.direction()),
+        role: role_to(c.role()),
+        trust: trust_to(c.trust()),
+        meta_size: c.meta_size(),
+    }
+}
+
+/// Checks that a channel may send: connected, and this direction.
+fn check_sending(c: &Channel, dir: Direction) -> Res<()> {
+    match c.state() {
+        ChannelState::Connected => {}
+        ChannelState::Teardown | ChannelState::Closed => return Err(ERR_CHANNEL_CLOSED),
+        _ => return Err(ERR_CHANNEL_STATE),
+    }
+    if c.direction() != dir {
+        return Err(ERR_WRONG_DIRECTION);
+    }
+    Ok(())
+}
+
+/// The channel of `chan`, wherever it is.
+fn channel_of<'a>(selector: &'a mut Selector, chan: &'a mut Chan) -> Option<&'a mut Channel> {
+    match &mut chan.link {
+        Link::Attached(key) => selector.get_mut(*key),
+        Link::Detached(c) => Some(c),
+    }
+}
+
+impl Waitset {
+    /// A new waitset and its key (the address given to C).
+    pub fn new() -> Res<(usize, Waitset)> {
+        let no_fd = |_| ERR_NO_RESOURCES;
+        let selector = Selector::new().map_err(|e| of_error(&e))?;
+        let ep = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(no_fd)?;
+        let bell = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(no_fd)?;
+        epoll::add(&ep, selector.as_fd(), epoll::EventData::new_u64(0), epoll::EventFlags::IN).map_err(no_fd)?;
+        epoll::add(&ep, &bell, epoll::EventData::new_u64(1), epoll::EventFlags::IN).map_err(no_fd)?;
+        let tag = Box::new(0u64);
+        let key = &*tag as *const u64 as usize;
+        let ws = Waitset {
+            _tag: tag,
+            selector,
+            keys: HashMap::new(),
+            chans: HashMap::new(),
+            epoll: ep,
+            bell,
+            rung: false,
+            pending: VecDeque::new(),
+            streak: 0,
+            next_poll: 0,
+            spin: DEFAULT_SPIN,
+            dead: false,
+        };
+        Ok((key, ws))
+    }
+
+    /// The program's fd.
+    pub fn fd(&self) -> i32 {
+        self.epoll.as_raw_fd()
+    }
+
+    /// Whether channels are on it or work is queued.
+    pub fn busy(&self) -> bool {
+        !self.chans.is_empty() || !self.pending.is_empty()
+    }
+
+    /// The oldest queued work (the fd stays readable while more is queued).
+    fn pop(&mut self) -> Option<Work> {
+        let w = self.pending.pop_front()?;
+        self.streak = 0;
+        if self.pending.is_empty() {
+            self.quiet();
+        }
+        Some(w)
+    }
+
+    fn push(&mut self, w: Work) {
+        self.pending.push_back(w);
+        self.ring();
+    }
+
+    fn ring(&mut self) {
+        if !self.rung {
+            self.rung = true;
+            let _ = rustix::io::write(&self.bell, &1u64.to_ne_bytes());
+        }
+    }
+
+    fn quiet(&mut self) {
+        if self.rung {
+            let mut b = [0u8; 8];
+            let _ = rustix::io::read(&self.bell, &mut b);
+            self.rung = false;
+        }
+    }
+
+    /// Adds a channel end (its C struct is filled already).
+    pub fn insert(&mut self, token: usize, ch: usize, callbacks: usize, channel: Channel, bind_cont: Option<Cont>) {
+        let key = self.selector.insert(channel);
+        self.keys.insert(key, token);
+        self.chans.insert(
+            token,
+            Chan {
+                c_addr: ch,
+                callbacks,
+                link: Link::Attached(key),
+                bind_cont,
+                assigning: Vec::new(),
+                removing: Vec::new(),
+                connected_once: false,
+            },
+        );
+        // The program's own loop polls the new channel once (it may have
+        // an event before its fd was ever armed).
+        self.ring();
+    }
+
+    /// The channel end of `token` (checked against the C struct's address).
+    fn chan(&mut self, token: usize, ch: usize) -> Res<(&mut Chan, &mut Selector)> {
+        match self.chans.get_mut(&token) {
+            Some(c) if c.c_addr == ch => Ok((c, &mut self.selector)),
+            _ => Err(ERR_INVALID_CHANNEL),
+        }
+    }
+
+    /// The next thing dispatch does: a channel event if one is due, else
+    /// queued work (continuations, and the further callbacks of an event
+    /// that called for several). Channel events come first because they
+    /// carry the peer's actions, which a program waits for; a continuation
+    /// only reports that one of its own calls completed. After
+    /// [`FAIRNESS`] events in a row one queued work runs, so a busy peer
+    /// cannot hold continuations back for ever. Until `spin_until` the
+    /// channels are only polled (no system call, no doorbell for the peer
+    /// to ring); after it they are armed, and `Idle` means the fd will
+    /// tell when to look again.
+    pub fn next_step(&mut self, spin_until: Instant) -> Step {
+        if self.streak >= FAIRNESS {
+            if let Some(w) = self.pop() {
+                return Step::Run(w);
+            }
+        }
+        if let Some((key, ev)) = self.poll_channels() {
+            self.streak += 1;
+            if let Some(w) = self.take_event(key, ev) {
+                return Step::Run(w);
+            }
+            return Step::Spin;
+        }
+        if let Some(w) = self.pop() {
+            return Step::Run(w);
+        }
+        if Instant::now() < spin_until {
+            return Step::Spin;
+        }
+        if self.pending.is_empty() {
+            self.quiet();
+        }
+        match self.selector.wait(Some(Duration::ZERO)) {
+            Some((key, ev)) => {
+                self.streak += 1;
+                match self.take_event(key, ev) {
+                    Some(w) => Step::Run(w),
+                    None => Step::Spin,
+                }
+            }
+            None => Step::Idle { fd: self.epoll.as_raw_fd(), live: !self.selector.is_empty() },
+        }
+    }
+
+    /// Polls every attached channel once, starting after the one that
+    /// had the last event: the first event.
+    fn poll_channels(&mut self) -> Option<(usize, Event)> {
+        let n = self.keys.len();
+        if n == 0 {
+            return None;
+        }
+        let mut keys: Vec<usize> = self.keys.keys().copied().collect();
+        keys.sort_unstable();
+        for j in 0..n {
+            let key = keys[(self.next_poll + j) % n];
+            if let Some(ev) = self.selector.get_mut(key).and_then(Channel::poll) {
+                self.next_poll = (self.next_poll + j + 1) % n;
+                return Some((key, ev));
+            }
+        }
+        None
+    }
+
+    /// Writes the channel fields that follow its state.
+    fn sync(&mut self, token: usize) {
+        let Some(chan) = self.chans.get_mut(&token) else { return };
+        let (ch, closed) = (chan.c_addr, matches!(chan.link, Link::Detached(_)));
+        if let Some(c) = channel_of(&mut self.selector, chan) {
+            boundary::write_channel_fields(ch as *mut BulkChannel, &fields_of(c, closed));
+        }
+    }
+
+    /// Takes a closed channel out of the selector (its fd says nothing more).
+    fn detach(&mut self, token: usize) {
+        let Some(chan) = self.chans.get_mut(&token) else { return };
+        if let Link::Attached(key) = chan.link {
+            self.keys.remove(&key);
+            if let Some(c) = self.selector.remove(key) {
+                chan.link = Link::Detached(Box::new(c));
+            }
+        }
+        self.sync(token);
+    }
+
+    /// Turns a channel's event into the work it calls for (more of it is
+    /// queued).
+    fn take_event(&mut self, key: usize, ev: Event) -> Option<Work> {
+        let token = *self.keys.get(&key)?;
+        let (ch, cbs, meta_size) = {
+            let chan = self.chans.get_mut(&token)?;
+            let cbs = boundary::read(chan.callbacks as *const BulkChannelCallbacks)?;
+            let ch = chan.c_addr;
+            (ch, cbs, channel_of(&mut self.selector, chan).map_or(0, |c| c.meta_size()))
+        };
+        match ev {
+            Event::BindRequest { .. } | Event::Bound => {
+                let chan = self.chans.get_mut(&token)?;
+                chan.connected_once = true;
+                let bind_cont = chan.bind_cont.take();
+                self.sync(token);
+                if let Some(cont) = bind_cont {
+                    return Some(Work::Cont { cont, err: OK, ch });
+                }
+                cbs.bind_received.map(|f| Work::Bind { f, ch, token })
+            }
+            Event::PoolAssignRequest(req) => {
+                let pool_ptr = {
+                    let mut t = table();
+                    t.generation += 1;
+                    t.pool_ptr_or_add(req.pool)
+                };
+                match (pool_ptr, cbs.pool_assigned) {
+                    (Some(pool_ptr), Some(f)) => Some(Work::PoolAssigned { f, ch, token, pool_ptr, pool: req.pool }),
+                    (found, _) => {
+                        // No callback: accepted, as in the original; a pool
+                        // this process cannot map: refused.
+                        self.answer_pool(token, req.pool, found.is_some());
+                        None
+                    }
+                }
+            }
+            Event::PoolAssigned(id) | Event::PoolVetoed(id) => {
+                let err = if matches!(ev, Event::PoolAssigned(_)) { OK } else { ERR_POOL_VETOED };
+                if let Some(e) = table().pools.get_mut(&id) {
+                    e.refresh_trust();
+                }
+                let chan = self.chans.get_mut(&token)?;
+                let i = chan.assigning.iter().position(|(p, _)| *p == id)?;
+                let (_, cont) = chan.assigning.remove(i);
+                cont.map(|cont| Work::Cont { cont, err, ch })
+            }
+            Event::PoolRemoved(id) | Event::PoolRemoveRefused(id) => {
+                let err = if matches!(ev, Event::PoolRemoved(_)) { OK } else { ERR_POOL_IN_USE };
+                let chan = self.chans.get_mut(&token)?;
+                if let Some(i) = chan.removing.iter().position(|(p, _)| *p == id) {
+                    let (_, cont) = chan.removing.remove(i);
+                    return cont.map(|cont| Work::Cont { cont, err, ch });
+                }
+                let f = cbs.pool_removed?;
+                let pool_ptr = table().pools.get(&id)?.pool_ptr();
+                Some(Work::PoolRemoved { f, ch, token, pool_ptr, pool: id })
+            }
+            Event::MoveReceived { buffer, meta } => {
+                received_owned(&mut table(), token, ch, cbs.move_received, buffer, &meta, meta_size)
+            }
+            Event::BufferPassed { buffer, meta } => {
+                received_owned(&mut table(), token, ch, cbs.buffer_received, buffer, &meta, meta_size)
+            }
+            Event::CopyReceived { copy, meta } => {
+                let id = copy.id();
+                let mut t = table();
+                t.pool_ptr_or_add(id.pool)?;
+                let e = t.pools.get_mut(&id.pool)?;
+                let i = id.index as usize;
+                // A copy arriving where the program neither owns the buffer
+                // nor holds a copy of it through the owner's object (another
+                // process's buffer) comes in that object, the one in
+                // `pool->buffers`; a copy of a buffer the program owns or
+                // reads through it already (a local channel: one domain)
+                // comes in the second object, which has its own state.
+                let slot = &mut e.slots[i];
+                let view = if slot.owned.is_none() && !slot.copies.iter().any(|c| c.2 == View::Owner) {
+                    View::Owner
+                } else {
+                    View::Copy
+                };
+                slot.copies.push((token, copy, view));
+                e.refresh(i);
+                let buffer = e.buffer_ptr(i, view);
+                let meta = meta_bytes(&meta, meta_size);
+                cbs.copy_received.map(|f| Work::Buffer { f, ch, token, buffer, id, owned: false, meta })
+            }
+            Event::CopyReleased { buffer: id, .. } => {
+                let mut t = table();
+                let e = t.pools.get_mut(&id.pool)?;
+                let i = id.index as usize;
+                e.refresh(i);
+                let buffer = e.buffer_ptr(i, View::Owner);
+                cbs.copy_released.map(|f| Work::Released { f, ch, token, buffer })
+            }
+            Event::Closed { .. } | Event::Error(_) => {
+                let err = match &ev {
+                    Event::Error(e) => of_error(e),
+                    _ => ERR_CHANNEL_CLOSED,
+                };
+                self.detach(token);
+                let chan = self.chans.get_mut(&token)?;
+                let mut works = Vec::new();
+                if let Some(cont) = chan.bind_cont.take() {
+                    works.push(Work::Cont { cont, err, ch });
+                }
+                let unanswered = chan.assigning.drain(..).chain(chan.removing.drain(..));
+                works.extend(unanswered.filter_map(|(_, c)| c).map(|cont| Work::Cont {
+                    cont,
+                    err: ERR_CHANNEL_CLOSED,
+                    ch,
+                }));
+                if chan.connected_once {
+                    if let Some(f) = cbs.teardown_received {
+                        works.push(Work::Teardown { f, ch, token });
+                    }
+                }
+                let mut works = works.into_iter();
+                let first = works.next();
+                for w in works {
+                    self.push(w);
+                }
+                first
+            }
+            // Ferry's own kinds of events, which C programs never cause:
+            // aggregates (dropped: their buffers return, their copies are
+            // released) and the library's own vetoes of offers.
+            Event::Aggregate { .. } | Event::PoolOfferRefused { .. } => None,
+        }
+    }
+
+    /// The program's answer to a pool offer, sent to the peer.
+    pub fn answer_pool(&mut self, token: usize, pool: PoolId, accept: bool) {
+        let Some(chan) = self.chans.get_mut(&token) else { return };
+        if let Some(c) = channel_of(&mut self.selector, chan) {
+            let _ = c.respond_pool(pool, accept);
+            let _ = c.flush();
+        }
+        if let Some(e) = table().pools.get_mut(&pool) {
+            e.refresh_trust();
+        }
+    }
+
+    /// `bulk_channel_destroy`: the channel end leaves; what it had not
+    /// answered is queued with `BULK_ERR_CHANNEL_DESTROYED`, then `cont`.
+    pub fn destroy(&mut self, token: usize, ch: usize, cont: Option<Cont>) -> Res<()> {
+        self.chan(token, ch)?;
+        let mut chan = self.chans.remove(&token).ok_or(ERR_INVALID_CHANNEL)?;
+        let channel = match std::mem::replace(&mut chan.link, Link::Attached(usize::MAX)) {
+            Link::Attached(key) => {
+                self.keys.remove(&key);
+                self.selector.remove(key)
+            }
+            Link::Detached(c) => Some(*c),
+        };
+        if let Some(mut c) = channel {
+            if c.state() == ChannelState::Connected {
+                let _ = c.teardown();
+                let _ = c.flush();
+            }
+            // Dropping the end closes it: the peer learns of it.
+            drop(c);
+        }
+        // Callbacks for it are not run; buffers they would have handed
+        // over go back, and so do the copies received over it.
+        let (keep, gone): (VecDeque<Work>, VecDeque<Work>) =
+            self.pending.drain(..).partition(|w| w.callback_token() != Some(token));
+        self.pending = keep;
+        let never_handed: Vec<BufferId> = gone
+            .iter()
+            .filter_map(|w| match w {
+                Work::Buffer { id, owned: true, .. } => Some(*id),
+                _ => None,
+            })
+            .collect();
+        table().drop_channel_handles(token, &never_handed);
+        let unanswered = chan
+            .bind_cont
+            .take()
+            .into_iter()
+            .chain(chan.assigning.drain(..).chain(chan.removing.drain(..)).filter_map(|(_, c)| c));
+        for c in unanswered {
+            self.push(Work::Cont { cont: c, err: ERR_CHANNEL_DESTROYED, ch });
+        }
+        if let Some(cont) = cont {
+            self.push(Work::Cont { cont, err: OK, ch });
+        }
+        boundary::clear_channel(ch as *mut BulkChannel, STATE_CLOSED);
+        Ok(())
+    }
+
+    /// `bulk_channel_assign_pool` and `bulk_channel_remove_pool`.
+    pub fn channel_pool(&mut self, token: usize, ch: usize, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
+        let (chan, selector) = self.chan(token, ch)?;
+        let mut t = table();
+        let id = t.pool_at(pool)?;
+        let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
+        let e = t.pools.get_mut(&id).ok_or(ERR_INVALID_POOL)?;
+        if assign {
+            c.assign_pool(&e.pool).map_err(|e| of_error(&e))?;
+        } else {
+            c.remove_pool(id).map_err(|e| of_error(&e))?;
+        }
+        let _ = c.flush();
+        e.refresh_trust();
+        t.generation += 1;
+        if assign {
+            // As the original's local backend does, a continuation given
+            // without an argument gets the pool as its argument.
+            let cont = cont.map(|c| Cont { arg: if c.arg == 0 { pool } else { c.arg }, ..c });
+            chan.assigning.push((id, cont));
+        } else {
+            chan.removing.push((id, cont));
+        }
+        Ok(())
+    }
+
+    /// Queues an accepted call's continuation.
+    fn queue_cont(&mut self, ch: usize, cont: Option<Cont>) {
+        if let Some(cont) = cont {
+            self.push(Work::Cont { cont, err: OK, ch });
+        }
+    }
+
+    /// `bulk_channel_move` and `bulk_channel_pass`.
+    pub fn send(
+        &mut self,
+        token: usize,
+        ch: usize,
+        buffer: usize,
+        meta: *const std::ffi::c_void,
+        cont: Option<Cont>,
+        dir: Direction,
+    ) -> Res<()> {
+        let (chan, selector) = self.chan(token, ch)?;
+        let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
+        check_sending(c, dir)?;
+        let mut t = table();
+        let (id, i, view) = t.buffer_at(buffer)?;
+        let e = t.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
+        if view == View::Copy {
+            return Err(ERR_BUFFER_NOT_OWNED);
+        }
+        let b = e.slots[i].owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
+        let meta = boundary::read_meta(meta, c.meta_size());
+        let sent = match dir {
+            Direction::Tx => c.move_buffer(b, &meta),
+            Direction::Rx => c.pass(b, &meta),
+        };
+        if let Err(r) = sent {
+            e.slots[i].owned = Some(r.value);
+            return Err(of_error(&r.error));
+        }
+        e.refresh(i);
+        drop(t);
+        // The TCP backend holds messages back until the channel is polled;
+        // a C program may send and then not dispatch for a while (or exit).
+        let _ = c.flush();
+        self.queue_cont(ch, cont);
+        Ok(())
+    }
+
+    /// `bulk_channel_copy`.
+    pub fn copy(
+        &mut self,
+        token: usize,
+        ch: usize,
+        buffer: usize,
+        meta: *const std::ffi::c_void,
+        cont: Option<Cont>,
+    ) -> Res<()> {
+        let (chan, selector) = self.chan(token, ch)?;
+        let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
+        check_sending(c, Direction::Tx)?;
+        let mut t = table();
+        let (id, i, view) = t.buffer_at(buffer)?;
+        let e = t.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
+        let meta = boundary::read_meta(meta, c.meta_size());
+        let slot = &e.slots[i];
+        let held = slot.copies.iter().find(|h| h.2 == view).map(|h| &h.1);
+        let sent = match (view, &slot.owned, held) {
+            (View::Owner, Some(b), _) => c.copy(b, &meta),
+            (_, _, Some(copy)) => c.copy(copy, &meta),
+            _ => return Err(ERR_BUFFER_NOT_OWNED),
+        };
+        sent.map_err(|e| of_error(&e))?;
+        e.refresh(i);
+        drop(t);
+        let _ = c.flush();
+        self.queue_cont(ch, cont);
+        Ok(())
+    }
+
+    /// `bulk_channel_release`.
+    pub fn release(&mut self, token: usize, ch: usize, buffer: usize, cont: Option<Cont>) -> Res<()> {
+        let (chan, selector) = self.chan(token, ch)?;
+        let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
+        check_sending(c, Direction::Rx)?;
+        let mut t = table();
+        let (id, i, view) = t.buffer_at(buffer)?;
+        let e = t.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
+        let at = e.slots[i].copies.iter().position(|h| h.0 == token && h.2 == view).ok_or(ERR_NOT_A_COPY)?;
+        let (_, copy, _) = e.slots[i].copies.remove(at);
+        if let Err(r) = c.release(copy) {
+            e.slots[i].copies.insert(at, (token, r.value, view));
+            return Err(of_error(&r.error));
+        }
+        e.refresh(i);
+        drop(t);
+        let _ = c.flush();
+        self.queue_cont(ch, cont);
+        Ok(())
+    }
+
+    /// Removes from `candidates` the pools a channel end or queued work
+    /// here may still refer to.
+    pub fn keep_used(&mut self, candidates: &mut Vec<PoolId>) {
+        let Waitset { chans, selector, pending, .. } = self;
+        candidates.retain(|id| !pending.iter().any(|w| w.pool() == Some(*id)));
+        for chan in chans.values_mut() {
+            let negotiating: Vec<PoolId> = chan.assigning.iter().chain(&chan.removing).map(|(p, _)| *p).collect();
+            let c = channel_of(selector, chan);
+            candidates.retain(|id| {
+                let listed = c
+                    .as_ref()
+                    .is_some_and(|c| c.is_assigned(*id) || c.pending_requests().iter().any(|r| r.pool == *id));
+                !listed && !negotiating.contains(id)
+            });
+        }
+    }
+}
+
+/// A buffer moved or passed to us: the program owns it now.
+fn received_owned(
+    t: &mut Table,
+    token: usize,
+    ch: usize,
+    f: Option<BufferCallback>,
+    buffer: Buffer,
+    meta: &Meta,
+    meta_size: usize,
+) -> Option<Work> {
+    let id = buffer.id();
+    t.pool_ptr_or_add(id.pool)?;
+    let e = t.pools.get_mut(&id.pool)?;
+    let i = id.index as usize;
+    e.slots[i].owned = Some(buffer);
+    e.refresh(i);
+    let ptr = e.buffer_ptr(i, View::Owner);
+    f.map(|f| Work::Buffer { f, ch, token, buffer: ptr, id, owned: true, meta: meta_bytes(meta, meta_size) })
+}
