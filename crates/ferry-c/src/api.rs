@@ -1,5 +1,5 @@
 //! The exported functions of the C interface. Each checks its arguments
-//! (NULL first), then works on the registry; a panic never crosses into C
+//! (NULL first), then works on the library state; a panic never crosses into C
 //! (it becomes `BULK_ERR_INTERNAL`). Nothing here touches C memory
 //! itself: that is [`crate::boundary`]'s.
 
@@ -17,7 +17,7 @@ use crate::boundary;
 use crate::codes::*;
 use crate::ffi::*;
 use crate::state::{self, Res};
-use crate::table::{pool_id_of, table};
+use crate::table::{self, pool_id_of};
 use crate::waitset::Cont;
 
 /// Runs `f`, turning its result and any panic into an error code.
@@ -188,7 +188,7 @@ pub extern "C" fn bulk_channel_release(
 pub extern "C" fn bulk_pool_domain_list_get(id: *mut BulkPoolId) -> *mut BulkPool {
     guard_ptr(|| {
         let id = boundary::read(id)?;
-        table().pool_by_id(pool_id_of(id)).map(|p| p as *mut BulkPool)
+        table::pool_by_id(pool_id_of(id)).map(|p| p as *mut BulkPool)
     })
 }
 
@@ -197,7 +197,7 @@ pub extern "C" fn bulk_pool_domain_list_get(id: *mut BulkPoolId) -> *mut BulkPoo
 pub extern "C" fn bulk_buffer_change_state(buffer: *mut BulkBuffer, state: u32) -> Errval {
     guard(|| {
         nonnull(buffer)?;
-        table().buffer_change_state(buffer as usize, state)
+        table::buffer_change_state(buffer as usize, state)
     })
 }
 
@@ -211,7 +211,7 @@ pub extern "C" fn bulk_alloc_init(
 ) -> Errval {
     guard(|| {
         nonnull(alloc)?;
-        table().alloc_init(alloc, buffer_count, buffer_size, boundary::read(constraints))
+        table::alloc_init(alloc, buffer_count, buffer_size, boundary::read(constraints))
     })
 }
 
@@ -231,7 +231,7 @@ pub extern "C" fn bulk_alloc_new_buffer(alloc: *mut BulkAllocator) -> *mut BulkB
         if alloc.is_null() {
             return None;
         }
-        table().alloc_new_buffer(alloc).ok().map(|p| p as *mut BulkBuffer)
+        table::alloc_new_buffer(alloc).ok().map(|p| p as *mut BulkBuffer)
     })
 }
 
@@ -241,7 +241,7 @@ pub extern "C" fn bulk_alloc_return_buffer(alloc: *mut BulkAllocator, buffer: *m
     guard(|| {
         nonnull(alloc)?;
         nonnull(buffer)?;
-        table().alloc_return_buffer(alloc, buffer as usize)
+        table::alloc_return_buffer(alloc, buffer as usize)
     })
 }
 

@@ -6,7 +6,7 @@
 //! callbacks are functions of the declared signature.
 //!
 //! Pointers that name library-owned objects (pools, buffers, waitsets) are
-//! never dereferenced here: they are looked up by address in the registry.
+//! never dereferenced here: they are looked up by address in the library state.
 
 #![allow(unsafe_code)]
 
@@ -58,7 +58,7 @@ pub struct ChannelFields {
 pub fn write_channel_fields(ch: *mut BulkChannel, f: &ChannelFields) {
     // SAFETY: `ch` is a live channel struct registered with the library
     // (it stays at its address until destroyed: interface contract); we
-    // hold the registry lock, so no other library code writes it now.
+    // hold its waitset's lock, so no other library code writes it now.
     unsafe {
         ptr::addr_of_mut!((*ch).state).write_unaligned(f.state);
         ptr::addr_of_mut!((*ch).direction).write_unaligned(f.direction);
@@ -205,21 +205,22 @@ pub fn c_string(s: *const c_char, max: usize) -> Option<Vec<u8>> {
     (bytes.len() <= max).then(|| bytes.to_vec())
 }
 
-/// `meta_size` bytes of the program's meta data (zeros for NULL).
-pub fn read_meta(meta: *const c_void, meta_size: usize) -> Vec<u8> {
-    if meta.is_null() || meta_size == 0 {
-        return vec![0; meta_size];
+/// `meta_size` bytes of the program's meta data (zeros for NULL), in `buf`.
+pub fn read_meta(meta: *const c_void, meta_size: usize, buf: &mut [u8]) -> &[u8] {
+    let n = meta_size.min(buf.len());
+    if !meta.is_null() && n > 0 {
+        // SAFETY: non-NULL meta data points to the channel's meta_size
+        // bytes (interface contract); at most that many are read.
+        unsafe { ptr::copy_nonoverlapping(meta as *const u8, buf.as_mut_ptr(), n) };
     }
-    // SAFETY: non-NULL meta data points to the channel's meta_size bytes
-    // (interface contract).
-    unsafe { std::slice::from_raw_parts(meta as *const u8, meta_size) }.to_vec()
+    &buf[..n]
 }
 
 fn until_nul(chars: &[c_char]) -> Vec<u8> {
     chars.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect()
 }
 
-/// The calls into the program's code. Each runs without the registry
+/// The calls into the program's code. Each runs without any library
 /// lock held, so the program may call the library from it.
 pub mod call {
     use super::*;

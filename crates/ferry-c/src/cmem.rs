@@ -7,23 +7,46 @@
 
 use std::cell::UnsafeCell;
 
-/// A fixed-address array of C-visible objects. The library changes them
-/// only while it holds its registry lock; C code reads them through raw
-/// pointers (and, per the interface's thread rules, not while a call that
-/// changes them runs on another thread).
+/// A fixed-address array of C-visible objects. After it is made, Rust
+/// reaches the objects only through the one [`CRef`] of each, handed out
+/// by [`CArray::new`]; C code only reads them.
 pub struct CArray<T> {
     cells: Box<[UnsafeCell<T>]>,
 }
 
-// SAFETY: the objects hold raw pointers into other library-owned objects
-// (or the pool mapping), never thread-bound data; every Rust access goes
-// through the registry's mutex.
+// SAFETY: the array itself is only asked for addresses after it is made;
+// every write goes through an object's single `CRef`, which needs `&mut`.
 unsafe impl<T> Send for CArray<T> {}
+// SAFETY: as above: shared references only read addresses.
+unsafe impl<T> Sync for CArray<T> {}
+
+/// The only Rust handle that writes one object of a [`CArray`]: whoever
+/// holds it `&mut` (behind the lock that guards it) may change the object.
+pub struct CRef<T> {
+    ptr: *mut T,
+}
+
+// SAFETY: the object it points to lives as long as its `CArray`, which its
+// owner keeps beside it; writes need `&mut self`, so they are exclusive.
+unsafe impl<T> Send for CRef<T> {}
+
+impl<T> CRef<T> {
+    /// Changes the object.
+    pub fn update(&mut self, f: impl FnOnce(&mut T)) {
+        // SAFETY: `ptr` points into a live `CArray` (its owner keeps it as
+        // long as this handle), this is the object's only `CRef` and we have
+        // it `&mut`: no other Rust access overlaps; C code only reads.
+        f(unsafe { &mut *self.ptr })
+    }
+}
 
 impl<T> CArray<T> {
-    /// The objects, placed at a fixed address.
-    pub fn new(items: Vec<T>) -> Self {
-        CArray { cells: items.into_iter().map(UnsafeCell::new).collect() }
+    /// The objects, placed at a fixed address, and the single write handle
+    /// of each, by index.
+    pub fn new(items: Vec<T>) -> (Self, Vec<CRef<T>>) {
+        let cells: Box<[UnsafeCell<T>]> = items.into_iter().map(UnsafeCell::new).collect();
+        let refs = cells.iter().map(|c| CRef { ptr: c.get() }).collect();
+        (CArray { cells }, refs)
     }
 
     /// The address of object `i` (given to C code).
@@ -39,20 +62,5 @@ impl<T> CArray<T> {
     /// How many objects there are.
     pub fn len(&self) -> usize {
         self.cells.len()
-    }
-
-    /// Reads object `i`.
-    pub fn read<R>(&self, i: usize, f: impl FnOnce(&T) -> R) -> R {
-        // SAFETY: the library writes the objects only through `update`,
-        // which needs `&mut self`; C code never writes them (they are
-        // read-only to the program), so no write overlaps this read.
-        f(unsafe { &*self.cells[i].get() })
-    }
-
-    /// Changes object `i`.
-    pub fn update(&mut self, i: usize, f: impl FnOnce(&mut T)) {
-        // `&mut self` comes from under the registry lock: no other Rust
-        // reference to the object exists; C code only reads it.
-        f(self.cells[i].get_mut())
     }
 }

@@ -28,7 +28,7 @@ use ferry::{
 use crate::boundary::{self, call};
 use crate::codes::*;
 use crate::ffi::*;
-use crate::table::table;
+use crate::table::{forget, unheld_pools, GENERATION};
 use crate::waitset::{Cont, Step, Waitset};
 
 /// A result whose error is a C error code.
@@ -148,20 +148,43 @@ pub fn waitset_set_spin(key: usize, spin: Duration) -> Res<()> {
     Ok(())
 }
 
+thread_local! {
+    /// The waitset this thread dispatched last (a thread usually serves one),
+    /// so that a busy dispatch loop takes no directory lock. A destroyed one
+    /// does not upgrade (or says so under its lock).
+    static LAST_WAITSET: std::cell::RefCell<Option<(usize, std::sync::Weak<Mutex<Waitset>>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The waitset to dispatch.
+fn dispatched_waitset(key: usize) -> Res<WsRef> {
+    let cached = LAST_WAITSET.with(|l| match &*l.borrow() {
+        Some((k, ws)) if *k == key => ws.upgrade(),
+        _ => None,
+    });
+    if let Some(ws) = cached {
+        return Ok(ws);
+    }
+    let ws = waitset(key)?;
+    LAST_WAITSET.with(|l| *l.borrow_mut() = Some((key, Arc::downgrade(&ws))));
+    Ok(ws)
+}
+
 /// `bulk_waitset_dispatch`: runs the next due work of `ws`, waiting up to
 /// the timeout (`None`: no limit) for some.
 pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
-    let ws = waitset(key)?;
-    let start = Instant::now();
-    // A timeout too long to represent is no limit.
-    let deadline = timeout.and_then(|t| start.checked_add(t));
+    let ws = dispatched_waitset(key)?;
+    // Read the clock only once there is nothing to do at once.
+    let mut deadline: Option<Option<Instant>> = None;
     let mut spin_until = None;
     loop {
         // The lock is held only to pick the work; callbacks run without it.
         let step = {
             let mut w = lock(&ws);
-            let until = *spin_until.get_or_insert_with(|| start + w.spin);
-            w.next_step(until)
+            if w.dead {
+                return Err(ERR_INVALID_WAITSET);
+            }
+            w.next_step(&mut spin_until)
         };
         match step {
             Step::Run(work) => {
@@ -170,6 +193,8 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
             }
             Step::Spin => std::hint::spin_loop(),
             Step::Idle { fd, live } => {
+                // A timeout too long to represent is no limit.
+                let deadline = *deadline.get_or_insert_with(|| timeout.and_then(|t| Instant::now().checked_add(t)));
                 let left = match deadline {
                     None if timeout.is_none() && !live => return Err(ERR_WAITSET_EMPTY),
                     None => None,
@@ -189,13 +214,41 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
 
 // ---------------------------------------------------------------------- channels
 
-/// The token and waitset of a live channel struct.
-fn channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
+/// A channel end as a thread remembers it: token, struct address, waitset.
+type LastChannel = Option<(usize, usize, std::sync::Weak<Mutex<Waitset>>)>;
+
+thread_local! {
+    /// The channel end this thread called last: its token, struct address
+    /// and waitset. A stale entry is harmless: a waitset checks token and
+    /// address again under its lock (tokens are never reused).
+    static LAST_CHANNEL: std::cell::RefCell<LastChannel> = const { std::cell::RefCell::new(None) };
+}
+
+/// The token and waitset of a live channel struct, from the directory.
+fn channel_listed(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
     let token = boundary::channel_token(ch);
     match channels_read().get(&token) {
         Some(r) if r.c_addr == ch as usize => Ok((token, r.ws.clone())),
         _ => Err(ERR_INVALID_CHANNEL),
     }
+}
+
+/// The token and waitset of a channel struct, for a call on it (which its
+/// waitset checks again): from this thread's last call if it was on the
+/// same channel, so that a thread busy with one channel shares no
+/// directory lock with others.
+fn channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
+    let token = boundary::channel_token(ch);
+    let cached = LAST_CHANNEL.with(|l| match &*l.borrow() {
+        Some((t, c, ws)) if *t == token && *c == ch as usize => ws.upgrade(),
+        _ => None,
+    });
+    if let Some(ws) = cached {
+        return Ok((token, ws));
+    }
+    let (token, ws) = channel_listed(ch)?;
+    LAST_CHANNEL.with(|l| *l.borrow_mut() = Some((token, ch as usize, Arc::downgrade(&ws))));
+    Ok((token, ws))
 }
 
 /// The Ferry endpoint an endpoint descriptor names, and its backend.
@@ -279,7 +332,7 @@ fn register(
 
 /// Refuses a channel struct that is in use.
 fn check_unused(ch: *mut BulkChannel) -> Res<()> {
-    match channel(ch) {
+    match channel_listed(ch) {
         Ok(_) => Err(ERR_CHANNEL_IN_USE),
         Err(_) => Ok(()),
     }
@@ -299,8 +352,8 @@ pub fn channel_create(
     if s.meta_size > MAX_META_SIZE {
         return Err(ERR_INVALID_ARGUMENT);
     }
-    let (ws_key, ws) = waitset_or_default(s.waitset as usize)?;
     let (endpoint, backend) = endpoint(ep, false)?;
+    let (ws_key, ws) = waitset_or_default(s.waitset as usize)?;
     let setup = ChannelSetup {
         direction,
         role,
@@ -334,8 +387,8 @@ pub fn channel_bind(
         TrustLevel::Uninitialized => None,
         t => Some(t),
     };
-    let (ws_key, ws) = waitset_or_default(p.waitset as usize)?;
     let (endpoint, _) = endpoint(ep, true)?;
+    let (ws_key, ws) = waitset_or_default(p.waitset as usize)?;
     let params = BindParams {
         role,
         trust,
@@ -405,7 +458,7 @@ pub fn answer_pool(token: usize, pool: PoolId, accept: bool) {
 
 /// `bulk_alloc_free`.
 pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
-    table().alloc_free(a)?;
+    crate::table::alloc_free(a)?;
     collect_pools();
     Ok(())
 }
@@ -415,10 +468,8 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
 /// them, no queued callback that hands them over. Their C objects are
 /// freed. Called with no lock held.
 pub fn collect_pools() {
-    let (mut candidates, generation) = {
-        let t = table();
-        (t.unheld_pools(), t.generation)
-    };
+    let generation = GENERATION.load(Ordering::SeqCst);
+    let mut candidates = unheld_pools();
     if candidates.is_empty() {
         return;
     }
@@ -426,12 +477,9 @@ pub fn collect_pools() {
     for ws in all {
         lock(&ws).keep_used(&mut candidates);
     }
-    let mut t = table();
     // A channel may have taken up one of them while we looked: next time.
-    if t.generation != generation {
+    if GENERATION.load(Ordering::SeqCst) != generation {
         return;
     }
-    for id in candidates {
-        t.forget(id);
-    }
+    forget(&candidates);
 }

@@ -1,24 +1,40 @@
 //! The pools this process knows, their C objects, the program's buffer
-//! handles (by pool and index) and the allocators: one table behind one
-//! lock. Taken after a waitset's lock, never before (see `state`).
+//! handles and the allocators. The table (an index from ids and addresses
+//! to pools) is read-mostly; each pool's allocator and each buffer have
+//! their own lock, so threads working on different buffers never wait for
+//! each other. Locks are taken in this order: a waitset's, the table's, a
+//! pool's allocator, a buffer's.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{LazyLock, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, RwLock};
 
 use ferry::{Allocator, Buffer, BufferCopy, BufferId, BufferState, Pool, PoolConstraints, PoolId, TrustLevel};
 
 use crate::boundary;
-use crate::cmem::CArray;
+use crate::cmem::{CArray, CRef};
 use crate::codes::*;
 use crate::ffi::*;
 use crate::state::{new_token, Res, DOMAIN};
 
-static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(|| Mutex::new(Table::default()));
+static TABLE: LazyLock<RwLock<Table>> = LazyLock::new(Default::default);
 
-/// The table, locked. A panic while it was held leaves it usable: every
-/// change is made after the checks that can fail.
-pub fn table() -> MutexGuard<'static, Table> {
-    TABLE.lock().unwrap_or_else(|p| p.into_inner())
+/// Counts the moments a channel may have started to refer to a pool (an
+/// assignment, an offer), so that collecting pools can tell that what it
+/// saw of the channels is out of date.
+pub static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+fn read() -> std::sync::RwLockReadGuard<'static, Table> {
+    TABLE.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write() -> std::sync::RwLockWriteGuard<'static, Table> {
+    TABLE.write().unwrap_or_else(|p| p.into_inner())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Which of a buffer's two C objects a pointer names.
@@ -30,14 +46,73 @@ pub enum View {
     Copy,
 }
 
-/// The handles of one buffer that the program holds.
-#[derive(Default)]
+/// One buffer: the program's handles of it and its two C objects.
 pub struct Slot {
+    id: BufferId,
     /// The program owns the buffer.
     pub owned: Option<Buffer>,
     /// Copies the program received, with the channel each came over and
     /// the C object it was given with.
     pub copies: Vec<(usize, BufferCopy, View)>,
+    owner_obj: CRef<BulkBuffer>,
+    copy_obj: CRef<BulkBuffer>,
+    /// What `owner_obj.state` says.
+    owner_state: u32,
+}
+
+impl Slot {
+    fn states(&self, known: Option<BufferState>) -> (u32, u32, u32, u32) {
+        let held = |v: View| self.copies.iter().filter(|c| c.2 == v).count() as u32;
+        let (owner_copies, view_copies) = (held(View::Owner), held(View::Copy));
+        let read_only = buffer_state_to(BufferState::ReadOnly);
+        // The owner's object: the domain's state while the program owns the
+        // buffer (READ_WRITE, or RO_OWNED with copies out); READ_ONLY while
+        // a copy was given with it; else INVALID. The second object:
+        // READ_ONLY while a copy was given with it.
+        let owner_state = match (&self.owned, owner_copies) {
+            (Some(_), _) => buffer_state_to(known.unwrap_or_else(|| DOMAIN.buffer_state(self.id))),
+            (None, 0) => 0,
+            (None, _) => read_only,
+        };
+        let copy_state = if view_copies > 0 { read_only } else { 0 };
+        (owner_state, owner_copies, copy_state, view_copies)
+    }
+
+    /// Rewrites the C objects from the handles and the domain.
+    pub fn refresh(&mut self) {
+        self.refresh_as(None);
+    }
+
+    /// [`refresh`](Self::refresh) when the caller knows the domain's state
+    /// of a buffer the program owns (a buffer moved, passed or allocated to
+    /// it is READ_WRITE: nothing can be copied from a buffer in flight or
+    /// free), sparing the domain's lock on the data path.
+    pub fn refresh_as(&mut self, known: Option<BufferState>) {
+        let (owner_state, owner_copies, copy_state, view_copies) = self.states(known);
+        self.owner_state = owner_state;
+        self.owner_obj.update(|b| {
+            b.state = owner_state;
+            b.local_ref_count = owner_copies;
+        });
+        self.copy_obj.update(|b| {
+            b.state = copy_state;
+            b.local_ref_count = view_copies;
+        });
+    }
+
+    /// The state the object of `view` shows.
+    fn state_of(&self, view: View) -> u32 {
+        let (owner_state, _, copy_state, _) = self.states(None);
+        match view {
+            View::Owner => owner_state,
+            View::Copy => copy_state,
+        }
+    }
+
+    /// Whether the program holds nothing of it.
+    fn is_empty(&self) -> bool {
+        self.owned.is_none() && self.copies.is_empty()
+    }
 }
 
 /// A pool this process knows, with its C objects.
@@ -45,16 +120,17 @@ pub struct PoolEntry {
     /// Ferry's handle (keeps the pool in the domain's list).
     pub pool: Pool,
     cpool: CArray<BulkPool>,
+    /// Writes the pool's `trust`.
+    cpool_ref: Mutex<CRef<BulkPool>>,
     bufs: CArray<BulkBuffer>,
     /// The second object of each buffer (same address; its own state and
     /// count), for a copy held beside the owner's buffer.
     copy_bufs: CArray<BulkBuffer>,
     /// The pool's `buffers` array.
     _ptrs: CArray<*mut BulkBuffer>,
-    /// The program's handles, by index.
-    pub slots: Vec<Slot>,
-    /// Made by bulk_alloc_init.
-    allocator: Option<Allocator>,
+    slots: Box<[Mutex<Slot>]>,
+    /// Made by bulk_alloc_init: the allocator struct's token and the allocator.
+    allocator: Mutex<Option<(usize, Allocator)>>,
 }
 
 impl PoolEntry {
@@ -71,42 +147,20 @@ impl PoolEntry {
         }
     }
 
-    /// Rewrites buffer `i`'s C objects from the handles and the domain.
-    pub fn refresh(&mut self, i: usize) {
-        let id = BufferId { pool: self.pool.id(), index: i as u32 };
-        let slot = &self.slots[i];
-        let held = |v: View| slot.copies.iter().filter(|c| c.2 == v).count() as u32;
-        let (owner_copies, view_copies) = (held(View::Owner), held(View::Copy));
-        let read_only = buffer_state_to(BufferState::ReadOnly);
-        // The owner's object: the domain's state while the program owns the
-        // buffer (READ_WRITE, or RO_OWNED with copies out); READ_ONLY while
-        // a copy was given with it; else INVALID. The second object:
-        // READ_ONLY while a copy was given with it.
-        let owner_state = match (&slot.owned, owner_copies) {
-            (Some(_), _) => buffer_state_to(DOMAIN.buffer_state(id)),
-            (None, 0) => 0,
-            (None, _) => read_only,
-        };
-        let copy_state = if view_copies > 0 { read_only } else { 0 };
-        self.bufs.update(i, |b| {
-            b.state = owner_state;
-            b.local_ref_count = owner_copies;
-        });
-        self.copy_bufs.update(i, |b| {
-            b.state = copy_state;
-            b.local_ref_count = view_copies;
-        });
+    /// Buffer `i`, locked.
+    pub fn slot(&self, i: usize) -> MutexGuard<'_, Slot> {
+        lock(&self.slots[i])
     }
 
     /// Rewrites the pool's trust from the domain.
-    pub fn refresh_trust(&mut self) {
+    pub fn refresh_trust(&self) {
         let t = trust_to(DOMAIN.pool_trust(self.pool.id()).unwrap_or(TrustLevel::Uninitialized));
-        self.cpool.update(0, |p| p.trust = t);
+        lock(&self.cpool_ref).update(|p| p.trust = t);
     }
 
     /// Whether nothing but channels may refer to the pool.
     fn unheld(&self) -> bool {
-        self.allocator.is_none() && self.slots.iter().all(|s| s.owned.is_none() && s.copies.is_empty())
+        lock(&self.allocator).is_none() && self.slots.iter().all(|s| lock(s).is_empty())
     }
 }
 
@@ -116,20 +170,15 @@ struct AllocEntry {
     pool: PoolId,
 }
 
-/// The table.
+/// The index of the pools.
 #[derive(Default)]
 pub struct Table {
-    /// The pools, by id.
-    pub pools: HashMap<PoolId, PoolEntry>,
+    pools: HashMap<PoolId, Arc<PoolEntry>>,
     /// `struct bulk_pool` address → pool.
     pool_addr: HashMap<usize, PoolId>,
     /// Address of a pool's first `struct bulk_buffer` of each view → pool.
     buffer_addr: BTreeMap<usize, (PoolId, View)>,
     allocators: HashMap<usize, AllocEntry>,
-    /// Counts the moments a channel may have started to refer to a pool
-    /// (an assignment, an offer), so that collecting pools can tell that
-    /// what it saw of the channels is out of date.
-    pub generation: u64,
 }
 
 fn pool_id_words(id: PoolId) -> BulkPoolId {
@@ -143,7 +192,7 @@ pub fn pool_id_of(w: BulkPoolId) -> PoolId {
     PoolId::from_u128(v)
 }
 
-fn new_buffers(n: usize, base: usize, size: usize, pool: *mut BulkPool) -> CArray<BulkBuffer> {
+fn new_buffers(n: usize, base: usize, size: usize, pool: *mut BulkPool) -> (CArray<BulkBuffer>, Vec<CRef<BulkBuffer>>) {
     CArray::new(
         (0..n)
             .map(|i| BulkBuffer {
@@ -159,21 +208,12 @@ fn new_buffers(n: usize, base: usize, size: usize, pool: *mut BulkPool) -> CArra
 }
 
 impl Table {
-    /// The C pool of a pool this process knows (made on first sight).
-    pub fn pool_ptr_or_add(&mut self, id: PoolId) -> Option<usize> {
-        if let Some(e) = self.pools.get(&id) {
-            return Some(e.pool_ptr());
-        }
-        let pool = DOMAIN.pool(id)?;
-        Some(self.add_pool(pool, None))
-    }
-
-    /// Registers a pool and makes its C objects; the `struct bulk_pool`'s address.
-    fn add_pool(&mut self, pool: Pool, allocator: Option<Allocator>) -> usize {
+    /// Registers a pool and makes its C objects.
+    fn add_pool(&mut self, pool: Pool, allocator: Option<(usize, Allocator)>) -> Arc<PoolEntry> {
         let id = pool.id();
         let g = pool.geometry();
         let (n, size, base) = (g.count() as usize, g.buffer_size(), pool.base_address());
-        let mut cpool = CArray::new(vec![BulkPool {
+        let (cpool, mut cpool_refs) = CArray::new(vec![BulkPool {
             id: pool_id_words(id),
             base_address: base,
             buffer_size: size,
@@ -182,200 +222,375 @@ impl Table {
             buffers: std::ptr::null_mut(),
         }]);
         let pool_ptr = cpool.ptr(0);
-        let bufs = new_buffers(n, base, size, pool_ptr);
-        let copy_bufs = new_buffers(n, base, size, pool_ptr);
-        let ptrs = CArray::new((0..n).map(|i| bufs.ptr(i)).collect());
+        let (bufs, owner_objs) = new_buffers(n, base, size, pool_ptr);
+        let (copy_bufs, copy_objs) = new_buffers(n, base, size, pool_ptr);
+        let (ptrs, _) = CArray::new((0..n).map(|i| bufs.ptr(i)).collect());
         let ptrs_base = ptrs.ptr(0);
-        cpool.update(0, |p| p.buffers = ptrs_base);
+        let mut cpool_ref = cpool_refs.pop().expect("one pool object");
+        cpool_ref.update(|p| p.buffers = ptrs_base);
+        let slots = owner_objs
+            .into_iter()
+            .zip(copy_objs)
+            .enumerate()
+            .map(|(i, (owner_obj, copy_obj))| {
+                let mut s = Slot {
+                    id: BufferId { pool: id, index: i as u32 },
+                    owned: None,
+                    copies: Vec::new(),
+                    owner_obj,
+                    copy_obj,
+                    owner_state: 0,
+                };
+                s.refresh();
+                Mutex::new(s)
+            })
+            .collect();
         self.pool_addr.insert(pool_ptr as usize, id);
         self.buffer_addr.insert(bufs.base(), (id, View::Owner));
         self.buffer_addr.insert(copy_bufs.base(), (id, View::Copy));
-        let slots = (0..n).map(|_| Slot::default()).collect();
-        let mut e = PoolEntry { pool, cpool, bufs, copy_bufs, _ptrs: ptrs, slots, allocator };
+        let e = Arc::new(PoolEntry {
+            pool,
+            cpool,
+            cpool_ref: Mutex::new(cpool_ref),
+            bufs,
+            copy_bufs,
+            _ptrs: ptrs,
+            slots,
+            allocator: Mutex::new(allocator),
+        });
         e.refresh_trust();
-        for i in 0..n {
-            e.refresh(i);
+        self.pools.insert(id, e.clone());
+        e
+    }
+}
+
+/// A pool this process knows, if it does.
+pub fn pool(id: PoolId) -> Option<Arc<PoolEntry>> {
+    read().pools.get(&id).cloned()
+}
+
+/// A pool this process knows, registered on first sight (a pool offered
+/// by a peer, a buffer that arrives).
+pub fn pool_or_add(id: PoolId) -> Option<Arc<PoolEntry>> {
+    if let Some(e) = pool(id) {
+        return Some(e);
+    }
+    let mut t = write();
+    if let Some(e) = t.pools.get(&id) {
+        return Some(e.clone());
+    }
+    let p = DOMAIN.pool(id)?;
+    Some(t.add_pool(p, None))
+}
+
+/// The pool at a `struct bulk_pool` address.
+pub fn pool_at(p: usize) -> Res<Arc<PoolEntry>> {
+    let t = read();
+    let id = t.pool_addr.get(&p).ok_or(ERR_INVALID_POOL)?;
+    t.pools.get(id).cloned().ok_or(ERR_INVALID_POOL)
+}
+
+/// Bumped whenever a pool is forgotten: a thread's cache of pools is good
+/// only while it has not changed.
+static EPOCH: AtomicU64 = AtomicU64::new(0);
+
+/// The pools and allocators a thread used last, held strongly so that a
+/// lookup that hits costs no shared lock and no reference count (both would
+/// move a cache line between the cores of two busy threads).
+#[derive(Default)]
+struct Cache {
+    epoch: u64,
+    pools: Vec<Arc<PoolEntry>>,
+    /// Token and struct address of an allocator, and its pool.
+    allocs: Vec<(usize, usize, Arc<PoolEntry>)>,
+}
+
+/// Entries a thread keeps of each kind.
+const CACHED: usize = 4;
+
+thread_local! {
+    static CACHE: RefCell<Cache> = RefCell::new(Cache::default());
+}
+
+/// Runs `f` on the cached pool that `pick` chooses, if the cache is good
+/// and has one; else gives `f` back.
+fn try_cached<R, F: FnOnce(&PoolEntry) -> R>(pick: impl Fn(&PoolEntry) -> bool, f: F) -> Result<R, F> {
+    let epoch = EPOCH.load(Ordering::Acquire);
+    CACHE.with(|c| {
+        let Ok(c) = c.try_borrow() else { return Err(f) };
+        if c.epoch != epoch {
+            return Err(f);
         }
-        self.pools.insert(id, e);
-        pool_ptr as usize
-    }
+        match c.pools.iter().find(|e| pick(e)) {
+            Some(e) => Ok(f(e)),
+            None => Err(f),
+        }
+    })
+}
 
-    /// The pool at a `struct bulk_pool` address.
-    pub fn pool_at(&self, p: usize) -> Res<PoolId> {
-        self.pool_addr.get(&p).copied().ok_or(ERR_INVALID_POOL)
-    }
+/// Keeps `e` in this thread's cache (looked up at `epoch`).
+fn remember(e: Arc<PoolEntry>, epoch: u64) {
+    CACHE.with(|c| {
+        let Ok(mut c) = c.try_borrow_mut() else { return };
+        if c.epoch != epoch {
+            *c = Cache { epoch, ..Cache::default() };
+        }
+        c.pools.retain(|x| !Arc::ptr_eq(x, &e));
+        c.pools.insert(0, e);
+        c.pools.truncate(CACHED);
+    });
+}
 
-    /// The pool, index and view of a `struct bulk_buffer` address.
-    pub fn buffer_at(&self, p: usize) -> Res<(PoolId, usize, View)> {
-        let (&base, &(id, view)) = self.buffer_addr.range(..=p).next_back().ok_or(ERR_INVALID_BUFFER)?;
-        let e = self.pools.get(&id).ok_or(ERR_INVALID_BUFFER)?;
+impl PoolEntry {
+    /// Index and view of a `struct bulk_buffer` address in this pool.
+    fn locate(&self, p: usize) -> Option<(usize, View)> {
         let size = std::mem::size_of::<BulkBuffer>();
-        let off = p - base;
-        if off % size != 0 || off / size >= e.bufs.len() {
-            return Err(ERR_INVALID_BUFFER);
-        }
-        Ok((id, off / size, view))
+        let n = self.bufs.len();
+        [(self.bufs.base(), View::Owner), (self.copy_bufs.base(), View::Copy)].into_iter().find_map(|(base, view)| {
+            let off = p.checked_sub(base)?;
+            (off % size == 0 && off / size < n).then_some((off / size, view))
+        })
     }
+}
 
-    /// The pools that nothing but a channel may refer to.
-    pub fn unheld_pools(&self) -> Vec<PoolId> {
-        self.pools.iter().filter(|(_, e)| e.unheld()).map(|(id, _)| *id).collect()
-    }
+/// Runs `f` on the pool, index and view of a `struct bulk_buffer` address.
+pub fn with_buffer<R>(p: usize, f: impl FnOnce(&PoolEntry, usize, View) -> Res<R>) -> Res<R> {
+    let run = |e: &PoolEntry| match e.locate(p) {
+        Some((i, view)) => f(e, i, view),
+        None => Err(ERR_INVALID_BUFFER),
+    };
+    let run = match try_cached(|e| e.locate(p).is_some(), run) {
+        Ok(r) => return r,
+        Err(run) => run,
+    };
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let e = {
+        let t = read();
+        let (_, &(id, _)) = t.buffer_addr.range(..=p).next_back().ok_or(ERR_INVALID_BUFFER)?;
+        t.pools.get(&id).ok_or(ERR_INVALID_BUFFER)?.clone()
+    };
+    let r = run(&e);
+    remember(e, epoch);
+    r
+}
 
-    /// Forgets a pool that is still unheld; its C objects are freed.
-    pub fn forget(&mut self, id: PoolId) {
-        if self.pools.get(&id).is_some_and(|e| e.unheld()) {
-            if let Some(e) = self.pools.remove(&id) {
-                self.pool_addr.remove(&e.pool_ptr());
-                self.buffer_addr.remove(&e.bufs.base());
-                self.buffer_addr.remove(&e.copy_bufs.base());
+/// Runs `f` on a pool this process knows (registered on first sight with
+/// `add`: a pool offered by a peer, a buffer that arrives).
+pub fn with_pool<R>(id: PoolId, add: bool, f: impl FnOnce(&PoolEntry) -> R) -> Option<R> {
+    let f = match try_cached(|e| e.pool.id() == id, f) {
+        Ok(r) => return Some(r),
+        Err(f) => f,
+    };
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let e = if add { pool_or_add(id) } else { pool(id) }?;
+    let r = f(&e);
+    remember(e, epoch);
+    Some(r)
+}
+
+/// The pools that nothing but a channel may refer to.
+pub fn unheld_pools() -> Vec<PoolId> {
+    read().pools.iter().filter(|(_, e)| e.unheld()).map(|(id, _)| *id).collect()
+}
+
+/// Forgets pools that are still unheld; their C objects are freed once no
+/// call that looked one up still holds it.
+pub fn forget(ids: &[PoolId]) {
+    let mut t = write();
+    EPOCH.fetch_add(1, Ordering::AcqRel);
+    for id in ids {
+        if t.pools.get(id).is_some_and(|e| e.unheld()) {
+            if let Some(e) = t.pools.remove(id) {
+                t.pool_addr.remove(&e.pool_ptr());
+                t.buffer_addr.remove(&e.bufs.base());
+                t.buffer_addr.remove(&e.copy_bufs.base());
             }
         }
     }
+}
 
-    /// `bulk_pool_domain_list_get`.
-    pub fn pool_by_id(&mut self, id: PoolId) -> Option<usize> {
-        self.pool_ptr_or_add(id)
-    }
+/// `bulk_pool_domain_list_get`.
+pub fn pool_by_id(id: PoolId) -> Option<usize> {
+    pool_or_add(id).map(|e| e.pool_ptr())
+}
 
-    /// `bulk_buffer_change_state`.
-    pub fn buffer_change_state(&mut self, buffer: usize, state: u32) -> Res<()> {
-        let (id, i, view) = self.buffer_at(buffer)?;
+/// `bulk_buffer_change_state`.
+pub fn buffer_change_state(buffer: usize, state: u32) -> Res<()> {
+    with_buffer(buffer, |e, i, view| {
         if state > 3 {
             return Err(ERR_INVALID_ARGUMENT);
         }
-        let e = self.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
-        e.refresh(i);
-        let now = match view {
-            View::Owner => e.bufs.read(i, |b| b.state),
-            View::Copy => e.copy_bufs.read(i, |b| b.state),
-        };
-        if now == state {
+        let mut s = e.slot(i);
+        s.refresh();
+        if s.state_of(view) == state {
             Ok(())
         } else {
             Err(ERR_BUFFER_STATE)
         }
-    }
+    })
+}
 
-    // ------------------------------------------------------------------ allocators
-
-    fn alloc_entry(&self, a: *mut BulkAllocator) -> Res<(usize, PoolId)> {
-        let token = boundary::allocator_token(a);
-        match self.allocators.get(&token) {
-            Some(e) if e.c_addr == a as usize => Ok((token, e.pool)),
-            _ => Err(ERR_INVALID_ALLOCATOR),
+/// Takes the handles the program held of buffers received over a destroyed
+/// channel and never handed to it (their callbacks were dropped), and the
+/// copies it held over that channel.
+pub fn drop_channel_handles(token: usize, never_handed: &[BufferId]) {
+    for id in never_handed {
+        if let Some(e) = pool(id.pool) {
+            let mut s = e.slot(id.index as usize);
+            s.owned = None;
+            s.refresh();
         }
     }
-
-    /// `bulk_alloc_init`.
-    pub fn alloc_init(
-        &mut self,
-        a: *mut BulkAllocator,
-        count: usize,
-        size: usize,
-        c: Option<BulkPoolConstraints>,
-    ) -> Res<()> {
-        if self.alloc_entry(a).is_ok() {
-            return Err(ERR_ALLOCATOR_IN_USE);
+    let all: Vec<Arc<PoolEntry>> = read().pools.values().cloned().collect();
+    for e in all {
+        for slot in e.slots.iter() {
+            let mut s = lock(slot);
+            if s.copies.iter().any(|c| c.0 == token) {
+                s.copies.retain(|c| c.0 != token);
+                s.refresh();
+            }
         }
-        let (trust, alignment) = match c {
-            Some(c) => (trust_from(c.trust).ok_or(ERR_INVALID_ARGUMENT)?, c.alignment),
-            None => (TrustLevel::Uninitialized, 0),
+    }
+}
+
+// ---------------------------------------------------------------------- allocators
+
+/// Runs `f` on the token and pool of a live allocator struct (the pool's
+/// allocator lock checks the token again).
+fn with_allocator<R>(a: *mut BulkAllocator, f: impl FnOnce(usize, &PoolEntry) -> Res<R>) -> Res<R> {
+    let token = boundary::allocator_token(a);
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let mut f = Some(f);
+    let hit = CACHE.with(|c| {
+        let c = c.try_borrow().ok()?;
+        if c.epoch != epoch {
+            return None;
+        }
+        let (_, _, e) = c.allocs.iter().find(|(t, addr, _)| *t == token && *addr == a as usize)?;
+        Some((f.take()?)(token, e))
+    });
+    if let Some(r) = hit {
+        return r;
+    }
+    let e = {
+        let t = read();
+        match t.allocators.get(&token) {
+            Some(ae) if ae.c_addr == a as usize => t.pools.get(&ae.pool).cloned().ok_or(ERR_INVALID_ALLOCATOR)?,
+            _ => return Err(ERR_INVALID_ALLOCATOR),
+        }
+    };
+    let r = (f.take().ok_or(ERR_INTERNAL)?)(token, &e);
+    CACHE.with(|c| {
+        let Ok(mut c) = c.try_borrow_mut() else { return };
+        if c.epoch != epoch {
+            *c = Cache { epoch, ..Cache::default() };
+        }
+        c.allocs.retain(|(t, _, _)| *t != token);
+        c.allocs.insert(0, (token, a as usize, e));
+        c.allocs.truncate(CACHED);
+    });
+    r
+}
+
+/// `bulk_alloc_init`.
+pub fn alloc_init(a: *mut BulkAllocator, count: usize, size: usize, c: Option<BulkPoolConstraints>) -> Res<()> {
+    let live = with_allocator(a, |token, e| Ok(lock(&e.allocator).as_ref().is_some_and(|(t, _)| *t == token)));
+    if live == Ok(true) {
+        return Err(ERR_ALLOCATOR_IN_USE);
+    }
+    let (trust, alignment) = match c {
+        Some(c) => (trust_from(c.trust).ok_or(ERR_INVALID_ARGUMENT)?, c.alignment),
+        None => (TrustLevel::Uninitialized, 0),
+    };
+    let count = u64::try_from(count).map_err(|_| ERR_BAD_BUFFER_SIZE)?;
+    let alloc = Allocator::new(&DOMAIN, count, size, PoolConstraints { trust, alignment }).map_err(|e| of_error(&e))?;
+    let pool = DOMAIN.pool(alloc.pool().id()).ok_or(ERR_INTERNAL)?;
+    let id = pool.id();
+    let free = alloc.available();
+    let token = new_token();
+    let mut t = write();
+    let e = t.add_pool(pool, Some((token, alloc)));
+    t.allocators.insert(token, AllocEntry { c_addr: a as usize, pool: id });
+    boundary::write_allocator(a, e.pool_ptr() as *mut BulkPool, free, token);
+    Ok(())
+}
+
+/// `bulk_alloc_free` (the caller collects the pool afterwards).
+pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
+    let token = boundary::allocator_token(a);
+    let mut t = write();
+    let e = match t.allocators.get(&token) {
+        Some(ae) if ae.c_addr == a as usize => t.pools.get(&ae.pool).cloned(),
+        _ => return Err(ERR_INVALID_ALLOCATOR),
+    };
+    t.allocators.remove(&token);
+    EPOCH.fetch_add(1, Ordering::AcqRel);
+    if let Some(e) = e {
+        let mut alloc = lock(&e.allocator);
+        // The program's handles of the pool go back first, then the allocator.
+        for slot in e.slots.iter() {
+            let mut s = lock(slot);
+            s.owned = None;
+            s.copies.clear();
+            s.refresh();
+        }
+        *alloc = None;
+    }
+    boundary::clear_allocator(a);
+    Ok(())
+}
+
+/// `bulk_alloc_new_buffer`.
+pub fn alloc_new_buffer(a: *mut BulkAllocator) -> Res<usize> {
+    with_allocator(a, |token, e| {
+        let alloc = lock(&e.allocator);
+        let alloc = match &*alloc {
+            Some((t, alloc)) if *t == token => alloc,
+            _ => return Err(ERR_INVALID_ALLOCATOR),
         };
-        let count = u64::try_from(count).map_err(|_| ERR_BAD_BUFFER_SIZE)?;
-        let alloc =
-            Allocator::new(&DOMAIN, count, size, PoolConstraints { trust, alignment }).map_err(|e| of_error(&e))?;
-        let pool = DOMAIN.pool(alloc.pool().id()).ok_or(ERR_INTERNAL)?;
-        let id = pool.id();
-        let free = alloc.available();
-        let pool_ptr = self.add_pool(pool, Some(alloc));
-        let token = new_token();
-        self.allocators.insert(token, AllocEntry { c_addr: a as usize, pool: id });
-        boundary::write_allocator(a, pool_ptr as *mut BulkPool, free, token);
-        Ok(())
-    }
-
-    /// `bulk_alloc_free` (the caller collects the pool afterwards).
-    pub fn alloc_free(&mut self, a: *mut BulkAllocator) -> Res<()> {
-        let (token, id) = self.alloc_entry(a)?;
-        self.allocators.remove(&token);
-        if let Some(e) = self.pools.get_mut(&id) {
-            // The program's handles of the pool go back first, then the allocator.
-            for s in &mut e.slots {
-                s.owned = None;
-                s.copies.clear();
-            }
-            e.allocator = None;
-            for i in 0..e.slots.len() {
-                e.refresh(i);
-            }
-        }
-        boundary::clear_allocator(a);
-        Ok(())
-    }
-
-    /// `bulk_alloc_new_buffer`.
-    pub fn alloc_new_buffer(&mut self, a: *mut BulkAllocator) -> Res<usize> {
-        let (_, id) = self.alloc_entry(a)?;
-        let e = self.pools.get_mut(&id).ok_or(ERR_INTERNAL)?;
-        let alloc = e.allocator.as_ref().ok_or(ERR_INTERNAL)?;
         let Some(b) = alloc.alloc() else {
             boundary::set_num_free(a, 0);
             return Err(ERR_NO_RESOURCES);
         };
         let free = alloc.available();
         let i = b.id().index as usize;
-        e.slots[i].owned = Some(b);
-        e.refresh(i);
+        let mut s = e.slot(i);
+        s.owned = Some(b);
+        s.refresh_as(Some(BufferState::ReadWrite));
         boundary::set_num_free(a, free);
         Ok(e.buffer_ptr(i, View::Owner))
-    }
+    })
+}
 
-    /// `bulk_alloc_return_buffer`.
-    pub fn alloc_return_buffer(&mut self, a: *mut BulkAllocator, buffer: usize) -> Res<()> {
-        let (_, id) = self.alloc_entry(a)?;
-        let (bpool, i, view) = self.buffer_at(buffer)?;
-        if bpool != id {
-            return Err(ERR_FOREIGN_POOL);
-        }
-        let e = self.pools.get_mut(&id).ok_or(ERR_INTERNAL)?;
-        let alloc = e.allocator.as_ref().ok_or(ERR_INTERNAL)?;
-        if view == View::Copy || e.slots[i].owned.is_none() {
+/// `bulk_alloc_return_buffer`.
+pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
+    with_allocator(a, |token, e| {
+        let Some((i, view)) = e.locate(buffer) else {
+            // Not this pool's: a buffer of another pool, or no buffer at all.
+            return with_buffer(buffer, |_, _, _| Err(ERR_FOREIGN_POOL));
+        };
+        let alloc = lock(&e.allocator);
+        let alloc = match &*alloc {
+            Some((t, alloc)) if *t == token => alloc,
+            _ => return Err(ERR_INVALID_ALLOCATOR),
+        };
+        let mut s = e.slot(i);
+        if view == View::Copy || s.owned.is_none() {
             return Err(ERR_BUFFER_NOT_OWNED);
         }
         // A buffer whose copies are out stays with the program: handed out
         // again, its new user could not write it.
-        if DOMAIN.buffer_state(BufferId { pool: id, index: i as u32 }) == BufferState::ReadOnlyOwned {
+        if s.owner_state == buffer_state_to(BufferState::ReadOnlyOwned) {
             return Err(ERR_COPIES_OUTSTANDING);
         }
-        let b = e.slots[i].owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
+        let b = s.owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
         if let Err(r) = alloc.free(b) {
-            e.slots[i].owned = Some(r.value);
+            s.owned = Some(r.value);
             return Err(of_error(&r.error));
         }
+        s.refresh();
         let free = alloc.available();
-        e.refresh(i);
         boundary::set_num_free(a, free);
         Ok(())
-    }
-
-    /// Takes the handles the program held of buffers received over a
-    /// destroyed channel and never handed to it (their callbacks were
-    /// dropped), and the copies it held over that channel.
-    pub fn drop_channel_handles(&mut self, token: usize, never_handed: &[BufferId]) {
-        for id in never_handed {
-            if let Some(e) = self.pools.get_mut(&id.pool) {
-                e.slots[id.index as usize].owned = None;
-                e.refresh(id.index as usize);
-            }
-        }
-        for e in self.pools.values_mut() {
-            for i in 0..e.slots.len() {
-                if e.slots[i].copies.iter().any(|c| c.0 == token) {
-                    e.slots[i].copies.retain(|c| c.0 != token);
-                    e.refresh(i);
-                }
-            }
-        }
-    }
+    })
 }

@@ -5,16 +5,19 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ferry::{Buffer, BufferId, Channel, ChannelState, Direction, Event, Meta, PoolId, Selector};
+use ferry::{
+    Buffer, BufferId, BufferState, Channel, ChannelState, Direction, Event, Meta, PoolId, Selector, MAX_META_SIZE,
+};
 use rustix::event::{epoll, eventfd, EventfdFlags};
 
 use crate::boundary::{self, call, ChannelFields};
 use crate::codes::*;
 use crate::ffi::*;
 use crate::state::{self, Res};
-use crate::table::{table, Table, View};
+use crate::table::{drop_channel_handles, pool_at, with_buffer, with_pool, View, GENERATION};
 
 /// A continuation the program gave with a call that was accepted.
 #[derive(Clone, Copy)]
@@ -55,7 +58,15 @@ pub enum Work {
         pool: PoolId,
     },
     /// `move_received`, `buffer_received` (`owned`), `copy_received`.
-    Buffer { f: BufferCallback, ch: usize, token: usize, buffer: usize, id: BufferId, owned: bool, meta: Vec<u8> },
+    Buffer {
+        f: BufferCallback,
+        ch: usize,
+        token: usize,
+        buffer: usize,
+        id: BufferId,
+        owned: bool,
+        meta: Box<MetaBytes>,
+    },
     /// `copy_released`.
     Released { f: unsafe extern "C" fn(*mut BulkChannel, *mut BulkBuffer), ch: usize, token: usize, buffer: usize },
 }
@@ -96,7 +107,7 @@ impl Work {
             Work::PoolRemoved { f, ch, pool_ptr, .. } => {
                 call::pool(f, ch, pool_ptr);
             }
-            Work::Buffer { f, ch, buffer, mut meta, .. } => call::buffer_meta(f, ch, buffer, &mut meta),
+            Work::Buffer { f, ch, buffer, mut meta, .. } => call::buffer_meta(f, ch, buffer, &mut meta[..]),
             Work::Released { f, ch, buffer, .. } => call::buffer(f, ch, buffer),
         }
     }
@@ -144,15 +155,43 @@ const FAIRNESS: u32 = 32;
 /// program thereby never makes its peer ring a doorbell.
 pub const DEFAULT_SPIN: Duration = ferry::DEFAULT_SPIN;
 
+/// A waitset that handed out work this recently is busy: dispatch spins
+/// on it. One that has been idle longer arms at once.
+const BUSY: Duration = Duration::from_millis(1);
+
+/// Hashes the small integers a waitset's maps are keyed by (selector keys,
+/// channel tokens) with one multiplication: no SipHash on the data path.
+#[derive(Default, Clone, Copy)]
+pub struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.0 = (v as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// A map keyed by small integers.
+type IdMap<V> = HashMap<usize, V, std::hash::BuildHasherDefault<IdHasher>>;
+
 /// A waitset.
 pub struct Waitset {
     /// The allocation whose address is the `struct waitset *`.
     _tag: Box<u64>,
     selector: Selector,
     /// Selector key → channel token.
-    keys: HashMap<usize, usize>,
+    keys: IdMap<usize>,
+    /// The selector keys, in the order the channels are polled.
+    order: Vec<usize>,
     /// The channel ends, by token.
-    chans: HashMap<usize, Chan>,
+    chans: IdMap<Chan>,
     /// The program's fd: the selector's fd and `bell`.
     epoll: OwnedFd,
     /// Readable while `pending` has work (or a new channel wants a poll).
@@ -165,15 +204,22 @@ pub struct Waitset {
     next_poll: usize,
     /// See [`DEFAULT_SPIN`].
     pub spin: Duration,
+    /// About when the last work was handed to dispatch: read when a
+    /// dispatch first finds nothing after `worked`.
+    last_work: Instant,
+    /// Work was handed out since `last_work` was read.
+    worked: bool,
     /// Destroyed: takes no more channels.
     pub dead: bool,
 }
 
 /// The bytes a callback sees as meta data: the channel's meta size,
-/// zero-padded (at least one byte, even when the size is 0).
-fn meta_bytes(meta: &Meta, meta_size: usize) -> Vec<u8> {
-    let mut v = vec![0u8; meta_size.max(1)];
-    let n = meta.len().min(meta_size);
+/// zero-padded to the largest meta size (so never empty).
+pub type MetaBytes = [u8; MAX_META_SIZE];
+
+fn meta_bytes(meta: &Meta, meta_size: usize) -> Box<MetaBytes> {
+    let mut v = Box::new([0u8; MAX_META_SIZE]);
+    let n = meta.len().min(meta_size).min(MAX_META_SIZE);
     v[..n].copy_from_slice(&meta[..n]);
     v
 }
@@ -223,8 +269,9 @@ impl Waitset {
         let ws = Waitset {
             _tag: tag,
             selector,
-            keys: HashMap::new(),
-            chans: HashMap::new(),
+            keys: IdMap::default(),
+            order: Vec::new(),
+            chans: IdMap::default(),
             epoll: ep,
             bell,
             rung: false,
@@ -232,6 +279,8 @@ impl Waitset {
             streak: 0,
             next_poll: 0,
             spin: DEFAULT_SPIN,
+            last_work: Instant::now(),
+            worked: false,
             dead: false,
         };
         Ok((key, ws))
@@ -278,9 +327,13 @@ impl Waitset {
     }
 
     /// Adds a channel end (its C struct is filled already).
-    pub fn insert(&mut self, token: usize, ch: usize, callbacks: usize, channel: Channel, bind_cont: Option<Cont>) {
+    pub fn insert(&mut self, token: usize, ch: usize, callbacks: usize, mut channel: Channel, bind_cont: Option<Cont>) {
+        // Armed, its fd tells the program's loop when it has an event; one
+        // that may have one already makes the loop look at once.
+        let may_have_event = !channel.arm();
         let key = self.selector.insert(channel);
         self.keys.insert(key, token);
+        self.order.push(key);
         self.chans.insert(
             token,
             Chan {
@@ -293,9 +346,9 @@ impl Waitset {
                 connected_once: false,
             },
         );
-        // The program's own loop polls the new channel once (it may have
-        // an event before its fd was ever armed).
-        self.ring();
+        if may_have_event {
+            self.ring();
+        }
     }
 
     /// The channel end of `token` (checked against the C struct's address).
@@ -316,7 +369,29 @@ impl Waitset {
     /// channels are only polled (no system call, no doorbell for the peer
     /// to ring); after it they are armed, and `Idle` means the fd will
     /// tell when to look again.
-    pub fn next_step(&mut self, spin_until: Instant) -> Step {
+    pub fn next_step(&mut self, spin_until: &mut Option<Instant>) -> Step {
+        let step = self.next_step_inner(spin_until);
+        if matches!(step, Step::Run(_)) {
+            self.worked = true;
+        }
+        step
+    }
+
+    /// Until when a dispatch that found nothing at `now` polls before
+    /// arming: the spin, if the waitset is busy (the clock is read only
+    /// once a dispatch finds nothing to do).
+    fn spin_until(&mut self, now: Instant) -> Instant {
+        if std::mem::take(&mut self.worked) {
+            self.last_work = now;
+        }
+        if now.saturating_duration_since(self.last_work) < BUSY {
+            now + self.spin
+        } else {
+            now
+        }
+    }
+
+    fn next_step_inner(&mut self, spin_until: &mut Option<Instant>) -> Step {
         if self.streak >= FAIRNESS {
             if let Some(w) = self.pop() {
                 return Step::Run(w);
@@ -332,7 +407,12 @@ impl Waitset {
         if let Some(w) = self.pop() {
             return Step::Run(w);
         }
-        if Instant::now() < spin_until {
+        let now = Instant::now();
+        let until = match *spin_until {
+            Some(until) => until,
+            None => *spin_until.insert(self.spin_until(now)),
+        };
+        if now < until {
             return Step::Spin;
         }
         if self.pending.is_empty() {
@@ -353,14 +433,12 @@ impl Waitset {
     /// Polls every attached channel once, starting after the one that
     /// had the last event: the first event.
     fn poll_channels(&mut self) -> Option<(usize, Event)> {
-        let n = self.keys.len();
+        let n = self.order.len();
         if n == 0 {
             return None;
         }
-        let mut keys: Vec<usize> = self.keys.keys().copied().collect();
-        keys.sort_unstable();
         for j in 0..n {
-            let key = keys[(self.next_poll + j) % n];
+            let key = self.order[(self.next_poll + j) % n];
             if let Some(ev) = self.selector.get_mut(key).and_then(Channel::poll) {
                 self.next_poll = (self.next_poll + j + 1) % n;
                 return Some((key, ev));
@@ -383,6 +461,7 @@ impl Waitset {
         let Some(chan) = self.chans.get_mut(&token) else { return };
         if let Link::Attached(key) = chan.link {
             self.keys.remove(&key);
+            self.order.retain(|k| *k != key);
             if let Some(c) = self.selector.remove(key) {
                 chan.link = Link::Detached(Box::new(c));
             }
@@ -412,11 +491,8 @@ impl Waitset {
                 cbs.bind_received.map(|f| Work::Bind { f, ch, token })
             }
             Event::PoolAssignRequest(req) => {
-                let pool_ptr = {
-                    let mut t = table();
-                    t.generation += 1;
-                    t.pool_ptr_or_add(req.pool)
-                };
+                GENERATION.fetch_add(1, Ordering::Relaxed);
+                let pool_ptr = with_pool(req.pool, true, |e| e.pool_ptr());
                 match (pool_ptr, cbs.pool_assigned) {
                     (Some(pool_ptr), Some(f)) => Some(Work::PoolAssigned { f, ch, token, pool_ptr, pool: req.pool }),
                     (found, _) => {
@@ -429,9 +505,7 @@ impl Waitset {
             }
             Event::PoolAssigned(id) | Event::PoolVetoed(id) => {
                 let err = if matches!(ev, Event::PoolAssigned(_)) { OK } else { ERR_POOL_VETOED };
-                if let Some(e) = table().pools.get_mut(&id) {
-                    e.refresh_trust();
-                }
+                with_pool(id, false, |e| e.refresh_trust());
                 let chan = self.chans.get_mut(&token)?;
                 let i = chan.assigning.iter().position(|(p, _)| *p == id)?;
                 let (_, cont) = chan.assigning.remove(i);
@@ -445,45 +519,46 @@ impl Waitset {
                     return cont.map(|cont| Work::Cont { cont, err, ch });
                 }
                 let f = cbs.pool_removed?;
-                let pool_ptr = table().pools.get(&id)?.pool_ptr();
+                let pool_ptr = with_pool(id, false, |e| e.pool_ptr())?;
                 Some(Work::PoolRemoved { f, ch, token, pool_ptr, pool: id })
             }
             Event::MoveReceived { buffer, meta } => {
-                received_owned(&mut table(), token, ch, cbs.move_received, buffer, &meta, meta_size)
+                received_owned(token, ch, cbs.move_received, buffer, &meta, meta_size)
             }
             Event::BufferPassed { buffer, meta } => {
-                received_owned(&mut table(), token, ch, cbs.buffer_received, buffer, &meta, meta_size)
+                received_owned(token, ch, cbs.buffer_received, buffer, &meta, meta_size)
             }
             Event::CopyReceived { copy, meta } => {
                 let id = copy.id();
-                let mut t = table();
-                t.pool_ptr_or_add(id.pool)?;
-                let e = t.pools.get_mut(&id.pool)?;
                 let i = id.index as usize;
-                // A copy arriving where the program neither owns the buffer
-                // nor holds a copy of it through the owner's object (another
-                // process's buffer) comes in that object, the one in
-                // `pool->buffers`; a copy of a buffer the program owns or
-                // reads through it already (a local channel: one domain)
-                // comes in the second object, which has its own state.
-                let slot = &mut e.slots[i];
-                let view = if slot.owned.is_none() && !slot.copies.iter().any(|c| c.2 == View::Owner) {
-                    View::Owner
-                } else {
-                    View::Copy
-                };
-                slot.copies.push((token, copy, view));
-                e.refresh(i);
-                let buffer = e.buffer_ptr(i, view);
+                let buffer = with_pool(id.pool, true, |e| {
+                    // A copy arriving where the program neither owns the
+                    // buffer nor holds a copy of it through the owner's
+                    // object (another process's buffer) comes in that
+                    // object, the one in `pool->buffers`; a copy of a buffer
+                    // the program owns or reads through it already (a local
+                    // channel: one domain) comes in the second object, which
+                    // has its own state.
+                    let mut slot = e.slot(i);
+                    let view = if slot.owned.is_none() && !slot.copies.iter().any(|c| c.2 == View::Owner) {
+                        View::Owner
+                    } else {
+                        View::Copy
+                    };
+                    slot.copies.push((token, copy, view));
+                    slot.refresh();
+                    e.buffer_ptr(i, view)
+                })?;
                 let meta = meta_bytes(&meta, meta_size);
                 cbs.copy_received.map(|f| Work::Buffer { f, ch, token, buffer, id, owned: false, meta })
             }
-            Event::CopyReleased { buffer: id, .. } => {
-                let mut t = table();
-                let e = t.pools.get_mut(&id.pool)?;
+            Event::CopyReleased { buffer: id, writable } => {
                 let i = id.index as usize;
-                e.refresh(i);
-                let buffer = e.buffer_ptr(i, View::Owner);
+                let buffer = with_pool(id.pool, false, |e| {
+                    let known = if writable { BufferState::ReadWrite } else { BufferState::ReadOnlyOwned };
+                    e.slot(i).refresh_as(Some(known));
+                    e.buffer_ptr(i, View::Owner)
+                })?;
                 cbs.copy_released.map(|f| Work::Released { f, ch, token, buffer })
             }
             Event::Closed { .. } | Event::Error(_) => {
@@ -529,9 +604,7 @@ impl Waitset {
             let _ = c.respond_pool(pool, accept);
             let _ = c.flush();
         }
-        if let Some(e) = table().pools.get_mut(&pool) {
-            e.refresh_trust();
-        }
+        with_pool(pool, false, |e| e.refresh_trust());
     }
 
     /// `bulk_channel_destroy`: the channel end leaves; what it had not
@@ -542,6 +615,7 @@ impl Waitset {
         let channel = match std::mem::replace(&mut chan.link, Link::Attached(usize::MAX)) {
             Link::Attached(key) => {
                 self.keys.remove(&key);
+                self.order.retain(|k| *k != key);
                 self.selector.remove(key)
             }
             Link::Detached(c) => Some(*c),
@@ -566,7 +640,7 @@ impl Waitset {
                 _ => None,
             })
             .collect();
-        table().drop_channel_handles(token, &never_handed);
+        drop_channel_handles(token, &never_handed);
         let unanswered = chan
             .bind_cont
             .take()
@@ -585,10 +659,9 @@ impl Waitset {
     /// `bulk_channel_assign_pool` and `bulk_channel_remove_pool`.
     pub fn channel_pool(&mut self, token: usize, ch: usize, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
         let (chan, selector) = self.chan(token, ch)?;
-        let mut t = table();
-        let id = t.pool_at(pool)?;
+        let e = pool_at(pool)?;
+        let id = e.pool.id();
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
-        let e = t.pools.get_mut(&id).ok_or(ERR_INVALID_POOL)?;
         if assign {
             c.assign_pool(&e.pool).map_err(|e| of_error(&e))?;
         } else {
@@ -596,7 +669,7 @@ impl Waitset {
         }
         let _ = c.flush();
         e.refresh_trust();
-        t.generation += 1;
+        GENERATION.fetch_add(1, Ordering::Relaxed);
         if assign {
             // As the original's local backend does, a continuation given
             // without an argument gets the pool as its argument.
@@ -628,24 +701,25 @@ impl Waitset {
         let (chan, selector) = self.chan(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, dir)?;
-        let mut t = table();
-        let (id, i, view) = t.buffer_at(buffer)?;
-        let e = t.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
-        if view == View::Copy {
-            return Err(ERR_BUFFER_NOT_OWNED);
-        }
-        let b = e.slots[i].owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
-        let meta = boundary::read_meta(meta, c.meta_size());
-        let sent = match dir {
-            Direction::Tx => c.move_buffer(b, &meta),
-            Direction::Rx => c.pass(b, &meta),
-        };
-        if let Err(r) = sent {
-            e.slots[i].owned = Some(r.value);
-            return Err(of_error(&r.error));
-        }
-        e.refresh(i);
-        drop(t);
+        with_buffer(buffer, |e, i, view| {
+            if view == View::Copy {
+                return Err(ERR_BUFFER_NOT_OWNED);
+            }
+            let mut s = e.slot(i);
+            let b = s.owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
+            let mut bytes = [0u8; MAX_META_SIZE];
+            let meta = boundary::read_meta(meta, c.meta_size(), &mut bytes);
+            let sent = match dir {
+                Direction::Tx => c.move_buffer(b, meta),
+                Direction::Rx => c.pass(b, meta),
+            };
+            if let Err(r) = sent {
+                s.owned = Some(r.value);
+                return Err(of_error(&r.error));
+            }
+            s.refresh();
+            Ok(())
+        })?;
         // The TCP backend holds messages back until the channel is polled;
         // a C program may send and then not dispatch for a while (or exit).
         let _ = c.flush();
@@ -665,20 +739,20 @@ impl Waitset {
         let (chan, selector) = self.chan(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Tx)?;
-        let mut t = table();
-        let (id, i, view) = t.buffer_at(buffer)?;
-        let e = t.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
-        let meta = boundary::read_meta(meta, c.meta_size());
-        let slot = &e.slots[i];
-        let held = slot.copies.iter().find(|h| h.2 == view).map(|h| &h.1);
-        let sent = match (view, &slot.owned, held) {
-            (View::Owner, Some(b), _) => c.copy(b, &meta),
-            (_, _, Some(copy)) => c.copy(copy, &meta),
-            _ => return Err(ERR_BUFFER_NOT_OWNED),
-        };
-        sent.map_err(|e| of_error(&e))?;
-        e.refresh(i);
-        drop(t);
+        with_buffer(buffer, |e, i, view| {
+            let mut bytes = [0u8; MAX_META_SIZE];
+            let meta = boundary::read_meta(meta, c.meta_size(), &mut bytes);
+            let mut slot = e.slot(i);
+            let held = slot.copies.iter().find(|h| h.2 == view).map(|h| &h.1);
+            let sent = match (view, &slot.owned, held) {
+                (View::Owner, Some(b), _) => c.copy(b, meta),
+                (_, _, Some(copy)) => c.copy(copy, meta),
+                _ => return Err(ERR_BUFFER_NOT_OWNED),
+            };
+            sent.map_err(|e| of_error(&e))?;
+            slot.refresh();
+            Ok(())
+        })?;
         let _ = c.flush();
         self.queue_cont(ch, cont);
         Ok(())
@@ -689,17 +763,17 @@ impl Waitset {
         let (chan, selector) = self.chan(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Rx)?;
-        let mut t = table();
-        let (id, i, view) = t.buffer_at(buffer)?;
-        let e = t.pools.get_mut(&id).ok_or(ERR_INVALID_BUFFER)?;
-        let at = e.slots[i].copies.iter().position(|h| h.0 == token && h.2 == view).ok_or(ERR_NOT_A_COPY)?;
-        let (_, copy, _) = e.slots[i].copies.remove(at);
-        if let Err(r) = c.release(copy) {
-            e.slots[i].copies.insert(at, (token, r.value, view));
-            return Err(of_error(&r.error));
-        }
-        e.refresh(i);
-        drop(t);
+        with_buffer(buffer, |e, i, view| {
+            let mut s = e.slot(i);
+            let at = s.copies.iter().position(|h| h.0 == token && h.2 == view).ok_or(ERR_NOT_A_COPY)?;
+            let (_, copy, _) = s.copies.remove(at);
+            if let Err(r) = c.release(copy) {
+                s.copies.insert(at, (token, r.value, view));
+                return Err(of_error(&r.error));
+            }
+            s.refresh();
+            Ok(())
+        })?;
         let _ = c.flush();
         self.queue_cont(ch, cont);
         Ok(())
@@ -725,7 +799,6 @@ impl Waitset {
 
 /// A buffer moved or passed to us: the program owns it now.
 fn received_owned(
-    t: &mut Table,
     token: usize,
     ch: usize,
     f: Option<BufferCallback>,
@@ -734,11 +807,12 @@ fn received_owned(
     meta_size: usize,
 ) -> Option<Work> {
     let id = buffer.id();
-    t.pool_ptr_or_add(id.pool)?;
-    let e = t.pools.get_mut(&id.pool)?;
     let i = id.index as usize;
-    e.slots[i].owned = Some(buffer);
-    e.refresh(i);
-    let ptr = e.buffer_ptr(i, View::Owner);
+    let ptr = with_pool(id.pool, true, |e| {
+        let mut s = e.slot(i);
+        s.owned = Some(buffer);
+        s.refresh_as(Some(BufferState::ReadWrite));
+        e.buffer_ptr(i, View::Owner)
+    })?;
     f.map(|f| Work::Buffer { f, ch, token, buffer: ptr, id, owned: true, meta: meta_bytes(meta, meta_size) })
 }

@@ -24,7 +24,9 @@ struct bulk_sm_endpoint_descriptor {
 
 /**
  * An endpoint to create a channel on: bulk_channel_create listens at
- * `path` (a Unix socket is made there; an existing file is an error).
+ * `path` (a Unix socket is made there and removed with the channel; a
+ * socket left by a process that died is replaced; one that a live channel
+ * listens on gives BULK_ERR_ENDPOINT_IN_USE).
  */
 errval_t bulk_sm_ep_create(struct bulk_sm_endpoint_descriptor *ep, const char *path);
 

@@ -487,9 +487,9 @@ struct waitset *bulk_waitset_default(void);
 
 /**
  * Runs the next callback or continuation that is due on `ws` (one per
- * call), waiting up to timeout_ns for one (0: never sleeps, though it
- * polls the channels for up to the waitset's spin, bulk_waitset_set_spin;
- * BULK_WAIT_FOREVER: no limit). BULK_OK after running one,
+ * call), waiting up to timeout_ns for one (0: never sleeps, though on a
+ * busy waitset it polls the channels for up to the waitset's spin, see
+ * bulk_waitset_set_spin; BULK_WAIT_FOREVER: no limit). BULK_OK after running one,
  * BULK_ERR_TIMEOUT if none came in time, BULK_ERR_WAITSET_EMPTY when
  * waiting forever on a waitset without channels or continuations.
  */
@@ -498,10 +498,11 @@ errval_t bulk_waitset_dispatch(struct waitset *ws, int64_t timeout_ns);
 /**
  * How long bulk_waitset_dispatch polls the channels of `ws` before it arms
  * them (so that a peer's next message rings their doorbells) and, with a
- * timeout, sleeps; also when the timeout is 0. Default: 20 us, Ferry's
- * spin before sleeping: a program that busy-polls with timeout 0 then
- * makes no system call and costs its peers none. 0: never poll longer
- * than one round (each call that finds nothing makes a system call).
+ * timeout, sleeps, when `ws` is busy (it ran something within the last
+ * millisecond); also when the timeout is 0. Default: 20 us, Ferry's spin
+ * before sleeping: a program that busy-polls with timeout 0 then makes no
+ * system call and costs its peers none. An idle waitset is armed at once.
+ * 0: never poll longer than one round.
  */
 errval_t bulk_waitset_set_spin(struct waitset *ws, uint64_t spin_ns);
 
