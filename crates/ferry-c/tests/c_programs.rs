@@ -453,89 +453,110 @@ fn example_hello_builds_and_runs() {
 }
 
 // ---------------------------------------------------------------------------
-// Ports of the original test programs
+// The scenarios of the original interface's test programs
 
-fn bulk_mini(build: Build) {
-    let exe = compile("bulk_mini.c", build);
+/// Lines of mini_scenario saying a round ended.
+fn rounds_reported(output: &str) -> usize {
+    output.lines().filter(|l| l.contains("mini_scenario: round ") && l.contains(" of 4 complete")).count()
+}
+
+fn mini_scenario(build: Build) {
+    let exe = compile("mini_scenario.c", build);
     let ended = run(&exe, &[], build, SHORT);
-    ended.success().contains("bulk_mini: four rounds done").lacks("Assertion");
-    let rounds = ended.output.lines().filter(|l| l.contains("DONE.")).count();
-    assert_eq!(rounds, 4, "bulk_mini: four rounds of move, pass, copy, release expected:\n{}", ended.output);
+    ended.success().contains("mini_scenario: all 4 rounds complete").lacks("CHECK FAILED");
+    assert_eq!(
+        rounds_reported(&ended.output),
+        4,
+        "mini_scenario: four rounds of move, pass, copy, release expected:\n{}",
+        ended.output
+    );
 }
 
 #[test]
-fn bulk_mini_port() {
-    bulk_mini(Build::Plain);
+fn mini_scenario_local() {
+    mini_scenario(Build::Plain);
 }
 
 #[test]
-fn bulk_mini_port_sanitized() {
-    bulk_mini(Build::Sanitized);
+fn mini_scenario_local_sanitized() {
+    mini_scenario(Build::Sanitized);
 }
 
-/// Runs test `test` of the bulk_shm port: agent 1 creates the channel, agent 2
+/// Runs test `test` of shm_scenario: agent 1 creates the channel, agent 2
 /// is started once agent 1 listens.
-fn bulk_shm(test: u32, build: Build) {
-    let exe = compile("bulk_shm.c", build);
-    let sock = socket_path(&format!("bulk_shm{test}-{}", build.name()));
+fn shm_scenario(test: u32, build: Build) {
+    let exe = compile("shm_scenario.c", build);
+    let sock = socket_path(&format!("shm_scenario{test}-{}", build.name()));
     let sock = sock.to_str().unwrap();
     let t = test.to_string();
-    let env = [("BULK_SHM_SOCKET", sock)];
+    let env = [("SHM_SCENARIO_SOCKET", sock)];
     // Which agent faults: 2, 5 and 6 agent 2; 3 and 4 agent 1.
     let a1_faults = matches!(test, 3 | 4);
     let a2_faults = matches!(test, 2 | 5 | 6);
     let f = |b: bool| if b { Faults::Expected } else { Faults::No };
     let mut a1 = Proc::spawn(&exe, &["1", &t], &env, build, f(a1_faults));
-    a1.wait_for_line("Agent 1: channel created. waiting for buffer.", SHORT);
+    a1.wait_for_line("agent 1: channel created; waiting for agent 2", SHORT);
     let a2 = Proc::spawn(&exe, &["2", &t], &env, build, f(a2_faults));
-    let announce = |agent: u32| format!("Agent {agent}: Test {test}: This should abort the program.");
-    let manual = |agent: u32| format!("Agent {agent}: failed");
+    // The line an agent prints just before the access that must fault.
+    let announce = |agent: u32, what: &str| format!("agent {agent}: test {test}: {what}; this access must fault");
+    let survived = "FAILED: no fault";
     match test {
         0 | 1 => {
-            a2.finish(SHORT).success().contains("Agent 2: match.").contains("Agent 2: DONE.");
-            a1.finish(SHORT).success().contains("Agent 1: sucessful.").contains("Agent 1: DONE.");
+            a2.finish(SHORT)
+                .success()
+                .contains("agent 2: moved data verified")
+                .contains("agent 2: copied data verified")
+                .contains("agent 2: finished");
+            a1.finish(SHORT)
+                .success()
+                .contains("agent 1: copied buffer writable again after the release")
+                .contains("agent 1: finished");
         }
-        2 | 5 => {
-            a2.finish(SHORT).faulted().contains(&announce(2)).lacks(&manual(2));
+        2 => {
+            a2.finish(SHORT).faulted().contains(&announce(2, "reading the buffer it passed")).lacks(survived);
             a1.kill_waiting();
         }
         3 => {
-            a1.finish(SHORT).faulted().contains(&announce(1)).lacks(&manual(1));
-            a2.finish(SHORT).success().contains("Agent 2: expecting Agent 1 to fail. Terminating.");
+            a1.finish(SHORT).faulted().contains(&announce(1, "reading the buffer it moved")).lacks(survived);
+            a2.finish(SHORT).success().contains("agent 2: test 3 leaves the fault to agent 1; exiting");
         }
         4 => {
-            a1.finish(SHORT).faulted().contains(&announce(1)).lacks(&manual(1));
+            a1.finish(SHORT).faulted().contains(&announce(1, "writing the buffer it copied out")).lacks(survived);
             a2.kill_waiting();
         }
+        5 => {
+            a2.finish(SHORT).faulted().contains(&announce(2, "writing the copy it received")).lacks(survived);
+            a1.kill_waiting();
+        }
         6 => {
-            a2.finish(SHORT).faulted().contains(&announce(2)).lacks(&manual(2));
-            a1.finish(SHORT).success().contains("Agent 1: DONE.");
+            a2.finish(SHORT).faulted().contains(&announce(2, "reading the copy it released")).lacks(survived);
+            a1.finish(SHORT).success().contains("agent 1: finished");
         }
         _ => unreachable!(),
     }
 }
 
-macro_rules! bulk_shm_tests {
+macro_rules! shm_scenario_tests {
     ($($plain:ident, $sanitized:ident = $n:expr;)*) => {$(
         #[test]
         fn $plain() {
-            bulk_shm($n, Build::Plain);
+            shm_scenario($n, Build::Plain);
         }
         #[test]
         fn $sanitized() {
-            bulk_shm($n, Build::Sanitized);
+            shm_scenario($n, Build::Sanitized);
         }
     )*};
 }
 
-bulk_shm_tests! {
-    bulk_shm_port_0_trusted, bulk_shm_port_0_trusted_sanitized = 0;
-    bulk_shm_port_1_untrusted, bulk_shm_port_1_untrusted_sanitized = 1;
-    bulk_shm_port_2_no_access_after_pass, bulk_shm_port_2_no_access_after_pass_sanitized = 2;
-    bulk_shm_port_3_no_access_after_move, bulk_shm_port_3_no_access_after_move_sanitized = 3;
-    bulk_shm_port_4_no_write_to_copied, bulk_shm_port_4_no_write_to_copied_sanitized = 4;
-    bulk_shm_port_5_no_write_to_received_copy, bulk_shm_port_5_no_write_to_received_copy_sanitized = 5;
-    bulk_shm_port_6_no_access_after_release, bulk_shm_port_6_no_access_after_release_sanitized = 6;
+shm_scenario_tests! {
+    shm_scenario_0_trusted, shm_scenario_0_trusted_sanitized = 0;
+    shm_scenario_1_untrusted, shm_scenario_1_untrusted_sanitized = 1;
+    shm_scenario_2_no_access_after_pass, shm_scenario_2_no_access_after_pass_sanitized = 2;
+    shm_scenario_3_no_access_after_move, shm_scenario_3_no_access_after_move_sanitized = 3;
+    shm_scenario_4_no_write_to_copied, shm_scenario_4_no_write_to_copied_sanitized = 4;
+    shm_scenario_5_no_write_to_received_copy, shm_scenario_5_no_write_to_received_copy_sanitized = 5;
+    shm_scenario_6_no_access_after_release, shm_scenario_6_no_access_after_release_sanitized = 6;
 }
 
 // ---------------------------------------------------------------------------
@@ -712,22 +733,24 @@ fn static_library_links_and_runs() {
         .split_whitespace()
         .map(|w| if w == "-lferry" { archive.display().to_string() } else { w.to_string() })
         .collect();
-    let exe = inst.prefix.join("bin/bulk_mini-static");
+    let exe = inst.prefix.join("bin/mini_scenario-static");
     let out = Command::new("cc")
         .args(STRICT_C)
         .args(["-O2", "-I"])
         .arg(inst.prefix.join("include"))
-        .arg(sources().join("bulk_mini.c"))
+        .arg(sources().join("mini_scenario.c"))
         .arg("-o")
         .arg(&exe)
         .args(&libs)
         .output()
         .expect("run cc");
-    assert!(out.status.success(), "static link of bulk_mini.c failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "static link of mini_scenario.c failed:\n{}", String::from_utf8_lossy(&out.stderr));
     let dynamic = Command::new("readelf").arg("-d").arg(&exe).output().expect("run readelf");
     let needed = String::from_utf8_lossy(&dynamic.stdout);
     assert!(!needed.contains("libferry"), "the static build still needs libferry.so:\n{needed}");
-    run(&exe, &[], Build::Plain, SHORT).success().contains("bulk_mini: four rounds done");
+    let ended = run(&exe, &[], Build::Plain, SHORT);
+    ended.success().contains("mini_scenario: all 4 rounds complete");
+    assert_eq!(rounds_reported(&ended.output), 4, "static mini_scenario: four rounds expected:\n{}", ended.output);
 }
 
 /// The source ends its process while the sink holds four of its buffers:
