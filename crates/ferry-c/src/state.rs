@@ -412,8 +412,8 @@ pub fn channel_destroy(ch: *mut BulkChannel, cont: Option<Cont>) -> Res<()> {
 /// `bulk_channel_assign_pool` and `bulk_channel_remove_pool`.
 pub fn channel_pool(ch: *mut BulkChannel, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
     let (token, ws) = channel(ch)?;
-    let r = lock(&ws).channel_pool(token, ch as usize, pool, cont, assign);
-    r
+    let mut w = lock(&ws);
+    w.channel_pool(token, ch as usize, pool, cont, assign)
 }
 
 /// `bulk_channel_move` and `bulk_channel_pass`.
@@ -425,22 +425,22 @@ pub fn channel_send(
     dir: Direction,
 ) -> Res<()> {
     let (token, ws) = channel(ch)?;
-    let r = lock(&ws).send(token, ch as usize, buffer, meta, cont, dir);
-    r
+    let mut w = lock(&ws);
+    w.send(token, ch as usize, buffer, meta, cont, dir)
 }
 
 /// `bulk_channel_copy`.
 pub fn channel_copy(ch: *mut BulkChannel, buffer: usize, meta: *const std::ffi::c_void, cont: Option<Cont>) -> Res<()> {
     let (token, ws) = channel(ch)?;
-    let r = lock(&ws).copy(token, ch as usize, buffer, meta, cont);
-    r
+    let mut w = lock(&ws);
+    w.copy(token, ch as usize, buffer, meta, cont)
 }
 
 /// `bulk_channel_release`.
 pub fn channel_release(ch: *mut BulkChannel, buffer: usize, cont: Option<Cont>) -> Res<()> {
     let (token, ws) = channel(ch)?;
-    let r = lock(&ws).release(token, ch as usize, buffer, cont);
-    r
+    let mut w = lock(&ws);
+    w.release(token, ch as usize, buffer, cont)
 }
 
 /// The program's answer to a pool offer (after its `pool_assigned` ran).

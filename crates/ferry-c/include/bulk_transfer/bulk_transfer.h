@@ -10,9 +10,10 @@
  * library; every field of them is read-only to the program.
  *
  * Threads: see docs/C-API.md. In short: every function may be called from
- * any thread (calls are serialized inside the library); callbacks and
+ * any thread (calls on the channels of one waitset take turns; threads
+ * serving different waitsets do not wait for each other); callbacks and
  * continuations run only inside bulk_waitset_dispatch(), on the thread that
- * calls it, one callback per call.
+ * calls it, one callback per call, with no library lock held.
  */
 #ifndef BULK_TRANSFER_BULK_TRANSFER_H
 #define BULK_TRANSFER_BULK_TRANSFER_H
