@@ -347,9 +347,10 @@ fn throughput(
     let a = ctx.args;
     let busy = a.busy();
     let window = a.inflight.unwrap_or(250);
-    // As bench/peers: 50 000 moves per run, but with --touch above 64 KiB 2 GiB per run
-    // (a touched 1 MiB run would otherwise move 50 GB).
-    let default_moves = if a.touch && size > 64 << 10 { ((2usize << 30) / size).max(1) } else { 50_000 };
+    // As bench/peers: 50 000 moves per run, but where every byte is handled (--touch, or
+    // TLS, which encrypts and decrypts each) above 64 KiB 2 GiB per run (a 1 MiB run would
+    // otherwise move 50 GB).
+    let default_moves = super::default_moves(size, a.touch || backend == Backend::NetTls);
     let moves = a.moves.unwrap_or(default_moves).max(window);
     let mut rates = Vec::with_capacity(runs);
     for run in 0..=runs {

@@ -677,6 +677,18 @@ pub fn run(args: &BenchArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Moves per throughput run when `--moves` is not given: 50 000, as the
+/// peers in bench/peers run; where every byte is handled (`handled`: the
+/// payload touched, or encrypted) and buffers are above 64 KiB, 2 GiB's
+/// worth instead (a 1 MiB run would otherwise move 50 GB).
+pub(crate) fn default_moves(size: usize, handled: bool) -> usize {
+    if handled && size > 64 << 10 {
+        ((2usize << 30) / size).max(1)
+    } else {
+        50_000
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -139,8 +139,8 @@ pub fn measure(ctx: &Ctx<'_>, sizes: &[usize]) -> Result<Vec<Point>, CliError> {
     let sizes = if sizes.is_empty() { vec![4096] } else { sizes.to_vec() };
     let mut points = Vec::new();
     for size in sizes {
-        // As Ferry's throughput: 50 000 moves per run, and not more than the window.
-        let count = (a.moves.unwrap_or(50_000) as u64).max(window);
+        // As Ferry's net-tls throughput (every byte is encrypted), and not fewer than the window.
+        let count = (a.moves.unwrap_or(super::default_moves(size, true)) as u64).max(window);
         let listener = TcpListener::bind("127.0.0.1:0").map_err(failed)?;
         let addr = listener.local_addr().map_err(failed)?;
         let server = server.clone();
