@@ -3,63 +3,12 @@
 //! byte for byte with their sources; failures exit 1 with one line that
 //! names the file, and a partial copy never reports success.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::path::{Path, PathBuf};
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
-const LIMIT: Duration = Duration::from_secs(60);
-
-fn ferry() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
-    c.env("RUST_BACKTRACE", "0").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    c
-}
-
-struct Run {
-    code: Option<i32>,
-    stdout: Vec<u8>,
-    stderr: String,
-}
-
-/// Wait for `child` (feeding it `input` when given), killed after LIMIT.
-fn finish(mut child: Child, input: Option<Vec<u8>>) -> Run {
-    let writer = input.map(|data| {
-        let mut stdin = child.stdin.take().expect("piped stdin");
-        std::thread::spawn(move || {
-            let _ = stdin.write_all(&data);
-        })
-    });
-    let (mut out, mut err) = (child.stdout.take().expect("piped"), child.stderr.take().expect("piped"));
-    let reader = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = out.read_to_end(&mut v);
-        v
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("wait") {
-            break Some(st);
-        }
-        if t0.elapsed() > LIMIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    if let Some(w) = writer {
-        w.join().unwrap();
-    }
-    let stderr = err_reader.join().unwrap();
-    assert!(status.is_some(), "ferry cp did not finish within {LIMIT:?}\nstderr: {stderr}");
-    Run { code: status.and_then(|s| s.code()), stdout: reader.join().unwrap(), stderr }
-}
+mod cp_support;
+use cp_support::{dir, ferry, finish, s, Run};
 
 fn cp(args: &[&str]) -> Run {
     finish(ferry().arg("cp").args(args).spawn().expect("start ferry"), None)
@@ -82,17 +31,6 @@ fn checksum(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf29ce484222325u64, |h, &x| (h ^ u64::from(x)).wrapping_mul(0x100000001b3))
 }
 
-fn dir(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-cp-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
 /// The one line of a failed copy: exit 1, names `file`, nothing on stdout,
 /// no success summary.
 fn assert_failed(r: &Run, file: &str, what: &str) {
@@ -108,7 +46,7 @@ fn assert_failed(r: &Run, file: &str, what: &str) {
 
 #[test]
 fn file_to_file_and_into_a_directory() {
-    let d = dir("files");
+    let d = dir("cp", "files");
     let want = data((5 << 20) + 333, 1); // more than a batch, an odd tail
     std::fs::write(d.join("a"), &want).unwrap();
     let r = cp(&[s(&d.join("a")), s(&d.join("b"))]);
@@ -118,7 +56,7 @@ fn file_to_file_and_into_a_directory() {
     assert!(summary.contains(&format!("{} bytes", want.len())) && summary.contains("GB/s"), "{summary}");
     assert!(r.stdout.is_empty());
 
-    std::fs::create_dir(d.join("sub")).unwrap();
+    std::fs::create_dir_all(d.join("sub")).unwrap();
     let r = cp(&["--direct", s(&d.join("a")), s(&d.join("sub"))]);
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     assert_eq!(checksum(&std::fs::read(d.join("sub/a")).unwrap()), checksum(&want));
@@ -158,7 +96,7 @@ fn listen(src: &str, dst: &Path) -> (Child, String) {
 
 #[test]
 fn over_tcp_and_unix_sockets() {
-    let d = dir("sockets");
+    let d = dir("cp", "sockets");
     let want = data((4 << 20) + 7, 3);
     std::fs::write(d.join("src"), &want).unwrap();
 
@@ -187,7 +125,7 @@ fn over_tcp_and_unix_sockets() {
 
 #[test]
 fn a_sender_that_stops_early_fails_the_receiver() {
-    let d = dir("early");
+    let d = dir("cp", "early");
     // One whole batch of 5 bytes, then the connection closes without the end mark.
     let (rx, at) = listen("tcp:127.0.0.1:0", &d.join("out"));
     let mut s = std::net::TcpStream::connect(at.strip_prefix("tcp:").unwrap()).unwrap();
@@ -217,7 +155,7 @@ fn a_sender_that_stops_early_fails_the_receiver() {
 
 #[test]
 fn missing_source_and_directory_source_fail_with_one_line() {
-    let d = dir("errors");
+    let d = dir("cp", "errors");
     let missing = d.join("missing");
     let r = cp(&[s(&missing), s(&d.join("out"))]);
     assert_failed(&r, s(&missing), "no such file or directory");
@@ -229,9 +167,9 @@ fn missing_source_and_directory_source_fail_with_one_line() {
 
 #[test]
 fn a_full_device_is_a_failed_partial_copy() {
-    let d = dir("enospc");
+    let d = dir("cp", "enospc");
     let mnt = d.join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
+    std::fs::create_dir_all(&mnt).unwrap();
     let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "ferry-cp-test"]).arg(&mnt).status().unwrap();
     assert!(st.success(), "mount a tmpfs (the tests run as root)");
     std::fs::write(d.join("big"), data(3 << 20, 4)).unwrap();
@@ -247,9 +185,9 @@ fn a_full_device_is_a_failed_partial_copy() {
 fn a_full_device_behind_a_pipe_is_a_failed_partial_copy() {
     // Standard input into a file: the writes go through the io_uring queue,
     // and a write the device refuses still ends the copy with one line.
-    let d = dir("enospc-pipe");
+    let d = dir("cp", "enospc-pipe");
     let mnt = d.join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
+    std::fs::create_dir_all(&mnt).unwrap();
     let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "ferry-cp-test"]).arg(&mnt).status().unwrap();
     assert!(st.success(), "mount a tmpfs (the tests run as root)");
     let dst = mnt.join("big");
@@ -264,7 +202,7 @@ fn a_full_device_behind_a_pipe_is_a_failed_partial_copy() {
 
 #[test]
 fn stdin_into_a_file_in_many_batches() {
-    let d = dir("stdin-file");
+    let d = dir("cp", "stdin-file");
     let want = data((40 << 20) + 4097, 6);
     let child = ferry().args(["cp", "-", s(&d.join("out"))]).stdin(Stdio::piped()).spawn().unwrap();
     let r = finish(child, Some(want.clone()));

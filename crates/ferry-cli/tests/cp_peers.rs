@@ -6,14 +6,14 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Child, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// The longest any run may take: far above every timeout used here, so a
-/// loaded machine does not fail the tests, yet a hang does.
-const LIMIT: Duration = Duration::from_secs(90);
+mod cp_support;
+use cp_support::{dir, ferry, finish, s, Run, LIMIT};
+
 /// A file far larger than what loopback socket buffers hold, so a sender
 /// is still sending when its peer misbehaves.
 const BIG: u64 = 256 << 20;
@@ -21,71 +21,6 @@ const MIB: usize = 1 << 20;
 /// How long a run with `--timeout 2` may take to give up: a bound that a
 /// loaded machine meets with room to spare, not a measure of speed.
 const GIVES_UP: Duration = Duration::from_secs(30);
-
-fn ferry() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
-    c.env("RUST_BACKTRACE", "0").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    c
-}
-
-struct Run {
-    code: Option<i32>,
-    stderr: String,
-    /// From the call of `finish` to the exit.
-    took: Duration,
-}
-
-/// Wait for `child` (feeding it `input` when given), killed after LIMIT.
-fn finish(mut child: Child, input: Option<Vec<u8>>) -> Run {
-    let writer = input.map(|data| {
-        let mut stdin = child.stdin.take().expect("piped stdin");
-        std::thread::spawn(move || {
-            let _ = stdin.write_all(&data);
-        })
-    });
-    let mut out = child.stdout.take().expect("piped");
-    let mut err = child.stderr.take().expect("piped");
-    let out_reader = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = out.read_to_end(&mut v);
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("wait") {
-            break Some(st);
-        }
-        if t0.elapsed() > LIMIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    if let Some(w) = writer {
-        w.join().unwrap();
-    }
-    out_reader.join().unwrap();
-    let stderr = err_reader.join().unwrap();
-    assert!(status.is_some(), "ferry cp did not finish within {LIMIT:?}\nstderr: {stderr}");
-    let took = t0.elapsed();
-    Run { code: status.and_then(|s| s.code()), stderr, took }
-}
-
-fn dir(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-cp-peers-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 /// A file of `len` bytes (sparse: its pages read as zeros, written in no time).
 fn big_file(path: &Path, len: u64) {
@@ -194,7 +129,7 @@ fn rude_receiver(end: End) -> (SocketAddr, JoinHandle<()>) {
 
 #[test]
 fn a_receiver_that_closes_or_resets_is_named_with_the_cause() {
-    let d = dir("rude-receiver");
+    let d = dir("cp-peers", "rude-receiver");
     big_file(&d.join("src"), BIG);
     for end in [End::Close, End::Reset] {
         // A file source: the kernel sends its pages (sendfile).
@@ -236,7 +171,7 @@ fn batch(len: usize) -> Vec<u8> {
 
 #[test]
 fn a_sender_cut_off_mid_stream_reports_what_is_in_the_file() {
-    let d = dir("cut-sender");
+    let d = dir("cp-peers", "cut-sender");
     // Closed: one whole batch of 1 MiB and half of the next, all at once,
     // then the end of the stream without the end mark. The file write of
     // the whole batch may still be in flight when the stream ends: the
@@ -281,7 +216,7 @@ fn a_sender_cut_off_mid_stream_reports_what_is_in_the_file() {
 
 #[test]
 fn a_receiver_times_out_on_a_silent_sender() {
-    let d = dir("silent-sender");
+    let d = dir("cp-peers", "silent-sender");
     // Connects and sends nothing at all.
     let out = d.join("out");
     let (rx, at) = receiver(&["--timeout", "2"], &out);
@@ -320,7 +255,7 @@ fn deaf_receiver() -> (SocketAddr, JoinHandle<()>, std::sync::mpsc::Sender<()>) 
 
 #[test]
 fn a_sender_times_out_on_a_receiver_that_takes_nothing() {
-    let d = dir("deaf-receiver");
+    let d = dir("cp-peers", "deaf-receiver");
     big_file(&d.join("src"), BIG);
     // From a file (sendfile) and from standard input (through the pool).
     for from_stdin in [false, true] {
@@ -346,7 +281,7 @@ fn a_sender_times_out_on_a_receiver_that_takes_nothing() {
 
 #[test]
 fn timeout_zero_is_no_limit_and_bad_values_are_refused() {
-    let d = dir("timeout-flag");
+    let d = dir("cp-peers", "timeout-flag");
     let want: Vec<u8> = (0..(3 * MIB + 5)).map(|i| (i * 7 % 256) as u8).collect();
     std::fs::write(d.join("src"), &want).unwrap();
     let (rx, at) = receiver(&["--timeout", "0"], &d.join("out"));
@@ -371,7 +306,7 @@ fn timeout_zero_is_no_limit_and_bad_values_are_refused() {
 #[test]
 fn a_connect_nobody_answers_times_out() {
     use rustix::net::{bind, connect, listen, socket, AddressFamily, SocketAddrUnix, SocketType};
-    let d = dir("connect");
+    let d = dir("cp-peers", "connect");
     std::fs::write(d.join("src"), b"data").unwrap();
     // A Unix listener that never accepts, with a queue of one that one
     // connection fills: the next connect waits for room.

@@ -8,77 +8,12 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Stdio};
 
-/// The longest any run may take: a hang fails the test, a loaded machine
-/// does not.
-const LIMIT: Duration = Duration::from_secs(90);
+mod cp_support;
+use cp_support::{dir, ferry, finish, s, Run};
+
 const MIB: usize = 1 << 20;
-
-fn ferry() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry"));
-    c.env("RUST_BACKTRACE", "0").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    c
-}
-
-struct Run {
-    code: Option<i32>,
-    stdout: Vec<u8>,
-    stderr: String,
-}
-
-/// Wait for `child` (feeding it `input` when given), killed after LIMIT.
-fn finish(mut child: Child, input: Option<Vec<u8>>) -> Run {
-    let writer = input.map(|data| {
-        let mut stdin = child.stdin.take().expect("piped stdin");
-        std::thread::spawn(move || {
-            let _ = stdin.write_all(&data);
-        })
-    });
-    let mut out = child.stdout.take().expect("piped");
-    let mut err = child.stderr.take().expect("piped");
-    let out_reader = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = out.read_to_end(&mut v);
-        v
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("wait") {
-            break Some(st);
-        }
-        if t0.elapsed() > LIMIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    if let Some(w) = writer {
-        w.join().unwrap();
-    }
-    let stdout = out_reader.join().unwrap();
-    let stderr = err_reader.join().unwrap();
-    assert!(status.is_some(), "ferry did not finish within {LIMIT:?}\nstderr: {stderr}");
-    Run { code: status.and_then(|s| s.code()), stdout, stderr }
-}
-
-fn dir(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-cp-tls-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 /// A CA and both certificate pairs in `dir`, as users make them.
 fn certificates(dir: &Path) -> PathBuf {
@@ -159,7 +94,7 @@ fn contents(p: &Path) -> Vec<u8> {
 
 #[test]
 fn a_file_goes_over_tls_byte_for_byte() {
-    let d = dir("file");
+    let d = dir("cp-tls", "file");
     let certs = certificates(&d);
     let (src, dst) = (d.join("src"), d.join("dst"));
     let bytes = data(24 * MIB + 12345);
@@ -176,7 +111,7 @@ fn a_file_goes_over_tls_byte_for_byte() {
 
 #[test]
 fn a_pipe_goes_over_tls_to_standard_output_byte_for_byte() {
-    let d = dir("pipe");
+    let d = dir("cp-tls", "pipe");
     let certs = certificates(&d);
     let bytes = data(9 * MIB + 7);
     // --tls=require on both ends: the same as the default with certificates.
@@ -216,7 +151,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, flip: Option<u64>) {
 
 #[test]
 fn a_byte_flipped_on_the_way_fails_the_copy_and_the_destination_is_a_prefix() {
-    let d = dir("mitm");
+    let d = dir("cp-tls", "mitm");
     let certs = certificates(&d);
     let (src, dst) = (d.join("src"), d.join("dst"));
     let bytes = data(48 * MIB);
@@ -247,7 +182,7 @@ fn a_byte_flipped_on_the_way_fails_the_copy_and_the_destination_is_a_prefix() {
 
 #[test]
 fn a_plain_end_against_a_tls_end_is_refused_both_ways() {
-    let d = dir("plain");
+    let d = dir("cp-tls", "plain");
     let certs = certificates(&d);
     let (src, dst) = (d.join("src"), d.join("dst"));
     std::fs::write(&src, data(4 * MIB)).unwrap();
@@ -271,7 +206,7 @@ fn a_plain_end_against_a_tls_end_is_refused_both_ways() {
 
 #[test]
 fn a_sender_without_the_right_ca_is_refused() {
-    let d = dir("ca");
+    let d = dir("cp-tls", "ca");
     let certs = certificates(&d);
     let other = certificates(&d.join("other"));
     let (src, dst) = (d.join("src"), d.join("dst"));
@@ -304,7 +239,7 @@ fn a_sender_without_the_right_ca_is_refused() {
 
 #[test]
 fn bad_combinations_are_usage_errors_naming_the_flag_and_the_file() {
-    let d = dir("usage");
+    let d = dir("cp-tls", "usage");
     let certs = certificates(&d);
     let src = d.join("src");
     std::fs::write(&src, b"x").unwrap();
@@ -369,7 +304,7 @@ fn bad_combinations_are_usage_errors_naming_the_flag_and_the_file() {
 
 #[test]
 fn plain_tcp_off_the_loopback_needs_insecure() {
-    let d = dir("insecure");
+    let d = dir("cp-tls", "insecure");
     let (src, dst) = (d.join("src"), d.join("dst"));
     let bytes = data(3 * MIB + 1);
     std::fs::write(&src, &bytes).unwrap();
@@ -402,7 +337,7 @@ fn free_port() -> u16 {
 
 #[test]
 fn bench_and_an_echo_started_by_hand_run_over_tls() {
-    let d = dir("echo");
+    let d = dir("cp-tls", "echo");
     let certs = certificates(&d);
     let peer = format!("tcp:127.0.0.1:{}", free_port());
     let mut bench = ferry()
@@ -435,7 +370,7 @@ fn bench_and_an_echo_started_by_hand_run_over_tls() {
 
 #[test]
 fn bench_starts_its_echo_with_the_same_tls_flags() {
-    let d = dir("bench");
+    let d = dir("cp-tls", "bench");
     let certs = certificates(&d);
     let args = ["bench", "throughput", "--backend", "net", "--size", "65536", "--runs", "1", "--moves", "300"];
     let r = finish(ferry().args(args).args(["--tls-certificates", s(&certs)]).spawn().unwrap(), None);
@@ -445,7 +380,7 @@ fn bench_starts_its_echo_with_the_same_tls_flags() {
 
 #[test]
 fn a_silent_peer_in_the_tls_handshake_times_out_on_both_sides() {
-    let d = dir("silent");
+    let d = dir("cp-tls", "silent");
     let certs = certificates(&d);
     let (src, dst) = (d.join("src"), d.join("dst"));
     std::fs::write(&src, data(MIB)).unwrap();

@@ -46,7 +46,7 @@ use ferry::{
     Aggregate, Allocator, BindParams, Buffer, BufferCopy, BufferId, Channel, ChannelSetup, Direction, Domain, Endpoint,
     Error, Event as FEvent, Member, MuxSession, NetOptions, Pool, PoolConstraints, TrustLevel,
 };
-use model::coverage::{run_covered, Floors};
+use model::coverage::{round_seed, run_covered, seed, Floors};
 use model::gen::{
     pick_step, setup_links, use_aggregates, use_trusts, RawStep, Step, DOMAINS, LINKS, META, MIXED_LINKS, POOLS,
 };
@@ -1570,26 +1570,6 @@ fn run_case<B: Backend>(
 
 fn cases() -> u32 {
     model_cases(1024)
-}
-
-/// The seed of a suite's random sequences: `FERRY_MODEL_SEED`, else a
-/// fresh one. Printed, so that a failure can be replayed.
-fn seed(test: &str) -> u64 {
-    let seed = std::env::var("FERRY_MODEL_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(std::process::id().into());
-        h.finish()
-    });
-    eprintln!("{test}: seed {seed} (replay with FERRY_MODEL_SEED={seed})");
-    seed
-}
-
-/// The seed of a suite's round: the first runs the suite's own seed (so
-/// `FERRY_MODEL_SEED` replays it), a top-up round one derived from it
-/// (which, given as `FERRY_MODEL_SEED`, replays that round).
-fn round_seed(seed: u64, round: u32) -> u64 {
-    seed.wrapping_add(u64::from(round).wrapping_mul(0x9e37_79b9_7f4a_7c15))
 }
 
 /// Run `cases` random sequences from `seed`; a failure is shrunk and

@@ -52,7 +52,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 
 use ferry::{BufferId, BufferState, ChannelState, PoolId};
-use model::coverage::{run_covered, Floors};
+use model::coverage::{round_seed, run_covered, seed, Floors};
 use model::gen::{pick_op, setup, use_aggregates, use_trusts, RawStep, DOMAINS, LINKS, POOLS};
 use model::lib_map::{buffer_state, cases as model_cases, channel_state, meta_bytes, trust_level, Stats};
 use model::reference::{
@@ -88,25 +88,6 @@ fn cases() -> u32 {
 /// Kill sequences: each ends in a `kill -9` and a process start.
 fn kill_cases() -> u32 {
     (cases() / 4).max(1)
-}
-
-/// The seed of a suite's random sequences: `FERRY_MODEL_SEED`, else a
-/// fresh one. Printed, so that a failure can be replayed.
-fn seed(test: &str) -> u64 {
-    let seed = std::env::var("FERRY_MODEL_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(std::process::id().into());
-        h.finish()
-    });
-    eprintln!("{test}: seed {seed} (replay with FERRY_MODEL_SEED={seed})");
-    seed
-}
-
-/// A round's seed (see `model::coverage`): the first round runs the
-/// suite's own.
-fn round_seed(seed: u64, round: u32) -> u64 {
-    seed.wrapping_add(u64::from(round).wrapping_mul(0x9e37_79b9_7f4a_7c15))
 }
 
 fn config(cases: u32, seed: u64) -> Config {

@@ -50,6 +50,26 @@ pub fn run_covered(test: &str, mut round: impl FnMut(u32), floors: impl Fn() -> 
     unreachable!("the last round returns or panics")
 }
 
+/// The seed of a suite's random sequences: `FERRY_MODEL_SEED`, else a
+/// fresh one. Printed, so that a failure can be replayed.
+pub fn seed(test: &str) -> u64 {
+    let seed = std::env::var("FERRY_MODEL_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(std::process::id().into());
+        h.finish()
+    });
+    eprintln!("{test}: seed {seed} (replay with FERRY_MODEL_SEED={seed})");
+    seed
+}
+
+/// The seed of a suite's round: the first runs the suite's own seed (so
+/// `FERRY_MODEL_SEED` replays it), a top-up round one derived from it
+/// (which, given as `FERRY_MODEL_SEED`, replays that round).
+pub fn round_seed(seed: u64, round: u32) -> u64 {
+    seed.wrapping_add(u64::from(round).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
