@@ -7,62 +7,24 @@
 //! certificates come from `ferry tls gen`, the tools from `scripts/setup`
 //! (a test fails, saying so, where one is missing).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc::{self, Receiver};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// Every wait in these tests ends within this.
-const LIMIT: Duration = Duration::from_secs(60);
+mod block_support;
+use block_support::{run, Server, LIMIT};
 
-/// A running `ferry block serve`, killed when dropped.
-struct Server {
-    child: Child,
-    /// Lines the server printed after it started listening.
-    lines: Receiver<String>,
-    /// `IP:PORT` of the first NBD address.
-    at: String,
-}
-
-fn lines_of(stream: impl Read + Send + 'static) -> Receiver<String> {
-    let (tx, lines) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stream).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    lines
+/// `ferry block serve --store mem:16M --nbd tcp:127.0.0.1:0` and `args`.
+fn serve(args: &[&str]) -> Server {
+    Server::start(&[&["--store", "mem:16M", "--nbd", "tcp:127.0.0.1:0"], args].concat())
 }
 
 impl Server {
-    /// `ferry block serve --store mem:16M --nbd tcp:127.0.0.1:0` and `args`.
-    fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
-            .args(["block", "serve", "--store", "mem:16M", "--nbd", "tcp:127.0.0.1:0"])
-            .args(args)
-            .env("RUST_BACKTRACE", "0")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start ferry block serve");
-        let lines = lines_of(child.stdout.take().expect("piped"));
-        let mut server = Server { child, lines, at: String::new() };
-        while server.at.is_empty() {
-            let line = server.next_line().unwrap_or_else(|| panic!("ferry block serve {args:?} did not start"));
-            if let Some(rest) = line.strip_prefix("listening for NBD clients on tcp:") {
-                server.at = rest.split(' ').next().expect("an address").to_string();
-            }
-        }
-        server
-    }
-
-    fn next_line(&self) -> Option<String> {
-        self.lines.recv_timeout(LIMIT).ok()
+    /// `IP:PORT` of the first NBD address.
+    fn at(&self) -> &str {
+        self.listening[0].strip_prefix("tcp:").expect("a TCP listener")
     }
 
     /// The next line that starts with `client` (one per NBD connection).
@@ -79,43 +41,13 @@ impl Server {
     }
 
     fn port(&self) -> &str {
-        self.at.rsplit_once(':').expect("IP:PORT").1
+        self.at().rsplit_once(':').expect("IP:PORT").1
     }
 
     /// The libnbd URI over TLS with the certificates in `dir`, naming the
     /// server `host`.
     fn nbds(&self, host: &str, dir: &Path) -> String {
         format!("nbds://{host}:{}/?tls-certificates={}", self.port(), dir.display())
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Run a tool to its end (killed after [`LIMIT`]).
-fn run(program: &str, args: &[&str]) -> Output {
-    let child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {program} ({e}); scripts/setup installs it"));
-    let pid = child.id();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(LIMIT) {
-        Ok(out) => out.expect("wait"),
-        Err(_) => {
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            panic!("{program} {args:?} did not finish within {LIMIT:?}");
-        }
     }
 }
 
@@ -177,7 +109,7 @@ fn s(p: &Path) -> &str {
 fn nbdinfo_and_nbdcopy_over_tls() {
     let dir = scratch("libnbd");
     let pki = certificates(&dir.join("pki"));
-    let server = Server::start(&["--tls=require", "--tls-certificates", s(&pki)]);
+    let server = serve(&["--tls=require", "--tls-certificates", s(&pki)]);
     let info = ok("nbdinfo", &[&server.nbds("127.0.0.1", &pki)]);
     assert!(info.contains("with TLS"), "{info}");
     assert!(info.contains("export-size: 16777216"), "{info}");
@@ -205,7 +137,7 @@ fn nbdinfo_and_nbdcopy_over_tls() {
 fn qemu_img_over_tls() {
     let dir = scratch("qemu");
     let pki = certificates(&dir.join("pki"));
-    let server = Server::start(&["--tls=require", "--tls-certificates", s(&pki)]);
+    let server = serve(&["--tls=require", "--tls-certificates", s(&pki)]);
     let object = format!("tls-creds-x509,id=tls0,dir={},endpoint=client", pki.display());
     let opts = format!("driver=nbd,host=127.0.0.1,port={},tls-creds=tls0", server.port());
     let src = dir.join("src.bin");
@@ -296,7 +228,7 @@ fn require_refuses_plain_text_and_strangers_and_goes_on_serving() {
     for f in ["client-cert.pem", "client-key.pem"] {
         std::fs::copy(other.join(f), stranger.join(f)).unwrap();
     }
-    let server = Server::start(&["--tls=require", "--tls-certificates", s(&pki)]);
+    let server = serve(&["--tls=require", "--tls-certificates", s(&pki)]);
     let good = |server: &Server| {
         assert_eq!(ok("nbdinfo", &["--size", &server.nbds("127.0.0.1", &pki)]).trim(), "16777216");
         assert!(server.client_line().contains("(TLS) disconnected"));
@@ -318,7 +250,7 @@ fn require_refuses_plain_text_and_strangers_and_goes_on_serving() {
     assert!(line.contains("(TLS) dropped") && line.contains("handshake only"), "{line}");
     good(&server);
 
-    refused("nbdinfo", &[&format!("nbd://{}/", server.at)]);
+    refused("nbdinfo", &[&format!("nbd://{}/", server.at())]);
     let line = server.client_line();
     assert!(line.contains("handshake only") && !line.contains("(TLS)"), "{line}");
     good(&server);
@@ -329,7 +261,7 @@ fn require_refuses_plain_text_and_strangers_and_goes_on_serving() {
     good(&server);
 
     // Every option but STARTTLS is refused with NBD_REP_ERR_TLS_REQD...
-    let mut c = plain_hello(&server.at);
+    let mut c = plain_hello(server.at());
     send_option(&mut c, OPT_LIST, &[]);
     assert_eq!(option_reply(&mut c, OPT_LIST), REP_ERR_TLS_REQD);
     send_option(&mut c, OPT_GO, &GO_DEFAULT);
@@ -353,24 +285,24 @@ fn require_refuses_plain_text_and_strangers_and_goes_on_serving() {
 fn off_refuses_starttls_on_serves_both() {
     let dir = scratch("modes");
     let pki = certificates(&dir.join("pki"));
-    let off = Server::start(&[]);
-    let mut c = plain_hello(&off.at);
+    let off = serve(&[]);
+    let mut c = plain_hello(off.at());
     send_option(&mut c, OPT_STARTTLS, &[]);
     assert_eq!(option_reply(&mut c, OPT_STARTTLS), REP_ERR_POLICY);
     drop(c);
     off.client_line();
     refused("nbdinfo", &[&off.nbds("127.0.0.1", &pki)]);
     off.client_line();
-    assert!(ok("nbdinfo", &[&format!("nbd://{}/", off.at)]).contains("without TLS"));
+    assert!(ok("nbdinfo", &[&format!("nbd://{}/", off.at())]).contains("without TLS"));
 
-    let on = Server::start(&["--tls=on", "--tls-certificates", s(&pki)]);
-    assert!(ok("nbdinfo", &[&format!("nbd://{}/", on.at)]).contains("without TLS"));
+    let on = serve(&["--tls=on", "--tls-certificates", s(&pki)]);
+    assert!(ok("nbdinfo", &[&format!("nbd://{}/", on.at())]).contains("without TLS"));
     assert!(!on.client_line().contains("(TLS)"));
     assert!(ok("nbdinfo", &[&on.nbds("127.0.0.1", &pki)]).contains("with TLS"));
     assert!(on.client_line().contains("(TLS)"));
     // STARTTLS once only: the second is refused inside TLS (libnbd does
     // not send it; checked here by the first reply only).
-    let mut c = plain_hello(&on.at);
+    let mut c = plain_hello(on.at());
     send_option(&mut c, OPT_STARTTLS, &[1]);
     assert_ne!(option_reply(&mut c, OPT_STARTTLS), REP_ACK, "STARTTLS with data is invalid");
     let _ = std::fs::remove_dir_all(&dir);
@@ -382,8 +314,8 @@ fn off_refuses_starttls_on_serves_both() {
 fn tls_handshake_has_the_handshake_deadline() {
     let dir = scratch("deadline");
     let pki = certificates(&dir.join("pki"));
-    let server = Server::start(&["--tls=require", "--tls-certificates", s(&pki), "--handshake-timeout", "0.5"]);
-    let mut c = plain_hello(&server.at);
+    let server = serve(&["--tls=require", "--tls-certificates", s(&pki), "--handshake-timeout", "0.5"]);
+    let mut c = plain_hello(server.at());
     send_option(&mut c, OPT_STARTTLS, &[]);
     assert_eq!(option_reply(&mut c, OPT_STARTTLS), REP_ACK);
     let mut rest = Vec::new();
@@ -438,7 +370,7 @@ fn ferry_protocol_over_tls_through_the_proxy() {
     let pki = certificates(&dir.join("pki"));
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let remote = format!("tcp:127.0.0.1:{port}");
-    let server = Server::start(&["--ferry", &remote, "--tls=require", "--tls-certificates", s(&pki)]);
+    let server = serve(&["--ferry", &remote, "--tls=require", "--tls-certificates", s(&pki)]);
 
     // A direct client with the certificates (both channels through TLS).
     let tls = std::sync::Arc::new(ferry::tls::TlsConfig::from_dir(&pki, "127.0.0.1").unwrap());
@@ -515,8 +447,8 @@ fn state_from_before_starttls_is_forgotten_and_starttls_is_once() {
     const REP_ERR_INVALID: u32 = (1 << 31) + 3;
     let dir = scratch("raw");
     let pki = certificates(&dir.join("pki"));
-    let server = Server::start(&["--tls=on", "--tls-certificates", s(&pki)]);
-    let mut c = plain_hello(&server.at);
+    let server = serve(&["--tls=on", "--tls-certificates", s(&pki)]);
+    let mut c = plain_hello(server.at());
     send_option(&mut c, OPT_STRUCTURED_REPLY, &[]);
     assert_eq!(option_reply(&mut c, OPT_STRUCTURED_REPLY), REP_ACK);
     send_option(&mut c, OPT_STARTTLS, &[]);
@@ -586,8 +518,8 @@ fn pipelined_requests_through_tls_are_all_answered() {
     use ferry::tls::rustls;
     let dir = scratch("pipeline");
     let pki = certificates(&dir.join("pki"));
-    let server = Server::start(&["--tls=require", "--tls-certificates", s(&pki)]);
-    let mut c = plain_hello(&server.at);
+    let server = serve(&["--tls=require", "--tls-certificates", s(&pki)]);
+    let mut c = plain_hello(server.at());
     send_option(&mut c, OPT_STARTTLS, &[]);
     assert_eq!(option_reply(&mut c, OPT_STARTTLS), REP_ACK);
     let config = ferry::tls::TlsConfig::from_dir(&pki, "127.0.0.1").unwrap();

@@ -4,15 +4,15 @@
 //! one line that names the side that failed and why, count what is really
 //! in the destination, and never wait for ever.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 mod cp_support;
-use cp_support::{dir, ferry, finish, s, Run, LIMIT};
+use cp_support::{dir, ferry, finish, receiver, s, Run, LIMIT};
 
 /// A file far larger than what loopback socket buffers hold, so a sender
 /// is still sending when its peer misbehaves.
@@ -55,25 +55,6 @@ fn reported_written(line: &str, dst: &Path) -> u64 {
     let end = line.find(&tail).unwrap_or_else(|| panic!("no {tail:?} in {line}"));
     let start = line[..end].rfind('(').expect("an opening parenthesis") + 1;
     line[start..end].parse().unwrap_or_else(|_| panic!("a byte count in {line}"))
-}
-
-/// Start `ferry cp ARGS… tcp:127.0.0.1:0 DST` and wait for its "listening
-/// on" line (so never with `-q`); returns the child and the address it
-/// listens on.
-fn receiver(args: &[&str], dst: &Path) -> (Child, SocketAddr) {
-    let mut child = ferry().arg("cp").args(args).args(["tcp:127.0.0.1:0", s(dst)]).spawn().unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    let at = line.trim().strip_prefix("ferry cp: listening on tcp:").unwrap_or_else(|| panic!("{line}"));
-    let at: SocketAddr = at.parse().unwrap();
-    // Hand the rest of stderr back through a pipe that `finish` reads.
-    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
-    std::thread::spawn(move || {
-        let _ = std::io::copy(&mut err, &mut std::fs::File::from(w));
-    });
-    child.stderr = Some(r.into());
-    (child, at)
 }
 
 /// The first connection to `l`, or `None` if none comes within LIMIT (a
@@ -179,7 +160,7 @@ fn a_sender_cut_off_mid_stream_reports_what_is_in_the_file() {
     // either way.
     for round in 0..4 {
         let out = d.join(format!("closed-{round}"));
-        let (rx, at) = receiver(&[], &out);
+        let (rx, at) = receiver(&[], "127.0.0.1:0", out.to_str().unwrap());
         let mut s = TcpStream::connect(at).unwrap();
         s.write_all(&[batch(MIB), batch(MIB)[..8 + MIB / 2].to_vec()].concat()).unwrap();
         drop(s);
@@ -196,7 +177,7 @@ fn a_sender_cut_off_mid_stream_reports_what_is_in_the_file() {
     // Reset: once the whole batch is in the file (a reset drops what the
     // sender's kernel still holds), half of the next, then SO_LINGER 0.
     let out = d.join("reset");
-    let (rx, at) = receiver(&[], &out);
+    let (rx, at) = receiver(&[], "127.0.0.1:0", out.to_str().unwrap());
     let mut s = TcpStream::connect(at).unwrap();
     s.write_all(&batch(MIB)).unwrap();
     wait_for_size(&out, MIB as u64);
@@ -219,7 +200,7 @@ fn a_receiver_times_out_on_a_silent_sender() {
     let d = dir("cp-peers", "silent-sender");
     // Connects and sends nothing at all.
     let out = d.join("out");
-    let (rx, at) = receiver(&["--timeout", "2"], &out);
+    let (rx, at) = receiver(&["--timeout", "2"], "127.0.0.1:0", out.to_str().unwrap());
     let s = TcpStream::connect(at).unwrap();
     let r = finish(rx, None);
     assert_failed(&r, "tcp:127.0.0.1:0", &["the sender sent nothing for 2 s", "timeout", "nothing was copied"]);
@@ -227,7 +208,7 @@ fn a_receiver_times_out_on_a_silent_sender() {
     drop(s);
     // Sends one batch, then goes silent with the connection open.
     let out = d.join("out2");
-    let (rx, at) = receiver(&["--timeout", "2"], &out);
+    let (rx, at) = receiver(&["--timeout", "2"], "127.0.0.1:0", out.to_str().unwrap());
     let mut s = TcpStream::connect(at).unwrap();
     s.write_all(&batch(MIB)).unwrap();
     let r = finish(rx, None);
@@ -284,7 +265,7 @@ fn timeout_zero_is_no_limit_and_bad_values_are_refused() {
     let d = dir("cp-peers", "timeout-flag");
     let want: Vec<u8> = (0..(3 * MIB + 5)).map(|i| (i * 7 % 256) as u8).collect();
     std::fs::write(d.join("src"), &want).unwrap();
-    let (rx, at) = receiver(&["--timeout", "0"], &d.join("out"));
+    let (rx, at) = receiver(&["--timeout", "0"], "127.0.0.1:0", d.join("out").to_str().unwrap());
     let tx =
         finish(ferry().args(["cp", "--timeout", "0", s(&d.join("src")), &format!("tcp:{at}")]).spawn().unwrap(), None);
     assert_eq!(tx.code, Some(0), "{}", tx.stderr);

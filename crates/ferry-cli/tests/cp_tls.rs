@@ -8,10 +8,10 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 
 mod cp_support;
-use cp_support::{dir, ferry, finish, s, Run};
+use cp_support::{dir, ferry, finish, receiver, s, Run};
 
 const MIB: usize = 1 << 20;
 
@@ -35,24 +35,6 @@ fn data(len: usize) -> Vec<u8> {
             x as u8
         })
         .collect()
-}
-
-/// Start `ferry cp ARGS… tcp:AT DST` and wait for its "listening on" line;
-/// the child and the address it listens on.
-fn receiver(args: &[&str], at: &str, dst: &str) -> (Child, SocketAddr) {
-    let mut child = ferry().arg("cp").args(args).args([&format!("tcp:{at}"), dst]).spawn().unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    let at = line.trim().strip_prefix("ferry cp: listening on tcp:").unwrap_or_else(|| panic!("{line}"));
-    let at: SocketAddr = at.parse().unwrap();
-    // Hand the rest of stderr back through a pipe that `finish` reads.
-    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
-    std::thread::spawn(move || {
-        let _ = std::io::copy(&mut err, &mut std::fs::File::from(w));
-    });
-    child.stderr = Some(r.into());
-    (child, at)
 }
 
 /// `ferry cp ARGS… SRC tcp:AT`, run to its end.

@@ -3,7 +3,8 @@
 //! standard input and collects both outputs, and scratch directories.
 #![allow(dead_code)]
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -83,4 +84,23 @@ pub fn dir(tag: &str, name: &str) -> PathBuf {
 /// A path as a command-line argument.
 pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()
+}
+
+/// Start `ferry cp ARGS… tcp:AT DST` and wait for its "listening on" line
+/// (so never with `-q`): the child, whose stderr [`finish`] still reads,
+/// and the address it listens on.
+pub fn receiver(args: &[&str], at: &str, dst: &str) -> (Child, SocketAddr) {
+    let mut child = ferry().arg("cp").args(args).args([&format!("tcp:{at}"), dst]).spawn().unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let at = line.trim().strip_prefix("ferry cp: listening on tcp:").unwrap_or_else(|| panic!("{line}"));
+    let at: SocketAddr = at.parse().unwrap();
+    // Hand the rest of stderr back through a pipe that `finish` reads.
+    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).unwrap();
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut err, &mut std::fs::File::from(w));
+    });
+    child.stderr = Some(r.into());
+    (child, at)
 }
