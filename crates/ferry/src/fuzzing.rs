@@ -83,7 +83,7 @@ pub fn setup_message(data: &[u8]) {
 }
 
 /// The bytes a TCP peer sends during setup (`backend/net.rs`): a u16
-/// length and a setup message, read without ever reading past it. The
+/// length, a setup message and the peer's timeout, read without ever reading past it. The
 /// first byte picks the side that reads: the creator reads a bind request
 /// (and negotiates with it), the binder the creator's reply (and checks it
 /// against its request). Reading and
@@ -109,7 +109,8 @@ pub fn net_setup_from_peer(data: &[u8]) {
     let mut conn = SetupConn::new(stream, None, Instant::now() + Duration::from_secs(3600));
     for _ in 0..bytes.len() + 2 {
         match conn.poll() {
-            Ok(Some(msg)) => {
+            Ok(Some(body)) => {
+                let Ok((msg, _peer_timeout)) = crate::backend::net::unframed(body) else { return };
                 if side & 1 == 0 {
                     if let Ok(params) = setup_msg::parse_bind(msg) {
                         let _ = negotiate(&ChannelSetup::default(), &params);

@@ -70,6 +70,15 @@ fn bind_accept(depth: u32) -> Vec<u8> {
     v
 }
 
+/// A setup message as TCP carries it: its length (with the peer timeout),
+/// the message, and a peer timeout of 10 s.
+fn tcp_framed(msg: &[u8]) -> Vec<u8> {
+    let mut v = ((msg.len() + 4) as u16).to_le_bytes().to_vec();
+    v.extend_from_slice(msg);
+    v.extend_from_slice(&10_000u32.to_le_bytes());
+    v
+}
+
 fn seqpacket() -> OwnedFd {
     rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap()
 }
@@ -338,9 +347,8 @@ fn half_open_tcp_bind_requests_do_not_block_a_binder() {
         let mut stalled = Vec::new();
         for _ in 0..2 {
             let mut s = TcpStream::connect(addr).unwrap();
-            let req = bind_request();
-            s.write_all(&(req.len() as u16).to_le_bytes()).unwrap();
-            s.write_all(&req[..7]).unwrap();
+            let req = tcp_framed(&bind_request());
+            s.write_all(&req[..9]).unwrap();
             stalled.push(s);
             assert!(creator.wait(Some(Duration::from_millis(50))).is_none());
         }
@@ -398,10 +406,9 @@ fn hostile_tcp_creator_answering(acc: Vec<u8>, frames: Vec<[u8; 32]>) -> (Socket
     let peer = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         s.set_read_timeout(Some(T)).unwrap();
-        let mut req = [0u8; 2 + 33];
+        let mut req = [0u8; 2 + 33 + 4];
         s.read_exact(&mut req).unwrap();
-        s.write_all(&(acc.len() as u16).to_le_bytes()).unwrap();
-        s.write_all(&acc).unwrap();
+        s.write_all(&tcp_framed(&acc)).unwrap();
         let mut reader = s.try_clone().unwrap();
         let drain = std::thread::spawn(move || {
             let mut sink = [0u8; 65536];

@@ -510,10 +510,8 @@ fn raw_open(addr: SocketAddr, ids: &[u32]) -> std::net::TcpStream {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(T)).unwrap();
-    s.write_all(b"FERRYMX2").unwrap();
-    let mut magic = [0u8; 8];
-    s.read_exact(&mut magic).unwrap();
-    assert_eq!(&magic, b"FERRYMX2");
+    s.write_all(&support::mux_peer::hello(10_000)).unwrap();
+    support::mux_peer::read_hello(&mut s);
     for &id in ids {
         let mut req = b"FRY1\x01\x00\xff".to_vec();
         req.extend_from_slice(&224u16.to_le_bytes());
@@ -929,6 +927,44 @@ fn a_bind_that_gave_up_or_was_refused_leaves_the_session_usable() {
         Event::MoveReceived { buffer, .. } => assert!(check(&buffer, 3)),
         ev => panic!("unexpected {ev:?}"),
     }
+}
+
+/// Sessions with different peer timeouts: the end with the long one sends
+/// its keep-alives often enough for the short one (the hellos carry both),
+/// so an idle session stays up on both ends for several of the short
+/// timeouts, and data still flows after.
+#[test]
+fn session_keepalives_follow_the_shorter_peer_timeout() {
+    const IDLE: Duration = Duration::from_secs(3);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let long = std::thread::spawn(move || MuxSession::connect(addr, NetOptions::default(), T).unwrap());
+    let short = MuxSession::accept(&listener, NetOptions::with_peer_timeout(Duration::from_secs(1)), T).unwrap();
+    let long = long.join().unwrap();
+    let (a, b) = (Domain::new("short timeout"), Domain::new("long timeout"));
+    let (mut txs, mut rxs) = open_channels(&short, &long, 1, &a, &b);
+    let (mut tx, mut rx) = (txs.remove(0), rxs.remove(0));
+    let alloc = Allocator::new(&a, 2, SIZE, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    let (idled, sink_idled) = std::sync::mpsc::channel();
+    let sink = std::thread::spawn(move || {
+        // Idle: only keep-alives go out, from within the wait.
+        let idle = rx.wait(Some(IDLE));
+        assert!(idle.is_none(), "the long-timeout end saw {idle:?} while idle");
+        idled.send(()).unwrap();
+        match next(&mut rx) {
+            Event::MoveReceived { buffer, .. } => assert!(check(&buffer, 9)),
+            ev => panic!("expected the move after the idle time, got {ev:?}"),
+        }
+    });
+    let idle = tx.wait(Some(IDLE));
+    assert!(idle.is_none(), "the short-timeout end saw {idle:?} while idle: the peer's keep-alives were too rare");
+    sink_idled.recv().expect("the sink stayed up while idle");
+    let mut buf = alloc.alloc().unwrap();
+    fill(buf.as_mut_slice().unwrap(), 9);
+    tx.move_buffer(buf, &9u64.to_le_bytes()).unwrap();
+    tx.flush().unwrap();
+    sink.join().unwrap();
 }
 
 /// A peer that opens a channel and then says nothing (no keep-alives):

@@ -266,6 +266,48 @@ fn refused_bind_then_success() {
     binder.join().unwrap();
 }
 
+/// Ends with different peer timeouts: the end with the long one sends its
+/// keep-alives often enough for the short one (the two announce their
+/// timeouts at setup), so an idle connection stays up on both ends for
+/// several of the short timeouts, and data still flows after.
+#[test]
+fn keepalives_follow_the_shorter_peer_timeout() {
+    const IDLE: Duration = Duration::from_secs(3);
+    let short = NetOptions::with_peer_timeout(Duration::from_secs(1));
+    let src = Domain::new("short timeout");
+    let alloc = Allocator::new(&src, 2, SIZE, PoolConstraints::default()).unwrap();
+    let (mut tx, addr) = listen(&src, loopback(), TrustLevel::Full, short);
+    let (idled, sink_idled) = std::sync::mpsc::channel();
+    let sink = std::thread::spawn(move || {
+        // The default peer timeout: 10 s.
+        let d = Domain::new("long timeout");
+        let mut rx = Channel::bind(&d, &Endpoint::tcp(addr), BindParams::default()).unwrap();
+        rx.wait_connected(T).unwrap();
+        match next(&mut rx) {
+            Event::PoolAssignRequest(req) => rx.respond_pool(req.pool, true).unwrap(),
+            ev => panic!("expected the pool offer, got {ev:?}"),
+        }
+        // Idle: only keep-alives go out, from within the wait.
+        let idle = rx.wait(Some(IDLE));
+        assert!(idle.is_none(), "the long-timeout end saw {idle:?} while idle");
+        idled.send(()).unwrap();
+        match next(&mut rx) {
+            Event::MoveReceived { buffer, meta } => assert!(check(&buffer, seq_of(&meta))),
+            ev => panic!("expected the move after the idle time, got {ev:?}"),
+        }
+    });
+    tx.wait_connected(T).unwrap();
+    assign(&mut tx, &alloc);
+    let idle = tx.wait(Some(IDLE));
+    assert!(idle.is_none(), "the short-timeout end saw {idle:?} while idle: the peer's keep-alives were too rare");
+    sink_idled.recv().expect("the sink stayed up while idle");
+    let mut buf = alloc.alloc().unwrap();
+    fill(buf.as_mut_slice().unwrap(), 7);
+    tx.move_buffer(buf, &7u64.to_le_bytes()).unwrap();
+    tx.flush().unwrap();
+    sink.join().unwrap();
+}
+
 // ------------------------------------------------------------ hostile peer
 
 // The peer that speaks the wire format by hand is `support::raw_peer`.

@@ -191,9 +191,9 @@ fn corrupted_frame_is_a_protocol_error() {
     let setup = ChannelSetup { direction: Direction::Tx, ..ChannelSetup::default() };
     let mut ch = Channel::create(&d, &Endpoint::tcp_with("127.0.0.1:0".parse().unwrap(), options()), setup).unwrap();
     let proxy = FaultProxy::start(ch.listen_addr().unwrap()).unwrap();
-    // Server → client: the bind acceptance (2-byte length + 39 bytes), then
-    // the first frame, whose type byte we flip.
-    proxy.set(Fault::CorruptAt { towards_server: false, offset: 41, xor: 0x80 });
+    // Server → client: the bind acceptance (2-byte length, 39 bytes and the
+    // 4-byte peer timeout), then the first frame, whose type byte we flip.
+    proxy.set(Fault::CorruptAt { towards_server: false, offset: 45, xor: 0x80 });
     let via = proxy.addr();
     let sink = std::thread::spawn(move || {
         let d = Domain::new("sink");

@@ -39,7 +39,8 @@
 //!
 //! Setup: the binder connects and sends its bind request; the creator
 //! answers with the acceptance or a refusal (the messages of `setup_msg`,
-//! each preceded by its length as a u16). Then both ends send frames:
+//! each followed by the sender's peer timeout in milliseconds as a u32 and
+//! preceded by the length of both as a u16). Then both ends send frames:
 //!
 //! | offset | size | field |
 //! |---|---|---|
@@ -67,7 +68,8 @@
 //! carries it unless the peer still holds a copy of that buffer from us
 //! (the buffer has been read-only since, so the peer's bytes are current).
 //! A keep-alive is sent when nothing else went out for a quarter of the
-//! peer timeout; goodbye says the sender closed its end on purpose (so the
+//! shorter of the two ends' peer timeouts (so an end with a short timeout
+//! never takes a healthy peer for dead); goodbye says the sender closed its end on purpose (so the
 //! end of the stream is not a crash). Anything else — unknown type, flags or
 //! lengths that do not fit the type, a pool or index the channel does not
 //! have, a move, pass or payload for a buffer the receiver owns, a copy of
@@ -130,7 +132,9 @@ pub struct NetOptions {
     /// A peer that sends nothing (not even a keep-alive) or takes none of
     /// our data for this long is treated as dead: the channel fails with
     /// [`Error::PeerUnresponsive`] and the buffers lent to it come back.
-    /// Keep-alives go out every quarter of it. Default 10 s.
+    /// The ends announce their timeouts when they connect, and each sends
+    /// keep-alives every quarter of the shorter one (of at least 100 ms).
+    /// Default 10 s.
     pub peer_timeout: Duration,
     /// What protects the connection. Default [`Security::LoopbackOnly`]:
     /// plain TCP, and an address that is not a loopback address is
@@ -241,7 +245,7 @@ impl NetEndpoint {
         let timeout = params.timeout.max(Duration::from_millis(1));
         let stream = connect_stream(self.addr, timeout)?;
         stream.set_nodelay(true)?;
-        let request = framed(&setup_msg::encode_bind(params));
+        let request = framed(&setup_msg::encode_bind(params), self.options.peer_timeout);
         if let Some(t) = &mut tls {
             // rustls holds the request until the handshake is done; the
             // handshake goes on without waiting, as `poll` reads.
@@ -267,11 +271,36 @@ fn io_error(e: &io::Error) -> Error {
     tls::failure(e).unwrap_or_else(|| Error::Os(e.to_string()))
 }
 
-/// A setup message with its u16 length in front.
-fn framed(msg: &[u8]) -> Vec<u8> {
-    let mut v = (msg.len() as u16).to_le_bytes().to_vec();
+/// A setup message as it goes on the stream: the u16 length of what
+/// follows, the message, and the sender's peer timeout (ms, u32).
+fn framed(msg: &[u8], peer_timeout: Duration) -> Vec<u8> {
+    let ms = u32::try_from(peer_timeout.as_millis()).unwrap_or(u32::MAX);
+    let mut v = ((msg.len() + 4) as u16).to_le_bytes().to_vec();
     v.extend_from_slice(msg);
+    v.extend_from_slice(&ms.to_le_bytes());
     v
+}
+
+/// A setup message read by [`SetupConn::poll`] and the peer timeout its
+/// sender announced.
+pub(crate) fn unframed(body: &[u8]) -> Result<(&[u8], Duration)> {
+    let Some(split) = body.len().checked_sub(4) else {
+        return Err(setup_msg::bad("truncated"));
+    };
+    let (msg, ms) = body.split_at(split);
+    let ms = u32::from_le_bytes(ms.try_into().expect("4 bytes"));
+    Ok((msg, Duration::from_millis(u64::from(ms))))
+}
+
+/// The shortest peer timeout a peer's announcement counts as: a hostile
+/// peer announcing 0 cannot make us send keep-alives without pause.
+const MIN_PEER_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// How often an end with `own` peer timeout sends keep-alives to a peer that
+/// announced `peer`'s: often enough for the shorter of the two, and never
+/// more often than a quarter of [`MIN_PEER_TIMEOUT`] whatever the peer asks.
+pub(crate) fn keepalive_interval(own: Duration, peer: Duration) -> Duration {
+    own.min(peer.max(MIN_PEER_TIMEOUT)) / 4
 }
 
 // -------------------------------------------------------------------- setup
@@ -366,21 +395,22 @@ impl CreatorPending {
     /// Answer a complete bind request: `Ok(None)` if refused or if the
     /// binder went away.
     fn answer(&mut self, mut conn: SetupConn) -> Result<Option<SetupDone>> {
-        let params = setup_msg::parse_bind(&conn.buf[2..conn.have])?;
+        let (request, peer_timeout) = unframed(&conn.buf[2..conn.have])?;
+        let params = setup_msg::parse_bind(request)?;
         let neg = match negotiate(&self.setup, &params) {
             Ok(neg) => neg,
             Err(why) => {
-                conn.send(&framed(&setup_msg::encode_refuse(why)));
+                conn.send(&framed(&setup_msg::encode_refuse(why), self.options.peer_timeout));
                 return Ok(None);
             }
         };
         let depth = self.setup.queue_depth;
         // A fresh socket's buffer takes the reply at once (the stream is
         // non-blocking: a binder that reads nothing cannot hold us here).
-        if !conn.send(&framed(&setup_msg::encode_accept(&neg, depth))) {
+        if !conn.send(&framed(&setup_msg::encode_accept(&neg, depth), self.options.peer_timeout)) {
             return Ok(None);
         }
-        let link = NetLink::new(conn.stream, conn.tls, neg.meta_size, depth, self.options.clone())?;
+        let link = NetLink::new(conn.stream, conn.tls, neg.meta_size, depth, self.options.clone(), peer_timeout)?;
         Ok(Some((Box::new(link), neg, true)))
     }
 
@@ -467,13 +497,16 @@ impl PendingSetup for BinderPending {
         let conn = self.conn.as_mut()?;
         let reply = match conn.poll() {
             Ok(None) => return None,
-            Ok(Some(reply)) => setup_msg::parse_reply(reply)
-                .and_then(|(neg, depth)| check_reply(&self.params, &neg).map(|()| (neg, depth))),
+            Ok(Some(reply)) => unframed(reply).and_then(|(reply, peer_timeout)| {
+                let (neg, depth) = setup_msg::parse_reply(reply)?;
+                check_reply(&self.params, &neg)?;
+                Ok((neg, depth, peer_timeout))
+            }),
             Err(e) => Err(e),
         };
         let conn = self.conn.take().expect("present");
-        Some(reply.and_then(|(neg, depth)| {
-            let link = NetLink::new(conn.stream, conn.tls, neg.meta_size, depth, self.options.clone())?;
+        Some(reply.and_then(|(neg, depth, peer_timeout)| {
+            let link = NetLink::new(conn.stream, conn.tls, neg.meta_size, depth, self.options.clone(), peer_timeout)?;
             Ok((Box::new(link) as Box<dyn Link>, neg, false))
         }))
     }
@@ -546,6 +579,9 @@ pub(crate) struct NetLink {
     tls: Option<Box<TlsSession>>,
     meta_size: usize,
     depth: usize,
+    /// How often a keep-alive goes out when nothing else does (see
+    /// [`keepalive_interval`]).
+    keepalive: Duration,
     options: NetOptions,
     pools: PoolMap<LinkPool>,
     /// Pools the channel forgot while queued frames still carry their
@@ -584,6 +620,7 @@ impl NetLink {
         meta_size: usize,
         depth: u32,
         options: NetOptions,
+        peer_timeout: Duration,
     ) -> Result<Self> {
         stream.set_nonblocking(true)?;
         // Not a TCP socket under the fuzzer (a Unix socket pair).
@@ -595,6 +632,7 @@ impl NetLink {
             tls,
             meta_size,
             depth: depth as usize,
+            keepalive: keepalive_interval(options.peer_timeout, peer_timeout),
             options,
             pools: PoolMap::default(),
             retired: Vec::new(),
@@ -621,7 +659,8 @@ impl NetLink {
     /// A link over any connected stream socket (fuzzing: a socket pair).
     #[cfg(feature = "fuzzing")]
     pub(crate) fn over(stream: TcpStream, meta_size: usize) -> Self {
-        NetLink::new(stream, None, meta_size, 256, NetOptions::default()).expect("socket options")
+        NetLink::new(stream, None, meta_size, 256, NetOptions::default(), NetOptions::default().peer_timeout)
+            .expect("socket options")
     }
 
     fn register(&mut self, memory: &Arc<PoolMemory>) -> Result<()> {
@@ -810,7 +849,7 @@ impl NetLink {
         if self.unsent() && now.duration_since(self.last_progress) > timeout {
             return Err(self.fail(Error::PeerUnresponsive(timeout), true));
         }
-        if !self.unsent() && now.duration_since(self.last_tx) > timeout / 4 {
+        if !self.unsent() && now.duration_since(self.last_tx) > self.keepalive {
             self.queue_control(TYPE_KEEPALIVE)?;
             self.flush()?;
         }
@@ -1084,7 +1123,7 @@ impl Link for NetLink {
         // Wake for the keep-alive and the liveness checks on time (`tick`
         // acts once a limit is passed, hence the millisecond after it).
         let timeout = self.options.peer_timeout;
-        let ours = if self.unsent() { self.last_progress + timeout } else { self.last_tx + timeout / 4 };
+        let ours = if self.unsent() { self.last_progress + timeout } else { self.last_tx + self.keepalive };
         let until = ours.min(self.last_rx + timeout) + Duration::from_millis(1);
         Arm::Sleep { until: Some(until) }
     }
@@ -1211,4 +1250,26 @@ fn configure_liveness(stream: &TcpStream, timeout: Duration) {
     let _ = sockopt::set_tcp_keepintvl(fd, (timeout / 8).max(Duration::from_secs(1)));
     let _ = sockopt::set_tcp_keepcnt(fd, 4);
     let _ = sockopt::set_tcp_user_timeout(fd, timeout.as_millis().min(u128::from(u32::MAX)) as u32);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keepalives_go_out_for_the_shorter_timeout_within_bounds() {
+        let s = Duration::from_secs;
+        assert_eq!(keepalive_interval(s(10), s(10)), Duration::from_millis(2500));
+        assert_eq!(keepalive_interval(s(10), s(1)), Duration::from_millis(250), "the peer's shorter timeout");
+        assert_eq!(keepalive_interval(s(1), s(10)), Duration::from_millis(250), "our own shorter timeout");
+        assert_eq!(keepalive_interval(s(10), Duration::ZERO), Duration::from_millis(25), "a peer asking for 0");
+    }
+
+    #[test]
+    fn setup_messages_carry_the_peer_timeout() {
+        let framed = framed(b"FRY1\x03\x00", Duration::from_millis(1234));
+        assert_eq!(usize::from(u16::from_le_bytes([framed[0], framed[1]])), framed.len() - 2);
+        assert_eq!(unframed(&framed[2..]), Ok((&b"FRY1\x03\x00"[..], Duration::from_millis(1234))));
+        assert!(unframed(&[1, 2, 3]).is_err(), "shorter than the timeout");
+    }
 }

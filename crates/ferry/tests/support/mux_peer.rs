@@ -10,6 +10,24 @@ use std::time::Duration;
 
 use ferry::backend::mux::{MuxHead, MUX_HEAD};
 
+/// The session's magic.
+pub const MAGIC: &[u8; 8] = b"FERRYMX3";
+
+/// A hello as a peer sends it: the magic and a peer timeout of `ms`
+/// milliseconds.
+pub fn hello(ms: u32) -> Vec<u8> {
+    let mut h = MAGIC.to_vec();
+    h.extend_from_slice(&ms.to_le_bytes());
+    h
+}
+
+/// Read the session's hello from `s`: it must start with the magic.
+pub fn read_hello(s: &mut TcpStream) {
+    let mut got = [0u8; 12];
+    s.read_exact(&mut got).expect("the session's hello");
+    assert_eq!(&got[..8], MAGIC);
+}
+
 /// Frame kinds of the session.
 pub const K_MESSAGE: u8 = 1;
 /// A payload chunk.
@@ -54,10 +72,8 @@ impl MuxPeer {
         rustix::net::sockopt::set_socket_recv_buffer_size(s.as_fd(), recv_buffer).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(b"FERRYMX2").unwrap();
-        let mut magic = [0u8; 8];
-        s.read_exact(&mut magic).unwrap();
-        assert_eq!(&magic, b"FERRYMX2");
+        s.write_all(&hello(10_000)).unwrap();
+        read_hello(&mut s);
         MuxPeer { s }
     }
 

@@ -50,6 +50,8 @@ impl RawPeer {
         let mut req = b"FRY1\x01\x00\xff".to_vec();
         req.extend_from_slice(&224u16.to_le_bytes());
         req.extend_from_slice(&[0u8; 24]);
+        // Our peer timeout after the message: 10 s.
+        req.extend_from_slice(&10_000u32.to_le_bytes());
         let mut framed = (req.len() as u16).to_le_bytes().to_vec();
         framed.extend_from_slice(&req);
         s.write_all(&framed).unwrap();

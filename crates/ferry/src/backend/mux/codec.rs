@@ -9,7 +9,7 @@ use crate::backend::setup_msg;
 pub const MUX_HEAD: usize = 16;
 /// Largest payload chunk: a priority frame waits for at most one.
 pub const MAX_CHUNK: usize = 64 << 10;
-pub(super) const MAGIC: &[u8; 8] = b"FERRYMX2";
+pub(super) const MAGIC: &[u8; 8] = b"FERRYMX3";
 
 /// Frame kinds.
 pub(crate) const K_MESSAGE: u8 = 1;

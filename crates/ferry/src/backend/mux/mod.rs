@@ -169,9 +169,11 @@
 //!   frame's header (into the session's own 16 bytes, never into a
 //!   buffer), so a stream of frames costs one `recvmsg` each.
 //!
-//! # Wire format, version 2 (little endian)
+//! # Wire format, version 3 (little endian)
 //!
-//! Both ends first send the 8 bytes `FERRYMX2`. Then frames:
+//! Both ends first send a hello: the 8 bytes `FERRYMX3` and their peer
+//! timeout in milliseconds (u32); each sends keep-alives for the shorter of
+//! the two. Then frames:
 //!
 //! | offset | size | field |
 //! |---|---|---|
@@ -198,7 +200,7 @@
 //!   sent on it); with the abort flag, its end failed and buffers it
 //!   holds are lost.
 //! - *keep-alive*: sent when nothing else went out for a quarter of the
-//!   peer timeout; *goodbye*: the session ends on purpose.
+//!   shorter of the two ends' peer timeouts; *goodbye*: the session ends on purpose.
 //! - *read report*: the sender of the report has read this many more bytes
 //!   of the stream (counted from the first byte after the magic, every
 //!   frame whole: headers, bodies, chunks). A receiver reports as soon as
@@ -302,10 +304,10 @@ impl MuxSession {
         let timeout = timeout.max(Duration::from_millis(1));
         let deadline = Instant::now() + timeout;
         let stream = super::net::connect_stream(addr, timeout)?;
-        let mut hs = Handshake::new(stream, tls, deadline).ok_or(Error::PeerGone)?;
+        let mut hs = Handshake::new(stream, tls, deadline, options.peer_timeout).ok_or(Error::PeerGone)?;
         loop {
             if hs.poll(Instant::now()).map_err(|e| hs.error(e))? {
-                return MuxSession::established(hs.stream, hs.tls, options);
+                return MuxSession::established(hs, options);
             }
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             let _ = wait_handshakes(None, std::slice::from_ref(&hs), left);
@@ -339,18 +341,23 @@ impl MuxSession {
     }
 
     /// A session over a stream whose magic was exchanged.
-    fn established(stream: TcpStream, tls: Option<Box<TlsSession>>, options: NetOptions) -> Result<MuxSession> {
+    fn established(hs: Handshake, options: NetOptions) -> Result<MuxSession> {
+        let peer_timeout = hs.peer_timeout();
+        let Handshake { stream, tls, .. } = hs;
         let peer = stream.peer_addr().ok();
         let _ = stream.set_nodelay(true);
         let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream.as_fd(), SEND_BUFFER);
-        Ok(MuxSession { shared: Arc::new(Shared { inner: Mutex::new(Inner::new(stream, tls, options)?), peer }) })
+        let inner = Inner::new(stream, tls, options, peer_timeout)?;
+        Ok(MuxSession { shared: Arc::new(Shared { inner: Mutex::new(inner), peer }) })
     }
 
     /// A session over any connected stream socket whose magic was exchanged
     /// already (fuzzing: one end of a socket pair).
     #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn over(stream: TcpStream) -> MuxSession {
-        let inner = Inner::new(stream, None, NetOptions::default()).expect("socket options");
+        let options = NetOptions::default();
+        let peer_timeout = options.peer_timeout;
+        let inner = Inner::new(stream, None, options, peer_timeout).expect("socket options");
         MuxSession { shared: Arc::new(Shared { inner: Mutex::new(inner), peer: None }) }
     }
 
@@ -595,7 +602,8 @@ fn accept_session(
                 Ok((stream, _)) => {
                     let own = Instant::now() + HANDSHAKE_TIMEOUT;
                     let tls = options.tls_server(TLS_SEND_LIMIT)?;
-                    let Some(hs) = Handshake::new(stream, tls, cap.map_or(own, |c| c.min(own))) else {
+                    let deadline = cap.map_or(own, |c| c.min(own));
+                    let Some(hs) = Handshake::new(stream, tls, deadline, options.peer_timeout) else {
                         continue;
                     };
                     if pending.len() == MAX_HANDSHAKES {
@@ -616,7 +624,7 @@ fn accept_session(
                 Ok(false) => i += 1,
                 Ok(true) => {
                     let hs = pending.remove(i).expect("in range");
-                    return MuxSession::established(hs.stream, hs.tls, options.clone());
+                    return MuxSession::established(hs, options.clone());
                 }
                 // Silent past its deadline, gone, not a session, or one
                 // whose TLS handshake failed.
@@ -675,15 +683,19 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// nothing.
 pub const MAX_HANDSHAKES: usize = 16;
 
-/// A connection whose magic has not arrived (all of it) yet; with TLS,
-/// the handshake runs first, within the same deadline.
+/// A connection whose hello (the magic and the peer's timeout) has not
+/// arrived (all of it) yet; with TLS, the handshake runs first, within the
+/// same deadline.
 struct Handshake {
     stream: TcpStream,
     tls: Option<Box<TlsSession>>,
-    magic: [u8; 8],
+    hello: [u8; HELLO],
     have: usize,
     deadline: Instant,
 }
+
+/// A hello's length: the magic and a u32 peer timeout in milliseconds.
+const HELLO: usize = MAGIC.len() + 4;
 
 impl std::fmt::Debug for Handshake {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -692,19 +704,34 @@ impl std::fmt::Debug for Handshake {
 }
 
 impl Handshake {
-    /// Our magic goes out at once (a fresh socket's buffer takes it
-    /// without waiting; TLS holds it until its handshake is done); `None`
-    /// if the connection cannot take it.
-    fn new(stream: TcpStream, mut tls: Option<Box<TlsSession>>, deadline: Instant) -> Option<Handshake> {
+    /// Our hello (with our `peer_timeout`) goes out at once (a fresh
+    /// socket's buffer takes it without waiting; TLS holds it until its
+    /// handshake is done); `None` if the connection cannot take it.
+    fn new(
+        stream: TcpStream,
+        mut tls: Option<Box<TlsSession>>,
+        deadline: Instant,
+        peer_timeout: Duration,
+    ) -> Option<Handshake> {
         stream.set_nonblocking(true).ok()?;
+        let mut hello = [0; HELLO];
+        hello[..MAGIC.len()].copy_from_slice(MAGIC);
+        let ms = u32::try_from(peer_timeout.as_millis()).unwrap_or(u32::MAX);
+        hello[MAGIC.len()..].copy_from_slice(&ms.to_le_bytes());
         let sent = match &mut tls {
-            None => (&stream).write(MAGIC),
-            Some(t) => t.queue(stream.as_fd(), MAGIC),
+            None => (&stream).write(&hello),
+            Some(t) => t.queue(stream.as_fd(), &hello),
         };
         match sent {
-            Ok(n) if n == MAGIC.len() => Some(Handshake { stream, tls, magic: [0; 8], have: 0, deadline }),
+            Ok(n) if n == HELLO => Some(Handshake { stream, tls, hello: [0; HELLO], have: 0, deadline }),
             _ => None,
         }
+    }
+
+    /// The peer timeout the peer announced (once `poll` said `true`).
+    fn peer_timeout(&self) -> Duration {
+        let ms = u32::from_le_bytes(self.hello[MAGIC.len()..].try_into().expect("4 bytes"));
+        Duration::from_millis(u64::from(ms))
     }
 
     /// The error a connecting side reports: a TLS peer answering a plain
@@ -712,7 +739,7 @@ impl Handshake {
     fn error(&self, e: Error) -> Error {
         match e {
             Error::Protocol(_)
-                if self.tls.is_none() && self.have >= 2 && matches!(self.magic[..2], [0x15 | 0x16, 0x03]) =>
+                if self.tls.is_none() && self.have >= 2 && matches!(self.hello[..2], [0x15 | 0x16, 0x03]) =>
             {
                 Error::Tls("the peer speaks TLS and this end does not; give it Security Tls".into())
             }
@@ -720,28 +747,33 @@ impl Handshake {
         }
     }
 
-    /// `true` once the peer's magic is complete (nothing after it is
+    /// `true` once the peer's hello is complete (nothing after it is
     /// read: its frames may follow at once); `TimedOut` past the deadline,
     /// `PeerGone` at the end of the stream, `Protocol` for another magic.
     fn poll(&mut self, now: Instant) -> Result<bool> {
-        while self.have < MAGIC.len() {
+        while self.have < HELLO {
+            // The magic alone first: another protocol is refused as soon as
+            // its first 8 bytes are in, without waiting for more.
+            let want = if self.have < MAGIC.len() { MAGIC.len() } else { HELLO };
             let got = match &mut self.tls {
-                None => (&self.stream).read(&mut self.magic[self.have..]),
-                Some(t) => t.recv_parts(self.stream.as_fd(), &mut [RecvPart::slice(&mut self.magic[self.have..])]),
+                None => (&self.stream).read(&mut self.hello[self.have..want]),
+                Some(t) => t.recv_parts(self.stream.as_fd(), &mut [RecvPart::slice(&mut self.hello[self.have..want])]),
             };
             let ended = || self.tls.as_ref().and_then(|t| t.ended_in_handshake());
             match got {
                 Ok(0) => return Err(ended().unwrap_or(Error::PeerGone)),
-                Ok(n) => self.have += n,
+                Ok(n) => {
+                    self.have += n;
+                    if self.have == MAGIC.len() && &self.hello[..MAGIC.len()] != MAGIC {
+                        return Err(Error::Protocol("not a multiplexed session".into()));
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     return if now >= self.deadline { Err(Error::TimedOut) } else { Ok(false) };
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(crate::tls::failure(&e).or_else(ended).unwrap_or_else(|| e.into())),
             }
-        }
-        if &self.magic != MAGIC {
-            return Err(Error::Protocol("not a multiplexed session".into()));
         }
         Ok(true)
     }

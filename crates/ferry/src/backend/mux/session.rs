@@ -200,6 +200,9 @@ pub(super) struct Inner {
     /// The TLS state (`None`: plain TCP, straight from and into buffers).
     pub(super) tls: Option<Box<TlsSession>>,
     pub(super) options: NetOptions,
+    /// How often a keep-alive goes out when nothing else does: a quarter
+    /// of the shorter of the two ends' peer timeouts.
+    pub(super) keepalive: Duration,
     pub(super) chans: HashMap<u32, Chan>,
     pub(super) unclaimed: HashMap<u32, Vec<u8>>,
     pub(super) ctrl: VecDeque<WireFrame>,
@@ -241,7 +244,14 @@ pub(super) struct Inner {
 }
 
 impl Inner {
-    pub(super) fn new(stream: TcpStream, tls: Option<Box<TlsSession>>, options: NetOptions) -> Result<Inner> {
+    /// The session's state over `stream`, whose peer announced
+    /// `peer_timeout` in its hello.
+    pub(super) fn new(
+        stream: TcpStream,
+        tls: Option<Box<TlsSession>>,
+        options: NetOptions,
+        peer_timeout: Duration,
+    ) -> Result<Inner> {
         stream.set_nonblocking(true)?;
         let _ = stream.set_read_timeout(None);
         let _ = stream.set_write_timeout(None);
@@ -251,6 +261,7 @@ impl Inner {
         Ok(Inner {
             stream,
             tls,
+            keepalive: crate::backend::net::keepalive_interval(options.peer_timeout, peer_timeout),
             options,
             chans: HashMap::new(),
             unclaimed: HashMap::new(),

@@ -176,7 +176,7 @@ impl Inner {
         if busy && now.duration_since(self.last_progress) > timeout {
             return Err(self.fail(Error::PeerUnresponsive(timeout), true));
         }
-        if !busy && now.duration_since(self.last_tx) > timeout / 4 {
+        if !busy && now.duration_since(self.last_tx) > self.keepalive {
             self.queue_ctrl(K_KEEPALIVE, 0, Vec::new(), 0)?;
             self.pump_write()?;
         }
@@ -207,7 +207,7 @@ impl Inner {
             *watching = Some(interest);
         }
         let timeout = self.options.peer_timeout;
-        let ours = if out { self.last_progress + timeout } else { self.last_tx + timeout / 4 };
+        let ours = if out { self.last_progress + timeout } else { self.last_tx + self.keepalive };
         // Rounded up to a grain of the timeout, so that the deadline (the
         // channel's timer) moves only now and then, not with every frame.
         let at = ours.min(self.last_rx + timeout) + Duration::from_millis(1);
