@@ -507,7 +507,7 @@ fn killed_peer_fails_every_channel_and_buffers_come_back() {
 /// open of channel `id` with a bind request (any role, any trust, max meta
 /// 224); the creator's reply is read and must be an acceptance.
 fn raw_open(addr: SocketAddr, ids: &[u32]) -> std::net::TcpStream {
-    use std::io::{Read, Write};
+    use std::io::Write;
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(T)).unwrap();
     s.write_all(&support::mux_peer::hello(10_000)).unwrap();
