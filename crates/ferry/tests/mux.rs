@@ -967,6 +967,95 @@ fn session_keepalives_follow_the_shorter_peer_timeout() {
     sink.join().unwrap();
 }
 
+/// A channel whose queue is full sleeps on its fd until room comes. When
+/// another channel of the same session reads the peer's credit off the
+/// socket (another thread's event loop, say), the full channel's fd must
+/// become readable: the socket will not say so again.
+#[test]
+fn credit_read_by_another_channel_wakes_a_channel_waiting_for_room() {
+    use std::os::fd::AsFd;
+    const DEPTH: u32 = 4;
+    // Keep-alive timers far away: only the credit may wake the channel.
+    let (sa, sb) = session_pair(NetOptions::with_peer_timeout(Duration::from_secs(120)));
+    let (a, b) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: DEPTH, ..tx_setup() };
+    let mut full = Channel::create(&a, &sa.endpoint(1), setup).unwrap();
+    let mut other = Channel::create(&a, &sa.endpoint(2), tx_setup()).unwrap();
+    let mut sink = Channel::bind(&b, &sb.endpoint(1), BindParams::default()).unwrap();
+    let mut other_peer = Channel::bind(&b, &sb.endpoint(2), BindParams::default()).unwrap();
+    for ch in [&mut full, &mut other, &mut sink, &mut other_peer] {
+        ch.wait_connected(T).unwrap();
+    }
+    let alloc = Allocator::new(&a, 64, 4096, PoolConstraints::default()).unwrap();
+    assign_pair(&mut full, &mut sink, &alloc);
+
+    // Fill the queue until the channel refuses, then sleep on its fd.
+    let mut sent = 0u64;
+    loop {
+        let mut buf = alloc.alloc().unwrap();
+        fill(buf.as_mut_slice().unwrap(), sent);
+        match full.move_buffer(buf, &sent.to_le_bytes()) {
+            Ok(()) => sent += 1,
+            Err(r) if r.error == Error::QueueFull => break,
+            Err(r) => panic!("move {sent}: {:?}", r.error),
+        }
+        full.flush().unwrap();
+    }
+    assert!(sent >= u64::from(DEPTH), "only {sent} moves fit");
+    assert!(full.arm(), "nothing should be due on the full channel yet");
+
+    // The sink takes what came (what the channel had credit for), granting
+    // credit as it goes; the rest waits in the full channel's queue.
+    let mut held = Vec::new();
+    while let Some(ev) = sink.wait(Some(Duration::from_millis(300))) {
+        match ev {
+            Event::MoveReceived { buffer, meta } => {
+                assert!(check(&buffer, u64::from_le_bytes(meta[..8].try_into().unwrap())));
+                held.push(buffer);
+            }
+            ev => panic!("unexpected {ev:?}"),
+        }
+    }
+    assert!(held.len() >= DEPTH as usize / 4, "only {} moves came", held.len());
+    sink.flush().unwrap();
+    // The other channel reads everything the sink's session sent, the
+    // credit among it.
+    let deadline = Instant::now() + T;
+    while sa.stats().bytes_received < sb.stats().bytes_sent {
+        assert!(other.poll().is_none());
+        assert!(Instant::now() < deadline, "the credit never arrived");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(support::readable(full.as_fd(), T), "the full channel's fd stayed quiet although its credit had come");
+    // And the channel sends again: the rest, then one more, all arrive.
+    assert!(full.poll().is_none());
+    let mut buf = alloc.alloc().unwrap();
+    fill(buf.as_mut_slice().unwrap(), sent);
+    full.move_buffer(buf, &sent.to_le_bytes()).expect("room after the credit");
+    full.flush().unwrap();
+    let pump = std::thread::spawn(move || {
+        // The full channel's session writes when polled.
+        while full.wait(Some(Duration::from_millis(50))).is_none() && full.state() == ferry::ChannelState::Connected {
+            if full.flush().is_err() {
+                break;
+            }
+        }
+    });
+    while (held.len() as u64) <= sent {
+        match next(&mut sink) {
+            Event::MoveReceived { buffer, meta } => {
+                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                assert_eq!(seq, held.len() as u64, "in order");
+                assert!(check(&buffer, seq));
+                held.push(buffer);
+            }
+            ev => panic!("unexpected {ev:?}"),
+        }
+    }
+    sink.teardown().unwrap();
+    pump.join().unwrap();
+}
+
 /// A peer that opens a channel and then says nothing (no keep-alives):
 /// the channel fails with `PeerUnresponsive` after the peer timeout, while
 /// our own keep-alives go out meanwhile.

@@ -19,3 +19,17 @@ pub fn unique_name(tag: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
     format!("ferry-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
 }
+
+/// Whether `fd` becomes readable within `within` (`poll(2)`).
+pub fn readable(fd: std::os::fd::BorrowedFd<'_>, within: std::time::Duration) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::from_borrowed_fd(fd, PollFlags::IN)];
+    let ts = Timespec { tv_sec: within.as_secs() as i64, tv_nsec: i64::from(within.subsec_nanos()) };
+    loop {
+        match rustix::event::poll(&mut fds, Some(&ts)) {
+            Ok(n) => return n > 0,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => panic!("poll: {e}"),
+        }
+    }
+}

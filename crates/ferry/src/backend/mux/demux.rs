@@ -98,6 +98,15 @@ impl Inner {
                     return Err(Error::Protocol("a read report beyond the bytes sent".into()));
                 }
                 self.counters.bytes_reported_read = read;
+                // The bulk budget has room again: a channel asleep with
+                // frames held back must be told (its reader may be us, on
+                // another channel's behalf, and the socket will not say so
+                // again).
+                for chan in self.chans.values_mut() {
+                    if chan.has_queued() {
+                        chan.wake();
+                    }
+                }
                 Ok(())
             }
             K_OPEN => {
@@ -139,6 +148,11 @@ impl Inner {
             K_CREDIT => {
                 let chan = self.chan_of(&head)?;
                 chan.credit = chan.credit.saturating_add(head.credit as usize).min(1 << 24);
+                // Its queue can move again: wake it if it sleeps (waiting
+                // for room, perhaps), as for the budget above.
+                if chan.has_queued() {
+                    chan.wake();
+                }
                 Ok(())
             }
             K_CLOSE => {

@@ -151,6 +151,12 @@ impl Chan {
         }
     }
 
+    /// Whether the channel has messages or a payload waiting to go out
+    /// (for credit, the bulk budget or the socket).
+    pub(super) fn has_queued(&self) -> bool {
+        self.sending.is_some() || !self.outq.is_empty()
+    }
+
     /// Whether the channel has a frame to send now (a chunk, a message it
     /// has credit for, or its close).
     pub(super) fn ready(&self) -> bool {
