@@ -114,6 +114,9 @@
 //! where the memory is the receiver's alone, else by a private copy.
 
 #![deny(unsafe_op_in_unsafe_fn)]
+// On docs.rs (`--cfg docsrs`, a nightly rustdoc): feature-gated items say
+// which feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 // The README's examples are doctests too.
 #[cfg(doctest)]
@@ -142,6 +145,7 @@ mod setup;
 mod sys;
 pub mod tls;
 #[cfg(feature = "tokio")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 pub mod tokio;
 mod wake;
 
