@@ -117,6 +117,8 @@
 // On docs.rs (`--cfg docsrs`, a nightly rustdoc): feature-gated items say
 // which feature they need.
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// `loom` is a test build of the ring, never a user's: no "non-loom" labels.
+#![cfg_attr(docsrs, doc(auto_cfg(hide(loom))))]
 
 // The README's examples are doctests too.
 #[cfg(doctest)]
