@@ -1062,6 +1062,7 @@ impl io::BufRead for Aggregate {
 /// fragment in place, [`chunks_vectored`](bytes::Buf::chunks_vectored) the
 /// fragments in order. Advancing past the end clips everything (no panic).
 #[cfg(feature = "bytes")]
+#[cfg_attr(docsrs, doc(cfg(feature = "bytes")))]
 impl bytes::Buf for Aggregate {
     fn remaining(&self) -> usize {
         self.len

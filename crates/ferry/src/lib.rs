@@ -114,6 +114,11 @@
 //! where the memory is the receiver's alone, else by a private copy.
 
 #![deny(unsafe_op_in_unsafe_fn)]
+// On docs.rs (`--cfg docsrs`, a nightly rustdoc): feature-gated items say
+// which feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+// `loom` is a test build of the ring, never a user's: no "non-loom" labels.
+#![cfg_attr(docsrs, doc(auto_cfg(hide(loom))))]
 
 // The README's examples are doctests too.
 #[cfg(doctest)]
@@ -142,6 +147,7 @@ mod setup;
 mod sys;
 pub mod tls;
 #[cfg(feature = "tokio")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
 pub mod tokio;
 mod wake;
 
