@@ -142,13 +142,13 @@ fn close(source: &mut Channel) -> Result<(), CliError> {
 fn report(name: &str, r: &FlowReport) {
     let gbs = r.bytes as f64 / r.secs / 1e9;
     print!(
-        "{name}: {} buffer{}, {} moved and verified byte by byte in {:.3} s = {:.2} GB/s ({:.0} buffers/s)",
+        "{name}: {} buffer{}, {} moved and verified byte by byte in {:.3} s = {:.2} GB/s ({:.3} M buffers/s)",
         r.buffers,
         if r.buffers == 1 { "" } else { "s" },
         amount(r.bytes),
         r.secs,
         gbs,
-        r.buffers as f64 / r.secs
+        r.buffers as f64 / r.secs / 1e6
     );
     if let Some(s) = r.rtt_us {
         print!("; {} in flight, each back after {:.0} µs (median)", r.in_flight, s.median);
