@@ -115,6 +115,9 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+// `::ferry::…` paths (those the derives emit) work inside the crate too.
+extern crate self as ferry;
+
 // The README's examples are doctests too.
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
@@ -168,5 +171,18 @@ pub use setup::{
 /// buffer memory ([`Buffer::as_slice_of`] and friends): no extra dependency
 /// line is needed to name its traits or implement them for your own types.
 pub use bytemuck;
-/// Plain-old-data types, which a typed view of buffer memory may hold.
-pub use bytemuck::{Pod, Zeroable};
+/// The derives `#[derive(ferry::Pod, ferry::Zeroable)]`, with the checks of
+/// bytemuck's own (a `#[repr(C)]` or `#[repr(transparent)]` struct, every
+/// field plain old data, no padding; see [`Buffer::view`]); they name the
+/// traits through
+/// [`ferry::bytemuck`](crate::bytemuck), so a crate using Ferry needs no
+/// bytemuck dependency of its own.
+pub use ferry_derive::{Pod, Zeroable};
+/// The plain-old-data traits, through a glob: an explicit import of the
+/// derives above takes the macro namespace, whether or not bytemuck's own
+/// derives (its `derive` feature, which another crate may turn on) are
+/// there too.
+mod pod_traits {
+    pub use bytemuck::{Pod, Zeroable};
+}
+pub use pod_traits::*;
