@@ -289,7 +289,7 @@ impl Channel {
 
     /// [`Channel::wait`] for a new arrival, leaving the held events where
     /// they are (they stay first in line).
-    fn wait_unheld(&mut self, timeout: Duration) -> Option<Event> {
+    pub(crate) fn wait_unheld(&mut self, timeout: Duration) -> Option<Event> {
         let held = std::mem::take(&mut self.helpers.held);
         let ev = self.wait(Some(timeout));
         debug_assert!(self.helpers.held.is_empty(), "wait holds nothing back");
@@ -327,9 +327,16 @@ impl Channel {
 
     /// Keep an event a waiting helper took: [`Channel::poll`] hands it out
     /// after those held before it.
-    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn hold(&mut self, ev: Event) {
         self.helpers.held.push_back(ev);
+    }
+
+    /// Take the buffers of `pool` that came back ([`Event::BufferPassed`])
+    /// among the events a helper kept, and drop them (to their domain's free
+    /// list): for [`Allocator::alloc_wait`](crate::Allocator::alloc_wait).
+    /// The other held events stay, in order.
+    pub(crate) fn drop_held_passes(&mut self, pool: crate::pool::PoolId) {
+        self.helpers.held.retain(|ev| !matches!(ev, Event::BufferPassed { buffer, .. } if buffer.id().pool == pool));
     }
 
     /// Under [`PoolPolicy::AcceptAll`], accept the pool of a request just
