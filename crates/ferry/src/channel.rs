@@ -26,6 +26,7 @@ use crate::wake::{Arm, WakeSet};
 
 mod connect;
 pub use connect::PoolPolicy;
+pub(crate) use connect::RETRY_MAX;
 
 /// A pool-assignment request from the peer, waiting for
 /// [`Channel::respond_pool`].

@@ -53,7 +53,7 @@ pub(super) struct Helpers {
 }
 
 /// How long [`Channel::connect`] pauses between two binds at most.
-const RETRY_MAX: Duration = Duration::from_millis(50);
+pub(crate) const RETRY_MAX: Duration = Duration::from_millis(50);
 
 impl Channel {
     /// Create a channel on `endpoint` ([`Channel::create`]) and wait until
