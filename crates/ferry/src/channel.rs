@@ -26,6 +26,7 @@ use crate::wake::{Arm, WakeSet};
 
 mod connect;
 pub use connect::PoolPolicy;
+#[cfg(feature = "tokio")]
 pub(crate) use connect::RETRY_MAX;
 
 /// A pool-assignment request from the peer, waiting for
@@ -557,16 +558,26 @@ impl Channel {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn copy<S: CopySource>(&mut self, source: &S, meta: &[u8]) -> Result<()> {
+        self.check_copy(source, meta)?;
+        self.send_copy(source.buffer_id(), Meta::new(meta).expect("meta checked"))
+    }
+
+    /// The checks of [`copy`](Channel::copy), in its order, sending
+    /// nothing (for [`crate::FanOut`], which checks every channel first).
+    pub(crate) fn check_copy<S: CopySource>(&mut self, source: &S, meta: &[u8]) -> Result<()> {
         self.flush_deferred();
         self.check_sendable(Direction::Tx)?;
         if source.source_domain() != self.domain.id() {
             return Err(Error::ForeignBuffer);
         }
-        let id = source.buffer_id();
-        self.check_pool(id.pool)?;
+        self.check_pool(source.buffer_id().pool)?;
         self.check_meta(meta.len())?;
-        self.check_room()?;
-        self.send_copy(id, Meta::new(meta).expect("meta checked"))
+        self.check_room()
+    }
+
+    /// How many copies of `id` this end sent that are still out.
+    pub(crate) fn copies_out_here(&self, id: BufferId) -> u32 {
+        self.domain.lock().record(id).map_or(0, |r| r.copies_out_via(self.key))
     }
 
     /// Send a copy of `id` (checks done).

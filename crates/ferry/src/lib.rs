@@ -131,6 +131,8 @@ mod channel;
 mod datapath;
 mod domain;
 mod error;
+#[cfg(not(loom))]
+mod fanout;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
@@ -158,6 +160,8 @@ pub use channel::{Channel, Event, PoolPolicy, PoolRequest, DEFAULT_SPIN};
 pub use datapath::{forward_pool, DataPath, PathConfig, PathQuota};
 pub use domain::{Domain, Pool};
 pub use error::{Error, Refused, Result, ViewMismatch};
+#[cfg(not(loom))]
+pub use fanout::{FanOut, FanOutEvent};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
 pub use secure::{SecureSource, Secured};

@@ -55,11 +55,9 @@ fn takes_passes_back_and_keeps_other_events() {
         rx.assign_pool(sink_pool.pool()).unwrap();
         rx.pass(buffer, b"answer: dropped").unwrap();
         // The producer answers the offer once alloc_wait has returned.
-        loop {
-            match next(&mut rx) {
-                Event::PoolAssigned(p) if p == sink_pool.pool().id() => return rx,
-                ev => panic!("sink: {ev:?}"),
-            }
+        match next(&mut rx) {
+            Event::PoolAssigned(p) if p == sink_pool.pool().id() => rx,
+            ev => panic!("sink: {ev:?}"),
         }
     });
 
