@@ -144,7 +144,6 @@ fn sink(path: PathBuf, bytes: usize) -> Result<()> {
                 rx.release(copy).map_err(|r| r.error)?;
                 next += 1;
             }
-            Some(Event::PoolAssignRequest(_)) => {} // accepted by the policy
             Some(Event::Closed { .. }) => break,
             Some(Event::Error(e)) => return Err(e.into()),
             Some(other) => return Err(format!("unexpected {other:?}").into()),

@@ -190,7 +190,6 @@ struct ChanPool {
 ///                     rx.pass(buffer, &[]).map_err(|r| r.error)?;
 ///                     return Ok(got);
 ///                 }
-///                 Some(Event::PoolAssignRequest(_)) => {} // accepted by the library
 ///                 other => panic!("{other:?}"),
 ///             }
 ///         }
@@ -1586,7 +1585,8 @@ impl Channel {
     /// run that is not complete yet.
     fn take(&mut self, msg: Message) -> Result<Option<Event>> {
         if self.assembling.is_none() && !matches!(msg, Message::AggHeader { .. } | Message::AggFrags { .. }) {
-            return self.deliver(msg).map(Some);
+            // A pool request the policy accepted quietly is no event.
+            return self.deliver(msg).map(|ev| self.apply_pool_policy(ev));
         }
         let taken = self.take_aggregate(msg);
         if taken.is_err() {
@@ -1700,10 +1700,7 @@ impl Channel {
                 })?;
                 Ok(Event::CopyReleased { buffer: buf, writable })
             }
-            Message::AssignRequest { pool, geometry, trust } => {
-                let ev = self.deliver_assign(pool, geometry, trust)?;
-                Ok(self.apply_pool_policy(ev))
-            }
+            Message::AssignRequest { pool, geometry, trust } => self.deliver_assign(pool, geometry, trust),
             Message::AssignReply { pool, accepted } => {
                 match self.pools.iter_mut().find(|p| p.id == pool && p.assigning) {
                     Some(p) => p.assigning = false,

@@ -37,12 +37,9 @@
 //!     std::thread::spawn(move || -> ferry::Result<u64> {
 //!         let mut rx = Channel::connect(&Domain::new("sink"), &ep, BindParams::default(), t)?;
 //!         rx.set_pool_policy(PoolPolicy::AcceptAll);
-//!         loop {
-//!             match rx.wait(Some(t)) {
-//!                 Some(Event::MoveReceived { buffer, .. }) => return Ok(buffer.as_slice_of::<u64>()?[0]),
-//!                 Some(Event::PoolAssignRequest(_)) => {} // accepted already
-//!                 other => panic!("unexpected {other:?}"),
-//!             }
+//!         match rx.wait(Some(t)) { // the pool is accepted quietly on the way
+//!             Some(Event::MoveReceived { buffer, .. }) => Ok(buffer.as_slice_of::<u64>()?[0]),
+//!             other => panic!("unexpected {other:?}"),
 //!         }
 //!     })
 //! };

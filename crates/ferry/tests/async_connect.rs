@@ -34,7 +34,6 @@ async fn round_trip(mut tx: AsyncChannel, mut rx: AsyncChannel) {
                     rx.pass(buffer, &[]).await.unwrap();
                     moves += 1;
                 }
-                Event::PoolAssignRequest(_) => {}
                 Event::Closed { .. } => break,
                 other => panic!("sink: {other:?}"),
             }
