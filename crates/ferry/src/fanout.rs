@@ -165,8 +165,8 @@ impl FanOut {
 
     /// Send a read-only copy of `buffer` to every connected sink
     /// ([`Channel::copy`]); the fan-out keeps the buffer until it is back
-    /// ([`FanOutEvent::Returned`]). Sinks whose channel is tearing down or
-    /// closed get none.
+    /// ([`FanOutEvent::Returned`]). Sinks whose channel is not connected
+    /// (not yet, or no more: tearing down, closed) get none.
     ///
     /// All or nothing: before any copy goes out, each connected sink's
     /// channel is checked as [`Channel::copy`] checks it (the buffer is of

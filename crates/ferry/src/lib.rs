@@ -55,6 +55,15 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! The common paths have short forms too: [`Allocator::alloc_wait`] gives
+//! a producer a free buffer or waits for one to be passed back;
+//! [`FanOut`] publishes each buffer to many sinks as read-only copies and
+//! hands it back once all are released; `#[derive(ferry::Pod,
+//! ferry::Zeroable)]` and [`Buffer::view`] put the application's own
+//! `#[repr(C)]` structs in buffer memory; with the `tokio` feature,
+//! `AsyncChannel::accept` and `AsyncChannel::connect` set channels up
+//! without blocking.
+//!
 //! Runnable programs are in `crates/ferry/examples/`: `threads` (local
 //! backend), `processes_shm` and `processes_tcp` (two processes; without
 //! arguments each starts its receiver as a child process). Each moves 16 MiB
