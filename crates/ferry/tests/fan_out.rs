@@ -7,7 +7,7 @@
 mod support;
 
 use std::collections::HashSet;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -22,7 +22,9 @@ const SIZE: usize = 64 << 10;
 
 /// The sink process. Roles: `release` (check every copy's bytes against
 /// the pattern of its sequence number, release it), `die` (check the first
-/// copy, print FERRY-FAN-HELD, keep it until killed).
+/// copy, print FERRY-FAN-HELD, keep it until killed), `release-when-told`
+/// (check each copy, print FERRY-FAN-HELD, release it once a line comes
+/// on stdin).
 #[test]
 #[ignore = "run as a child process by the other tests"]
 fn fan_child() {
@@ -35,10 +37,15 @@ fn fan_child() {
             Some(Event::CopyReceived { copy, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(check(&copy, seq), "sink: copy {seq} arrived with the wrong bytes");
-                if role == "die" {
+                if role == "die" || role == "release-when-told" {
                     println!("\nFERRY-FAN-HELD");
+                }
+                if role == "die" {
                     std::thread::sleep(Duration::from_secs(60));
                     unreachable!("killed before");
+                }
+                if role == "release-when-told" {
+                    std::io::stdin().read_line(&mut String::new()).unwrap();
                 }
                 rx.release(copy).unwrap();
             }
@@ -59,7 +66,8 @@ fn start_sinks(source: &Domain, roles: &[&str]) -> (FanOut, Vec<Child>) {
                 .args(["--exact", "fan_child", "--ignored", "--nocapture", "--test-threads=1"])
                 .env("FERRY_FAN_ROLE", role)
                 .env("FERRY_FAN_EP", &name)
-                .stdout(if *role == "die" { Stdio::piped() } else { Stdio::null() })
+                .stdout(if *role == "release" { Stdio::null() } else { Stdio::piped() })
+                .stdin(if *role == "release-when-told" { Stdio::piped() } else { Stdio::null() })
                 .spawn()
                 .unwrap(),
         );
@@ -158,6 +166,44 @@ fn a_sink_that_dies_gives_its_copy_back() {
     next_returned(&mut fan, &mut in_flight, dead);
     assert!(fan.channel(1).unwrap().state() == ferry::ChannelState::Closed);
     finish(fan, children, 2);
+}
+
+/// The sink dies first, while the two others still hold their copies: the
+/// buffer stays read-only (the dead process could have passed its copy on)
+/// until both have released theirs, then comes back writable, once.
+#[test]
+fn a_sink_that_dies_first_then_the_others_release() {
+    let source = Domain::new("source");
+    let roles = ["release-when-told", "die", "release-when-told"];
+    let (mut fan, mut children) = start_sinks(&source, &roles);
+    let alloc = Allocator::new(&source, 1, SIZE, PoolConstraints::default()).unwrap();
+    fan.assign_pool_and_wait(alloc.pool(), T).unwrap();
+    let mut in_flight = HashSet::from([publish(&mut fan, &alloc, 9)]);
+    // The readers stay open until the children exit (they print more).
+    let mut readers = Vec::new();
+    for child in &mut children {
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("FERRY-FAN-HELD") {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "every sink got its copy");
+        }
+        readers.push(out);
+    }
+    children[1].kill().unwrap();
+    match fan.wait(Some(T)) {
+        Some(FanOutEvent::Sink { sink: 1, event: Event::Error(_) }) => {}
+        other => panic!("expected sink 1's death, got {other:?}"),
+    }
+    assert!(fan.wait(Some(Duration::from_millis(50))).is_none(), "two copies are still out");
+    for i in [0, 2] {
+        let stdin = children[i].stdin.as_mut().unwrap();
+        writeln!(stdin, "release").unwrap();
+    }
+    next_returned(&mut fan, &mut in_flight, |_, _| false);
+    assert!(fan.poll().is_none());
+    finish(fan, children, 2);
+    drop(readers);
 }
 
 /// Threads, local backend: `n` sinks, each a channel end handed to the test.
