@@ -439,7 +439,8 @@ impl PyChannel {
     fn set_pool_policy(&self, py: Python<'_>, policy: &str) -> PyResult<()> {
         let policy = match policy {
             "ask" => PoolPolicy::Ask,
-            "accept_all" => PoolPolicy::AcceptAll,
+            // The Python API reports the accepted offers, as it always has.
+            "accept_all" => PoolPolicy::AcceptAndReport,
             other => {
                 return Err(invalid(py, format!("pool policy {other:?} is not one of \"ask\" and \"accept_all\"")))
             }
@@ -455,8 +456,8 @@ impl PyChannel {
     fn pool_policy(&self, py: Python<'_>) -> PyResult<&'static str> {
         self.with(py, "Channel.pool_policy", |ch| {
             Ok(match ch.pool_policy() {
-                PoolPolicy::AcceptAll => "accept_all",
-                _ => "ask",
+                PoolPolicy::AcceptAll | PoolPolicy::AcceptAndReport => "accept_all",
+                PoolPolicy::Ask => "ask",
             })
         })
     }

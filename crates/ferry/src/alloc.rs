@@ -1,11 +1,20 @@
 //! The pool allocator of [ETH-BT] §6.4: creates a pool in a domain and hands
 //! out its free buffers, most recently freed first.
 
+use std::time::{Duration, Instant};
+
 use crate::buffer::Buffer;
+use crate::channel::{Channel, Event};
 use crate::domain::Pool;
 use crate::domain::{self, Domain};
 use crate::error::{Error, Refused, Result};
 use crate::pool::{Geometry, PoolConstraints, PoolMemory};
+use crate::setup::ChannelState;
+
+/// How long [`Allocator::alloc_wait`] waits on the channel before it looks
+/// at the free list again (a buffer may come back without a wake-up of the
+/// channel: dropped on another thread).
+const RECHECK: Duration = Duration::from_millis(5);
 
 /// Allocates one pool and hands out its buffers.
 ///
@@ -60,6 +69,107 @@ impl Allocator {
     /// A free buffer, or `None` when all are in use.
     pub fn alloc(&self) -> Option<Buffer> {
         self.domain.alloc(self.pool.id())
+    }
+
+    /// A free buffer, waiting up to `timeout` for one to come back over
+    /// `channel` while all are in use: the producer's "allocate, or wait
+    /// for the sink to pass one back" in one call. The channel's events are
+    /// processed meanwhile:
+    ///
+    /// - A buffer of this allocator's pool passed back
+    ///   ([`Event::BufferPassed`]) is taken: it goes to the free list, and
+    ///   from there to this call. **Its meta data is dropped**: a sink that
+    ///   answers something in it needs the explicit loop
+    ///   ([`Channel::wait`], then [`alloc`](Allocator::alloc)). Such passes
+    ///   already kept in the channel by an earlier helper are taken too.
+    /// - Every other event is kept in the channel, in the order it arrived,
+    ///   and handed out by the next [`Channel::poll`] or [`Channel::wait`]:
+    ///   passes of buffers of other pools, released copies
+    ///   ([`Event::CopyReleased`]; a buffer dropped with copies out comes
+    ///   back to the free list when the last one is released, and this call
+    ///   sees it), pool events, and on a channel this domain is the sink of,
+    ///   received moves: a moved buffer holds the peer's data, so it is the
+    ///   caller's to read and drop even when it is of this pool; it is not
+    ///   free until then.
+    ///
+    /// A buffer that comes back another way (dropped on another thread,
+    /// passed back over another channel) is seen within a few milliseconds.
+    ///
+    /// Errors: [`Error::TimedOut`] after `timeout`; the error of a channel
+    /// that failed meanwhile ([`Event::Error`], kept for `poll` too) or
+    /// [`Error::NotConnected`] for one that is closed (its
+    /// [`Event::Closed`] kept likewise); [`Error::InvalidArgument`] if the
+    /// channel belongs to another domain (nothing of this pool could come
+    /// back over it).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints, PoolPolicy};
+    ///
+    /// let t = Duration::from_secs(10);
+    /// let ep = Endpoint::local();
+    /// let sink = {
+    ///     let ep = ep.clone();
+    ///     std::thread::spawn(move || -> ferry::Result<u64> {
+    ///         let mut rx = Channel::connect(&Domain::new("sink"), &ep, BindParams::default(), t)?;
+    ///         rx.set_pool_policy(PoolPolicy::AcceptAll);
+    ///         let mut sum = 0;
+    ///         while let Some(ev) = rx.wait(Some(t)) {
+    ///             if let Event::MoveReceived { buffer, .. } = ev {
+    ///                 sum += buffer[0] as u64;
+    ///                 rx.pass(buffer, &[]).map_err(|r| r.error)?;
+    ///             }
+    ///         }
+    ///         Ok(sum)
+    ///     })
+    /// };
+    /// let app = Domain::new("producer");
+    /// let mut tx = Channel::accept(&app, &ep, ChannelSetup::default(), t)?;
+    /// let alloc = Allocator::new(&app, 2, 4096, PoolConstraints::default())?; // only 2 buffers
+    /// tx.assign_pool_and_wait(alloc.pool(), t)?;
+    /// for i in 1..=10u8 {
+    ///     let mut buf = alloc.alloc_wait(&mut tx, t)?; // waits for a pass back when both are out
+    ///     buf.as_mut_slice()?[0] = i;
+    ///     tx.move_buffer(buf, &[])?;
+    /// }
+    /// tx.teardown()?;
+    /// assert_eq!(sink.join().unwrap()?, 55);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn alloc_wait(&self, channel: &mut Channel, timeout: Duration) -> Result<Buffer> {
+        if channel.domain().id() != self.domain.id() {
+            return Err(Error::InvalidArgument("the channel belongs to another domain than the allocator"));
+        }
+        let deadline = Instant::now() + timeout;
+        let pool = self.pool.id();
+        channel.drop_held_passes(pool);
+        loop {
+            if let Some(buffer) = self.alloc() {
+                return Ok(buffer);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::TimedOut);
+            }
+            match channel.wait_unheld(left.min(RECHECK)) {
+                Some(Event::BufferPassed { buffer, .. }) if buffer.id().pool == pool => drop(buffer),
+                Some(ev) => {
+                    let stop = match &ev {
+                        Event::Error(e) => Some(e.clone()),
+                        Event::Closed { .. } => Some(Error::NotConnected(ChannelState::Closed)),
+                        _ => None,
+                    };
+                    channel.hold(ev);
+                    if let Some(e) = stop {
+                        return Err(e);
+                    }
+                }
+                None if channel.state() == ChannelState::Closed => {
+                    return Err(Error::NotConnected(ChannelState::Closed))
+                }
+                None => {}
+            }
+        }
     }
 
     /// Give a buffer back (the same as dropping it, but refuses buffers of

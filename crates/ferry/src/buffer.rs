@@ -118,6 +118,44 @@ impl Buffer {
         typed(self, offset, Some(count))
     }
 
+    /// One `T` at byte `offset`: a typed view of a struct of the
+    /// application's own, made plain-old-data with
+    /// `#[derive(ferry::Pod, ferry::Zeroable)]` (no bytemuck dependency
+    /// needed). [`Error::BadView`] if it leaves the buffer or `offset` is not
+    /// aligned for `T` (buffers are page-aligned: an offset that is a
+    /// multiple of `T`'s alignment is).
+    ///
+    /// ```
+    /// use ferry::{Allocator, Domain, Error, PoolConstraints};
+    ///
+    /// #[derive(Clone, Copy, Debug, PartialEq, ferry::Pod, ferry::Zeroable)]
+    /// #[repr(C)]
+    /// struct Header {
+    ///     seq: u64,
+    ///     len: u32,
+    ///     flags: u32,
+    /// }
+    ///
+    /// let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
+    /// let mut buf = alloc.alloc().unwrap();
+    /// *buf.view_mut::<Header>(0)? = Header { seq: 7, len: 100, flags: 1 };
+    /// assert_eq!(buf.view::<Header>(0)?.seq, 7);
+    /// assert_eq!(&buf[..8], &7u64.to_ne_bytes());
+    /// assert!(matches!(buf.view::<Header>(4), Err(Error::BadView { .. })));    // misaligned
+    /// assert!(matches!(buf.view::<Header>(4088), Err(Error::BadView { .. }))); // past the end
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
+    pub fn view<T: bytemuck::Pod>(&self, offset: usize) -> Result<&T> {
+        typed(self, offset, Some(1)).map(|one| &one[0])
+    }
+
+    /// One mutable `T` at byte `offset`: the checks of
+    /// [`view`](Buffer::view), and [`Error::CopiesOutstanding`] as for
+    /// [`as_mut_slice`](Buffer::as_mut_slice).
+    pub fn view_mut<T: bytemuck::Pod>(&mut self, offset: usize) -> Result<&mut T> {
+        typed_mut(self.as_mut_slice()?, offset, Some(1)).map(|one| &mut one[0])
+    }
+
     /// The whole buffer as a mutable slice of `T`: [`Error::CopiesOutstanding`]
     /// as for [`as_mut_slice`](Buffer::as_mut_slice), [`Error::BadView`] as
     /// for [`as_slice_of`](Buffer::as_slice_of).
@@ -315,6 +353,11 @@ impl BufferCopy {
     /// `count` elements of `T` from byte `offset` (see [`Buffer::slice_of`]).
     pub fn slice_of<T: bytemuck::Pod>(&self, offset: usize, count: usize) -> Result<&[T]> {
         typed(self, offset, Some(count))
+    }
+
+    /// One `T` at byte `offset` (see [`Buffer::view`]).
+    pub fn view<T: bytemuck::Pod>(&self, offset: usize) -> Result<&T> {
+        typed(self, offset, Some(1)).map(|one| &one[0])
     }
 
     pub(crate) fn domain_id(&self) -> u64 {

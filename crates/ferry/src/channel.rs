@@ -26,6 +26,8 @@ use crate::wake::{Arm, WakeSet};
 
 mod connect;
 pub use connect::PoolPolicy;
+#[cfg(feature = "tokio")]
+pub(crate) use connect::RETRY_MAX;
 
 /// A pool-assignment request from the peer, waiting for
 /// [`Channel::respond_pool`].
@@ -188,7 +190,6 @@ struct ChanPool {
 ///                     rx.pass(buffer, &[]).map_err(|r| r.error)?;
 ///                     return Ok(got);
 ///                 }
-///                 Some(Event::PoolAssignRequest(_)) => {} // accepted by the library
 ///                 other => panic!("{other:?}"),
 ///             }
 ///         }
@@ -556,16 +557,26 @@ impl Channel {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn copy<S: CopySource>(&mut self, source: &S, meta: &[u8]) -> Result<()> {
+        self.check_copy(source, meta)?;
+        self.send_copy(source.buffer_id(), Meta::new(meta).expect("meta checked"))
+    }
+
+    /// The checks of [`copy`](Channel::copy), in its order, sending
+    /// nothing (for [`crate::FanOut`], which checks every channel first).
+    pub(crate) fn check_copy<S: CopySource>(&mut self, source: &S, meta: &[u8]) -> Result<()> {
         self.flush_deferred();
         self.check_sendable(Direction::Tx)?;
         if source.source_domain() != self.domain.id() {
             return Err(Error::ForeignBuffer);
         }
-        let id = source.buffer_id();
-        self.check_pool(id.pool)?;
+        self.check_pool(source.buffer_id().pool)?;
         self.check_meta(meta.len())?;
-        self.check_room()?;
-        self.send_copy(id, Meta::new(meta).expect("meta checked"))
+        self.check_room()
+    }
+
+    /// How many copies of `id` this end sent that are still out.
+    pub(crate) fn copies_out_here(&self, id: BufferId) -> u32 {
+        self.domain.lock().record(id).map_or(0, |r| r.copies_out_via(self.key))
     }
 
     /// Send a copy of `id` (checks done).
@@ -1574,7 +1585,8 @@ impl Channel {
     /// run that is not complete yet.
     fn take(&mut self, msg: Message) -> Result<Option<Event>> {
         if self.assembling.is_none() && !matches!(msg, Message::AggHeader { .. } | Message::AggFrags { .. }) {
-            return self.deliver(msg).map(Some);
+            // A pool request the policy accepted quietly is no event.
+            return self.deliver(msg).map(|ev| self.apply_pool_policy(ev));
         }
         let taken = self.take_aggregate(msg);
         if taken.is_err() {
@@ -1688,10 +1700,7 @@ impl Channel {
                 })?;
                 Ok(Event::CopyReleased { buffer: buf, writable })
             }
-            Message::AssignRequest { pool, geometry, trust } => {
-                let ev = self.deliver_assign(pool, geometry, trust)?;
-                Ok(self.apply_pool_policy(ev))
-            }
+            Message::AssignRequest { pool, geometry, trust } => self.deliver_assign(pool, geometry, trust),
             Message::AssignReply { pool, accepted } => {
                 match self.pools.iter_mut().find(|p| p.id == pool && p.assigning) {
                     Some(p) => p.assigning = false,

@@ -104,7 +104,6 @@ impl PathConfig {
 ///         loop {
 ///             match rx.wait(Some(t)) {
 ///                 Some(Event::MoveReceived { buffer, .. }) => rx.pass(buffer, &[]).unwrap(),
-///                 Some(Event::PoolAssignRequest(_)) => {}
 ///                 _ => return,
 ///             }
 ///         }
@@ -278,8 +277,10 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
 /// The part of a data path in a domain along it: `pool`, offered on
 /// `inbound` (an [`Event::PoolAssignRequest`](crate::Event::PoolAssignRequest)),
 /// is accepted there (unless the channel's
-/// [`PoolPolicy::AcceptAll`](crate::PoolPolicy::AcceptAll) accepted it
-/// already) and then assigned to every channel of `outbound`, waiting up to
+/// [`PoolPolicy::AcceptAndReport`](crate::PoolPolicy::AcceptAndReport)
+/// accepted it already; under
+/// [`PoolPolicy::AcceptAll`](crate::PoolPolicy::AcceptAll) the middle
+/// domain would not learn of the pool) and then assigned to every channel of `outbound`, waiting up to
 /// `timeout` for each answer. Call it when the request arrives, before
 /// forwarding any buffer: buffers of the pool arrive on `inbound` only
 /// after the acceptance, and by then the pool is on the outgoing channels
@@ -298,7 +299,7 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
 ///     let bc = bc.clone();
 ///     std::thread::spawn(move || {
 ///         let mut rx = Channel::connect(&Domain::new("c"), &bc, BindParams::default(), t).unwrap();
-///         rx.set_pool_policy(PoolPolicy::AcceptAll);
+///         rx.set_pool_policy(PoolPolicy::AcceptAndReport); // accept, and say which pool
 ///         match rx.wait(Some(t)) {
 ///             Some(Event::PoolAssignRequest(req)) => req.pool,
 ///             other => panic!("{other:?}"),

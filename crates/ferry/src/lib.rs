@@ -37,12 +37,9 @@
 //!     std::thread::spawn(move || -> ferry::Result<u64> {
 //!         let mut rx = Channel::connect(&Domain::new("sink"), &ep, BindParams::default(), t)?;
 //!         rx.set_pool_policy(PoolPolicy::AcceptAll);
-//!         loop {
-//!             match rx.wait(Some(t)) {
-//!                 Some(Event::MoveReceived { buffer, .. }) => return Ok(buffer.as_slice_of::<u64>()?[0]),
-//!                 Some(Event::PoolAssignRequest(_)) => {} // accepted already
-//!                 other => panic!("unexpected {other:?}"),
-//!             }
+//!         match rx.wait(Some(t)) { // the pool is accepted quietly on the way
+//!             Some(Event::MoveReceived { buffer, .. }) => Ok(buffer.as_slice_of::<u64>()?[0]),
+//!             other => panic!("unexpected {other:?}"),
 //!         }
 //!     })
 //! };
@@ -57,6 +54,15 @@
 //! assert_eq!(sink.join().unwrap()?, 42);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! The common paths have short forms too: [`Allocator::alloc_wait`] gives
+//! a producer a free buffer or waits for one to be passed back;
+//! [`FanOut`] publishes each buffer to many sinks as read-only copies and
+//! hands it back once all are released; `#[derive(ferry::Pod,
+//! ferry::Zeroable)]` and [`Buffer::view`] put the application's own
+//! `#[repr(C)]` structs in buffer memory; with the `tokio` feature,
+//! `AsyncChannel::accept` and `AsyncChannel::connect` set channels up
+//! without blocking.
 //!
 //! Runnable programs are in `crates/ferry/examples/`: `threads` (local
 //! backend), `processes_shm` and `processes_tcp` (two processes; without
@@ -120,6 +126,9 @@
 // `loom` is a test build of the ring, never a user's: no "non-loom" labels.
 #![cfg_attr(docsrs, doc(auto_cfg(hide(loom))))]
 
+// `::ferry::…` paths (those the derives emit) work inside the crate too.
+extern crate self as ferry;
+
 // The README's examples are doctests too.
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
@@ -133,6 +142,8 @@ mod channel;
 mod datapath;
 mod domain;
 mod error;
+#[cfg(not(loom))]
+mod fanout;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
@@ -161,6 +172,8 @@ pub use channel::{Channel, Event, PoolPolicy, PoolRequest, DEFAULT_SPIN};
 pub use datapath::{forward_pool, DataPath, PathConfig, PathQuota};
 pub use domain::{Domain, Pool};
 pub use error::{Error, Refused, Result, ViewMismatch};
+#[cfg(not(loom))]
+pub use fanout::{FanOut, FanOutEvent};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
 pub use secure::{SecureSource, Secured};
@@ -174,5 +187,18 @@ pub use setup::{
 /// buffer memory ([`Buffer::as_slice_of`] and friends): no extra dependency
 /// line is needed to name its traits or implement them for your own types.
 pub use bytemuck;
-/// Plain-old-data types, which a typed view of buffer memory may hold.
-pub use bytemuck::{Pod, Zeroable};
+/// The derives `#[derive(ferry::Pod, ferry::Zeroable)]`, with the checks of
+/// bytemuck's own (a `#[repr(C)]` or `#[repr(transparent)]` struct, every
+/// field plain old data, no padding; see [`Buffer::view`]); they name the
+/// traits through
+/// [`ferry::bytemuck`](crate::bytemuck), so a crate using Ferry needs no
+/// bytemuck dependency of its own.
+pub use ferry_derive::{Pod, Zeroable};
+/// The plain-old-data traits, through a glob: an explicit import of the
+/// derives above takes the macro namespace, whether or not bytemuck's own
+/// derives (its `derive` feature, which another crate may turn on) are
+/// there too.
+mod pod_traits {
+    pub use bytemuck::{Pod, Zeroable};
+}
+pub use pod_traits::*;

@@ -70,7 +70,7 @@ fn left(deadline: Option<Instant>) -> Option<Option<Duration>> {
 ///     rx.wait_connected(t)?;
 ///     rx.set_pool_policy(PoolPolicy::AcceptAll);
 ///     tx.assign_pool(alloc.pool())?;
-///     assert!(matches!(rx.poll(), Some(Event::PoolAssignRequest(_)))); // accepted by the policy
+///     assert!(rx.poll().is_none()); // accepted by the policy, no event
 ///     assert!(matches!(tx.poll(), Some(Event::PoolAssigned(_))));
 ///     sinks.push(rx);
 ///     sources.push(tx);
@@ -188,7 +188,6 @@ struct Entry {
 /// while !selector.is_empty() {
 ///     match selector.wait(Some(t)) {
 ///         Some((key, Event::BindRequest { .. })) => selector.get_mut(key).unwrap().set_pool_policy(PoolPolicy::AcceptAll),
-///         Some((_, Event::PoolAssignRequest(_))) => {} // accepted by the policy
 ///         Some((key, Event::MoveReceived { buffer, .. })) => {
 ///             selector.get_mut(key).unwrap().pass(buffer, &[])?;
 ///             served += 1;

@@ -16,7 +16,10 @@
 //!   [`release`](AsyncChannel::release), …) wait for room instead of
 //!   failing with [`Error::QueueFull`]; every other error is returned at
 //!   once, as by the blocking operation.
-//! - [`wait_connected`](AsyncChannel::wait_connected) and
+//! - [`AsyncChannel::accept`] and [`AsyncChannel::connect`] are the
+//!   async forms of [`Channel::accept`] and [`Channel::connect`] (the
+//!   binder retries while nobody listens yet);
+//!   [`wait_connected`](AsyncChannel::wait_connected) and
 //!   [`assign_pool_and_wait`](AsyncChannel::assign_pool_and_wait) are the
 //!   async forms of the blocking helpers.
 //! - [`AsyncChannel::poll_next_event`] and the [`Stream`] implementation are
@@ -91,7 +94,10 @@ use ::tokio::io::unix::AsyncFd;
 use ::tokio::io::Interest;
 use futures_core::Stream;
 
-use crate::{Buffer, BufferCopy, Channel, ChannelState, CopySource, Error, Event, Pool, Refused, Result};
+use crate::{
+    BindParams, Buffer, BufferCopy, Channel, ChannelSetup, ChannelState, CopySource, Domain, Endpoint, Error, Event,
+    Pool, Refused, Result,
+};
 
 /// How many times a wait looks again at once (the channel said something
 /// may be ready, and it was not yet) before it lets the other tasks of its
@@ -165,6 +171,119 @@ impl AsyncChannel {
                 let (inner, e) = e.into_parts();
                 Err(Refused::new(e.into(), inner.0))
             }
+        }
+    }
+
+    /// [`Channel::accept`] for tokio: create a channel on `endpoint`, wrap
+    /// it, and wait until a binder is connected (its
+    /// [`Event::BindRequest`] taken). [`Error::TimedOut`] if none came
+    /// within `timeout`; the errors of [`Channel::create`] and
+    /// [`AsyncChannel::new`]. Dropping the future drops the channel: the
+    /// endpoint is free again.
+    ///
+    /// # Panics
+    ///
+    /// Inside a runtime built without its I/O driver or its timer (build
+    /// it with `enable_all`).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::tokio::AsyncChannel;
+    /// use ferry::{BindParams, ChannelSetup, ChannelState, Domain, Endpoint};
+    ///
+    /// let t = Duration::from_secs(10);
+    /// let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    /// rt.block_on(async {
+    ///     let ep = Endpoint::local();
+    ///     // The binder may start first: it retries until the channel exists.
+    ///     let binder = tokio::spawn({
+    ///         let ep = ep.clone();
+    ///         async move { AsyncChannel::connect(&Domain::new("sink"), &ep, BindParams::default(), t).await }
+    ///     });
+    ///     let tx = AsyncChannel::accept(&Domain::new("source"), &ep, ChannelSetup::default(), t).await?;
+    ///     let rx = binder.await.expect("the task ran")?;
+    ///     assert_eq!((tx.get_ref().state(), rx.get_ref().state()), (ChannelState::Connected, ChannelState::Connected));
+    ///     Ok::<(), ferry::Error>(())
+    /// })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn accept(
+        domain: &Domain,
+        endpoint: &Endpoint,
+        setup: ChannelSetup,
+        timeout: Duration,
+    ) -> Result<AsyncChannel> {
+        let deadline = ::tokio::time::Instant::now() + timeout;
+        let ch = AsyncChannel::new(Channel::create(domain, endpoint, setup)?).map_err(|r| r.error)?;
+        ch.connected_by(deadline).await
+    }
+
+    /// [`Channel::connect`] for tokio: bind to `endpoint`, retrying (pausing
+    /// up to 50 ms, without holding a runtime thread) while nobody listens
+    /// there yet, wrap the channel, and wait for the creator's reply (its
+    /// [`Event::Bound`] taken). The errors of [`Channel::connect`]:
+    /// [`Error::EndpointNotListening`] if nobody listened within `timeout`,
+    /// [`Error::TimedOut`] if the creator did not answer in time,
+    /// [`Error::BindRefused`], the other errors of [`Channel::bind`] at
+    /// once; and those of [`AsyncChannel::new`].
+    ///
+    /// Each bind attempt runs on tokio's blocking pool: over TCP it
+    /// connects, which may take up to [`BindParams::timeout`] when the host
+    /// does not answer. Dropping the future abandons the attempt under way
+    /// (its channel is dropped when it completes) and makes no other.
+    ///
+    /// # Panics
+    ///
+    /// As [`accept`](AsyncChannel::accept).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use ferry::tokio::AsyncChannel;
+    /// use ferry::{BindParams, Domain, Endpoint, Error};
+    ///
+    /// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    /// // Nobody creates a channel on this endpoint.
+    /// let err = rt.block_on(AsyncChannel::connect(&Domain::new("d"), &Endpoint::local(), BindParams::default(), Duration::from_millis(20)));
+    /// assert_eq!(err.unwrap_err(), Error::EndpointNotListening);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub async fn connect(
+        domain: &Domain,
+        endpoint: &Endpoint,
+        params: BindParams,
+        timeout: Duration,
+    ) -> Result<AsyncChannel> {
+        let deadline = ::tokio::time::Instant::now() + timeout;
+        let mut pause = Duration::from_millis(1);
+        let ch = loop {
+            let (domain, endpoint) = (domain.clone(), endpoint.clone());
+            let attempt = ::tokio::task::spawn_blocking(move || Channel::bind(&domain, &endpoint, params));
+            match attempt.await {
+                Ok(Ok(ch)) => break ch,
+                Ok(Err(Error::EndpointNotListening)) => {
+                    let left = deadline.saturating_duration_since(::tokio::time::Instant::now());
+                    if left.is_zero() {
+                        return Err(Error::EndpointNotListening);
+                    }
+                    ::tokio::time::sleep(pause.min(left)).await;
+                    pause = (pause * 2).min(crate::channel::RETRY_MAX);
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(_) => return Err(Error::Os("the runtime is shutting down".into())),
+            }
+        };
+        let ch = AsyncChannel::new(ch).map_err(|r| r.error)?;
+        ch.connected_by(deadline).await
+    }
+
+    /// [`wait_connected`](AsyncChannel::wait_connected) until `deadline`
+    /// ([`Error::TimedOut`] past it).
+    async fn connected_by(mut self, deadline: ::tokio::time::Instant) -> Result<AsyncChannel> {
+        match ::tokio::time::timeout_at(deadline, self.wait_connected()).await {
+            Ok(Ok(())) => Ok(self),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(Error::TimedOut),
         }
     }
 

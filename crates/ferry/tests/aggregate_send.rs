@@ -47,7 +47,8 @@ fn relay(ep1: &Endpoint, ep2: &Endpoint) {
     let b = Domain::new("B");
     let mut ch1 = Channel::connect(&b, ep1, BindParams::default(), T).expect("relay: bind to A");
     let mut ch2 = Channel::connect(&b, ep2, BindParams::default(), T).expect("relay: bind to C");
-    ch1.set_pool_policy(PoolPolicy::AcceptAll);
+    // The relay learns of A's pool from the (accepted) request, to offer it on.
+    ch1.set_pool_policy(PoolPolicy::AcceptAndReport);
     ch2.set_pool_policy(PoolPolicy::AcceptAll);
     assert_eq!((ch1.direction(), ch2.direction()), (Direction::Rx, Direction::Tx));
     let hdr = Allocator::new(&b, 2, SIZE, PoolConstraints::default()).unwrap();

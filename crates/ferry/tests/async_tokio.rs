@@ -40,7 +40,7 @@ async fn local_pair(a: &Domain, b: &Domain, alloc: &Allocator, depth: u32) -> (A
     let setup = ChannelSetup { direction: Direction::Tx, role: Role::Master, queue_depth: depth, ..Default::default() };
     let mut tx = AsyncChannel::new(Channel::create(a, &ep, setup).unwrap()).unwrap();
     let mut rx = AsyncChannel::new(Channel::bind(b, &ep, BindParams::default()).unwrap()).unwrap();
-    rx.get_mut().set_pool_policy(PoolPolicy::AcceptAll);
+    rx.get_mut().set_pool_policy(PoolPolicy::AcceptAndReport);
     timeout(T, tx.wait_connected()).await.unwrap().unwrap();
     timeout(T, rx.wait_connected()).await.unwrap().unwrap();
     // The sink must run for the answer to go out: it waits in its own task.

@@ -166,26 +166,32 @@ fn wait_connected_states() {
 // ---------------------------------------------------------------------------
 // Pool policy and assign_pool_and_wait
 
-/// Under AcceptAll the receiver's library accepts; the sender's wait ends
-/// with Ok, and the receiver still sees the request, already answered.
+/// Under AcceptAll the receiver's library accepts and reports nothing: the
+/// sender's wait ends with Ok, and the receiver's first event is the first
+/// move. Under AcceptAndReport the receiver still sees the request, already
+/// answered.
 #[test]
 fn accept_all_and_assign_and_wait() {
-    for b in ALL {
+    for (b, report) in ALL.into_iter().flat_map(|b| [(b, false), (b, true)]) {
         let (mut tx, mut rx) = pair(b, ChannelSetup::default(), BindParams::default());
         assert_eq!(rx.pool_policy(), PoolPolicy::Ask);
-        rx.set_pool_policy(PoolPolicy::AcceptAll);
+        rx.set_pool_policy(if report { PoolPolicy::AcceptAndReport } else { PoolPolicy::AcceptAll });
         let pool = alloc(&tx, 4);
         let id = pool.pool().id();
         let receiver = on_thread(rx, move |rx| {
-            let req = match next(rx) {
-                Event::PoolAssignRequest(req) => req,
-                ev => panic!("expected the request, got {ev:?}"),
-            };
-            assert!(rx.is_assigned(req.pool) && rx.pending_requests().is_empty());
-            assert_eq!(rx.respond_pool(req.pool, true), Err(Error::NoPendingRequest(req.pool)));
-            match next(rx) {
+            let mut ev = next(rx);
+            if report {
+                let req = match ev {
+                    Event::PoolAssignRequest(req) => req,
+                    ev => panic!("expected the request, got {ev:?}"),
+                };
+                assert!(rx.is_assigned(req.pool) && rx.pending_requests().is_empty());
+                assert_eq!(rx.respond_pool(req.pool, true), Err(Error::NoPendingRequest(req.pool)));
+                ev = next(rx);
+            }
+            match ev {
                 Event::MoveReceived { buffer, meta } => (buffer.id().pool, buffer[0], meta.to_vec()),
-                ev => panic!("expected a move, got {ev:?}"),
+                ev => panic!("expected a move (report: {report}), got {ev:?}"),
             }
         });
         tx.assign_pool_and_wait(pool.pool(), T).unwrap_or_else(|e| panic!("{b:?}: {e}"));
@@ -194,8 +200,9 @@ fn accept_all_and_assign_and_wait() {
         buf.as_mut_slice().unwrap()[0] = 42;
         tx.move_buffer(buf, b"m").unwrap();
         tx.flush().unwrap();
-        let (_rx, got) = receiver.join().unwrap();
+        let (rx, got) = receiver.join().unwrap();
         assert_eq!(got, (id, 42, b"m".to_vec()), "{b:?}");
+        assert!(rx.is_assigned(id) && rx.pending_requests().is_empty());
         // Assigning it again is refused as before.
         assert_eq!(tx.assign_pool_and_wait(pool.pool(), T), Err(Error::PoolAlreadyAssigned(id)));
     }
@@ -262,7 +269,7 @@ fn assign_timeout_then_the_answer_as_an_event() {
 fn no_event_is_lost_while_waiting() {
     for b in ALL {
         let (mut tx, mut rx) = pair(b, ChannelSetup::default(), BindParams::default());
-        rx.set_pool_policy(PoolPolicy::AcceptAll);
+        rx.set_pool_policy(PoolPolicy::AcceptAndReport);
         let first = alloc(&tx, 4);
         let receiver = on_thread(rx, |rx| while !matches!(next(rx), Event::PoolAssignRequest(_)) {});
         tx.assign_pool_and_wait(first.pool(), T).unwrap();
@@ -340,8 +347,8 @@ fn held_copies_go_back_on_drop() {
         // The receiver is the one that waits here: it assigns its own pool
         // while a copy from the sender is on its way.
         let (mut tx, mut rx) = pair(b, ChannelSetup::default(), BindParams::default());
-        tx.set_pool_policy(PoolPolicy::AcceptAll);
-        rx.set_pool_policy(PoolPolicy::AcceptAll);
+        tx.set_pool_policy(PoolPolicy::AcceptAndReport);
+        rx.set_pool_policy(PoolPolicy::AcceptAndReport);
         let pool = alloc(&tx, 2);
         let receiver = on_thread(rx, |rx| while !matches!(next(rx), Event::PoolAssignRequest(_)) {});
         tx.assign_pool_and_wait(pool.pool(), T).unwrap();

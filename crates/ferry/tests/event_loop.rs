@@ -324,7 +324,7 @@ fn event_loop_child() {
     };
     let d = Domain::new("child");
     let mut ch = Channel::connect(&d, &ep, BindParams::default(), T).expect("connect");
-    ch.set_pool_policy(PoolPolicy::AcceptAll);
+    ch.set_pool_policy(PoolPolicy::AcceptAndReport);
     println!("@ev bound");
     let mut kept = Vec::new();
     if role == "hold" {
@@ -475,7 +475,7 @@ impl Sender {
 /// assigned (1100 buffers), every setup event taken.
 fn receiver(kind: Kind, sink: &Domain) -> (Channel, Sender) {
     let (mut rx, spec, ep) = create(kind, sink, rx_setup(), QUIET);
-    rx.set_pool_policy(PoolPolicy::AcceptAll);
+    rx.set_pool_policy(PoolPolicy::AcceptAndReport);
     let sender = if kind == Kind::Local {
         let src = Domain::new("source");
         let mut tx = Channel::bind(&src, &ep, BindParams::default()).unwrap();
@@ -657,7 +657,7 @@ fn fd_through_setup(kind: Kind) {
     assert!(tx.arm());
     if let Some(rx) = local_rx.as_mut() {
         rx.wait_connected(T).unwrap();
-        rx.set_pool_policy(PoolPolicy::AcceptAll);
+        rx.set_pool_policy(PoolPolicy::AcceptAndReport);
         assert!(matches!(rx.wait(Some(T)), Some(Event::PoolAssignRequest(_))));
     } else {
         let peer = peer.as_mut().unwrap();
@@ -913,7 +913,7 @@ fn room(kind: Kind, depth: u32, size: usize) {
             let (done_tx, done) = mpsc::channel();
             let h = std::thread::spawn(move || {
                 let mut rx = Channel::connect(&Domain::new("consumer"), &ep, BindParams::default(), T).unwrap();
-                rx.set_pool_policy(PoolPolicy::AcceptAll);
+                rx.set_pool_policy(PoolPolicy::AcceptAndReport);
                 let mut kept = Vec::new();
                 let mut pool_seen = false;
                 // Serve the pool request, then take only what we are told.
@@ -1029,7 +1029,7 @@ fn room_handshake_never_loses_a_wakeup() {
     let mut tx = Channel::create(&d, &ep, setup).unwrap();
     let consumer = std::thread::spawn(move || {
         let mut rx = Channel::connect(&Domain::new("consumer"), &ep, BindParams::default(), T).unwrap();
-        rx.set_pool_policy(PoolPolicy::AcceptAll);
+        rx.set_pool_policy(PoolPolicy::AcceptAndReport);
         let mut kept = Vec::with_capacity(TOTAL as usize);
         let mut x = 0x9E37_79B9u32;
         while (kept.len() as u64) < TOTAL {
@@ -1182,7 +1182,7 @@ fn selector_accounts_for_every_message() {
         for _ in 0..EACH {
             let ep = Endpoint::local();
             let mut rx = Channel::create(&server, &ep, rx_setup()).unwrap();
-            rx.set_pool_policy(PoolPolicy::AcceptAll);
+            rx.set_pool_policy(PoolPolicy::AcceptAndReport);
             sel.insert(rx);
             eps.push(ep);
         }
@@ -1397,7 +1397,7 @@ fn selector_churn_alone() {
     for _ in 0..STAY {
         let ep = Endpoint::local();
         let mut rx = Channel::create(&server, &ep, rx_setup()).unwrap();
-        rx.set_pool_policy(PoolPolicy::AcceptAll);
+        rx.set_pool_policy(PoolPolicy::AcceptAndReport);
         sel.insert(rx);
         eps.push(ep);
     }
@@ -1471,7 +1471,7 @@ fn selector_churn_alone() {
         // A new channel in, its source here.
         let ep = Endpoint::local();
         let mut rx = Channel::create(&server, &ep, rx_setup()).unwrap();
-        rx.set_pool_policy(PoolPolicy::AcceptAll);
+        rx.set_pool_policy(PoolPolicy::AcceptAndReport);
         let key = sel.insert(rx);
         if let Some(k) = freed {
             assert_eq!(key, k, "the freed key is reused");

@@ -33,15 +33,24 @@ pub enum PoolPolicy {
     Ask,
     /// The library accepts every pool the peer offers, as the request is
     /// delivered (the answer goes out at once, also on a backend that
-    /// batches sends). [`Event::PoolAssignRequest`] is still reported, for
+    /// batches sends), and reports nothing: no
+    /// [`Event::PoolAssignRequest`] reaches the application's event loop,
+    /// which has nothing to do with it ([`Channel::is_assigned`] tells
+    /// whether a pool is on the channel; the first buffer of a pool
+    /// arrives after its acceptance). Pools the library vetoes by itself
+    /// (outside the channel's constraints or limits) are still vetoed and
+    /// reported as such. A request that arrives after this end started a
+    /// teardown cannot be answered: it is reported, and stays pending.
+    AcceptAll,
+    /// As [`AcceptAll`](PoolPolicy::AcceptAll), and each accepted request
+    /// is still reported as an [`Event::PoolAssignRequest`], for
     /// information: the pool is already assigned
     /// ([`Channel::is_assigned`] is true) and there is nothing to answer
     /// ([`Channel::respond_pool`] would fail with
-    /// [`Error::NoPendingRequest`]). Pools the library vetoes by itself
-    /// (outside the channel's constraints) are still vetoed. A request that
-    /// arrives after this end started a teardown cannot be answered and
-    /// stays pending.
-    AcceptAll,
+    /// [`Error::NoPendingRequest`]). For a domain that learns of pools to
+    /// pass them on (along a data path, with
+    /// [`forward_pool`](crate::forward_pool)) or that counts them.
+    AcceptAndReport,
 }
 
 /// The helpers' state in a channel end.
@@ -53,7 +62,7 @@ pub(super) struct Helpers {
 }
 
 /// How long [`Channel::connect`] pauses between two binds at most.
-const RETRY_MAX: Duration = Duration::from_millis(50);
+pub(crate) const RETRY_MAX: Duration = Duration::from_millis(50);
 
 impl Channel {
     /// Create a channel on `endpoint` ([`Channel::create`]) and wait until
@@ -187,10 +196,16 @@ impl Channel {
     ///
     /// let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
     /// tx.assign_pool(alloc.pool())?;
-    /// let req = rx.wait(Some(t));                 // reported, and already accepted
-    /// assert!(matches!(req, Some(ferry::Event::PoolAssignRequest(_))));
+    /// assert!(rx.poll().is_none());              // accepted as it arrived: no event
     /// assert!(rx.is_assigned(alloc.pool().id()));
     /// assert!(matches!(tx.wait(Some(t)), Some(ferry::Event::PoolAssigned(_))));
+    ///
+    /// // AcceptAndReport accepts too, and says so.
+    /// let other = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// rx.set_pool_policy(PoolPolicy::AcceptAndReport);
+    /// tx.assign_pool(other.pool())?;
+    /// assert!(matches!(rx.poll(), Some(ferry::Event::PoolAssignRequest(r)) if r.pool == other.pool().id()));
+    /// assert!(rx.is_assigned(other.pool().id()));
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn set_pool_policy(&mut self, policy: PoolPolicy) {
@@ -289,7 +304,7 @@ impl Channel {
 
     /// [`Channel::wait`] for a new arrival, leaving the held events where
     /// they are (they stay first in line).
-    fn wait_unheld(&mut self, timeout: Duration) -> Option<Event> {
+    pub(crate) fn wait_unheld(&mut self, timeout: Duration) -> Option<Event> {
         let held = std::mem::take(&mut self.helpers.held);
         let ev = self.wait(Some(timeout));
         debug_assert!(self.helpers.held.is_empty(), "wait holds nothing back");
@@ -327,27 +342,38 @@ impl Channel {
 
     /// Keep an event a waiting helper took: [`Channel::poll`] hands it out
     /// after those held before it.
-    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn hold(&mut self, ev: Event) {
         self.helpers.held.push_back(ev);
     }
 
-    /// Under [`PoolPolicy::AcceptAll`], accept the pool of a request just
-    /// delivered (the reply is queued like every reply made while
-    /// delivering, so a full queue does not lose it).
-    pub(super) fn apply_pool_policy(&mut self, ev: Event) -> Event {
-        if let Event::PoolAssignRequest(req) = &ev {
-            if self.helpers.policy == PoolPolicy::AcceptAll && self.state == ChannelState::Connected {
-                if let Some(pos) = self.requests.iter().position(|r| r.pool == req.pool) {
-                    self.reply(Message::AssignReply { pool: req.pool, accepted: true });
-                    self.settle_request(pos, true);
-                    // The application does not know there is a reply to
-                    // send: a backend that batches sends it now (an error
-                    // shows at the next operation).
-                    let _ = self.link_mut().flush();
-                }
-            }
+    /// Take the buffers of `pool` that came back ([`Event::BufferPassed`])
+    /// among the events a helper kept, and drop them (to their domain's free
+    /// list): for [`Allocator::alloc_wait`](crate::Allocator::alloc_wait).
+    /// The other held events stay, in order.
+    pub(crate) fn drop_held_passes(&mut self, pool: crate::pool::PoolId) {
+        self.helpers.held.retain(|ev| !matches!(ev, Event::BufferPassed { buffer, .. } if buffer.id().pool == pool));
+    }
+
+    /// Under [`PoolPolicy::AcceptAll`] and [`PoolPolicy::AcceptAndReport`],
+    /// accept the pool of a request just delivered (the reply is queued
+    /// like every reply made while delivering, so a full queue does not
+    /// lose it). The event, or `None` when [`PoolPolicy::AcceptAll`]
+    /// accepted it: there is nothing to report.
+    pub(super) fn apply_pool_policy(&mut self, ev: Event) -> Option<Event> {
+        let Event::PoolAssignRequest(req) = &ev else { return Some(ev) };
+        if self.helpers.policy == PoolPolicy::Ask || self.state != ChannelState::Connected {
+            return Some(ev);
         }
-        ev
+        let Some(pos) = self.requests.iter().position(|r| r.pool == req.pool) else { return Some(ev) };
+        self.reply(Message::AssignReply { pool: req.pool, accepted: true });
+        self.settle_request(pos, true);
+        // The application does not know there is a reply to send: a
+        // backend that batches sends it now (an error shows at the next
+        // operation).
+        let _ = self.link_mut().flush();
+        match self.helpers.policy {
+            PoolPolicy::AcceptAndReport => Some(ev),
+            _ => None,
+        }
     }
 }
