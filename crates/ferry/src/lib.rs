@@ -131,6 +131,7 @@ mod error;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod inspect;
 mod ledger;
 mod pool;
 mod proto;
@@ -155,6 +156,7 @@ pub use channel::{Channel, Event, PoolPolicy, PoolRequest, DEFAULT_SPIN};
 pub use datapath::{forward_pool, DataPath, PathConfig, PathQuota};
 pub use domain::{Domain, Pool};
 pub use error::{Error, Refused, Result, ViewMismatch};
+pub use inspect::{ChannelStats, DomainStats, OpCounts, PoolStats};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
 pub use secure::{SecureSource, Secured};

@@ -296,6 +296,10 @@ impl LocalLink {
 }
 
 impl Link for LocalLink {
+    fn peer(&self) -> String {
+        format!("pid {} (this process)", std::process::id())
+    }
+
     fn has_room(&mut self) -> bool {
         if self.tx.free_slots() > 0 {
             return true;

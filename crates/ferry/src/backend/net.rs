@@ -1005,6 +1005,10 @@ impl NetLink {
 }
 
 impl Link for NetLink {
+    fn peer(&self) -> String {
+        self.stream.peer_addr().map(|a| a.to_string()).unwrap_or_default()
+    }
+
     fn has_room(&mut self) -> bool {
         if self.out.len() >= self.depth {
             let _ = self.flush();
