@@ -167,12 +167,16 @@ fn start(pid: u32) -> io::Result<State> {
             libc::atexit(remove_at_exit);
         }
     });
+    let file = Arc::new(file);
+    // A first snapshot at once, empty: a reader never finds the file
+    // without one.
+    write_snapshot(&file, pid, start_time, &name, &[]);
     let spawned = std::thread::Builder::new().name("ferry-inspect".into()).spawn(move || publisher(pid));
     if let Err(e) = spawned {
         let _ = std::fs::remove_file(&path);
         return Err(e);
     }
-    Ok(State { pid, file: Arc::new(file), start_time, name, domains: Vec::new(), channels: Vec::new() })
+    Ok(State { pid, file, start_time, name, domains: Vec::new(), channels: Vec::new() })
 }
 
 extern "C" fn remove_at_exit() {
@@ -189,14 +193,12 @@ extern "C" fn remove_at_exit() {
     });
 }
 
-/// The registry thread: a snapshot every [`INTERVAL`], for as long as the
-/// process lives (it stops if the registry was restarted by a fork).
+/// The registry thread: a snapshot now (once the registration that
+/// started it is done) and every [`INTERVAL`], for as long as the process
+/// lives (it stops if the registry was restarted by a fork).
 fn publisher(pid: u32) {
-    loop {
+    while std::process::id() == pid && publish() {
         std::thread::sleep(INTERVAL);
-        if std::process::id() != pid || !publish() {
-            return;
-        }
     }
 }
 
@@ -259,7 +261,14 @@ fn publish() -> bool {
             .collect();
         snaps.push(DomainSnapshot { id: d.id, name: d.name().to_owned(), pools, channels: chans });
     }
-    let body = format::encode_body(&name, INTERVAL.as_millis() as u32, &snaps);
+    write_snapshot(&file, pid, start_time, &name, &snaps);
+    true
+}
+
+/// Rewrite the file: the generation odd, the body, then the header with
+/// the next even generation and the body's checksum.
+fn write_snapshot(file: &File, pid: u32, start_time: u64, name: &str, domains: &[DomainSnapshot]) {
+    let body = format::encode_body(name, INTERVAL.as_millis() as u32, domains);
     let mut generation = lock(&WRITER);
     let next = generation.wrapping_add(2) & !1;
     let header = format::header(next, &body, pid, start_time, now_ms());
@@ -270,7 +279,6 @@ fn publish() -> bool {
     *generation = next;
     // A write that failed (a full file system) is tried again next time.
     let _ = written;
-    true
 }
 
 /// One registry file as a reader found it.
@@ -295,15 +303,7 @@ fn file_pid(path: &Path) -> Option<u32> {
 /// reader panic, hang or allocate more than the file's size.
 pub fn read_file(path: &Path) -> Result<ProcessSnapshot, ReadError> {
     let io_err = |e: io::Error| ReadError::Io(format!("{}: {e}", path.display()));
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(path)
-        .map_err(io_err)?;
-    let md = file.metadata().map_err(io_err)?;
-    if !md.is_file() {
-        return Err(ReadError::Format("not a regular file"));
-    }
+    let file = open_regular(path).map_err(io_err)?;
     let cap = (HEADER_LEN + MAX_BODY) as u64;
     let mut last = ReadError::Busy;
     for attempt in 0..8 {
@@ -333,6 +333,19 @@ pub fn read_file(path: &Path) -> Result<ProcessSnapshot, ReadError> {
         }
     }
     Err(last)
+}
+
+/// Open a file to read without following a symbolic link or waiting (a
+/// FIFO put in its place); only a regular file will do.
+fn open_regular(path: &Path) -> io::Result<File> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::other("not a regular file"));
+    }
+    Ok(file)
 }
 
 fn read_at_most(file: &File, buf: &mut [u8]) -> io::Result<usize> {
@@ -371,7 +384,7 @@ fn stale(path: &Path, pid: u32) -> bool {
         return true;
     }
     let mut header = [0u8; HEADER_LEN];
-    let read = File::open(path).and_then(|f| f.read_exact_at(&mut header, 0));
+    let read = open_regular(path).and_then(|f| f.read_exact_at(&mut header, 0));
     match read.ok().and_then(|()| format::parse_header(&header).ok()) {
         Some(h) => h.start_time != 0 && h.start_time != start,
         // Unreadable or not (yet) a registry file: only the pid tells.
