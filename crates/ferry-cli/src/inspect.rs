@@ -248,7 +248,17 @@ fn rate(v: f64) -> String {
     }
 }
 
+/// `s` in at most `max` characters, its end cut (names).
 fn short(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.to_string();
+    }
+    let head: String = s.chars().take(max - 1).collect();
+    format!("{head}…")
+}
+
+/// `s` in at most `max` characters, its start cut (paths: the end says most).
+fn short_tail(s: &str, max: usize) -> String {
     if s.chars().count() <= max {
         return s.to_string();
     }
@@ -312,7 +322,7 @@ fn table(listings: &[Listing], derived: &HashMap<ChanId, Derived>, watch: bool) 
                         c.direction,
                         c.state,
                         short(&c.peer, 14),
-                        short(&c.endpoint, 22),
+                        short_tail(&c.endpoint, 22),
                         moves,
                         passes,
                         copies,
