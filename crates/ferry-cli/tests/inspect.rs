@@ -357,6 +357,8 @@ fn garbage_registry_files_do_not_crash_the_inspector() {
     let mut lying = valid_header(body.len() as u32, 2);
     lying[32..40].copy_from_slice(&sum.to_le_bytes());
     lying.extend_from_slice(&body);
+    let mut short = valid_header(1000, 2);
+    short.extend_from_slice(&[0; 100]);
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("empty", Vec::new()),
         ("text", b"hello, this is not a registry file\n".repeat(50)),
@@ -365,6 +367,7 @@ fn garbage_registry_files_do_not_crash_the_inspector() {
         ("huge body length", huge),
         ("forever odd generation", valid_header(0, 3)),
         ("lying counts", lying),
+        ("body shorter than its header says", short),
     ];
     for (what, bytes) in cases {
         std::fs::write(&path, &bytes).unwrap();
@@ -377,11 +380,24 @@ fn garbage_registry_files_do_not_crash_the_inspector() {
             assert!(String::from_utf8_lossy(&out.stdout).contains("unreadable registry file"), "{what}");
         }
     }
-    // A symbolic link in place of a file is not followed.
-    std::fs::remove_file(&path).unwrap();
-    std::os::unix::fs::symlink("/etc/passwd", &path).unwrap();
+    // A symbolic link in place of a file is not followed, even to a file
+    // that would read well.
+    let body = [1u8, 0, b'x', 250, 0, 0, 0, 0, 0];
+    let mut sum: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in body {
+        sum = (sum ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let mut valid = valid_header(body.len() as u32, 2);
+    valid[32..40].copy_from_slice(&sum.to_le_bytes());
+    valid.extend_from_slice(&body);
+    std::fs::write(&path, &valid).unwrap();
+    assert_eq!(process(&inspect_json(&[]), pid).unwrap()["name"], "x", "the well-formed file reads");
+    let elsewhere = registry().with_extension(format!("{pid}.elsewhere"));
+    std::fs::rename(&path, &elsewhere).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &path).unwrap();
     let v = inspect_json(&[]);
-    assert!(process(&v, pid).unwrap()["error"].is_string());
+    assert!(process(&v, pid).unwrap()["error"].is_string(), "{v:#}");
+    std::fs::remove_file(&elsewhere).unwrap();
     // Once its process is gone, the file is swept.
     std::fs::remove_file(&path).unwrap();
     std::fs::write(&path, b"garbage").unwrap();

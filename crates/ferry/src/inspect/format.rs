@@ -456,7 +456,9 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<ProcessSnapshot, ReadError> {
     if h.generation % 2 == 1 {
         return Err(ReadError::Busy);
     }
-    let body = bytes.get(HEADER_LEN..HEADER_LEN + h.body_len).ok_or(ReadError::Busy)?;
+    let body = bytes
+        .get(HEADER_LEN..HEADER_LEN + h.body_len)
+        .ok_or(ReadError::Malformed("body shorter than its header says"))?;
     if checksum(body) != h.checksum {
         // A rewrite under our feet, or a damaged file: the caller reads
         // again and gives up after a few tries.

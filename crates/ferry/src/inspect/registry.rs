@@ -14,7 +14,7 @@
 //! a zombie, or runs a later process: the start time differs).
 
 use std::fs::File;
-use std::io;
+use std::io::{self, Read, Seek};
 use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -310,10 +310,11 @@ pub fn read_file(path: &Path) -> Result<ProcessSnapshot, ReadError> {
         if attempt > 0 {
             std::thread::sleep(Duration::from_millis(2));
         }
-        let len = file.metadata().map_err(io_err)?.len().min(cap) as usize;
-        let mut bytes = vec![0u8; len];
-        let n = read_at_most(&file, &mut bytes).map_err(io_err)?;
-        bytes.truncate(n);
+        // Up to the end, however far the writer got (the file never
+        // shrinks: a body shorter than its header says is damage).
+        let mut bytes = Vec::new();
+        (&file).rewind().map_err(io_err)?;
+        (&file).take(cap).read_to_end(&mut bytes).map_err(io_err)?;
         match format::parse(&bytes) {
             Ok(snap) => {
                 let mut again = [0u8; 8];
@@ -346,19 +347,6 @@ fn open_regular(path: &Path) -> io::Result<File> {
         return Err(io::Error::other("not a regular file"));
     }
     Ok(file)
-}
-
-fn read_at_most(file: &File, buf: &mut [u8]) -> io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], done as u64) {
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
 }
 
 /// Remove the registry files in `dir` whose process is gone; returns how
