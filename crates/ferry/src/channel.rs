@@ -1488,12 +1488,13 @@ impl Channel {
         }
     }
 
-    /// Record how full the outgoing queue is.
+    /// Record how full the outgoing queue is, where the backend can say
+    /// without sending anything.
     fn sample_queue(&mut self) {
         if let Some(link) = self.link.as_mut() {
-            let capacity = link.capacity();
-            let room = link.room();
-            self.inspect.counters.sample_queue(capacity.saturating_sub(room), capacity);
+            if let Some(queued) = link.queued() {
+                self.inspect.counters.sample_queue(queued, link.capacity());
+            }
         }
     }
 

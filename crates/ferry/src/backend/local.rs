@@ -296,6 +296,10 @@ impl LocalLink {
 }
 
 impl Link for LocalLink {
+    fn queued(&mut self) -> Option<usize> {
+        Some((self.tx.capacity() - self.tx.free_slots_now()) as usize)
+    }
+
     fn peer(&self) -> String {
         format!("pid {} (this process)", std::process::id())
     }

@@ -149,6 +149,12 @@ pub(crate) trait Link: Send {
     fn abandon(&mut self) -> bool {
         false
     }
+    /// Messages in the outgoing queue not yet taken by the peer (or the
+    /// transport), for the counters; without side effects on sending
+    /// (`None`: the backend cannot say cheaply).
+    fn queued(&mut self) -> Option<usize> {
+        None
+    }
     /// Who the peer is, for the registry (`pid N`, an address); empty if
     /// the backend cannot say.
     fn peer(&self) -> String {

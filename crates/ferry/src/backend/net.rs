@@ -1005,6 +1005,10 @@ impl NetLink {
 }
 
 impl Link for NetLink {
+    fn queued(&mut self) -> Option<usize> {
+        Some(self.out.len())
+    }
+
     fn peer(&self) -> String {
         self.stream.peer_addr().map(|a| a.to_string()).unwrap_or_default()
     }

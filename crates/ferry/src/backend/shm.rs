@@ -588,6 +588,10 @@ impl ShmLink {
 }
 
 impl Link for ShmLink {
+    fn queued(&mut self) -> Option<usize> {
+        Some((self.tx.capacity() - self.tx.free_slots_now()) as usize)
+    }
+
     fn peer(&self) -> String {
         self.conn.peer_pid().map(|pid| format!("pid {}", pid.as_raw_nonzero())).unwrap_or_default()
     }

@@ -39,9 +39,9 @@ pub const MAGIC: [u8; 8] = *b"FERRYIN\0";
 pub const VERSION: u32 = 1;
 /// Bytes before the body.
 pub const HEADER_LEN: usize = 64;
-/// The largest body a reader accepts (a process with thousands of
-/// channels stays far below).
-pub const MAX_BODY: usize = 4 << 20;
+/// The largest body a reader accepts: room for the most domains and
+/// channel ends a snapshot can hold (65535 each).
+pub const MAX_BODY: usize = 64 << 20;
 /// The longest string written (endpoint paths and names are cut).
 const MAX_STR: usize = 1024;
 
@@ -494,24 +494,45 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<ProcessSnapshot, ReadError> {
 
 /// Encode a snapshot's body (the header comes from [`header`]).
 pub(crate) fn encode_body(name: &str, interval_ms: u32, domains: &[DomainSnapshot]) -> Vec<u8> {
+    // What does not fit in what a reader accepts is left out (its counts
+    // are patched to what was written), never the whole snapshot.
+    let budget = MAX_BODY - (64 << 10);
+    let patch = |w: &mut Writer, at: usize, n: usize| w.buf[at..at + 2].copy_from_slice(&(n as u16).to_le_bytes());
     let mut w = Writer::default();
     w.str(name);
     w.u32(interval_ms);
-    w.u16(domains.len().min(u16::MAX as usize) as u16);
+    let domains_at = w.buf.len();
+    w.u16(0);
+    let mut written = 0;
     for d in domains.iter().take(u16::MAX as usize) {
+        if w.buf.len() > budget {
+            break;
+        }
         w.u64(d.id);
         w.str(&d.name);
-        let (pools, chans) = (&d.pools[..d.pools.len().min(u16::MAX as usize)], &d.channels);
-        let chans = &chans[..chans.len().min(u16::MAX as usize)];
-        w.u16(pools.len() as u16);
-        w.u16(chans.len() as u16);
-        for p in pools {
+        let counts_at = w.buf.len();
+        w.u16(0);
+        w.u16(0);
+        let (mut pools, mut chans) = (0, 0);
+        for p in d.pools.iter().take(u16::MAX as usize) {
+            if w.buf.len() > budget {
+                break;
+            }
             w.pool(p);
+            pools += 1;
         }
-        for c in chans {
+        for c in d.channels.iter().take(u16::MAX as usize) {
+            if w.buf.len() > budget {
+                break;
+            }
             w.channel(c);
+            chans += 1;
         }
+        patch(&mut w, counts_at, pools);
+        patch(&mut w, counts_at + 2, chans);
+        written += 1;
     }
+    patch(&mut w, domains_at, written);
     w.buf
 }
 
@@ -570,6 +591,21 @@ mod tests {
     fn round_trip() {
         let s = sample();
         assert_eq!(parse(&file(&s)), Ok(s));
+    }
+
+    #[test]
+    fn a_snapshot_too_large_for_readers_is_cut_not_lost() {
+        let mut s = sample();
+        let chan = s.domains[0].channels[0].clone();
+        let long = ChannelSnapshot { endpoint: "e".repeat(MAX_STR), ..chan };
+        // 65535 ends of over 1 KiB each: more than a reader takes.
+        s.domains[0].channels = vec![long; u16::MAX as usize];
+        let f = file(&s);
+        assert!(f.len() <= HEADER_LEN + MAX_BODY);
+        let read = parse(&f).expect("a readable snapshot");
+        let n = read.domains[0].channels.len();
+        assert!(n > 1000 && n < u16::MAX as usize, "{n} channels written");
+        assert_eq!(read.domains[0].pools, s.domains[0].pools);
     }
 
     #[test]

@@ -204,17 +204,14 @@ fn publisher(pid: u32) {
 
 pub(crate) fn register_domain(domain: &Arc<DomainShared>) {
     if let Some(mut st) = started() {
-        let st = st.as_mut().expect("started");
-        st.domains.retain(|d| d.strong_count() > 0);
-        st.domains.push(Arc::downgrade(domain));
+        // (The registry thread drops the dead ones.)
+        st.as_mut().expect("started").domains.push(Arc::downgrade(domain));
     }
 }
 
 pub(crate) fn register_channel(entry: &Arc<ChanEntry>) {
     if let Some(mut st) = started() {
-        let st = st.as_mut().expect("started");
-        st.channels.retain(|c| c.strong_count() > 0);
-        st.channels.push(Arc::downgrade(entry));
+        st.as_mut().expect("started").channels.push(Arc::downgrade(entry));
     }
 }
 
