@@ -612,7 +612,7 @@ impl Channel {
         // no payload: the buffer has been read-only since, so the peer's
         // bytes are current (the TCP backend then sends none).
         let cross = self.lent.is_some();
-        let resend = {
+        let (resend, size) = {
             let mut st = self.domain.lock();
             if cross {
                 // Counted in the pool ledger before it goes: if we die, the
@@ -623,7 +623,6 @@ impl Channel {
             st.copy_sent(id, self.key);
             (resend, st.entry(id.pool).map_or(0, |e| e.view.geometry().buffer_size()))
         };
-        let (resend, size) = resend;
         let msg = Message::Copy { buf: id, meta };
         let link = self.link_mut();
         let sent = if resend { link.send_unfilled(&msg) } else { link.send(&msg) };
@@ -1586,17 +1585,19 @@ impl Channel {
                 if let Some(gate) = gate.detach() {
                     link.set_gate(gate);
                 }
-                self.role = if creator { neg.creator_role } else { neg.binder_role };
+                let role = if creator { neg.creator_role } else { neg.binder_role };
                 self.inspect.counters.sample_queue(0, link.capacity());
-                let (peer, role, direction, trust) = (link.peer(), self.role, self.direction, self.trust);
+                let (peer, direction, trust) = (link.peer(), self.direction, self.trust);
                 self.inspect.update(|i| {
                     (i.peer, i.role, i.direction, i.trust) = (peer, role, direction, trust);
                     i.state = ChannelState::Connected;
                 });
                 self.link = Some(link);
                 if creator {
+                    self.role = neg.creator_role;
                     Some(Event::BindRequest { binder_role: neg.binder_role })
                 } else {
+                    self.role = neg.binder_role;
                     Some(Event::Bound)
                 }
             }
@@ -1614,25 +1615,26 @@ impl Channel {
     /// one) admitted by this channel's [`ChannelGate`].
     fn recv(&mut self) -> Result<Option<Message>> {
         let mut gate = ChannelGate { domain: &self.domain, pools: &self.pools, direction: self.direction };
-        match self.link.as_deref_mut() {
+        let received = match self.link.as_deref_mut() {
             Some(link) => link.recv(&mut gate),
             None => Ok(None),
+        };
+        if let Ok(Some(_)) = received {
+            self.inspect.counters.message_in();
         }
+        received
     }
 
     fn poll_message(&mut self) -> Option<Event> {
         loop {
             let received = self.recv();
             return match received {
-                Ok(Some(msg)) => {
-                    self.inspect.counters.message_in();
-                    match self.take(msg) {
-                        Ok(Some(ev)) => Some(ev),
-                        // A slot of an aggregate run that is not complete yet.
-                        Ok(None) => continue,
-                        Err(e) => Some(self.fail(e)),
-                    }
-                }
+                Ok(Some(msg)) => match self.take(msg) {
+                    Ok(Some(ev)) => Some(ev),
+                    // A slot of an aggregate run that is not complete yet.
+                    Ok(None) => continue,
+                    Err(e) => Some(self.fail(e)),
+                },
                 Ok(None) => None,
                 Err(e) => Some(self.link_failed(e)),
             };
