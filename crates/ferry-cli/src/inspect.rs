@@ -200,9 +200,7 @@ fn derive(listings: &[Listing], previous: Option<&[Listing]>) -> HashMap<ChanId,
                     }
                 });
                 let no_progress = prev.is_some_and(|p| {
-                    elapsed > 0.0
-                        && p.stats.messages_received == c.stats.messages_received
-                        && p.stats.sent == c.stats.sent
+                    elapsed > 0.0 && p.stats.received == c.stats.received && p.stats.sent == c.stats.sent
                 });
                 let live = matches!(c.state.as_str(), "Connected" | "Teardown");
                 let stalled = if !live {
@@ -464,7 +462,6 @@ fn channel_json(c: &ChannelSnapshot, dv: Derived) -> Value {
         "received": ops_json(&st.received),
         "bytes_sent": st.bytes_sent,
         "bytes_received": st.bytes_received,
-        "messages_received": st.messages_received,
     });
     let more = json!({
         "queue_capacity": st.queue_capacity,

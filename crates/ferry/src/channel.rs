@@ -1615,14 +1615,10 @@ impl Channel {
     /// one) admitted by this channel's [`ChannelGate`].
     fn recv(&mut self) -> Result<Option<Message>> {
         let mut gate = ChannelGate { domain: &self.domain, pools: &self.pools, direction: self.direction };
-        let received = match self.link.as_deref_mut() {
+        match self.link.as_deref_mut() {
             Some(link) => link.recv(&mut gate),
             None => Ok(None),
-        };
-        if let Ok(Some(_)) = received {
-            self.inspect.counters.message_in();
         }
-        received
     }
 
     fn poll_message(&mut self) -> Option<Event> {

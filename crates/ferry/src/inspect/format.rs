@@ -49,7 +49,7 @@ const MAX_STR: usize = 1024;
 pub(crate) const GENERATION_AT: u64 = 16;
 
 /// Names of a channel's counters, in the order they are stored.
-pub const CHANNEL_FIELDS: [&str; 23] = [
+pub const CHANNEL_FIELDS: [&str; 22] = [
     "moves_sent",
     "passes_sent",
     "copies_sent",
@@ -72,7 +72,6 @@ pub const CHANNEL_FIELDS: [&str; 23] = [
     "queue_full",
     "wakeups",
     "errors",
-    "messages_received",
 ];
 
 /// Why a registry file could not be read.
@@ -279,7 +278,6 @@ fn channel_fields(s: &ChannelStats) -> [u64; CHANNEL_FIELDS.len()] {
         s.queue_full,
         s.wakeups,
         s.errors,
-        s.messages_received,
     ]
 }
 
@@ -400,7 +398,6 @@ impl<'a> Reader<'a> {
             queue_full: f[19],
             wakeups: f[20],
             errors: f[21],
-            messages_received: f[22],
             blocked: flags & 1 != 0,
         };
         let [backend, endpoint, peer, role, direction, trust, state] = s;

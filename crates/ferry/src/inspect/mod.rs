@@ -18,7 +18,7 @@
 //! thread writes (a load and a store, no locked instruction), so they cost
 //! the data path next to nothing; the registry thread only reads them.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::setup::{ChannelState, Direction, Role};
@@ -69,7 +69,7 @@ pub struct ChannelStats {
     /// Messages the outgoing queue holds at most.
     pub queue_capacity: u32,
     /// Messages in the outgoing queue, not yet taken by the peer, when last
-    /// sampled (every 64 sends and whenever the end prepares to sleep).
+    /// sampled (every 64 operations of a kind sent, and whenever the end prepares to sleep).
     pub queue_depth: u32,
     /// The most messages seen in the outgoing queue (the capacity once a
     /// send found it full).
@@ -85,9 +85,6 @@ pub struct ChannelStats {
     pub wakeups: u64,
     /// Error events (a protocol violation, a dead peer, a failed setup).
     pub errors: u64,
-    /// Messages of every kind taken from the incoming queue (replies,
-    /// aggregate slots and teardown markers included).
-    pub messages_received: u64,
 }
 
 /// What a domain holds of one pool ([`Pool::stats`](crate::Pool::stats)).
@@ -145,30 +142,32 @@ pub(crate) struct ChanCounters {
     received: [AtomicU64; 7],
     bytes_sent: AtomicU64,
     bytes_received: AtomicU64,
-    messages_sent: AtomicU64,
-    messages_received: AtomicU64,
     queue_capacity: AtomicU32,
     queue_depth: AtomicU32,
     queue_high_water: AtomicU32,
     queue_full: AtomicU64,
-    blocked: AtomicBool,
+    /// Operations sent when a send was last refused for a full queue, plus
+    /// one (0: never): still the count, the end is blocked. Kept on the
+    /// refusal, so a send pays nothing for it.
+    sent_at_full: AtomicU64,
     wakeups: AtomicU64,
     errors: AtomicU64,
 }
 
 impl ChanCounters {
     /// An operation of `bytes` payload went out. Returns whether the queue
-    /// depth is due for a sample (every 64 sends).
+    /// depth is due for a sample (every 64 operations of a kind).
     #[inline]
     pub(crate) fn sent(&self, op: Op, bytes: u64) -> bool {
-        add(&self.sent[op as usize], 1);
+        let c = &self.sent[op as usize];
+        let n = c.load(Ordering::Relaxed).wrapping_add(1);
+        c.store(n, Ordering::Relaxed);
         add(&self.bytes_sent, bytes);
-        let n = self.messages_sent.load(Ordering::Relaxed).wrapping_add(1);
-        self.messages_sent.store(n, Ordering::Relaxed);
-        if self.blocked.load(Ordering::Relaxed) {
-            self.blocked.store(false, Ordering::Relaxed);
-        }
         n % 64 == 0
+    }
+
+    fn total_sent(&self) -> u64 {
+        self.sent.iter().map(|c| c.load(Ordering::Relaxed)).fold(0, u64::wrapping_add)
     }
 
     /// An operation of `bytes` payload was delivered.
@@ -178,16 +177,10 @@ impl ChanCounters {
         add(&self.bytes_received, bytes);
     }
 
-    /// A message (of any kind) was taken from the incoming queue.
-    #[inline]
-    pub(crate) fn message_in(&self) {
-        add(&self.messages_received, 1);
-    }
-
     /// A send was refused for a full queue.
     pub(crate) fn queue_full(&self) {
         add(&self.queue_full, 1);
-        self.blocked.store(true, Ordering::Relaxed);
+        self.sent_at_full.store(self.total_sent().wrapping_add(1), Ordering::Relaxed);
         let cap = self.queue_capacity.load(Ordering::Relaxed);
         self.queue_depth.store(cap, Ordering::Relaxed);
         self.queue_high_water.store(cap, Ordering::Relaxed);
@@ -236,10 +229,9 @@ impl ChanCounters {
             queue_depth: self.queue_depth.load(Ordering::Relaxed),
             queue_high_water: self.queue_high_water.load(Ordering::Relaxed),
             queue_full: self.queue_full.load(Ordering::Relaxed),
-            blocked: self.blocked.load(Ordering::Relaxed),
+            blocked: self.sent_at_full.load(Ordering::Relaxed) == self.total_sent().wrapping_add(1),
             wakeups: self.wakeups.load(Ordering::Relaxed),
             errors: self.errors.load(Ordering::Relaxed),
-            messages_received: self.messages_received.load(Ordering::Relaxed),
         }
     }
 }
