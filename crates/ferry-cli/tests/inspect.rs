@@ -398,8 +398,16 @@ fn garbage_registry_files_do_not_crash_the_inspector() {
     let v = inspect_json(&[]);
     assert!(process(&v, pid).unwrap()["error"].is_string(), "{v:#}");
     std::fs::remove_file(&elsewhere).unwrap();
-    // Once its process is gone, the file is swept.
+    // Written by an earlier process with the same pid (another start
+    // time): stale, swept although the pid runs.
     std::fs::remove_file(&path).unwrap();
+    let mut earlier = valid.clone();
+    earlier[48..56].copy_from_slice(&1u64.to_le_bytes());
+    std::fs::write(&path, &earlier).unwrap();
+    let v = inspect_json(&[]);
+    assert!(process(&v, pid).is_none(), "{v:#}");
+    assert!(!path.exists(), "a file of an earlier process with this pid was not swept");
+    // Once its process is gone, the file is swept.
     std::fs::write(&path, b"garbage").unwrap();
     sleeper.kill().unwrap();
     sleeper.wait().unwrap();
