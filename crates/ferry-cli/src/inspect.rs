@@ -132,7 +132,12 @@ fn ops_sum(o: &ferry::OpCounts) -> u64 {
 
 /// The ends of the other processes that are this end's peer: same backend
 /// and endpoint, each naming the other's pid.
-fn peer_of<'a>(pid: u32, ch: &ChannelSnapshot, all: &'a [(u32, &'a ChannelSnapshot)]) -> Option<&'a ChannelSnapshot> {
+/// The peer's end and whether its process stopped publishing.
+fn peer_of<'a>(
+    pid: u32,
+    ch: &ChannelSnapshot,
+    all: &'a [(u32, &'a ChannelSnapshot, bool)],
+) -> Option<(&'a ChannelSnapshot, bool)> {
     let peer_pid: u32 = ch.peer.strip_prefix("pid ")?.split(' ').next()?.parse().ok()?;
     if peer_pid == pid {
         return None; // a local channel: both ends are here, unmatched
@@ -140,11 +145,11 @@ fn peer_of<'a>(pid: u32, ch: &ChannelSnapshot, all: &'a [(u32, &'a ChannelSnapsh
     let me = format!("pid {pid}");
     let mut found = all
         .iter()
-        .filter(|(p, c)| *p == peer_pid && c.backend == ch.backend && c.endpoint == ch.endpoint && c.peer == me);
+        .filter(|(p, c, _)| *p == peer_pid && c.backend == ch.backend && c.endpoint == ch.endpoint && c.peer == me);
     let first = found.next()?;
     // Two candidates (two channels on one endpoint between the same two
     // processes): cannot tell which.
-    found.next().is_none().then_some(first.1)
+    found.next().is_none().then_some((first.1, first.2))
 }
 
 /// A process whose snapshot is older than this many publication intervals
@@ -162,9 +167,9 @@ fn silent(s: &ProcessSnapshot) -> bool {
 
 fn derive(listings: &[Listing], previous: Option<&[Listing]>) -> HashMap<ChanId, Derived> {
     let snaps: Vec<&ProcessSnapshot> = listings.iter().filter_map(|l| l.snapshot.as_ref().ok()).collect();
-    let all: Vec<(u32, &ChannelSnapshot)> = snaps
+    let all: Vec<(u32, &ChannelSnapshot, bool)> = snaps
         .iter()
-        .flat_map(|s| s.domains.iter().flat_map(move |d| d.channels.iter().map(move |c| (s.pid, c))))
+        .flat_map(|s| s.domains.iter().flat_map(move |d| d.channels.iter().map(move |c| (s.pid, c, silent(s)))))
         .collect();
     // Each end as the previous snapshot of its process had it, and when.
     let mut before: HashMap<ChanId, (ChannelSnapshot, u64)> = HashMap::new();
@@ -180,8 +185,12 @@ fn derive(listings: &[Listing], previous: Option<&[Listing]>) -> HashMap<ChanId,
         for d in &s.domains {
             for c in &d.channels {
                 let id = (s.pid, d.id, c.key);
-                let backlog =
-                    peer_of(s.pid, c, &all).map(|p| ops_sum(&p.stats.sent).saturating_sub(ops_sum(&c.stats.received)));
+                let peer = peer_of(s.pid, c, &all);
+                // What the peer sent that we have not taken, and what we
+                // sent that the peer has not taken.
+                let backlog = peer.map(|(p, _)| ops_sum(&p.stats.sent).saturating_sub(ops_sum(&c.stats.received)));
+                let unread = peer.map_or(0, |(p, _)| ops_sum(&c.stats.sent).saturating_sub(ops_sum(&p.stats.received)));
+                let peer_silent = peer.is_some_and(|(_, silent)| silent);
                 let (prev, then) = match before.get(&id) {
                     Some((c, t)) => (Some(c), *t),
                     None => (None, 0),
@@ -206,11 +215,15 @@ fn derive(listings: &[Listing], previous: Option<&[Listing]>) -> HashMap<ChanId,
                 let stalled = if !live {
                     None
                 } else if silent(s) {
-                    Some("process not publishing: stopped or hung")
+                    Some("not publishing (stopped or hung)")
                 } else if c.stats.blocked {
-                    Some("queue full: the peer takes nothing")
+                    Some("queue full, peer not taking")
+                } else if peer_silent && unread > 0 {
+                    Some("peer stopped or hung")
                 } else if no_progress && backlog.is_some_and(|b| b > 0) {
-                    Some("messages wait, none taken")
+                    Some("not taking what waits")
+                } else if no_progress && unread > 0 {
+                    Some("peer not taking")
                 } else {
                     None
                 };
@@ -289,7 +302,7 @@ fn table(listings: &[Listing], derived: &HashMap<ChanId, Derived>, watch: bool) 
         let volume =
             if watch { ["MOVES/s", "PASSES/s", "COPIES/s", "GB/s"] } else { ["MOVES", "PASSES", "COPIES", "BYTES"] };
         o += &format!(
-            "{:>7} {:<12} {:>3} {:<5} {:<3} {:<10} {:<14} {:<22} {:>9} {:>9} {:>9} {:>10} {:>11} {:>7} {:>7} {:>5} {:>3}  {}\n",
+            "{:>7} {:<14} {:>3} {:<5} {:<3} {:<10} {:<14} {:<20} {:>9} {:>9} {:>9} {:>10} {:>11} {:>7} {:>7} {:>5} {:>3}  {}\n",
             "PID", "DOMAIN", "CH", "BACK", "DIR", "STATE", "PEER", "ENDPOINT", volume[0], volume[1], volume[2],
             volume[3], "QUEUE/HW", "WAITING", "FULL", "WAKE", "ERR", "NOTE"
         );
@@ -312,15 +325,15 @@ fn table(listings: &[Listing], derived: &HashMap<ChanId, Derived>, watch: bool) 
                     };
                     let note = dv.stalled.map_or(String::new(), |why| format!("STALLED: {why}"));
                     let row = format!(
-                        "{:>7} {:<12} {:>3} {:<5} {:<3} {:<10} {:<14} {:<22} {:>9} {:>9} {:>9} {:>10} {:>11} {:>7} {:>7} {:>5} {:>3}  {}",
+                        "{:>7} {:<14} {:>3} {:<5} {:<3} {:<10} {:<14} {:<20} {:>9} {:>9} {:>9} {:>10} {:>11} {:>7} {:>7} {:>5} {:>3}  {}",
                         s.pid,
-                        short(&d.name, 12),
+                        short(&d.name, 14),
                         c.key,
                         c.backend,
                         c.direction,
                         c.state,
                         short(&c.peer, 14),
-                        short_tail(&c.endpoint, 22),
+                        short_tail(&c.endpoint, 20),
                         moves,
                         passes,
                         copies,
@@ -344,11 +357,11 @@ fn table(listings: &[Listing], derived: &HashMap<ChanId, Derived>, watch: bool) 
     if pools > 0 {
         o += "\nPOOLS\n";
         o += &format!(
-            "{:>7} {:<12} {:<16} {:<6} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8}\n",
+            "{:>7} {:<14} {:<16} {:<6} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8}\n",
             "PID", "DOMAIN", "POOL", "ORIGIN", "BUFFERS", "SIZE", "FREE", "IN USE", "LENT", "COPIES", "COPIES"
         );
         o += &format!(
-            "{:>7} {:<12} {:<16} {:<6} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8}\n",
+            "{:>7} {:<14} {:<16} {:<6} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8}\n",
             "", "", "", "", "", "", "", "", "", "HELD", "OUT"
         );
         for s in &live {
@@ -356,9 +369,9 @@ fn table(listings: &[Listing], derived: &HashMap<ChanId, Derived>, watch: bool) 
                 for p in &d.pools {
                     let ps = &p.stats;
                     o += &format!(
-                        "{:>7} {:<12} {:<16} {:<6} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8}\n",
+                        "{:>7} {:<14} {:<16} {:<6} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8}\n",
                         s.pid,
-                        short(&d.name, 12),
+                        short(&d.name, 14),
                         ferry::PoolId::from_u128(p.id).to_string(),
                         if p.created_here { "here" } else { "peer" },
                         p.buffers,

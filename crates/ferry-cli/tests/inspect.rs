@@ -281,6 +281,27 @@ fn a_stalled_sink_is_flagged() {
     inspect_until(&[&me.to_string()], "the closed channel gone", |v| channel(v, me, "stalling").is_none());
 }
 
+#[test]
+fn a_source_waiting_on_a_stopped_sink_is_flagged() {
+    let mut p = Pipeline::start("waiting", 64, &[]);
+    let (me, echo) = (std::process::id(), p.echo.id());
+    p.round_trips(10);
+    inspect_until(&[], "the echo's channel", |v| {
+        channel(v, echo, "echo").is_some_and(|c| c["received"]["moves"] == 10)
+    });
+    signal(&p.echo, rustix::process::Signal::STOP);
+    // A few moves, far from filling the queue: nothing is refused.
+    for _ in 0..5 {
+        p.tx.move_buffer(p.alloc.alloc().unwrap(), &[]).unwrap();
+    }
+    assert!(!p.tx.stats().blocked);
+    let v = inspect_until(&[], "our end flagged", |v| channel(v, me, "waiting").is_some_and(|c| c["stalled"] == true));
+    let ours = channel(&v, me, "waiting").unwrap();
+    assert_eq!(ours["stalled_why"], "peer stopped or hung", "{ours:#}");
+    assert_eq!(channel(&v, echo, "echo").unwrap()["waiting"], 5);
+    unstall(p);
+}
+
 /// The screen shows a stalled row of ours in bold red (tmux renders the
 /// attributes as separate sequences).
 fn stalled_in_red(screen: &str) -> bool {
