@@ -21,7 +21,17 @@ const T: Duration = Duration::from_secs(20);
 fn registry() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("ferry-inspect-test-{}", std::process::id()));
+        let base = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        // The directories of earlier runs whose process is gone.
+        for entry in std::fs::read_dir(base).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(pid) = name.strip_prefix("inspect-").and_then(|p| p.parse::<u32>().ok()) {
+                if !Path::new(&format!("/proc/{pid}")).exists() {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+            }
+        }
+        let dir = base.join(format!("inspect-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         // Only Rust code reads the environment in this binary, through
         // std, which serializes it with this write.
@@ -413,7 +423,7 @@ fn garbage_registry_files_do_not_crash_the_inspector() {
     valid.extend_from_slice(&body);
     std::fs::write(&path, &valid).unwrap();
     assert_eq!(process(&inspect_json(&[]), pid).unwrap()["name"], "x", "the well-formed file reads");
-    let elsewhere = registry().with_extension(format!("{pid}.elsewhere"));
+    let elsewhere = registry().join(format!("{pid}.elsewhere"));
     std::fs::rename(&path, &elsewhere).unwrap();
     std::os::unix::fs::symlink(&elsewhere, &path).unwrap();
     let v = inspect_json(&[]);
@@ -440,7 +450,7 @@ fn garbage_registry_files_do_not_crash_the_inspector() {
 #[test]
 fn ferry_inspect_0_writes_nothing() {
     for (on, env) in [(true, "1"), (false, "0")] {
-        let dir = std::env::temp_dir().join(format!("ferry-inspect-off-{}-{on}", std::process::id()));
+        let dir = registry().with_file_name(format!("inspect-off-{}-{on}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let d = dir.to_str().unwrap();
         let mut p = Pipeline::start(
