@@ -150,7 +150,8 @@ pub struct ChannelSnapshot {
     pub backend: String,
     /// The endpoint it was created or bound on (socket path, address).
     pub endpoint: String,
-    /// The peer: `pid N` for shared memory, an address for TCP, empty
+    /// The peer: `pid N` for shared memory, `this process` for local
+    /// channels, an address for TCP and mux channels, empty
     /// before it is connected.
     pub peer: String,
     /// Role (Generic, Master, Slave).
