@@ -215,7 +215,7 @@ fn derive(listings: &[Listing], previous: Option<&[Listing]>) -> HashMap<ChanId,
                 let stalled = if !live {
                     None
                 } else if silent(s) {
-                    Some("not publishing (stopped or hung)")
+                    Some("process stopped or hung")
                 } else if c.stats.blocked {
                     Some("queue full, peer not taking")
                 } else if peer_silent && unread > 0 {
@@ -302,7 +302,7 @@ fn table(listings: &[Listing], derived: &HashMap<ChanId, Derived>, watch: bool) 
         let volume =
             if watch { ["MOVES/s", "PASSES/s", "COPIES/s", "GB/s"] } else { ["MOVES", "PASSES", "COPIES", "BYTES"] };
         o += &format!(
-            "{:>7} {:<14} {:>3} {:<5} {:<3} {:<10} {:<14} {:<20} {:>9} {:>9} {:>9} {:>10} {:>11} {:>7} {:>7} {:>5} {:>3}  {}\n",
+            "{:>7} {:<14} {:>3} {:<5} {:<3} {:<10} {:<12} {:<20} {:>8} {:>8} {:>8} {:>9} {:>11} {:>7} {:>6} {:>5} {:>3}  {}\n",
             "PID", "DOMAIN", "CH", "BACK", "DIR", "STATE", "PEER", "ENDPOINT", volume[0], volume[1], volume[2],
             volume[3], "QUEUE/HW", "WAITING", "FULL", "WAKE", "ERR", "NOTE"
         );
@@ -325,14 +325,14 @@ fn table(listings: &[Listing], derived: &HashMap<ChanId, Derived>, watch: bool) 
                     };
                     let note = dv.stalled.map_or(String::new(), |why| format!("STALLED: {why}"));
                     let row = format!(
-                        "{:>7} {:<14} {:>3} {:<5} {:<3} {:<10} {:<14} {:<20} {:>9} {:>9} {:>9} {:>10} {:>11} {:>7} {:>7} {:>5} {:>3}  {}",
+                        "{:>7} {:<14} {:>3} {:<5} {:<3} {:<10} {:<12} {:<20} {:>8} {:>8} {:>8} {:>9} {:>11} {:>7} {:>6} {:>5} {:>3}  {}",
                         s.pid,
                         short(&d.name, 14),
                         c.key,
                         c.backend,
                         c.direction,
                         c.state,
-                        short(&c.peer, 14),
+                        short(&c.peer, 12),
                         short_tail(&c.endpoint, 20),
                         moves,
                         passes,

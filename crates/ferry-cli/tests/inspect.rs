@@ -280,7 +280,7 @@ fn a_stalled_sink_is_flagged() {
     assert_eq!((ours["queue_capacity"].as_u64(), ours["queue_high_water"].as_u64()), (Some(8), Some(8)));
     assert!(ours["queue_full"].as_u64().unwrap() >= 1);
     let theirs = channel(&v, echo, "echo").unwrap();
-    assert!(theirs["stalled_why"].as_str().unwrap().contains("not publishing"), "{theirs:#}");
+    assert!(theirs["stalled_why"].as_str().unwrap().contains("process stopped or hung"), "{theirs:#}");
     assert_eq!(process(&v, echo).unwrap()["publishing"], false);
     // The table says so too.
     let out = ferry_cmd().args(["inspect", &me.to_string()]).output().unwrap();

@@ -198,8 +198,17 @@ extern "C" fn remove_at_exit() {
 /// lives (it stops if the registry was restarted by a fork).
 fn publisher(pid: u32) {
     while std::process::id() == pid && publish() {
-        std::thread::sleep(INTERVAL);
+        std::thread::sleep(until_next_tick());
     }
+}
+
+/// The time to the next multiple of [`INTERVAL`] on the wall clock: every
+/// process publishes at the same instants, so the snapshots of two ends of
+/// a channel compare (what one sent, what the other took) at one moment.
+fn until_next_tick() -> Duration {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let interval = INTERVAL.as_nanos();
+    Duration::from_nanos((interval - now % interval) as u64)
 }
 
 pub(crate) fn register_domain(domain: &Arc<DomainShared>) {
