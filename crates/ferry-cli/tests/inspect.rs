@@ -99,6 +99,7 @@ impl Pipeline {
             .args(["echo", "--endpoint", &format!("shm@{sock}")])
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("start ferry echo");
         tx.wait_connected(T).expect("the echo binds");
@@ -127,7 +128,13 @@ impl Pipeline {
     }
 
     /// Close the channel; the echo's exit status and what it printed.
-    fn finish(mut self) -> (std::process::ExitStatus, String) {
+    fn finish(self) -> (std::process::ExitStatus, String) {
+        let (status, out, _) = self.finish_with_stderr();
+        (status, out)
+    }
+
+    /// [`finish`](Self::finish), with what the echo printed on stderr.
+    fn finish_with_stderr(mut self) -> (std::process::ExitStatus, String, String) {
         self.tx.teardown().expect("teardown");
         while let Some(ev) = self.tx.wait(Some(T)) {
             if matches!(ev, Event::Closed { .. }) {
@@ -135,7 +142,11 @@ impl Pipeline {
             }
         }
         let out = self.echo.wait_with_output().expect("echo exits");
-        (out.status, String::from_utf8_lossy(&out.stdout).into_owned())
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     }
 }
 
@@ -478,4 +489,29 @@ fn ferry_inspect_0_writes_nothing() {
         assert_eq!(out.trim(), "echoed 10");
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+#[test]
+fn an_unusable_registry_directory_does_not_stop_the_process() {
+    // Readable by others: not a directory Ferry publishes in.
+    let open = registry().with_file_name(format!("inspect-open-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&open);
+    std::fs::create_dir_all(&open).unwrap();
+    std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    // A file where the directory should be.
+    let file = registry().with_file_name(format!("inspect-file-{}", std::process::id()));
+    std::fs::write(&file, b"").unwrap();
+    for dir in [&open, &file] {
+        let d = dir.to_str().unwrap();
+        let mut p = Pipeline::start("unpublished", 64, &[("FERRY_INSPECT_DIR", d)]);
+        p.round_trips(50);
+        let (status, out, err) = p.finish_with_stderr();
+        assert!(status.success(), "{d}: {err}");
+        assert_eq!(out.trim(), "echoed 50");
+        // Said once, however many domains and channels the process made.
+        assert_eq!(err.matches("inspection registry is off").count(), 1, "{d}: {err}");
+    }
+    assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0, "published in a directory others can read");
+    let _ = std::fs::remove_dir_all(&open);
+    let _ = std::fs::remove_file(&file);
 }
