@@ -172,6 +172,7 @@ impl Domain {
 
 impl DomainShared {
     /// The name given at creation.
+    #[cfg_attr(loom, allow(dead_code))]
     pub(crate) fn name(&self) -> &str {
         &self.name
     }
@@ -817,6 +818,7 @@ impl DomainState {
     }
 
     /// The registry's view of every pool in the list.
+    #[cfg_attr(loom, allow(dead_code))]
     pub(crate) fn pool_snapshots(&self) -> Vec<crate::inspect::PoolSnapshot> {
         let pools = self.pools.iter().map(|(id, e)| crate::inspect::PoolSnapshot {
             id: id.as_u128(),
