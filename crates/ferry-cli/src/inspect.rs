@@ -73,6 +73,7 @@ pub fn run(args: &InspectArgs) -> Result<(), CliError> {
     if !args.watch {
         let listings = read(&dir, args.pid)?;
         let derived = derive(&listings, None);
+        let listings = shown(&listings, args.pid);
         if args.json {
             println!("{}", serde_json::to_string_pretty(&to_json(&listings, &derived)).expect("JSON"));
         } else {
@@ -87,14 +88,15 @@ pub fn run(args: &InspectArgs) -> Result<(), CliError> {
         let listings = read(&dir, args.pid)?;
         let derived = derive(&listings, previous.as_deref());
         let mut out = std::io::stdout().lock();
-        let shown = if args.json {
-            format!("{}\n", serde_json::to_string(&to_json(&listings, &derived)).expect("JSON"))
+        let these = shown(&listings, args.pid);
+        let screen = if args.json {
+            format!("{}\n", serde_json::to_string(&to_json(&these, &derived)).expect("JSON"))
         } else {
             // Home, clear, then the screen: a terminal shows the latest.
-            format!("\x1b[H\x1b[2J{}", table(&listings, &derived, true))
+            format!("\x1b[H\x1b[2J{}", table(&these, &derived, true))
         };
         // A closed stdout (the reader went away) ends the watch.
-        if out.write_all(shown.as_bytes()).and_then(|()| out.flush()).is_err() {
+        if out.write_all(screen.as_bytes()).and_then(|()| out.flush()).is_err() {
             return Ok(());
         }
         drop(out);
@@ -107,6 +109,8 @@ pub fn run(args: &InspectArgs) -> Result<(), CliError> {
     }
 }
 
+/// Every process's listing (all of them: a channel's peer may be in
+/// another process than the one shown).
 fn read(dir: &std::path::Path, pid: Option<u32>) -> Result<Vec<Listing>, CliError> {
     let listings = match inspect::read_all(dir) {
         Ok(l) => l,
@@ -114,9 +118,8 @@ fn read(dir: &std::path::Path, pid: Option<u32>) -> Result<Vec<Listing>, CliErro
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         Err(e) => return Err(CliError::Failed(format!("cannot read the registry {}: {e}", dir.display()))),
     };
-    let listings: Vec<Listing> = listings.into_iter().filter(|l| pid.is_none_or(|p| l.pid == p)).collect();
     if let Some(p) = pid {
-        if listings.is_empty() {
+        if !listings.iter().any(|l| l.pid == p) {
             return Err(CliError::Failed(format!(
                 "no Ferry process {p} in {}; is it running, as this user, with FERRY_INSPECT on?",
                 dir.display()
@@ -126,13 +129,26 @@ fn read(dir: &std::path::Path, pid: Option<u32>) -> Result<Vec<Listing>, CliErro
     Ok(listings)
 }
 
-fn ops_sum(o: &ferry::OpCounts) -> u64 {
-    o.moves + o.passes + o.copies + o.releases + o.pool_assigns + o.pool_removes + o.aggregates
+/// The listings to show: all, or those of `pid`.
+fn shown(listings: &[Listing], pid: Option<u32>) -> Vec<&Listing> {
+    listings.iter().filter(|l| pid.is_none_or(|p| l.pid == p)).collect()
 }
 
-/// The ends of the other processes that are this end's peer: same backend
-/// and endpoint, each naming the other's pid.
-/// The peer's end and whether its process stopped publishing.
+/// Every operation of `o` (saturating: a file's counters are not trusted).
+fn ops_sum(o: &ferry::OpCounts) -> u64 {
+    [o.passes, o.copies, o.releases, o.pool_assigns, o.pool_removes, o.aggregates]
+        .into_iter()
+        .fold(o.moves, u64::saturating_add)
+}
+
+/// Sent and received together (saturating).
+fn both(sent: u64, received: u64) -> u64 {
+    sent.saturating_add(received)
+}
+
+/// The end of another process that is this end's peer (same backend and
+/// endpoint, each naming the other's pid), and whether that process
+/// stopped publishing.
 fn peer_of<'a>(
     pid: u32,
     ch: &ChannelSnapshot,
@@ -202,10 +218,10 @@ fn derive(listings: &[Listing], previous: Option<&[Listing]>) -> HashMap<ChanId,
                     let per_s = |now: u64, then: u64| now.saturating_sub(then) as f64 / elapsed;
                     let (a, b) = (&c.stats, &p.stats);
                     Rates {
-                        moves: per_s(a.sent.moves + a.received.moves, b.sent.moves + b.received.moves),
-                        passes: per_s(a.sent.passes + a.received.passes, b.sent.passes + b.received.passes),
-                        copies: per_s(a.sent.copies + a.received.copies, b.sent.copies + b.received.copies),
-                        bytes: per_s(a.bytes_sent + a.bytes_received, b.bytes_sent + b.bytes_received),
+                        moves: per_s(both(a.sent.moves, a.received.moves), both(b.sent.moves, b.received.moves)),
+                        passes: per_s(both(a.sent.passes, a.received.passes), both(b.sent.passes, b.received.passes)),
+                        copies: per_s(both(a.sent.copies, a.received.copies), both(b.sent.copies, b.received.copies)),
+                        bytes: per_s(both(a.bytes_sent, a.bytes_received), both(b.bytes_sent, b.bytes_received)),
                     }
                 });
                 let no_progress = prev.is_some_and(|p| {
@@ -278,7 +294,7 @@ fn short_tail(s: &str, max: usize) -> String {
 }
 
 /// The table of every process (`watch`: rates, stalled rows in bold red).
-fn table(listings: &[Listing], derived: &HashMap<ChanId, Derived>, watch: bool) -> String {
+fn table(listings: &[&Listing], derived: &HashMap<ChanId, Derived>, watch: bool) -> String {
     let mut o = String::new();
     let live: Vec<&ProcessSnapshot> = listings.iter().filter_map(|l| l.snapshot.as_ref().ok()).collect();
     let chans: usize = live.iter().map(|s| s.domains.iter().map(|d| d.channels.len()).sum::<usize>()).sum();
@@ -317,10 +333,10 @@ fn table(listings: &[Listing], derived: &HashMap<ChanId, Derived>, watch: bool) 
                         }
                         (true, None) => ["-".into(), "-".into(), "-".into(), "-".into()],
                         (false, _) => [
-                            (st.sent.moves + st.received.moves).to_string(),
-                            (st.sent.passes + st.received.passes).to_string(),
-                            (st.sent.copies + st.received.copies).to_string(),
-                            human_bytes(st.bytes_sent + st.bytes_received),
+                            both(st.sent.moves, st.received.moves).to_string(),
+                            both(st.sent.passes, st.received.passes).to_string(),
+                            both(st.sent.copies, st.received.copies).to_string(),
+                            human_bytes(both(st.bytes_sent, st.bytes_received)),
                         ],
                     };
                     let note = dv.stalled.map_or(String::new(), |why| format!("STALLED: {why}"));
@@ -392,7 +408,7 @@ fn table(listings: &[Listing], derived: &HashMap<ChanId, Derived>, watch: bool) 
     o
 }
 
-fn to_json(listings: &[Listing], derived: &HashMap<ChanId, Derived>) -> Value {
+fn to_json(listings: &[&Listing], derived: &HashMap<ChanId, Derived>) -> Value {
     let procs: Vec<Value> = listings
         .iter()
         .map(|l| match &l.snapshot {

@@ -320,6 +320,10 @@ fn a_source_waiting_on_a_stopped_sink_is_flagged() {
     let ours = channel(&v, me, "waiting").unwrap();
     assert_eq!(ours["stalled_why"], "peer stopped or hung", "{ours:#}");
     assert_eq!(channel(&v, echo, "echo").unwrap()["waiting"], 5);
+    // Shown alone, our process still has its peer looked at.
+    let v = inspect_json(&[&me.to_string()]);
+    assert!(process(&v, echo).is_none());
+    assert_eq!(channel(&v, me, "waiting").unwrap()["stalled_why"], "peer stopped or hung", "{v:#}");
     unstall(p);
 }
 
@@ -514,4 +518,99 @@ fn an_unusable_registry_directory_does_not_stop_the_process() {
     assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0, "published in a directory others can read");
     let _ = std::fs::remove_dir_all(&open);
     let _ = std::fs::remove_file(&file);
+}
+
+#[test]
+fn extreme_but_well_formed_snapshots_do_not_crash_the_inspector() {
+    use ferry::inspect::{encode, ChannelSnapshot, DomainSnapshot, PoolSnapshot, ProcessSnapshot};
+    use ferry::{ChannelStats, OpCounts, PoolStats};
+    // Two live processes that are not Ferry, naming each other as peers.
+    let a = Command::new("sleep").arg("60").spawn().expect("sleep");
+    let b = Command::new("sleep").arg("60").spawn().expect("sleep");
+    std::fs::create_dir_all(registry()).unwrap();
+    let max = OpCounts {
+        moves: u64::MAX,
+        passes: u64::MAX,
+        copies: u64::MAX,
+        releases: u64::MAX,
+        pool_assigns: u64::MAX,
+        pool_removes: u64::MAX,
+        aggregates: u64::MAX,
+    };
+    let stats = ChannelStats {
+        sent: max,
+        received: max,
+        bytes_sent: u64::MAX,
+        bytes_received: u64::MAX,
+        queue_capacity: u32::MAX,
+        queue_depth: u32::MAX,
+        queue_high_water: u32::MAX,
+        queue_full: u64::MAX,
+        blocked: true,
+        wakeups: u64::MAX,
+        errors: u64::MAX,
+    };
+    for (me, peer) in [(&a, &b), (&b, &a)] {
+        let chan = ChannelSnapshot {
+            key: u64::MAX,
+            backend: "shm".into(),
+            endpoint: "\u{1b}[2J\u{7f}é".repeat(100),
+            peer: format!("pid {}", peer.id()),
+            role: String::new(),
+            direction: "Sideways".into(),
+            trust: "?".into(),
+            state: "Connected".into(),
+            stats,
+        };
+        let pool = PoolSnapshot {
+            id: u128::MAX,
+            buffers: u32::MAX,
+            buffer_size: u64::MAX,
+            created_here: true,
+            trust: String::new(),
+            stats: PoolStats { free: u32::MAX, in_use: u32::MAX, lent: u32::MAX, copies_held: 0, copies_out: u32::MAX },
+        };
+        let snap = ProcessSnapshot {
+            pid: me.id(),
+            start_time: 0,
+            taken_at_ms: u64::MAX,
+            generation: u64::MAX,
+            name: "x".repeat(1000),
+            interval_ms: u32::MAX,
+            domains: vec![DomainSnapshot {
+                id: 0,
+                name: String::new(),
+                pools: vec![pool],
+                channels: vec![chan.clone(), chan],
+            }],
+        };
+        std::fs::write(file_of(me.id()), encode(&snap)).unwrap();
+    }
+    let v = inspect_json(&[]);
+    for p in [&a, &b] {
+        let listed = process(&v, p.id()).unwrap_or_else(|| panic!("{} not listed:\n{v:#}", p.id()));
+        assert_eq!(listed["domains"][0]["channels"].as_array().unwrap().len(), 2, "{listed:#}");
+    }
+    for args in [
+        vec!["inspect".to_string()],
+        vec!["inspect".into(), a.id().to_string()],
+        vec!["inspect".into(), "--watch".into(), "--count".into(), "2".into(), "--interval".into(), "0.1".into()],
+        vec![
+            "inspect".into(),
+            "--watch".into(),
+            "--json".into(),
+            "--count".into(),
+            "2".into(),
+            "--interval".into(),
+            "0.1".into(),
+        ],
+    ] {
+        let out = ferry_cmd().args(&args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    for mut p in [a, b] {
+        p.kill().unwrap();
+        p.wait().unwrap();
+        let _ = std::fs::remove_file(file_of(p.id()));
+    }
 }

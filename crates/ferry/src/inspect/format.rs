@@ -490,6 +490,27 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<ProcessSnapshot, ReadError> {
     })
 }
 
+/// A whole registry file holding `snapshot` (header and body), as a
+/// process writes it: for tools that make registry files, and tests.
+///
+/// ```
+/// use ferry::inspect::{encode, ProcessSnapshot};
+/// let s = ProcessSnapshot { pid: 7, start_time: 1, taken_at_ms: 2, generation: 4, name: "app".into(), interval_ms: 250, domains: vec![] };
+/// let dir = std::env::temp_dir().join(format!("ferry-doc-encode-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir).unwrap();
+/// std::fs::write(dir.join("7.ferry"), encode(&s)).unwrap();
+/// let read = ferry::inspect::read_file(&dir.join("7.ferry"));
+/// std::fs::remove_dir_all(&dir).unwrap();
+/// assert_eq!(read, Ok(s));
+/// ```
+pub fn encode(snapshot: &ProcessSnapshot) -> Vec<u8> {
+    let s = snapshot;
+    let body = encode_body(&s.name, s.interval_ms, &s.domains);
+    let mut file = header(s.generation & !1, &body, s.pid, s.start_time, s.taken_at_ms).to_vec();
+    file.extend_from_slice(&body);
+    file
+}
+
 /// Encode a snapshot's body (the header comes from [`header`]).
 pub(crate) fn encode_body(name: &str, interval_ms: u32, domains: &[DomainSnapshot]) -> Vec<u8> {
     // What does not fit in what a reader accepts is left out (its counts

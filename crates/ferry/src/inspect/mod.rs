@@ -33,8 +33,8 @@ mod format;
 mod registry;
 
 pub use format::{
-    ChannelSnapshot, DomainSnapshot, PoolSnapshot, ProcessSnapshot, ReadError, CHANNEL_FIELDS, HEADER_LEN, MAGIC,
-    VERSION,
+    encode, ChannelSnapshot, DomainSnapshot, PoolSnapshot, ProcessSnapshot, ReadError, CHANNEL_FIELDS, HEADER_LEN,
+    MAGIC, VERSION,
 };
 #[cfg(not(loom))]
 pub use registry::{publish_now, read_all, read_file, registry_dir, sweep, Listing};
