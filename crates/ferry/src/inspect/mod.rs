@@ -139,8 +139,10 @@ pub(crate) enum Op {
 }
 
 /// A channel end's counters, written by the end, read by `stats` and the
-/// registry thread.
+/// registry thread. On cache lines of their own: the two ends of a local
+/// channel run on two cores, and their counters must not share a line.
 #[derive(Debug, Default)]
+#[repr(align(64))]
 pub(crate) struct ChanCounters {
     sent: [AtomicU64; 7],
     received: [AtomicU64; 7],
