@@ -6,6 +6,8 @@
 //! * `ferry echo` — the echo domain of an experiment run elsewhere.
 //! * `ferry block serve` — Ferry's network block service for NBD clients.
 //! * `ferry cp SRC DST` — copy through a Ferry pool with container-shipping I/O.
+//! * `ferry inspect [PID]` — the channels and pools of every Ferry process
+//!   of the user, with their counters (`--watch`: like top).
 
 use std::process::ExitCode;
 
@@ -19,6 +21,7 @@ mod cp;
 mod cp_tls;
 mod demo;
 mod echo;
+mod inspect;
 mod pattern;
 mod pin;
 mod setup;
@@ -51,6 +54,9 @@ enum Command {
     Block(block::BlockArgs),
     /// TLS helpers: `ferry tls gen DIR` writes test certificates.
     Tls(tls::TlsArgs),
+    /// Show the channels and pools of every Ferry process of this user (or of PID), with their
+    /// counters; --watch redraws every second with rates and flags stalled channels.
+    Inspect(inspect::InspectArgs),
 }
 
 fn main() -> ExitCode {
@@ -62,7 +68,7 @@ fn main() -> ExitCode {
         Err(e) => {
             let sub = std::env::args()
                 .nth(1)
-                .filter(|a| ["demo", "bench", "echo", "block", "cp", "tls"].contains(&a.as_str()));
+                .filter(|a| ["demo", "bench", "echo", "block", "cp", "tls", "inspect"].contains(&a.as_str()));
             eprintln!("ferry: {}", args::usage_line(&e, sub.as_deref()));
             return ExitCode::from(2);
         }
@@ -75,6 +81,7 @@ fn main() -> ExitCode {
         Command::BenchChild(args) => bench::child::run(&args),
         Command::Block(args) => block::run(&args),
         Command::Tls(args) => tls::run(&args),
+        Command::Inspect(args) => inspect::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -18,6 +18,7 @@ use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource, Spare
 use crate::domain::Pool;
 use crate::domain::{ChanKey, Domain, DomainState, LentSet};
 use crate::error::{Error, Refused, Result};
+use crate::inspect::{ChanEntry, ChannelStats, Op};
 use crate::pool::{Geometry, PoolId, PoolView, TrustLevel};
 use crate::proto::{self, AggRun, FragEntry, Message, Meta, MAX_META_SIZE};
 use crate::setup::{BindParams, ChannelConstraints, ChannelLimits, ChannelSetup, ChannelState, Direction, Role};
@@ -248,6 +249,8 @@ pub struct Channel {
     /// An aggregate run being received: its header is in, not all of its
     /// slots yet.
     assembling: Option<Assembly>,
+    /// Counters and description, shared with the inspection registry.
+    inspect: Arc<ChanEntry>,
 }
 
 /// An aggregate run in the middle of its arrival: the checks so far and
@@ -309,7 +312,7 @@ impl Channel {
         }
         let wake = WakeSet::new()?;
         let pending = endpoint.listen(&setup)?;
-        let mut ch = Channel::new(domain, ChannelState::Initialized, pending, wake);
+        let mut ch = Channel::new(domain, endpoint, ChannelState::Initialized, pending, wake);
         ch.direction = setup.direction;
         ch.role = setup.role;
         ch.trust = setup.trust;
@@ -343,15 +346,19 @@ impl Channel {
         }
         let wake = WakeSet::new()?;
         let pending = endpoint.connect(&params)?;
-        let mut ch = Channel::new(domain, ChannelState::Binding, pending, wake);
+        let mut ch = Channel::new(domain, endpoint, ChannelState::Binding, pending, wake);
         ch.limits = params.limits;
         Ok(ch)
     }
 
-    fn new(domain: &Domain, state: ChannelState, pending: Pending, wake: WakeSet) -> Channel {
+    fn new(domain: &Domain, endpoint: &Endpoint, state: ChannelState, pending: Pending, wake: WakeSet) -> Channel {
+        let key = domain.new_chan_key();
+        let (backend, described) = endpoint.describe();
+        let inspect = Arc::new(ChanEntry::new(domain.id(), key, backend, described, state));
+        crate::inspect::register_channel(&inspect);
         Channel {
             domain: domain.clone(),
-            key: domain.new_chan_key(),
+            key,
             state,
             direction: Direction::Tx,
             role: Role::Generic,
@@ -374,6 +381,7 @@ impl Channel {
             room_refused: false,
             room_needed: 1,
             assembling: None,
+            inspect,
         }
     }
 
@@ -431,6 +439,36 @@ impl Channel {
     /// payload bytes staged in user space, system calls).
     pub fn link_stats(&self) -> Option<crate::LinkStats> {
         self.link.as_ref().and_then(|l| l.stats())
+    }
+
+    /// This end's counters: operations sent and received by kind, bytes,
+    /// queue depth, full queues, wake-ups, errors (docs/INSPECT.md). The
+    /// same numbers `ferry inspect` shows from outside the process.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use ferry::*;
+    /// # let t = Duration::from_secs(10);
+    /// # let (a, b) = (Domain::new("a"), Domain::new("b"));
+    /// # let ep = Endpoint::local();
+    /// # let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    /// # let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    /// # tx.wait_connected(t)?;
+    /// # rx.wait_connected(t)?;
+    /// # rx.set_pool_policy(PoolPolicy::AcceptAll);
+    /// # let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
+    /// # tx.assign_pool(alloc.pool())?;
+    /// # rx.poll();
+    /// # tx.poll();
+    /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
+    /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
+    /// let Some(Event::MoveReceived { .. }) = rx.wait(Some(t)) else { panic!() };
+    /// assert_eq!((tx.stats().sent.moves, tx.stats().bytes_sent), (1, 4096));
+    /// assert_eq!((rx.stats().received.moves, rx.stats().bytes_received), (1, 4096));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn stats(&self) -> ChannelStats {
+        self.inspect.counters.snapshot()
     }
 
     /// Pool-assignment requests waiting for an answer.
@@ -585,7 +623,7 @@ impl Channel {
         // no payload: the buffer has been read-only since, so the peer's
         // bytes are current (the TCP backend then sends none).
         let cross = self.lent.is_some();
-        let resend = {
+        let (resend, size) = {
             let mut st = self.domain.lock();
             if cross {
                 // Counted in the pool ledger before it goes: if we die, the
@@ -594,7 +632,7 @@ impl Channel {
             }
             let resend = st.record(id).is_some_and(|r| r.copies_out_via(self.key) > 0);
             st.copy_sent(id, self.key);
-            resend
+            (resend, st.entry(id.pool).map_or(0, |e| e.view.geometry().buffer_size()))
         };
         let msg = Message::Copy { buf: id, meta };
         let link = self.link_mut();
@@ -608,6 +646,7 @@ impl Channel {
             }
             return Err(e);
         }
+        self.count_sent(Op::Copy, size);
         Ok(())
     }
 
@@ -779,6 +818,7 @@ impl Channel {
         if let Err(e) = self.link_mut().send(&header) {
             return Err(Refused::new(e, parts.rebuild()));
         }
+        self.count_sent(Op::Aggregate, 0);
         for i in 0..parts.members.len() {
             let held = parts.members[i].take().expect("each member is sent once");
             let sent = match Arc::try_unwrap(held) {
@@ -912,6 +952,7 @@ impl Channel {
         let link = self.link.as_mut().expect("connected");
         link.export_pool(&memory)?;
         link.send(&Message::AssignRequest { pool: id, geometry, trust: self.trust })?;
+        self.count_sent(Op::PoolAssign, 0);
         self.domain.lock().entry_mut(id).expect("checked").trust = self.trust;
         self.chan_pool(id).assigning = true;
         Ok(())
@@ -956,6 +997,7 @@ impl Channel {
         }
         self.check_room()?;
         self.link_mut().send(&Message::RemoveRequest { pool })?;
+        self.count_sent(Op::PoolRemove, 0);
         self.chan_pool(pool).removing = true;
         Ok(())
     }
@@ -995,6 +1037,7 @@ impl Channel {
         self.link_mut().send(&Message::Teardown)?;
         self.sent_teardown = true;
         self.state = ChannelState::Teardown;
+        self.inspect.update(|i| i.state = ChannelState::Teardown);
         Ok(())
     }
 
@@ -1222,6 +1265,8 @@ impl Channel {
             Arm::Ready => false,
             Arm::Sleep { until } => {
                 self.wake.set_timer(until);
+                self.inspect.counters.wakeup();
+                self.sample_queue();
                 true
             }
         }
@@ -1350,6 +1395,7 @@ impl Channel {
         if !self.outbox.is_empty() || !self.link_mut().has_room() {
             self.room_refused = true;
             self.room_needed = 1;
+            self.inspect.counters.queue_full();
             return Err(Error::QueueFull);
         }
         Ok(())
@@ -1361,6 +1407,7 @@ impl Channel {
         if self.link_mut().room() < slots {
             self.room_refused = true;
             self.room_needed = slots;
+            self.inspect.counters.queue_full();
             return Err(Error::QueueFull);
         }
         self.room_needed = 1;
@@ -1406,6 +1453,8 @@ impl Channel {
         let sent = if unfilled { link.send_unfilled(&msg) } else { link.send(&msg) };
         match sent {
             Ok(()) => {
+                let op = if matches!(msg, Message::Move { .. }) { Op::Move } else { Op::Pass };
+                self.count_sent(op, buffer.len());
                 self.spares.keep(buffer);
                 if let Some(lent) = &mut self.lent {
                     lent.insert(id);
@@ -1435,8 +1484,28 @@ impl Channel {
         }
         self.check_room()?;
         self.link_mut().send(&Message::Release { buf: id })?;
+        self.count_sent(Op::Release, 0);
         self.domain.lock().copy_released_here(id, self.key);
         Ok(())
+    }
+
+    /// Count an operation sent (one load and store per counter), and
+    /// every 64 sends sample the depth of the outgoing queue.
+    #[inline]
+    fn count_sent(&mut self, op: Op, bytes: usize) {
+        if self.inspect.counters.sent(op, bytes as u64) {
+            self.sample_queue();
+        }
+    }
+
+    /// Record how full the outgoing queue is, where the backend can say
+    /// without sending anything.
+    fn sample_queue(&mut self) {
+        if let Some(link) = self.link.as_mut() {
+            if let Some(queued) = link.queued() {
+                self.inspect.counters.sample_queue(queued, link.capacity());
+            }
+        }
     }
 
     /// Release copies whose handles were dropped; keep those that cannot go
@@ -1507,6 +1576,8 @@ impl Channel {
                 if let Err(e) = link.register(&self.wake) {
                     self.state = ChannelState::Closed;
                     self.pending = None;
+                    self.inspect.counters.error();
+                    self.inspect.update(|i| i.state = ChannelState::Closed);
                     return Some(Event::Error(e));
                 }
                 if link.peer_can_die() {
@@ -1525,6 +1596,13 @@ impl Channel {
                 if let Some(gate) = gate.detach() {
                     link.set_gate(gate);
                 }
+                let role = if creator { neg.creator_role } else { neg.binder_role };
+                self.inspect.counters.sample_queue(0, link.capacity());
+                let (peer, direction, trust) = (link.peer(), self.direction, self.trust);
+                self.inspect.update(|i| {
+                    (i.peer, i.role, i.direction, i.trust) = (peer, role, direction, trust);
+                    i.state = ChannelState::Connected;
+                });
                 self.link = Some(link);
                 if creator {
                     self.role = neg.creator_role;
@@ -1537,6 +1615,8 @@ impl Channel {
             Err(e) => {
                 self.state = ChannelState::Closed;
                 self.pending = None;
+                self.inspect.counters.error();
+                self.inspect.update(|i| i.state = ChannelState::Closed);
                 Some(Event::Error(e))
             }
         }
@@ -1639,6 +1719,7 @@ impl Channel {
         }
         let Assembly { run, held } = self.assembling.take().expect("assembling");
         let (meta, entries, wire) = run.finish()?;
+        self.inspect.counters.received(Op::Aggregate, 0);
         Ok(Some(Event::Aggregate { agg: Aggregate::from_received(held, entries, wire), meta }))
     }
 
@@ -1666,6 +1747,7 @@ impl Channel {
                     lent.remove(&buf);
                 }
                 let buffer = self.spares.buffer(&self.domain.shared, view, buf.index);
+                self.inspect.counters.received(if is_move { Op::Move } else { Op::Pass }, buffer.len() as u64);
                 Ok(if is_move { Event::MoveReceived { buffer, meta } } else { Event::BufferPassed { buffer, meta } })
             }
             Message::Copy { buf, meta } => {
@@ -1679,6 +1761,7 @@ impl Channel {
                     st.copy_received(buf, key);
                     Ok(())
                 })?;
+                self.inspect.counters.received(Op::Copy, view.geometry().buffer_size() as u64);
                 Ok(Event::CopyReceived {
                     copy: BufferCopy::new(self.domain.shared.clone(), view, buf.index, key),
                     meta,
@@ -1698,9 +1781,13 @@ impl Channel {
                     }
                     Ok(writable)
                 })?;
+                self.inspect.counters.received(Op::Release, 0);
                 Ok(Event::CopyReleased { buffer: buf, writable })
             }
-            Message::AssignRequest { pool, geometry, trust } => self.deliver_assign(pool, geometry, trust),
+            Message::AssignRequest { pool, geometry, trust } => {
+                self.inspect.counters.received(Op::PoolAssign, 0);
+                self.deliver_assign(pool, geometry, trust)
+            }
             Message::AssignReply { pool, accepted } => {
                 match self.pools.iter_mut().find(|p| p.id == pool && p.assigning) {
                     Some(p) => p.assigning = false,
@@ -1722,6 +1809,7 @@ impl Channel {
                 Ok(Event::PoolVetoed(pool))
             }
             Message::RemoveRequest { pool } => {
+                self.inspect.counters.received(Op::PoolRemove, 0);
                 if self.sent_teardown {
                     // We send nothing after our marker; the pool stays.
                     return Ok(Event::PoolRemoveRefused(pool));
@@ -1762,6 +1850,7 @@ impl Channel {
                 let by_peer = !self.sent_teardown;
                 if !self.sent_teardown {
                     self.state = ChannelState::Teardown;
+                    self.inspect.update(|i| i.state = ChannelState::Teardown);
                     self.sent_teardown = true;
                     self.reply(Message::Teardown);
                 }
@@ -1897,6 +1986,7 @@ impl Channel {
         // An aggregate run cut short by the close: its buffers go back now.
         drop(self.assembling.take());
         self.state = ChannelState::Closed;
+        self.inspect.update(|i| i.state = ChannelState::Closed);
         let mut pending: Vec<Message> = self.outbox.drain(..).collect();
         pending.append(&mut last);
         if let Some(link) = self.link.as_mut() {
@@ -1948,6 +2038,7 @@ impl Channel {
     }
 
     fn fail(&mut self, e: Error) -> Event {
+        self.inspect.counters.error();
         if self.link.as_mut().is_some_and(|l| l.abandon()) {
             self.reclaim_from_dead_peer();
         }

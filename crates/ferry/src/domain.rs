@@ -60,16 +60,16 @@ static NEXT_DOMAIN: AtomicU64 = AtomicU64::new(1);
 impl Domain {
     /// A new, empty domain.
     pub fn new(name: &str) -> Domain {
-        Domain {
-            shared: Arc::new(DomainShared {
-                id: NEXT_DOMAIN.fetch_add(1, Ordering::Relaxed),
-                name: name.to_owned(),
-                state: Mutex::new(DomainState::default()),
-                next_chan: AtomicU64::new(1),
-                has_deferred: AtomicBool::new(false),
-                imports: Mutex::new(()),
-            }),
-        }
+        let shared = Arc::new(DomainShared {
+            id: NEXT_DOMAIN.fetch_add(1, Ordering::Relaxed),
+            name: name.to_owned(),
+            state: Mutex::new(DomainState::default()),
+            next_chan: AtomicU64::new(1),
+            has_deferred: AtomicBool::new(false),
+            imports: Mutex::new(()),
+        });
+        crate::inspect::register_domain(&shared);
+        Domain { shared }
     }
 
     /// The name given at creation.
@@ -140,6 +140,23 @@ impl Domain {
         self.shared.lock().pools.get(&pool).map_or(0, |e| e.free.len())
     }
 
+    /// What this domain holds of each pool in its list: free, in use,
+    /// lent, copies held and out (docs/INSPECT.md).
+    ///
+    /// ```
+    /// let d = ferry::Domain::new("app");
+    /// let alloc = ferry::Allocator::new(&d, 4, 4096, ferry::PoolConstraints::default())?;
+    /// let _taken = alloc.alloc().unwrap();
+    /// let stats = d.stats();
+    /// assert_eq!((stats.pools[0].2.free, stats.pools[0].2.in_use), (3, 1));
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
+    pub fn stats(&self) -> crate::DomainStats {
+        let st = self.shared.lock();
+        let pools = st.pools.iter().map(|(id, e)| (*id, e.view.geometry(), e.stats())).collect();
+        crate::DomainStats { name: self.shared.name.clone(), pools }
+    }
+
     pub(crate) fn id(&self) -> u64 {
         self.shared.id
     }
@@ -154,6 +171,12 @@ impl Domain {
 }
 
 impl DomainShared {
+    /// The name given at creation.
+    #[cfg_attr(loom, allow(dead_code))]
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
     /// Serialize the offers of pools this domain may not know yet (see
     /// `DomainShared::imports`); never taken while the state lock is held.
     pub(crate) fn importing(&self) -> MutexGuard<'_, ()> {
@@ -282,6 +305,8 @@ pub(crate) struct PoolEntry {
     /// Channel relations of this domain to the pool: one per channel that
     /// lists it or has our request out, plus one per unanswered request.
     pub(crate) channels: u32,
+    /// What `stats` reports that the free list does not say.
+    holdings: Holdings,
     records: Vec<BufRecord>,
     free: Vec<u32>,
     /// References to `view` from dropped buffer handles, for the next
@@ -290,7 +315,30 @@ pub(crate) struct PoolEntry {
     spare_views: Vec<Arc<PoolView>>,
 }
 
+/// Counts of a pool entry's records, kept with each state change (for
+/// [`PoolEntry::stats`], so the registry never walks the records).
+#[derive(Debug, Default)]
+struct Holdings {
+    created: bool,
+    owned: u32,
+    copies_held: u32,
+    copies_out: u32,
+}
+
 impl PoolEntry {
+    /// What the domain holds of the pool (see [`crate::PoolStats`]).
+    pub(crate) fn stats(&self) -> crate::PoolStats {
+        let h = &self.holdings;
+        let free = self.free.len() as u32;
+        crate::PoolStats {
+            free,
+            in_use: h.owned.saturating_sub(free),
+            lent: if h.created { self.view.geometry().count().saturating_sub(h.owned) } else { 0 },
+            copies_held: h.copies_held,
+            copies_out: h.copies_out,
+        }
+    }
+
     /// No pool handle and no channel relation: the entry lives on only
     /// while buffers or copies of it are held here. One test of two fields,
     /// cheap enough for every dropped buffer handle.
@@ -466,6 +514,7 @@ impl DomainState {
             handles: 1,
             trust_fixed,
             channels: 0,
+            holdings: Holdings { created: true, owned: n, ..Holdings::default() },
             records,
             free,
             spare_views: Vec::new(),
@@ -492,6 +541,7 @@ impl DomainState {
                 handles: 0,
                 trust_fixed: false,
                 channels: 0,
+                holdings: Holdings::default(),
                 records,
                 free: Vec::new(),
                 spare_views: Vec::new(),
@@ -534,6 +584,7 @@ impl DomainState {
     /// The owner gave the buffer away (move, pass, full-copy destination).
     pub(crate) fn give_away(&mut self, id: BufferId) {
         let e = self.rec_mut(id);
+        e.holdings.owned -= u32::from(e.records[id.index as usize].owned);
         e.records[id.index as usize].owned = false;
         Self::sync_protection(e, id.index);
     }
@@ -575,6 +626,7 @@ impl DomainState {
     /// A moved or passed buffer arrived: it is ours, read-write.
     pub(crate) fn take_ownership(&mut self, id: BufferId) {
         let e = self.rec_mut(id);
+        e.holdings.owned += u32::from(!e.records[id.index as usize].owned);
         e.records[id.index as usize].owned = true;
         Self::sync_protection(e, id.index);
     }
@@ -601,6 +653,7 @@ impl DomainState {
     pub(crate) fn copy_sent(&mut self, id: BufferId, chan: ChanKey) {
         let e = self.rec_mut(id);
         bump(&mut e.records[id.index as usize].copies_out, chan);
+        e.holdings.copies_out += 1;
         Self::sync_protection(e, id.index);
     }
 
@@ -608,6 +661,7 @@ impl DomainState {
     pub(crate) fn copy_received(&mut self, id: BufferId, chan: ChanKey) {
         let e = self.rec_mut(id);
         bump(&mut e.records[id.index as usize].copies_in, chan);
+        e.holdings.copies_held += 1;
         Self::sync_protection(e, id.index);
     }
 
@@ -615,7 +669,7 @@ impl DomainState {
     /// that copy was the last thing of it held here).
     pub(crate) fn copy_released_here(&mut self, id: BufferId, chan: ChanKey) {
         let e = self.rec_mut(id);
-        drop_one(&mut e.records[id.index as usize].copies_in, chan);
+        e.holdings.copies_held -= u32::from(drop_one(&mut e.records[id.index as usize].copies_in, chan));
         Self::sync_protection(e, id.index);
         self.maybe_free(id);
         if self.rec_mut(id).orphaned() {
@@ -631,6 +685,7 @@ impl DomainState {
         if !drop_one(&mut e.records[id.index as usize].copies_out, chan) {
             return None;
         }
+        e.holdings.copies_out -= 1;
         Self::sync_protection(e, id.index);
         let writable = e.records[id.index as usize].state() == BufferState::ReadWrite;
         self.maybe_free(id);
@@ -760,6 +815,20 @@ impl DomainState {
         if !self.pools.iter().any(|(_, e)| e.records.iter().any(|r| r.held_via(chan) > 0)) {
             self.orphan_chans.retain(|(c, _)| *c != chan);
         }
+    }
+
+    /// The registry's view of every pool in the list.
+    #[cfg_attr(loom, allow(dead_code))]
+    pub(crate) fn pool_snapshots(&self) -> Vec<crate::inspect::PoolSnapshot> {
+        let pools = self.pools.iter().map(|(id, e)| crate::inspect::PoolSnapshot {
+            id: id.as_u128(),
+            buffers: e.view.geometry().count(),
+            buffer_size: e.view.geometry().buffer_size() as u64,
+            created_here: e.holdings.created,
+            trust: format!("{:?}", e.trust),
+            stats: e.stats(),
+        });
+        pools.collect()
     }
 
     /// Take `pool` out of the list if nothing of this domain refers to it
@@ -992,6 +1061,21 @@ impl Pool {
     /// The pool's globally unique id.
     pub fn id(&self) -> PoolId {
         self.view.id()
+    }
+
+    /// What its domain holds of the pool now: free, in use, lent, copies
+    /// held and out (docs/INSPECT.md).
+    ///
+    /// ```
+    /// let d = ferry::Domain::new("app");
+    /// let alloc = ferry::Allocator::new(&d, 4, 4096, ferry::PoolConstraints::default())?;
+    /// let _taken = alloc.alloc().unwrap();
+    /// let s = alloc.pool().stats();
+    /// assert_eq!((s.free, s.in_use, s.lent), (3, 1, 0));
+    /// # Ok::<(), ferry::Error>(())
+    /// ```
+    pub fn stats(&self) -> crate::PoolStats {
+        self.domain.lock().entry(self.view.id()).map(PoolEntry::stats).unwrap_or_default()
     }
 
     /// The pool's shape.

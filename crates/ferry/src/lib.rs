@@ -147,6 +147,7 @@ mod fanout;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod inspect;
 mod ledger;
 mod pool;
 mod proto;
@@ -174,6 +175,7 @@ pub use domain::{Domain, Pool};
 pub use error::{Error, Refused, Result, ViewMismatch};
 #[cfg(not(loom))]
 pub use fanout::{FanOut, FanOutEvent};
+pub use inspect::{ChannelStats, DomainStats, OpCounts, PoolStats};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
 pub use secure::{SecureSource, Secured};

@@ -296,6 +296,14 @@ impl LocalLink {
 }
 
 impl Link for LocalLink {
+    fn queued(&mut self) -> Option<usize> {
+        Some((self.tx.capacity() - self.tx.free_slots_now()) as usize)
+    }
+
+    fn peer(&self) -> String {
+        "this process".to_owned()
+    }
+
     fn has_room(&mut self) -> bool {
         if self.tx.free_slots() > 0 {
             return true;

@@ -149,6 +149,17 @@ pub(crate) trait Link: Send {
     fn abandon(&mut self) -> bool {
         false
     }
+    /// Messages in the outgoing queue not yet taken by the peer (or the
+    /// transport), for the counters; without side effects on sending
+    /// (`None`: the backend cannot say cheaply).
+    fn queued(&mut self) -> Option<usize> {
+        None
+    }
+    /// Who the peer is, for the registry (`pid N`, an address); empty if
+    /// the backend cannot say.
+    fn peer(&self) -> String {
+        String::new()
+    }
     /// Transfer counters, for backends that keep them (the network).
     fn stats(&self) -> Option<LinkStats> {
         None
@@ -341,6 +352,19 @@ impl Endpoint {
     #[cfg(not(loom))]
     pub fn tcp_with(addr: std::net::SocketAddr, options: NetOptions) -> Endpoint {
         Endpoint::Net(NetEndpoint::new(addr, options))
+    }
+
+    /// The backend's name and the endpoint as the registry shows them.
+    pub(crate) fn describe(&self) -> (&'static str, String) {
+        match self {
+            Endpoint::Local(_) => ("local", String::new()),
+            #[cfg(not(loom))]
+            Endpoint::Shm(ep) => ("shm", ep.describe()),
+            #[cfg(not(loom))]
+            Endpoint::Net(ep) => ("tcp", ep.addr().to_string()),
+            #[cfg(not(loom))]
+            Endpoint::Mux(ep) => ("mux", format!("{ep:?}")),
+        }
     }
 
     pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {

@@ -1044,6 +1044,14 @@ impl NetLink {
 }
 
 impl Link for NetLink {
+    fn queued(&mut self) -> Option<usize> {
+        Some(self.out.len())
+    }
+
+    fn peer(&self) -> String {
+        self.stream.peer_addr().map(|a| a.to_string()).unwrap_or_default()
+    }
+
     fn has_room(&mut self) -> bool {
         if self.out.len() >= self.depth {
             let _ = self.flush();

@@ -69,6 +69,14 @@ impl ShmEndpoint {
         ShmEndpoint { name: UnixName::Abstract(name.as_bytes().to_vec()) }
     }
 
+    /// The socket name, for the registry (`@name` for an abstract one).
+    pub(crate) fn describe(&self) -> String {
+        match &self.name {
+            UnixName::Path(p) => p.display().to_string(),
+            UnixName::Abstract(n) => format!("@{}", String::from_utf8_lossy(n)),
+        }
+    }
+
     pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
         let listener = Listener::bind(&self.name).map_err(|e| match e.kind() {
             std::io::ErrorKind::AddrInUse => Error::EndpointInUse,
@@ -580,6 +588,14 @@ impl ShmLink {
 }
 
 impl Link for ShmLink {
+    fn queued(&mut self) -> Option<usize> {
+        Some((self.tx.capacity() - self.tx.free_slots_now()) as usize)
+    }
+
+    fn peer(&self) -> String {
+        self.conn.peer_pid().map(|pid| format!("pid {}", pid.as_raw_nonzero())).unwrap_or_default()
+    }
+
     fn has_room(&mut self) -> bool {
         if self.tx.free_slots() > 0 {
             return true;

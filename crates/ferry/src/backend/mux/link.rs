@@ -49,6 +49,10 @@ impl MuxLink {
 }
 
 impl Link for MuxLink {
+    fn peer(&self) -> String {
+        self.session.peer_addr().map(|a| a.to_string()).unwrap_or_default()
+    }
+
     fn has_room(&mut self) -> bool {
         self.room() > 0
     }

@@ -1,0 +1,408 @@
+//! The per-process registry file and its readers.
+//!
+//! One file per process, `PID.ferry`, in a directory of the user's own
+//! (mode 0700, the file 0600). A thread of the library ("ferry-inspect")
+//! rewrites it every [`INTERVAL`] in place: it marks the generation odd,
+//! writes the body, then writes the whole header with the next even
+//! generation and the body's checksum. A reader reads header and body in
+//! one `pread`, checks the generation is even and the checksum matches,
+//! and reads the generation again: unchanged, the snapshot is whole.
+//!
+//! The file goes at exit (an `atexit` handler); a process killed before
+//! leaves it behind, and the next process to start its registry, or any
+//! reader, removes files whose process is gone (the pid is not running, is
+//! a zombie, or runs a later process: the start time differs).
+
+use std::fs::File;
+use std::io::{self, Read, Seek};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use super::format::{self, ChannelSnapshot, DomainSnapshot, ProcessSnapshot, ReadError, HEADER_LEN, MAX_BODY};
+use super::ChanEntry;
+use crate::domain::DomainShared;
+
+/// How often a process rewrites its registry file.
+pub const INTERVAL: Duration = Duration::from_millis(250);
+
+/// The file name suffix of registry files.
+const SUFFIX: &str = ".ferry";
+
+/// The registry of this process, once started.
+struct State {
+    pid: u32,
+    file: Arc<File>,
+    start_time: u64,
+    name: String,
+    domains: Vec<Weak<DomainShared>>,
+    channels: Vec<Weak<ChanEntry>>,
+}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+/// Serializes the writers of the file (the thread and `publish_now`), and
+/// holds the last generation written.
+static WRITER: Mutex<u64> = Mutex::new(0);
+/// The file to remove at exit, and the process it belongs to (a forked
+/// child inherits the handler and must not remove its parent's file).
+static EXIT_PATH: Mutex<Option<(u32, PathBuf)>> = Mutex::new(None);
+/// The registry could not be started in this process (said once).
+static FAILED: AtomicBool = AtomicBool::new(false);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn enabled() -> bool {
+    std::env::var_os("FERRY_INSPECT").is_none_or(|v| v != "0")
+}
+
+/// The directory of the current user's registry files:
+/// `$FERRY_INSPECT_DIR` if set, else `$XDG_RUNTIME_DIR/ferry/inspect` if
+/// that runtime directory exists, else `/dev/shm/ferry-inspect-UID`.
+pub fn registry_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("FERRY_INSPECT_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir);
+    }
+    if let Some(run) = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|d| d.is_dir()) {
+        return run.join("ferry").join("inspect");
+    }
+    let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+    base.join(format!("ferry-inspect-{}", rustix::process::getuid().as_raw()))
+}
+
+/// Create `dir` (0700) if missing, and check that it is a directory of
+/// ours that nobody else can write or read.
+fn own_dir(dir: &Path) -> io::Result<()> {
+    match std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let md = std::fs::symlink_metadata(dir)?;
+    let uid = rustix::process::getuid().as_raw();
+    if !md.is_dir() || md.uid() != uid || md.mode() & 0o077 != 0 {
+        return Err(io::Error::other(format!("{} is not a directory of user {uid} with mode 0700", dir.display())));
+    }
+    Ok(())
+}
+
+/// The state and start time of process `pid` (`/proc/PID/stat`): `None`
+/// if it does not exist.
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold anything.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // Field 22 (starttime) is the 20th after the name.
+    let start = fields.nth(18)?.parse().ok()?;
+    Some((state, start))
+}
+
+/// Whether `pid` runs the process that wrote a file with `start_time`.
+fn alive(pid: u32, start_time: u64) -> bool {
+    match proc_stat(pid) {
+        Some((state, start)) => !matches!(state, 'Z' | 'X') && start == start_time,
+        None => false,
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Start the registry of this process if it is not (or was started by the
+/// parent of a fork): `None` if it is off or could not be started.
+fn started() -> Option<MutexGuard<'static, Option<State>>> {
+    if !enabled() {
+        return None;
+    }
+    let pid = std::process::id();
+    let mut st = lock(&STATE);
+    if st.as_ref().is_some_and(|s| s.pid == pid) {
+        return Some(st);
+    }
+    if FAILED.load(Ordering::Relaxed) {
+        return None;
+    }
+    match start(pid) {
+        Ok(state) => {
+            *st = Some(state);
+            Some(st)
+        }
+        Err(e) => {
+            if !FAILED.swap(true, Ordering::Relaxed) {
+                eprintln!("ferry: the inspection registry is off in this process: {e}");
+            }
+            None
+        }
+    }
+}
+
+fn start(pid: u32) -> io::Result<State> {
+    let dir = registry_dir();
+    own_dir(&dir)?;
+    let _ = sweep(&dir);
+    let path = dir.join(format!("{pid}{SUFFIX}"));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&path)?;
+    let start_time = proc_stat(pid).map_or(0, |(_, t)| t);
+    let name = std::fs::read_to_string("/proc/self/comm").map(|s| s.trim_end().to_owned()).unwrap_or_default();
+    *lock(&EXIT_PATH) = Some((pid, path.clone()));
+    static AT_EXIT: std::sync::Once = std::sync::Once::new();
+    AT_EXIT.call_once(|| {
+        // SAFETY: `remove_at_exit` is an `extern "C" fn()` that never
+        // unwinds (it catches everything and only takes a mutex without
+        // waiting and removes a file); atexit only stores the pointer.
+        unsafe {
+            libc::atexit(remove_at_exit);
+        }
+    });
+    let file = Arc::new(file);
+    // A first snapshot at once, empty: a reader never finds the file
+    // without one.
+    write_snapshot(&file, pid, start_time, &name, &[]);
+    let spawned = std::thread::Builder::new().name("ferry-inspect".into()).spawn(move || publisher(pid));
+    if let Err(e) = spawned {
+        let _ = std::fs::remove_file(&path);
+        return Err(e);
+    }
+    Ok(State { pid, file, start_time, name, domains: Vec::new(), channels: Vec::new() })
+}
+
+extern "C" fn remove_at_exit() {
+    let _ = std::panic::catch_unwind(|| {
+        // Never wait at exit: if the path is being set, the file is swept
+        // later instead.
+        if let Ok(guard) = EXIT_PATH.try_lock() {
+            if let Some((pid, path)) = guard.as_ref() {
+                if *pid == std::process::id() {
+                    let _ = std::fs::remove_file(path);
+                }
+            }
+        }
+    });
+}
+
+/// The registry thread: a snapshot now (once the registration that
+/// started it is done) and every [`INTERVAL`], for as long as the process
+/// lives (it stops if the registry was restarted by a fork).
+fn publisher(pid: u32) {
+    while std::process::id() == pid && publish() {
+        std::thread::sleep(until_next_tick());
+    }
+}
+
+/// The time to the next multiple of [`INTERVAL`] on the wall clock: every
+/// process publishes at the same instants, so the snapshots of two ends of
+/// a channel compare (what one sent, what the other took) at one moment.
+fn until_next_tick() -> Duration {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let interval = INTERVAL.as_nanos();
+    Duration::from_nanos((interval - now % interval) as u64)
+}
+
+pub(crate) fn register_domain(domain: &Arc<DomainShared>) {
+    if let Some(mut st) = started() {
+        // (The registry thread drops the dead ones.)
+        st.as_mut().expect("started").domains.push(Arc::downgrade(domain));
+    }
+}
+
+pub(crate) fn register_channel(entry: &Arc<ChanEntry>) {
+    if let Some(mut st) = started() {
+        st.as_mut().expect("started").channels.push(Arc::downgrade(entry));
+    }
+}
+
+/// Write a snapshot of this process to its registry file now (the
+/// registry thread does every quarter of a second). Returns whether one
+/// was written: `false` when the registry is off in this process.
+pub fn publish_now() -> bool {
+    if started().is_none() {
+        return false;
+    }
+    publish()
+}
+
+/// Take and write one snapshot; false if the registry is gone.
+fn publish() -> bool {
+    let (pid, file, start_time, name, domains, channels) = {
+        let mut guard = lock(&STATE);
+        let Some(st) = guard.as_mut().filter(|s| s.pid == std::process::id()) else { return false };
+        st.domains.retain(|d| d.strong_count() > 0);
+        st.channels.retain(|c| c.strong_count() > 0);
+        (st.pid, st.file.clone(), st.start_time, st.name.clone(), st.domains.clone(), st.channels.clone())
+    };
+    let channels: Vec<Arc<ChanEntry>> = channels.iter().filter_map(Weak::upgrade).collect();
+    let mut snaps = Vec::new();
+    for d in domains.iter().filter_map(Weak::upgrade) {
+        let pools = d.lock().pool_snapshots();
+        let chans = channels
+            .iter()
+            .filter(|c| c.domain == d.id)
+            .map(|c| {
+                let info = c.info();
+                ChannelSnapshot {
+                    key: c.key,
+                    backend: info.backend.to_owned(),
+                    endpoint: info.endpoint,
+                    peer: info.peer,
+                    role: format!("{:?}", info.role),
+                    direction: format!("{:?}", info.direction),
+                    trust: format!("{:?}", info.trust),
+                    state: format!("{:?}", info.state),
+                    stats: c.counters.snapshot(),
+                }
+            })
+            .collect();
+        snaps.push(DomainSnapshot { id: d.id, name: d.name().to_owned(), pools, channels: chans });
+    }
+    write_snapshot(&file, pid, start_time, &name, &snaps);
+    true
+}
+
+/// Rewrite the file: the generation odd, the body, then the header with
+/// the next even generation and the body's checksum.
+fn write_snapshot(file: &File, pid: u32, start_time: u64, name: &str, domains: &[DomainSnapshot]) {
+    let body = format::encode_body(name, INTERVAL.as_millis() as u32, domains);
+    let mut generation = lock(&WRITER);
+    let next = generation.wrapping_add(2) & !1;
+    let header = format::header(next, &body, pid, start_time, now_ms());
+    let written = file
+        .write_all_at(&(next | 1).to_le_bytes(), format::GENERATION_AT)
+        .and_then(|()| file.write_all_at(&body, HEADER_LEN as u64))
+        .and_then(|()| file.write_all_at(&header, 0));
+    *generation = next;
+    // A write that failed (a full file system) is tried again next time.
+    let _ = written;
+}
+
+/// One registry file as a reader found it.
+#[derive(Debug)]
+pub struct Listing {
+    /// The file.
+    pub path: PathBuf,
+    /// The pid its name gives.
+    pub pid: u32,
+    /// Its snapshot, or why it could not be read.
+    pub snapshot: Result<ProcessSnapshot, ReadError>,
+}
+
+/// The pid a registry file's name gives.
+fn file_pid(path: &Path) -> Option<u32> {
+    let name = path.file_name()?.to_str()?;
+    name.strip_suffix(SUFFIX)?.parse().ok().filter(|&p| p > 0)
+}
+
+/// Read one registry file (`Busy` after a few tries if its writer kept
+/// rewriting it). Everything is checked; nothing in the file can make the
+/// reader panic, hang or allocate more than the file's size.
+pub fn read_file(path: &Path) -> Result<ProcessSnapshot, ReadError> {
+    let io_err = |e: io::Error| ReadError::Io(format!("{}: {e}", path.display()));
+    let file = open_regular(path).map_err(io_err)?;
+    let cap = (HEADER_LEN + MAX_BODY) as u64;
+    let mut last = ReadError::Busy;
+    for attempt in 0..8 {
+        if attempt > 0 {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        // Up to the end, however far the writer got (the file never
+        // shrinks: a body shorter than its header says is damage).
+        let mut bytes = Vec::new();
+        (&file).rewind().map_err(io_err)?;
+        (&file).take(cap).read_to_end(&mut bytes).map_err(io_err)?;
+        match format::parse(&bytes) {
+            Ok(snap) => {
+                let mut again = [0u8; 8];
+                let same = file.read_exact_at(&mut again, format::GENERATION_AT).is_ok()
+                    && u64::from_le_bytes(again) == snap.generation;
+                if !same {
+                    last = ReadError::Busy;
+                    continue;
+                }
+                if file_pid(path).is_some_and(|p| p != snap.pid) {
+                    return Err(ReadError::Malformed("the pid in the file is not the pid in its name"));
+                }
+                return Ok(snap);
+            }
+            Err(ReadError::Busy) => last = ReadError::Busy,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last)
+}
+
+/// Open a file to read without following a symbolic link or waiting (a
+/// FIFO put in its place); only a regular file will do.
+fn open_regular(path: &Path) -> io::Result<File> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::other("not a regular file"));
+    }
+    Ok(file)
+}
+
+/// Remove the registry files in `dir` whose process is gone; returns how
+/// many. Files that are not registry files are left alone.
+pub fn sweep(dir: &Path) -> io::Result<usize> {
+    let mut removed = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let Some(pid) = file_pid(&path) else { continue };
+        if stale(&path, pid) && std::fs::remove_file(&path).is_ok() {
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// Whether the process of a registry file is gone: no such pid, a
+/// zombie, or a later process with the same pid (another start time than
+/// the file's, when the file says).
+fn stale(path: &Path, pid: u32) -> bool {
+    let Some((state, start)) = proc_stat(pid) else { return true };
+    if matches!(state, 'Z' | 'X') {
+        return true;
+    }
+    let mut header = [0u8; HEADER_LEN];
+    let read = open_regular(path).and_then(|f| f.read_exact_at(&mut header, 0));
+    match read.ok().and_then(|()| format::parse_header(&header).ok()) {
+        Some(h) => h.start_time != 0 && h.start_time != start,
+        // Unreadable or not (yet) a registry file: only the pid tells.
+        None => false,
+    }
+}
+
+/// Every registry file in `dir` whose process is alive (the others are
+/// swept), sorted by pid. A file that cannot be read is listed with the
+/// reason.
+pub fn read_all(dir: &Path) -> io::Result<Vec<Listing>> {
+    let _ = sweep(dir);
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let Some(pid) = file_pid(&path) else { continue };
+        let snapshot = read_file(&path);
+        if let Ok(s) = &snapshot {
+            if !alive(s.pid, s.start_time) && s.start_time != 0 {
+                continue;
+            }
+        }
+        out.push(Listing { path, pid, snapshot });
+    }
+    out.sort_by_key(|l| l.pid);
+    Ok(out)
+}
