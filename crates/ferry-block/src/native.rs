@@ -384,7 +384,7 @@ impl BlockClient {
         loop {
             match data.pass_unfilled(buf, &[]) {
                 Ok(()) => break,
-                Err(r) if r.error == ferry::Error::QueueFull && Instant::now() < deadline => {
+                Err(r) if r.error == ferry::ErrorKind::QueueFull && Instant::now() < deadline => {
                     buf = r.into_inner();
                     std::thread::yield_now();
                 }
@@ -416,7 +416,7 @@ impl BlockClient {
         loop {
             match self.ch.move_buffer(buf, meta) {
                 Ok(()) => return Ok(()),
-                Err(r) if r.error == ferry::Error::QueueFull && Instant::now() < deadline => {
+                Err(r) if r.error == ferry::ErrorKind::QueueFull && Instant::now() < deadline => {
                     buf = r.into_inner();
                     std::thread::yield_now();
                 }
@@ -702,13 +702,16 @@ fn connect_retrying(
         let left = deadline.saturating_duration_since(Instant::now());
         match Channel::connect(domain, endpoint, params, left) {
             Ok(ch) => return Ok(ch),
-            Err(ferry::Error::Os(why))
+            Err(e)
+                if matches!(e.kind(), ferry::ErrorKind::Os(why)
                 if (why.contains("os error 104") || why.contains("os error 111") || why.contains("os error 32"))
-                    && Instant::now() < deadline =>
+                    && Instant::now() < deadline) =>
             {
                 std::thread::sleep(Duration::from_millis(2));
             }
-            Err(ferry::Error::PeerGone) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(2)),
+            Err(e) if e == ferry::ErrorKind::PeerGone && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2))
+            }
             Err(e) => return Err(e.into()),
         }
     }
@@ -807,7 +810,7 @@ pub fn run_proxy(
                         loop {
                             match upstream.move_buffer(buf, &meta) {
                                 Ok(()) => break,
-                                Err(r) if r.error == ferry::Error::QueueFull => {
+                                Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                                     buf = r.into_inner();
                                     std::thread::yield_now();
                                 }
@@ -858,7 +861,7 @@ fn route(ev: Event, users: &mut Users) -> Result<(), Error> {
             loop {
                 match user.pass(buf, &meta) {
                     Ok(()) => return Ok(()),
-                    Err(r) if r.error == ferry::Error::QueueFull => {
+                    Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                         buf = r.into_inner();
                         std::thread::yield_now();
                     }

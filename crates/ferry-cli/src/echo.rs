@@ -145,7 +145,7 @@ pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
         while let Some((buffer, meta)) = backlog.pop_front() {
             match ch.pass(buffer, &meta) {
                 Ok(()) => echoed += 1,
-                Err(r) if r.error == ferry::Error::QueueFull => {
+                Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                     backlog.push_front((r.into_inner(), meta));
                     break;
                 }
@@ -294,7 +294,7 @@ mod tests {
             loop {
                 match src.move_buffer(buf, &seq.to_le_bytes()) {
                     Ok(()) => break,
-                    Err(r) if r.error == ferry::Error::QueueFull => {
+                    Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                         assert!(
                             Instant::now() < deadline,
                             "the echo stopped reading: move {seq} found no room for 10 s"

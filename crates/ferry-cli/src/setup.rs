@@ -106,7 +106,7 @@ pub fn send_when_room<T>(
     loop {
         match send(buf) {
             Ok(()) => return Ok(()),
-            Err(r) if r.error == ferry::Error::QueueFull => {
+            Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                 buf = r.into_inner();
                 if busy {
                     std::hint::spin_loop();

@@ -4,8 +4,9 @@
 use crate::buffer::Buffer;
 use crate::domain::Pool;
 use crate::domain::{self, Domain};
-use crate::error::{Error, Refused, Result};
+use crate::error::{Refused, Result, ResultExt};
 use crate::pool::{Geometry, PoolConstraints, PoolMemory};
+use crate::ErrorKind;
 
 /// Allocates one pool and hands out its buffers.
 ///
@@ -45,7 +46,7 @@ impl Allocator {
     pub fn new(domain: &Domain, count: u64, size: usize, constraints: PoolConstraints) -> Result<Self> {
         let geometry = Geometry::new(size, count)?;
         if constraints.alignment != 0 && (!constraints.alignment.is_power_of_two() || constraints.alignment > size) {
-            return Err(Error::BadAlignment(constraints.alignment));
+            return Err(ErrorKind::BadAlignment(constraints.alignment).into());
         }
         let memory = PoolMemory::create(geometry)?;
         let pool = domain::create_pool(domain, memory, constraints.trust, constraints.alignment)?;
@@ -65,11 +66,17 @@ impl Allocator {
     /// Give a buffer back (the same as dropping it, but refuses buffers of
     /// other pools or domains, handing them back).
     pub fn free(&self, buffer: Buffer) -> Result<(), Refused<Buffer>> {
+        let id = buffer.id();
+        self.free_bare(buffer).context(|| format!("free {id}"))
+    }
+
+    /// [`Allocator::free`], its errors without context.
+    fn free_bare(&self, buffer: Buffer) -> Result<(), Refused<Buffer>> {
         if buffer.domain_id() != self.domain.id() {
-            return Err(Refused::new(Error::ForeignBuffer, buffer));
+            return Err(Refused::new(ErrorKind::ForeignBuffer, buffer));
         }
         if buffer.id().pool != self.pool.id() {
-            return Err(Refused::new(Error::UnknownPool(buffer.id().pool), buffer));
+            return Err(Refused::new(ErrorKind::UnknownPool(buffer.id().pool), buffer));
         }
         drop(buffer);
         Ok(())
@@ -118,20 +125,29 @@ mod tests {
         let other = Allocator::new(&d1, 1, 4096, PoolConstraints::default()).unwrap();
         let b = a2.alloc().unwrap();
         let r = a1.free(b).unwrap_err();
-        assert_eq!(r.error, Error::ForeignBuffer);
+        assert_eq!(r.error, ErrorKind::ForeignBuffer);
         let b = r.into_inner();
         assert_eq!(b.id().pool, a2.pool().id());
         let c = other.alloc().unwrap();
-        assert!(matches!(a1.free(c).unwrap_err().error, Error::UnknownPool(_)));
+        assert!(matches!(a1.free(c).unwrap_err().error.kind(), ErrorKind::UnknownPool(_)));
     }
 
     #[test]
     fn bad_geometry_is_typed() {
         let d = Domain::new("d");
-        assert!(matches!(Allocator::new(&d, 1, 1000, PoolConstraints::default()), Err(Error::BadBufferSize { .. })));
-        assert!(matches!(Allocator::new(&d, 0, 4096, PoolConstraints::default()), Err(Error::BadBufferCount { .. })));
+        assert!(matches!(
+            Allocator::new(&d, 1, 1000, PoolConstraints::default()).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadBufferSize { .. })
+        ));
+        assert!(matches!(
+            Allocator::new(&d, 0, 4096, PoolConstraints::default()).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadBufferCount { .. })
+        ));
         let c = PoolConstraints { alignment: 3, ..PoolConstraints::default() };
-        assert!(matches!(Allocator::new(&d, 1, 4096, c), Err(Error::BadAlignment(3))));
+        assert!(matches!(
+            Allocator::new(&d, 1, 4096, c).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadAlignment(3))
+        ));
         assert!(d.pools().is_empty(), "nothing created on error");
     }
 

@@ -107,7 +107,7 @@
 //! allocator whose pools are assigned along a path of channels when they
 //! are made, so transfers map nothing; it reuses the most recently freed
 //! buffer, never clears one, and stops at its [`PathQuota`] with
-//! [`Error::QuotaExceeded`]. A domain along the path passes the pools on
+//! [`ErrorKind::QuotaExceeded`]. A domain along the path passes the pools on
 //! with [`forward_pool`]. A received buffer is volatile (its sender may
 //! still write it); [`Buffer::secure`] (and [`BufferCopy::secure`],
 //! [`Aggregate::secure`]) gives bytes no other domain can change, in place
@@ -154,7 +154,7 @@ pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{Channel, Event, PoolPolicy, PoolRequest, DEFAULT_SPIN};
 pub use datapath::{forward_pool, DataPath, PathConfig, PathQuota};
 pub use domain::{Domain, Pool};
-pub use error::{Error, Refused, Result, ViewMismatch};
+pub use error::{Error, ErrorKind, Refused, Result, ViewMismatch};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
 pub use secure::{SecureSource, Secured};

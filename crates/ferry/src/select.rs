@@ -194,7 +194,7 @@ struct Entry {
 ///             served += 1;
 ///         }
 ///         // A client that is done: its channel leaves the selector.
-///         Some((key, Event::Error(Error::PeerGone))) => drop(selector.remove(key)),
+///         Some((key, Event::Error(ErrorKind::PeerGone))) => drop(selector.remove(key)),
 ///         other => panic!("{other:?}"),
 ///     }
 /// }

@@ -14,7 +14,7 @@
 //!   ([`move_buffer`](AsyncChannel::move_buffer),
 //!   [`pass`](AsyncChannel::pass), [`copy`](AsyncChannel::copy),
 //!   [`release`](AsyncChannel::release), …) wait for room instead of
-//!   failing with [`Error::QueueFull`]; every other error is returned at
+//!   failing with [`ErrorKind::QueueFull`]; every other error is returned at
 //!   once, as by the blocking operation.
 //! - [`wait_connected`](AsyncChannel::wait_connected) and
 //!   [`assign_pool_and_wait`](AsyncChannel::assign_pool_and_wait) are the
@@ -91,7 +91,7 @@ use ::tokio::io::unix::AsyncFd;
 use ::tokio::io::Interest;
 use futures_core::Stream;
 
-use crate::{Buffer, BufferCopy, Channel, ChannelState, CopySource, Error, Event, Pool, Refused, Result};
+use crate::{Buffer, BufferCopy, Channel, ChannelState, CopySource, Error, ErrorKind, Event, Pool, Refused, Result};
 
 /// How many times a wait looks again at once (the channel said something
 /// may be ready, and it was not yet) before it lets the other tasks of its
@@ -120,7 +120,7 @@ impl AsRawFd for Inner {
 /// The channel stays usable as it is ([`get_ref`](AsyncChannel::get_ref),
 /// [`get_mut`](AsyncChannel::get_mut): the operations without an async form
 /// here, such as [`Channel::respond_pool`] or [`Channel::set_batching`], are
-/// called there; one refused with [`Error::QueueFull`] is tried again after
+/// called there; one refused with [`ErrorKind::QueueFull`] is tried again after
 /// the next event) and can be taken back
 /// ([`into_inner`](AsyncChannel::into_inner)).
 ///
@@ -142,7 +142,7 @@ impl std::fmt::Debug for AsyncChannel {
 impl AsyncChannel {
     /// Wrap a channel, in any state, registering its fd with the current
     /// tokio runtime. Refused (the channel handed back) outside a runtime:
-    /// [`Error::InvalidArgument`]; an fd tokio cannot watch: [`Error::Os`].
+    /// [`ErrorKind::InvalidArgument`]; an fd tokio cannot watch: [`ErrorKind::Os`].
     ///
     /// # Panics
     ///
@@ -152,7 +152,7 @@ impl AsyncChannel {
     #[allow(clippy::result_large_err)]
     pub fn new(channel: Channel) -> Result<AsyncChannel, Refused<Channel>> {
         if ::tokio::runtime::Handle::try_current().is_err() {
-            return Err(Refused::new(Error::InvalidArgument("not inside a tokio runtime"), channel));
+            return Err(Refused::new(Error::from(ErrorKind::InvalidArgument("not inside a tokio runtime")), channel));
         }
         // SAFETY: the fd is the channel's wake set (an epoll instance), owned
         // by the channel inside `Inner`: open, and the same fd, for the
@@ -163,7 +163,7 @@ impl AsyncChannel {
             Ok(fd) => Ok(AsyncChannel { fd, spin: Duration::ZERO }),
             Err(e) => {
                 let (inner, e) = e.into_parts();
-                Err(Refused::new(e.into(), inner.0))
+                Err(Refused::new(Error::from(e), inner.0))
             }
         }
     }
@@ -215,7 +215,7 @@ impl AsyncChannel {
     /// a timeout) loses no event.
     ///
     /// If the runtime's I/O driver is gone (the runtime is shutting down),
-    /// the wait ends with an [`Event::Error`] ([`Error::Os`]) although the
+    /// the wait ends with an [`Event::Error`] ([`ErrorKind::Os`]) although the
     /// channel is not closed.
     ///
     /// A channel that always has an event ready never makes this future
@@ -293,7 +293,7 @@ impl AsyncChannel {
     }
 
     /// One step of a wait for room, after an operation failed with
-    /// [`Error::QueueFull`]: `Ready` when it is worth trying again. An
+    /// [`ErrorKind::QueueFull`]: `Ready` when it is worth trying again. An
     /// arrival in the way is kept in the channel for
     /// [`next_event`](AsyncChannel::next_event) (see the [module](self)).
     fn poll_room(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
@@ -315,7 +315,7 @@ impl AsyncChannel {
         poll_fn(|cx| self.poll_room(cx)).await
     }
 
-    /// Run `op` until it does not fail with [`Error::QueueFull`], waiting
+    /// Run `op` until it does not fail with [`ErrorKind::QueueFull`], waiting
     /// for room in between. Refused for another reason: that error, with
     /// the value back.
     async fn with_room<T>(
@@ -326,7 +326,7 @@ impl AsyncChannel {
         let mut tries = 0;
         loop {
             match op(self.get_mut(), value) {
-                Err(r) if r.error == Error::QueueFull => value = r.value,
+                Err(r) if r.error == ErrorKind::QueueFull => value = r.into_inner(),
                 done => return done,
             }
             tries += 1;
@@ -358,7 +358,7 @@ impl AsyncChannel {
     /// [`Channel::send_aggregate`], waiting for room for the whole run like
     /// [`move_buffer`](AsyncChannel::move_buffer) (an aggregate that could
     /// never fit the queue is refused at once with
-    /// [`Error::AggregateTooLarge`]).
+    /// [`ErrorKind::AggregateTooLarge`]).
     pub async fn send_aggregate(
         &mut self,
         agg: crate::Aggregate,
@@ -418,7 +418,7 @@ impl AsyncChannel {
     /// [`Channel::wait_connected`] without a timeout (put one around the
     /// future: `tokio::time::timeout`): `Ok` once a channel being created or
     /// bound is connected, its [`Event::BindRequest`] or [`Event::Bound`]
-    /// taken; the error of a failed setup; [`Error::NotConnected`] for a
+    /// taken; the error of a failed setup; [`ErrorKind::NotConnected`] for a
     /// channel that is tearing down or closed. The backend's own setup
     /// deadlines still apply. Other events are kept for
     /// [`next_event`](AsyncChannel::next_event). Cancel-safe.
@@ -429,7 +429,7 @@ impl AsyncChannel {
                 match ch.state() {
                     ChannelState::Connected => return Poll::Ready(Ok(())),
                     ChannelState::Initialized | ChannelState::Binding => {}
-                    s => return Poll::Ready(Err(Error::NotConnected(s))),
+                    s => return Poll::Ready(Err(ErrorKind::NotConnected(s).into())),
                 }
                 match ch.poll_unheld() {
                     Some(Event::BindRequest { .. } | Event::Bound) => return Poll::Ready(Ok(())),
@@ -455,7 +455,7 @@ impl AsyncChannel {
     /// [`Channel::assign_pool_and_wait`] without a timeout (put one around
     /// the future): assign `pool` (waiting for room if the queue is full),
     /// then wait for the peer's answer: `Ok` once assigned,
-    /// [`Error::PoolVetoed`] if vetoed, the error of a channel that failed
+    /// [`ErrorKind::PoolVetoed`] if vetoed, the error of a channel that failed
     /// or closed meanwhile, the errors of [`Channel::assign_pool`]. Every
     /// other event that arrives meanwhile is kept, in order, for
     /// [`next_event`](AsyncChannel::next_event) (an [`Event::Error`] or
@@ -470,11 +470,11 @@ impl AsyncChannel {
                 let ch = self.get_mut();
                 match ch.poll_unheld() {
                     Some(Event::PoolAssigned(p)) if p == id => return Poll::Ready(Ok(())),
-                    Some(Event::PoolVetoed(p)) if p == id => return Poll::Ready(Err(Error::PoolVetoed(id))),
+                    Some(Event::PoolVetoed(p)) if p == id => return Poll::Ready(Err(ErrorKind::PoolVetoed(id).into())),
                     Some(ev) => {
                         let stop = match &ev {
                             Event::Error(e) => Some(e.clone()),
-                            Event::Closed { .. } => Some(Error::NotConnected(ChannelState::Closed)),
+                            Event::Closed { .. } => Some(ErrorKind::NotConnected(ChannelState::Closed).into()),
                             _ => None,
                         };
                         ch.hold(ev);
@@ -484,7 +484,7 @@ impl AsyncChannel {
                         }
                     }
                     None if ch.state() == ChannelState::Closed => {
-                        return Poll::Ready(Err(Error::NotConnected(ChannelState::Closed)))
+                        return Poll::Ready(Err(ErrorKind::NotConnected(ChannelState::Closed).into()))
                     }
                     None => {}
                 }

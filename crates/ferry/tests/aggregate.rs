@@ -211,7 +211,7 @@ fn run(ops: Vec<Op>) {
                     }
                     Err(e) => {
                         assert!(at > len);
-                        assert_eq!(e, ferry::Error::BadRange { start: at, end: len, len });
+                        assert_eq!(e, ferry::ErrorKind::BadRange { start: at, end: len, len });
                     }
                 }
             }
@@ -228,7 +228,7 @@ fn run(ops: Vec<Op>) {
                     }
                     Err(e) => {
                         assert!(at > len);
-                        assert_eq!(e, ferry::Error::BadRange { start: at, end: len, len });
+                        assert_eq!(e, ferry::ErrorKind::BadRange { start: at, end: len, len });
                     }
                 }
             }
@@ -248,7 +248,7 @@ fn run(ops: Vec<Op>) {
                     }
                     Err(e) => {
                         assert!(k > len);
-                        assert_eq!(e, ferry::Error::BadRange { start: k, end: len, len });
+                        assert_eq!(e, ferry::ErrorKind::BadRange { start: k, end: len, len });
                     }
                 }
             }
@@ -314,9 +314,9 @@ fn run(ops: Vec<Op>) {
                     // buffers received in `far` (not this domain's to send):
                     // nothing crossed.
                     let crossed = aggs[a % n].fragments().any(|f| f.is_copy());
-                    match r.error {
-                        ferry::Error::AggregateTooLarge { .. } => {}
-                        ferry::Error::ForeignBuffer => assert!(crossed),
+                    match r.error.kind() {
+                        ferry::ErrorKind::AggregateTooLarge { .. } => {}
+                        ferry::ErrorKind::ForeignBuffer => assert!(crossed),
                         e => panic!("{e:?}"),
                     }
                     continue;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Aggregate, Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, Event, PoolConstraints,
+    Aggregate, Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, ErrorKind, Event, PoolConstraints,
     PoolPolicy,
 };
 
@@ -105,7 +105,7 @@ fn sender_sleeps_until_the_run_fits(ep: Endpoint) {
         assert!(Instant::now() < deadline, "sender timed out after {rounds} rounds");
         match tx.send_aggregate(msg, &[7]) {
             Ok(()) => break,
-            Err(r) if r.error == Error::QueueFull => msg = r.into_inner(),
+            Err(r) if r.error == ErrorKind::QueueFull => msg = r.into_inner(),
             Err(r) => panic!("send_aggregate: {}", r.error),
         }
         rounds += 1;

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Aggregate, Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, Event, MuxSession,
+    Aggregate, Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, ErrorKind, Event, MuxSession,
     NetOptions, Pool, PoolConstraints, Role,
 };
 
@@ -219,9 +219,9 @@ fn run_channels(
                 fill(b.as_mut_slice().unwrap(), seq ^ ((i as u64) << 32));
                 match ch.move_buffer(b, &seq.to_le_bytes()) {
                     Ok(()) => sent[i] += 1,
-                    Err(r) if r.error == Error::QueueFull => {
+                    Err(r) if r.error == ErrorKind::QueueFull => {
                         tally[i].queue_full = true;
-                        drop(r.value);
+                        drop(r.into_inner());
                         break;
                     }
                     Err(r) => panic!("channel {i}: move failed: {}", r.error),
@@ -277,8 +277,8 @@ fn echo_channels(rxs: Vec<Channel>, stalled: Vec<usize>, resume: std::sync::mpsc
             while let Some((buffer, meta)) = waiting[i].pop_front() {
                 match sel.get_mut(keys[i]).unwrap().pass(buffer, &meta) {
                     Ok(()) => {}
-                    Err(r) if r.error == Error::QueueFull => {
-                        waiting[i].push_front((r.value, meta));
+                    Err(r) if r.error == ErrorKind::QueueFull => {
+                        waiting[i].push_front((r.into_inner(), meta));
                         break;
                     }
                     Err(r) => panic!("channel {i}: pass failed: {}", r.error),
@@ -492,7 +492,7 @@ fn killed_peer_fails_every_channel_and_buffers_come_back() {
     child.kill().unwrap();
     for (i, ch) in chans.iter_mut().enumerate() {
         match next(ch) {
-            Event::Error(Error::PeerGone | Error::PeerUnresponsive(_)) => {}
+            Event::Error(err) if matches!(err.kind(), ErrorKind::PeerGone | ErrorKind::PeerUnresponsive(_)) => {}
             ev => panic!("channel {i}: expected peer death, got {ev:?}"),
         }
         assert_eq!(allocs[i].available(), 8, "channel {i}: the lent buffers are back");
@@ -567,7 +567,7 @@ fn malformed_frames_are_protocol_errors() {
         s.write_all(&bad).unwrap();
         for ch in [&mut one, &mut two] {
             match next(ch) {
-                Event::Error(Error::Protocol(_)) => {}
+                Event::Error(err) if matches!(err.kind(), ErrorKind::Protocol(_)) => {}
                 ev => panic!("frame {bad:?}: expected a protocol error, got {ev:?}"),
             }
             assert!(ch.poll().is_none());
@@ -620,7 +620,7 @@ fn priority_frames_overtake_a_saturating_bulk_channel() {
             fill(buf.as_mut_slice().unwrap(), bulk_sent[i]);
             match txs[i].move_buffer(buf, &bulk_sent[i].to_le_bytes()) {
                 Ok(()) => bulk_sent[i] += 1,
-                Err(r) if r.error == Error::QueueFull => break,
+                Err(r) if r.error == ErrorKind::QueueFull => break,
                 Err(r) => panic!("bulk move: {}", r.error),
             }
         }
@@ -761,7 +761,7 @@ fn bulk_on_its_way_stays_within_the_budget() {
         for (tx, alloc) in txs[..2].iter_mut().zip(&allocs) {
             while let Some(buf) = alloc.alloc() {
                 if let Err(r) = tx.move_buffer(buf, &[]) {
-                    assert_eq!(r.error, Error::QueueFull);
+                    assert_eq!(r.error, ErrorKind::QueueFull);
                     break;
                 }
             }
@@ -845,7 +845,7 @@ fn a_sender_that_never_polls_gets_past_the_budget() {
         let buf = alloc.alloc().expect("a buffer per move");
         match tx.move_buffer(buf, &[]) {
             Ok(()) => sent += 1,
-            Err(r) if r.error == Error::QueueFull => std::thread::sleep(Duration::from_millis(1)),
+            Err(r) if r.error == ErrorKind::QueueFull => std::thread::sleep(Duration::from_millis(1)),
             Err(r) => panic!("move: {}", r.error),
         }
     }
@@ -871,7 +871,7 @@ fn a_bind_that_gave_up_or_was_refused_leaves_the_session_usable() {
     let (a, b) = session_pair(NetOptions::default());
     let (da, db) = (Domain::new("a"), Domain::new("b"));
     let quick = BindParams { timeout: Duration::from_millis(50), ..BindParams::default() };
-    assert_eq!(Channel::connect(&db, &b.endpoint(5), quick, T).unwrap_err(), Error::TimedOut);
+    assert_eq!(Channel::connect(&db, &b.endpoint(5), quick, T).unwrap_err(), ErrorKind::TimedOut);
     let mut tx = Channel::create(&da, &a.endpoint(5), tx_setup()).unwrap();
     // A refused bind (a meta size the creator does not fit in).
     let setup = ChannelSetup { meta_size: 64, ..tx_setup() };
@@ -893,18 +893,22 @@ fn a_bind_that_gave_up_or_was_refused_leaves_the_session_usable() {
                     }
                 };
             }
-            Err(Error::EndpointInUse) => assert!(Instant::now() < deadline, "number 6 never free"),
+            Err(err) if matches!(err.kind(), ErrorKind::EndpointInUse) => {
+                assert!(Instant::now() < deadline, "number 6 never free")
+            }
             Err(e) => panic!("bind: {e:?}"),
         }
     };
-    assert!(matches!(refused, Error::BindRefused(_)), "{refused:?}");
+    assert!(matches!(refused.kind(), ErrorKind::BindRefused(_)), "{refused:?}");
     // Number 5 comes free once the creator's side has answered the give-up.
     let mut rx = loop {
         let _ = tx.wait(Some(Duration::from_millis(5)));
         let _ = picky.wait(Some(Duration::from_millis(5)));
         match Channel::bind(&db, &b.endpoint(5), BindParams::default()) {
             Ok(ch) => break ch,
-            Err(Error::EndpointInUse) => assert!(Instant::now() < deadline, "number 5 never free"),
+            Err(err) if matches!(err.kind(), ErrorKind::EndpointInUse) => {
+                assert!(Instant::now() < deadline, "number 5 never free")
+            }
             Err(e) => panic!("bind: {e:?}"),
         }
     };
@@ -912,7 +916,9 @@ fn a_bind_that_gave_up_or_was_refused_leaves_the_session_usable() {
         let _ = picky.wait(Some(Duration::from_millis(5)));
         match Channel::bind(&db, &b.endpoint(6), BindParams::default()) {
             Ok(ch) => break ch,
-            Err(Error::EndpointInUse) => assert!(Instant::now() < deadline, "number 6 never free"),
+            Err(err) if matches!(err.kind(), ErrorKind::EndpointInUse) => {
+                assert!(Instant::now() < deadline, "number 6 never free")
+            }
             Err(e) => panic!("bind: {e:?}"),
         }
     };
@@ -945,7 +951,7 @@ fn a_silent_peer_is_unresponsive() {
     let mut ch = Channel::accept(&Domain::new("d"), &session.endpoint(1), ChannelSetup::default(), T).unwrap();
     let mut s = raw.join().unwrap();
     match next(&mut ch) {
-        Event::Error(Error::PeerUnresponsive(_)) => {}
+        Event::Error(err) if matches!(err.kind(), ErrorKind::PeerUnresponsive(_)) => {}
         ev => panic!("expected an unresponsive peer, got {ev:?}"),
     }
     // What we sent: the open reply, keep-alives (kind 7), and nothing after

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use ferry::backend::mux::MUX_HEAD;
 use ferry::{
-    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Error, Event, MuxListener, MuxSession, NetOptions,
-    PoolConstraints, Role,
+    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, ErrorKind, Event, MuxListener, MuxSession,
+    NetOptions, PoolConstraints, Role,
 };
 
 use support::mux_peer::{frame, MuxPeer, K_CLOSE, K_OPEN};
@@ -179,7 +179,7 @@ fn a_peer_that_provokes_replies_it_never_reads_is_cut_off() {
     };
     stop.store(true, Ordering::Relaxed);
     assert!(
-        matches!(error, Error::PeerBacklog { limit, .. } if limit == LIMIT as u64),
+        matches!(error.kind(), ErrorKind::PeerBacklog { limit, .. } if *limit == LIMIT as u64),
         "expected the peer to be cut off for its backlog, got {error:?}"
     );
     let stats = victim.stats();
@@ -270,7 +270,7 @@ fn handshakes_that_fail_are_closed() {
     let mut wrong = TcpStream::connect(addr).unwrap();
     wrong.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
     let e = MuxSession::accept(&listener, NetOptions::default(), Duration::from_millis(300)).unwrap_err();
-    assert_eq!(e, Error::TimedOut);
+    assert_eq!(e, ErrorKind::TimedOut);
     for s in [&mut silent, &mut half] {
         s.set_read_timeout(Some(T)).unwrap();
         let mut got = Vec::new();

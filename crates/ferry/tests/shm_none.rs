@@ -13,8 +13,8 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Allocator, BindParams, BufferState, Channel, ChannelSetup, ChannelState, Direction, Domain, Endpoint, Error, Event,
-    PoolConstraints, Role, TrustLevel,
+    Allocator, BindParams, BufferState, Channel, ChannelSetup, ChannelState, Direction, Domain, Endpoint, ErrorKind,
+    Event, PoolConstraints, Role, TrustLevel,
 };
 
 use support::payload::{check, fill};
@@ -395,11 +395,11 @@ fn none_peer_killed_gives_buffers_back() {
     let e = loop {
         match ch.wait(Some(T)) {
             Some(Event::Error(e)) => break e,
-            Some(Event::Closed { .. }) => break Error::PeerGone,
+            Some(Event::Closed { .. }) => break ErrorKind::PeerGone.into(),
             Some(ev) => panic!("unexpected {ev:?}"),
             None => assert!(t.elapsed() < T, "no error after the kill"),
         }
     };
-    assert!(matches!(e, Error::PeerGone), "{e:?}");
+    assert!(matches!(e.kind(), ErrorKind::PeerGone), "{e:?}");
     assert_eq!(alloc.available(), 6, "the dead peer's buffers came back");
 }

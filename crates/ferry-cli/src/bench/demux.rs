@@ -291,7 +291,7 @@ fn drive(chans: Vec<Channel>, allocs: &[Allocator], size: usize, load: Load) -> 
             while let Some(buf) = allocs[i].alloc() {
                 match ch.move_buffer(buf, &[]) {
                     Ok(()) => {}
-                    Err(r) if r.error == ferry::Error::QueueFull => {
+                    Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                         refill[i] = true;
                         break;
                     }
@@ -369,7 +369,7 @@ fn echo_loop(chans: Vec<Channel>, stop: &AtomicBool) {
             let Some(ch) = sel.get_mut(k) else { continue };
             match ch.pass(buf, &meta) {
                 Ok(()) => passed.push(k),
-                Err(r) if r.error == ferry::Error::QueueFull => still.push((k, r.value, meta)),
+                Err(r) if r.error == ferry::ErrorKind::QueueFull => still.push((k, r.into_inner(), meta)),
                 Err(_) => {}
             }
         }

@@ -180,7 +180,8 @@ fn serve_event(ch: &mut Channel, ev: Event, echoed: &mut u64) -> Result<bool, St
             *echoed += 1;
             Ok(false)
         }
-        Event::Closed { .. } | Event::Error(ferry::Error::PeerGone) => Ok(true),
+        Event::Closed { .. } => Ok(true),
+        Event::Error(e) if e == ferry::ErrorKind::PeerGone => Ok(true),
         // Clients that are processes bind to the server's channels and offer their pool.
         Event::BindRequest { .. } => {
             ch.set_pool_policy(ferry::PoolPolicy::AcceptAll);
@@ -633,7 +634,7 @@ fn busy_client(ch: &mut Channel, alloc: &Allocator, window: usize) -> Result<(),
                     inflight += 1;
                     did = true;
                 }
-                Err(r) if r.error == ferry::Error::QueueFull => break,
+                Err(r) if r.error == ferry::ErrorKind::QueueFull => break,
                 Err(r) => return Err(r.error.to_string()),
             }
         }

@@ -571,7 +571,7 @@ fn ferry_stage(a: &StageArgs) -> Result<(), CliError> {
         let mut ch = loop {
             match Channel::bind(&domain, &ep(a.index - 1), BindParams::default()) {
                 Ok(ch) => break ch,
-                Err(ferry::Error::EndpointNotListening) if t0.elapsed() < STEP => {
+                Err(e) if e == ferry::ErrorKind::EndpointNotListening && t0.elapsed() < STEP => {
                     std::thread::sleep(Duration::from_millis(2));
                 }
                 Err(e) => return Err(e.into()),

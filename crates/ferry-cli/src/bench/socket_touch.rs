@@ -278,7 +278,7 @@ impl FerryPeer {
         loop {
             match Channel::bind(&domain, &Endpoint::shm_abstract(name), BindParams::default()) {
                 Ok(ch) => return Ok(ch),
-                Err(ferry::Error::EndpointNotListening) if t0.elapsed() < STEP => {
+                Err(e) if e == ferry::ErrorKind::EndpointNotListening && t0.elapsed() < STEP => {
                     std::thread::sleep(Duration::from_millis(2));
                 }
                 Err(e) => return Err(e.into()),

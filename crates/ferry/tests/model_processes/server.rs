@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use ferry::{
     Aggregate, Allocator, BindParams, Buffer, BufferCopy, BufferId, BufferState, Channel, ChannelSetup, Direction,
-    Domain, Endpoint, Error, Event, Member, PoolConstraints,
+    Domain, Endpoint, Error, ErrorKind, Event, Member, PoolConstraints,
 };
 
 use super::wire::{read_frame, write_frame, Chan, Cmd, EndReport, Ev, LibError, Reply, StateReport};
@@ -419,7 +419,7 @@ impl Server {
             Event::Closed { by_peer } => Ev::Closed { by_peer },
             Event::BindRequest { .. } => Ev::BindRequest,
             Event::Bound => Ev::Bound,
-            Event::Error(e) => Ev::Error { peer_gone: e == Error::PeerGone, text: format!("{e:?}") },
+            Event::Error(e) => Ev::Error { peer_gone: e == ErrorKind::PeerGone, text: format!("{e:?}") },
             // The model's pools stay far below the channel's limits.
             Event::PoolOfferRefused { reason, .. } => Ev::Error { peer_gone: false, text: format!("{reason:?}") },
             Event::Aggregate { agg, meta } => match agg.into_members() {
