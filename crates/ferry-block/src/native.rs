@@ -509,8 +509,8 @@ impl BlockClient {
                         return Err(Error::TimedOut);
                     }
                     match self.data.as_mut() {
-                        Some(d) => ferry::wait_any(&mut [&mut self.ch, d], Some(left)),
-                        None => self.ch.wait(Some(left)).map(|ev| (0, ev)),
+                        Some(d) => ferry::wait_any(&mut [&mut self.ch, d], Some(left)).ok(),
+                        None => self.ch.wait(Some(left)).map(|ev| (0, ev)).ok(),
                     }
                 }
             };
@@ -569,7 +569,7 @@ impl BlockClient {
             if left.is_zero() {
                 return Err(Error::TimedOut);
             }
-            if let Some(ev) = self.ch.wait(Some(left)) {
+            if let Ok(ev) = self.ch.wait(Some(left)) {
                 if let Some(x) = self.take(0, ev)? {
                     self.stash.push_back(x);
                 }
@@ -839,7 +839,7 @@ pub fn run_proxy(
             route(ev, &mut users)?;
         }
         if !did {
-            if let Some(ev) = upstream.wait(Some(Duration::from_millis(1))) {
+            if let Ok(ev) = upstream.wait(Some(Duration::from_millis(1))) {
                 route(ev, &mut users)?;
             }
         }
@@ -886,12 +886,12 @@ fn wait_assigned(
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
         match upstream.wait(Some(deadline.saturating_duration_since(Instant::now()))) {
-            Some(Event::PoolAssigned(p)) if p == pool => return Ok(()),
-            Some(Event::PoolVetoed(p)) if p == pool => {
+            Ok(Event::PoolAssigned(p)) if p == pool => return Ok(()),
+            Ok(Event::PoolVetoed(p)) if p == pool => {
                 return Err(Error::Protocol("the block server refused a client's pool".into()))
             }
-            Some(ev) => route(ev, users)?,
-            None => {}
+            Ok(ev) => route(ev, users)?,
+            Err(_) => {}
         }
     }
     Err(Error::TimedOut)

@@ -268,7 +268,7 @@ impl<'a> Loop<'a> {
             }
             let busy = self.clients.values().any(|c| !c.outbox.is_empty());
             let timeout = if busy { Duration::from_millis(1) } else { Duration::from_millis(200) };
-            let Some((key, ev)) = self.sel.wait(Some(timeout)) else {
+            let Ok((key, ev)) = self.sel.wait(Some(timeout)) else {
                 let ids: Vec<u64> = self.clients.keys().copied().collect();
                 for id in ids {
                     self.pump(id, gone);

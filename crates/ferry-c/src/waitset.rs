@@ -431,14 +431,14 @@ impl Waitset {
             self.quiet();
         }
         match self.selector.wait(Some(Duration::ZERO)) {
-            Some((key, ev)) => {
+            Ok((key, ev)) => {
                 self.streak += 1;
                 match self.take_event(key, ev) {
                     Some(w) => Step::Run(w),
                     None => Step::Spin,
                 }
             }
-            None => Step::Idle { fd: self.epoll.as_raw_fd(), live: !self.selector.is_empty() },
+            Err(_) => Step::Idle { fd: self.epoll.as_raw_fd(), live: !self.selector.is_empty() },
         }
     }
 

@@ -653,9 +653,9 @@ impl PyChannel {
             deadline,
             || Ok(Some(None)),
             |ch, slice| match ch.wait(Some(slice)) {
-                Some(ev) => Some(Some(ev)),
-                None if ch.state() == ChannelState::Closed => Some(None),
-                None => None,
+                Ok(ev) => Some(Some(ev)),
+                Err(ferry::WaitError::Closed) => Some(None),
+                Err(ferry::WaitError::TimedOut) => None,
             },
         )?;
         match got.flatten() {

@@ -171,7 +171,7 @@ fn server(clients: usize, bytes: usize) -> Result<()> {
 /// Serve until every client has closed its channel.
 fn serve(selector: &mut Selector, known: &mut HashMap<usize, Client>) -> Result<()> {
     while !selector.is_empty() {
-        let (key, ev) = selector.wait(Some(TIMEOUT)).ok_or("no client did anything in time")?;
+        let (key, ev) = selector.wait(Some(TIMEOUT)).map_err(|e| format!("no client did anything in time: {e}"))?;
         let client = known.get_mut(&key).ok_or("the selector returned a key it does not hold")?;
         let channel = selector.get_mut(key).ok_or("the selector lost a channel")?;
         match ev {

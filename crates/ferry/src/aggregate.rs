@@ -612,7 +612,7 @@ impl Aggregate {
     /// than `n`.
     ///
     /// ```
-    /// use ferry::{Aggregate, Allocator, Domain, Error, PoolConstraints};
+    /// use ferry::{Aggregate, Allocator, Domain, Error, ErrorKind, PoolConstraints};
     /// let alloc = Allocator::new(&Domain::new("d"), 2, 4096, PoolConstraints::default())?;
     /// let mut src = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"abcdefgh")?;
     /// let mut dst = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"[")?;
@@ -620,7 +620,7 @@ impl Aggregate {
     /// dst.append_from(&mut src, 2)?; // merges with "abc": one fragment "abcde"
     /// assert_eq!((dst.to_vec(), src.to_vec()), (b"[abcde".to_vec(), b"fgh".to_vec()));
     /// assert_eq!(dst.fragments().count(), 2);
-    /// assert_eq!(dst.append_from(&mut src, 4), Err(ErrorKind::BadRange { start: 4, end: 3, len: 3 }));
+    /// assert_eq!(dst.append_from(&mut src, 4), Err(ErrorKind::BadRange { start: 4, end: 3, len: 3 }.into()));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn append_from(&mut self, src: &mut Aggregate, n: usize) -> Result<()> {
@@ -704,7 +704,7 @@ impl Aggregate {
     /// buffers; [`ErrorKind::BadRange`] if `offset` is past the end.
     ///
     /// ```
-    /// use ferry::{Aggregate, Allocator, Domain, Error, PoolConstraints};
+    /// use ferry::{Aggregate, Allocator, Domain, Error, ErrorKind, PoolConstraints};
     /// let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
     /// let whole = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"headerbody")?;
     /// let (head, body) = whole.split_at(6)?;
@@ -1483,7 +1483,7 @@ mod tests {
         let alloc = Allocator::new(&a, 2, 64 << 10, PoolConstraints::default()).unwrap();
         tx.assign_pool(alloc.pool()).unwrap();
         rx.poll();
-        assert!(matches!(tx.wait(Some(t)), Some(Event::PoolAssigned(_))));
+        assert!(matches!(tx.wait(Some(t)), Ok(Event::PoolAssigned(_))));
         // 16 units of 4 KiB, each behind a 16-byte header: 32 fragments of 2 buffers.
         let (mut body, mut hdrs) = (Aggregate::from(alloc.alloc().unwrap()), Aggregate::from(alloc.alloc().unwrap()));
         let mut train = Aggregate::new();
@@ -1495,7 +1495,7 @@ mod tests {
         let want: Vec<_> = train.fragments().map(|f| (f.buffer_id(), f.range())).collect();
         tx.send_aggregate(train, b"m").unwrap();
         let mut got = match rx.wait(Some(t)) {
-            Some(Event::Aggregate { agg, .. }) => agg,
+            Ok(Event::Aggregate { agg, .. }) => agg,
             other => panic!("{other:?}"),
         };
         assert_eq!(got.fragments().map(|f| (f.buffer_id(), f.range())).collect::<Vec<_>>(), want);

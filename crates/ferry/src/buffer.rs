@@ -88,14 +88,14 @@ impl Buffer {
     /// [`ErrorKind::BadView`] if the buffer is not a whole number of `T`s.
     ///
     /// ```
-    /// use ferry::{Allocator, Domain, Error, PoolConstraints};
+    /// use ferry::{Allocator, Domain, Error, ErrorKind, PoolConstraints};
     /// let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
     /// let mut buf = alloc.alloc().unwrap();
     /// buf.as_mut_slice_of::<u32>()?.iter_mut().enumerate().for_each(|(i, w)| *w = i as u32);
     /// let words: &[u32] = buf.as_slice_of()?;
     /// assert_eq!((words.len(), words[1023]), (1024, 1023));
     /// // A 4096-byte buffer is not a whole number of 12-byte elements.
-    /// assert!(matches!(buf.as_slice_of::<[u32; 3]>(), Err(ErrorKind::BadView { .. })));
+    /// assert!(matches!(buf.as_slice_of::<[u32; 3]>().map_err(ferry::Error::into_kind), Err(ErrorKind::BadView { .. })));
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn as_slice_of<T: bytemuck::Pod>(&self) -> Result<&[T]> {
@@ -106,13 +106,13 @@ impl Buffer {
     /// leave the buffer or `offset` is not aligned for `T`.
     ///
     /// ```
-    /// # use ferry::{Allocator, Domain, Error, PoolConstraints};
+    /// # use ferry::{Allocator, Domain, Error, ErrorKind, PoolConstraints};
     /// # let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
     /// let mut buf = alloc.alloc().unwrap();
     /// buf.slice_of_mut::<u64>(8, 2)?.copy_from_slice(&[7, 9]);
     /// assert_eq!(buf.slice_of::<u64>(8, 2)?, &[7, 9]);
-    /// assert!(matches!(buf.slice_of::<u64>(4, 1), Err(ErrorKind::BadView { .. })));     // misaligned
-    /// assert!(matches!(buf.slice_of::<u64>(4088, 2), Err(ErrorKind::BadView { .. })));  // past the end
+    /// assert!(matches!(buf.slice_of::<u64>(4, 1).map_err(ferry::Error::into_kind), Err(ErrorKind::BadView { .. })));     // misaligned
+    /// assert!(matches!(buf.slice_of::<u64>(4088, 2).map_err(ferry::Error::into_kind), Err(ErrorKind::BadView { .. })));  // past the end
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn slice_of<T: bytemuck::Pod>(&self, offset: usize, count: usize) -> Result<&[T]> {
@@ -273,11 +273,11 @@ impl Spares {
 /// let mut buf = alloc.alloc().unwrap();
 /// buf.as_mut_slice()?[0] = 1;
 /// tx.copy(&buf, &[])?;
-/// let Some(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!() };
+/// let Ok(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!() };
 /// assert_eq!(copy[0], 1);
 /// assert!(buf.as_mut_slice().is_err(), "the owner is read-only while the copy is out");
 /// rx.release(copy)?;
-/// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+/// assert!(matches!(tx.wait(Some(t)), Ok(Event::CopyReleased { writable: true, .. })));
 /// assert!(buf.as_mut_slice().is_ok());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```

@@ -18,7 +18,7 @@ use crate::backend::{Endpoint, Landing, Link, PayloadGate, Pending};
 use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource, Spares};
 use crate::domain::Pool;
 use crate::domain::{ChanKey, Domain, DomainState, LentSet};
-use crate::error::{Error, Refused, Result, ResultExt};
+use crate::error::{Error, Refused, Result, ResultExt, WaitError};
 use crate::pool::{Geometry, PoolId, PoolView, TrustLevel};
 use crate::proto::{self, AggRun, FragEntry, Message, Meta, MAX_META_SIZE};
 use crate::setup::{BindParams, ChannelConstraints, ChannelLimits, ChannelSetup, ChannelState, Direction, Role};
@@ -51,13 +51,13 @@ pub struct PoolRequest {
 /// /// A sink's loop body: check and return what arrives.
 /// fn serve(rx: &mut Channel) -> Result<bool, Box<dyn std::error::Error>> {
 ///     match rx.wait(Some(std::time::Duration::from_secs(10))) {
-///         Some(Event::MoveReceived { buffer, meta }) => rx.pass(buffer, &meta)?,
-///         Some(Event::CopyReceived { copy, .. }) => rx.release(copy)?,
-///         Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true)?,
-///         Some(Event::Closed { .. }) => return Ok(false),
-///         Some(Event::Error(e)) => return Err(e.into()),
-///         Some(_) => {}
-///         None => return Err("timed out".into()),
+///         Ok(Event::MoveReceived { buffer, meta }) => rx.pass(buffer, &meta)?,
+///         Ok(Event::CopyReceived { copy, .. }) => rx.release(copy)?,
+///         Ok(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true)?,
+///         Ok(Event::Closed { .. }) => return Ok(false),
+///         Ok(Event::Error(e)) => return Err(e.into()),
+///         Ok(_) => {}
+///         Err(_) => return Err("timed out".into()),
 ///     }
 ///     Ok(true)
 /// }
@@ -184,12 +184,12 @@ struct ChanPool {
 ///         rx.set_pool_policy(PoolPolicy::AcceptAll);
 ///         loop {
 ///             match rx.wait(Some(t)) {
-///                 Some(Event::MoveReceived { buffer, .. }) => {
+///                 Ok(Event::MoveReceived { buffer, .. }) => {
 ///                     let got = buffer[..5].to_vec();
 ///                     rx.pass(buffer, &[]).map_err(|r| r.error)?;
 ///                     return Ok(got);
 ///                 }
-///                 Some(Event::PoolAssignRequest(_)) => {} // accepted by the library
+///                 Ok(Event::PoolAssignRequest(_)) => {} // accepted by the library
 ///                 other => panic!("{other:?}"),
 ///             }
 ///         }
@@ -202,7 +202,7 @@ struct ChanPool {
 /// let mut buf = alloc.alloc().unwrap();
 /// buf.as_mut_slice()?[..5].copy_from_slice(b"hello");
 /// tx.move_buffer(buf, &[])?;
-/// assert!(matches!(tx.wait(Some(t)), Some(Event::BufferPassed { .. })));
+/// assert!(matches!(tx.wait(Some(t)), Ok(Event::BufferPassed { .. })));
 /// assert_eq!(sink.join().unwrap()?, b"hello");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -334,13 +334,13 @@ impl Channel {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use ferry::{BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, Event};
+    /// use ferry::{BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, ErrorKind, Event};
     /// let ep = Endpoint::local();
     /// assert_eq!(Channel::bind(&Domain::new("b"), &ep, BindParams::default()).unwrap_err(), ErrorKind::EndpointNotListening);
     /// let mut tx = Channel::create(&Domain::new("a"), &ep, ChannelSetup::default())?;
     /// let mut rx = Channel::bind(&Domain::new("b"), &ep, BindParams::default())?;
     /// tx.poll(); // the creator accepts
-    /// assert!(matches!(rx.wait(Some(Duration::from_secs(10))), Some(Event::Bound)));
+    /// assert!(matches!(rx.wait(Some(Duration::from_secs(10))), Ok(Event::Bound)));
     /// assert_eq!(rx.direction(), Direction::Rx); // the opposite of the creator's
     /// # Ok::<(), ferry::Error>(())
     /// ```
@@ -475,7 +475,7 @@ impl Channel {
     /// let mut buf = alloc.alloc().unwrap();
     /// buf.as_mut_slice()?[0] = 9;
     /// tx.move_buffer(buf, b"frame 1")?;
-    /// let Some(Event::MoveReceived { buffer, meta }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::MoveReceived { buffer, meta }) = rx.wait(Some(t)) else { panic!() };
     /// assert_eq!((buffer[0], &meta[..]), (9, &b"frame 1"[..]));
     /// // Refused: the buffer comes back with the reason.
     /// let refused = rx.move_buffer(buffer, &[]).unwrap_err();
@@ -516,10 +516,10 @@ impl Channel {
     /// # tx.poll();
     /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
     /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
-    /// let Some(Event::MoveReceived { mut buffer, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::MoveReceived { mut buffer, .. }) = rx.wait(Some(t)) else { panic!() };
     /// buffer.as_mut_slice()?[0] = 7; // the sink owns it: it may write
     /// rx.pass(buffer, b"done")?;
-    /// let Some(Event::BufferPassed { buffer, meta }) = tx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::BufferPassed { buffer, meta }) = tx.wait(Some(t)) else { panic!() };
     /// assert_eq!((buffer[0], &meta[..]), (7, &b"done"[..]));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
@@ -581,9 +581,9 @@ impl Channel {
     /// let mut buf = alloc.alloc().unwrap();
     /// tx.copy(&buf, &[])?;
     /// assert_eq!(buf.as_mut_slice().unwrap_err(), ErrorKind::CopiesOutstanding);
-    /// let Some(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!() };
     /// rx.release(copy)?;
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::CopyReleased { writable: true, .. })));
     /// assert!(buf.as_mut_slice().is_ok());
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
@@ -660,12 +660,12 @@ impl Channel {
     /// let buf = alloc.alloc().unwrap();
     /// tx.copy(&buf, &[])?;
     /// tx.copy(&buf, &[])?; // two copies out
-    /// let Some(Event::CopyReceived { copy: first, .. }) = rx.wait(Some(t)) else { panic!() };
-    /// let Some(Event::CopyReceived { copy: second, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::CopyReceived { copy: first, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::CopyReceived { copy: second, .. }) = rx.wait(Some(t)) else { panic!() };
     /// rx.release(first)?;
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: false, .. })));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::CopyReleased { writable: false, .. })));
     /// rx.release(second)?;
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::CopyReleased { writable: true, .. })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn release(&mut self, copy: BufferCopy) -> Result<(), Refused<BufferCopy>> {
@@ -798,13 +798,13 @@ impl Channel {
     /// let mut msg = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"HDR ")?;
     /// msg.append(body.clone()); // `body` keeps a reference: its buffer is copied
     /// tx.send_aggregate(msg, b"m1")?;
-    /// let Some(Event::Aggregate { agg, meta }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::Aggregate { agg, meta }) = rx.wait(Some(t)) else { panic!() };
     /// assert_eq!((agg.to_vec(), &meta[..]), (b"HDR payload".to_vec(), &b"m1"[..]));
     /// let frags: Vec<bool> = agg.fragments().map(|f| f.is_copy()).collect();
     /// assert_eq!(frags, [false, true]); // the header buffer moved, the body copied
     /// drop(agg); // the copy is released, the moved buffer freed in `b`
     /// rx.flush()?; // (a dropped copy is released the next time `rx` runs)
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::CopyReleased { writable: true, .. })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn send_aggregate(&mut self, agg: Aggregate, meta: &[u8]) -> Result<(), Refused<Aggregate>> {
@@ -933,10 +933,10 @@ impl Channel {
     /// rx.wait_connected(t)?;
     /// let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
     /// tx.assign_pool(alloc.pool())?;
-    /// let Some(Event::PoolAssignRequest(req)) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::PoolAssignRequest(req)) = rx.wait(Some(t)) else { panic!() };
     /// assert_eq!(req.geometry, alloc.pool().geometry());
     /// rx.respond_pool(req.pool, true)?; // or false: a veto
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::PoolAssigned(p)) if p == alloc.pool().id()));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::PoolAssigned(p)) if p == alloc.pool().id()));
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn assign_pool(&mut self, pool: &Pool) -> Result<()> {
@@ -1051,9 +1051,9 @@ impl Channel {
     /// tx.teardown()?;
     /// assert_eq!(tx.move_buffer(alloc.alloc().unwrap(), &[]).unwrap_err().error, ErrorKind::TearingDown);
     /// // The move sent before still arrives, then the close.
-    /// assert!(matches!(rx.wait(Some(t)), Some(Event::MoveReceived { .. })));
-    /// assert!(matches!(rx.wait(Some(t)), Some(Event::Closed { by_peer: true })));
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::Closed { by_peer: false })));
+    /// assert!(matches!(rx.wait(Some(t)), Ok(Event::MoveReceived { .. })));
+    /// assert!(matches!(rx.wait(Some(t)), Ok(Event::Closed { by_peer: true })));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::Closed { by_peer: false })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn teardown(&mut self) -> Result<()> {
@@ -1153,8 +1153,11 @@ impl Channel {
     }
 
     /// Wait up to `timeout` (forever with `None`) for the next event: spin
-    /// briefly, then sleep until the peer wakes us. Returns `None` on
-    /// timeout or when the channel is closed.
+    /// briefly, then sleep until the peer wakes us.
+    /// [`WaitError::TimedOut`] when the timeout passed (the channel is still
+    /// open: wait again); [`WaitError::Closed`] once the channel is closed
+    /// and its last event ([`Event::Closed`] or [`Event::Error`]) was
+    /// delivered: nothing more will come.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -1172,24 +1175,24 @@ impl Channel {
     /// # rx.poll();
     /// # tx.poll();
     /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
-    /// assert!(rx.wait(Some(Duration::from_millis(1))).is_none()); // timed out
+    /// assert_eq!(rx.wait(Some(Duration::from_millis(1))).unwrap_err(), WaitError::TimedOut);
     /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
-    /// assert!(matches!(rx.wait(Some(t)), Some(Event::MoveReceived { .. })));
+    /// assert!(matches!(rx.wait(Some(t)), Ok(Event::MoveReceived { .. })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn wait(&mut self, timeout: Option<Duration>) -> Option<Event> {
+    pub fn wait(&mut self, timeout: Option<Duration>) -> Result<Event, WaitError> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             if let Some(ev) = self.poll() {
-                return Some(ev);
+                return Ok(ev);
             }
             if self.state == ChannelState::Closed {
-                return None;
+                return Err(WaitError::Closed);
             }
             let left = match deadline {
                 Some(d) => match d.checked_duration_since(Instant::now()) {
                     Some(left) if !left.is_zero() => Some(left),
-                    _ => return None,
+                    _ => return Err(WaitError::TimedOut),
                 },
                 None => None,
             };

@@ -94,7 +94,7 @@ impl PathConfig {
 ///
 /// ```
 /// use std::time::Duration;
-/// use ferry::{BindParams, Channel, ChannelSetup, DataPath, Domain, Endpoint, Error, Event, PathConfig, PathQuota, PoolPolicy};
+/// use ferry::{BindParams, Channel, ChannelSetup, DataPath, Domain, Endpoint, Error, ErrorKind, Event, PathConfig, PathQuota, PoolPolicy};
 /// let t = Duration::from_secs(10);
 /// let ep = Endpoint::local();
 /// let sink = {
@@ -104,8 +104,8 @@ impl PathConfig {
 ///         rx.set_pool_policy(PoolPolicy::AcceptAll);
 ///         loop {
 ///             match rx.wait(Some(t)) {
-///                 Some(Event::MoveReceived { buffer, .. }) => rx.pass(buffer, &[]).unwrap(),
-///                 Some(Event::PoolAssignRequest(_)) => {}
+///                 Ok(Event::MoveReceived { buffer, .. }) => rx.pass(buffer, &[]).unwrap(),
+///                 Ok(Event::PoolAssignRequest(_)) => {}
 ///                 _ => return,
 ///             }
 ///         }
@@ -118,12 +118,12 @@ impl PathConfig {
 /// let first = path.alloc()?;               // the first pool is made and assigned now
 /// let id = first.id();
 /// path.channel_mut(0).move_buffer(first, &[])?;
-/// let Some(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(t)) else { panic!() };
+/// let Ok(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(t)) else { panic!() };
 /// drop(buffer);                             // back on the free list
 /// let again = path.alloc()?;                // most recently freed first; nothing mapped
 /// assert_eq!(again.id(), id);
 /// let second = path.alloc()?;
-/// assert!(matches!(path.alloc(), Err(ErrorKind::QuotaExceeded { pools: 1, max_pools: 1, .. })));
+/// assert!(matches!(path.alloc().map_err(ferry::Error::into_kind), Err(ErrorKind::QuotaExceeded { pools: 1, max_pools: 1, .. })));
 /// drop((again, second, path));              // the channel closes; the sink ends
 /// sink.join().unwrap();
 /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -303,7 +303,7 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
 ///         let mut rx = Channel::connect(&Domain::new("c"), &bc, BindParams::default(), t).unwrap();
 ///         rx.set_pool_policy(PoolPolicy::AcceptAll);
 ///         match rx.wait(Some(t)) {
-///             Some(Event::PoolAssignRequest(req)) => req.pool,
+///             Ok(Event::PoolAssignRequest(req)) => req.pool,
 ///             other => panic!("{other:?}"),
 ///         }
 ///     })
@@ -317,10 +317,10 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
 /// let alloc = Allocator::new(&a, 2, 4096, PoolConstraints::default())?;
 /// a_tx.assign_pool(alloc.pool())?;
 /// // b, the middle of the path a → b → c:
-/// let Some(Event::PoolAssignRequest(req)) = b_rx.wait(Some(t)) else { panic!() };
+/// let Ok(Event::PoolAssignRequest(req)) = b_rx.wait(Some(t)) else { panic!() };
 /// ferry::forward_pool(&mut b_rx, req.pool, &mut [&mut b_tx], t)?;
 /// assert!(b_tx.is_assigned(alloc.pool().id()));
-/// assert!(matches!(a_tx.wait(Some(t)), Some(Event::PoolAssigned(_))));
+/// assert!(matches!(a_tx.wait(Some(t)), Ok(Event::PoolAssigned(_))));
 /// assert_eq!(c.join().unwrap(), alloc.pool().id());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -363,15 +363,15 @@ mod tests {
                 rx.set_pool_policy(PoolPolicy::AcceptAll);
                 loop {
                     match rx.wait(Some(T)) {
-                        Some(Event::MoveReceived { mut buffer, .. }) => {
+                        Ok(Event::MoveReceived { mut buffer, .. }) => {
                             if mark != 0 {
                                 buffer.as_mut_slice().unwrap()[0] = mark;
                             }
                             rx.pass(buffer, &[]).unwrap();
                         }
-                        Some(Event::PoolAssignRequest(_) | Event::PoolRemoved(_)) => {}
-                        Some(Event::Closed { .. }) | None => return,
-                        Some(Event::Error(e)) if e == crate::ErrorKind::PeerGone => return,
+                        Ok(Event::PoolAssignRequest(_) | Event::PoolRemoved(_)) => {}
+                        Ok(Event::Closed { .. }) | Err(_) => return,
+                        Ok(Event::Error(e)) if e == crate::ErrorKind::PeerGone => return,
                         other => panic!("echo: {other:?}"),
                     }
                 }
@@ -414,7 +414,7 @@ mod tests {
         for _ in 0..10 {
             let b = path.alloc().unwrap();
             path.channel_mut(0).move_buffer(b, &[]).unwrap();
-            let Some(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(T)) else { panic!() };
+            let Ok(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(T)) else { panic!() };
             drop(buffer);
         }
         assert_eq!(path.pool_ids().len(), 2);
@@ -437,7 +437,7 @@ mod tests {
         assert!(b.iter().all(|&x| x == 0), "a fresh pool's pages are zero");
         b.as_mut_slice().unwrap()[100..104].copy_from_slice(b"old!");
         path.channel_mut(0).move_buffer(b, &[]).unwrap();
-        let Some(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(T)) else { panic!() };
+        let Ok(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(T)) else { panic!() };
         drop(buffer);
         let again = path.alloc().unwrap();
         assert_eq!((again[0], &again[100..104]), (0xEE, &b"old!"[..]), "recycled as it was left");
@@ -526,7 +526,7 @@ mod tests {
         }
         for (ch, b) in [(0, x), (1, y)] {
             path.channel_mut(ch).move_buffer(b, &[]).unwrap();
-            assert!(matches!(path.channel_mut(ch).wait(Some(T)), Some(Event::BufferPassed { .. })));
+            assert!(matches!(path.channel_mut(ch).wait(Some(T)), Ok(Event::BufferPassed { .. })));
         }
         drop(path);
         p1.join().unwrap();
@@ -565,9 +565,9 @@ mod tests {
                 let mut rx = Channel::connect(&Domain::new("veto"), &ep, BindParams::default(), T).unwrap();
                 loop {
                     match rx.wait(Some(T)) {
-                        Some(Event::PoolAssignRequest(r)) => rx.respond_pool(r.pool, false).unwrap(),
-                        Some(Event::Closed { .. }) | None => return,
-                        Some(Event::Error(e)) if e == ErrorKind::PeerGone => return,
+                        Ok(Event::PoolAssignRequest(r)) => rx.respond_pool(r.pool, false).unwrap(),
+                        Ok(Event::Closed { .. }) | Err(_) => return,
+                        Ok(Event::Error(e)) if e == ErrorKind::PeerGone => return,
                         other => panic!("{other:?}"),
                     }
                 }

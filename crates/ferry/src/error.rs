@@ -561,6 +561,62 @@ impl<T> From<Refused<T>> for Error {
     }
 }
 
+/// Why a wait ([`Channel::wait`](crate::Channel::wait),
+/// [`Selector::wait`](crate::Selector::wait), [`wait_any`](crate::wait_any))
+/// returned no event: time ran out (wait again), or nothing is left to
+/// wait for (stop).
+///
+/// ```
+/// use std::time::Duration;
+/// use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, WaitError};
+/// let t = Duration::from_secs(10);
+/// let ep = Endpoint::local();
+/// let mut tx = Channel::create(&Domain::new("a"), &ep, ChannelSetup::default())?;
+/// let mut rx = Channel::bind(&Domain::new("b"), &ep, BindParams::default())?;
+/// tx.wait_connected(t)?;
+/// rx.wait_connected(t)?;
+/// assert_eq!(rx.wait(Some(Duration::from_millis(1))).unwrap_err(), WaitError::TimedOut);
+/// tx.teardown()?;
+/// loop {
+///     match rx.wait(Some(t)) {
+///         Ok(Event::Closed { by_peer }) => assert!(by_peer),
+///         Ok(other) => panic!("{other:?}"),
+///         Err(WaitError::Closed) => break, // its last event was delivered
+///         Err(WaitError::TimedOut) => panic!("no close within {t:?}"),
+///     }
+/// }
+/// // With `?`, a `WaitError` becomes an `Error` (`TimedOut`, or `NotConnected`).
+/// fn next(ch: &mut Channel) -> ferry::Result<Event> {
+///     Ok(ch.wait(Some(Duration::from_millis(1)))?)
+/// }
+/// assert!(next(&mut rx).is_err());
+/// # Ok::<(), ferry::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum WaitError {
+    /// The timeout passed and no event came; the channel (or some channel
+    /// of the selector) is still open.
+    #[error("no event came within the timeout; wait again, or check that the peer is still working")]
+    TimedOut,
+    /// Nothing more will come: the channel is closed and its last event
+    /// ([`Event::Closed`](crate::Event::Closed) or
+    /// [`Event::Error`](crate::Event::Error)) was delivered; for a selector
+    /// or [`wait_any`](crate::wait_any), every channel is (or there is none).
+    #[error(
+        "the channel is closed and its last event was delivered, so no event will come; open a new channel to go on"
+    )]
+    Closed,
+}
+
+impl From<WaitError> for Error {
+    fn from(e: WaitError) -> Self {
+        match e {
+            WaitError::TimedOut => ErrorKind::TimedOut.into(),
+            WaitError::Closed => ErrorKind::NotConnected(ChannelState::Closed).into(),
+        }
+    }
+}
+
 /// Result alias for the library.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

@@ -39,8 +39,8 @@
 //!         rx.set_pool_policy(PoolPolicy::AcceptAll);
 //!         loop {
 //!             match rx.wait(Some(t)) {
-//!                 Some(Event::MoveReceived { buffer, .. }) => return Ok(buffer.as_slice_of::<u64>()?[0]),
-//!                 Some(Event::PoolAssignRequest(_)) => {} // accepted already
+//!                 Ok(Event::MoveReceived { buffer, .. }) => return Ok(buffer.as_slice_of::<u64>()?[0]),
+//!                 Ok(Event::PoolAssignRequest(_)) => {} // accepted already
 //!                 other => panic!("unexpected {other:?}"),
 //!             }
 //!         }
@@ -154,7 +154,7 @@ pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{Channel, Event, PoolPolicy, PoolRequest, DEFAULT_SPIN};
 pub use datapath::{forward_pool, DataPath, PathConfig, PathQuota};
 pub use domain::{Domain, Pool};
-pub use error::{Error, ErrorKind, Refused, Result, ViewMismatch};
+pub use error::{Error, ErrorKind, Refused, Result, ViewMismatch, WaitError};
 pub use pool::{Geometry, PoolConstraints, PoolId, TrustLevel};
 pub use proto::{Meta, MAX_META_SIZE, META_INLINE};
 pub use secure::{SecureSource, Secured};

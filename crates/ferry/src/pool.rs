@@ -121,7 +121,7 @@ pub enum BufferState {
 ///
 /// ```
 /// use std::time::Duration;
-/// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, PoolConstraints, TrustLevel};
+/// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, ErrorKind, PoolConstraints, TrustLevel};
 ///
 /// // HALF: the sender's own view of a buffer it moved is inaccessible until
 /// // it comes back (a guard against accidents, not against the peer).
@@ -138,11 +138,11 @@ pub enum BufferState {
 /// let alloc = Allocator::new(&a, 2, 4096, full)?;
 /// assert_eq!(
 ///     tx.assign_pool(alloc.pool()),
-///     Err(ErrorKind::TrustMismatch { pool: TrustLevel::Full, channel: TrustLevel::Half })
+///     Err(ErrorKind::TrustMismatch { pool: TrustLevel::Full, channel: TrustLevel::Half }.into())
 /// );
 /// // Trust NONE needs two processes: one address space cannot be protected from itself.
 /// let none = ChannelSetup { trust: TrustLevel::None, ..ChannelSetup::default() };
-/// assert!(matches!(Channel::create(&a, &Endpoint::local(), none), Err(ErrorKind::TrustNotSupported { .. })));
+/// assert!(matches!(Channel::create(&a, &Endpoint::local(), none).map_err(ferry::Error::into_kind), Err(ErrorKind::TrustNotSupported { .. })));
 /// # Ok::<(), ferry::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -187,12 +187,12 @@ impl TrustLevel {
 /// Shape of a pool: `count` buffers of `buffer_size` bytes each.
 ///
 /// ```
-/// use ferry::{Error, Geometry};
+/// use ferry::{Error, ErrorKind, Geometry};
 /// let g = Geometry::new(64 << 10, 16)?;
 /// assert_eq!((g.buffer_size(), g.count(), g.len()), (65536, 16, 1 << 20));
 /// // The buffer size is a power of two, at least a page; there is a buffer.
-/// assert!(matches!(Geometry::new(5000, 16), Err(ErrorKind::BadBufferSize { .. })));
-/// assert!(matches!(Geometry::new(4096, 0), Err(ErrorKind::BadBufferCount { .. })));
+/// assert!(matches!(Geometry::new(5000, 16).map_err(ferry::Error::into_kind), Err(ErrorKind::BadBufferSize { .. })));
+/// assert!(matches!(Geometry::new(4096, 0).map_err(ferry::Error::into_kind), Err(ErrorKind::BadBufferCount { .. })));
 /// # Ok::<(), ferry::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

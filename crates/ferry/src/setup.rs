@@ -147,14 +147,14 @@ impl Default for ChannelSetup {
 ///
 /// ```
 /// use std::time::Duration;
-/// use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, TrustLevel};
+/// use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, ErrorKind, TrustLevel};
 ///
 /// let ep = Endpoint::local();
 /// let mut creator = Channel::create(&Domain::new("a"), &ep, ChannelSetup::default())?; // trust FULL
 /// let params = BindParams { trust: Some(TrustLevel::Half), ..BindParams::default() };
 /// let mut binder = Channel::bind(&Domain::new("b"), &ep, params)?;
 /// let _ = creator.wait_connected(Duration::from_secs(1));
-/// assert!(matches!(binder.wait_connected(Duration::from_secs(10)), Err(ErrorKind::BindRefused(_))));
+/// assert!(matches!(binder.wait_connected(Duration::from_secs(10)).map_err(ferry::Error::into_kind), Err(ErrorKind::BindRefused(_))));
 /// # Ok::<(), ferry::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

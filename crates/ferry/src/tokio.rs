@@ -35,7 +35,7 @@
 //! ```
 //! use std::time::Duration;
 //! use ferry::tokio::AsyncChannel;
-//! use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints, PoolPolicy};
+//! use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints, PoolPolicy, WaitError};
 //!
 //! let t = Duration::from_secs(10);
 //! let ep = Endpoint::local();
@@ -47,9 +47,10 @@
 //!         rx.set_pool_policy(PoolPolicy::AcceptAll);
 //!         loop {
 //!             match rx.wait(Some(t)) {
-//!                 Some(Event::MoveReceived { buffer, meta }) => rx.pass(buffer, &meta)?,
-//!                 Some(Event::Closed { .. }) | None => return Ok(()),
-//!                 Some(_) => {}
+//!                 Ok(Event::MoveReceived { buffer, meta }) => rx.pass(buffer, &meta)?,
+//!                 Ok(Event::Closed { .. }) | Err(WaitError::Closed) => return Ok(()),
+//!                 Ok(_) => {}
+//!                 Err(timed_out) => return Err(timed_out.into()),
 //!             }
 //!         }
 //!     })

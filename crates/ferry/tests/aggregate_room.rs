@@ -87,8 +87,8 @@ fn sender_sleeps_until_the_run_fits(ep: Endpoint) {
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 match rx.wait(Some(T)) {
-                    Some(Event::MoveReceived { .. }) => moves += 1,
-                    Some(Event::Aggregate { agg, .. }) => {
+                    Ok(Event::MoveReceived { .. }) => moves += 1,
+                    Ok(Event::Aggregate { agg, .. }) => {
                         assert_eq!(moves, AHEAD);
                         assert_eq!(agg.to_vec(), vec![0, 1, 1, 1, 2, 1, 2, 3, 2, 3, 2, 3]);
                         return rx;

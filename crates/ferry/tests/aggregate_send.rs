@@ -77,7 +77,7 @@ fn relay(ep1: &Endpoint, ep2: &Endpoint) {
             x1_free |= b.buffer_state(id) == BufferState::ReadWrite && b.free_count(id.pool) == 1;
         }
         let mut chans = [&mut ch1, &mut ch2];
-        let Some((i, ev)) = ferry::wait_any(&mut chans, Some(Duration::from_millis(100))) else { continue };
+        let Ok((i, ev)) = ferry::wait_any(&mut chans, Some(Duration::from_millis(100))) else { continue };
         match ev {
             Event::PoolAssignRequest(req) if i == 0 => {
                 let pool = b.pool(req.pool).expect("accepted pool");
@@ -146,9 +146,9 @@ fn settle(
         assert!(Instant::now() < deadline, "timed out; {} aggregates at C", got.len());
         let mut chans = [&mut *ch1, &mut *ch2];
         match ferry::wait_any(&mut chans, Some(Duration::from_millis(50))) {
-            Some((1, Event::Aggregate { agg, meta })) => got.push((agg, meta)),
-            Some((i, Event::Error(e))) => panic!("channel {i}: {e}"),
-            Some((i, Event::Closed { by_peer: true })) => panic!("channel {i} closed by B"),
+            Ok((1, Event::Aggregate { agg, meta })) => got.push((agg, meta)),
+            Ok((i, Event::Error(e))) => panic!("channel {i}: {e}"),
+            Ok((i, Event::Closed { by_peer: true })) => panic!("channel {i} closed by B"),
             _ => {}
         }
     }
@@ -306,7 +306,7 @@ fn three_domains(kind: Kind, drops: Drops) {
     while closed != [true, true] {
         assert!(Instant::now() < deadline, "teardown timed out");
         let mut chans = [&mut ch1, &mut ch2];
-        if let Some((i, Event::Closed { .. })) = ferry::wait_any(&mut chans, Some(Duration::from_millis(50))) {
+        if let Ok((i, Event::Closed { .. })) = ferry::wait_any(&mut chans, Some(Duration::from_millis(50))) {
             closed[i] = true;
         }
     }
@@ -362,7 +362,7 @@ fn pair(depth: u32, count: u64) -> (Domain, Domain, Channel, Channel, Allocator)
     let alloc = Allocator::new(&a, count, SIZE, PoolConstraints::default()).unwrap();
     tx.assign_pool(alloc.pool()).unwrap();
     rx.poll();
-    assert!(matches!(tx.wait(Some(T)), Some(Event::PoolAssigned(_))));
+    assert!(matches!(tx.wait(Some(T)), Ok(Event::PoolAssigned(_))));
     (a, b, tx, rx, alloc)
 }
 
@@ -413,7 +413,7 @@ fn refused_aggregates_come_back_intact() {
     assert!(matches!(rx.poll(), Some(Event::MoveReceived { .. })));
     tx.send_aggregate(two, b"q").unwrap();
     match rx.wait(Some(T)) {
-        Some(Event::Aggregate { agg, meta }) => assert_eq!((agg.to_vec(), &meta[..]), (vec![0; 10], &b"q"[..])),
+        Ok(Event::Aggregate { agg, meta }) => assert_eq!((agg.to_vec(), &meta[..]), (vec![0; 10], &b"q"[..])),
         ev => panic!("{ev:?}"),
     }
     assert_eq!(alloc.available(), 8 - 3, "the moved buffers are b's now");
@@ -445,7 +445,7 @@ fn trains_of_units_cross_in_a_few_slots() {
     assert_eq!(sent.len(), 400);
     tx.send_aggregate(train, b"t").unwrap();
     match rx.wait(Some(T)) {
-        Some(Event::Aggregate { agg, meta }) => {
+        Ok(Event::Aggregate { agg, meta }) => {
             let got: Vec<(std::ops::Range<usize>, Vec<u8>)> =
                 agg.fragments().map(|f| (f.range(), f.bytes().to_vec())).collect();
             assert_eq!((got, &meta[..]), (sent, &b"t"[..]));
@@ -461,7 +461,7 @@ fn empty_and_copy_only_aggregates() {
     let (a, b, mut tx, mut rx, alloc) = pair(64, 8);
     tx.send_aggregate(Aggregate::new(), b"nothing").unwrap();
     match rx.wait(Some(T)) {
-        Some(Event::Aggregate { agg, meta }) => assert!(agg.is_empty() && &meta[..] == b"nothing"),
+        Ok(Event::Aggregate { agg, meta }) => assert!(agg.is_empty() && &meta[..] == b"nothing"),
         ev => panic!("{ev:?}"),
     }
     let shared = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"0123456789").unwrap();
@@ -469,7 +469,7 @@ fn empty_and_copy_only_aggregates() {
     // The same buffer three times, and the sender keeps it: one copy.
     let msg = shared.slice(0..2).unwrap().join(shared.slice(5..8).unwrap()).join(shared.slice(1..3).unwrap());
     tx.send_aggregate(msg, b"").unwrap();
-    let Some(Event::Aggregate { agg, .. }) = rx.wait(Some(T)) else { panic!() };
+    let Ok(Event::Aggregate { agg, .. }) = rx.wait(Some(T)) else { panic!() };
     assert_eq!(agg.to_vec(), b"0156712");
     assert!(agg.fragments().all(|f| f.is_copy() && f.buffer_id() == id));
     assert_eq!((a.buffer_state(id), b.buffer_state(id)), (BufferState::ReadOnlyOwned, BufferState::ReadOnly));
@@ -480,7 +480,7 @@ fn empty_and_copy_only_aggregates() {
     assert!(tx.poll().is_none(), "the tail still holds the copy");
     drop(tail);
     rx.flush().unwrap();
-    assert!(matches!(tx.wait(Some(T)), Some(Event::CopyReleased { writable: true, .. })));
+    assert!(matches!(tx.wait(Some(T)), Ok(Event::CopyReleased { writable: true, .. })));
     drop(shared);
     assert_eq!(alloc.available(), 8);
 }
@@ -662,9 +662,9 @@ mod hostile {
             let why = loop {
                 assert!(Instant::now() < deadline, "{what}: no error");
                 match ch.wait(Some(Duration::from_millis(100))) {
-                    Some(Event::Error(e)) if matches!(e.kind(), ErrorKind::Protocol(_)) => break e.to_string(),
-                    Some(Event::Error(e)) => panic!("{what}: {e:?}"),
-                    Some(Event::Aggregate { .. }) => panic!("{what}: delivered"),
+                    Ok(Event::Error(e)) if matches!(e.kind(), ErrorKind::Protocol(_)) => break e.to_string(),
+                    Ok(Event::Error(e)) => panic!("{what}: {e:?}"),
+                    Ok(Event::Aggregate { .. }) => panic!("{what}: delivered"),
                     _ => {}
                 }
             };

@@ -169,15 +169,15 @@ fn cancelled_next_event_loses_nothing() {
                     continue;
                 }
                 match tx.wait(Some(T)) {
-                    Some(Event::BufferPassed { .. }) => {}
+                    Ok(Event::BufferPassed { .. }) => {}
                     ev => panic!("sender: unexpected {ev:?}"),
                 }
             }
             tx.teardown().unwrap();
             loop {
                 match tx.wait(Some(T)) {
-                    Some(Event::Closed { .. }) => break,
-                    Some(Event::BufferPassed { .. }) => {}
+                    Ok(Event::Closed { .. }) => break,
+                    Ok(Event::BufferPassed { .. }) => {}
                     ev => panic!("sender: unexpected {ev:?}"),
                 }
             }
@@ -358,8 +358,8 @@ fn async_child() {
     let mut kept = Vec::new();
     loop {
         match ch.wait(Some(Duration::from_secs(60))) {
-            Some(Event::PoolAssignRequest(_)) => {}
-            Some(Event::MoveReceived { mut buffer, meta }) => {
+            Ok(Event::PoolAssignRequest(_)) => {}
+            Ok(Event::MoveReceived { mut buffer, meta }) => {
                 let seq = seq_of(&meta);
                 assert!(check(&buffer, seq), "child: buffer {seq} arrived corrupted");
                 if role == "hold" {
@@ -369,8 +369,8 @@ fn async_child() {
                 fill(buffer.as_mut_slice().unwrap(), seq + 1);
                 ch.pass(buffer, &meta).unwrap();
             }
-            Some(Event::Closed { .. }) | None => break,
-            Some(ev) => panic!("child: unexpected {ev:?}"),
+            Ok(Event::Closed { .. }) | Err(_) => break,
+            Ok(ev) => panic!("child: unexpected {ev:?}"),
         }
     }
     drop(kept);

@@ -69,7 +69,7 @@ fn alloc(ch: &Channel, count: u64) -> Allocator {
 
 #[track_caller]
 fn next(ch: &mut Channel) -> Event {
-    ch.wait(Some(T)).unwrap_or_else(|| panic!("no event within {T:?} on {ch:?}"))
+    ch.wait(Some(T)).unwrap_or_else(|e| panic!("no event within {T:?} on {ch:?}: {e}"))
 }
 
 /// Run `f` on `ch` in a thread; `join` gives the channel back.

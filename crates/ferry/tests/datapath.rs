@@ -27,7 +27,7 @@ const ROUNDS: u64 = 20;
 fn middle(mut ab: Channel, mut bc: Channel, hold: bool) {
     let mut kept = Vec::new();
     loop {
-        let Some((i, ev)) = ferry::wait_any(&mut [&mut ab, &mut bc], Some(Duration::from_secs(30))) else {
+        let Ok((i, ev)) = ferry::wait_any(&mut [&mut ab, &mut bc], Some(Duration::from_secs(30))) else {
             panic!("middle: nothing happened for 30 s")
         };
         match (i, ev) {
@@ -55,16 +55,16 @@ fn end_of_path(mut bc: Channel) -> u64 {
     let mut n = 0;
     loop {
         match bc.wait(Some(Duration::from_secs(30))) {
-            Some(Event::MoveReceived { buffer, meta }) => {
+            Ok(Event::MoveReceived { buffer, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(check(&buffer, seq), "sink: buffer {seq} arrived corrupted");
                 bc.pass(buffer, &meta).unwrap();
                 n += 1;
             }
-            Some(Event::BindRequest { .. } | Event::Bound | Event::PoolAssignRequest(_) | Event::PoolRemoved(_)) => {}
-            None => return n,
-            Some(Event::Closed { .. }) => return n,
-            Some(Event::Error(err)) if err == ErrorKind::PeerGone => return n,
+            Ok(Event::BindRequest { .. } | Event::Bound | Event::PoolAssignRequest(_) | Event::PoolRemoved(_)) => {}
+            Err(_) => return n,
+            Ok(Event::Closed { .. }) => return n,
+            Ok(Event::Error(err)) if err == ErrorKind::PeerGone => return n,
             other => panic!("sink: {other:?}"),
         }
     }
@@ -107,12 +107,12 @@ fn originate(path: &mut DataPath<Channel>, rounds: u64) {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match path.channel_mut(0).wait(Some(left)) {
-                Some(Event::BufferPassed { buffer, meta }) => {
+                Ok(Event::BufferPassed { buffer, meta }) => {
                     assert_eq!(meta[..8], seq.to_le_bytes());
                     assert!(check(&buffer, seq));
                     break;
                 }
-                Some(Event::PoolAssigned(_)) => {}
+                Ok(Event::PoolAssigned(_)) => {}
                 other => panic!("originator: {other:?}"),
             }
         }

@@ -15,7 +15,7 @@ use ferry::BufferState::{Invalid, ReadOnly, ReadOnlyOwned, ReadWrite};
 use ferry::{
     Allocator, BindParams, Buffer, BufferCopy, BufferId, BufferState, Channel, ChannelConstraints, ChannelSetup,
     ChannelState, Direction, Domain, Endpoint, Error, ErrorKind, Event, Meta, Pool, PoolConstraints, PoolId,
-    PoolRequest, Refused, Role, TrustLevel, MAX_META_SIZE,
+    PoolRequest, Refused, Role, TrustLevel, WaitError, MAX_META_SIZE,
 };
 
 /// Upper bound of every wait: long enough for a loaded CI machine, short
@@ -51,8 +51,8 @@ fn new_alloc(d: &Domain, count: u64) -> Allocator {
 #[track_caller]
 fn next(ch: &mut Channel) -> Event {
     match ch.wait(Some(T)) {
-        Some(ev) => ev,
-        None => panic!("no event within {T:?} on {ch:?}"),
+        Ok(ev) => ev,
+        Err(_) => panic!("no event within {T:?} on {ch:?}"),
     }
 }
 
@@ -1445,7 +1445,10 @@ fn teardown_delivers_queued_messages_then_closes() {
     assert_eq!(f.rx.remove_pool(p), Err(closed.clone().into()));
     assert_eq!(f.rx.teardown(), Err(closed.into()));
     let start = Instant::now();
-    assert!(f.tx.wait(Some(T)).is_none() && f.rx.wait(Some(T)).is_none());
+    // Closed, not timed out: nothing more will come, and `wait` says so.
+    assert!(
+        matches!(f.tx.wait(Some(T)), Err(WaitError::Closed)) && matches!(f.rx.wait(Some(T)), Err(WaitError::Closed))
+    );
     assert!(f.tx.poll().is_none() && f.rx.poll().is_none());
     assert!(start.elapsed() < Duration::from_secs(1), "wait on a closed channel returns at once");
 
@@ -1989,7 +1992,7 @@ fn a_creator_that_gives_up_frees_its_local_endpoint() {
     let mut binder = Channel::bind(&b, &ep, BindParams::default()).expect("bind");
     drop(creator);
     match binder.wait(Some(Duration::from_secs(10))) {
-        Some(Event::Error(e)) => assert_eq!(e, ErrorKind::EndpointNotListening),
+        Ok(Event::Error(e)) => assert_eq!(e, ErrorKind::EndpointNotListening),
         other => panic!("expected the binder to learn that nobody listens, got {other:?}"),
     }
     // And the endpoint serves a new channel.

@@ -25,8 +25,8 @@ fn seq_of(meta: &[u8]) -> u64 {
 
 fn next(ch: &mut Channel) -> Event {
     match ch.wait(Some(T)) {
-        Some(ev) => ev,
-        None => panic!("no event within {T:?} (state {:?})", ch.state()),
+        Ok(ev) => ev,
+        Err(_) => panic!("no event within {T:?} (state {:?})", ch.state()),
     }
 }
 
@@ -69,18 +69,18 @@ fn offer_pool(tx: &mut Channel, rx: &mut Channel, pool: &Pool) {
         assert!(Instant::now() < deadline, "pool assignment did not finish");
         if !accepted {
             match rx.wait(Some(Duration::from_millis(5))) {
-                Some(Event::PoolAssignRequest(req)) => {
+                Ok(Event::PoolAssignRequest(req)) => {
                     rx.respond_pool(req.pool, true).unwrap();
                     accepted = true;
                 }
-                Some(Event::Bound) | None => {}
-                Some(ev) => panic!("binder: unexpected {ev:?}"),
+                Ok(Event::Bound) | Err(_) => {}
+                Ok(ev) => panic!("binder: unexpected {ev:?}"),
             }
         }
         match tx.wait(Some(Duration::from_millis(5))) {
-            Some(Event::PoolAssigned(_)) => return,
-            Some(Event::BindRequest { .. }) | None => {}
-            Some(ev) => panic!("creator: unexpected {ev:?}"),
+            Ok(Event::PoolAssigned(_)) => return,
+            Ok(Event::BindRequest { .. }) | Err(_) => {}
+            Ok(ev) => panic!("creator: unexpected {ev:?}"),
         }
     }
 }
@@ -229,15 +229,15 @@ fn run_channels(
             }
         }
         match sel.wait(Some(Duration::from_millis(100))) {
-            Some((key, Event::BufferPassed { buffer, meta })) => {
+            Ok((key, Event::BufferPassed { buffer, meta })) => {
                 let i = keys.iter().position(|&k| k == key).unwrap();
                 let seq = seq_of(&meta);
                 assert!(check(&buffer, (seq ^ ((i as u64) << 32)) + 1), "channel {i}: buffer {seq} came back wrong");
                 assert_eq!(seq, tally[i].back, "channel {i}: passes out of order");
                 tally[i].back += 1;
             }
-            Some((_, Event::PoolAssigned(_))) | None => {}
-            Some((key, ev)) => panic!("sender, key {key}: unexpected {ev:?}"),
+            Ok((_, Event::PoolAssigned(_))) | Err(_) => {}
+            Ok((key, ev)) => panic!("sender, key {key}: unexpected {ev:?}"),
         }
     }
     (tally, sel, keys)
@@ -286,7 +286,7 @@ fn echo_channels(rxs: Vec<Channel>, stalled: Vec<usize>, resume: std::sync::mpsc
             }
         }
         match sel.wait(Some(Duration::from_millis(if waiting.iter().any(|w| !w.is_empty()) { 1 } else { 50 }))) {
-            Some((key, Event::MoveReceived { mut buffer, meta })) => {
+            Ok((key, Event::MoveReceived { mut buffer, meta })) => {
                 let i = keys.iter().position(|&k| k == key).unwrap();
                 let seq = seq_of(&meta);
                 let pattern = seq ^ ((i as u64) << 32);
@@ -296,12 +296,12 @@ fn echo_channels(rxs: Vec<Channel>, stalled: Vec<usize>, resume: std::sync::mpsc
                 fill(buffer.as_mut_slice().unwrap(), pattern + 1);
                 waiting[i].push_back((buffer, meta));
             }
-            Some((key, Event::Closed { .. })) => {
+            Ok((key, Event::Closed { .. })) => {
                 closed += 1;
                 sel.remove(key);
             }
-            Some((_, Event::Bound)) | None => {}
-            Some((key, ev)) => panic!("echo, key {key}: unexpected {ev:?}"),
+            Ok((_, Event::Bound)) | Err(_) => {}
+            Ok((key, ev)) => panic!("echo, key {key}: unexpected {ev:?}"),
         }
     }
     got
@@ -341,11 +341,11 @@ fn close_all(mut sel: ferry::Selector, keys: &[usize]) {
     while !sel.is_empty() {
         assert!(Instant::now() < deadline, "closes did not come");
         match sel.wait(Some(Duration::from_millis(100))) {
-            Some((k, Event::Closed { .. })) => {
+            Ok((k, Event::Closed { .. })) => {
                 sel.remove(k);
             }
-            Some((_, Event::BufferPassed { .. })) | None => {}
-            Some((k, ev)) => panic!("closing {k}: unexpected {ev:?}"),
+            Ok((_, Event::BufferPassed { .. })) | Err(_) => {}
+            Ok((k, ev)) => panic!("closing {k}: unexpected {ev:?}"),
         }
     }
 }
@@ -385,12 +385,12 @@ fn a_stalled_channel_does_not_block_the_others() {
     while back < expect {
         assert!(Instant::now() < deadline, "the stalled channel did not drain: {back} of {expect}");
         match sel.wait(Some(Duration::from_millis(100))) {
-            Some((k, Event::BufferPassed { .. })) => {
+            Ok((k, Event::BufferPassed { .. })) => {
                 assert_eq!(k, keys[0]);
                 back += 1;
             }
-            None => {}
-            Some((k, ev)) => panic!("{k}: unexpected {ev:?}"),
+            Err(_) => {}
+            Ok((k, ev)) => panic!("{k}: unexpected {ev:?}"),
         }
     }
     close_all(sel, &keys);
@@ -424,7 +424,7 @@ fn mux_child() {
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline {
         match sel.wait(Some(Duration::from_millis(100))) {
-            Some((key, Event::MoveReceived { buffer, meta })) => {
+            Ok((key, Event::MoveReceived { buffer, meta })) => {
                 let i = keys.iter().position(|&k| k == key).unwrap() as u64;
                 let seq = seq_of(&meta);
                 assert!(check(&buffer, seq ^ (i << 32)), "child: move {seq} corrupted");
@@ -434,7 +434,7 @@ fn mux_child() {
                     kept.push(buffer);
                 }
             }
-            Some((_, Event::Closed { .. } | Event::Error(_))) => return,
+            Ok((_, Event::Closed { .. } | Event::Error(_))) => return,
             _ => {}
         }
     }
@@ -639,7 +639,7 @@ fn priority_frames_overtake_a_saturating_bulk_channel() {
             let mut txs = txs;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 for tx in &mut txs {
-                    if let Some(ev) = tx.wait(Some(Duration::from_millis(1))) {
+                    if let Ok(ev) = tx.wait(Some(Duration::from_millis(1))) {
                         panic!("sender: unexpected {ev:?}");
                     }
                 }
@@ -772,7 +772,7 @@ fn bulk_on_its_way_stays_within_the_budget() {
             sent += 1;
         }
         for tx in &mut txs {
-            if let Some(ev) = tx.wait(Some(Duration::from_millis(1))) {
+            if let Ok(ev) = tx.wait(Some(Duration::from_millis(1))) {
                 panic!("sender: unexpected {ev:?}");
             }
         }
@@ -804,9 +804,9 @@ fn bulk_on_its_way_stays_within_the_budget() {
         assert!(Instant::now() < deadline, "reports lost on the way: {:?} against {:?}", a.stats(), b.stats());
         for ch in txs.iter_mut().chain(rxs.iter_mut()) {
             match ch.wait(Some(Duration::from_millis(1))) {
-                Some(Event::MoveReceived { buffer, .. }) => kept.push(buffer),
-                Some(ev) => panic!("unexpected {ev:?}"),
-                None => {}
+                Ok(Event::MoveReceived { buffer, .. }) => kept.push(buffer),
+                Ok(ev) => panic!("unexpected {ev:?}"),
+                Err(_) => {}
             }
         }
     }
@@ -852,7 +852,7 @@ fn a_sender_that_never_polls_gets_past_the_budget() {
     // What is still queued goes out as the channel waits for its close.
     while !reader.is_finished() {
         assert!(Instant::now() < deadline, "the last moves did not arrive: {:?}", a.stats());
-        if let Some(ev) = tx.wait(Some(Duration::from_millis(1))) {
+        if let Ok(ev) = tx.wait(Some(Duration::from_millis(1))) {
             panic!("sender: unexpected {ev:?}");
         }
     }
@@ -887,9 +887,9 @@ fn a_bind_that_gave_up_or_was_refused_leaves_the_session_usable() {
                     // The creator's side answers when it polls.
                     let _ = picky.wait(Some(Duration::from_millis(5)));
                     match ch.wait(Some(Duration::from_millis(5))) {
-                        Some(Event::Error(e)) => break e,
-                        None => assert!(Instant::now() < deadline, "no answer to the bind"),
-                        Some(ev) => panic!("refused bind: unexpected {ev:?}"),
+                        Ok(Event::Error(e)) => break e,
+                        Err(_) => assert!(Instant::now() < deadline, "no answer to the bind"),
+                        Ok(ev) => panic!("refused bind: unexpected {ev:?}"),
                     }
                 };
             }

@@ -39,8 +39,8 @@ fn listen(domain: &Domain, at: SocketAddr, trust: TrustLevel, options: NetOption
 
 fn next(ch: &mut Channel) -> Event {
     match ch.wait(Some(T)) {
-        Some(ev) => ev,
-        None => panic!("no event within {T:?} (state {:?})", ch.state()),
+        Ok(ev) => ev,
+        Err(_) => panic!("no event within {T:?} (state {:?})", ch.state()),
     }
 }
 
@@ -57,10 +57,10 @@ fn error_within(ch: &mut Channel, within: Duration) -> Error {
     let t = Instant::now();
     loop {
         match ch.wait(Some(within)) {
-            Some(Event::Error(e)) => return e,
-            Some(Event::CopyReleased { .. }) | Some(Event::BufferPassed { .. }) => {}
-            Some(ev) => panic!("unexpected {ev:?}"),
-            None => assert!(t.elapsed() < within, "no error event within {within:?}"),
+            Ok(Event::Error(e)) => return e,
+            Ok(Event::CopyReleased { .. }) | Ok(Event::BufferPassed { .. }) => {}
+            Ok(ev) => panic!("unexpected {ev:?}"),
+            Err(_) => assert!(t.elapsed() < within, "no error event within {within:?}"),
         }
     }
 }
@@ -519,9 +519,9 @@ fn net_child() {
     let mut copies = Vec::new();
     loop {
         match ch.wait(Some(Duration::from_secs(30))) {
-            Some(Event::Bound) => {}
-            Some(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).unwrap(),
-            Some(Event::MoveReceived { mut buffer, meta }) => {
+            Ok(Event::Bound) => {}
+            Ok(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).unwrap(),
+            Ok(Event::MoveReceived { mut buffer, meta }) => {
                 let seq = seq_of(&meta);
                 assert!(check(&buffer, seq), "child: buffer {seq} arrived corrupted");
                 if role == "hold" {
@@ -531,13 +531,13 @@ fn net_child() {
                     ch.pass(buffer, &meta).unwrap();
                 }
             }
-            Some(Event::CopyReceived { copy, meta }) => {
+            Ok(Event::CopyReceived { copy, meta }) => {
                 assert!(check(&copy, seq_of(&meta)), "child: copy arrived corrupted");
                 copies.push(copy);
             }
-            Some(Event::Closed { .. }) | None => break,
-            Some(Event::Error(e)) => panic!("child: {e}"),
-            Some(ev) => panic!("child: unexpected {ev:?}"),
+            Ok(Event::Closed { .. }) | Err(_) => break,
+            Ok(Event::Error(e)) => panic!("child: {e}"),
+            Ok(ev) => panic!("child: unexpected {ev:?}"),
         }
     }
 }

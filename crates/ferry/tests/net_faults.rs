@@ -49,26 +49,26 @@ fn through_proxy(d: &Domain, sink: Sink) -> (Channel, FaultProxy, Allocator, mps
         let mut kept = Vec::new();
         loop {
             match rx.wait(Some(T)) {
-                Some(Event::Bound) => {}
-                Some(Event::PoolAssignRequest(r)) => rx.respond_pool(r.pool, true).unwrap(),
-                Some(Event::MoveReceived { buffer, meta }) if sink == Sink::Echo => {
+                Ok(Event::Bound) => {}
+                Ok(Event::PoolAssignRequest(r)) => rx.respond_pool(r.pool, true).unwrap(),
+                Ok(Event::MoveReceived { buffer, meta }) if sink == Sink::Echo => {
                     let _ = rx.pass(buffer, &meta);
                 }
-                Some(Event::MoveReceived { buffer, .. }) => kept.push(buffer),
-                Some(ev @ (Event::Error(_) | Event::Closed { .. })) => {
+                Ok(Event::MoveReceived { buffer, .. }) => kept.push(buffer),
+                Ok(ev @ (Event::Error(_) | Event::Closed { .. })) => {
                     let _ = tell.send(ev);
                     return;
                 }
-                Some(_) => {}
-                None if rx.state() == ChannelState::Closed => return,
-                None => {}
+                Ok(_) => {}
+                Err(_) if rx.state() == ChannelState::Closed => return,
+                Err(_) => {}
             }
         }
     });
-    assert!(matches!(ch.wait(Some(T)), Some(Event::BindRequest { .. })));
+    assert!(matches!(ch.wait(Some(T)), Ok(Event::BindRequest { .. })));
     let alloc = Allocator::new(d, 8, SIZE, PoolConstraints::default()).unwrap();
     ch.assign_pool(alloc.pool()).unwrap();
-    assert!(matches!(ch.wait(Some(T)), Some(Event::PoolAssigned(_))));
+    assert!(matches!(ch.wait(Some(T)), Ok(Event::PoolAssigned(_))));
     (ch, proxy, alloc, told)
 }
 
@@ -87,10 +87,10 @@ fn error_event(ch: &mut Channel) -> (Error, Duration) {
     let t = Instant::now();
     loop {
         match ch.wait(Some(T)) {
-            Some(Event::Error(e)) => return (e, t.elapsed()),
-            Some(Event::BufferPassed { .. }) => {}
-            Some(ev) => panic!("unexpected {ev:?}"),
-            None => assert!(t.elapsed() < 2 * T, "no error event"),
+            Ok(Event::Error(e)) => return (e, t.elapsed()),
+            Ok(Event::BufferPassed { .. }) => {}
+            Ok(ev) => panic!("unexpected {ev:?}"),
+            Err(_) => assert!(t.elapsed() < 2 * T, "no error event"),
         }
     }
 }
@@ -148,17 +148,17 @@ fn peer_that_stops_reading_gives_back_pressure_then_an_error() {
         // nothing; stop after a while.
         while t.elapsed() < 6 * TIMEOUT {
             match rx.wait(Some(Duration::from_millis(50))) {
-                Some(Event::PoolAssignRequest(r)) => rx.respond_pool(r.pool, true).unwrap(),
-                Some(Event::MoveReceived { buffer, .. }) => kept.push(buffer),
-                Some(Event::Error(_) | Event::Closed { .. }) => break,
+                Ok(Event::PoolAssignRequest(r)) => rx.respond_pool(r.pool, true).unwrap(),
+                Ok(Event::MoveReceived { buffer, .. }) => kept.push(buffer),
+                Ok(Event::Error(_) | Event::Closed { .. }) => break,
                 _ => {}
             }
         }
     });
-    assert!(matches!(ch.wait(Some(T)), Some(Event::BindRequest { .. })));
+    assert!(matches!(ch.wait(Some(T)), Ok(Event::BindRequest { .. })));
     let alloc = Allocator::new(&d, 4096, 64 << 10, PoolConstraints::default()).unwrap();
     ch.assign_pool(alloc.pool()).unwrap();
-    assert!(matches!(ch.wait(Some(T)), Some(Event::PoolAssigned(_))));
+    assert!(matches!(ch.wait(Some(T)), Ok(Event::PoolAssigned(_))));
     proxy.set(Fault::StopReading { towards_server: false });
     // Data goes out until the socket buffers are full; then the queue fills.
     let mut moved = 0usize;
@@ -200,13 +200,13 @@ fn corrupted_frame_is_a_protocol_error() {
         let mut rx = Channel::bind(&d, &Endpoint::tcp_with(via, options()), BindParams::default()).unwrap();
         loop {
             match rx.wait(Some(T)) {
-                Some(Event::Bound) => {}
-                Some(ev) => return ev,
-                None => panic!("sink: no event"),
+                Ok(Event::Bound) => {}
+                Ok(ev) => return ev,
+                Err(_) => panic!("sink: no event"),
             }
         }
     });
-    assert!(matches!(ch.wait(Some(T)), Some(Event::BindRequest { .. })));
+    assert!(matches!(ch.wait(Some(T)), Ok(Event::BindRequest { .. })));
     let alloc = Allocator::new(&d, 2, SIZE, PoolConstraints::default()).unwrap();
     ch.assign_pool(alloc.pool()).unwrap();
     ch.flush().unwrap();
@@ -257,10 +257,10 @@ fn netns_child() {
         let mut ch = Channel::create(&d, &Endpoint::tcp_with(addr, insecure.clone()), setup).unwrap();
         loop {
             match ch.wait(Some(T)) {
-                Some(Event::BindRequest { .. }) => {}
-                Some(Event::PoolAssignRequest(r)) => ch.respond_pool(r.pool, true).unwrap(),
-                Some(Event::MoveReceived { buffer, meta }) => ch.pass(buffer, &meta).unwrap(),
-                Some(Event::Closed { .. }) => return,
+                Ok(Event::BindRequest { .. }) => {}
+                Ok(Event::PoolAssignRequest(r)) => ch.respond_pool(r.pool, true).unwrap(),
+                Ok(Event::MoveReceived { buffer, meta }) => ch.pass(buffer, &meta).unwrap(),
+                Ok(Event::Closed { .. }) => return,
                 ev => panic!("listen-echo: {ev:?}"),
             }
         }
@@ -276,10 +276,10 @@ fn netns_child() {
             Err(e) => panic!("source: bind: {e}"),
         }
     };
-    assert!(matches!(ch.wait(Some(T)), Some(Event::Bound)));
+    assert!(matches!(ch.wait(Some(T)), Ok(Event::Bound)));
     let alloc = Allocator::new(&d, 16, SIZE, PoolConstraints::default()).unwrap();
     ch.assign_pool(alloc.pool()).unwrap();
-    assert!(matches!(ch.wait(Some(T)), Some(Event::PoolAssigned(_))));
+    assert!(matches!(ch.wait(Some(T)), Ok(Event::PoolAssigned(_))));
     let (mut sent, mut back) = (0u64, 0u64);
     while back < 500 {
         while sent < 500 {
@@ -289,7 +289,7 @@ fn netns_child() {
             sent += 1;
         }
         match ch.wait(Some(T)) {
-            Some(Event::BufferPassed { buffer, meta }) => {
+            Ok(Event::BufferPassed { buffer, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(buffer.iter().all(|&x| x == seq as u8), "buffer {seq} came back corrupted");
                 back += 1;
@@ -298,7 +298,7 @@ fn netns_child() {
         }
     }
     ch.teardown().unwrap();
-    assert!(matches!(ch.wait(Some(T)), Some(Event::Closed { .. })));
+    assert!(matches!(ch.wait(Some(T)), Ok(Event::Closed { .. })));
     assert_eq!(alloc.available(), 16);
     println!("source: 500 buffers there and back");
 }

@@ -18,8 +18,8 @@ const T: Duration = Duration::from_secs(10);
 
 fn next(ch: &mut Channel) -> Event {
     match ch.wait(Some(T)) {
-        Some(ev) => ev,
-        None => panic!("no event within {T:?} (state {:?})", ch.state()),
+        Ok(ev) => ev,
+        Err(_) => panic!("no event within {T:?} (state {:?})", ch.state()),
     }
 }
 
@@ -126,9 +126,9 @@ fn move_with_a_wrong_payload_length_is_a_protocol_error() {
         let t = Instant::now();
         let why = loop {
             match ch.wait(Some(T)) {
-                Some(Event::Error(e)) if matches!(e.kind(), ErrorKind::Protocol(_)) => break e.to_string(),
-                Some(ev) => panic!("payload of {len} bytes: expected a protocol error, got {ev:?}"),
-                None => assert!(t.elapsed() < T, "payload of {len} bytes: no error within {T:?}"),
+                Ok(Event::Error(e)) if matches!(e.kind(), ErrorKind::Protocol(_)) => break e.to_string(),
+                Ok(ev) => panic!("payload of {len} bytes: expected a protocol error, got {ev:?}"),
+                Err(_) => assert!(t.elapsed() < T, "payload of {len} bytes: no error within {T:?}"),
             }
         };
         eprintln!("payload of {len} bytes: {why}");

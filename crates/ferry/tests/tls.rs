@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use ferry::tls::{Security, TlsConfig};
 use ferry::{
     Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, ErrorKind, Event, MuxListener,
-    MuxSession, NetOptions, PoolConstraints, Role,
+    MuxSession, NetOptions, PoolConstraints, Role, WaitError,
 };
 use support::fault_proxy::{Fault, FaultProxy};
 use support::payload::{check, fill};
@@ -27,7 +27,7 @@ fn loopback() -> SocketAddr {
 }
 
 fn next(ch: &mut Channel) -> Event {
-    ch.wait(Some(T)).unwrap_or_else(|| panic!("no event within {T:?} (state {:?})", ch.state()))
+    ch.wait(Some(T)).unwrap_or_else(|e| panic!("no event within {T:?} (state {:?}): {e}", ch.state()))
 }
 
 /// A source channel listening on `at` with `options`.
@@ -46,9 +46,9 @@ fn echo_sink(mut rx: Channel) -> (u64, Option<Error>) {
     let mut checked = 0;
     loop {
         match rx.wait(Some(T)) {
-            Some(Event::Bound) => {}
-            Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
-            Some(Event::MoveReceived { mut buffer, meta }) => {
+            Ok(Event::Bound) => {}
+            Ok(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
+            Ok(Event::MoveReceived { mut buffer, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(check(&buffer, seq), "buffer {seq} arrived with other bytes than were sent");
                 checked += 1;
@@ -56,10 +56,10 @@ fn echo_sink(mut rx: Channel) -> (u64, Option<Error>) {
                 // The channel may have failed meanwhile: the error event says so.
                 let _ = rx.pass(buffer, &meta);
             }
-            Some(Event::Closed { .. }) => return (checked, None),
-            Some(Event::Error(e)) => return (checked, Some(e)),
-            Some(ev) => panic!("sink: unexpected {ev:?}"),
-            None => panic!("sink: no event within {T:?}"),
+            Ok(Event::Closed { .. }) => return (checked, None),
+            Ok(Event::Error(e)) => return (checked, Some(e)),
+            Ok(ev) => panic!("sink: unexpected {ev:?}"),
+            Err(_) => panic!("sink: no event within {T:?}"),
         }
     }
 }
@@ -141,11 +141,11 @@ fn a_flipped_byte_in_the_stream_is_an_error_never_corrupt_data() {
             sent += 1;
         }
         match tx.wait(Some(T)) {
-            Some(Event::BufferPassed { buffer, meta }) => {
+            Ok(Event::BufferPassed { buffer, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(check(&buffer, seq + 1), "buffer {seq} came back with other bytes than the sink wrote");
             }
-            Some(Event::Error(_)) | Some(Event::Closed { .. }) => break,
+            Ok(Event::Error(_)) | Ok(Event::Closed { .. }) => break,
             ev => panic!("source: unexpected {ev:?}"),
         }
     }
@@ -186,7 +186,10 @@ fn clients_the_ca_did_not_certify_are_refused_and_the_listener_goes_on() {
     });
     // The creator polls (serving the handshakes) while the bad clients try.
     while !clients.is_finished() {
-        assert!(tx.wait(Some(Duration::from_millis(20))).is_none(), "an event before any good client came");
+        assert!(
+            matches!(tx.wait(Some(Duration::from_millis(20))), Err(WaitError::TimedOut)),
+            "an event before any good client came"
+        );
     }
     clients.join().unwrap();
     let options = pki.options();
@@ -211,7 +214,7 @@ fn a_tls_client_against_a_plain_endpoint_is_refused() {
         Channel::connect(&Domain::new("c"), &Endpoint::tcp_with(addr, options), BindParams::default(), T).err()
     });
     while !client.is_finished() {
-        assert!(tx.wait(Some(Duration::from_millis(20))).is_none());
+        assert!(matches!(tx.wait(Some(Duration::from_millis(20))), Err(WaitError::TimedOut)));
     }
     let e = client.join().unwrap();
     assert!(matches!(e.as_ref().map(|e| e.kind()), Some(ErrorKind::Tls(_))), "{e:?}");
@@ -401,15 +404,15 @@ fn arm_after_an_event_sees_what_tls_already_decrypted() {
     let until = Instant::now() + T;
     while !(bound && requested) {
         assert!(Instant::now() < until, "no TLS channel within {T:?}");
-        requested |= matches!(tx.wait(Some(Duration::from_millis(5))), Some(Event::BindRequest { .. }));
-        bound |= matches!(rx.wait(Some(Duration::from_millis(5))), Some(Event::Bound));
+        requested |= matches!(tx.wait(Some(Duration::from_millis(5))), Ok(Event::BindRequest { .. }));
+        bound |= matches!(rx.wait(Some(Duration::from_millis(5))), Ok(Event::Bound));
     }
     let alloc = Allocator::new(&src, 4, 4096, PoolConstraints::default()).unwrap();
     tx.assign_pool(alloc.pool()).unwrap();
     loop {
         match rx.wait(Some(Duration::from_millis(5))) {
-            Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
-            None => {}
+            Ok(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
+            Err(_) => {}
             ev => panic!("sink: {ev:?}"),
         }
         if let Some(ev) = tx.poll() {
@@ -425,7 +428,7 @@ fn arm_after_an_event_sees_what_tls_already_decrypted() {
     }
     tx.flush().unwrap();
     match rx.wait(Some(T)) {
-        Some(Event::MoveReceived { buffer, .. }) => assert!(check(&buffer, 0)),
+        Ok(Event::MoveReceived { buffer, .. }) => assert!(check(&buffer, 0)),
         ev => panic!("sink: {ev:?}"),
     }
     if rx.arm() {
@@ -459,7 +462,7 @@ fn stalled_handshakes_do_not_keep_a_good_client_out() {
         stalled.push(s);
     }
     // The creator takes them in.
-    assert!(tx.wait(Some(Duration::from_millis(100))).is_none());
+    assert!(matches!(tx.wait(Some(Duration::from_millis(100))), Err(WaitError::TimedOut)));
     let options = pki.options();
     let sink = std::thread::spawn(move || {
         let rx = Channel::bind(&Domain::new("sink"), &Endpoint::tcp_with(addr, options), BindParams::default());

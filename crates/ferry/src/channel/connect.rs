@@ -21,8 +21,8 @@ use crate::backend::Endpoint;
 use crate::domain::Domain;
 use crate::domain::Pool;
 use crate::error::{Result, ResultExt};
-use crate::ErrorKind;
 use crate::proto::Message;
+use crate::ErrorKind;
 
 /// How a channel end answers the pool-assignment requests of its peer
 /// ([`Channel::set_pool_policy`]).
@@ -107,7 +107,7 @@ impl Channel {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use ferry::{BindParams, Channel, Domain, Endpoint, Error};
+    /// use ferry::{BindParams, Channel, Domain, Endpoint, Error, ErrorKind};
     ///
     /// // Nobody creates a channel on this endpoint.
     /// let err = Channel::connect(&Domain::new("d"), &Endpoint::local(), BindParams::default(), Duration::from_millis(20));
@@ -147,10 +147,10 @@ impl Channel {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use ferry::{Channel, ChannelSetup, Domain, Endpoint, Error};
+    /// use ferry::{Channel, ChannelSetup, Domain, Endpoint, Error, ErrorKind};
     ///
     /// let mut ch = Channel::create(&Domain::new("d"), &Endpoint::local(), ChannelSetup::default())?;
-    /// assert_eq!(ch.wait_connected(Duration::from_millis(10)), Err(ErrorKind::TimedOut)); // nobody binds
+    /// assert_eq!(ch.wait_connected(Duration::from_millis(10)), Err(ErrorKind::TimedOut.into())); // nobody binds
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn wait_connected(&mut self, timeout: Duration) -> Result<()> {
@@ -201,9 +201,9 @@ impl Channel {
     /// let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
     /// tx.assign_pool(alloc.pool())?;
     /// let req = rx.wait(Some(t));                 // reported, and already accepted
-    /// assert!(matches!(req, Some(ferry::Event::PoolAssignRequest(_))));
+    /// assert!(matches!(req, Ok(ferry::Event::PoolAssignRequest(_))));
     /// assert!(rx.is_assigned(alloc.pool().id()));
-    /// assert!(matches!(tx.wait(Some(t)), Some(ferry::Event::PoolAssigned(_))));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(ferry::Event::PoolAssigned(_))));
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn set_pool_policy(&mut self, policy: PoolPolicy) {
@@ -239,7 +239,7 @@ impl Channel {
     ///         let mut rx = Channel::connect(&b, &ep, BindParams::default(), t)?;
     ///         rx.set_pool_policy(PoolPolicy::AcceptAll);
     ///         loop {
-    ///             if let Some(ferry::Event::MoveReceived { buffer, .. }) = rx.wait(Some(t)) {
+    ///             if let Ok(ferry::Event::MoveReceived { buffer, .. }) = rx.wait(Some(t)) {
     ///                 return Ok(buffer.len());
     ///             }
     ///         }
@@ -306,7 +306,7 @@ impl Channel {
     /// they are (they stay first in line).
     fn wait_unheld(&mut self, timeout: Duration) -> Option<Event> {
         let held = std::mem::take(&mut self.helpers.held);
-        let ev = self.wait(Some(timeout));
+        let ev = self.wait(Some(timeout)).ok();
         debug_assert!(self.helpers.held.is_empty(), "wait holds nothing back");
         self.helpers.held = held;
         ev

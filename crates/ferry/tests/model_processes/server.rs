@@ -147,7 +147,7 @@ impl Server {
             Cmd::AwaitConnect { chan } => {
                 let Some(end) = self.ends.get_mut(&chan) else { return self.no_end(chan) };
                 match (end.creator, end.ch.wait(Some(CONNECT))) {
-                    (true, Some(Event::BindRequest { .. })) | (false, Some(Event::Bound)) => Reply::Op(Ok(())),
+                    (true, Ok(Event::BindRequest { .. })) | (false, Ok(Event::Bound)) => Reply::Op(Ok(())),
                     (_, ev) => Reply::Failed(format!("d{}: channel {chan} did not connect: {ev:?}", self.d)),
                 }
             }
@@ -386,7 +386,8 @@ impl Server {
     fn deliver(&mut self, chan: Chan, wait_ms: u32) -> Reply {
         let Some(end) = self.ends.get_mut(&chan) else { return self.no_end(chan) };
         let t = Instant::now();
-        let ev = if wait_ms == 0 { end.ch.poll() } else { end.ch.wait(Some(Duration::from_millis(wait_ms.into()))) };
+        let ev =
+            if wait_ms == 0 { end.ch.poll() } else { end.ch.wait(Some(Duration::from_millis(wait_ms.into()))).ok() };
         let elapsed_ms = t.elapsed().as_millis().min(u32::MAX.into()) as u32;
         let event = ev.map(|ev| self.keep(chan, ev));
         Reply::Event { event, elapsed_ms }
