@@ -1593,3 +1593,51 @@ fn closed_channels_are_quiet() {
     });
     assert_eq!(rx.recv_timeout(T), Ok(Some(WaitError::Closed)), "wait_any over closed channels did not say so");
 }
+
+// ------------------------------------------------- timeout or closed
+
+/// A connected pair over a local endpoint: (creator, binder).
+fn local_pair() -> (Channel, Channel) {
+    let ep = Endpoint::local();
+    let mut tx = Channel::create(&Domain::new("tx"), &ep, ChannelSetup::default()).unwrap();
+    let mut rx = Channel::bind(&Domain::new("rx"), &ep, BindParams::default()).unwrap();
+    tx.wait_connected(T).unwrap();
+    rx.wait_connected(T).unwrap();
+    (tx, rx)
+}
+
+/// `Channel::wait` says which: nothing in time on an open channel, or
+/// nothing ever again on a closed one (after its close was delivered).
+#[test]
+fn channel_wait_tells_a_timeout_from_a_closed_channel() {
+    let (mut tx, mut rx) = local_pair();
+    assert_eq!(rx.wait(Some(Duration::from_millis(5))).unwrap_err(), WaitError::TimedOut);
+    tx.teardown().unwrap();
+    assert!(matches!(rx.wait(Some(T)), Ok(Event::Closed { by_peer: true })));
+    assert!(matches!(tx.wait(Some(T)), Ok(Event::Closed { by_peer: false })));
+    let t = Instant::now();
+    assert_eq!(rx.wait(Some(T)).unwrap_err(), WaitError::Closed);
+    assert_eq!(tx.wait(None).unwrap_err(), WaitError::Closed, "no timeout: still returns");
+    assert!(t.elapsed() < T, "a closed channel is reported at once");
+}
+
+/// `Selector::wait` likewise: timed out while a channel is open; closed
+/// once every channel is closed and delivered its last event, also
+/// without a timeout (it returned `None` or waited for ever before).
+#[test]
+fn selector_wait_tells_a_timeout_from_closed_channels() {
+    let (mut tx, rx) = local_pair();
+    let mut sel = Selector::new().unwrap();
+    let key = sel.insert(rx);
+    assert_eq!(sel.wait(Some(Duration::from_millis(5))).unwrap_err(), WaitError::TimedOut);
+    tx.teardown().unwrap();
+    assert!(matches!(sel.wait(Some(T)), Ok((k, Event::Closed { by_peer: true })) if k == key));
+    assert_eq!(sel.wait(Some(Duration::from_millis(5))).unwrap_err(), WaitError::Closed);
+    let (done, result) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(sel.wait(None).err());
+    });
+    assert_eq!(result.recv_timeout(T), Ok(Some(WaitError::Closed)), "wait(None) on closed channels ends");
+    let mut empty = Selector::new().unwrap();
+    assert_eq!(empty.wait(Some(T)).unwrap_err(), WaitError::Closed);
+}
