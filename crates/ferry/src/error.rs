@@ -654,7 +654,6 @@ mod tests {
     }
 
     /// One value of every variant.
-
     fn every_variant() -> Vec<ErrorKind> {
         let pool = PoolId::from_u128(3);
         vec![

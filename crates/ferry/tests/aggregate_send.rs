@@ -499,7 +499,7 @@ fn unseen_aggregates_go_back_when_the_receiver_drops() {
     let deadline = Instant::now() + T;
     while a.buffer_state(id) != BufferState::ReadWrite {
         assert!(Instant::now() < deadline);
-        tx.wait(Some(Duration::from_millis(50)));
+        let _ = tx.wait(Some(Duration::from_millis(50)));
     }
     drop(kept);
     assert_eq!(alloc.available(), 7, "the moved buffer went with b");
