@@ -67,7 +67,7 @@ impl Allocator {
     /// other pools or domains, handing them back).
     pub fn free(&self, buffer: Buffer) -> Result<(), Refused<Buffer>> {
         let id = buffer.id();
-        self.free_bare(buffer).context(|| format!("free {id}"))
+        self.free_bare(buffer).context(|| format!("free {id} into an allocator of domain {:?}", self.domain.name()))
     }
 
     /// [`Allocator::free`], its errors without context.

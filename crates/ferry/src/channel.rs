@@ -208,7 +208,8 @@ struct ChanPool {
 /// ```
 pub struct Channel {
     domain: Domain,
-    /// `the channel on` the endpoint in words, for the context of errors.
+    /// `the channel of domain "app" on the TCP endpoint 127.0.0.1:7000`,
+    /// for the context of errors.
     name: Box<str>,
     key: ChanKey,
     state: ChannelState,
@@ -363,7 +364,7 @@ impl Channel {
     fn new(domain: &Domain, endpoint: &Endpoint, state: ChannelState, pending: Pending, wake: WakeSet) -> Channel {
         Channel {
             domain: domain.clone(),
-            name: format!("the channel on {endpoint}").into(),
+            name: format!("the channel of domain {:?} on {endpoint}", domain.name()).into(),
             key: domain.new_chan_key(),
             state,
             direction: Direction::Tx,

@@ -484,6 +484,7 @@ impl From<std::io::Error> for Error {
 /// let refused = a1.free(a2.alloc().unwrap()).unwrap_err(); // not d1's buffer
 /// assert_eq!(refused.error, ErrorKind::ForeignBuffer);
 /// assert!(refused.to_string().starts_with("free buffer 0 of pool "), "{refused}");
+/// assert!(refused.to_string().contains(r#"into an allocator of domain "d1""#), "{refused}");
 /// let buf = refused.into_inner(); // nothing lost
 /// assert_eq!(buf.id().pool, a2.pool().id());
 /// // With `?`, a `Refused` becomes its `Error` (the value is dropped).
