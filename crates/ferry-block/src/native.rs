@@ -384,7 +384,7 @@ impl BlockClient {
         loop {
             match data.pass_unfilled(buf, &[]) {
                 Ok(()) => break,
-                Err(r) if r.error == ferry::Error::QueueFull && Instant::now() < deadline => {
+                Err(r) if r.error == ferry::ErrorKind::QueueFull && Instant::now() < deadline => {
                     buf = r.into_inner();
                     std::thread::yield_now();
                 }
@@ -416,7 +416,7 @@ impl BlockClient {
         loop {
             match self.ch.move_buffer(buf, meta) {
                 Ok(()) => return Ok(()),
-                Err(r) if r.error == ferry::Error::QueueFull && Instant::now() < deadline => {
+                Err(r) if r.error == ferry::ErrorKind::QueueFull && Instant::now() < deadline => {
                     buf = r.into_inner();
                     std::thread::yield_now();
                 }
@@ -509,8 +509,8 @@ impl BlockClient {
                         return Err(Error::TimedOut);
                     }
                     match self.data.as_mut() {
-                        Some(d) => ferry::wait_any(&mut [&mut self.ch, d], Some(left)),
-                        None => self.ch.wait(Some(left)).map(|ev| (0, ev)),
+                        Some(d) => ferry::wait_any(&mut [&mut self.ch, d], Some(left)).ok(),
+                        None => self.ch.wait(Some(left)).map(|ev| (0, ev)).ok(),
                     }
                 }
             };
@@ -569,7 +569,7 @@ impl BlockClient {
             if left.is_zero() {
                 return Err(Error::TimedOut);
             }
-            if let Some(ev) = self.ch.wait(Some(left)) {
+            if let Ok(ev) = self.ch.wait(Some(left)) {
                 if let Some(x) = self.take(0, ev)? {
                     self.stash.push_back(x);
                 }
@@ -702,13 +702,16 @@ fn connect_retrying(
         let left = deadline.saturating_duration_since(Instant::now());
         match Channel::connect(domain, endpoint, params, left) {
             Ok(ch) => return Ok(ch),
-            Err(ferry::Error::Os(why))
+            Err(e)
+                if matches!(e.kind(), ferry::ErrorKind::Os(why)
                 if (why.contains("os error 104") || why.contains("os error 111") || why.contains("os error 32"))
-                    && Instant::now() < deadline =>
+                    && Instant::now() < deadline) =>
             {
                 std::thread::sleep(Duration::from_millis(2));
             }
-            Err(ferry::Error::PeerGone) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(2)),
+            Err(e) if e == ferry::ErrorKind::PeerGone && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2))
+            }
             Err(e) => return Err(e.into()),
         }
     }
@@ -807,7 +810,7 @@ pub fn run_proxy(
                         loop {
                             match upstream.move_buffer(buf, &meta) {
                                 Ok(()) => break,
-                                Err(r) if r.error == ferry::Error::QueueFull => {
+                                Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                                     buf = r.into_inner();
                                     std::thread::yield_now();
                                 }
@@ -836,7 +839,7 @@ pub fn run_proxy(
             route(ev, &mut users)?;
         }
         if !did {
-            if let Some(ev) = upstream.wait(Some(Duration::from_millis(1))) {
+            if let Ok(ev) = upstream.wait(Some(Duration::from_millis(1))) {
                 route(ev, &mut users)?;
             }
         }
@@ -858,7 +861,7 @@ fn route(ev: Event, users: &mut Users) -> Result<(), Error> {
             loop {
                 match user.pass(buf, &meta) {
                     Ok(()) => return Ok(()),
-                    Err(r) if r.error == ferry::Error::QueueFull => {
+                    Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                         buf = r.into_inner();
                         std::thread::yield_now();
                     }
@@ -883,12 +886,12 @@ fn wait_assigned(
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
         match upstream.wait(Some(deadline.saturating_duration_since(Instant::now()))) {
-            Some(Event::PoolAssigned(p)) if p == pool => return Ok(()),
-            Some(Event::PoolVetoed(p)) if p == pool => {
+            Ok(Event::PoolAssigned(p)) if p == pool => return Ok(()),
+            Ok(Event::PoolVetoed(p)) if p == pool => {
                 return Err(Error::Protocol("the block server refused a client's pool".into()))
             }
-            Some(ev) => route(ev, users)?,
-            None => {}
+            Ok(ev) => route(ev, users)?,
+            Err(_) => {}
         }
     }
     Err(Error::TimedOut)

@@ -268,7 +268,7 @@ impl<'a> Loop<'a> {
             }
             let busy = self.clients.values().any(|c| !c.outbox.is_empty());
             let timeout = if busy { Duration::from_millis(1) } else { Duration::from_millis(200) };
-            let Some((key, ev)) = self.sel.wait(Some(timeout)) else {
+            let Ok((key, ev)) = self.sel.wait(Some(timeout)) else {
                 let ids: Vec<u64> = self.clients.keys().copied().collect();
                 for id in ids {
                     self.pump(id, gone);
@@ -406,7 +406,7 @@ impl<'a> Loop<'a> {
             Event::Closed { .. } => self.drop_client(id, None, gone),
             // The client went away: what it asked for is done or not, as
             // answered; nothing is left for this channel to do.
-            Event::Error(ferry::Error::PeerGone) => self.drop_client(id, None, gone),
+            Event::Error(e) if e == ferry::ErrorKind::PeerGone => self.drop_client(id, None, gone),
             Event::Error(e) => self.drop_client(id, Some(e.to_string()), gone),
             _ => {}
         }
@@ -438,7 +438,8 @@ impl<'a> Loop<'a> {
             Event::PoolVetoed(_) => {
                 self.drop_client(id, Some("the client refused the server's read-data pool".into()), gone)
             }
-            Event::Closed { .. } | Event::Error(ferry::Error::PeerGone) => self.drop_client(id, None, gone),
+            Event::Closed { .. } => self.drop_client(id, None, gone),
+            Event::Error(e) if e == ferry::ErrorKind::PeerGone => self.drop_client(id, None, gone),
             Event::Error(e) => self.drop_client(id, Some(e.to_string()), gone),
             _ => {}
         }
@@ -458,7 +459,7 @@ impl<'a> Loop<'a> {
                 };
                 match sent {
                     Ok(()) => {}
-                    Err(r) if r.error == ferry::Error::QueueFull => {
+                    Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                         c.outbox.push_front((key, how, r.into_inner(), meta));
                         return;
                     }

@@ -302,12 +302,12 @@ fn malformed_packed_reads_are_refused() {
         ch.move_buffer(alloc.alloc().unwrap(), &meta).map_err(|r| r.error).unwrap();
         loop {
             match ch.wait(Some(T)) {
-                Some(Event::BufferPassed { meta, .. }) => {
+                Ok(Event::BufferPassed { meta, .. }) => {
                     assert_eq!(u64::from_le_bytes(meta[..8].try_into().unwrap()), id);
                     return u32::from_le_bytes(meta[8..12].try_into().unwrap());
                 }
-                None => panic!("no reply in time"),
-                Some(_) => {}
+                Err(_) => panic!("no reply in time"),
+                Ok(_) => {}
             }
         }
     };
@@ -329,14 +329,14 @@ fn malformed_packed_reads_are_refused() {
     ch.move_buffer(alloc.alloc().unwrap(), &meta).map_err(|r| r.error).unwrap();
     loop {
         match ch.wait(Some(T)) {
-            Some(Event::BufferPassed { meta, .. }) => {
+            Ok(Event::BufferPassed { meta, .. }) => {
                 assert_eq!(u64::from_le_bytes(meta[..8].try_into().unwrap()), 11);
                 assert_eq!(u32::from_le_bytes(meta[8..12].try_into().unwrap()), 22);
                 assert_eq!(u32::from_le_bytes(meta[12..16].try_into().unwrap()), 0, "no port");
                 break;
             }
-            None => panic!("no reply in time"),
-            Some(_) => {}
+            Err(_) => panic!("no reply in time"),
+            Ok(_) => {}
         }
     }
     drop(ch);

@@ -3,7 +3,7 @@
 
 use std::ffi::CStr;
 
-use ferry::{BufferState, ChannelState, Direction, Error, Role, TrustLevel};
+use ferry::{BufferState, ChannelState, Direction, Error, ErrorKind, Role, TrustLevel};
 
 use crate::ffi::Errval;
 
@@ -89,35 +89,43 @@ pub fn strerror(err: Errval) -> &'static CStr {
 
 /// The code of a library error.
 pub fn of_error(e: &Error) -> Errval {
+    of_kind(e.kind())
+}
+
+/// The code of a kind of library error.
+pub fn of_kind(e: &ErrorKind) -> Errval {
     match e {
-        Error::BadBufferSize { .. } | Error::BadBufferCount { .. } => ERR_BAD_BUFFER_SIZE,
-        Error::BadAlignment(_) | Error::InvalidArgument(_) | Error::SameBuffer | Error::MetaTooLarge { .. } => {
-            ERR_INVALID_ARGUMENT
+        ErrorKind::BadBufferSize { .. } | ErrorKind::BadBufferCount { .. } => ERR_BAD_BUFFER_SIZE,
+        ErrorKind::BadAlignment(_)
+        | ErrorKind::InvalidArgument(_)
+        | ErrorKind::SameBuffer
+        | ErrorKind::MetaTooLarge { .. } => ERR_INVALID_ARGUMENT,
+        ErrorKind::TrustNotSupported { .. } => ERR_TRUST_NOT_SUPPORTED,
+        ErrorKind::Os(_) => ERR_IO,
+        ErrorKind::EndpointInUse => ERR_ENDPOINT_IN_USE,
+        ErrorKind::EndpointNotListening => ERR_ENDPOINT_NOT_LISTENING,
+        ErrorKind::BindRefused(_) => ERR_BIND_REFUSED,
+        ErrorKind::NotConnected(ChannelState::Teardown | ChannelState::Closed) | ErrorKind::TearingDown => {
+            ERR_CHANNEL_CLOSED
         }
-        Error::TrustNotSupported { .. } => ERR_TRUST_NOT_SUPPORTED,
-        Error::Os(_) => ERR_IO,
-        Error::EndpointInUse => ERR_ENDPOINT_IN_USE,
-        Error::EndpointNotListening => ERR_ENDPOINT_NOT_LISTENING,
-        Error::BindRefused(_) => ERR_BIND_REFUSED,
-        Error::NotConnected(ChannelState::Teardown | ChannelState::Closed) | Error::TearingDown => ERR_CHANNEL_CLOSED,
-        Error::NotConnected(_) => ERR_CHANNEL_STATE,
-        Error::WrongDirection => ERR_WRONG_DIRECTION,
-        Error::ForeignBuffer => ERR_BUFFER_NOT_OWNED,
-        Error::PoolNotAssigned(_) => ERR_POOL_NOT_ASSIGNED,
-        Error::PoolRemovalPending(_) => ERR_POOL_REMOVAL_PENDING,
-        Error::CopiesOutstanding => ERR_COPIES_OUTSTANDING,
-        Error::NotCopyHolder => ERR_NOT_A_COPY,
-        Error::CopiesForwarded => ERR_COPIES_FORWARDED,
-        Error::UnknownPool(_) => ERR_UNKNOWN_POOL,
-        Error::PoolAlreadyAssigned(_) => ERR_POOL_ALREADY_ASSIGNED,
-        Error::TrustMismatch { .. } => ERR_TRUST_MISMATCH,
-        Error::PoolInUse(_) => ERR_POOL_IN_USE,
-        Error::QueueFull => ERR_QUEUE_FULL,
-        Error::PeerGone | Error::PeerUnresponsive(_) => ERR_PEER_GONE,
-        Error::Protocol(_) => ERR_PROTOCOL,
-        Error::TimedOut => ERR_TIMEOUT,
-        Error::PoolVetoed(_) => ERR_POOL_VETOED,
-        Error::LimitExceeded { .. } | Error::QuotaExceeded { .. } => ERR_NO_RESOURCES,
+        ErrorKind::NotConnected(_) => ERR_CHANNEL_STATE,
+        ErrorKind::WrongDirection => ERR_WRONG_DIRECTION,
+        ErrorKind::ForeignBuffer => ERR_BUFFER_NOT_OWNED,
+        ErrorKind::PoolNotAssigned(_) => ERR_POOL_NOT_ASSIGNED,
+        ErrorKind::PoolRemovalPending(_) => ERR_POOL_REMOVAL_PENDING,
+        ErrorKind::CopiesOutstanding => ERR_COPIES_OUTSTANDING,
+        ErrorKind::NotCopyHolder => ERR_NOT_A_COPY,
+        ErrorKind::CopiesForwarded => ERR_COPIES_FORWARDED,
+        ErrorKind::UnknownPool(_) => ERR_UNKNOWN_POOL,
+        ErrorKind::PoolAlreadyAssigned(_) => ERR_POOL_ALREADY_ASSIGNED,
+        ErrorKind::TrustMismatch { .. } => ERR_TRUST_MISMATCH,
+        ErrorKind::PoolInUse(_) => ERR_POOL_IN_USE,
+        ErrorKind::QueueFull => ERR_QUEUE_FULL,
+        ErrorKind::PeerGone | ErrorKind::PeerUnresponsive(_) => ERR_PEER_GONE,
+        ErrorKind::Protocol(_) => ERR_PROTOCOL,
+        ErrorKind::TimedOut => ERR_TIMEOUT,
+        ErrorKind::PoolVetoed(_) => ERR_POOL_VETOED,
+        ErrorKind::LimitExceeded { .. } | ErrorKind::QuotaExceeded { .. } => ERR_NO_RESOURCES,
         _ => ERR_INVALID_ARGUMENT,
     }
 }

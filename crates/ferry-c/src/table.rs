@@ -590,8 +590,9 @@ pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
         }
         let b = s.owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
         if let Err(r) = alloc.free(b) {
-            s.owned = Some(r.value);
-            return Err(of_error(&r.error));
+            let (error, value) = r.into_parts();
+            s.owned = Some(value);
+            return Err(of_error(&error));
         }
         s.refresh();
         let free = alloc.available();

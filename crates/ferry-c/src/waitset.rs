@@ -431,14 +431,14 @@ impl Waitset {
             self.quiet();
         }
         match self.selector.wait(Some(Duration::ZERO)) {
-            Some((key, ev)) => {
+            Ok((key, ev)) => {
                 self.streak += 1;
                 match self.take_event(key, ev) {
                     Some(w) => Step::Run(w),
                     None => Step::Spin,
                 }
             }
-            None => Step::Idle { fd: self.epoll.as_raw_fd(), live: !self.selector.is_empty() },
+            Err(_) => Step::Idle { fd: self.epoll.as_raw_fd(), live: !self.selector.is_empty() },
         }
     }
 
@@ -768,8 +768,9 @@ impl Waitset {
                 Direction::Rx => c.pass(b, meta),
             };
             if let Err(r) = sent {
-                s.owned = Some(r.value);
-                return Err(of_error(&r.error));
+                let (error, value) = r.into_parts();
+                s.owned = Some(value);
+                return Err(of_error(&error));
             }
             s.refresh();
             Ok(e.pool.geometry().buffer_size() as u64)
@@ -826,8 +827,9 @@ impl Waitset {
             let at = s.copies.iter().position(|h| h.0 == token && h.2 == view).ok_or(ERR_NOT_A_COPY)?;
             let (_, copy, _) = s.copies.remove(at);
             if let Err(r) = c.release(copy) {
-                s.copies.insert(at, (token, r.value, view));
-                return Err(of_error(&r.error));
+                let (error, copy) = r.into_parts();
+                s.copies.insert(at, (token, copy, view));
+                return Err(of_error(&error));
             }
             s.refresh();
             Ok(())

@@ -50,6 +50,15 @@ pub fn cpu(s: &str) -> Result<usize, String> {
     Ok(cpu)
 }
 
+/// `a, b or c`.
+fn one_of(names: &[String]) -> String {
+    match names {
+        [] => "a command".to_string(),
+        [one] => one.clone(),
+        [rest @ .., last] => format!("{} or {last}", rest.join(", ")),
+    }
+}
+
 /// The flag an argument of a parse error stands for: `--runs` for
 /// `--runs <RUNS>`, `experiment` for `<EXPERIMENT>`.
 fn flag_of(arg: &str) -> String {
@@ -73,8 +82,9 @@ fn one(e: &clap::Error, kind: ContextKind) -> Option<String> {
 
 /// The one line `ferry` prints for a command line it cannot run: the flag,
 /// the value, what is allowed (and where to read more). `command` is the
-/// subcommand's name, for the pointer to its `--help`.
-pub fn usage_line(e: &clap::Error, command: Option<&str>) -> String {
+/// subcommand's name, for the pointer to its `--help`; `commands` are the
+/// commands there are where an unknown one was given.
+pub fn usage_line(e: &clap::Error, command: Option<&str>, commands: &[String]) -> String {
     let help = match command {
         Some(c) => format!("`ferry {c} --help`"),
         None => "`ferry --help`".to_string(),
@@ -100,7 +110,7 @@ pub fn usage_line(e: &clap::Error, command: Option<&str>) -> String {
         }
         (ErrorKind::InvalidSubcommand, _, _) => {
             let name = one(e, ContextKind::InvalidSubcommand).unwrap_or_default();
-            format!("{name}: no such command; give demo, bench, echo or block (see {help})")
+            format!("{name}: no such command; give {} (see {help})", one_of(commands))
         }
         (ErrorKind::UnknownArgument, _, _) => {
             let name = one(e, ContextKind::InvalidArg).unwrap_or_default();

@@ -20,7 +20,7 @@ use ferry::{
 
 use crate::args::{power_of_two, whole};
 use crate::echo::{self, EchoOptions, Transport};
-use crate::setup::{assign, connect_local, describe, next_event};
+use crate::setup::{assign, connect_local, describe, describe_wait, next_event};
 use crate::stats::Summary;
 use crate::{pattern, pin, CliError};
 
@@ -132,10 +132,11 @@ const AGAIN: &str = "run the demo again";
 fn close(source: &mut Channel) -> Result<(), CliError> {
     source.teardown()?;
     match source.wait(Some(std::time::Duration::from_secs(10))) {
-        Some(Event::Closed { .. }) => Ok(()),
-        ev => {
-            Err(CliError::Failed(format!("the teardown did not complete: the channel gave {}; {AGAIN}", describe(&ev))))
-        }
+        Ok(Event::Closed { .. }) => Ok(()),
+        ev => Err(CliError::Failed(format!(
+            "the teardown did not complete: the channel gave {}; {AGAIN}",
+            describe_wait(&ev)
+        ))),
     }
 }
 
@@ -278,9 +279,11 @@ fn receive_master(count: u64, size: usize, trust: TrustLevel) -> Result<FlowRepo
     // Drain the buffers passed back after the last move, then the close.
     loop {
         match source.wait(Some(std::time::Duration::from_secs(10))) {
-            Some(Event::BufferPassed { .. }) => continue,
-            Some(Event::Closed { .. }) => break,
-            ev => return Err(CliError::Failed(format!("at the teardown the source got {}; {AGAIN}", describe(&ev)))),
+            Ok(Event::BufferPassed { .. }) => continue,
+            Ok(Event::Closed { .. }) => break,
+            ev => {
+                return Err(CliError::Failed(format!("at the teardown the source got {}; {AGAIN}", describe_wait(&ev))))
+            }
         }
     }
     let secs = t0.elapsed().as_secs_f64();
@@ -301,17 +304,18 @@ fn copies(size: usize, trust: TrustLevel) -> Result<(), CliError> {
     owner.copy(&buf, b"copy")?;
     let ok_ro = a.buffer_state(buf.id()) == BufferState::ReadOnlyOwned && buf.as_mut_slice().is_err();
     let copy = match holder.wait(Some(std::time::Duration::from_secs(10))) {
-        Some(Event::CopyReceived { copy, .. }) => copy,
+        Ok(Event::CopyReceived { copy, .. }) => copy,
         ev => {
-            return Err(CliError::Failed(format!("the copy holder expected a copy but got {}; {AGAIN}", describe(&ev))))
+            return Err(CliError::Failed(format!(
+                "the copy holder expected a copy but got {}; {AGAIN}",
+                describe_wait(&ev)
+            )))
         }
     };
     let intact = pattern::check(&copy, 99) && b.buffer_state(copy.id()) == BufferState::ReadOnly;
     holder.release(copy)?;
-    let writable = matches!(
-        owner.wait(Some(std::time::Duration::from_secs(10))),
-        Some(Event::CopyReleased { writable: true, .. })
-    );
+    let writable =
+        matches!(owner.wait(Some(std::time::Duration::from_secs(10))), Ok(Event::CopyReleased { writable: true, .. }));
     let rw = buf.as_mut_slice().is_ok();
     if !(ok_ro && intact && writable && rw) {
         return Err(CliError::Failed(format!(
@@ -345,11 +349,11 @@ fn between_processes(
     let alloc = Allocator::new(&a, 64, size, PoolConstraints::default())?;
     source.assign_pool(alloc.pool())?;
     match source.wait(Some(std::time::Duration::from_secs(10))) {
-        Some(Event::PoolAssigned(_)) => {}
+        Ok(Event::PoolAssigned(_)) => {}
         ev => {
             return Err(CliError::Failed(format!(
                 "the echo process did not take the pool: the channel gave {}; {AGAIN}",
-                describe(&ev)
+                describe_wait(&ev)
             )))
         }
     }

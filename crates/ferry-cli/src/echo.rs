@@ -14,7 +14,7 @@ use std::time::Duration;
 use clap::Args;
 use ferry::{BindParams, Buffer, Channel, ChannelSetup, Domain, Endpoint, Event, Meta};
 
-use crate::setup::{describe, describe_event, next_event};
+use crate::setup::{describe_event, describe_wait, next_event};
 use crate::tls_args::{host_of, Side, TlsFlags};
 use crate::{pattern, pin, CliError};
 
@@ -145,7 +145,7 @@ pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
         while let Some((buffer, meta)) = backlog.pop_front() {
             match ch.pass(buffer, &meta) {
                 Ok(()) => echoed += 1,
-                Err(r) if r.error == ferry::Error::QueueFull => {
+                Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                     backlog.push_front((r.into_inner(), meta));
                     break;
                 }
@@ -251,12 +251,12 @@ pub fn spawn_process_on(
         .spawn()
         .map_err(|e| CliError::Failed(format!("cannot start the echo process: {e}")))?;
     match source.wait(Some(std::time::Duration::from_secs(10))) {
-        Some(Event::BindRequest { .. }) => Ok((source, child)),
+        Ok(Event::BindRequest { .. }) => Ok((source, child)),
         ev => {
             let _ = child.kill();
             Err(CliError::Failed(format!(
                 "the echo process did not bind: the channel gave {}; run the command again",
-                describe(&ev)
+                describe_wait(&ev)
             )))
         }
     }
@@ -294,7 +294,7 @@ mod tests {
             loop {
                 match src.move_buffer(buf, &seq.to_le_bytes()) {
                     Ok(()) => break,
-                    Err(r) if r.error == ferry::Error::QueueFull => {
+                    Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                         assert!(
                             Instant::now() < deadline,
                             "the echo stopped reading: move {seq} found no room for 10 s"
@@ -308,12 +308,12 @@ mod tests {
         }
         for want in 0..32u64 {
             match src.wait(Some(Duration::from_secs(10))) {
-                Some(Event::BufferPassed { meta, .. }) => assert_eq!(meta[..8], want.to_le_bytes()),
-                ev => panic!("expected buffer {want} back, got {}", describe(&ev)),
+                Ok(Event::BufferPassed { meta, .. }) => assert_eq!(meta[..8], want.to_le_bytes()),
+                ev => panic!("expected buffer {want} back, got {}", describe_wait(&ev)),
             }
         }
         src.teardown().unwrap();
-        while let Some(ev) = src.wait(Some(Duration::from_secs(10))) {
+        while let Ok(ev) = src.wait(Some(Duration::from_secs(10))) {
             if matches!(ev, Event::Closed { .. }) {
                 break;
             }

@@ -6,13 +6,14 @@
 //! * `ferry echo` — the echo domain of an experiment run elsewhere.
 //! * `ferry block serve` — Ferry's network block service for NBD clients.
 //! * `ferry cp SRC DST` — copy through a Ferry pool with container-shipping I/O.
+//! * `ferry tls gen DIR` — write a set of test certificates for TLS.
 //! * `ferry inspect [PID]` — the channels and pools of every Ferry process
 //!   of the user, with their counters (`--watch`: like top).
 
 use std::process::ExitCode;
 
 use clap::error::ErrorKind;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 mod args;
 mod bench;
@@ -30,7 +31,7 @@ mod tls;
 mod tls_args;
 
 #[derive(Parser)]
-#[command(name = "ferry", version, about = "Zero-copy bulk transfer: demo and benchmarks")]
+#[command(name = "ferry", version, about = "Ferry: zero-copy bulk transfer between threads, processes and machines")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -42,8 +43,9 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Run one of the benchmark experiments (see BENCHMARKS.md).
     Bench(Box<bench::BenchArgs>),
-    /// Be the echo domain of an experiment run elsewhere: bind to the
-    /// endpoint, pass every buffer back until the channel closes.
+    /// Be the echo peer of an experiment run elsewhere: pass every buffer back.
+    ///
+    /// Binds to the endpoint and passes every buffer back until the channel closes.
     Echo(echo::EchoArgs),
     /// Copy SRC to DST (files, `-`, tcp:HOST:PORT, unix:PATH) through a Ferry pool, without copies in user space.
     Cp(cp::CpArgs),
@@ -66,10 +68,13 @@ fn main() -> ExitCode {
         Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => e.exit(),
         Err(e) if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
         Err(e) => {
-            let sub = std::env::args()
-                .nth(1)
-                .filter(|a| ["demo", "bench", "echo", "block", "cp", "tls", "inspect"].contains(&a.as_str()));
-            eprintln!("ferry: {}", args::usage_line(&e, sub.as_deref()));
+            let top = Cli::command();
+            let sub = std::env::args().nth(1).filter(|a| command_names(&top).contains(a));
+            // An unknown command is named against the commands of its level:
+            // `ferry frob` against ferry's, `ferry tls frob` against tls's.
+            let level = sub.as_deref().and_then(|s| top.find_subcommand(s)).filter(|c| c.has_subcommands());
+            let commands = command_names(level.unwrap_or(&top));
+            eprintln!("ferry: {}", args::usage_line(&e, sub.as_deref(), &commands));
             return ExitCode::from(2);
         }
     };
@@ -90,6 +95,16 @@ fn main() -> ExitCode {
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// The commands a user may give at the level of `command`, as `--help`
+/// lists them (hidden ones and `help` left out).
+fn command_names(command: &clap::Command) -> Vec<String> {
+    command
+        .get_subcommands()
+        .filter(|c| !c.is_hide_set() && c.get_name() != "help")
+        .map(|c| c.get_name().to_string())
+        .collect()
 }
 
 /// A failure of a command, with its exit code (2: bad usage, 1: failed run).

@@ -3,14 +3,14 @@
 
 use std::time::Duration;
 
-use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, Pool};
+use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, Pool, WaitError};
 
 use crate::CliError;
 
 const STEP: Duration = Duration::from_secs(10);
 
-fn unexpected(what: &str, ev: Option<Event>) -> CliError {
-    CliError::Failed(format!("while waiting for {what} the channel gave {}; run the command again", describe(&ev)))
+fn unexpected(what: &str, ev: Result<Event, WaitError>) -> CliError {
+    CliError::Failed(format!("while waiting for {what} the channel gave {}; run the command again", describe_wait(&ev)))
 }
 
 /// What an event is, in words (for messages: never Rust's debug form).
@@ -35,11 +35,20 @@ pub fn describe_event(ev: &Event) -> String {
     }
 }
 
-/// What a wait returned, in words: an event, or nothing in time.
+/// What a poll (or [`next_event`]) returned, in words: an event, or nothing.
 pub fn describe(ev: &Option<Event>) -> String {
     match ev {
         Some(ev) => describe_event(ev),
-        None => "nothing in time (the peer may be stuck or gone)".into(),
+        None => "nothing (the peer may be stuck or gone)".into(),
+    }
+}
+
+/// What a wait returned, in words: an event, nothing in time, or the end.
+pub fn describe_wait(ev: &Result<Event, WaitError>) -> String {
+    match ev {
+        Ok(ev) => describe_event(ev),
+        Err(WaitError::TimedOut) => "nothing in time (the peer may be stuck or gone)".into(),
+        Err(WaitError::Closed) => "nothing more (the channel is closed)".into(),
     }
 }
 
@@ -55,11 +64,11 @@ pub fn connect_local(
     let mut c = Channel::create(creator, &ep, setup)?;
     let mut b = Channel::bind(binder, &ep, params)?;
     match c.wait(Some(STEP)) {
-        Some(Event::BindRequest { .. }) => {}
+        Ok(Event::BindRequest { .. }) => {}
         ev => return Err(unexpected("the bind request", ev)),
     }
     match b.wait(Some(STEP)) {
-        Some(Event::Bound) => {}
+        Ok(Event::Bound) => {}
         ev => return Err(unexpected("the bind reply", ev)),
     }
     Ok((c, b))
@@ -70,16 +79,17 @@ pub fn connect_local(
 pub fn assign(assigner: &mut Channel, peer: &mut Channel, pool: &Pool) -> Result<(), CliError> {
     assigner.assign_pool(pool)?;
     match peer.wait(Some(STEP)) {
-        Some(Event::PoolAssignRequest(req)) => peer.respond_pool(req.pool, true)?,
+        Ok(Event::PoolAssignRequest(req)) => peer.respond_pool(req.pool, true)?,
         ev => return Err(unexpected("the pool-assignment request", ev)),
     }
     match assigner.wait(Some(STEP)) {
-        Some(Event::PoolAssigned(_)) => Ok(()),
+        Ok(Event::PoolAssigned(_)) => Ok(()),
         ev => Err(unexpected("the pool-assignment reply", ev)),
     }
 }
 
-/// Wait for the next event, busy-polling or blocking.
+/// Wait for the next event, busy-polling or blocking; `None` once the
+/// channel is closed and its last event was delivered.
 pub fn next_event(ch: &mut Channel, busy: bool) -> Option<Event> {
     if busy {
         loop {
@@ -92,7 +102,7 @@ pub fn next_event(ch: &mut Channel, busy: bool) -> Option<Event> {
             std::hint::spin_loop();
         }
     }
-    ch.wait(None)
+    ch.wait(None).ok()
 }
 
 /// Run a send (`move_buffer`, `pass`) until the queue has room: on
@@ -106,7 +116,7 @@ pub fn send_when_room<T>(
     loop {
         match send(buf) {
             Ok(()) => return Ok(()),
-            Err(r) if r.error == ferry::Error::QueueFull => {
+            Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                 buf = r.into_inner();
                 if busy {
                     std::hint::spin_loop();

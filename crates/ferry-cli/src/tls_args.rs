@@ -183,9 +183,9 @@ impl TlsFlags {
 
 /// A TLS configuration error without the library's prefix.
 fn why(e: &ferry::Error) -> String {
-    match e {
-        ferry::Error::TlsConfig(c) => c.to_string(),
-        other => other.to_string(),
+    match e.kind() {
+        ferry::ErrorKind::TlsConfig(c) => c.to_string(),
+        _ => e.to_string(),
     }
 }
 

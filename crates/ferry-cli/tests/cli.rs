@@ -204,3 +204,56 @@ fn a_failure_is_a_sentence_with_advice() {
     assert!(r.stderr.contains("; "), "{}", r.stderr);
     assert_for_users(&r.stderr, &args);
 }
+
+/// The commands a user may give, as `ferry --help` must list them.
+const COMMANDS: [&str; 7] = ["demo", "bench", "echo", "cp", "block", "tls", "inspect"];
+
+/// The lines of `--help` under `Commands:`, as (name, description).
+fn listed_commands(help: &str) -> Vec<(String, String)> {
+    help.lines()
+        .skip_while(|l| l.trim() != "Commands:")
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.trim().split_once(char::is_whitespace))
+        .map(|(name, what)| (name.to_string(), what.trim().to_string()))
+        .collect()
+}
+
+#[test]
+fn help_lists_every_command_with_a_line_each() {
+    let r = ferry(&["--help"]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let listed = listed_commands(&r.stdout);
+    for command in COMMANDS {
+        let what = listed.iter().find(|(name, _)| name == command).map(|(_, what)| what);
+        let what = what.unwrap_or_else(|| panic!("{command} is not listed:\n{}", r.stdout));
+        assert!(what.len() > 15, "{command} has no description of its own: {what:?}");
+    }
+    // Nothing hidden (the benchmark children) is listed.
+    assert!(listed.iter().all(|(name, _)| COMMANDS.contains(&name.as_str()) || name == "help"), "{listed:?}");
+    // The package description, which crates.io and `cargo install` show,
+    // names them too.
+    let description = env!("CARGO_PKG_DESCRIPTION");
+    for command in COMMANDS {
+        assert!(description.contains(command), "{command} is not in the description: {description}");
+    }
+}
+
+#[test]
+fn an_unknown_command_names_every_command() {
+    let r = ferry(&["frob"]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    let line = r.stderr.trim_end();
+    assert!(line.starts_with("ferry: frob: no such command; give "), "{line}");
+    for command in COMMANDS {
+        assert!(line.contains(command), "{command} is not named: {line}");
+    }
+    assert!(!line.contains("bench-child"), "{line}");
+    assert_for_users(line, &["frob"]);
+    // One level down the choices are that command's own.
+    let r = ferry(&["tls", "frob"]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    let line = r.stderr.trim_end();
+    assert!(line.starts_with("ferry: frob: no such command; give gen "), "{line}");
+    assert!(!line.contains("demo"), "{line}");
+}

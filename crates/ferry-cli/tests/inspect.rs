@@ -116,12 +116,12 @@ impl Pipeline {
                 let Some(buf) = self.alloc.alloc() else { break };
                 match self.tx.move_buffer(buf, &[]) {
                     Ok(()) => sent += 1,
-                    Err(r) if r.error == ferry::Error::QueueFull => break,
+                    Err(r) if r.error == ferry::ErrorKind::QueueFull => break,
                     Err(r) => panic!("move: {}", r.error),
                 }
             }
             match self.tx.wait(Some(T)) {
-                Some(Event::BufferPassed { .. }) => back += 1,
+                Ok(Event::BufferPassed { .. }) => back += 1,
                 other => panic!("expected a buffer back, got {other:?}"),
             }
         }
@@ -136,7 +136,7 @@ impl Pipeline {
     /// [`finish`](Self::finish), with what the echo printed on stderr.
     fn finish_with_stderr(mut self) -> (std::process::ExitStatus, String, String) {
         self.tx.teardown().expect("teardown");
-        while let Some(ev) = self.tx.wait(Some(T)) {
+        while let Ok(ev) = self.tx.wait(Some(T)) {
             if matches!(ev, Event::Closed { .. }) {
                 break;
             }
@@ -254,7 +254,7 @@ fn stall(p: &mut Pipeline) {
         let buf = p.alloc.alloc().expect("more buffers than the queue holds");
         match p.tx.move_buffer(buf, &[]) {
             Ok(()) => {}
-            Err(r) if r.error == ferry::Error::QueueFull => {
+            Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                 held.push(r.into_inner());
                 break;
             }

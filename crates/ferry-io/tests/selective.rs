@@ -63,8 +63,8 @@ fn forwarding_unmapped_takes_no_page_faults() {
     let mut received = Vec::new();
     while received.len() < COUNT as usize {
         match rx.wait(Some(T)) {
-            Some(Event::MoveReceived { buffer, meta }) => received.push((meta[0] as u64, buffer)),
-            Some(Event::PoolAssignRequest(_)) => {}
+            Ok(Event::MoveReceived { buffer, meta }) => received.push((meta[0] as u64, buffer)),
+            Ok(Event::PoolAssignRequest(_)) => {}
             other => panic!("{other:?}"),
         }
     }

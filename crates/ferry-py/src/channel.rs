@@ -7,7 +7,9 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
-use ferry::{BindParams, Channel, ChannelConstraints, ChannelSetup, ChannelState, Direction, Error, PoolPolicy};
+use ferry::{
+    BindParams, Channel, ChannelConstraints, ChannelSetup, ChannelState, Direction, Error, ErrorKind, PoolPolicy,
+};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -127,7 +129,7 @@ impl PyChannel {
     }
 
     fn closed_error(&self, py: Python<'_>, op: &str) -> PyErr {
-        self.err(py, &Error::NotConnected(ChannelState::Closed), op)
+        self.err(py, &ErrorKind::NotConnected(ChannelState::Closed).into(), op)
     }
 
     /// Run `f` on the open channel.
@@ -199,9 +201,10 @@ impl PyChannel {
         match result {
             Ok(()) => Ok(()),
             Err(refused) => {
-                state.held = Held::Owned(refused.value);
+                let (error, value) = refused.into_parts();
+                state.held = Held::Owned(value);
                 drop(state);
-                let err = self.err(py, &refused.error, op.name());
+                let err = self.err(py, &error, op.name());
                 let _ = err.value(py).setattr("buffer", buffer);
                 Err(err)
             }
@@ -576,9 +579,10 @@ impl PyChannel {
         match ch.release(handle) {
             Ok(()) => Ok(()),
             Err(refused) => {
-                state.held = Held::Copy(refused.value);
+                let (error, value) = refused.into_parts();
+                state.held = Held::Copy(value);
                 drop(state);
-                let err = self.err(py, &refused.error, op);
+                let err = self.err(py, &error, op);
                 let _ = err.value(py).setattr("buffer", copy);
                 Err(err)
             }
@@ -650,9 +654,9 @@ impl PyChannel {
             deadline,
             || Ok(Some(None)),
             |ch, slice| match ch.wait(Some(slice)) {
-                Some(ev) => Some(Some(ev)),
-                None if ch.state() == ChannelState::Closed => Some(None),
-                None => None,
+                Ok(ev) => Some(Some(ev)),
+                Err(ferry::WaitError::Closed) => Some(None),
+                Err(ferry::WaitError::TimedOut) => None,
             },
         )?;
         match got.flatten() {
@@ -753,14 +757,14 @@ impl PyChannel {
             deadline,
             || Err(self.closed_error(py, op)),
             |ch, slice| match ch.wait_connected(slice) {
-                Err(Error::TimedOut) => None,
+                Err(e) if e == ErrorKind::TimedOut => None,
                 other => Some(other),
             },
         )?;
         match got {
             Some(Ok(())) => Ok(()),
             Some(Err(e)) => Err(self.err(py, &e, op)),
-            None => Err(self.err(py, &Error::TimedOut, op)),
+            None => Err(self.err(py, &ErrorKind::TimedOut.into(), op)),
         }
     }
 

@@ -29,8 +29,8 @@ pub(crate) fn raise(py: Python<'_>, class: &str, kind: &str, message: String) ->
 
 /// The exception class for each error of the library.
 fn class_of(e: &ferry::Error) -> &'static str {
-    use ferry::Error as E;
-    match e {
+    use ferry::ErrorKind as E;
+    match e.kind() {
         E::BadBufferSize { .. }
         | E::BadBufferCount { .. }
         | E::BadAlignment(_)
@@ -69,7 +69,7 @@ fn class_of(e: &ferry::Error) -> &'static str {
 /// attribute of the exception, for code that tells variants of one class
 /// apart.
 fn kind_of(e: &ferry::Error) -> String {
-    format!("{e:?}").chars().take_while(|c| c.is_ascii_alphanumeric()).collect()
+    format!("{:?}", e.kind()).chars().take_while(|c| c.is_ascii_alphanumeric()).collect()
 }
 
 /// `e` as a Python exception whose message starts with `context` (what

@@ -295,9 +295,10 @@ impl PyAllocator {
         match self.inner.free(handle) {
             Ok(()) => Ok(()),
             Err(refused) => {
-                state.held = Held::Owned(refused.value);
+                let (error, value) = refused.into_parts();
+                state.held = Held::Owned(value);
                 drop(state);
-                let err = to_py(py, &refused.error, "Allocator.free");
+                let err = to_py(py, &error, "Allocator.free");
                 let _ = err.value(py).setattr("buffer", buffer);
                 Err(err)
             }
@@ -500,7 +501,7 @@ impl PySelector {
     #[pyo3(signature = (channels=Vec::new()))]
     fn new(py: Python<'_>, channels: Vec<Bound<'_, PyChannel>>) -> PyResult<Self> {
         let epoll = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)
-            .map_err(|e| to_py(py, &ferry::Error::Os(std::io::Error::from(e).to_string()), "Selector"))?;
+            .map_err(|e| to_py(py, &ferry::ErrorKind::Os(std::io::Error::from(e).to_string()).into(), "Selector"))?;
         let sel = PySelector {
             state: Mutex::new(SelectorState {
                 epoll,
@@ -527,7 +528,7 @@ impl PySelector {
         {
             let guard = channel.get().lock(py);
             let Some(ch) = guard.as_ref() else {
-                return Err(to_py(py, &ferry::Error::NotConnected(ChannelState::Closed), "Selector.add"));
+                return Err(to_py(py, &ferry::ErrorKind::NotConnected(ChannelState::Closed).into(), "Selector.add"));
             };
             use rustix::event::epoll;
             // Registering fails only for lack of kernel memory; the channel

@@ -30,10 +30,10 @@ fn start(endpoint: Endpoint, tag: &str) -> (Channel, Allocator, std::thread::Joi
         rx.set_pool_policy(PoolPolicy::AcceptAll);
         loop {
             match rx.wait(Some(Duration::from_secs(60))) {
-                Some(Event::MoveReceived { buffer, meta }) => rx.pass(buffer, &meta).expect("pass"),
-                Some(Event::PoolAssignRequest(_)) => {}
-                Some(Event::Closed { .. } | Event::Error(_)) | None => return,
-                Some(ev) => panic!("peer: unexpected {ev:?}"),
+                Ok(Event::MoveReceived { buffer, meta }) => rx.pass(buffer, &meta).expect("pass"),
+                Ok(Event::PoolAssignRequest(_)) => {}
+                Ok(Event::Closed { .. } | Event::Error(_)) | Err(_) => return,
+                Ok(ev) => panic!("peer: unexpected {ev:?}"),
             }
         }
     });
@@ -52,7 +52,7 @@ fn endpoint(backend: &str) -> Endpoint {
 
 fn blocking_pass(ch: &mut Channel) -> ferry::Buffer {
     match ch.wait(Some(T)) {
-        Some(Event::BufferPassed { buffer, .. }) => buffer,
+        Ok(Event::BufferPassed { buffer, .. }) => buffer,
         ev => panic!("expected a pass, got {ev:?}"),
     }
 }

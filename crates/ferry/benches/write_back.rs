@@ -19,8 +19,8 @@ fn connect(ep: &Endpoint, a: &Domain, c: &Domain) -> (Channel, Channel) {
     };
     let mut rx = Channel::bind(c, &ep, BindParams::default()).expect("bind");
     let t = Some(Duration::from_secs(10));
-    assert!(matches!(tx.wait(t), Some(Event::BindRequest { .. })));
-    assert!(matches!(rx.wait(t), Some(Event::Bound)));
+    assert!(matches!(tx.wait(t), Ok(Event::BindRequest { .. })));
+    assert!(matches!(rx.wait(t), Ok(Event::Bound)));
     (tx, rx)
 }
 
@@ -29,11 +29,11 @@ fn assign(tx: &mut Channel, rx: &mut Channel, alloc: &Allocator) {
     tx.assign_pool(alloc.pool()).expect("assign");
     tx.flush().expect("flush");
     match rx.wait(t) {
-        Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).expect("accept"),
+        Ok(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).expect("accept"),
         ev => panic!("expected the request, got {ev:?}"),
     }
     rx.flush().expect("flush");
-    assert!(matches!(tx.wait(t), Some(Event::PoolAssigned(_))));
+    assert!(matches!(tx.wait(t), Ok(Event::PoolAssigned(_))));
 }
 
 /// A local channel from A to C over which `alloc`'s pool is assigned; with

@@ -132,7 +132,7 @@ fn sink(path: PathBuf, bytes: usize) -> Result<()> {
     let mut next = 0u64;
     loop {
         match rx.wait(Some(TIMEOUT)) {
-            Some(Event::CopyReceived { copy, meta }) => {
+            Ok(Event::CopyReceived { copy, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into()?);
                 if seq != next {
                     return Err(format!("copy {seq} arrived, expected {next}").into());
@@ -144,10 +144,10 @@ fn sink(path: PathBuf, bytes: usize) -> Result<()> {
                 rx.release(copy).map_err(|r| r.error)?;
                 next += 1;
             }
-            Some(Event::Closed { .. }) => break,
-            Some(Event::Error(e)) => return Err(e.into()),
-            Some(other) => return Err(format!("unexpected {other:?}").into()),
-            None => return Err("the source went quiet".into()),
+            Ok(Event::Closed { .. }) | Err(ferry::WaitError::Closed) => break,
+            Ok(Event::Error(e)) => return Err(e.into()),
+            Ok(other) => return Err(format!("unexpected {other:?}").into()),
+            Err(ferry::WaitError::TimedOut) => return Err("the source went quiet".into()),
         }
     }
     if next != bytes.div_ceil(BUFFER_SIZE) as u64 {

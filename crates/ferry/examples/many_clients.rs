@@ -28,7 +28,9 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, ExitCode};
 use std::time::Instant;
 
-use ferry::{BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, Event, PoolPolicy, Role, Selector};
+use ferry::{
+    BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, ErrorKind, Event, PoolPolicy, Role, Selector,
+};
 
 use common::{exit_code, send, summary, verify, Args, Result, BUFFER_SIZE, TIMEOUT};
 
@@ -169,7 +171,7 @@ fn server(clients: usize, bytes: usize) -> Result<()> {
 /// Serve until every client has closed its channel.
 fn serve(selector: &mut Selector, known: &mut HashMap<usize, Client>) -> Result<()> {
     while !selector.is_empty() {
-        let (key, ev) = selector.wait(Some(TIMEOUT)).ok_or("no client did anything in time")?;
+        let (key, ev) = selector.wait(Some(TIMEOUT)).map_err(|e| format!("no client did anything in time: {e}"))?;
         let client = known.get_mut(&key).ok_or("the selector returned a key it does not hold")?;
         let channel = selector.get_mut(key).ok_or("the selector lost a channel")?;
         match ev {
@@ -192,7 +194,9 @@ fn serve(selector: &mut Selector, known: &mut HashMap<usize, Client>) -> Result<
                 client.closed = Some(Instant::now());
                 drop(selector.remove(key));
             }
-            Event::Error(Error::PeerGone) if client.closed.is_some() => drop(selector.remove(key)),
+            Event::Error(err) if matches!(err.kind(), ErrorKind::PeerGone) && client.closed.is_some() => {
+                drop(selector.remove(key))
+            }
             Event::Error(e) => return Err(format!("{} client: {e}", client.transport).into()),
             other => return Err(format!("{} client: unexpected event {other:?}", client.transport).into()),
         }

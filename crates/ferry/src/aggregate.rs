@@ -10,6 +10,7 @@
 //! buffer goes back to its owner when the last fragment that refers to it is
 //! dropped (see [`Aggregate`] for what that means for each kind of buffer).
 
+use crate::ErrorKind;
 use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::fmt;
@@ -19,7 +20,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, BufferCopy, BufferId};
-use crate::error::{Error, Refused, Result};
+use crate::error::{Refused, Result};
 use crate::proto::FragEntry;
 
 /// The buffer behind a fragment, held read-only.
@@ -321,7 +322,7 @@ impl fmt::Debug for Fragment<'_> {
 /// `start..end` checked against `len`.
 fn check_range(range: &Range<usize>, len: usize) -> Result<()> {
     if range.start > range.end || range.end > len {
-        return Err(Error::BadRange { start: range.start, end: range.end, len });
+        return Err(ErrorKind::BadRange { start: range.start, end: range.end, len }.into());
     }
     Ok(())
 }
@@ -343,7 +344,7 @@ impl Aggregate {
     }
 
     /// The bytes `range` of an owned buffer, which the aggregate holds
-    /// read-only from now on. [`Error::BadRange`] (the buffer handed back)
+    /// read-only from now on. [`ErrorKind::BadRange`] (the buffer handed back)
     /// if the range does not lie inside the buffer.
     pub fn from_buffer_range(buffer: Buffer, range: Range<usize>) -> Result<Self, Refused<Buffer>> {
         if let Err(e) = check_range(&range, buffer.len()) {
@@ -352,7 +353,7 @@ impl Aggregate {
         Ok(Aggregate::from_held(Held::Owned(buffer), range))
     }
 
-    /// The bytes `range` of a read-only copy. [`Error::BadRange`] (the copy
+    /// The bytes `range` of a read-only copy. [`ErrorKind::BadRange`] (the copy
     /// handed back) if the range does not lie inside the buffer.
     pub fn from_copy_range(copy: BufferCopy, range: Range<usize>) -> Result<Self, Refused<BufferCopy>> {
         if let Err(e) = check_range(&range, copy.len()) {
@@ -366,8 +367,8 @@ impl Aggregate {
     /// for headers and trailers), as an aggregate of `bytes.len()` bytes
     /// holding the buffer read-only. These are the only bytes an aggregate
     /// ever copies in. The buffer is handed back with
-    /// [`Error::CopiesOutstanding`] if copies of it are out, or
-    /// [`Error::BadRange`] if `bytes` is longer than the buffer.
+    /// [`ErrorKind::CopiesOutstanding`] if copies of it are out, or
+    /// [`ErrorKind::BadRange`] if `bytes` is longer than the buffer.
     pub fn from_bytes_in(mut buffer: Buffer, bytes: &[u8]) -> Result<Self, Refused<Buffer>> {
         if let Err(e) = check_range(&(0..bytes.len()), buffer.len()) {
             return Err(Refused::new(e, buffer));
@@ -523,7 +524,7 @@ impl Aggregate {
 
     /// Keep the first `at` bytes, and return the rest as a new aggregate.
     /// A fragment that `at` falls inside is split into two fragments of the
-    /// same buffer. [`Error::BadRange`] (nothing changed) if `at` is past
+    /// same buffer. [`ErrorKind::BadRange`] (nothing changed) if `at` is past
     /// the end. The fragments after the cut move to a new list, so to
     /// consume a long aggregate from the front piece by piece, take the
     /// pieces with [`split_to`](Aggregate::split_to) or
@@ -560,7 +561,7 @@ impl Aggregate {
     /// number left, so cutting a long aggregate into pieces from the front
     /// costs time in its number of fragments overall. A fragment that `at`
     /// falls inside is split into two fragments of the same buffer.
-    /// [`Error::BadRange`] (nothing changed) if `at` is past the end.
+    /// [`ErrorKind::BadRange`] (nothing changed) if `at` is past the end.
     ///
     /// ```
     /// use ferry::{Aggregate, Allocator, Domain, PoolConstraints};
@@ -607,11 +608,11 @@ impl Aggregate {
     /// unit. Costs time in the number of fragments moved; adjacent ranges of
     /// one buffer merge as in [`append`](Aggregate::append). A fragment of
     /// `src` that `n` falls inside is split into two fragments of the same
-    /// buffer. [`Error::BadRange`] (nothing changed) if `src` is shorter
+    /// buffer. [`ErrorKind::BadRange`] (nothing changed) if `src` is shorter
     /// than `n`.
     ///
     /// ```
-    /// use ferry::{Aggregate, Allocator, Domain, Error, PoolConstraints};
+    /// use ferry::{Aggregate, Allocator, Domain, Error, ErrorKind, PoolConstraints};
     /// let alloc = Allocator::new(&Domain::new("d"), 2, 4096, PoolConstraints::default())?;
     /// let mut src = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"abcdefgh")?;
     /// let mut dst = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"[")?;
@@ -619,7 +620,7 @@ impl Aggregate {
     /// dst.append_from(&mut src, 2)?; // merges with "abc": one fragment "abcde"
     /// assert_eq!((dst.to_vec(), src.to_vec()), (b"[abcde".to_vec(), b"fgh".to_vec()));
     /// assert_eq!(dst.fragments().count(), 2);
-    /// assert_eq!(dst.append_from(&mut src, 4), Err(Error::BadRange { start: 4, end: 3, len: 3 }));
+    /// assert_eq!(dst.append_from(&mut src, 4), Err(ErrorKind::BadRange { start: 4, end: 3, len: 3 }.into()));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn append_from(&mut self, src: &mut Aggregate, n: usize) -> Result<()> {
@@ -700,17 +701,17 @@ impl Aggregate {
     }
 
     /// The first `offset` bytes and the rest, sharing this aggregate's
-    /// buffers; [`Error::BadRange`] if `offset` is past the end.
+    /// buffers; [`ErrorKind::BadRange`] if `offset` is past the end.
     ///
     /// ```
-    /// use ferry::{Aggregate, Allocator, Domain, Error, PoolConstraints};
+    /// use ferry::{Aggregate, Allocator, Domain, Error, ErrorKind, PoolConstraints};
     /// let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
     /// let whole = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"headerbody")?;
     /// let (head, body) = whole.split_at(6)?;
     /// assert_eq!((head.to_vec(), body.to_vec()), (b"header".to_vec(), b"body".to_vec()));
     /// let (h, b) = (head.fragments().next().unwrap(), body.fragments().next().unwrap());
     /// assert!(h.same_buffer(&b) && h.range() == (0..6) && b.range() == (6..10));
-    /// assert_eq!(whole.split_at(11).unwrap_err(), Error::BadRange { start: 11, end: 10, len: 10 });
+    /// assert_eq!(whole.split_at(11).unwrap_err(), ErrorKind::BadRange { start: 11, end: 10, len: 10 });
     /// drop((whole, head, body));
     /// assert_eq!(alloc.available(), 1);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -722,7 +723,7 @@ impl Aggregate {
     }
 
     /// The bytes `range` of this aggregate, sharing its buffers;
-    /// [`Error::BadRange`] if the range does not lie inside it.
+    /// [`ErrorKind::BadRange`] if the range does not lie inside it.
     pub fn slice(&self, range: Range<usize>) -> Result<Aggregate> {
         check_range(&range, self.len)?;
         let mut a = self.clone();
@@ -1228,11 +1229,11 @@ mod tests {
 
         let b = a.alloc().unwrap();
         let r = Aggregate::from_buffer_range(b, 10..4097).unwrap_err();
-        assert_eq!(r.error, Error::BadRange { start: 10, end: 4097, len: 4096 });
+        assert_eq!(r.error, ErrorKind::BadRange { start: 10, end: 4097, len: 4096 });
         let b = r.into_inner();
         #[allow(clippy::reversed_empty_ranges)]
         let r = Aggregate::from_buffer_range(b, 5..4).unwrap_err();
-        assert!(matches!(r.error, Error::BadRange { .. }));
+        assert!(matches!(r.error.kind(), ErrorKind::BadRange { .. }));
         let part = Aggregate::from_buffer_range(r.into_inner(), 100..200).unwrap();
         assert_eq!((part.len(), part.fragments().next().unwrap().range()), (100, 100..200));
 
@@ -1249,7 +1250,7 @@ mod tests {
         let a = alloc(2);
         let big = vec![1u8; 4097];
         let r = Aggregate::from_bytes_in(a.alloc().unwrap(), &big).unwrap_err();
-        assert_eq!(r.error, Error::BadRange { start: 0, end: 4097, len: 4096 });
+        assert_eq!(r.error, ErrorKind::BadRange { start: 0, end: 4097, len: 4096 });
         let b = r.into_inner();
         let h = Aggregate::from_bytes_in(b, b"head").unwrap();
         assert_eq!(h.to_vec(), b"head");
@@ -1261,7 +1262,7 @@ mod tests {
         let key = d.new_chan_key();
         d.lock().copy_sent(b.id(), key);
         let r = Aggregate::from_bytes_in(b, b"x").unwrap_err();
-        assert_eq!(r.error, Error::CopiesOutstanding);
+        assert_eq!(r.error, ErrorKind::CopiesOutstanding);
         let b = r.into_inner();
         d.lock().copy_returned(b.id(), key);
         assert_eq!(Aggregate::from_bytes_in(b, b"x").unwrap().to_vec(), b"x");
@@ -1340,8 +1341,8 @@ mod tests {
         // Too far: an error, nothing changed.
         let mut src = m.clone();
         let mut dst = Aggregate::new();
-        assert_eq!(dst.append_from(&mut src, 8), Err(Error::BadRange { start: 8, end: 7, len: 7 }));
-        assert_eq!(src.split_to(8).unwrap_err(), Error::BadRange { start: 8, end: 7, len: 7 });
+        assert_eq!(dst.append_from(&mut src, 8), Err(ErrorKind::BadRange { start: 8, end: 7, len: 7 }.into()));
+        assert_eq!(src.split_to(8).unwrap_err(), ErrorKind::BadRange { start: 8, end: 7, len: 7 });
         assert_eq!((src.to_vec(), dst.len()), (b"abcdefg".to_vec(), 0));
         // Every fragment moved away: the buffers go back with their last holder.
         dst.append_from(&mut src, 7).unwrap();
@@ -1368,7 +1369,7 @@ mod tests {
         assert!(hf.same_buffer(&tf), "one fragment split in two over the same buffer");
         assert_eq!((hf.range(), tf.range()), (0..1, 1..3));
         assert_eq!(addr(hf.bytes()) + 1, addr(tf.bytes()), "no bytes copied");
-        assert_eq!(m.split_at(8).unwrap_err(), Error::BadRange { start: 8, end: 7, len: 7 });
+        assert_eq!(m.split_at(8).unwrap_err(), ErrorKind::BadRange { start: 8, end: 7, len: 7 });
         let mut m2 = m.clone();
         assert!(m2.split_off(9).is_err());
         assert_eq!(m2.to_vec(), b"abcdefg", "nothing changed on error");
@@ -1483,7 +1484,7 @@ mod tests {
         let alloc = Allocator::new(&a, 2, 64 << 10, PoolConstraints::default()).unwrap();
         tx.assign_pool(alloc.pool()).unwrap();
         rx.poll();
-        assert!(matches!(tx.wait(Some(t)), Some(Event::PoolAssigned(_))));
+        assert!(matches!(tx.wait(Some(t)), Ok(Event::PoolAssigned(_))));
         // 16 units of 4 KiB, each behind a 16-byte header: 32 fragments of 2 buffers.
         let (mut body, mut hdrs) = (Aggregate::from(alloc.alloc().unwrap()), Aggregate::from(alloc.alloc().unwrap()));
         let mut train = Aggregate::new();
@@ -1495,7 +1496,7 @@ mod tests {
         let want: Vec<_> = train.fragments().map(|f| (f.buffer_id(), f.range())).collect();
         tx.send_aggregate(train, b"m").unwrap();
         let mut got = match rx.wait(Some(t)) {
-            Some(Event::Aggregate { agg, .. }) => agg,
+            Ok(Event::Aggregate { agg, .. }) => agg,
             other => panic!("{other:?}"),
         };
         assert_eq!(got.fragments().map(|f| (f.buffer_id(), f.range())).collect::<Vec<_>>(), want);

@@ -7,7 +7,7 @@ use crate::buffer::Buffer;
 use crate::channel::{Channel, Event};
 use crate::domain::Pool;
 use crate::domain::{self, Domain};
-use crate::error::{Error, Refused, Result};
+use crate::error::{Refused, Result, ResultExt};
 use crate::pool::{Geometry, PoolConstraints, PoolMemory};
 use crate::setup::ChannelState;
 
@@ -15,6 +15,7 @@ use crate::setup::ChannelState;
 /// at the free list again (a buffer may come back without a wake-up of the
 /// channel: dropped on another thread).
 const RECHECK: Duration = Duration::from_millis(5);
+use crate::ErrorKind;
 
 /// Allocates one pool and hands out its buffers.
 ///
@@ -54,7 +55,7 @@ impl Allocator {
     pub fn new(domain: &Domain, count: u64, size: usize, constraints: PoolConstraints) -> Result<Self> {
         let geometry = Geometry::new(size, count)?;
         if constraints.alignment != 0 && (!constraints.alignment.is_power_of_two() || constraints.alignment > size) {
-            return Err(Error::BadAlignment(constraints.alignment));
+            return Err(ErrorKind::BadAlignment(constraints.alignment).into());
         }
         let memory = PoolMemory::create(geometry)?;
         let pool = domain::create_pool(domain, memory, constraints.trust, constraints.alignment)?;
@@ -114,7 +115,7 @@ impl Allocator {
     ///         let mut rx = Channel::connect(&Domain::new("sink"), &ep, BindParams::default(), t)?;
     ///         rx.set_pool_policy(PoolPolicy::AcceptAll);
     ///         let mut sum = 0;
-    ///         while let Some(ev) = rx.wait(Some(t)) {
+    ///         while let Ok(ev) = rx.wait(Some(t)) {
     ///             if let Event::MoveReceived { buffer, .. } = ev {
     ///                 sum += buffer[0] as u64;
     ///                 rx.pass(buffer, &[]).map_err(|r| r.error)?;
@@ -138,7 +139,7 @@ impl Allocator {
     /// ```
     pub fn alloc_wait(&self, channel: &mut Channel, timeout: Duration) -> Result<Buffer> {
         if channel.domain().id() != self.domain.id() {
-            return Err(Error::InvalidArgument("the channel belongs to another domain than the allocator"));
+            return Err(ErrorKind::InvalidArgument("the channel belongs to another domain than the allocator").into());
         }
         let deadline = Instant::now() + timeout;
         let pool = self.pool.id();
@@ -149,14 +150,14 @@ impl Allocator {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(Error::TimedOut);
+                return Err(ErrorKind::TimedOut.into());
             }
             match channel.wait_unheld(left.min(RECHECK)) {
                 Some(Event::BufferPassed { buffer, .. }) if buffer.id().pool == pool => drop(buffer),
                 Some(ev) => {
                     let stop = match &ev {
                         Event::Error(e) => Some(e.clone()),
-                        Event::Closed { .. } => Some(Error::NotConnected(ChannelState::Closed)),
+                        Event::Closed { .. } => Some(ErrorKind::NotConnected(ChannelState::Closed).into()),
                         _ => None,
                     };
                     channel.hold(ev);
@@ -165,7 +166,7 @@ impl Allocator {
                     }
                 }
                 None if channel.state() == ChannelState::Closed => {
-                    return Err(Error::NotConnected(ChannelState::Closed))
+                    return Err(ErrorKind::NotConnected(ChannelState::Closed).into())
                 }
                 None => {}
             }
@@ -175,11 +176,17 @@ impl Allocator {
     /// Give a buffer back (the same as dropping it, but refuses buffers of
     /// other pools or domains, handing them back).
     pub fn free(&self, buffer: Buffer) -> Result<(), Refused<Buffer>> {
+        let id = buffer.id();
+        self.free_bare(buffer).context(|| format!("free {id} into an allocator of domain {:?}", self.domain.name()))
+    }
+
+    /// [`Allocator::free`], its errors without context.
+    fn free_bare(&self, buffer: Buffer) -> Result<(), Refused<Buffer>> {
         if buffer.domain_id() != self.domain.id() {
-            return Err(Refused::new(Error::ForeignBuffer, buffer));
+            return Err(Refused::new(ErrorKind::ForeignBuffer, buffer));
         }
         if buffer.id().pool != self.pool.id() {
-            return Err(Refused::new(Error::UnknownPool(buffer.id().pool), buffer));
+            return Err(Refused::new(ErrorKind::UnknownPool(buffer.id().pool), buffer));
         }
         drop(buffer);
         Ok(())
@@ -228,20 +235,29 @@ mod tests {
         let other = Allocator::new(&d1, 1, 4096, PoolConstraints::default()).unwrap();
         let b = a2.alloc().unwrap();
         let r = a1.free(b).unwrap_err();
-        assert_eq!(r.error, Error::ForeignBuffer);
+        assert_eq!(r.error, ErrorKind::ForeignBuffer);
         let b = r.into_inner();
         assert_eq!(b.id().pool, a2.pool().id());
         let c = other.alloc().unwrap();
-        assert!(matches!(a1.free(c).unwrap_err().error, Error::UnknownPool(_)));
+        assert!(matches!(a1.free(c).unwrap_err().error.kind(), ErrorKind::UnknownPool(_)));
     }
 
     #[test]
     fn bad_geometry_is_typed() {
         let d = Domain::new("d");
-        assert!(matches!(Allocator::new(&d, 1, 1000, PoolConstraints::default()), Err(Error::BadBufferSize { .. })));
-        assert!(matches!(Allocator::new(&d, 0, 4096, PoolConstraints::default()), Err(Error::BadBufferCount { .. })));
+        assert!(matches!(
+            Allocator::new(&d, 1, 1000, PoolConstraints::default()).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadBufferSize { .. })
+        ));
+        assert!(matches!(
+            Allocator::new(&d, 0, 4096, PoolConstraints::default()).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadBufferCount { .. })
+        ));
         let c = PoolConstraints { alignment: 3, ..PoolConstraints::default() };
-        assert!(matches!(Allocator::new(&d, 1, 4096, c), Err(Error::BadAlignment(3))));
+        assert!(matches!(
+            Allocator::new(&d, 1, 4096, c).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadAlignment(3))
+        ));
         assert!(d.pools().is_empty(), "nothing created on error");
     }
 

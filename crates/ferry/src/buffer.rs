@@ -7,13 +7,14 @@
 //! owned buffer puts it back on its domain's free list for the pool;
 //! dropping a copy releases it the next time its channel runs.
 
+use crate::ErrorKind;
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::ops::Deref;
 use std::sync::Arc;
 
 use crate::domain::{ChanKey, DomainShared};
-use crate::error::{Error, Result, ViewMismatch};
+use crate::error::{Result, ViewMismatch};
 pub use crate::pool::{BufferId, BufferState};
 use crate::pool::{PoolId, PoolView};
 
@@ -65,13 +66,13 @@ impl Buffer {
         false
     }
 
-    /// Write access, refused with [`Error::CopiesOutstanding`] while
+    /// Write access, refused with [`ErrorKind::CopiesOutstanding`] while
     /// read-only copies of this buffer are out.
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
         let domain = self.domain.as_ref().expect("live handle");
         let state = domain.lock().buffer_state(self.view.id(), self.index);
         if state != BufferState::ReadWrite {
-            return Err(Error::CopiesOutstanding);
+            return Err(ErrorKind::CopiesOutstanding.into());
         }
         // SAFETY: this domain owns the buffer read-write (checked just now
         // under the domain lock), and nothing but an operation taking this
@@ -84,34 +85,34 @@ impl Buffer {
 
     /// The whole buffer as a slice of `T`, a plain-old-data type
     /// ([`bytemuck::Pod`], re-exported as [`ferry::Pod`](crate::Pod)).
-    /// [`Error::BadView`] if the buffer is not a whole number of `T`s.
+    /// [`ErrorKind::BadView`] if the buffer is not a whole number of `T`s.
     ///
     /// ```
-    /// use ferry::{Allocator, Domain, Error, PoolConstraints};
+    /// use ferry::{Allocator, Domain, Error, ErrorKind, PoolConstraints};
     /// let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
     /// let mut buf = alloc.alloc().unwrap();
     /// buf.as_mut_slice_of::<u32>()?.iter_mut().enumerate().for_each(|(i, w)| *w = i as u32);
     /// let words: &[u32] = buf.as_slice_of()?;
     /// assert_eq!((words.len(), words[1023]), (1024, 1023));
     /// // A 4096-byte buffer is not a whole number of 12-byte elements.
-    /// assert!(matches!(buf.as_slice_of::<[u32; 3]>(), Err(Error::BadView { .. })));
+    /// assert!(matches!(buf.as_slice_of::<[u32; 3]>().map_err(ferry::Error::into_kind), Err(ErrorKind::BadView { .. })));
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn as_slice_of<T: bytemuck::Pod>(&self) -> Result<&[T]> {
         typed(self, 0, None)
     }
 
-    /// `count` elements of `T` from byte `offset`: [`Error::BadView`] if they
+    /// `count` elements of `T` from byte `offset`: [`ErrorKind::BadView`] if they
     /// leave the buffer or `offset` is not aligned for `T`.
     ///
     /// ```
-    /// # use ferry::{Allocator, Domain, Error, PoolConstraints};
+    /// # use ferry::{Allocator, Domain, Error, ErrorKind, PoolConstraints};
     /// # let alloc = Allocator::new(&Domain::new("d"), 1, 4096, PoolConstraints::default())?;
     /// let mut buf = alloc.alloc().unwrap();
     /// buf.slice_of_mut::<u64>(8, 2)?.copy_from_slice(&[7, 9]);
     /// assert_eq!(buf.slice_of::<u64>(8, 2)?, &[7, 9]);
-    /// assert!(matches!(buf.slice_of::<u64>(4, 1), Err(Error::BadView { .. })));     // misaligned
-    /// assert!(matches!(buf.slice_of::<u64>(4088, 2), Err(Error::BadView { .. })));  // past the end
+    /// assert!(matches!(buf.slice_of::<u64>(4, 1).map_err(ferry::Error::into_kind), Err(ErrorKind::BadView { .. })));     // misaligned
+    /// assert!(matches!(buf.slice_of::<u64>(4088, 2).map_err(ferry::Error::into_kind), Err(ErrorKind::BadView { .. })));  // past the end
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn slice_of<T: bytemuck::Pod>(&self, offset: usize, count: usize) -> Result<&[T]> {
@@ -121,12 +122,12 @@ impl Buffer {
     /// One `T` at byte `offset`: a typed view of a struct of the
     /// application's own, made plain-old-data with
     /// `#[derive(ferry::Pod, ferry::Zeroable)]` (no bytemuck dependency
-    /// needed). [`Error::BadView`] if it leaves the buffer or `offset` is not
+    /// needed). [`ErrorKind::BadView`] if it leaves the buffer or `offset` is not
     /// aligned for `T` (buffers are page-aligned: an offset that is a
     /// multiple of `T`'s alignment is).
     ///
     /// ```
-    /// use ferry::{Allocator, Domain, Error, PoolConstraints};
+    /// use ferry::{Allocator, Domain, ErrorKind, PoolConstraints};
     ///
     /// #[derive(Clone, Copy, Debug, PartialEq, ferry::Pod, ferry::Zeroable)]
     /// #[repr(C)]
@@ -141,8 +142,8 @@ impl Buffer {
     /// *buf.view_mut::<Header>(0)? = Header { seq: 7, len: 100, flags: 1 };
     /// assert_eq!(buf.view::<Header>(0)?.seq, 7);
     /// assert_eq!(&buf[..8], &7u64.to_ne_bytes());
-    /// assert!(matches!(buf.view::<Header>(4), Err(Error::BadView { .. })));    // misaligned
-    /// assert!(matches!(buf.view::<Header>(4088), Err(Error::BadView { .. }))); // past the end
+    /// assert!(matches!(buf.view::<Header>(4).map_err(|e| e.kind().clone()), Err(ErrorKind::BadView { .. }))); // misaligned
+    /// assert!(matches!(buf.view::<Header>(4088).map_err(|e| e.kind().clone()), Err(ErrorKind::BadView { .. }))); // past the end
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn view<T: bytemuck::Pod>(&self, offset: usize) -> Result<&T> {
@@ -150,14 +151,14 @@ impl Buffer {
     }
 
     /// One mutable `T` at byte `offset`: the checks of
-    /// [`view`](Buffer::view), and [`Error::CopiesOutstanding`] as for
+    /// [`view`](Buffer::view), and [`ErrorKind::CopiesOutstanding`] as for
     /// [`as_mut_slice`](Buffer::as_mut_slice).
     pub fn view_mut<T: bytemuck::Pod>(&mut self, offset: usize) -> Result<&mut T> {
         typed_mut(self.as_mut_slice()?, offset, Some(1)).map(|one| &mut one[0])
     }
 
-    /// The whole buffer as a mutable slice of `T`: [`Error::CopiesOutstanding`]
-    /// as for [`as_mut_slice`](Buffer::as_mut_slice), [`Error::BadView`] as
+    /// The whole buffer as a mutable slice of `T`: [`ErrorKind::CopiesOutstanding`]
+    /// as for [`as_mut_slice`](Buffer::as_mut_slice), [`ErrorKind::BadView`] as
     /// for [`as_slice_of`](Buffer::as_slice_of).
     pub fn as_mut_slice_of<T: bytemuck::Pod>(&mut self) -> Result<&mut [T]> {
         typed_mut(self.as_mut_slice()?, 0, None)
@@ -310,11 +311,11 @@ impl Spares {
 /// let mut buf = alloc.alloc().unwrap();
 /// buf.as_mut_slice()?[0] = 1;
 /// tx.copy(&buf, &[])?;
-/// let Some(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!() };
+/// let Ok(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!() };
 /// assert_eq!(copy[0], 1);
 /// assert!(buf.as_mut_slice().is_err(), "the owner is read-only while the copy is out");
 /// rx.release(copy)?;
-/// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+/// assert!(matches!(tx.wait(Some(t)), Ok(Event::CopyReleased { writable: true, .. })));
 /// assert!(buf.as_mut_slice().is_ok());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -420,20 +421,20 @@ fn view_range<T>(bytes: &[u8], offset: usize, count: Option<usize>) -> Result<st
         None => Some(bytes.len().saturating_sub(offset)),
     };
     let bad = |bytes: usize, why| {
-        Error::BadView(Box::new(ViewMismatch { ty: std::any::type_name::<T>(), size, align, offset, bytes, why }))
+        ErrorKind::BadView(Box::new(ViewMismatch { ty: std::any::type_name::<T>(), size, align, offset, bytes, why }))
     };
-    let Some(len) = len else { return Err(bad(usize::MAX, "the length overflows")) };
+    let Some(len) = len else { return Err(bad(usize::MAX, "the length overflows").into()) };
     if size == 0 {
-        return Err(bad(len, "the type has no size"));
+        return Err(bad(len, "the type has no size").into());
     }
     if offset.checked_add(len).is_none_or(|end| end > bytes.len()) {
-        return Err(bad(len, "the range leaves the buffer"));
+        return Err(bad(len, "the range leaves the buffer").into());
     }
     if whole && len % size != 0 {
-        return Err(bad(len, "the buffer is not a whole number of elements"));
+        return Err(bad(len, "the buffer is not a whole number of elements").into());
     }
     if (bytes.as_ptr() as usize).wrapping_add(offset) % align != 0 {
-        return Err(bad(len, "the offset is not aligned for the type"));
+        return Err(bad(len, "the offset is not aligned for the type").into());
     }
     Ok(offset..offset + len)
 }
@@ -487,9 +488,9 @@ mod tests {
     use super::*;
     use crate::{Allocator, Domain, PoolConstraints};
 
-    fn why(e: Error) -> &'static str {
-        match e {
-            Error::BadView(m) => m.why,
+    fn why(e: crate::Error) -> &'static str {
+        match e.kind() {
+            ErrorKind::BadView(m) => m.why,
             other => panic!("expected BadView, got {other:?}"),
         }
     }
@@ -518,7 +519,7 @@ mod tests {
         let e = b.slice_of::<u32>(2, 3).unwrap_err();
         assert_eq!(
             e,
-            Error::BadView(Box::new(crate::error::ViewMismatch {
+            ErrorKind::BadView(Box::new(crate::error::ViewMismatch {
                 ty: "u32",
                 size: 4,
                 align: 4,
@@ -538,8 +539,8 @@ mod tests {
         let mut b = a.alloc().unwrap();
         let key = d.new_chan_key();
         d.lock().copy_sent(b.id(), key);
-        assert_eq!(b.as_mut_slice_of::<u32>().unwrap_err(), Error::CopiesOutstanding);
-        assert_eq!(b.slice_of_mut::<u32>(0, 1).unwrap_err(), Error::CopiesOutstanding);
+        assert_eq!(b.as_mut_slice_of::<u32>().unwrap_err(), ErrorKind::CopiesOutstanding);
+        assert_eq!(b.slice_of_mut::<u32>(0, 1).unwrap_err(), ErrorKind::CopiesOutstanding);
         assert_eq!(b.as_slice_of::<u32>().unwrap().len(), 1024, "reading is still allowed");
         d.lock().copy_returned(b.id(), key);
         assert!(b.as_mut_slice_of::<u32>().is_ok());

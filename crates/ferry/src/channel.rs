@@ -7,6 +7,7 @@
 //! [`crate::domain`]) and hands one message to the backend. Arrivals are
 //! reported by [`Channel::poll`] as [`Event`]s, one per message.
 
+use crate::ErrorKind;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use crate::backend::{Endpoint, Landing, Link, PayloadGate, Pending};
 use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource, Spares};
 use crate::domain::Pool;
 use crate::domain::{ChanKey, Domain, DomainState, LentSet};
-use crate::error::{Error, Refused, Result};
+use crate::error::{Error, Refused, Result, ResultExt, WaitError};
 use crate::inspect::{ChanEntry, ChannelStats, Op};
 use crate::pool::{Geometry, PoolId, PoolView, TrustLevel};
 use crate::proto::{self, AggRun, FragEntry, Message, Meta, MAX_META_SIZE};
@@ -53,13 +54,13 @@ pub struct PoolRequest {
 /// /// A sink's loop body: check and return what arrives.
 /// fn serve(rx: &mut Channel) -> Result<bool, Box<dyn std::error::Error>> {
 ///     match rx.wait(Some(std::time::Duration::from_secs(10))) {
-///         Some(Event::MoveReceived { buffer, meta }) => rx.pass(buffer, &meta)?,
-///         Some(Event::CopyReceived { copy, .. }) => rx.release(copy)?,
-///         Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true)?,
-///         Some(Event::Closed { .. }) => return Ok(false),
-///         Some(Event::Error(e)) => return Err(e.into()),
-///         Some(_) => {}
-///         None => return Err("timed out".into()),
+///         Ok(Event::MoveReceived { buffer, meta }) => rx.pass(buffer, &meta)?,
+///         Ok(Event::CopyReceived { copy, .. }) => rx.release(copy)?,
+///         Ok(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true)?,
+///         Ok(Event::Closed { .. }) => return Ok(false),
+///         Ok(Event::Error(e)) => return Err(e.into()),
+///         Ok(_) => {}
+///         Err(_) => return Err("timed out".into()),
 ///     }
 ///     Ok(true)
 /// }
@@ -133,7 +134,7 @@ pub enum Event {
     },
     /// The library vetoed the peer's offer of a pool by itself, because
     /// taking it would pass one of the channel's [`ChannelLimits`]
-    /// (`reason`: [`Error::LimitExceeded`]). The peer sees a veto; the
+    /// (`reason`: [`ErrorKind::LimitExceeded`]). The peer sees a veto; the
     /// channel goes on.
     PoolOfferRefused {
         /// The pool offered.
@@ -186,7 +187,7 @@ struct ChanPool {
 ///         rx.set_pool_policy(PoolPolicy::AcceptAll);
 ///         loop {
 ///             match rx.wait(Some(t)) {
-///                 Some(Event::MoveReceived { buffer, .. }) => {
+///                 Ok(Event::MoveReceived { buffer, .. }) => {
 ///                     let got = buffer[..5].to_vec();
 ///                     rx.pass(buffer, &[]).map_err(|r| r.error)?;
 ///                     return Ok(got);
@@ -203,12 +204,15 @@ struct ChanPool {
 /// let mut buf = alloc.alloc().unwrap();
 /// buf.as_mut_slice()?[..5].copy_from_slice(b"hello");
 /// tx.move_buffer(buf, &[])?;
-/// assert!(matches!(tx.wait(Some(t)), Some(Event::BufferPassed { .. })));
+/// assert!(matches!(tx.wait(Some(t)), Ok(Event::BufferPassed { .. })));
 /// assert_eq!(sink.join().unwrap()?, b"hello");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct Channel {
     domain: Domain,
+    /// `the channel of domain "app" on the TCP endpoint 127.0.0.1:7000`,
+    /// for the context of errors.
+    name: Box<str>,
     key: ChanKey,
     state: ChannelState,
     direction: Direction,
@@ -298,17 +302,22 @@ impl Channel {
     ///
     /// [`poll`]: Channel::poll
     pub fn create(domain: &Domain, endpoint: &Endpoint, setup: ChannelSetup) -> Result<Channel> {
+        Channel::create_bare(domain, endpoint, setup).context(|| format!("create a channel on {endpoint}"))
+    }
+
+    /// [`Channel::create`], its errors without context.
+    pub(crate) fn create_bare(domain: &Domain, endpoint: &Endpoint, setup: ChannelSetup) -> Result<Channel> {
         if setup.trust == TrustLevel::Uninitialized {
-            return Err(Error::InvalidArgument("a channel's trust level cannot be UNINITIALIZED"));
+            return Err(ErrorKind::InvalidArgument("a channel's trust level cannot be UNINITIALIZED").into());
         }
         if setup.meta_size > MAX_META_SIZE {
-            return Err(Error::MetaTooLarge { len: setup.meta_size, max: MAX_META_SIZE });
+            return Err(ErrorKind::MetaTooLarge { len: setup.meta_size, max: MAX_META_SIZE }.into());
         }
         if !setup.queue_depth.is_power_of_two() || !(2..=65536).contains(&setup.queue_depth) {
-            return Err(Error::InvalidArgument("queue depth must be a power of two in 2..=65536"));
+            return Err(ErrorKind::InvalidArgument("queue depth must be a power of two in 2..=65536").into());
         }
         if setup.constraints.alignment != 0 && !setup.constraints.alignment.is_power_of_two() {
-            return Err(Error::BadAlignment(setup.constraints.alignment));
+            return Err(ErrorKind::BadAlignment(setup.constraints.alignment).into());
         }
         let wake = WakeSet::new()?;
         let pending = endpoint.listen(&setup)?;
@@ -324,25 +333,30 @@ impl Channel {
 
     /// Bind to a channel created on `endpoint` ([ETH-BT] Algorithm 4). The
     /// result is `BINDING`; [`poll`](Channel::poll) it until
-    /// [`Event::Bound`] (or an error event). [`Error::EndpointNotListening`]
+    /// [`Event::Bound`] (or an error event). [`ErrorKind::EndpointNotListening`]
     /// at once if nobody created a channel there
     /// ([`Channel::connect`] retries).
     ///
     /// ```
     /// use std::time::Duration;
-    /// use ferry::{BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, Event};
+    /// use ferry::{BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, ErrorKind, Event};
     /// let ep = Endpoint::local();
-    /// assert_eq!(Channel::bind(&Domain::new("b"), &ep, BindParams::default()).unwrap_err(), Error::EndpointNotListening);
+    /// assert_eq!(Channel::bind(&Domain::new("b"), &ep, BindParams::default()).unwrap_err(), ErrorKind::EndpointNotListening);
     /// let mut tx = Channel::create(&Domain::new("a"), &ep, ChannelSetup::default())?;
     /// let mut rx = Channel::bind(&Domain::new("b"), &ep, BindParams::default())?;
     /// tx.poll(); // the creator accepts
-    /// assert!(matches!(rx.wait(Some(Duration::from_secs(10))), Some(Event::Bound)));
+    /// assert!(matches!(rx.wait(Some(Duration::from_secs(10))), Ok(Event::Bound)));
     /// assert_eq!(rx.direction(), Direction::Rx); // the opposite of the creator's
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn bind(domain: &Domain, endpoint: &Endpoint, params: BindParams) -> Result<Channel> {
+        Channel::bind_bare(domain, endpoint, params).context(|| format!("bind to {endpoint}"))
+    }
+
+    /// [`Channel::bind`], its errors without context.
+    pub(crate) fn bind_bare(domain: &Domain, endpoint: &Endpoint, params: BindParams) -> Result<Channel> {
         if params.constraints.alignment != 0 && !params.constraints.alignment.is_power_of_two() {
-            return Err(Error::BadAlignment(params.constraints.alignment));
+            return Err(ErrorKind::BadAlignment(params.constraints.alignment).into());
         }
         let wake = WakeSet::new()?;
         let pending = endpoint.connect(&params)?;
@@ -358,6 +372,7 @@ impl Channel {
         crate::inspect::register_channel(&inspect);
         Channel {
             domain: domain.clone(),
+            name: format!("the channel of domain {:?} on {endpoint}", domain.name()).into(),
             key,
             state,
             direction: Direction::Tx,
@@ -462,7 +477,7 @@ impl Channel {
     /// # tx.poll();
     /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
     /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
-    /// let Some(Event::MoveReceived { .. }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::MoveReceived { .. }) = rx.wait(Some(t)) else { panic!() };
     /// assert_eq!((tx.stats().sent.moves, tx.stats().bytes_sent), (1, 4096));
     /// assert_eq!((rx.stats().received.moves, rx.stats().bytes_received), (1, 4096));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -500,15 +515,21 @@ impl Channel {
     /// let mut buf = alloc.alloc().unwrap();
     /// buf.as_mut_slice()?[0] = 9;
     /// tx.move_buffer(buf, b"frame 1")?;
-    /// let Some(Event::MoveReceived { buffer, meta }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::MoveReceived { buffer, meta }) = rx.wait(Some(t)) else { panic!() };
     /// assert_eq!((buffer[0], &meta[..]), (9, &b"frame 1"[..]));
     /// // Refused: the buffer comes back with the reason.
     /// let refused = rx.move_buffer(buffer, &[]).unwrap_err();
-    /// assert_eq!(refused.error, Error::WrongDirection);
+    /// assert_eq!(refused.error, ErrorKind::WrongDirection);
     /// let buffer = refused.into_inner();
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn move_buffer(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
+        let id = buffer.id();
+        self.move_buffer_bare(buffer, meta).context(|| format!("move {id} over {}", self.name))
+    }
+
+    /// [`Channel::move_buffer`], its errors without context.
+    fn move_buffer_bare(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
         match self.check_transfer(Direction::Tx, &buffer, meta.len()) {
             Ok(()) => self.send_owned(buffer, meta, false, |buf, meta| Message::Move { buf, meta }),
@@ -535,14 +556,20 @@ impl Channel {
     /// # tx.poll();
     /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
     /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
-    /// let Some(Event::MoveReceived { mut buffer, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::MoveReceived { mut buffer, .. }) = rx.wait(Some(t)) else { panic!() };
     /// buffer.as_mut_slice()?[0] = 7; // the sink owns it: it may write
     /// rx.pass(buffer, b"done")?;
-    /// let Some(Event::BufferPassed { buffer, meta }) = tx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::BufferPassed { buffer, meta }) = tx.wait(Some(t)) else { panic!() };
     /// assert_eq!((buffer[0], &meta[..]), (7, &b"done"[..]));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn pass(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
+        let id = buffer.id();
+        self.pass_bare(buffer, meta).context(|| format!("pass {id} back over {}", self.name))
+    }
+
+    /// [`Channel::pass`], its errors without context.
+    fn pass_bare(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
         match self.check_transfer(Direction::Rx, &buffer, meta.len()) {
             Ok(()) => self.send_owned(buffer, meta, false, |buf, meta| Message::Pass { buf, meta }),
@@ -558,6 +585,12 @@ impl Channel {
     /// live data). Between threads or processes of one host the two are
     /// the same.
     pub fn pass_unfilled(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
+        let id = buffer.id();
+        self.pass_unfilled_bare(buffer, meta).context(|| format!("pass {id} back unfilled over {}", self.name))
+    }
+
+    /// [`Channel::pass_unfilled`], its errors without context.
+    fn pass_unfilled_bare(&mut self, buffer: Buffer, meta: &[u8]) -> Result<(), Refused<Buffer>> {
         self.flush_deferred();
         match self.check_transfer(Direction::Rx, &buffer, meta.len()) {
             Ok(()) => self.send_owned(buffer, meta, true, |buf, meta| Message::Pass { buf, meta }),
@@ -587,14 +620,19 @@ impl Channel {
     /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
     /// let mut buf = alloc.alloc().unwrap();
     /// tx.copy(&buf, &[])?;
-    /// assert_eq!(buf.as_mut_slice().unwrap_err(), Error::CopiesOutstanding);
-    /// let Some(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// assert_eq!(buf.as_mut_slice().unwrap_err(), ErrorKind::CopiesOutstanding);
+    /// let Ok(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!() };
     /// rx.release(copy)?;
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::CopyReleased { writable: true, .. })));
     /// assert!(buf.as_mut_slice().is_ok());
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn copy<S: CopySource>(&mut self, source: &S, meta: &[u8]) -> Result<()> {
+        self.copy_bare(source, meta).context(|| format!("copy {} over {}", source.buffer_id(), self.name))
+    }
+
+    /// [`Channel::copy`], its errors without context.
+    fn copy_bare<S: CopySource>(&mut self, source: &S, meta: &[u8]) -> Result<()> {
         self.check_copy(source, meta)?;
         self.send_copy(source.buffer_id(), Meta::new(meta).expect("meta checked"))
     }
@@ -605,7 +643,7 @@ impl Channel {
         self.flush_deferred();
         self.check_sendable(Direction::Tx)?;
         if source.source_domain() != self.domain.id() {
-            return Err(Error::ForeignBuffer);
+            return Err(ErrorKind::ForeignBuffer.into());
         }
         self.check_pool(source.buffer_id().pool)?;
         self.check_meta(meta.len())?;
@@ -673,19 +711,25 @@ impl Channel {
     /// let buf = alloc.alloc().unwrap();
     /// tx.copy(&buf, &[])?;
     /// tx.copy(&buf, &[])?; // two copies out
-    /// let Some(Event::CopyReceived { copy: first, .. }) = rx.wait(Some(t)) else { panic!() };
-    /// let Some(Event::CopyReceived { copy: second, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::CopyReceived { copy: first, .. }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::CopyReceived { copy: second, .. }) = rx.wait(Some(t)) else { panic!() };
     /// rx.release(first)?;
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: false, .. })));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::CopyReleased { writable: false, .. })));
     /// rx.release(second)?;
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::CopyReleased { writable: true, .. })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn release(&mut self, copy: BufferCopy) -> Result<(), Refused<BufferCopy>> {
+        let id = copy.id();
+        self.release_bare(copy).context(|| format!("release the copy of {id} over {}", self.name))
+    }
+
+    /// [`Channel::release`], its errors without context.
+    fn release_bare(&mut self, copy: BufferCopy) -> Result<(), Refused<BufferCopy>> {
         self.flush_deferred();
         if copy.domain_id() != self.domain.id() {
             // Check the channel-level preconditions first, as everywhere.
-            let e = self.check_sendable(Direction::Rx).err().unwrap_or(Error::ForeignBuffer);
+            let e = self.check_sendable(Direction::Rx).err().unwrap_or(ErrorKind::ForeignBuffer.into());
             return Err(Refused::new(e, copy));
         }
         if copy.chan() != self.key {
@@ -693,7 +737,7 @@ impl Channel {
                 .check_sendable(Direction::Rx)
                 .and_then(|()| self.check_pool(copy.id().pool))
                 .err()
-                .unwrap_or(Error::NotCopyHolder);
+                .unwrap_or(ErrorKind::NotCopyHolder.into());
             return Err(Refused::new(e, copy));
         }
         match self.release_id(copy.id()) {
@@ -711,6 +755,18 @@ impl Channel {
     pub fn full_copy<S: CopySource>(
         &mut self,
         source: &S,
+        destination: Buffer,
+        meta: &[u8],
+    ) -> Result<(), Refused<Buffer>> {
+        let id = destination.id();
+        self.full_copy_bare(source, destination, meta)
+            .context(|| format!("copy {} in full into {id} over {}", source.buffer_id(), self.name))
+    }
+
+    /// [`Channel::full_copy`], its errors without context.
+    fn full_copy_bare<S: CopySource>(
+        &mut self,
+        source: &S,
         mut destination: Buffer,
         meta: &[u8],
     ) -> Result<(), Refused<Buffer>> {
@@ -718,9 +774,11 @@ impl Channel {
         let me = self.domain.id();
         let checks = self
             .check_sendable(Direction::Tx)
-            .and_then(|()| if source.source_domain() != me { Err(Error::ForeignBuffer) } else { Ok(()) })
-            .and_then(|()| if destination.domain_id() != me { Err(Error::ForeignBuffer) } else { Ok(()) })
-            .and_then(|()| if source.buffer_id() == destination.id() { Err(Error::SameBuffer) } else { Ok(()) })
+            .and_then(|()| if source.source_domain() != me { Err(ErrorKind::ForeignBuffer.into()) } else { Ok(()) })
+            .and_then(|()| if destination.domain_id() != me { Err(ErrorKind::ForeignBuffer.into()) } else { Ok(()) })
+            .and_then(
+                |()| if source.buffer_id() == destination.id() { Err(ErrorKind::SameBuffer.into()) } else { Ok(()) },
+            )
             .and_then(|()| self.check_transfer(Direction::Tx, &destination, meta.len()));
         if let Err(e) = checks {
             return Err(Refused::new(e, destination));
@@ -749,8 +807,8 @@ impl Channel {
     /// All or nothing: everything is checked, including room in the queue
     /// for the whole run of slots (header, one per buffer, fragment
     /// table), before anything goes; a refused aggregate comes back intact
-    /// ([`Error::QueueFull`]: try again once the peer has taken messages;
-    /// [`Error::AggregateTooLarge`]: the run could never fit the queue).
+    /// ([`ErrorKind::QueueFull`]: try again once the peer has taken messages;
+    /// [`ErrorKind::AggregateTooLarge`]: the run could never fit the queue).
     /// An empty aggregate sends its meta data alone. (Once the checks pass,
     /// only a peer that goes away mid-send can still fail it: the
     /// fragments of the members not sent yet come back in the `Refused`.)
@@ -791,16 +849,22 @@ impl Channel {
     /// let mut msg = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"HDR ")?;
     /// msg.append(body.clone()); // `body` keeps a reference: its buffer is copied
     /// tx.send_aggregate(msg, b"m1")?;
-    /// let Some(Event::Aggregate { agg, meta }) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::Aggregate { agg, meta }) = rx.wait(Some(t)) else { panic!() };
     /// assert_eq!((agg.to_vec(), &meta[..]), (b"HDR payload".to_vec(), &b"m1"[..]));
     /// let frags: Vec<bool> = agg.fragments().map(|f| f.is_copy()).collect();
     /// assert_eq!(frags, [false, true]); // the header buffer moved, the body copied
     /// drop(agg); // the copy is released, the moved buffer freed in `b`
     /// rx.flush()?; // (a dropped copy is released the next time `rx` runs)
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::CopyReleased { writable: true, .. })));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::CopyReleased { writable: true, .. })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn send_aggregate(&mut self, mut agg: Aggregate, meta: &[u8]) -> Result<(), Refused<Aggregate>> {
+    pub fn send_aggregate(&mut self, agg: Aggregate, meta: &[u8]) -> Result<(), Refused<Aggregate>> {
+        let len = agg.len();
+        self.send_aggregate_bare(agg, meta).context(|| format!("send an aggregate of {len} bytes over {}", self.name))
+    }
+
+    /// [`Channel::send_aggregate`], its errors without context.
+    fn send_aggregate_bare(&mut self, mut agg: Aggregate, meta: &[u8]) -> Result<(), Refused<Aggregate>> {
         self.flush_deferred();
         agg.settle();
         let (members, table) = match self.check_aggregate(&agg, meta.len()) {
@@ -881,7 +945,7 @@ impl Channel {
         };
         for m in &members {
             if m.domain_id() != self.domain.id() {
-                return Err(Error::ForeignBuffer);
+                return Err(ErrorKind::ForeignBuffer.into());
             }
             self.check_pool(m.id().pool)?;
         }
@@ -898,7 +962,7 @@ impl Channel {
         let capacity = self.link.as_ref().map_or(0, |l| l.capacity());
         if members.len() > proto::MAX_AGG_MEMBERS as usize || frags > proto::MAX_AGG_FRAGS as usize || slots > capacity
         {
-            return Err(Error::AggregateTooLarge { slots, capacity });
+            return Err(ErrorKind::AggregateTooLarge { slots, capacity }.into());
         }
         self.check_room_for(slots)?;
         Ok((members.len(), table))
@@ -921,24 +985,29 @@ impl Channel {
     /// rx.wait_connected(t)?;
     /// let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
     /// tx.assign_pool(alloc.pool())?;
-    /// let Some(Event::PoolAssignRequest(req)) = rx.wait(Some(t)) else { panic!() };
+    /// let Ok(Event::PoolAssignRequest(req)) = rx.wait(Some(t)) else { panic!() };
     /// assert_eq!(req.geometry, alloc.pool().geometry());
     /// rx.respond_pool(req.pool, true)?; // or false: a veto
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::PoolAssigned(p)) if p == alloc.pool().id()));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::PoolAssigned(p)) if p == alloc.pool().id()));
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn assign_pool(&mut self, pool: &Pool) -> Result<()> {
+        self.assign_pool_bare(pool).context(|| format!("assign pool {} to {}", pool.id(), self.name))
+    }
+
+    /// [`Channel::assign_pool`], its errors without context.
+    pub(crate) fn assign_pool_bare(&mut self, pool: &Pool) -> Result<()> {
         self.flush_deferred();
         self.check_sendable_any()?;
         let id = pool.id();
         // Only a pool this domain created or accepted can be offered: a pool
         // merely offered to us cannot be passed on before we accept it.
         if pool.domain.id != self.domain.id() || !self.domain.lock().entry(id).is_some_and(|e| e.permanent) {
-            return Err(Error::UnknownPool(id));
+            return Err(ErrorKind::UnknownPool(id).into());
         }
         let busy = self.pools.iter().any(|p| p.id == id && (p.listed || p.assigning));
         if busy || self.requests.iter().any(|r| r.pool == id) {
-            return Err(Error::PoolAlreadyAssigned(id));
+            return Err(ErrorKind::PoolAlreadyAssigned(id).into());
         }
         let (pool_trust, geometry, memory) = {
             let st = self.domain.lock();
@@ -946,7 +1015,7 @@ impl Channel {
             (e.trust, e.view.geometry(), e.view.memory().clone())
         };
         if pool_trust != TrustLevel::Uninitialized && pool_trust != self.trust {
-            return Err(Error::TrustMismatch { pool: pool_trust, channel: self.trust });
+            return Err(ErrorKind::TrustMismatch { pool: pool_trust, channel: self.trust }.into());
         }
         self.check_room()?;
         let link = self.link.as_mut().expect("connected");
@@ -960,9 +1029,15 @@ impl Channel {
 
     /// Answer a [`Event::PoolAssignRequest`]: accept or veto.
     pub fn respond_pool(&mut self, pool: PoolId, accept: bool) -> Result<()> {
+        let answer = if accept { "accept" } else { "veto" };
+        self.respond_pool_bare(pool, accept).context(|| format!("{answer} pool {pool} on {}", self.name))
+    }
+
+    /// [`Channel::respond_pool`], its errors without context.
+    fn respond_pool_bare(&mut self, pool: PoolId, accept: bool) -> Result<()> {
         self.flush_deferred();
         self.check_sendable_any()?;
-        let pos = self.requests.iter().position(|r| r.pool == pool).ok_or(Error::NoPendingRequest(pool))?;
+        let pos = self.requests.iter().position(|r| r.pool == pool).ok_or(ErrorKind::NoPendingRequest(pool))?;
         self.check_room()?;
         self.link_mut().send(&Message::AssignReply { pool, accepted: accept })?;
         self.settle_request(pos, accept);
@@ -986,14 +1061,19 @@ impl Channel {
 
     /// Start removing a pool from this channel; completion is
     /// [`Event::PoolRemoved`] or [`Event::PoolRemoveRefused`]. Refused with
-    /// [`Error::PoolInUse`] while copies of its buffers are out over this
+    /// [`ErrorKind::PoolInUse`] while copies of its buffers are out over this
     /// channel in either direction. Buffers keep their owners.
     pub fn remove_pool(&mut self, pool: PoolId) -> Result<()> {
+        self.remove_pool_bare(pool).context(|| format!("remove pool {pool} from {}", self.name))
+    }
+
+    /// [`Channel::remove_pool`], its errors without context.
+    fn remove_pool_bare(&mut self, pool: PoolId) -> Result<()> {
         self.flush_deferred();
         self.check_sendable_any()?;
         self.check_pool(pool)?;
         if self.domain.lock().entry(pool).is_some_and(|e| e.copies_on(self.key)) {
-            return Err(Error::PoolInUse(pool));
+            return Err(ErrorKind::PoolInUse(pool).into());
         }
         self.check_room()?;
         self.link_mut().send(&Message::RemoveRequest { pool })?;
@@ -1023,14 +1103,19 @@ impl Channel {
     /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
     /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
     /// tx.teardown()?;
-    /// assert_eq!(tx.move_buffer(alloc.alloc().unwrap(), &[]).unwrap_err().error, Error::TearingDown);
+    /// assert_eq!(tx.move_buffer(alloc.alloc().unwrap(), &[]).unwrap_err().error, ErrorKind::TearingDown);
     /// // The move sent before still arrives, then the close.
-    /// assert!(matches!(rx.wait(Some(t)), Some(Event::MoveReceived { .. })));
-    /// assert!(matches!(rx.wait(Some(t)), Some(Event::Closed { by_peer: true })));
-    /// assert!(matches!(tx.wait(Some(t)), Some(Event::Closed { by_peer: false })));
+    /// assert!(matches!(rx.wait(Some(t)), Ok(Event::MoveReceived { .. })));
+    /// assert!(matches!(rx.wait(Some(t)), Ok(Event::Closed { by_peer: true })));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(Event::Closed { by_peer: false })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn teardown(&mut self) -> Result<()> {
+        self.teardown_bare().context(|| format!("tear down {}", self.name))
+    }
+
+    /// [`Channel::teardown`], its errors without context.
+    fn teardown_bare(&mut self) -> Result<()> {
         self.flush_deferred();
         self.check_sendable_any()?;
         self.check_room()?;
@@ -1057,7 +1142,7 @@ impl Channel {
                 link.set_batching(on);
                 Ok(())
             }
-            None => Err(Error::NotConnected(self.state)),
+            None => Err(ErrorKind::NotConnected(self.state).into()),
         }
     }
 
@@ -1123,8 +1208,11 @@ impl Channel {
     }
 
     /// Wait up to `timeout` (forever with `None`) for the next event: spin
-    /// briefly, then sleep until the peer wakes us. Returns `None` on
-    /// timeout or when the channel is closed.
+    /// briefly, then sleep until the peer wakes us.
+    /// [`WaitError::TimedOut`] when the timeout passed (the channel is still
+    /// open: wait again); [`WaitError::Closed`] once the channel is closed
+    /// and its last event ([`Event::Closed`] or [`Event::Error`]) was
+    /// delivered: nothing more will come.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -1142,24 +1230,24 @@ impl Channel {
     /// # rx.poll();
     /// # tx.poll();
     /// // `tx` (source) and `rx` (sink): a connected channel, `alloc`'s pool assigned.
-    /// assert!(rx.wait(Some(Duration::from_millis(1))).is_none()); // timed out
+    /// assert_eq!(rx.wait(Some(Duration::from_millis(1))).unwrap_err(), WaitError::TimedOut);
     /// tx.move_buffer(alloc.alloc().unwrap(), &[])?;
-    /// assert!(matches!(rx.wait(Some(t)), Some(Event::MoveReceived { .. })));
+    /// assert!(matches!(rx.wait(Some(t)), Ok(Event::MoveReceived { .. })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn wait(&mut self, timeout: Option<Duration>) -> Option<Event> {
+    pub fn wait(&mut self, timeout: Option<Duration>) -> Result<Event, WaitError> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             if let Some(ev) = self.poll() {
-                return Some(ev);
+                return Ok(ev);
             }
             if self.state == ChannelState::Closed {
-                return None;
+                return Err(WaitError::Closed);
             }
             let left = match deadline {
                 Some(d) => match d.checked_duration_since(Instant::now()) {
                     Some(left) if !left.is_zero() => Some(left),
-                    _ => return None,
+                    _ => return Err(WaitError::TimedOut),
                 },
                 None => None,
             };
@@ -1185,7 +1273,7 @@ impl Channel {
     /// instead of waiting. `true`: the channel is armed, and its fd becomes
     /// readable when an event may be waiting — a message from the peer,
     /// room in a full outgoing queue (after a [`send_aggregate`](Channel::send_aggregate)
-    /// refused with [`Error::QueueFull`]: room for its whole run), the
+    /// refused with [`ErrorKind::QueueFull`]: room for its whole run), the
     /// peer's close or death, a timer of
     /// the backend's own (TCP keep-alives, setup deadlines). Wake-ups can
     /// be spurious; `poll` tells.
@@ -1360,30 +1448,30 @@ impl Channel {
     fn check_sendable_any(&self) -> Result<()> {
         match self.state {
             ChannelState::Connected => Ok(()),
-            ChannelState::Teardown => Err(Error::TearingDown),
-            s => Err(Error::NotConnected(s)),
+            ChannelState::Teardown => Err(ErrorKind::TearingDown.into()),
+            s => Err(ErrorKind::NotConnected(s).into()),
         }
     }
 
     fn check_sendable(&self, dir: Direction) -> Result<()> {
         self.check_sendable_any()?;
         if self.direction != dir {
-            return Err(Error::WrongDirection);
+            return Err(ErrorKind::WrongDirection.into());
         }
         Ok(())
     }
 
     fn check_pool(&self, pool: PoolId) -> Result<()> {
         match self.pools.iter().find(|p| p.id == pool && p.listed) {
-            Some(p) if p.removing => Err(Error::PoolRemovalPending(pool)),
+            Some(p) if p.removing => Err(ErrorKind::PoolRemovalPending(pool).into()),
             Some(_) => Ok(()),
-            None => Err(Error::PoolNotAssigned(pool)),
+            None => Err(ErrorKind::PoolNotAssigned(pool).into()),
         }
     }
 
     fn check_meta(&self, len: usize) -> Result<()> {
         if len > self.meta_size {
-            return Err(Error::MetaTooLarge { len, max: self.meta_size });
+            return Err(ErrorKind::MetaTooLarge { len, max: self.meta_size }.into());
         }
         Ok(())
     }
@@ -1396,7 +1484,7 @@ impl Channel {
             self.room_refused = true;
             self.room_needed = 1;
             self.inspect.counters.queue_full();
-            return Err(Error::QueueFull);
+            return Err(ErrorKind::QueueFull.into());
         }
         Ok(())
     }
@@ -1408,7 +1496,7 @@ impl Channel {
             self.room_refused = true;
             self.room_needed = slots;
             self.inspect.counters.queue_full();
-            return Err(Error::QueueFull);
+            return Err(ErrorKind::QueueFull.into());
         }
         self.room_needed = 1;
         Ok(())
@@ -1418,12 +1506,12 @@ impl Channel {
     fn check_transfer(&mut self, dir: Direction, buffer: &Buffer, meta_len: usize) -> Result<()> {
         self.check_sendable(dir)?;
         if buffer.domain_id() != self.domain.id() {
-            return Err(Error::ForeignBuffer);
+            return Err(ErrorKind::ForeignBuffer.into());
         }
         let id = buffer.id();
         self.check_pool(id.pool)?;
         if !buffer.is_read_write() {
-            return Err(Error::CopiesOutstanding);
+            return Err(ErrorKind::CopiesOutstanding.into());
         }
         self.check_meta(meta_len)?;
         self.check_room()
@@ -1474,12 +1562,12 @@ impl Channel {
         self.check_pool(id.pool)?;
         {
             let st = self.domain.lock();
-            let rec = st.record(id).ok_or(Error::NotCopyHolder)?;
+            let rec = st.record(id).ok_or(ErrorKind::NotCopyHolder)?;
             if rec.held_via(self.key) == 0 {
-                return Err(Error::NotCopyHolder);
+                return Err(ErrorKind::NotCopyHolder.into());
             }
             if !rec.is_owned() && rec.has_forwarded() && rec.held_via(self.key) < 2 {
-                return Err(Error::CopiesForwarded);
+                return Err(ErrorKind::CopiesForwarded.into());
             }
         }
         self.check_room()?;
@@ -1524,7 +1612,7 @@ impl Channel {
         for id in ids {
             match self.release_id(id) {
                 Ok(()) => {}
-                Err(Error::CopiesForwarded | Error::QueueFull) => {
+                Err(e) if matches!(e.kind(), ErrorKind::CopiesForwarded | ErrorKind::QueueFull) => {
                     self.domain.lock().defer_release(self.key, id);
                 }
                 // Channel no longer connected: the copy is simply gone.
@@ -1650,10 +1738,10 @@ impl Channel {
 
     /// The link reported an error instead of a message.
     fn link_failed(&mut self, e: Error) -> Event {
-        if matches!(e, Error::PeerGone | Error::PeerUnresponsive(_)) && self.link_mut().peer_died() {
+        if matches!(e.kind(), ErrorKind::PeerGone | ErrorKind::PeerUnresponsive(_)) && self.link_mut().peer_died() {
             self.reclaim_from_dead_peer();
         }
-        if self.sent_teardown && e == Error::PeerGone {
+        if self.sent_teardown && e == ErrorKind::PeerGone {
             // The peer went away after our marker: that is a close.
             self.close();
             return Event::Closed { by_peer: false };
@@ -1683,17 +1771,17 @@ impl Channel {
         match msg {
             Message::AggHeader { members, frags, total, meta } => {
                 if wants_member.is_some() {
-                    return Err(Error::Protocol("an aggregate run interrupted by another".into()));
+                    return Err(ErrorKind::Protocol("an aggregate run interrupted by another".into()).into());
                 }
                 if self.direction != Direction::Rx {
-                    return Err(Error::Protocol("aggregate against the channel direction".into()));
+                    return Err(ErrorKind::Protocol("aggregate against the channel direction".into()).into());
                 }
                 let run = AggRun::start(members, frags, total, meta)?;
                 self.assembling = Some(Assembly { run, held: Vec::new() });
             }
             Message::Move { ref meta, .. } | Message::Copy { ref meta, .. } if wants_member == Some(true) => {
                 if !meta.is_empty() {
-                    return Err(Error::Protocol("aggregate member with meta data".into()));
+                    return Err(ErrorKind::Protocol("aggregate member with meta data".into()).into());
                 }
                 let held = match self.deliver(msg)? {
                     Event::MoveReceived { buffer, .. } => Held::Owned(buffer),
@@ -1708,10 +1796,10 @@ impl Channel {
                 self.assembling.as_mut().expect("assembling").run.add_frags(first, &entries)?;
             }
             Message::AggFrags { .. } => {
-                return Err(Error::Protocol("aggregate fragment table outside a run".into()));
+                return Err(ErrorKind::Protocol("aggregate fragment table outside a run".into()).into());
             }
             other => {
-                return Err(Error::Protocol(format!("{} interrupts an aggregate run", other.name())));
+                return Err(ErrorKind::Protocol(format!("{} interrupts an aggregate run", other.name())).into());
             }
         }
         if !self.assembling.as_ref().is_some_and(|a| a.run.is_complete()) {
@@ -1731,14 +1819,17 @@ impl Channel {
             Message::Move { buf, meta } | Message::Pass { buf, meta } => {
                 let want = if is_move { Direction::Rx } else { Direction::Tx };
                 if self.direction != want {
-                    return Err(Error::Protocol(format!(
+                    return Err(ErrorKind::Protocol(format!(
                         "{} against the channel direction",
                         if is_move { "move" } else { "pass" }
-                    )));
+                    ))
+                    .into());
                 }
                 let (view, ()) = self.delivered_view(buf, |st| {
                     if st.record(buf).is_some_and(|r| r.is_owned()) {
-                        return Err(Error::Protocol(format!("peer gave us buffer {} which we own", buf.index)));
+                        return Err(
+                            ErrorKind::Protocol(format!("peer gave us buffer {} which we own", buf.index)).into()
+                        );
                     }
                     st.arrived(buf, key);
                     Ok(())
@@ -1752,7 +1843,7 @@ impl Channel {
             }
             Message::Copy { buf, meta } => {
                 if self.direction != Direction::Rx {
-                    return Err(Error::Protocol("copy against the channel direction".into()));
+                    return Err(ErrorKind::Protocol("copy against the channel direction".into()).into());
                 }
                 let (view, ()) = self.delivered_view(buf, |st| {
                     if st.record(buf).is_some_and(|r| !r.may_receive_copy()) {
@@ -1769,12 +1860,12 @@ impl Channel {
             }
             Message::Release { buf } => {
                 if self.direction != Direction::Tx {
-                    return Err(Error::Protocol("release against the channel direction".into()));
+                    return Err(ErrorKind::Protocol("release against the channel direction".into()).into());
                 }
                 let cross = self.lent.is_some();
                 let (_, writable) = self.delivered_view(buf, |st| {
                     let writable = st.copy_returned(buf, key).ok_or_else(|| {
-                        Error::Protocol(format!("release of a copy of buffer {} never sent", buf.index))
+                        ErrorKind::Protocol(format!("release of a copy of buffer {} never sent", buf.index))
                     })?;
                     if cross {
                         st.entry(buf.pool).expect("pool checked").view.memory().copy_back(buf.index);
@@ -1791,7 +1882,7 @@ impl Channel {
             Message::AssignReply { pool, accepted } => {
                 match self.pools.iter_mut().find(|p| p.id == pool && p.assigning) {
                     Some(p) => p.assigning = false,
-                    None => return Err(Error::Protocol(format!("reply for pool {pool} we did not offer"))),
+                    None => return Err(ErrorKind::Protocol(format!("reply for pool {pool} we did not offer")).into()),
                 }
                 if accepted {
                     self.chan_pool(pool).listed = true;
@@ -1835,7 +1926,10 @@ impl Channel {
                         }
                     }
                     None => {
-                        return Err(Error::Protocol(format!("removal reply for pool {pool} we did not ask to remove")))
+                        return Err(ErrorKind::Protocol(format!(
+                            "removal reply for pool {pool} we did not ask to remove"
+                        ))
+                        .into())
                     }
                 }
                 self.tidy_pool(pool);
@@ -1843,7 +1937,7 @@ impl Channel {
             }
             // Taken by `take` (never delivered one by one).
             Message::AggHeader { .. } | Message::AggFrags { .. } => {
-                Err(Error::Protocol("aggregate slot outside a run".into()))
+                Err(ErrorKind::Protocol("aggregate slot outside a run".into()).into())
             }
             Message::Teardown => {
                 self.got_teardown = true;
@@ -1862,16 +1956,17 @@ impl Channel {
 
     fn deliver_assign(&mut self, pool: PoolId, geometry: Geometry, trust: TrustLevel) -> Result<Event> {
         if trust != self.trust {
-            return Err(Error::Protocol(format!(
+            return Err(ErrorKind::Protocol(format!(
                 "pool {pool} offered with trust {trust:?} on a {:?} channel",
                 self.trust
-            )));
+            ))
+            .into());
         }
         // Offering a pool we list, or one already offered, is a protocol
         // error; a concurrent offer of a pool we are offering ourselves is not
         // (it is vetoed below).
         if self.pools.iter().any(|p| p.id == pool && p.listed) || self.requests.iter().any(|r| r.pool == pool) {
-            return Err(Error::Protocol(format!("pool {pool} offered twice")));
+            return Err(ErrorKind::Protocol(format!("pool {pool} offered twice")).into());
         }
         // Both ends offered this pool at once: veto the peer's offer (ours is
         // out, and the peer vetoes it likewise), so the two ends agree that
@@ -1965,12 +2060,12 @@ impl Channel {
         apply: impl FnOnce(&mut DomainState) -> Result<R>,
     ) -> Result<(Arc<PoolView>, R)> {
         if !self.pools.iter().any(|p| p.id == buf.pool && p.listed) {
-            return Err(Error::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)));
+            return Err(ErrorKind::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)).into());
         }
         let mut st = self.domain.lock();
-        let e = st.entry(buf.pool).ok_or_else(|| Error::Protocol(format!("unknown pool {}", buf.pool)))?;
+        let e = st.entry(buf.pool).ok_or_else(|| ErrorKind::Protocol(format!("unknown pool {}", buf.pool)))?;
         if buf.index >= e.view.geometry().count() {
-            return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
+            return Err(ErrorKind::Protocol(format!("buffer index {} out of range", buf.index)).into());
         }
         let view = self.spares.view(&e.view);
         Ok((view, apply(&mut st)?))
@@ -2161,7 +2256,7 @@ impl PayloadGate for DetachedGate {
 /// A copy of a buffer we own and have no copy out of: no such copy can
 /// exist, so the peer made it up (see `BufRecord::may_receive_copy`).
 fn forged_copy(buf: BufferId) -> Error {
-    Error::Protocol(format!("peer sent a copy of buffer {} which we own and never copied", buf.index))
+    ErrorKind::Protocol(format!("peer sent a copy of buffer {} which we own and never copied", buf.index)).into()
 }
 
 /// See [`ChannelGate`]; `listed` says whether a pool is on the channel.
@@ -2176,18 +2271,18 @@ fn admit_payload(
             Message::Move { buf, .. } => (*buf, Direction::Rx, true),
             Message::Pass { buf, .. } => (*buf, Direction::Tx, true),
             Message::Copy { buf, .. } => (*buf, Direction::Rx, false),
-            _ => return Err(Error::Protocol("payload on a message that carries none".into())),
+            _ => return Err(ErrorKind::Protocol("payload on a message that carries none".into()).into()),
         };
         if direction != want {
-            return Err(Error::Protocol("buffer message against the channel direction".into()));
+            return Err(ErrorKind::Protocol("buffer message against the channel direction".into()).into());
         }
         if !listed(buf.pool) {
-            return Err(Error::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)));
+            return Err(ErrorKind::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)).into());
         }
         let st = domain.lock();
         let count = st.entry(buf.pool).map_or(0, |e| e.view.geometry().count());
         if buf.index >= count {
-            return Err(Error::Protocol(format!("buffer index {} out of range", buf.index)));
+            return Err(ErrorKind::Protocol(format!("buffer index {} out of range", buf.index)).into());
         }
         if !gives && st.record(buf).is_some_and(|r| !r.may_receive_copy()) {
             return Err(forged_copy(buf));
@@ -2199,13 +2294,14 @@ fn admit_payload(
             BufferState::Invalid => match view.memory().held_elsewhere(buf.index, view) {
                 None => Ok(Landing::Land),
                 Some(BufferState::ReadOnly | BufferState::ReadOnlyOwned) if !gives => Ok(Landing::Discard),
-                Some(_) => Err(Error::Protocol(format!(
+                Some(_) => Err(ErrorKind::Protocol(format!(
                     "peer sent buffer {} which another domain of this process holds",
                     buf.index
-                ))),
+                ))
+                .into()),
             },
             BufferState::ReadWrite | BufferState::ReadOnlyOwned if gives => {
-                Err(Error::Protocol(format!("peer gave us buffer {} which we own", buf.index)))
+                Err(ErrorKind::Protocol(format!("peer gave us buffer {} which we own", buf.index)).into())
             }
             // A copy of a buffer we own or already read: the bytes are the
             // ones we have (nobody may write it while copies are out).

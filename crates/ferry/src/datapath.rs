@@ -24,9 +24,10 @@
 //!
 //! A [`PathQuota`] bounds the pools a path may make (count and bytes): a
 //! domain along the path that never gives buffers back can only use up its
-//! own path's quota ([`Error::QuotaExceeded`]), never the memory of the
+//! own path's quota ([`ErrorKind::QuotaExceeded`]), never the memory of the
 //! machine or another path's buffers.
 
+use crate::ErrorKind;
 use std::borrow::BorrowMut;
 use std::time::Duration;
 
@@ -34,7 +35,7 @@ use crate::alloc::Allocator;
 use crate::buffer::Buffer;
 use crate::channel::Channel;
 use crate::domain::{Domain, Pool};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::pool::{Geometry, PoolConstraints, PoolId};
 
 /// Limits on the pool memory of one [`DataPath`].
@@ -93,7 +94,7 @@ impl PathConfig {
 ///
 /// ```
 /// use std::time::Duration;
-/// use ferry::{BindParams, Channel, ChannelSetup, DataPath, Domain, Endpoint, Error, Event, PathConfig, PathQuota, PoolPolicy};
+/// use ferry::{BindParams, Channel, ChannelSetup, DataPath, Domain, Endpoint, Error, ErrorKind, Event, PathConfig, PathQuota, PoolPolicy};
 /// let t = Duration::from_secs(10);
 /// let ep = Endpoint::local();
 /// let sink = {
@@ -103,7 +104,7 @@ impl PathConfig {
 ///         rx.set_pool_policy(PoolPolicy::AcceptAll);
 ///         loop {
 ///             match rx.wait(Some(t)) {
-///                 Some(Event::MoveReceived { buffer, .. }) => rx.pass(buffer, &[]).unwrap(),
+///                 Ok(Event::MoveReceived { buffer, .. }) => rx.pass(buffer, &[]).unwrap(),
 ///                 _ => return,
 ///             }
 ///         }
@@ -116,12 +117,12 @@ impl PathConfig {
 /// let first = path.alloc()?;               // the first pool is made and assigned now
 /// let id = first.id();
 /// path.channel_mut(0).move_buffer(first, &[])?;
-/// let Some(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(t)) else { panic!() };
+/// let Ok(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(t)) else { panic!() };
 /// drop(buffer);                             // back on the free list
 /// let again = path.alloc()?;                // most recently freed first; nothing mapped
 /// assert_eq!(again.id(), id);
 /// let second = path.alloc()?;
-/// assert!(matches!(path.alloc(), Err(Error::QuotaExceeded { pools: 1, max_pools: 1, .. })));
+/// assert!(matches!(path.alloc().map_err(ferry::Error::into_kind), Err(ErrorKind::QuotaExceeded { pools: 1, max_pools: 1, .. })));
 /// drop((again, second, path));              // the channel closes; the sink ends
 /// sink.join().unwrap();
 /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -152,20 +153,20 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
     /// A path from `domain` over `channels` (its first hop: one channel, or
     /// several for a path that fans out). No pool is made yet.
     ///
-    /// Errors: [`Error::InvalidArgument`] without channels, or with a
+    /// Errors: [`ErrorKind::InvalidArgument`] without channels, or with a
     /// channel of another domain, or with a quota that does not hold one
-    /// pool; [`Error::BadBufferSize`]/[`Error::BadBufferCount`] for the
+    /// pool; [`ErrorKind::BadBufferSize`]/[`ErrorKind::BadBufferCount`] for the
     /// geometry.
     pub fn new(domain: &Domain, channels: Vec<C>, config: PathConfig) -> Result<Self> {
         let geometry = Geometry::new(config.buffer_size, config.buffers_per_pool)?;
         if channels.is_empty() {
-            return Err(Error::InvalidArgument("a data path needs at least one channel"));
+            return Err(ErrorKind::InvalidArgument("a data path needs at least one channel").into());
         }
         if channels.iter().any(|c| c.borrow().domain().id() != domain.id()) {
-            return Err(Error::InvalidArgument("every channel of a data path must belong to its domain"));
+            return Err(ErrorKind::InvalidArgument("every channel of a data path must belong to its domain").into());
         }
         if config.quota.max_pools == 0 || (geometry.len() as u64) > config.quota.max_bytes {
-            return Err(Error::InvalidArgument("the data path's quota does not hold a single pool"));
+            return Err(ErrorKind::InvalidArgument("the data path's quota does not hold a single pool").into());
         }
         Ok(DataPath { domain: domain.clone(), channels, config, geometry, pools: Vec::new(), ids: Vec::new() })
     }
@@ -180,11 +181,11 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
     /// The buffer's bytes are what its last user left there (Ferry never
     /// clears a buffer); a new pool's buffers read as zeros.
     ///
-    /// Errors: [`Error::QuotaExceeded`] when every buffer is in use and one
+    /// Errors: [`ErrorKind::QuotaExceeded`] when every buffer is in use and one
     /// more pool would exceed the quota; the errors of
     /// [`Channel::assign_pool_and_wait`] (then the new pool is removed from
     /// the channels it reached, and the path forgets it; after
-    /// [`Error::TimedOut`] the request stays out on the channel that did
+    /// [`ErrorKind::TimedOut`] the request stays out on the channel that did
     /// not answer, and a late acceptance leaves the pool there, unused by
     /// the path, until it is removed or the channel closes).
     pub fn alloc(&mut self) -> Result<Buffer> {
@@ -203,7 +204,9 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
         let quota = self.config.quota;
         let (pools, bytes) = (self.pools.len() as u32, self.bytes());
         if pools >= quota.max_pools || bytes + pool_bytes > quota.max_bytes {
-            return Err(Error::QuotaExceeded { pools, max_pools: quota.max_pools, max_bytes: quota.max_bytes });
+            return Err(
+                ErrorKind::QuotaExceeded { pools, max_pools: quota.max_pools, max_bytes: quota.max_bytes }.into()
+            );
         }
         let alloc = Allocator::new(
             &self.domain,
@@ -286,7 +289,7 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
 /// after the acceptance, and by then the pool is on the outgoing channels
 /// too, so forwarding them maps nothing.
 ///
-/// Errors: [`Error::NoPendingRequest`] if `pool` was neither offered on
+/// Errors: [`ErrorKind::NoPendingRequest`] if `pool` was neither offered on
 /// `inbound` nor assigned to it; the errors of
 /// [`Channel::respond_pool`] and [`Channel::assign_pool_and_wait`].
 ///
@@ -301,7 +304,7 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
 ///         let mut rx = Channel::connect(&Domain::new("c"), &bc, BindParams::default(), t).unwrap();
 ///         rx.set_pool_policy(PoolPolicy::AcceptAndReport); // accept, and say which pool
 ///         match rx.wait(Some(t)) {
-///             Some(Event::PoolAssignRequest(req)) => req.pool,
+///             Ok(Event::PoolAssignRequest(req)) => req.pool,
 ///             other => panic!("{other:?}"),
 ///         }
 ///     })
@@ -315,10 +318,10 @@ impl<C: BorrowMut<Channel>> DataPath<C> {
 /// let alloc = Allocator::new(&a, 2, 4096, PoolConstraints::default())?;
 /// a_tx.assign_pool(alloc.pool())?;
 /// // b, the middle of the path a → b → c:
-/// let Some(Event::PoolAssignRequest(req)) = b_rx.wait(Some(t)) else { panic!() };
+/// let Ok(Event::PoolAssignRequest(req)) = b_rx.wait(Some(t)) else { panic!() };
 /// ferry::forward_pool(&mut b_rx, req.pool, &mut [&mut b_tx], t)?;
 /// assert!(b_tx.is_assigned(alloc.pool().id()));
-/// assert!(matches!(a_tx.wait(Some(t)), Some(Event::PoolAssigned(_))));
+/// assert!(matches!(a_tx.wait(Some(t)), Ok(Event::PoolAssigned(_))));
 /// assert_eq!(c.join().unwrap(), alloc.pool().id());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -331,9 +334,9 @@ pub fn forward_pool(
     if inbound.pending_requests().iter().any(|r| r.pool == pool) {
         inbound.respond_pool(pool, true)?;
     } else if !inbound.is_assigned(pool) {
-        return Err(Error::NoPendingRequest(pool));
+        return Err(ErrorKind::NoPendingRequest(pool).into());
     }
-    let handle = inbound.domain().pool(pool).ok_or(Error::UnknownPool(pool))?;
+    let handle = inbound.domain().pool(pool).ok_or(ErrorKind::UnknownPool(pool))?;
     for ch in outbound.iter_mut() {
         if !ch.is_assigned(pool) {
             ch.assign_pool_and_wait(&handle, timeout)?;
@@ -361,14 +364,15 @@ mod tests {
                 rx.set_pool_policy(PoolPolicy::AcceptAll);
                 loop {
                     match rx.wait(Some(T)) {
-                        Some(Event::MoveReceived { mut buffer, .. }) => {
+                        Ok(Event::MoveReceived { mut buffer, .. }) => {
                             if mark != 0 {
                                 buffer.as_mut_slice().unwrap()[0] = mark;
                             }
                             rx.pass(buffer, &[]).unwrap();
                         }
-                        Some(Event::PoolAssignRequest(_) | Event::PoolRemoved(_)) => {}
-                        Some(Event::Closed { .. } | Event::Error(crate::Error::PeerGone)) | None => return,
+                        Ok(Event::PoolAssignRequest(_) | Event::PoolRemoved(_)) => {}
+                        Ok(Event::Closed { .. }) | Err(_) => return,
+                        Ok(Event::Error(e)) if e == crate::ErrorKind::PeerGone => return,
                         other => panic!("echo: {other:?}"),
                     }
                 }
@@ -411,7 +415,7 @@ mod tests {
         for _ in 0..10 {
             let b = path.alloc().unwrap();
             path.channel_mut(0).move_buffer(b, &[]).unwrap();
-            let Some(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(T)) else { panic!() };
+            let Ok(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(T)) else { panic!() };
             drop(buffer);
         }
         assert_eq!(path.pool_ids().len(), 2);
@@ -434,7 +438,7 @@ mod tests {
         assert!(b.iter().all(|&x| x == 0), "a fresh pool's pages are zero");
         b.as_mut_slice().unwrap()[100..104].copy_from_slice(b"old!");
         path.channel_mut(0).move_buffer(b, &[]).unwrap();
-        let Some(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(T)) else { panic!() };
+        let Ok(Event::BufferPassed { buffer, .. }) = path.channel_mut(0).wait(Some(T)) else { panic!() };
         drop(buffer);
         let again = path.alloc().unwrap();
         assert_eq!((again[0], &again[100..104]), (0xEE, &b"old!"[..]), "recycled as it was left");
@@ -459,11 +463,14 @@ mod tests {
         let mut hog = DataPath::new(&a, vec![tx], config).unwrap();
         let mut held: Vec<Buffer> = (0..6).map(|_| hog.alloc().unwrap()).collect();
         let e = hog.alloc().unwrap_err();
-        assert_eq!(e, Error::QuotaExceeded { pools: 3, max_pools: 8, max_bytes: 3 * 8192 });
+        assert_eq!(e, ErrorKind::QuotaExceeded { pools: 3, max_pools: 8, max_bytes: 3 * 8192 });
         assert_eq!(hog.grow().unwrap_err(), e);
         let mut other = DataPath::new(&a, vec![tx2], PathConfig::new(4096, 1, quota(1))).unwrap();
         let o = other.alloc().unwrap();
-        assert!(matches!(other.alloc(), Err(Error::QuotaExceeded { pools: 1, max_pools: 1, .. })));
+        assert!(matches!(
+            other.alloc().as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::QuotaExceeded { pools: 1, max_pools: 1, .. })
+        ));
         let plain = Allocator::new(&a, 1, 4096, PoolConstraints::default()).unwrap();
         assert!(plain.alloc().is_some(), "allocators outside the paths are not limited");
         let id = held[4].id();
@@ -480,17 +487,23 @@ mod tests {
         let a = Domain::new("a");
         let cfg = PathConfig::new(4096, 2, quota(1));
         let none: Vec<Channel> = Vec::new();
-        assert!(matches!(DataPath::new(&a, none, cfg), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            DataPath::new(&a, none, cfg).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::InvalidArgument(_))
+        ));
         let (tx, peer) = echo_peer(&Domain::new("elsewhere"), 0);
         let r = DataPath::new(&a, vec![tx], cfg);
-        assert!(matches!(r, Err(Error::InvalidArgument(_))));
+        assert!(matches!(r.as_ref().map_err(|e| e.kind()), Err(ErrorKind::InvalidArgument(_))));
         let (tx, peer2) = echo_peer(&a, 0);
         let tiny = PathConfig::new(4096, 4, PathQuota { max_pools: 1, max_bytes: 4096 });
         let mut tx = tx;
-        assert!(matches!(DataPath::new(&a, vec![&mut tx], tiny), Err(Error::InvalidArgument(_))));
         assert!(matches!(
-            DataPath::new(&a, vec![&mut tx], PathConfig::new(1000, 1, quota(1))),
-            Err(Error::BadBufferSize { .. })
+            DataPath::new(&a, vec![&mut tx], tiny).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            DataPath::new(&a, vec![&mut tx], PathConfig::new(1000, 1, quota(1))).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadBufferSize { .. })
         ));
         drop((r, tx));
         peer.join().unwrap();
@@ -514,7 +527,7 @@ mod tests {
         }
         for (ch, b) in [(0, x), (1, y)] {
             path.channel_mut(ch).move_buffer(b, &[]).unwrap();
-            assert!(matches!(path.channel_mut(ch).wait(Some(T)), Some(Event::BufferPassed { .. })));
+            assert!(matches!(path.channel_mut(ch).wait(Some(T)), Ok(Event::BufferPassed { .. })));
         }
         drop(path);
         p1.join().unwrap();
@@ -533,7 +546,10 @@ mod tests {
         b_rx.wait_connected(T).unwrap();
         let (mut b_tx, peer) = echo_peer(&b, 0);
         let stranger = PoolId::from_u128(42);
-        assert_eq!(forward_pool(&mut b_rx, stranger, &mut [&mut b_tx], T), Err(Error::NoPendingRequest(stranger)));
+        assert_eq!(
+            forward_pool(&mut b_rx, stranger, &mut [&mut b_tx], T),
+            Err(ErrorKind::NoPendingRequest(stranger).into())
+        );
         assert!(!b_tx.is_assigned(stranger));
         drop((a_tx, b_rx, b_tx));
         peer.join().unwrap();
@@ -550,8 +566,9 @@ mod tests {
                 let mut rx = Channel::connect(&Domain::new("veto"), &ep, BindParams::default(), T).unwrap();
                 loop {
                     match rx.wait(Some(T)) {
-                        Some(Event::PoolAssignRequest(r)) => rx.respond_pool(r.pool, false).unwrap(),
-                        Some(Event::Closed { .. } | Event::Error(Error::PeerGone)) | None => return,
+                        Ok(Event::PoolAssignRequest(r)) => rx.respond_pool(r.pool, false).unwrap(),
+                        Ok(Event::Closed { .. }) | Err(_) => return,
+                        Ok(Event::Error(e)) if e == ErrorKind::PeerGone => return,
                         other => panic!("{other:?}"),
                     }
                 }
@@ -559,7 +576,7 @@ mod tests {
         };
         let tx = Channel::accept(&a, &ep, ChannelSetup::default(), T).unwrap();
         let mut path = DataPath::new(&a, vec![tx], PathConfig::new(4096, 1, quota(1))).unwrap();
-        assert!(matches!(path.alloc(), Err(Error::PoolVetoed(_))));
+        assert!(matches!(path.alloc().as_ref().map_err(|e| e.kind()), Err(ErrorKind::PoolVetoed(_))));
         assert!(path.pool_ids().is_empty() && a.pools().is_empty());
         drop(path);
         peer.join().unwrap();

@@ -1,29 +1,203 @@
 //! Errors. Every operation checks its preconditions before it changes
-//! anything; a failed check is one of these variants, and operations that
-//! consume a buffer hand it back inside [`Refused`] so nothing is lost.
+//! anything; a failed check is an [`Error`] of some [`ErrorKind`], and
+//! operations that consume a buffer hand it back inside [`Refused`] so
+//! nothing is lost.
+//!
+//! An [`Error`] is the kind (what went wrong, to match on) plus, once it
+//! leaves the library through a public operation, the context: what that
+//! operation was and what it worked on (the endpoint, the buffer, the
+//! pool). The context is attached in one place per public operation, on
+//! the error path only, so the many places that find a fault stay plain.
+
+use std::borrow::Cow;
 
 use crate::pool::{PoolId, TrustLevel};
 use crate::setup::ChannelState;
 
-/// Why an operation was refused or a channel failed.
+/// Why an operation of Ferry failed: its [`kind`](Error::kind), to match
+/// on, and what the operation was doing and on what (the endpoint, the
+/// buffer, the pool), for people.
 ///
 /// Every operation checks its preconditions before it changes anything, so
-/// an error leaves everything as it was; match on the variant to react.
+/// an error leaves everything as it was; match on the kind to react.
+/// `Display` is one sentence: the operation and its subject, what went
+/// wrong, then after a semicolon what to do. `Debug` is the same sentence
+/// followed by the kind, so a `main` that returns `Result<(), ferry::Error>`
+/// prints something a user can act on.
 ///
 /// ```
-/// use ferry::{Allocator, Domain, Error, PoolConstraints};
+/// use ferry::{Allocator, Domain, ErrorKind, PoolConstraints};
 /// let d = Domain::new("d");
-/// match Allocator::new(&d, 4, 1000, PoolConstraints::default()) {
-///     Err(Error::BadBufferSize { size, page }) => assert_eq!((size, page % 4096), (1000, 0)),
+/// let e = Allocator::new(&d, 4, 1000, PoolConstraints::default()).unwrap_err();
+/// match e.kind() {
+///     ErrorKind::BadBufferSize { size, page } => assert_eq!((*size, page % 4096), (1000, 0)),
 ///     other => panic!("{other:?}"),
 /// }
-/// // Errors print as a sentence and work with `?` and `Box<dyn Error>`.
-/// let e: Box<dyn std::error::Error> = Error::TimedOut.into();
-/// assert!(!e.to_string().is_empty());
+/// assert_eq!(e, ErrorKind::BadBufferSize { size: 1000, page: 4096 }); // compares the kind
+/// // Errors print as a sentence and work with `?`, `Box<dyn Error + Send + Sync>`
+/// // and threads.
+/// fn pool(d: &Domain) -> Result<Allocator, Box<dyn std::error::Error + Send + Sync>> {
+///     Ok(Allocator::new(d, 4, 1000, PoolConstraints::default())?)
+/// }
+/// let e = std::thread::scope(|s| s.spawn(|| pool(&d)).join().unwrap()).unwrap_err();
+/// assert!(e.to_string().contains("buffer size 1000 is not a power of two"), "{e}");
 /// ```
+#[derive(Clone)]
+pub struct Error {
+    repr: Repr,
+}
+
+/// An error without context costs nothing more than its kind; with one,
+/// a pointer (the kind's unused tag values tell the two apart, so an
+/// `Error` is no larger than an `ErrorKind`).
+#[derive(Clone)]
+enum Repr {
+    Bare(ErrorKind),
+    Detailed(Box<Detailed>),
+}
+
+#[derive(Clone)]
+struct Detailed {
+    kind: ErrorKind,
+    /// The operation and its subject, outermost first:
+    /// `bind to the TCP endpoint 127.0.0.1:9`.
+    context: Cow<'static, str>,
+}
+
+impl Error {
+    /// What went wrong, to match on.
+    ///
+    /// ```
+    /// use ferry::{BindParams, Channel, Domain, Endpoint, ErrorKind};
+    /// let ep = Endpoint::shm("/run/nobody-listens-here.sock");
+    /// let e = Channel::bind(&Domain::new("b"), &ep, BindParams::default()).unwrap_err();
+    /// assert!(matches!(e.kind(), ErrorKind::EndpointNotListening));
+    /// assert_eq!(e.context(), Some("bind to the shm endpoint /run/nobody-listens-here.sock"));
+    /// ```
+    pub fn kind(&self) -> &ErrorKind {
+        match &self.repr {
+            Repr::Bare(kind) => kind,
+            Repr::Detailed(d) => &d.kind,
+        }
+    }
+
+    /// The kind, without the context.
+    pub fn into_kind(self) -> ErrorKind {
+        match self.repr {
+            Repr::Bare(kind) => kind,
+            Repr::Detailed(d) => d.kind,
+        }
+    }
+
+    /// What the failed operation was and what it worked on (`move buffer 3
+    /// of pool 00000000000000a1`), if the operation said; `Display` puts it
+    /// in front of the kind's sentence.
+    pub fn context(&self) -> Option<&str> {
+        match &self.repr {
+            Repr::Bare(_) => None,
+            Repr::Detailed(d) => Some(&d.context),
+        }
+    }
+
+    /// The same error, done while doing `context` (outer contexts go in
+    /// front: `connect to …: assign pool …`).
+    pub(crate) fn with_context(self, context: impl Into<Cow<'static, str>>) -> Error {
+        let context = context.into();
+        match self.repr {
+            Repr::Bare(kind) => Error { repr: Repr::Detailed(Box::new(Detailed { kind, context })) },
+            Repr::Detailed(mut d) => {
+                d.context = format!("{context}: {}", d.context).into();
+                Error { repr: Repr::Detailed(d) }
+            }
+        }
+    }
+
+    /// A failed system call of `rustix`, as an [`ErrorKind::Os`]: the
+    /// `rustix` error type stays out of the public API.
+    #[allow(dead_code)]
+    pub(crate) fn from_errno(e: rustix::io::Errno) -> Self {
+        ErrorKind::Os(std::io::Error::from(e).to_string()).into()
+    }
+}
+
+impl From<ErrorKind> for Error {
+    fn from(kind: ErrorKind) -> Self {
+        Error { repr: Repr::Bare(kind) }
+    }
+}
+
+/// Errors compare by kind: the context is for people, the kind for code
+/// (`assert_eq!(result, Err(ErrorKind::QueueFull.into()))` holds whatever
+/// the operation said about itself).
+impl PartialEq for Error {
+    fn eq(&self, other: &Error) -> bool {
+        self.kind() == other.kind()
+    }
+}
+
+impl Eq for Error {}
+
+impl PartialEq<ErrorKind> for Error {
+    fn eq(&self, other: &ErrorKind) -> bool {
+        self.kind() == other
+    }
+}
+
+impl PartialEq<Error> for ErrorKind {
+    fn eq(&self, other: &Error) -> bool {
+        self == other.kind()
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.repr {
+            Repr::Bare(kind) => kind.fmt(f),
+            Repr::Detailed(d) => write!(f, "{}: {}", d.context, d.kind),
+        }
+    }
+}
+
+/// The sentence, then the kind in brackets: what `main` prints when it
+/// returns the error. `{:#?}` gives the parts.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if f.alternate() {
+            f.debug_struct("Error").field("kind", self.kind()).field("context", &self.context()).finish()
+        } else {
+            write!(f, "{self} [{:?}]", self.kind())
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Attach the context of a public operation to its error, on the error
+/// path only (the closure runs only on failure).
+pub(crate) trait ResultExt {
+    /// The result, its error (if any) done while doing `context()`.
+    fn context<C: Into<Cow<'static, str>>>(self, context: impl FnOnce() -> C) -> Self;
+}
+
+impl<T> ResultExt for std::result::Result<T, Error> {
+    fn context<C: Into<Cow<'static, str>>>(self, context: impl FnOnce() -> C) -> Self {
+        self.map_err(|e| e.with_context(context()))
+    }
+}
+
+impl<T, V> ResultExt for std::result::Result<T, Refused<V>> {
+    fn context<C: Into<Cow<'static, str>>>(self, context: impl FnOnce() -> C) -> Self {
+        self.map_err(|r| Refused { error: r.error.with_context(context()), value: r.value })
+    }
+}
+
+/// What went wrong: the part of an [`Error`] to match on.
+///
+/// Each kind prints as a sentence of its own: what happened, then after a
+/// semicolon what to do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum Error {
+pub enum ErrorKind {
     // --- pool geometry and setup -------------------------------------------------
     /// Buffer size must be a power of two and a multiple of the page size.
     #[error("buffer size {size} is not a power of two of at least the page size ({page} bytes); choose one such as {page}, 65536 or 1048576")]
@@ -270,16 +444,7 @@ fn state_words(state: &ChannelState) -> &'static str {
     }
 }
 
-impl Error {
-    /// A failed system call of `rustix`, as an [`Error::Os`]: the
-    /// `rustix` error type stays out of the public API.
-    #[allow(dead_code)]
-    pub(crate) fn from_errno(e: rustix::io::Errno) -> Self {
-        Error::Os(std::io::Error::from(e).to_string())
-    }
-}
-
-/// What does not fit in a typed view of buffer memory ([`Error::BadView`];
+/// What does not fit in a typed view of buffer memory ([`ErrorKind::BadView`];
 /// boxed, so that every `Result` of the library stays small).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ViewMismatch {
@@ -299,20 +464,27 @@ pub struct ViewMismatch {
 
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
-        Error::Os(e.to_string())
+        ErrorKind::Os(e.to_string()).into()
     }
 }
 
 /// An operation that consumed a value (a buffer) was refused: the value
 /// comes back unchanged with the reason.
 ///
+/// A `Refused` is an error of its own (`Send + Sync + 'static` whenever the
+/// value is `Send`, whatever else the value is), so `?` takes it into a
+/// `Box<dyn Error + Send + Sync>`, and it becomes its [`Error`] (dropping
+/// the value) in a function that returns [`ferry::Result`](crate::Result).
+///
 /// ```
-/// use ferry::{Allocator, Domain, Error, PoolConstraints};
+/// use ferry::{Allocator, Domain, ErrorKind, PoolConstraints};
 /// let (d1, d2) = (Domain::new("d1"), Domain::new("d2"));
 /// let a1 = Allocator::new(&d1, 1, 4096, PoolConstraints::default())?;
 /// let a2 = Allocator::new(&d2, 1, 4096, PoolConstraints::default())?;
 /// let refused = a1.free(a2.alloc().unwrap()).unwrap_err(); // not d1's buffer
-/// assert_eq!(refused.error, Error::ForeignBuffer);
+/// assert_eq!(refused.error, ErrorKind::ForeignBuffer);
+/// assert!(refused.to_string().starts_with("free buffer 0 of pool "), "{refused}");
+/// assert!(refused.to_string().contains(r#"into an allocator of domain "d1""#), "{refused}");
 /// let buf = refused.into_inner(); // nothing lost
 /// assert_eq!(buf.id().pool, a2.pool().id());
 /// // With `?`, a `Refused` becomes its `Error` (the value is dropped).
@@ -320,25 +492,59 @@ impl From<std::io::Error> for Error {
 ///     a.free(b)?;
 ///     Ok(())
 /// }
-/// assert_eq!(give_back(&a1, buf), Err(Error::ForeignBuffer));
-/// # Ok::<(), Error>(())
+/// assert_eq!(give_back(&a1, buf).unwrap_err(), ErrorKind::ForeignBuffer);
+/// # Ok::<(), ferry::Error>(())
 /// ```
-#[derive(Debug)]
 pub struct Refused<T> {
     /// Why it was refused.
     pub error: Error,
-    /// The value given to the operation, unchanged.
-    pub value: T,
+    /// The value given to the operation, unchanged. Private: a shared
+    /// `Refused` never lends it out unless it may be shared (see the `Sync`
+    /// impl below).
+    value: T,
 }
 
 impl<T> Refused<T> {
-    pub(crate) fn new(error: Error, value: T) -> Self {
-        Refused { error, value }
+    pub(crate) fn new(error: impl Into<Error>, value: T) -> Self {
+        Refused { error: error.into(), value }
     }
 
     /// The value back.
     pub fn into_inner(self) -> T {
         self.value
+    }
+
+    /// The reason and the value back.
+    pub fn into_parts(self) -> (Error, T) {
+        (self.error, self.value)
+    }
+
+    /// The value, to look at (a value that may be shared between threads).
+    pub fn value(&self) -> &T
+    where
+        T: Sync,
+    {
+        &self.value
+    }
+
+    /// The value, to change in place.
+    pub fn value_mut(&mut self) -> &mut T {
+        &mut self.value
+    }
+}
+
+// SAFETY: a `&Refused<T>` reaches the value only through `value()`, which
+// needs `T: Sync`; everything else it reaches (`error`, the type's name) is
+// `Sync`. The value itself is reached through `&mut` or by move, which need
+// only `T: Send` to cross threads. So sharing a `Refused<T>` shares no `&T`
+// unless `T` allows it (the `std::sync::Exclusive` argument).
+unsafe impl<T: Send> Sync for Refused<T> {}
+
+/// The reason, and the type of the value (not the value: it may not be
+/// safe to look at from a shared reference).
+impl<T> std::fmt::Debug for Refused<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Refused").field("error", &self.error).field("value", &std::any::type_name::<T>()).finish()
     }
 }
 
@@ -348,15 +554,67 @@ impl<T> std::fmt::Display for Refused<T> {
     }
 }
 
-impl<T: std::fmt::Debug> std::error::Error for Refused<T> {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.error)
-    }
-}
+impl<T> std::error::Error for Refused<T> {}
 
 impl<T> From<Refused<T>> for Error {
     fn from(r: Refused<T>) -> Self {
         r.error
+    }
+}
+
+/// Why a wait ([`Channel::wait`](crate::Channel::wait),
+/// [`Selector::wait`](crate::Selector::wait), [`wait_any`](crate::wait_any))
+/// returned no event: time ran out (wait again), or nothing is left to
+/// wait for (stop).
+///
+/// ```
+/// use std::time::Duration;
+/// use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, WaitError};
+/// let t = Duration::from_secs(10);
+/// let ep = Endpoint::local();
+/// let mut tx = Channel::create(&Domain::new("a"), &ep, ChannelSetup::default())?;
+/// let mut rx = Channel::bind(&Domain::new("b"), &ep, BindParams::default())?;
+/// tx.wait_connected(t)?;
+/// rx.wait_connected(t)?;
+/// assert_eq!(rx.wait(Some(Duration::from_millis(1))).unwrap_err(), WaitError::TimedOut);
+/// tx.teardown()?;
+/// loop {
+///     match rx.wait(Some(t)) {
+///         Ok(Event::Closed { by_peer }) => assert!(by_peer),
+///         Ok(other) => panic!("{other:?}"),
+///         Err(WaitError::Closed) => break, // its last event was delivered
+///         Err(WaitError::TimedOut) => panic!("no close within {t:?}"),
+///     }
+/// }
+/// // With `?`, a `WaitError` becomes an `Error` (`TimedOut`, or `NotConnected`).
+/// fn next(ch: &mut Channel) -> ferry::Result<Event> {
+///     Ok(ch.wait(Some(Duration::from_millis(1)))?)
+/// }
+/// assert!(next(&mut rx).is_err());
+/// # Ok::<(), ferry::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum WaitError {
+    /// The timeout passed and no event came; the channel (or some channel
+    /// of the selector) is still open.
+    #[error("no event came within the timeout; wait again, or check that the peer is still working")]
+    TimedOut,
+    /// Nothing more will come: the channel is closed and its last event
+    /// ([`Event::Closed`](crate::Event::Closed) or
+    /// [`Event::Error`](crate::Event::Error)) was delivered; for a selector
+    /// or [`wait_any`](crate::wait_any), every channel is (or there is none).
+    #[error(
+        "the channel is closed and its last event was delivered, so no event will come; open a new channel to go on"
+    )]
+    Closed,
+}
+
+impl From<WaitError> for Error {
+    fn from(e: WaitError) -> Self {
+        match e {
+            WaitError::TimedOut => ErrorKind::TimedOut.into(),
+            WaitError::Closed => ErrorKind::NotConnected(ChannelState::Closed).into(),
+        }
     }
 }
 
@@ -368,53 +626,74 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    /// One value of every variant.
     /// Every `Result` of the library carries an `Error`: it stays small
-    /// (a large variant made each move and pass measurably slower).
+    /// (a large variant made each move and pass measurably slower), context
+    /// or not.
     #[test]
     fn errors_stay_small() {
-        assert!(std::mem::size_of::<Error>() <= 32, "{}", std::mem::size_of::<Error>());
+        assert!(std::mem::size_of::<ErrorKind>() <= 32, "{}", std::mem::size_of::<ErrorKind>());
+        assert_eq!(std::mem::size_of::<Error>(), std::mem::size_of::<ErrorKind>());
+        assert_eq!(std::mem::size_of::<Result<()>>(), std::mem::size_of::<Error>());
     }
 
-    fn every_variant() -> Vec<Error> {
+    /// Every form of error a user holds crosses threads and goes into
+    /// `Box<dyn Error + Send + Sync>` and `anyhow::Error` (checked when
+    /// this compiles).
+    #[allow(dead_code)]
+    fn errors_are_send_sync_static() {
+        fn error<E: std::error::Error + Send + Sync + 'static>() {}
+        error::<Error>();
+        error::<ErrorKind>();
+        error::<Refused<crate::Buffer>>();
+        error::<Refused<crate::BufferCopy>>();
+        error::<Refused<crate::Aggregate>>();
+        // A channel is Send but not Sync; refused, it is an error all the same.
+        error::<Refused<crate::Channel>>();
+        fn into_boxed<E: Into<Box<dyn std::error::Error + Send + Sync>>>() {}
+        into_boxed::<Error>();
+        into_boxed::<Refused<crate::Channel>>();
+    }
+
+    /// One value of every variant.
+    fn every_variant() -> Vec<ErrorKind> {
         let pool = PoolId::from_u128(3);
         vec![
-            Error::BadBufferSize { size: 1000, page: 4096 },
-            Error::BadBufferCount { count: 16, max: 1 },
-            Error::BadAlignment(3),
-            Error::InvalidArgument("queue depth must be a power of two in 2..=65536"),
-            Error::TrustNotSupported { trust: TrustLevel::None, backend: "local" },
-            Error::Os(std::io::Error::from_raw_os_error(12).to_string()),
-            Error::EndpointInUse,
-            Error::EndpointNotListening,
-            Error::BindRefused("trust level mismatch"),
-            Error::NotConnected(ChannelState::BindNegotiate),
-            Error::TearingDown,
-            Error::WrongDirection,
-            Error::ForeignBuffer,
-            Error::PoolNotAssigned(pool),
-            Error::PoolRemovalPending(pool),
-            Error::CopiesOutstanding,
-            Error::NotCopyHolder,
-            Error::CopiesForwarded,
-            Error::SameBuffer,
-            Error::MetaTooLarge { len: 50, max: 16 },
-            Error::UnknownPool(pool),
-            Error::PoolAlreadyAssigned(pool),
-            Error::TrustMismatch { pool: TrustLevel::Half, channel: TrustLevel::Full },
-            Error::PoolInUse(pool),
-            Error::NoPendingRequest(pool),
-            Error::QueueFull,
-            Error::AggregateTooLarge { slots: 70, capacity: 64 },
-            Error::PeerGone,
-            Error::TlsConfig(Box::new(crate::tls::TlsConfigError::for_tests())),
-            Error::Tls("decrypt error".into()),
-            Error::InsecureAddress([192, 0, 2, 1].into()),
-            Error::PeerUnresponsive(Duration::from_millis(5200)),
-            Error::Protocol("frame type 122: unknown".into()),
-            Error::TimedOut,
-            Error::PoolVetoed(pool),
-            Error::BadView(Box::new(ViewMismatch {
+            ErrorKind::BadBufferSize { size: 1000, page: 4096 },
+            ErrorKind::BadBufferCount { count: 16, max: 1 },
+            ErrorKind::BadAlignment(3),
+            ErrorKind::InvalidArgument("queue depth must be a power of two in 2..=65536"),
+            ErrorKind::TrustNotSupported { trust: TrustLevel::None, backend: "local" },
+            ErrorKind::Os(std::io::Error::from_raw_os_error(12).to_string()),
+            ErrorKind::EndpointInUse,
+            ErrorKind::EndpointNotListening,
+            ErrorKind::BindRefused("trust level mismatch"),
+            ErrorKind::NotConnected(ChannelState::BindNegotiate),
+            ErrorKind::TearingDown,
+            ErrorKind::WrongDirection,
+            ErrorKind::ForeignBuffer,
+            ErrorKind::PoolNotAssigned(pool),
+            ErrorKind::PoolRemovalPending(pool),
+            ErrorKind::CopiesOutstanding,
+            ErrorKind::NotCopyHolder,
+            ErrorKind::CopiesForwarded,
+            ErrorKind::SameBuffer,
+            ErrorKind::MetaTooLarge { len: 50, max: 16 },
+            ErrorKind::UnknownPool(pool),
+            ErrorKind::PoolAlreadyAssigned(pool),
+            ErrorKind::TrustMismatch { pool: TrustLevel::Half, channel: TrustLevel::Full },
+            ErrorKind::PoolInUse(pool),
+            ErrorKind::NoPendingRequest(pool),
+            ErrorKind::QueueFull,
+            ErrorKind::AggregateTooLarge { slots: 70, capacity: 64 },
+            ErrorKind::PeerGone,
+            ErrorKind::TlsConfig(Box::new(crate::tls::TlsConfigError::for_tests())),
+            ErrorKind::Tls("decrypt error".into()),
+            ErrorKind::InsecureAddress([192, 0, 2, 1].into()),
+            ErrorKind::PeerUnresponsive(Duration::from_millis(5200)),
+            ErrorKind::Protocol("frame type 122: unknown".into()),
+            ErrorKind::TimedOut,
+            ErrorKind::PoolVetoed(pool),
+            ErrorKind::BadView(Box::new(ViewMismatch {
                 ty: "u64",
                 size: 8,
                 align: 8,
@@ -422,9 +701,9 @@ mod tests {
                 bytes: 16,
                 why: "the offset is not aligned",
             })),
-            Error::LimitExceeded { what: "pools assigned by the peer", limit: 256 },
-            Error::PeerBacklog { what: "control frames", limit: 1 << 20 },
-            Error::QuotaExceeded { pools: 2, max_pools: 2, max_bytes: 1 << 20 },
+            ErrorKind::LimitExceeded { what: "pools assigned by the peer", limit: 256 },
+            ErrorKind::PeerBacklog { what: "control frames", limit: 1 << 20 },
+            ErrorKind::QuotaExceeded { pools: 2, max_pools: 2, max_bytes: 1 << 20 },
         ]
     }
 
@@ -450,26 +729,65 @@ mod tests {
 
     #[test]
     fn values_are_named_in_words() {
-        let s = Error::NotConnected(ChannelState::Closed).to_string();
+        let s = ErrorKind::NotConnected(ChannelState::Closed).to_string();
         assert!(s.contains("it is closed"), "{s}");
-        let s = Error::TrustMismatch { pool: TrustLevel::Half, channel: TrustLevel::Full }.to_string();
+        let s = ErrorKind::TrustMismatch { pool: TrustLevel::Half, channel: TrustLevel::Full }.to_string();
         assert!(s.contains("HALF") && s.contains("FULL"), "{s}");
-        let s = Error::PeerUnresponsive(Duration::from_millis(5200)).to_string();
+        let s = ErrorKind::PeerUnresponsive(Duration::from_millis(5200)).to_string();
         assert!(s.contains("5.2 s"), "{s}");
-        let s = Error::PoolNotAssigned(PoolId::from_u128(3)).to_string();
+        let s = ErrorKind::PoolNotAssigned(PoolId::from_u128(3)).to_string();
         assert!(s.contains("pool 0000000000000003 "), "{s}");
         assert_ne!(
-            Error::UnknownPool(PoolId::from_u128(1)).to_string(),
-            Error::UnknownPool(PoolId::from_u128(2)).to_string()
+            ErrorKind::UnknownPool(PoolId::from_u128(1)).to_string(),
+            ErrorKind::UnknownPool(PoolId::from_u128(2)).to_string()
         );
         // Ids whose halves fold to zero still print something that tells them apart.
         let same_halves = PoolId::from_u128((5 << 64) | 5).to_string();
         assert_eq!(same_halves, format!("{:032x}", (5u128 << 64) | 5));
     }
 
+    /// The context goes in front of the kind's sentence, outer contexts
+    /// first; matching and comparing see only the kind.
+    #[test]
+    fn context_reads_as_one_sentence() {
+        let bare: Error = ErrorKind::EndpointNotListening.into();
+        assert_eq!(bare.context(), None);
+        assert_eq!(bare.to_string(), ErrorKind::EndpointNotListening.to_string());
+        let e = bare.with_context("bind to the TCP endpoint 127.0.0.1:9");
+        assert_eq!(
+            e.to_string(),
+            "bind to the TCP endpoint 127.0.0.1:9: no channel is listening on that endpoint; \
+             create a channel there first, or check the endpoint's name or address"
+        );
+        assert_eq!(e, ErrorKind::EndpointNotListening);
+        assert!(matches!(e.kind(), ErrorKind::EndpointNotListening));
+        let e = e.with_context("start the block client");
+        assert_eq!(e.context(), Some("start the block client: bind to the TCP endpoint 127.0.0.1:9"));
+        assert_eq!(e.clone().into_kind(), ErrorKind::EndpointNotListening);
+        // Context on the error path only: `ResultExt` leaves `Ok` alone.
+        let ok: Result<u8> = Ok(1);
+        assert_eq!(ok.context(|| -> String { unreachable!("built only on failure") }), Ok(1));
+    }
+
+    /// What `fn main() -> Result<(), ferry::Error>` prints after `Error: `:
+    /// the sentence, then the kind; `{:#?}` the parts.
+    #[test]
+    fn debug_is_the_sentence_and_the_kind() {
+        let e = Error::from(ErrorKind::PoolNotAssigned(PoolId::from_u128(3))).with_context("move buffer 1 of pool 3");
+        let debug = format!("{e:?}");
+        assert!(debug.starts_with(&format!("{e} [PoolNotAssigned(")), "{debug}");
+        let parts = format!("{e:#?}");
+        assert!(parts.contains("kind: PoolNotAssigned(") && parts.contains("context: Some("), "{parts}");
+        // A refused value is named by its type, not printed.
+        let r = Refused::new(e, vec![1u8, 2, 3]);
+        let debug = format!("{r:?}");
+        assert!(debug.contains("Vec<u8>") && !debug.contains("[1, 2, 3]"), "{debug}");
+        assert_eq!(r.to_string(), r.error.to_string());
+    }
+
     #[test]
     fn os_errors_keep_the_reason() {
         let e = Error::from_errno(rustix::io::Errno::NOMEM);
-        assert!(matches!(&e, Error::Os(why) if why.contains("os error 12")), "{e}");
+        assert!(matches!(e.kind(), ErrorKind::Os(why) if why.contains("os error 12")), "{e}");
     }
 }

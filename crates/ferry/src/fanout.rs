@@ -17,7 +17,7 @@ use rustix::event::{PollFd, PollFlags};
 use crate::buffer::{Buffer, BufferId};
 use crate::channel::{Channel, Event};
 use crate::domain::Pool;
-use crate::error::{Error, Refused, Result};
+use crate::error::{ErrorKind, Refused, Result};
 use crate::setup::{ChannelState, Direction};
 
 /// What a [`FanOut`] reports ([`FanOut::poll`], [`FanOut::wait`]).
@@ -85,7 +85,7 @@ struct Published {
 ///             let mut rx = Channel::connect(&Domain::new(&format!("sink {i}")), &ep, BindParams::default(), t)?;
 ///             rx.set_pool_policy(PoolPolicy::AcceptAll);
 ///             let mut sum = 0;
-///             while let Some(ev) = rx.wait(Some(t)) {
+///             while let Ok(ev) = rx.wait(Some(t)) {
 ///                 if let Event::CopyReceived { copy, .. } = ev {
 ///                     sum += copy[0] as u64; // read-only
 ///                     rx.release(copy).map_err(|r| r.error)?;
@@ -136,7 +136,7 @@ impl FanOut {
     // The error holds the channels, by value as the caller gave them.
     #[allow(clippy::result_large_err)]
     pub fn new(channels: Vec<Channel>) -> Result<FanOut, Refused<Vec<Channel>>> {
-        let refuse = |why, channels| Err(Refused::new(Error::InvalidArgument(why), channels));
+        let refuse = |why, channels| Err(Refused::new(ErrorKind::InvalidArgument(why), channels));
         let Some(first) = channels.first() else { return refuse("a fan-out needs at least one channel", channels) };
         let domain = first.domain().id();
         if channels.iter().any(|c| c.domain().id() != domain) {
@@ -183,7 +183,7 @@ impl FanOut {
         let live: Vec<usize> =
             (0..self.sinks.len()).filter(|&i| self.sinks[i].state() == ChannelState::Connected).collect();
         if live.is_empty() {
-            return Err(Refused::new(Error::NotConnected(ChannelState::Closed), buffer));
+            return Err(Refused::new(ErrorKind::NotConnected(ChannelState::Closed), buffer));
         }
         for &i in &live {
             if let Err(e) = self.sinks[i].check_copy(&buffer, meta) {

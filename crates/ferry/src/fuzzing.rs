@@ -252,15 +252,15 @@ struct PeerStreamGate;
 impl crate::backend::PayloadGate for PeerStreamGate {
     fn admit(&mut self, msg: &Message) -> crate::error::Result<crate::backend::Landing> {
         use crate::backend::Landing;
-        use crate::error::Error;
+        use crate::ErrorKind;
         let buf = match msg {
             Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } => buf,
-            _ => return Err(Error::Protocol("gate asked about a message without payload".into())),
+            _ => return Err(ErrorKind::Protocol("gate asked about a message without payload".into()).into()),
         };
         match buf.index {
             0 => Ok(Landing::Land),
             1 => Ok(Landing::Discard),
-            _ => Err(Error::Protocol("buffer we own".into())),
+            _ => Err(ErrorKind::Protocol("buffer we own".into()).into()),
         }
     }
 

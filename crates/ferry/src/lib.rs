@@ -38,7 +38,7 @@
 //!         let mut rx = Channel::connect(&Domain::new("sink"), &ep, BindParams::default(), t)?;
 //!         rx.set_pool_policy(PoolPolicy::AcceptAll);
 //!         match rx.wait(Some(t)) { // the pool is accepted quietly on the way
-//!             Some(Event::MoveReceived { buffer, .. }) => Ok(buffer.as_slice_of::<u64>()?[0]),
+//!             Ok(Event::MoveReceived { buffer, .. }) => Ok(buffer.as_slice_of::<u64>()?[0]),
 //!             other => panic!("unexpected {other:?}"),
 //!         }
 //!     })
@@ -113,7 +113,7 @@
 //! allocator whose pools are assigned along a path of channels when they
 //! are made, so transfers map nothing; it reuses the most recently freed
 //! buffer, never clears one, and stops at its [`PathQuota`] with
-//! [`Error::QuotaExceeded`]. A domain along the path passes the pools on
+//! [`ErrorKind::QuotaExceeded`]. A domain along the path passes the pools on
 //! with [`forward_pool`]. A received buffer is volatile (its sender may
 //! still write it); [`Buffer::secure`] (and [`BufferCopy::secure`],
 //! [`Aggregate::secure`]) gives bytes no other domain can change, in place
@@ -172,7 +172,7 @@ pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{Channel, Event, PoolPolicy, PoolRequest, DEFAULT_SPIN};
 pub use datapath::{forward_pool, DataPath, PathConfig, PathQuota};
 pub use domain::{Domain, Pool};
-pub use error::{Error, Refused, Result, ViewMismatch};
+pub use error::{Error, ErrorKind, Refused, Result, ViewMismatch, WaitError};
 #[cfg(not(loom))]
 pub use fanout::{FanOut, FanOutEvent};
 pub use inspect::{ChannelStats, DomainStats, OpCounts, PoolStats};

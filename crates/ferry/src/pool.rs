@@ -8,6 +8,7 @@
 //! protection changes (trust HALF) in one domain never affect another, even
 //! when both live in one process (the local backend).
 
+use crate::ErrorKind;
 use std::fmt;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -90,6 +91,13 @@ pub struct BufferId {
     pub index: u32,
 }
 
+/// `buffer 3 of pool 00000000000000a1`.
+impl fmt::Display for BufferId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "buffer {} of pool {}", self.index, self.pool)
+    }
+}
+
 /// Per-domain state of a buffer ([ETH-BT] §5.1.1, Listing 6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -113,7 +121,7 @@ pub enum BufferState {
 ///
 /// ```
 /// use std::time::Duration;
-/// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, PoolConstraints, TrustLevel};
+/// use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, ErrorKind, PoolConstraints, TrustLevel};
 ///
 /// // HALF: the sender's own view of a buffer it moved is inaccessible until
 /// // it comes back (a guard against accidents, not against the peer).
@@ -130,11 +138,11 @@ pub enum BufferState {
 /// let alloc = Allocator::new(&a, 2, 4096, full)?;
 /// assert_eq!(
 ///     tx.assign_pool(alloc.pool()),
-///     Err(Error::TrustMismatch { pool: TrustLevel::Full, channel: TrustLevel::Half })
+///     Err(ErrorKind::TrustMismatch { pool: TrustLevel::Full, channel: TrustLevel::Half }.into())
 /// );
 /// // Trust NONE needs two processes: one address space cannot be protected from itself.
 /// let none = ChannelSetup { trust: TrustLevel::None, ..ChannelSetup::default() };
-/// assert!(matches!(Channel::create(&a, &Endpoint::local(), none), Err(Error::TrustNotSupported { .. })));
+/// assert!(matches!(Channel::create(&a, &Endpoint::local(), none).map_err(ferry::Error::into_kind), Err(ErrorKind::TrustNotSupported { .. })));
 /// # Ok::<(), ferry::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -179,12 +187,12 @@ impl TrustLevel {
 /// Shape of a pool: `count` buffers of `buffer_size` bytes each.
 ///
 /// ```
-/// use ferry::{Error, Geometry};
+/// use ferry::{Error, ErrorKind, Geometry};
 /// let g = Geometry::new(64 << 10, 16)?;
 /// assert_eq!((g.buffer_size(), g.count(), g.len()), (65536, 16, 1 << 20));
 /// // The buffer size is a power of two, at least a page; there is a buffer.
-/// assert!(matches!(Geometry::new(5000, 16), Err(Error::BadBufferSize { .. })));
-/// assert!(matches!(Geometry::new(4096, 0), Err(Error::BadBufferCount { .. })));
+/// assert!(matches!(Geometry::new(5000, 16).map_err(ferry::Error::into_kind), Err(ErrorKind::BadBufferSize { .. })));
+/// assert!(matches!(Geometry::new(4096, 0).map_err(ferry::Error::into_kind), Err(ErrorKind::BadBufferCount { .. })));
 /// # Ok::<(), ferry::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -202,11 +210,11 @@ impl Geometry {
     pub fn new(buffer_size: usize, count: u64) -> Result<Self> {
         let page = sys::page_size();
         if !buffer_size.is_power_of_two() || buffer_size < page {
-            return Err(Error::BadBufferSize { size: buffer_size, page });
+            return Err(ErrorKind::BadBufferSize { size: buffer_size, page }.into());
         }
         let max = (MAX_POOL_BYTES / buffer_size as u64).min(u64::from(u32::MAX));
         if count == 0 || count > max {
-            return Err(Error::BadBufferCount { count, max });
+            return Err(ErrorKind::BadBufferCount { count, max }.into());
         }
         Ok(Geometry { buffer_size, count: count as u32 })
     }
@@ -315,7 +323,7 @@ impl PoolMemory {
     /// memfd of exactly the announced size, sealed against resizing.
     pub(crate) fn from_peer(id: PoolId, geometry: Geometry, fd: OwnedFd, ledger: Option<Ledger>) -> Result<Arc<Self>> {
         sys::check_sealed_size(&fd, geometry.len())
-            .map_err(|why| Error::Protocol(format!("pool {id} received with a bad fd: {why}")))?;
+            .map_err(|why| ErrorKind::Protocol(format!("pool {id} received with a bad fd: {why}")))?;
         let mut memory = Self::new(id, geometry, fd, ledger);
         Arc::get_mut(&mut memory).expect("just made").from_peer = true;
         Ok(memory)
@@ -443,7 +451,7 @@ impl PoolView {
         let geometry = memory.geometry;
         let align = if alignment == 0 { 1 } else { alignment };
         if !align.is_power_of_two() || align > geometry.buffer_size {
-            return Err(Error::BadAlignment(alignment));
+            return Err(ErrorKind::BadAlignment(alignment).into());
         }
         let map = memory.map(initial, align)?;
         let states = (0..geometry.count).map(|_| AtomicU8::new(BufferState::Invalid as u8)).collect();
@@ -538,12 +546,24 @@ mod tests {
         let page = sys::page_size();
         assert!(Geometry::new(page, 1).is_ok());
         assert!(Geometry::new(1 << 20, 16).is_ok());
-        assert!(matches!(Geometry::new(page + 1, 1), Err(Error::BadBufferSize { .. })));
-        assert!(matches!(Geometry::new(3 * page, 1), Err(Error::BadBufferSize { .. })));
-        assert!(matches!(Geometry::new(page / 2, 1), Err(Error::BadBufferSize { .. })));
-        assert!(matches!(Geometry::new(0, 1), Err(Error::BadBufferSize { .. })));
-        assert!(matches!(Geometry::new(page, 0), Err(Error::BadBufferCount { .. })));
-        assert!(matches!(Geometry::new(1 << 30, 1 << 20), Err(Error::BadBufferCount { .. })));
+        assert!(matches!(
+            Geometry::new(page + 1, 1).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadBufferSize { .. })
+        ));
+        assert!(matches!(
+            Geometry::new(3 * page, 1).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadBufferSize { .. })
+        ));
+        assert!(matches!(
+            Geometry::new(page / 2, 1).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadBufferSize { .. })
+        ));
+        assert!(matches!(Geometry::new(0, 1).as_ref().map_err(|e| e.kind()), Err(ErrorKind::BadBufferSize { .. })));
+        assert!(matches!(Geometry::new(page, 0).as_ref().map_err(|e| e.kind()), Err(ErrorKind::BadBufferCount { .. })));
+        assert!(matches!(
+            Geometry::new(1 << 30, 1 << 20).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadBufferCount { .. })
+        ));
     }
 
     #[test]
@@ -592,8 +612,8 @@ mod tests {
         let v = PoolView::map(PoolMemory::create(g).unwrap(), Access::ReadWrite, 1 << 16).unwrap();
         assert_eq!(v.buffer_ptr(0) as usize % (1 << 16), 0);
         assert!(matches!(
-            PoolView::map(PoolMemory::create(g).unwrap(), Access::ReadWrite, 1 << 17),
-            Err(Error::BadAlignment(_))
+            PoolView::map(PoolMemory::create(g).unwrap(), Access::ReadWrite, 1 << 17).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::BadAlignment(_))
         ));
     }
 }

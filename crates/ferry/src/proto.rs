@@ -18,6 +18,7 @@
 //! `decode` checks everything a peer could get wrong; the channel then checks
 //! what needs its state (pool assigned, index in range, buffer ownership).
 
+use crate::ErrorKind;
 use std::fmt;
 use std::ops::Deref;
 
@@ -357,14 +358,14 @@ impl Message {
     /// size. Anything malformed is a protocol error, never a panic.
     pub(crate) fn decode(slot: &[u8], max_meta: usize) -> Result<Message, Error> {
         let Some(SlotHead { op, flags, meta_len, index, aux, pool }) = SlotHead::read(slot) else {
-            return Err(Error::Protocol(format!("slot of {} bytes is shorter than the header", slot.len())));
+            return Err(ErrorKind::Protocol(format!("slot of {} bytes is shorter than the header", slot.len())).into());
         };
-        let limit = body_limit(op, max_meta).ok_or_else(|| Error::Protocol(format!("unknown opcode {op}")))?;
+        let limit = body_limit(op, max_meta).ok_or_else(|| ErrorKind::Protocol(format!("unknown opcode {op}")))?;
         if meta_len > limit {
-            return Err(Error::Protocol(format!("meta length {meta_len} out of range (op {op})")));
+            return Err(ErrorKind::Protocol(format!("meta length {meta_len} out of range (op {op})")).into());
         }
         if HEADER + meta_len > slot.len() {
-            return Err(Error::Protocol(format!("meta length {meta_len} exceeds the slot")));
+            return Err(ErrorKind::Protocol(format!("meta length {meta_len} exceeds the slot")).into());
         }
         let meta = || Meta::from_prefix(&slot[HEADER..], meta_len);
         let buf = BufferId { pool, index };
@@ -377,10 +378,10 @@ impl Message {
             OP_ASSIGN => {
                 let trust = TrustLevel::from_u8(flags >> 4)
                     .filter(|t| *t != TrustLevel::Uninitialized)
-                    .ok_or_else(|| Error::Protocol(format!("bad trust level {}", flags >> 4)))?;
-                let size = usize::try_from(aux).map_err(|_| Error::Protocol("buffer size too large".into()))?;
+                    .ok_or_else(|| ErrorKind::Protocol(format!("bad trust level {}", flags >> 4)))?;
+                let size = usize::try_from(aux).map_err(|_| ErrorKind::Protocol("buffer size too large".into()))?;
                 let geometry = Geometry::new(size, u64::from(index))
-                    .map_err(|e| Error::Protocol(format!("bad pool geometry: {e}")))?;
+                    .map_err(|e| ErrorKind::Protocol(format!("bad pool geometry: {e}")))?;
                 Message::AssignRequest { pool, geometry, trust }
             }
             OP_ASSIGN_REPLY => Message::AssignReply { pool, accepted },
@@ -388,21 +389,21 @@ impl Message {
             OP_REMOVE_REPLY => Message::RemoveReply { pool, accepted },
             OP_TEARDOWN => Message::Teardown,
             OP_AGG => {
-                let frags =
-                    u32::try_from(aux).map_err(|_| Error::Protocol("aggregate table-entry count too large".into()))?;
-                let total =
-                    u64::try_from(pool.as_u128()).map_err(|_| Error::Protocol("aggregate length too large".into()))?;
+                let frags = u32::try_from(aux)
+                    .map_err(|_| ErrorKind::Protocol("aggregate table-entry count too large".into()))?;
+                let total = u64::try_from(pool.as_u128())
+                    .map_err(|_| ErrorKind::Protocol("aggregate length too large".into()))?;
                 if flags != 0 {
-                    return Err(Error::Protocol(format!("aggregate header with flags {flags:#x}")));
+                    return Err(ErrorKind::Protocol(format!("aggregate header with flags {flags:#x}")).into());
                 }
                 Message::AggHeader { members: index, frags, total, meta: meta() }
             }
             OP_AGG_FRAGS => {
                 if flags != 0 || aux != 0 || pool.as_u128() != 0 {
-                    return Err(Error::Protocol("fragment table slot with stray header fields".into()));
+                    return Err(ErrorKind::Protocol("fragment table slot with stray header fields".into()).into());
                 }
                 if meta_len == 0 || meta_len % FRAG_ENTRY != 0 {
-                    return Err(Error::Protocol(format!("fragment table of {meta_len} bytes")));
+                    return Err(ErrorKind::Protocol(format!("fragment table of {meta_len} bytes")).into());
                 }
                 let entries = slot[HEADER..HEADER + meta_len]
                     .chunks_exact(FRAG_ENTRY)
@@ -421,7 +422,7 @@ impl Message {
                     .collect();
                 Message::AggFrags { first: index, entries }
             }
-            other => return Err(Error::Protocol(format!("unknown opcode {other}"))),
+            other => return Err(ErrorKind::Protocol(format!("unknown opcode {other}")).into()),
         })
     }
 }
@@ -450,7 +451,7 @@ pub(crate) struct AggRun {
 impl AggRun {
     /// A run announced by an [`Message::AggHeader`].
     pub(crate) fn start(members: u32, frags: u32, total: u64, meta: Meta) -> Result<AggRun, Error> {
-        let bad = |what: String| Err(Error::Protocol(format!("aggregate header: {what}")));
+        let bad = |what: String| Err(ErrorKind::Protocol(format!("aggregate header: {what}")).into());
         if members > MAX_AGG_MEMBERS || frags > MAX_AGG_FRAGS {
             return bad(format!("{members} members and {frags} fragments exceed the limits"));
         }
@@ -485,7 +486,7 @@ impl AggRun {
 
     /// A slot of the fragment table arrived (all members are in).
     pub(crate) fn add_frags(&mut self, first: u32, entries: &[FragEntry]) -> Result<(), Error> {
-        let bad = |what: String| Err(Error::Protocol(format!("aggregate fragment table: {what}")));
+        let bad = |what: String| Err(ErrorKind::Protocol(format!("aggregate fragment table: {what}")).into());
         if self.wants_member() {
             return bad("arrived before all members".into());
         }
@@ -523,7 +524,8 @@ impl AggRun {
     /// added (every copy inside its member, the fragments within the
     /// limit).
     fn repeat(&mut self, k: u64, n: u64) -> Result<(), Error> {
-        let bad = |what: String| Err(Error::Protocol(format!("aggregate fragment table: repeat entry: {what}")));
+        let bad =
+            |what: String| Err(ErrorKind::Protocol(format!("aggregate fragment table: repeat entry: {what}")).into());
         let have = self.entries.len() as u64;
         if k == 0 || n == 0 || k > have {
             return bad(format!("group of {k} of the {have} fragments before it, {n} times"));
@@ -570,10 +572,14 @@ impl AggRun {
     pub(crate) fn finish(self) -> Result<(Meta, Vec<FragEntry>, Vec<FragEntry>), Error> {
         debug_assert!(self.is_complete());
         if self.sum != self.total {
-            return Err(Error::Protocol(format!("aggregate of {} bytes announced as {} bytes", self.sum, self.total)));
+            return Err(ErrorKind::Protocol(format!(
+                "aggregate of {} bytes announced as {} bytes",
+                self.sum, self.total
+            ))
+            .into());
         }
         if let Some(m) = self.used.iter().position(|u| !u) {
-            return Err(Error::Protocol(format!("aggregate member {m} is in no fragment")));
+            return Err(ErrorKind::Protocol(format!("aggregate member {m} is in no fragment")).into());
         }
         Ok((self.meta, self.entries, self.wire_entries))
     }
@@ -643,21 +649,21 @@ pub(crate) fn decode_descriptor<'a>(
     meta_size: usize,
 ) -> Result<(Meta, Vec<FragEntry>, Vec<FragEntry>), Error> {
     let mut slots = slots.into_iter();
-    let head = slots.next().ok_or_else(|| Error::Protocol("no aggregate header".into()))?;
+    let head = slots.next().ok_or_else(|| ErrorKind::Protocol("no aggregate header".into()))?;
     let mut run = match Message::decode(head, meta_size)? {
         Message::AggHeader { members, frags, total, meta } => AggRun::start(members, frags, total, meta)?,
-        other => return Err(Error::Protocol(format!("{other:?} where an aggregate header was due"))),
+        other => return Err(ErrorKind::Protocol(format!("{other:?} where an aggregate header was due")).into()),
     };
     let mut lens = member_lens.iter();
     while run.wants_member() {
-        let len = lens.next().ok_or_else(|| Error::Protocol("aggregate run cut short".into()))?;
+        let len = lens.next().ok_or_else(|| ErrorKind::Protocol("aggregate run cut short".into()))?;
         run.add_member(*len);
     }
     while !run.is_complete() {
-        let slot = slots.next().ok_or_else(|| Error::Protocol("aggregate run cut short".into()))?;
+        let slot = slots.next().ok_or_else(|| ErrorKind::Protocol("aggregate run cut short".into()))?;
         match Message::decode(slot, meta_size)? {
             Message::AggFrags { first, entries } => run.add_frags(first, &entries)?,
-            other => return Err(Error::Protocol(format!("{other:?} interrupts an aggregate run"))),
+            other => return Err(ErrorKind::Protocol(format!("{other:?} interrupts an aggregate run")).into()),
         }
     }
     run.finish()
@@ -777,7 +783,7 @@ mod tests {
         assert_eq!(decode(&with_meta, &lens, 8).unwrap(), (Meta::new(b"m").unwrap(), good.to_vec()));
         let bad = |entries: &[FragEntry], members: u32, total: u64, lens: &[usize]| {
             let e = decode(&descriptor(members, entries, total, 0), lens, 0).unwrap_err();
-            assert!(matches!(e, Error::Protocol(_)), "{e:?}");
+            assert!(matches!(e.kind(), ErrorKind::Protocol(_)), "{e:?}");
         };
         bad(&[entry(2, 0, 1), entry(0, 0, 1)], 2, 2, &lens); // no member 2
         bad(&[entry(0, 4090, 7), entry(1, 0, 1)], 2, 8, &lens); // past the end
@@ -850,7 +856,7 @@ mod tests {
         let rep = |k, n| entry(REPEAT, k, n);
         let bad = |entries: &[FragEntry], total: u64| {
             let e = decode(&descriptor(2, entries, total, 0), &lens, 0).unwrap_err();
-            assert!(matches!(e, Error::Protocol(_)), "{e:?}");
+            assert!(matches!(e.kind(), ErrorKind::Protocol(_)), "{e:?}");
         };
         let ok = |entries: &[FragEntry], total: u64| decode(&descriptor(2, entries, total, 0), &lens, 0).unwrap().1;
         let base = [entry(0, 0, 16), entry(1, 0, 100)];

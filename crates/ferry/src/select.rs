@@ -18,7 +18,7 @@ use rustix::event::{PollFd, PollFlags};
 use rustix::io::Errno;
 
 use crate::channel::{Channel, Event};
-use crate::error::Result;
+use crate::error::{Result, WaitError};
 use crate::setup::ChannelState;
 use crate::wake::timespec;
 
@@ -42,8 +42,9 @@ fn left(deadline: Option<Instant>) -> Option<Option<Duration>> {
 }
 
 /// Wait up to `timeout` (forever with `None`) for the next event on any of
-/// `channels`: `(index, event)`, or `None` on timeout (or when every
-/// channel is closed). Works across backends (local, shm and TCP channels
+/// `channels`: `(index, event)`; [`WaitError::TimedOut`] when the timeout
+/// passed, [`WaitError::Closed`] when every channel is closed and has
+/// delivered its last event (or the slice is empty). Works across backends (local, shm and TCP channels
 /// mixed).
 ///
 /// Scans start after the channel served last (per thread), so with the
@@ -78,15 +79,15 @@ fn left(deadline: Option<Instant>) -> Option<Option<Duration>> {
 /// sources[1].move_buffer(alloc.alloc().unwrap(), b"second")?;
 /// let mut chans: Vec<&mut Channel> = sinks.iter_mut().collect();
 /// match wait_any(&mut chans, Some(t)) {
-///     Some((i, Event::MoveReceived { meta, .. })) => assert_eq!((i, &meta[..]), (1, &b"second"[..])),
+///     Ok((i, Event::MoveReceived { meta, .. })) => assert_eq!((i, &meta[..]), (1, &b"second"[..])),
 ///     other => panic!("{other:?}"),
 /// }
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub fn wait_any(channels: &mut [&mut Channel], timeout: Option<Duration>) -> Option<(usize, Event)> {
+pub fn wait_any(channels: &mut [&mut Channel], timeout: Option<Duration>) -> Result<(usize, Event), WaitError> {
     let n = channels.len();
     if n == 0 {
-        return None;
+        return Err(WaitError::Closed);
     }
     let deadline = timeout.map(|t| Instant::now() + t);
     let spin = channels.iter().map(|c| c.spin()).min().unwrap_or_default();
@@ -97,12 +98,12 @@ pub fn wait_any(channels: &mut [&mut Channel], timeout: Option<Duration>) -> Opt
         };
         if let Some((i, ev)) = found(channels) {
             NEXT.with(|c| c.set(i + 1));
-            return Some((i, ev));
+            return Ok((i, ev));
         }
         if channels.iter().all(|c| c.state() == ChannelState::Closed) {
-            return None;
+            return Err(WaitError::Closed);
         }
-        let left = left(deadline)?;
+        let left = left(deadline).ok_or(WaitError::TimedOut)?;
         // Spin: poll them all until something comes or the spin is over.
         let spin_end = Instant::now() + left.map_or(spin, |l| l.min(spin));
         let mut spun = None;
@@ -112,7 +113,7 @@ pub fn wait_any(channels: &mut [&mut Channel], timeout: Option<Duration>) -> Opt
         }
         if let Some((i, ev)) = spun {
             NEXT.with(|c| c.set(i + 1));
-            return Some((i, ev));
+            return Ok((i, ev));
         }
         if !channels.iter_mut().all(|c| c.arm()) {
             continue;
@@ -178,7 +179,7 @@ struct Entry {
 ///         tx.move_buffer(alloc.alloc().unwrap(), &[i]).map_err(|r| r.error)?;
 ///         loop {
 ///             match tx.wait(Some(t)) {
-///                 Some(Event::BufferPassed { .. }) => return Ok(()),
+///                 Ok(Event::BufferPassed { .. }) => return Ok(()),
 ///                 other => panic!("{other:?}"),
 ///             }
 ///         }
@@ -187,13 +188,13 @@ struct Entry {
 /// let mut served = 0;
 /// while !selector.is_empty() {
 ///     match selector.wait(Some(t)) {
-///         Some((key, Event::BindRequest { .. })) => selector.get_mut(key).unwrap().set_pool_policy(PoolPolicy::AcceptAll),
-///         Some((key, Event::MoveReceived { buffer, .. })) => {
+///         Ok((key, Event::BindRequest { .. })) => selector.get_mut(key).unwrap().set_pool_policy(PoolPolicy::AcceptAll),
+///         Ok((key, Event::MoveReceived { buffer, .. })) => {
 ///             selector.get_mut(key).unwrap().pass(buffer, &[])?;
 ///             served += 1;
 ///         }
 ///         // A client that is done: its channel leaves the selector.
-///         Some((key, Event::Error(Error::PeerGone))) => drop(selector.remove(key)),
+///         Ok((key, Event::Error(e))) if e == ErrorKind::PeerGone => drop(selector.remove(key)),
 ///         other => panic!("{other:?}"),
 ///     }
 /// }
@@ -296,11 +297,13 @@ impl Selector {
     }
 
     /// Wait up to `timeout` (forever with `None`) for the next event of any
-    /// channel: `(key, event)`, or `None` on timeout or when the selector
-    /// is empty.
-    pub fn wait(&mut self, timeout: Option<Duration>) -> Option<(usize, Event)> {
+    /// channel: `(key, event)`; [`WaitError::TimedOut`] when the timeout
+    /// passed, [`WaitError::Closed`] when the selector is empty or every
+    /// channel in it is closed and has delivered its last event (remove
+    /// closed channels to keep waiting on the others cheap).
+    pub fn wait(&mut self, timeout: Option<Duration>) -> Result<(usize, Event), WaitError> {
         if self.is_empty() {
-            return None;
+            return Err(WaitError::Closed);
         }
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
@@ -312,7 +315,7 @@ impl Selector {
             }
             if let Some(found) = self.serve_round() {
                 self.served += 1;
-                return Some(found);
+                return Ok(found);
             }
             if !self.ready.is_empty() {
                 // Armed channels said "poll again": do, after a look at the set.
@@ -323,22 +326,41 @@ impl Selector {
                 // Time is up, but channels may have woken meanwhile (with a
                 // zero timeout: those that made the selector's fd readable).
                 if self.collect(Duration::ZERO) == 0 {
-                    return None;
+                    return Err(self.nothing_came());
                 }
                 let found = self.serve_round();
                 self.served += usize::from(found.is_some());
-                return found;
+                return found.ok_or_else(|| self.nothing_came());
             };
             if !self.spin.is_zero() {
                 if let Some(found) = self.spin_all(left.map_or(self.spin, |l| l.min(self.spin))) {
-                    return Some(found);
+                    return Ok(found);
                 }
             }
             if self.collect(left.map_or(MAX_SLEEP, |l| l.min(MAX_SLEEP))) == 0 && left.is_none() {
+                if self.all_closed() {
+                    return Err(WaitError::Closed);
+                }
                 // The backstop expired with nothing: every channel is polled once.
                 self.queue_all();
             }
         }
+    }
+
+    /// Why a wait whose time ran out found nothing: every channel closed, or
+    /// only the time.
+    fn nothing_came(&self) -> WaitError {
+        if self.all_closed() {
+            WaitError::Closed
+        } else {
+            WaitError::TimedOut
+        }
+    }
+
+    /// Every channel is closed and delivered its last event (its `poll`
+    /// gives nothing once closed).
+    fn all_closed(&self) -> bool {
+        self.keys().all(|k| self.get(k).is_some_and(|c| c.state() == ChannelState::Closed))
     }
 
     /// Poll each queued channel once, in turn: the first event (its

@@ -4,9 +4,10 @@
 //! negotiation settles. Below both the channels and the backends: each
 //! backend negotiates at bind time, the channel uses the result.
 
+use crate::ErrorKind;
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::pool::{Geometry, TrustLevel};
 use crate::proto::MAX_META_SIZE;
 
@@ -142,18 +143,18 @@ impl Default for ChannelSetup {
 /// Parameters of [`Channel::bind`](crate::Channel::bind); the default takes
 /// what the creator offers. A binder that cannot live with the creator's
 /// setup says so here, and the bind is refused
-/// ([`Error::BindRefused`](crate::Error::BindRefused)).
+/// ([`ErrorKind::BindRefused`](crate::ErrorKind::BindRefused)).
 ///
 /// ```
 /// use std::time::Duration;
-/// use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, TrustLevel};
+/// use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, ErrorKind, TrustLevel};
 ///
 /// let ep = Endpoint::local();
 /// let mut creator = Channel::create(&Domain::new("a"), &ep, ChannelSetup::default())?; // trust FULL
 /// let params = BindParams { trust: Some(TrustLevel::Half), ..BindParams::default() };
 /// let mut binder = Channel::bind(&Domain::new("b"), &ep, params)?;
 /// let _ = creator.wait_connected(Duration::from_secs(1));
-/// assert!(matches!(binder.wait_connected(Duration::from_secs(10)), Err(Error::BindRefused(_))));
+/// assert!(matches!(binder.wait_connected(Duration::from_secs(10)).map_err(ferry::Error::into_kind), Err(ErrorKind::BindRefused(_))));
 /// # Ok::<(), ferry::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,7 +171,7 @@ pub struct BindParams {
     /// Local: not sent to the creator.
     pub limits: ChannelLimits,
     /// How long the bind may take until the creator has answered: past it
-    /// the channel fails with [`Error::TimedOut`] (an
+    /// the channel fails with [`ErrorKind::TimedOut`] (an
     /// [`Event::Error`](crate::Event::Error); or
     /// [`Channel::bind`](crate::Channel::bind) itself returns it, when not
     /// even the connection could be made in time). Default
@@ -188,7 +189,7 @@ pub const DEFAULT_BIND_TIMEOUT: Duration = Duration::from_secs(10);
 /// when the peer's assignment request arrives, before anything of the pool
 /// is mapped; an offer over a limit is vetoed by the library and reported
 /// as [`Event::PoolOfferRefused`](crate::Event::PoolOfferRefused) with
-/// [`Error::LimitExceeded`], and the channel goes on. Local to each end:
+/// [`ErrorKind::LimitExceeded`], and the channel goes on. Local to each end:
 /// never sent to the peer.
 ///
 /// The meta size the peer may impose is bounded by
@@ -226,13 +227,18 @@ impl ChannelLimits {
     /// `bytes` bytes: the limit it would pass otherwise.
     pub(crate) fn admit(&self, pools: usize, bytes: usize, geometry: Geometry) -> Result<()> {
         if pools >= self.max_peer_pools {
-            return Err(Error::LimitExceeded { what: "pools assigned by the peer", limit: self.max_peer_pools as u64 });
+            return Err(ErrorKind::LimitExceeded {
+                what: "pools assigned by the peer",
+                limit: self.max_peer_pools as u64,
+            }
+            .into());
         }
         if bytes.saturating_add(geometry.len()) > self.max_peer_bytes {
-            return Err(Error::LimitExceeded {
+            return Err(ErrorKind::LimitExceeded {
                 what: "bytes of pools assigned by the peer",
                 limit: self.max_peer_bytes as u64,
-            });
+            }
+            .into());
         }
         Ok(())
     }
@@ -292,7 +298,7 @@ pub(crate) fn negotiate(setup: &ChannelSetup, params: &BindParams) -> Result<Neg
 /// The binder's check of the creator's answer: what it settled must be
 /// what the binder asked for (a creator could answer anything).
 pub(crate) fn check_reply(params: &BindParams, neg: &Negotiated) -> Result<()> {
-    let bad = |what: &str| Err(Error::Protocol(format!("bind reply: {what}")));
+    let bad = |what: &str| Err(ErrorKind::Protocol(format!("bind reply: {what}")).into());
     if params.trust.is_some_and(|t| t != neg.trust) {
         return bad("a trust level the binder did not ask for");
     }

@@ -14,7 +14,7 @@
 //!   ([`move_buffer`](AsyncChannel::move_buffer),
 //!   [`pass`](AsyncChannel::pass), [`copy`](AsyncChannel::copy),
 //!   [`release`](AsyncChannel::release), …) wait for room instead of
-//!   failing with [`Error::QueueFull`]; every other error is returned at
+//!   failing with [`ErrorKind::QueueFull`]; every other error is returned at
 //!   once, as by the blocking operation.
 //! - [`AsyncChannel::accept`] and [`AsyncChannel::connect`] are the
 //!   async forms of [`Channel::accept`] and [`Channel::connect`] (the
@@ -38,7 +38,7 @@
 //! ```
 //! use std::time::Duration;
 //! use ferry::tokio::AsyncChannel;
-//! use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints, PoolPolicy};
+//! use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints, PoolPolicy, WaitError};
 //!
 //! let t = Duration::from_secs(10);
 //! let ep = Endpoint::local();
@@ -50,9 +50,10 @@
 //!         rx.set_pool_policy(PoolPolicy::AcceptAll);
 //!         loop {
 //!             match rx.wait(Some(t)) {
-//!                 Some(Event::MoveReceived { buffer, meta }) => rx.pass(buffer, &meta)?,
-//!                 Some(Event::Closed { .. }) | None => return Ok(()),
-//!                 Some(_) => {}
+//!                 Ok(Event::MoveReceived { buffer, meta }) => rx.pass(buffer, &meta)?,
+//!                 Ok(Event::Closed { .. }) | Err(WaitError::Closed) => return Ok(()),
+//!                 Ok(_) => {}
+//!                 Err(timed_out) => return Err(timed_out.into()),
 //!             }
 //!         }
 //!     })
@@ -95,8 +96,8 @@ use ::tokio::io::Interest;
 use futures_core::Stream;
 
 use crate::{
-    BindParams, Buffer, BufferCopy, Channel, ChannelSetup, ChannelState, CopySource, Domain, Endpoint, Error, Event,
-    Pool, Refused, Result,
+    BindParams, Buffer, BufferCopy, Channel, ChannelSetup, ChannelState, CopySource, Domain, Endpoint, Error,
+    ErrorKind, Event, Pool, Refused, Result,
 };
 
 /// How many times a wait looks again at once (the channel said something
@@ -126,7 +127,7 @@ impl AsRawFd for Inner {
 /// The channel stays usable as it is ([`get_ref`](AsyncChannel::get_ref),
 /// [`get_mut`](AsyncChannel::get_mut): the operations without an async form
 /// here, such as [`Channel::respond_pool`] or [`Channel::set_batching`], are
-/// called there; one refused with [`Error::QueueFull`] is tried again after
+/// called there; one refused with [`ErrorKind::QueueFull`] is tried again after
 /// the next event) and can be taken back
 /// ([`into_inner`](AsyncChannel::into_inner)).
 ///
@@ -148,7 +149,7 @@ impl std::fmt::Debug for AsyncChannel {
 impl AsyncChannel {
     /// Wrap a channel, in any state, registering its fd with the current
     /// tokio runtime. Refused (the channel handed back) outside a runtime:
-    /// [`Error::InvalidArgument`]; an fd tokio cannot watch: [`Error::Os`].
+    /// [`ErrorKind::InvalidArgument`]; an fd tokio cannot watch: [`ErrorKind::Os`].
     ///
     /// # Panics
     ///
@@ -158,7 +159,7 @@ impl AsyncChannel {
     #[allow(clippy::result_large_err)]
     pub fn new(channel: Channel) -> Result<AsyncChannel, Refused<Channel>> {
         if ::tokio::runtime::Handle::try_current().is_err() {
-            return Err(Refused::new(Error::InvalidArgument("not inside a tokio runtime"), channel));
+            return Err(Refused::new(Error::from(ErrorKind::InvalidArgument("not inside a tokio runtime")), channel));
         }
         // SAFETY: the fd is the channel's wake set (an epoll instance), owned
         // by the channel inside `Inner`: open, and the same fd, for the
@@ -169,7 +170,7 @@ impl AsyncChannel {
             Ok(fd) => Ok(AsyncChannel { fd, spin: Duration::ZERO }),
             Err(e) => {
                 let (inner, e) = e.into_parts();
-                Err(Refused::new(e.into(), inner.0))
+                Err(Refused::new(Error::from(e), inner.0))
             }
         }
     }
@@ -239,12 +240,12 @@ impl AsyncChannel {
     /// ```
     /// use std::time::Duration;
     /// use ferry::tokio::AsyncChannel;
-    /// use ferry::{BindParams, Domain, Endpoint, Error};
+    /// use ferry::{BindParams, Domain, Endpoint, ErrorKind};
     ///
     /// let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     /// // Nobody creates a channel on this endpoint.
     /// let err = rt.block_on(AsyncChannel::connect(&Domain::new("d"), &Endpoint::local(), BindParams::default(), Duration::from_millis(20)));
-    /// assert_eq!(err.unwrap_err(), Error::EndpointNotListening);
+    /// assert_eq!(err.unwrap_err(), ErrorKind::EndpointNotListening);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub async fn connect(
@@ -260,17 +261,17 @@ impl AsyncChannel {
             let attempt = ::tokio::task::spawn_blocking(move || Channel::bind(&domain, &endpoint, params));
             match attempt.await {
                 Ok(Ok(ch)) => break ch,
-                Ok(Err(Error::EndpointNotListening)) => {
+                Ok(Err(e)) if e == ErrorKind::EndpointNotListening => {
                     let left = deadline.saturating_duration_since(::tokio::time::Instant::now());
                     if left.is_zero() {
-                        return Err(Error::EndpointNotListening);
+                        return Err(e);
                     }
                     ::tokio::time::sleep(pause.min(left)).await;
                     pause = (pause * 2).min(crate::channel::RETRY_MAX);
                 }
                 Ok(Err(e)) => return Err(e),
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                Err(_) => return Err(Error::Os("the runtime is shutting down".into())),
+                Err(_) => return Err(ErrorKind::Os("the runtime is shutting down".into()).into()),
             }
         };
         let ch = AsyncChannel::new(ch).map_err(|r| r.error)?;
@@ -283,7 +284,7 @@ impl AsyncChannel {
         match ::tokio::time::timeout_at(deadline, self.wait_connected()).await {
             Ok(Ok(())) => Ok(self),
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(Error::TimedOut),
+            Err(_) => Err(ErrorKind::TimedOut.into()),
         }
     }
 
@@ -334,7 +335,7 @@ impl AsyncChannel {
     /// a timeout) loses no event.
     ///
     /// If the runtime's I/O driver is gone (the runtime is shutting down),
-    /// the wait ends with an [`Event::Error`] ([`Error::Os`]) although the
+    /// the wait ends with an [`Event::Error`] ([`ErrorKind::Os`]) although the
     /// channel is not closed.
     ///
     /// A channel that always has an event ready never makes this future
@@ -412,7 +413,7 @@ impl AsyncChannel {
     }
 
     /// One step of a wait for room, after an operation failed with
-    /// [`Error::QueueFull`]: `Ready` when it is worth trying again. An
+    /// [`ErrorKind::QueueFull`]: `Ready` when it is worth trying again. An
     /// arrival in the way is kept in the channel for
     /// [`next_event`](AsyncChannel::next_event) (see the [module](self)).
     fn poll_room(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
@@ -434,7 +435,7 @@ impl AsyncChannel {
         poll_fn(|cx| self.poll_room(cx)).await
     }
 
-    /// Run `op` until it does not fail with [`Error::QueueFull`], waiting
+    /// Run `op` until it does not fail with [`ErrorKind::QueueFull`], waiting
     /// for room in between. Refused for another reason: that error, with
     /// the value back.
     async fn with_room<T>(
@@ -445,7 +446,7 @@ impl AsyncChannel {
         let mut tries = 0;
         loop {
             match op(self.get_mut(), value) {
-                Err(r) if r.error == Error::QueueFull => value = r.value,
+                Err(r) if r.error == ErrorKind::QueueFull => value = r.into_inner(),
                 done => return done,
             }
             tries += 1;
@@ -477,7 +478,7 @@ impl AsyncChannel {
     /// [`Channel::send_aggregate`], waiting for room for the whole run like
     /// [`move_buffer`](AsyncChannel::move_buffer) (an aggregate that could
     /// never fit the queue is refused at once with
-    /// [`Error::AggregateTooLarge`]).
+    /// [`ErrorKind::AggregateTooLarge`]).
     pub async fn send_aggregate(
         &mut self,
         agg: crate::Aggregate,
@@ -537,7 +538,7 @@ impl AsyncChannel {
     /// [`Channel::wait_connected`] without a timeout (put one around the
     /// future: `tokio::time::timeout`): `Ok` once a channel being created or
     /// bound is connected, its [`Event::BindRequest`] or [`Event::Bound`]
-    /// taken; the error of a failed setup; [`Error::NotConnected`] for a
+    /// taken; the error of a failed setup; [`ErrorKind::NotConnected`] for a
     /// channel that is tearing down or closed. The backend's own setup
     /// deadlines still apply. Other events are kept for
     /// [`next_event`](AsyncChannel::next_event). Cancel-safe.
@@ -548,7 +549,7 @@ impl AsyncChannel {
                 match ch.state() {
                     ChannelState::Connected => return Poll::Ready(Ok(())),
                     ChannelState::Initialized | ChannelState::Binding => {}
-                    s => return Poll::Ready(Err(Error::NotConnected(s))),
+                    s => return Poll::Ready(Err(ErrorKind::NotConnected(s).into())),
                 }
                 match ch.poll_unheld() {
                     Some(Event::BindRequest { .. } | Event::Bound) => return Poll::Ready(Ok(())),
@@ -574,7 +575,7 @@ impl AsyncChannel {
     /// [`Channel::assign_pool_and_wait`] without a timeout (put one around
     /// the future): assign `pool` (waiting for room if the queue is full),
     /// then wait for the peer's answer: `Ok` once assigned,
-    /// [`Error::PoolVetoed`] if vetoed, the error of a channel that failed
+    /// [`ErrorKind::PoolVetoed`] if vetoed, the error of a channel that failed
     /// or closed meanwhile, the errors of [`Channel::assign_pool`]. Every
     /// other event that arrives meanwhile is kept, in order, for
     /// [`next_event`](AsyncChannel::next_event) (an [`Event::Error`] or
@@ -589,11 +590,11 @@ impl AsyncChannel {
                 let ch = self.get_mut();
                 match ch.poll_unheld() {
                     Some(Event::PoolAssigned(p)) if p == id => return Poll::Ready(Ok(())),
-                    Some(Event::PoolVetoed(p)) if p == id => return Poll::Ready(Err(Error::PoolVetoed(id))),
+                    Some(Event::PoolVetoed(p)) if p == id => return Poll::Ready(Err(ErrorKind::PoolVetoed(id).into())),
                     Some(ev) => {
                         let stop = match &ev {
                             Event::Error(e) => Some(e.clone()),
-                            Event::Closed { .. } => Some(Error::NotConnected(ChannelState::Closed)),
+                            Event::Closed { .. } => Some(ErrorKind::NotConnected(ChannelState::Closed).into()),
                             _ => None,
                         };
                         ch.hold(ev);
@@ -603,7 +604,7 @@ impl AsyncChannel {
                         }
                     }
                     None if ch.state() == ChannelState::Closed => {
-                        return Poll::Ready(Err(Error::NotConnected(ChannelState::Closed)))
+                        return Poll::Ready(Err(ErrorKind::NotConnected(ChannelState::Closed).into()))
                     }
                     None => {}
                 }

@@ -151,7 +151,7 @@ fn run(ops: Vec<Op>) {
     for pool in [payload.pool(), headers.pool()] {
         tx.assign_pool(pool).unwrap();
         rx.poll();
-        assert!(matches!(tx.wait(Some(T)), Some(Event::PoolAssigned(_))));
+        assert!(matches!(tx.wait(Some(T)), Ok(Event::PoolAssigned(_))));
     }
     let mut aggs: Vec<Aggregate> = Vec::new();
     let mut models: Vec<Vec<u8>> = Vec::new();
@@ -211,7 +211,7 @@ fn run(ops: Vec<Op>) {
                     }
                     Err(e) => {
                         assert!(at > len);
-                        assert_eq!(e, ferry::Error::BadRange { start: at, end: len, len });
+                        assert_eq!(e, ferry::ErrorKind::BadRange { start: at, end: len, len });
                     }
                 }
             }
@@ -228,7 +228,7 @@ fn run(ops: Vec<Op>) {
                     }
                     Err(e) => {
                         assert!(at > len);
-                        assert_eq!(e, ferry::Error::BadRange { start: at, end: len, len });
+                        assert_eq!(e, ferry::ErrorKind::BadRange { start: at, end: len, len });
                     }
                 }
             }
@@ -248,7 +248,7 @@ fn run(ops: Vec<Op>) {
                     }
                     Err(e) => {
                         assert!(k > len);
-                        assert_eq!(e, ferry::Error::BadRange { start: k, end: len, len });
+                        assert_eq!(e, ferry::ErrorKind::BadRange { start: k, end: len, len });
                     }
                 }
             }
@@ -314,15 +314,15 @@ fn run(ops: Vec<Op>) {
                     // buffers received in `far` (not this domain's to send):
                     // nothing crossed.
                     let crossed = aggs[a % n].fragments().any(|f| f.is_copy());
-                    match r.error {
-                        ferry::Error::AggregateTooLarge { .. } => {}
-                        ferry::Error::ForeignBuffer => assert!(crossed),
+                    match r.error.kind() {
+                        ferry::ErrorKind::AggregateTooLarge { .. } => {}
+                        ferry::ErrorKind::ForeignBuffer => assert!(crossed),
                         e => panic!("{e:?}"),
                     }
                     continue;
                 }
                 let got = match rx.wait(Some(T)) {
-                    Some(Event::Aggregate { agg, meta }) if &meta[..] == b"x" => agg,
+                    Ok(Event::Aggregate { agg, meta }) if &meta[..] == b"x" => agg,
                     other => panic!("unexpected {other:?}"),
                 };
                 // The same fragments: the same byte ranges of the same buffers.
@@ -431,7 +431,7 @@ fn local_pair_with_pool(a: &Domain, b: &Domain) -> (Channel, Channel, Allocator)
     tx.assign_pool(alloc.pool()).unwrap();
     rx.poll(); // accepts the pool (policy)
     match tx.wait(Some(T)) {
-        Some(Event::PoolAssigned(_)) => {}
+        Ok(Event::PoolAssigned(_)) => {}
         other => panic!("unexpected {other:?}"),
     }
     (tx, rx, alloc)
@@ -450,8 +450,8 @@ fn copies_are_released_when_the_last_fragment_goes() {
     tx.copy(&buf, &[]).unwrap();
     let copy = loop {
         match rx.wait(Some(T)) {
-            Some(Event::CopyReceived { copy, .. }) => break copy,
-            Some(Event::PoolAssignRequest(_)) => {}
+            Ok(Event::CopyReceived { copy, .. }) => break copy,
+            Ok(Event::PoolAssignRequest(_)) => {}
             other => panic!("unexpected {other:?}"),
         }
     };
@@ -469,7 +469,7 @@ fn copies_are_released_when_the_last_fragment_goes() {
     drop(hello);
     rx.poll(); // the channel runs: the deferred release goes out
     match tx.wait(Some(T)) {
-        Some(Event::CopyReleased { writable: true, .. }) => {}
+        Ok(Event::CopyReleased { writable: true, .. }) => {}
         other => panic!("unexpected {other:?}"),
     }
     assert!(buf.as_mut_slice().is_ok(), "the owner writes again");
@@ -489,8 +489,8 @@ fn received_buffers_go_back_with_their_last_fragment() {
     tx.send_aggregate(msg, b"m").unwrap();
     let mut got = loop {
         match rx.wait(Some(T)) {
-            Some(Event::Aggregate { agg, .. }) => break agg,
-            Some(Event::PoolAssignRequest(_) | Event::PoolAssigned(_)) => {}
+            Ok(Event::Aggregate { agg, .. }) => break agg,
+            Ok(Event::PoolAssignRequest(_) | Event::PoolAssigned(_)) => {}
             other => panic!("unexpected {other:?}"),
         }
     };
@@ -501,11 +501,11 @@ fn received_buffers_go_back_with_their_last_fragment() {
     drop(head);
     rx.flush().unwrap();
     match tx.wait(Some(T)) {
-        Some(Event::CopyReleased { buffer, writable: true }) => assert_eq!(buffer, y_id),
+        Ok(Event::CopyReleased { buffer, writable: true }) => assert_eq!(buffer, y_id),
         other => panic!("y's copy should be back while `got` still holds x: {other:?}"),
     }
     got.clip_front(10);
     rx.flush().unwrap();
-    assert!(matches!(tx.wait(Some(T)), Some(Event::CopyReleased { writable: true, .. })));
+    assert!(matches!(tx.wait(Some(T)), Ok(Event::CopyReleased { writable: true, .. })));
     assert_eq!(alloc.available(), 2);
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Aggregate, Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Error, Event, PoolConstraints,
+    Aggregate, Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, ErrorKind, Event, PoolConstraints,
     PoolPolicy,
 };
 
@@ -87,8 +87,8 @@ fn sender_sleeps_until_the_run_fits(ep: Endpoint) {
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 match rx.wait(Some(T)) {
-                    Some(Event::MoveReceived { .. }) => moves += 1,
-                    Some(Event::Aggregate { agg, .. }) => {
+                    Ok(Event::MoveReceived { .. }) => moves += 1,
+                    Ok(Event::Aggregate { agg, .. }) => {
                         assert_eq!(moves, AHEAD);
                         assert_eq!(agg.to_vec(), vec![0, 1, 1, 1, 2, 1, 2, 3, 2, 3, 2, 3]);
                         return rx;
@@ -105,7 +105,7 @@ fn sender_sleeps_until_the_run_fits(ep: Endpoint) {
         assert!(Instant::now() < deadline, "sender timed out after {rounds} rounds");
         match tx.send_aggregate(msg, &[7]) {
             Ok(()) => break,
-            Err(r) if r.error == Error::QueueFull => msg = r.into_inner(),
+            Err(r) if r.error == ErrorKind::QueueFull => msg = r.into_inner(),
             Err(r) => panic!("send_aggregate: {}", r.error),
         }
         rounds += 1;

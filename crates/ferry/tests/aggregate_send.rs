@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use ferry::{
     Aggregate, Allocator, BindParams, BufferId, BufferState, Channel, ChannelSetup, ChannelState, Direction, Domain,
-    Endpoint, Error, Event, Meta, PoolConstraints, PoolPolicy,
+    Endpoint, Error, ErrorKind, Event, Meta, PoolConstraints, PoolPolicy,
 };
 
 const T: Duration = Duration::from_secs(10);
@@ -65,7 +65,7 @@ fn relay(ep1: &Endpoint, ep2: &Endpoint) {
         while let Some((agg, meta)) = pending.pop_front() {
             match ch2.send_aggregate(agg, &meta) {
                 Ok(()) => {}
-                Err(r) if matches!(r.error, Error::PoolNotAssigned(_) | Error::QueueFull) => {
+                Err(r) if matches!(r.error.kind(), ErrorKind::PoolNotAssigned(_) | ErrorKind::QueueFull) => {
                     pending.push_front((r.into_inner(), meta));
                     break;
                 }
@@ -78,7 +78,7 @@ fn relay(ep1: &Endpoint, ep2: &Endpoint) {
             x1_free |= b.buffer_state(id) == BufferState::ReadWrite && b.free_count(id.pool) == 1;
         }
         let mut chans = [&mut ch1, &mut ch2];
-        let Some((i, ev)) = ferry::wait_any(&mut chans, Some(Duration::from_millis(100))) else { continue };
+        let Ok((i, ev)) = ferry::wait_any(&mut chans, Some(Duration::from_millis(100))) else { continue };
         match ev {
             Event::PoolAssignRequest(req) if i == 0 => {
                 let pool = b.pool(req.pool).expect("accepted pool");
@@ -147,9 +147,9 @@ fn settle(
         assert!(Instant::now() < deadline, "timed out; {} aggregates at C", got.len());
         let mut chans = [&mut *ch1, &mut *ch2];
         match ferry::wait_any(&mut chans, Some(Duration::from_millis(50))) {
-            Some((1, Event::Aggregate { agg, meta })) => got.push((agg, meta)),
-            Some((i, Event::Error(e))) => panic!("channel {i}: {e}"),
-            Some((i, Event::Closed { by_peer: true })) => panic!("channel {i} closed by B"),
+            Ok((1, Event::Aggregate { agg, meta })) => got.push((agg, meta)),
+            Ok((i, Event::Error(e))) => panic!("channel {i}: {e}"),
+            Ok((i, Event::Closed { by_peer: true })) => panic!("channel {i} closed by B"),
             _ => {}
         }
     }
@@ -307,7 +307,7 @@ fn three_domains(kind: Kind, drops: Drops) {
     while closed != [true, true] {
         assert!(Instant::now() < deadline, "teardown timed out");
         let mut chans = [&mut ch1, &mut ch2];
-        if let Some((i, Event::Closed { .. })) = ferry::wait_any(&mut chans, Some(Duration::from_millis(50))) {
+        if let Ok((i, Event::Closed { .. })) = ferry::wait_any(&mut chans, Some(Duration::from_millis(50))) {
             closed[i] = true;
         }
     }
@@ -363,7 +363,7 @@ fn pair(depth: u32, count: u64) -> (Domain, Domain, Channel, Channel, Allocator)
     let alloc = Allocator::new(&a, count, SIZE, PoolConstraints::default()).unwrap();
     tx.assign_pool(alloc.pool()).unwrap();
     rx.poll();
-    assert!(matches!(tx.wait(Some(T)), Some(Event::PoolAssigned(_))));
+    assert!(matches!(tx.wait(Some(T)), Ok(Event::PoolAssigned(_))));
     (a, b, tx, rx, alloc)
 }
 
@@ -386,35 +386,35 @@ fn refused_aggregates_come_back_intact() {
     let big = parts(4);
     let bytes = big.to_vec();
     let r = tx.send_aggregate(big, b"").unwrap_err();
-    drop(check_back(r, Error::AggregateTooLarge { slots: 7, capacity: 4 }, &bytes));
+    drop(check_back(r, ErrorKind::AggregateTooLarge { slots: 7, capacity: 4 }.into(), &bytes));
     assert!(rx.poll().is_none(), "nothing was sent");
     // Meta data longer than the channel's.
     let one = parts(1);
     let r = tx.send_aggregate(one, &[0; 9]).unwrap_err();
-    let one = check_back(r, Error::MetaTooLarge { len: 9, max: 8 }, &[0; 10]);
+    let one = check_back(r, ErrorKind::MetaTooLarge { len: 9, max: 8 }.into(), &[0; 10]);
     // A pool not assigned to the channel.
     let other = Allocator::new(&a, 1, SIZE, PoolConstraints::default()).unwrap();
     let mixed = one.join(Aggregate::from_bytes_in(other.alloc().unwrap(), b"xy").unwrap());
     let r = tx.send_aggregate(mixed, b"").unwrap_err();
-    let mixed = check_back(r, Error::PoolNotAssigned(other.pool().id()), b"\0\0\0\0\0\0\0\0\0\0xy");
+    let mixed = check_back(r, ErrorKind::PoolNotAssigned(other.pool().id()).into(), b"\0\0\0\0\0\0\0\0\0\0xy");
     drop(mixed);
     // A buffer of another domain.
     let stranger = Allocator::new(&Domain::new("z"), 1, SIZE, PoolConstraints::default()).unwrap();
     let foreign = Aggregate::from_bytes_in(stranger.alloc().unwrap(), b"f").unwrap();
-    assert_eq!(tx.send_aggregate(foreign, b"").unwrap_err().error, Error::ForeignBuffer);
+    assert_eq!(tx.send_aggregate(foreign, b"").unwrap_err().error, ErrorKind::ForeignBuffer);
     // The wrong direction.
-    assert_eq!(rx.send_aggregate(Aggregate::new(), b"").unwrap_err().error, Error::WrongDirection);
+    assert_eq!(rx.send_aggregate(Aggregate::new(), b"").unwrap_err().error, ErrorKind::WrongDirection);
     // A full queue: room for the whole run or nothing.
     tx.move_buffer(alloc.alloc().unwrap(), b"").unwrap();
     tx.move_buffer(alloc.alloc().unwrap(), b"").unwrap();
     let two = parts(1);
     let r = tx.send_aggregate(two, b"q").unwrap_err(); // needs 3 slots, 2 free
-    let two = check_back(r, Error::QueueFull, &[0; 10]);
+    let two = check_back(r, ErrorKind::QueueFull.into(), &[0; 10]);
     assert!(matches!(rx.poll(), Some(Event::MoveReceived { .. })));
     assert!(matches!(rx.poll(), Some(Event::MoveReceived { .. })));
     tx.send_aggregate(two, b"q").unwrap();
     match rx.wait(Some(T)) {
-        Some(Event::Aggregate { agg, meta }) => assert_eq!((agg.to_vec(), &meta[..]), (vec![0; 10], &b"q"[..])),
+        Ok(Event::Aggregate { agg, meta }) => assert_eq!((agg.to_vec(), &meta[..]), (vec![0; 10], &b"q"[..])),
         ev => panic!("{ev:?}"),
     }
     assert_eq!(alloc.available(), 8 - 3, "the moved buffers are b's now");
@@ -446,7 +446,7 @@ fn trains_of_units_cross_in_a_few_slots() {
     assert_eq!(sent.len(), 400);
     tx.send_aggregate(train, b"t").unwrap();
     match rx.wait(Some(T)) {
-        Some(Event::Aggregate { agg, meta }) => {
+        Ok(Event::Aggregate { agg, meta }) => {
             let got: Vec<(std::ops::Range<usize>, Vec<u8>)> =
                 agg.fragments().map(|f| (f.range(), f.bytes().to_vec())).collect();
             assert_eq!((got, &meta[..]), (sent, &b"t"[..]));
@@ -462,7 +462,7 @@ fn empty_and_copy_only_aggregates() {
     let (a, b, mut tx, mut rx, alloc) = pair(64, 8);
     tx.send_aggregate(Aggregate::new(), b"nothing").unwrap();
     match rx.wait(Some(T)) {
-        Some(Event::Aggregate { agg, meta }) => assert!(agg.is_empty() && &meta[..] == b"nothing"),
+        Ok(Event::Aggregate { agg, meta }) => assert!(agg.is_empty() && &meta[..] == b"nothing"),
         ev => panic!("{ev:?}"),
     }
     let shared = Aggregate::from_bytes_in(alloc.alloc().unwrap(), b"0123456789").unwrap();
@@ -470,7 +470,7 @@ fn empty_and_copy_only_aggregates() {
     // The same buffer three times, and the sender keeps it: one copy.
     let msg = shared.slice(0..2).unwrap().join(shared.slice(5..8).unwrap()).join(shared.slice(1..3).unwrap());
     tx.send_aggregate(msg, b"").unwrap();
-    let Some(Event::Aggregate { agg, .. }) = rx.wait(Some(T)) else { panic!() };
+    let Ok(Event::Aggregate { agg, .. }) = rx.wait(Some(T)) else { panic!() };
     assert_eq!(agg.to_vec(), b"0156712");
     assert!(agg.fragments().all(|f| f.is_copy() && f.buffer_id() == id));
     assert_eq!((a.buffer_state(id), b.buffer_state(id)), (BufferState::ReadOnlyOwned, BufferState::ReadOnly));
@@ -481,7 +481,7 @@ fn empty_and_copy_only_aggregates() {
     assert!(tx.poll().is_none(), "the tail still holds the copy");
     drop(tail);
     rx.flush().unwrap();
-    assert!(matches!(tx.wait(Some(T)), Some(Event::CopyReleased { writable: true, .. })));
+    assert!(matches!(tx.wait(Some(T)), Ok(Event::CopyReleased { writable: true, .. })));
     drop(shared);
     assert_eq!(alloc.available(), 8);
 }
@@ -500,7 +500,7 @@ fn unseen_aggregates_go_back_when_the_receiver_drops() {
     let deadline = Instant::now() + T;
     while a.buffer_state(id) != BufferState::ReadWrite {
         assert!(Instant::now() < deadline);
-        tx.wait(Some(Duration::from_millis(50)));
+        let _ = tx.wait(Some(Duration::from_millis(50)));
     }
     drop(kept);
     assert_eq!(alloc.available(), 7, "the moved buffer went with b");
@@ -663,9 +663,9 @@ mod hostile {
             let why = loop {
                 assert!(Instant::now() < deadline, "{what}: no error");
                 match ch.wait(Some(Duration::from_millis(100))) {
-                    Some(Event::Error(Error::Protocol(why))) => break why,
-                    Some(Event::Error(e)) => panic!("{what}: {e:?}"),
-                    Some(Event::Aggregate { .. }) => panic!("{what}: delivered"),
+                    Ok(Event::Error(e)) if matches!(e.kind(), ErrorKind::Protocol(_)) => break e.to_string(),
+                    Ok(Event::Error(e)) => panic!("{what}: {e:?}"),
+                    Ok(Event::Aggregate { .. }) => panic!("{what}: delivered"),
                     _ => {}
                 }
             };

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ferry::tokio::AsyncChannel;
 use ferry::{
-    Allocator, BindParams, Channel, ChannelSetup, ChannelState, Domain, Endpoint, Error, Event, PoolConstraints,
+    Allocator, BindParams, Channel, ChannelSetup, ChannelState, Domain, Endpoint, ErrorKind, Event, PoolConstraints,
     PoolPolicy, TrustLevel,
 };
 
@@ -100,11 +100,11 @@ fn typed_errors() {
         let ep = Endpoint::shm_abstract(&support::unique_name("async-accept"));
         let d = Domain::new("d");
         let err = AsyncChannel::accept(&d, &ep, ChannelSetup::default(), Duration::from_millis(30)).await;
-        assert_eq!(err.unwrap_err(), Error::TimedOut);
+        assert_eq!(err.unwrap_err(), ErrorKind::TimedOut);
         drop(Channel::create(&d, &ep, ChannelSetup::default()).expect("the endpoint is free again"));
 
         let err = AsyncChannel::connect(&d, &ep, BindParams::default(), Duration::from_millis(30)).await;
-        assert_eq!(err.unwrap_err(), Error::EndpointNotListening);
+        assert_eq!(err.unwrap_err(), ErrorKind::EndpointNotListening);
 
         let setup = ChannelSetup { trust: TrustLevel::Full, ..ChannelSetup::default() };
         let creator = tokio::spawn({
@@ -113,7 +113,7 @@ fn typed_errors() {
         });
         let params = BindParams { trust: Some(TrustLevel::None), ..BindParams::default() };
         let err = AsyncChannel::connect(&d, &ep, params, T).await;
-        assert!(matches!(err, Err(Error::BindRefused(_))), "{err:?}");
+        assert!(matches!(err.as_ref().map_err(|e| e.kind()), Err(ErrorKind::BindRefused(_))), "{err:?}");
         assert!(creator.await.unwrap().is_err(), "the creator got no binder");
     });
 }
@@ -156,7 +156,7 @@ fn retries_leave_the_runtime_thread_free() {
         )
         .await
         .unwrap_err();
-        assert_eq!(err, Error::EndpointNotListening);
+        assert_eq!(err, ErrorKind::EndpointNotListening);
         assert!(ticks.load(std::sync::atomic::Ordering::Relaxed) > 0, "the other task ran meanwhile");
         ticker.abort();
     });

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use ferry::tokio::AsyncChannel;
 use ferry::{
-    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, Event, PoolConstraints,
+    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, ErrorKind, Event, PoolConstraints,
     PoolPolicy, Role,
 };
 use support::payload::{check, fill};
@@ -158,7 +158,7 @@ fn cancelled_next_event_loses_nothing() {
                     fill(buf.as_mut_slice().unwrap(), sent);
                     match tx.move_buffer(buf, &sent.to_le_bytes()) {
                         Ok(()) => sent += 1,
-                        Err(r) if r.error == Error::QueueFull => drop(r),
+                        Err(r) if r.error == ErrorKind::QueueFull => drop(r),
                         Err(r) => panic!("sender: {}", r.error),
                     }
                     // Pauses now and then, so that the receiver's timer
@@ -169,15 +169,15 @@ fn cancelled_next_event_loses_nothing() {
                     continue;
                 }
                 match tx.wait(Some(T)) {
-                    Some(Event::BufferPassed { .. }) => {}
+                    Ok(Event::BufferPassed { .. }) => {}
                     ev => panic!("sender: unexpected {ev:?}"),
                 }
             }
             tx.teardown().unwrap();
             loop {
                 match tx.wait(Some(T)) {
-                    Some(Event::Closed { .. }) => break,
-                    Some(Event::BufferPassed { .. }) => {}
+                    Ok(Event::Closed { .. }) => break,
+                    Ok(Event::BufferPassed { .. }) => {}
                     ev => panic!("sender: unexpected {ev:?}"),
                 }
             }
@@ -234,7 +234,7 @@ fn a_full_queue_waits_for_room() {
             fill(buf.as_mut_slice().unwrap(), queued);
             match tx.get_mut().move_buffer(buf, &queued.to_le_bytes()) {
                 Ok(()) => queued += 1,
-                Err(r) if r.error == Error::QueueFull => break,
+                Err(r) if r.error == ErrorKind::QueueFull => break,
                 Err(r) => panic!("{}", r.error),
             }
         }
@@ -318,7 +318,7 @@ fn both_ends_waiting_for_room_do_not_block_each_other() {
 fn wrapping_outside_a_runtime_is_refused() {
     let ch = Channel::create(&Domain::new("d"), &Endpoint::local(), ChannelSetup::default()).unwrap();
     let refused = AsyncChannel::new(ch).unwrap_err();
-    assert!(matches!(refused.error, Error::InvalidArgument(_)), "{:?}", refused.error);
+    assert!(matches!(refused.error.kind(), ErrorKind::InvalidArgument(_)), "{:?}", refused.error);
     let ch = refused.into_inner();
     assert_eq!(ch.state(), ferry::ChannelState::Initialized);
 }
@@ -358,8 +358,8 @@ fn async_child() {
     let mut kept = Vec::new();
     loop {
         match ch.wait(Some(Duration::from_secs(60))) {
-            Some(Event::PoolAssignRequest(_)) => {}
-            Some(Event::MoveReceived { mut buffer, meta }) => {
+            Ok(Event::PoolAssignRequest(_)) => {}
+            Ok(Event::MoveReceived { mut buffer, meta }) => {
                 let seq = seq_of(&meta);
                 assert!(check(&buffer, seq), "child: buffer {seq} arrived corrupted");
                 if role == "hold" {
@@ -369,8 +369,8 @@ fn async_child() {
                 fill(buffer.as_mut_slice().unwrap(), seq + 1);
                 ch.pass(buffer, &meta).unwrap();
             }
-            Some(Event::Closed { .. }) | None => break,
-            Some(ev) => panic!("child: unexpected {ev:?}"),
+            Ok(Event::Closed { .. }) | Err(_) => break,
+            Ok(ev) => panic!("child: unexpected {ev:?}"),
         }
     }
     drop(kept);
@@ -446,7 +446,7 @@ fn killed_peer(kind: &str) {
         child.kill().unwrap();
         let (ev, mut ch) = timeout(T, waiter).await.expect("the wait ends when the peer dies").unwrap();
         match ev {
-            Some(Event::Error(Error::PeerGone | Error::PeerUnresponsive(_))) => {}
+            Some(Event::Error(err)) if matches!(err.kind(), ErrorKind::PeerGone | ErrorKind::PeerUnresponsive(_)) => {}
             ev => panic!("expected the peer's death, got {ev:?}"),
         }
         assert!(timeout(T, ch.next_event()).await.unwrap().is_none(), "closed");

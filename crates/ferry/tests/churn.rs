@@ -81,8 +81,8 @@ fn connect(backend: Backend, source: &Domain, sink: &Domain) -> (Channel, Channe
     // Pools of buffers larger than `BUF` are vetoed by the sink's library.
     let constraints = ChannelConstraints { max_buffer_size: BUF, ..ChannelConstraints::default() };
     let mut rx = Channel::bind(sink, &ep, BindParams { constraints, ..BindParams::default() }).expect("bind");
-    assert!(matches!(tx.wait(Some(WAIT)), Some(Event::BindRequest { .. })));
-    assert!(matches!(rx.wait(Some(WAIT)), Some(Event::Bound)));
+    assert!(matches!(tx.wait(Some(WAIT)), Ok(Event::BindRequest { .. })));
+    assert!(matches!(rx.wait(Some(WAIT)), Ok(Event::Bound)));
     (tx, rx)
 }
 

@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use rustix::event::{epoll, PollFd, PollFlags, Timespec};
 
 use ferry::{
-    wait_any, Allocator, BindParams, Buffer, Channel, ChannelSetup, ChannelState, Direction, Domain, Endpoint, Error,
-    Event, NetOptions, PoolConstraints, PoolPolicy, Selector,
+    wait_any, Allocator, BindParams, Buffer, Channel, ChannelSetup, ChannelState, Direction, Domain, Endpoint,
+    ErrorKind, Event, NetOptions, PoolConstraints, PoolPolicy, Selector, WaitError,
 };
 
 use support::payload::{check, fill};
@@ -330,8 +330,8 @@ fn event_loop_child() {
     if role == "hold" {
         loop {
             match ch.wait(Some(Duration::from_secs(30))) {
-                Some(Event::PoolAssignRequest(_)) => {}
-                Some(ev @ Event::MoveReceived { .. }) => {
+                Ok(Event::PoolAssignRequest(_)) => {}
+                Ok(ev @ Event::MoveReceived { .. }) => {
                     kept.push(received(ev).0);
                     println!("@ev held {}", kept.len());
                 }
@@ -358,7 +358,7 @@ fn event_loop_child() {
                 for _ in 0..n {
                     while a.available() == 0 {
                         match ch.wait(Some(T)) {
-                            Some(Event::BufferPassed { .. }) => {}
+                            Ok(Event::BufferPassed { .. }) => {}
                             other => panic!("child: {other:?}"),
                         }
                     }
@@ -370,7 +370,7 @@ fn event_loop_child() {
             }
             "accept" => {
                 match ch.wait(Some(T)) {
-                    Some(Event::PoolAssignRequest(_)) => {}
+                    Ok(Event::PoolAssignRequest(_)) => {}
                     other => panic!("child: {other:?}"),
                 }
                 println!("@ev accepted");
@@ -379,11 +379,11 @@ fn event_loop_child() {
                 let mut took = 0;
                 while took < n {
                     match ch.wait(Some(T)) {
-                        Some(ev @ Event::MoveReceived { .. }) => {
+                        Ok(ev @ Event::MoveReceived { .. }) => {
                             kept.push(received(ev).0);
                             took += 1;
                         }
-                        Some(Event::PoolAssignRequest(_)) => {}
+                        Ok(Event::PoolAssignRequest(_)) => {}
                         other => panic!("child: {other:?}"),
                     }
                 }
@@ -398,8 +398,8 @@ fn event_loop_child() {
                 ch.teardown().unwrap();
                 loop {
                     match ch.wait(Some(T)) {
-                        Some(Event::Closed { .. }) => break,
-                        Some(Event::BufferPassed { .. }) => {}
+                        Ok(Event::Closed { .. }) => break,
+                        Ok(Event::BufferPassed { .. }) => {}
                         other => panic!("child: {other:?}"),
                     }
                 }
@@ -430,7 +430,7 @@ impl Sender {
                 for _ in 0..n {
                     while alloc.available() == 0 {
                         match tx.wait(Some(T)) {
-                            Some(Event::BufferPassed { .. }) => {}
+                            Ok(Event::BufferPassed { .. }) => {}
                             other => panic!("{other:?}"),
                         }
                     }
@@ -449,11 +449,11 @@ impl Sender {
         match self {
             Sender::Local { mut tx, .. } => {
                 tx.teardown().unwrap();
-                assert!(matches!(rx.wait(Some(T)), Some(Event::Closed { by_peer: true })));
+                assert!(matches!(rx.wait(Some(T)), Ok(Event::Closed { by_peer: true })));
                 loop {
                     match tx.wait(Some(T)) {
-                        Some(Event::Closed { .. }) => break,
-                        Some(Event::BufferPassed { .. }) => {}
+                        Ok(Event::Closed { .. }) => break,
+                        Ok(Event::BufferPassed { .. }) => {}
                         other => panic!("{other:?}"),
                     }
                 }
@@ -461,7 +461,7 @@ impl Sender {
             Sender::Remote(mut peer) => {
                 peer.send("quit");
                 match rx.wait(Some(T)) {
-                    Some(Event::Closed { by_peer: true }) => {}
+                    Ok(Event::Closed { by_peer: true }) => {}
                     other => panic!("{other:?}"),
                 }
                 peer.expect("closed");
@@ -483,15 +483,15 @@ fn receiver(kind: Kind, sink: &Domain) -> (Channel, Sender) {
         tx.wait_connected(T).unwrap();
         let alloc = Allocator::new(&src, 1100, SIZE, PoolConstraints::default()).unwrap();
         tx.assign_pool(alloc.pool()).unwrap();
-        assert!(matches!(rx.wait(Some(T)), Some(Event::PoolAssignRequest(_))));
-        assert!(matches!(tx.wait(Some(T)), Some(Event::PoolAssigned(_))));
+        assert!(matches!(rx.wait(Some(T)), Ok(Event::PoolAssignRequest(_))));
+        assert!(matches!(tx.wait(Some(T)), Ok(Event::PoolAssigned(_))));
         Sender::Local { tx, alloc, seq: 0 }
     } else {
         let mut peer = Peer::spawn(&spec, "cmd", QUIET);
         rx.wait_connected(T).unwrap();
         peer.expect("bound");
         peer.send("pool");
-        assert!(matches!(rx.wait(Some(T)), Some(Event::PoolAssignRequest(_))));
+        assert!(matches!(rx.wait(Some(T)), Ok(Event::PoolAssignRequest(_))));
         peer.expect("pooled");
         Sender::Remote(peer)
     };
@@ -658,7 +658,7 @@ fn fd_through_setup(kind: Kind) {
     if let Some(rx) = local_rx.as_mut() {
         rx.wait_connected(T).unwrap();
         rx.set_pool_policy(PoolPolicy::AcceptAndReport);
-        assert!(matches!(rx.wait(Some(T)), Some(Event::PoolAssignRequest(_))));
+        assert!(matches!(rx.wait(Some(T)), Ok(Event::PoolAssignRequest(_))));
     } else {
         let peer = peer.as_mut().unwrap();
         peer.expect("bound");
@@ -714,7 +714,7 @@ fn one_event_per_wakeup_after_connect(kind: Kind) {
         let alloc = Allocator::new(&b, 4, SIZE, PoolConstraints::default()).unwrap();
         tx.assign_pool(alloc.pool()).unwrap();
         tx.flush().unwrap();
-        assert!(matches!(tx.wait(Some(T)), Some(Event::PoolAssigned(_))));
+        assert!(matches!(tx.wait(Some(T)), Ok(Event::PoolAssigned(_))));
         // Stay connected until the creator has seen everything.
         let _ = wait_done.recv_timeout(T);
     });
@@ -794,7 +794,8 @@ fn killed_peer_wakes_the_fd(kind: Kind) {
         }
     };
     match (kind, &ev) {
-        (_, Event::Error(Error::PeerGone)) | (Kind::Tcp, Event::Error(Error::PeerUnresponsive(_))) => {}
+        (_, Event::Error(err)) if matches!(err.kind(), ErrorKind::PeerGone) => {}
+        (Kind::Tcp, Event::Error(err)) if matches!(err.kind(), ErrorKind::PeerUnresponsive(_)) => {}
         _ => panic!("{kind:?}: expected the peer gone, got {ev:?}"),
     }
     assert_eq!(tx.state(), ChannelState::Closed);
@@ -864,7 +865,10 @@ fn tcp_stopped_peer_is_unresponsive() {
     peer.signal(libc::SIGSTOP);
     let (_, events) = idle_in_epoll(&mut ch, Duration::ZERO, false, || false);
     assert_eq!(ch.state(), ChannelState::Closed);
-    assert!(matches!(events[..], [Event::Error(Error::PeerUnresponsive(_))]), "{events:?}");
+    assert!(
+        matches!(&events[..], [Event::Error(e)] if matches!(e.kind(), ErrorKind::PeerUnresponsive(_))),
+        "{events:?}"
+    );
     assert!(ch.arm());
     assert!(!readable(ch.as_fd(), Duration::from_millis(200)), "the closed channel's fd stays readable");
     peer.signal(libc::SIGCONT);
@@ -918,7 +922,7 @@ fn room(kind: Kind, depth: u32, size: usize) {
                 let mut pool_seen = false;
                 // Serve the pool request, then take only what we are told.
                 while !pool_seen {
-                    pool_seen = matches!(rx.wait(Some(T)), Some(Event::PoolAssignRequest(_)));
+                    pool_seen = matches!(rx.wait(Some(T)), Ok(Event::PoolAssignRequest(_)));
                 }
                 for n in cmds {
                     for _ in 0..n {
@@ -950,7 +954,7 @@ fn room(kind: Kind, depth: u32, size: usize) {
             assert!(alloc.available() > 0, "round {round}: {seq} buffers sent and never a full queue");
             match tx.move_buffer(filled(&alloc, seq), &seq.to_le_bytes()) {
                 Ok(()) => seq += 1,
-                Err(r) if r.error == Error::QueueFull => break r.into_inner(),
+                Err(r) if r.error == ErrorKind::QueueFull => break r.into_inner(),
                 Err(r) => panic!("{}", r.error),
             }
         };
@@ -978,7 +982,7 @@ fn room(kind: Kind, depth: u32, size: usize) {
         while let Some(b) = refused.take() {
             match tx.move_buffer(b, &seq.to_le_bytes()) {
                 Ok(()) => seq += 1,
-                Err(r) if r.error == Error::QueueFull => {
+                Err(r) if r.error == ErrorKind::QueueFull => {
                     assert!(Instant::now() < end, "round {round}: the queue stayed full");
                     refused = Some(r.into_inner());
                     if tx.arm() {
@@ -1064,7 +1068,7 @@ fn room_handshake_never_loses_a_wakeup() {
         loop {
             match tx.move_buffer(b, &seq.to_le_bytes()) {
                 Ok(()) => break,
-                Err(r) if r.error == Error::QueueFull => {
+                Err(r) if r.error == ErrorKind::QueueFull => {
                     fulls += 1;
                     b = r.into_inner();
                     assert!(tx.poll().is_none());
@@ -1121,7 +1125,7 @@ fn wait_any_mixes_backends() {
     assert_eq!(seen, [0, 1, 2]);
     {
         let mut chans: Vec<&mut Channel> = ends.iter_mut().map(|(c, _)| c).collect();
-        assert!(wait_any(&mut chans, Some(Duration::from_millis(100))).is_none());
+        assert_eq!(wait_any(&mut chans, Some(Duration::from_millis(100))).unwrap_err(), WaitError::TimedOut);
     }
     for (mut rx, s) in ends {
         s.finish(&mut rx);
@@ -1209,7 +1213,7 @@ fn selector_accounts_for_every_message() {
                 }
                 let mut refs: Vec<&mut Channel> = chans.iter_mut().collect();
                 match wait_any(&mut refs, Some(T)) {
-                    Some((_, Event::BufferPassed { .. })) => back += 1,
+                    Ok((_, Event::BufferPassed { .. })) => back += 1,
                     other => panic!("producer: {other:?}"),
                 }
             }
@@ -1232,7 +1236,7 @@ fn selector_accounts_for_every_message() {
     let (mut messages, mut bytes, mut binds) = (0u64, 0usize, 0);
     let total = PER * (THREADS * EACH + remotes.len()) as u64;
     while messages < total {
-        let (key, ev) = sel.wait(Some(T)).unwrap_or_else(|| panic!("only {messages} of {total} messages"));
+        let (key, ev) = sel.wait(Some(T)).unwrap_or_else(|e| panic!("only {messages} of {total} messages: {e}"));
         match ev {
             Event::BindRequest { .. } => binds += 1,
             Event::PoolAssignRequest(_) => {}
@@ -1265,8 +1269,9 @@ fn selector_accounts_for_every_message() {
     while producers.iter().any(|p| !p.is_finished()) {
         assert!(Instant::now() < end, "a producer did not get its buffers back");
         match sel.wait(Some(Duration::from_millis(20))) {
-            None | Some((_, Event::Closed { .. })) | Some((_, Event::Error(Error::PeerGone))) => {}
-            Some((key, ev)) => panic!("channel {key}: {ev:?}"),
+            Err(_) | Ok((_, Event::Closed { .. })) => {}
+            Ok((_, Event::Error(err))) if matches!(err.kind(), ErrorKind::PeerGone) => {}
+            Ok((key, ev)) => panic!("channel {key}: {ev:?}"),
         }
     }
     for p in producers {
@@ -1291,7 +1296,7 @@ fn selector_is_fair() {
         senders.push((sel.insert(rx), s));
     }
     // Everything quiet: the selector arms every channel.
-    assert!(sel.wait(Some(Duration::from_millis(50))).is_none());
+    assert_eq!(sel.wait(Some(Duration::from_millis(50))).unwrap_err(), WaitError::TimedOut);
     let (busy, sib) = (senders[3].0, senders[6].0);
     senders[3].1.send(300);
     senders[6].1.send(1);
@@ -1336,7 +1341,7 @@ fn selector_nested_in_app_epoll() {
     edge.add(sel.as_fd(), 6, true);
     let mut seqs = [0u64; 4];
     for round in 0..6 {
-        assert!(sel.wait(Some(Duration::ZERO)).is_none());
+        assert_eq!(sel.wait(Some(Duration::ZERO)).unwrap_err(), WaitError::TimedOut);
         assert!(
             level.wait(Duration::ZERO).is_empty(),
             "round {round}: the selector's fd is readable with nothing to do"
@@ -1423,7 +1428,7 @@ fn selector_churn_alone() {
             }
             let mut refs: Vec<&mut Channel> = chans.iter_mut().collect();
             match wait_any(&mut refs, Some(T)) {
-                Some((_, Event::BufferPassed { .. })) => back += 1,
+                Ok((_, Event::BufferPassed { .. })) => back += 1,
                 other => panic!("producer: {other:?}"),
             }
         }
@@ -1436,7 +1441,7 @@ fn selector_churn_alone() {
     let mut freed: Option<usize> = None;
     let mut before = None;
     let serve = |sel: &mut Selector, next: &mut HashMap<usize, u64>, stay_msgs: &mut u64, churn_key: Option<usize>| {
-        let Some((key, ev)) = sel.wait(Some(Duration::from_millis(2))) else { return };
+        let Ok((key, ev)) = sel.wait(Some(Duration::from_millis(2))) else { return };
         match ev {
             Event::BindRequest { .. } | Event::PoolAssignRequest(_) => {}
             ev @ Event::MoveReceived { .. } => {
@@ -1460,7 +1465,7 @@ fn selector_churn_alone() {
     let mut setups = 0;
     while setups < 2 * STAY {
         match sel.wait(Some(T)) {
-            Some((_, Event::BindRequest { .. } | Event::PoolAssignRequest(_))) => setups += 1,
+            Ok((_, Event::BindRequest { .. } | Event::PoolAssignRequest(_))) => setups += 1,
             other => panic!("while setting up: {other:?}"),
         }
     }
@@ -1510,7 +1515,8 @@ fn selector_churn_alone() {
         freed = Some(key);
         if round % 2 == 0 {
             match tx.wait(Some(T)) {
-                Some(Event::Closed { by_peer: true }) | Some(Event::Error(Error::PeerGone)) => {}
+                Ok(Event::Closed { by_peer: true }) => {}
+                Ok(Event::Error(err)) if matches!(err.kind(), ErrorKind::PeerGone) => {}
                 other => panic!("round {round}: the source of a dropped channel saw {other:?}"),
             }
             assert_eq!(tx.state(), ChannelState::Closed);
@@ -1554,15 +1560,16 @@ fn closed_channels_are_quiet() {
     let (mut rx, sender) = receiver(Kind::Local, &Domain::new("sink"));
     let Sender::Local { mut tx, .. } = sender else { unreachable!() };
     tx.teardown().unwrap();
-    assert!(matches!(rx.wait(Some(T)), Some(Event::Closed { by_peer: true })));
-    assert!(matches!(tx.wait(Some(T)), Some(Event::Closed { by_peer: false })));
+    assert!(matches!(rx.wait(Some(T)), Ok(Event::Closed { by_peer: true })));
+    assert!(matches!(tx.wait(Some(T)), Ok(Event::Closed { by_peer: false })));
     closed.push(("teardown, the starting end", tx));
     closed.push(("teardown, the peer's end", rx));
     // The peer dropped.
     let (mut rx, sender) = receiver(Kind::Local, &Domain::new("sink"));
     drop(sender);
     match rx.wait(Some(T)) {
-        Some(Event::Closed { by_peer: true }) | Some(Event::Error(Error::PeerGone)) => {}
+        Ok(Event::Closed { by_peer: true }) => {}
+        Ok(Event::Error(err)) if matches!(err.kind(), ErrorKind::PeerGone) => {}
         other => panic!("{other:?}"),
     }
     closed.push(("the peer dropped", rx));
@@ -1582,7 +1589,55 @@ fn closed_channels_are_quiet() {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let mut refs: Vec<&mut Channel> = chans.iter_mut().collect();
-        let _ = tx.send(wait_any(&mut refs, None).is_none());
+        let _ = tx.send(wait_any(&mut refs, None).err());
     });
-    assert_eq!(rx.recv_timeout(T), Ok(true), "wait_any over closed channels did not return None");
+    assert_eq!(rx.recv_timeout(T), Ok(Some(WaitError::Closed)), "wait_any over closed channels did not say so");
+}
+
+// ------------------------------------------------- timeout or closed
+
+/// A connected pair over a local endpoint: (creator, binder).
+fn local_pair() -> (Channel, Channel) {
+    let ep = Endpoint::local();
+    let mut tx = Channel::create(&Domain::new("tx"), &ep, ChannelSetup::default()).unwrap();
+    let mut rx = Channel::bind(&Domain::new("rx"), &ep, BindParams::default()).unwrap();
+    tx.wait_connected(T).unwrap();
+    rx.wait_connected(T).unwrap();
+    (tx, rx)
+}
+
+/// `Channel::wait` says which: nothing in time on an open channel, or
+/// nothing ever again on a closed one (after its close was delivered).
+#[test]
+fn channel_wait_tells_a_timeout_from_a_closed_channel() {
+    let (mut tx, mut rx) = local_pair();
+    assert_eq!(rx.wait(Some(Duration::from_millis(5))).unwrap_err(), WaitError::TimedOut);
+    tx.teardown().unwrap();
+    assert!(matches!(rx.wait(Some(T)), Ok(Event::Closed { by_peer: true })));
+    assert!(matches!(tx.wait(Some(T)), Ok(Event::Closed { by_peer: false })));
+    let t = Instant::now();
+    assert_eq!(rx.wait(Some(T)).unwrap_err(), WaitError::Closed);
+    assert_eq!(tx.wait(None).unwrap_err(), WaitError::Closed, "no timeout: still returns");
+    assert!(t.elapsed() < T, "a closed channel is reported at once");
+}
+
+/// `Selector::wait` likewise: timed out while a channel is open; closed
+/// once every channel is closed and delivered its last event, also
+/// without a timeout (it returned `None` or waited for ever before).
+#[test]
+fn selector_wait_tells_a_timeout_from_closed_channels() {
+    let (mut tx, rx) = local_pair();
+    let mut sel = Selector::new().unwrap();
+    let key = sel.insert(rx);
+    assert_eq!(sel.wait(Some(Duration::from_millis(5))).unwrap_err(), WaitError::TimedOut);
+    tx.teardown().unwrap();
+    assert!(matches!(sel.wait(Some(T)), Ok((k, Event::Closed { by_peer: true })) if k == key));
+    assert_eq!(sel.wait(Some(Duration::from_millis(5))).unwrap_err(), WaitError::Closed);
+    let (done, result) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(sel.wait(None).err());
+    });
+    assert_eq!(result.recv_timeout(T), Ok(Some(WaitError::Closed)), "wait(None) on closed channels ends");
+    let mut empty = Selector::new().unwrap();
+    assert_eq!(empty.wait(Some(T)).unwrap_err(), WaitError::Closed);
 }

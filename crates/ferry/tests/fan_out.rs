@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use ferry::{
-    Allocator, BindParams, BufferId, Channel, ChannelSetup, Domain, Endpoint, Error, Event, FanOut, FanOutEvent,
+    Allocator, BindParams, BufferId, Channel, ChannelSetup, Domain, Endpoint, ErrorKind, Event, FanOut, FanOutEvent,
     PoolConstraints, PoolPolicy,
 };
 use support::payload::{check, fill, wait_exit};
@@ -34,7 +34,7 @@ fn fan_child() {
     rx.set_pool_policy(PoolPolicy::AcceptAll);
     loop {
         match rx.wait(Some(Duration::from_secs(30))) {
-            Some(Event::CopyReceived { copy, meta }) => {
+            Ok(Event::CopyReceived { copy, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(check(&copy, seq), "sink: copy {seq} arrived with the wrong bytes");
                 if role == "die" || role == "release-when-told" {
@@ -49,8 +49,8 @@ fn fan_child() {
                 }
                 rx.release(copy).unwrap();
             }
-            Some(Event::Closed { .. }) | None => return,
-            Some(ev) => panic!("sink: unexpected {ev:?}"),
+            Ok(Event::Closed { .. }) | Err(_) => return,
+            Ok(ev) => panic!("sink: unexpected {ev:?}"),
         }
     }
 }
@@ -238,7 +238,7 @@ fn assign_local(fan: &mut FanOut, rxs: &mut [Channel], alloc: &Allocator) {
 
 fn take_copy(rx: &mut Channel) -> ferry::BufferCopy {
     match rx.wait(Some(T)) {
-        Some(Event::CopyReceived { copy, .. }) => copy,
+        Ok(Event::CopyReceived { copy, .. }) => copy,
         other => panic!("sink: {other:?}"),
     }
 }
@@ -318,19 +318,19 @@ fn publish_is_all_or_nothing() {
     assert!(matches!(fan.wait(Some(T)), Some(FanOutEvent::Sink { sink: 0, event: Event::PoolAssigned(_) })));
     // Sink 1 has no pool: refused, nothing sent to sink 0 either.
     let r = fan.publish(alloc.alloc().unwrap(), &[]).unwrap_err();
-    assert_eq!(r.error, Error::PoolNotAssigned(alloc.pool().id()));
+    assert_eq!(r.error, ErrorKind::PoolNotAssigned(alloc.pool().id()));
     assert!(rxs[0].poll().is_none(), "sink 0 got nothing");
     let mut buf = r.into_inner();
     assert!(buf.as_mut_slice().is_ok(), "no copy went out");
     assert_eq!(fan.in_flight(), 0);
     let too_long = [0u8; 4096];
-    assert!(matches!(fan.publish(buf, &too_long).unwrap_err().error, Error::MetaTooLarge { .. }));
+    assert!(matches!(fan.publish(buf, &too_long).unwrap_err().error.kind(), ErrorKind::MetaTooLarge { .. }));
     // Channels of two domains, or none: refused, handed back.
     let other = local_fan(&Domain::new("other"), 1).0.into_channels();
     let mut mixed = fan.into_channels();
     mixed.extend(other);
     let r = FanOut::new(mixed).unwrap_err();
-    assert!(matches!(r.error, Error::InvalidArgument(_)));
+    assert!(matches!(r.error.kind(), ErrorKind::InvalidArgument(_)));
     assert_eq!(r.into_inner().len(), 3);
-    assert!(matches!(FanOut::new(Vec::new()).unwrap_err().error, Error::InvalidArgument(_)));
+    assert!(matches!(FanOut::new(Vec::new()).unwrap_err().error.kind(), ErrorKind::InvalidArgument(_)));
 }

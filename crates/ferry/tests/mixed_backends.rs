@@ -52,8 +52,8 @@ fn connect(kind: Kind, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Ch
             (tx, Channel::bind(sink, &ep, BindParams::default()).expect("bind"))
         }
     };
-    assert!(matches!(tx.wait(Some(WAIT)), Some(Event::BindRequest { .. })));
-    assert!(matches!(rx.wait(Some(WAIT)), Some(Event::Bound)));
+    assert!(matches!(tx.wait(Some(WAIT)), Ok(Event::BindRequest { .. })));
+    assert!(matches!(rx.wait(Some(WAIT)), Ok(Event::Bound)));
     (tx, rx)
 }
 
@@ -62,15 +62,15 @@ fn offer(from: &mut Channel, to: &mut Channel, pool: &Pool, accept: bool) {
     from.assign_pool(pool).expect("assign");
     from.flush().expect("flush");
     match to.wait(Some(WAIT)) {
-        Some(Event::PoolAssignRequest(req)) => {
+        Ok(Event::PoolAssignRequest(req)) => {
             to.respond_pool(req.pool, accept).expect("respond");
             to.flush().expect("flush");
         }
         ev => panic!("expected the assignment request, got {ev:?}"),
     }
     match from.wait(Some(WAIT)) {
-        Some(Event::PoolAssigned(id)) if accept => assert_eq!(id, pool.id()),
-        Some(Event::PoolVetoed(id)) if !accept => assert_eq!(id, pool.id()),
+        Ok(Event::PoolAssigned(id)) if accept => assert_eq!(id, pool.id()),
+        Ok(Event::PoolVetoed(id)) if !accept => assert_eq!(id, pool.id()),
         ev => panic!("expected the answer to the assignment, got {ev:?}"),
     }
 }
@@ -82,7 +82,7 @@ fn pool_in(domain: &Domain, pool: &Pool) -> Pool {
 
 fn received(ch: &mut Channel) -> Buffer {
     match ch.wait(Some(WAIT)) {
-        Some(Event::MoveReceived { buffer, .. }) | Some(Event::BufferPassed { buffer, .. }) => buffer,
+        Ok(Event::MoveReceived { buffer, .. }) | Ok(Event::BufferPassed { buffer, .. }) => buffer,
         ev => panic!("expected a buffer, got {ev:?}"),
     }
 }
@@ -217,23 +217,23 @@ fn a_copy_forwarded_along_a_second_path_shows_the_owners_bytes() {
             a_b.copy(&buf, &[]).unwrap();
             a_b.flush().unwrap();
             let copy = match b_a.wait(Some(WAIT)) {
-                Some(Event::CopyReceived { copy, .. }) => copy,
+                Ok(Event::CopyReceived { copy, .. }) => copy,
                 ev => panic!("{what}: expected a copy, got {ev:?}"),
             };
             assert!(check(&copy, 42), "{what}: B's copy shows other bytes");
             b_c.copy(&copy, &[]).unwrap();
             b_c.flush().unwrap();
             let fwd = match c_b.wait(Some(WAIT)) {
-                Some(Event::CopyReceived { copy, .. }) => copy,
+                Ok(Event::CopyReceived { copy, .. }) => copy,
                 ev => panic!("{what}: expected a forwarded copy, got {ev:?}"),
             };
             assert!(check(&fwd, 42), "{what}: C's forwarded copy shows other bytes");
             c_b.release(fwd).unwrap();
             c_b.flush().unwrap();
-            assert!(matches!(b_c.wait(Some(WAIT)), Some(Event::CopyReleased { .. })));
+            assert!(matches!(b_c.wait(Some(WAIT)), Ok(Event::CopyReleased { .. })));
             b_a.release(copy).unwrap();
             b_a.flush().unwrap();
-            assert!(matches!(a_b.wait(Some(WAIT)), Some(Event::CopyReleased { writable: true, .. })));
+            assert!(matches!(a_b.wait(Some(WAIT)), Ok(Event::CopyReleased { writable: true, .. })));
             fill(buf.as_mut_slice().expect("writable again"), 43);
             write_and_move(&mut a_c, buf, 44);
             assert!(check(&received(&mut c_a), 44), "{what}: C got other bytes than A wrote");
@@ -299,7 +299,7 @@ fn mixed_child() {
         .iter()
         .map(|name| {
             let mut ch = Channel::bind(&c, &Endpoint::shm_abstract(name), BindParams::default()).expect("bind");
-            assert!(matches!(ch.wait(Some(WAIT)), Some(Event::Bound)));
+            assert!(matches!(ch.wait(Some(WAIT)), Ok(Event::Bound)));
             ch
         })
         .collect();
@@ -308,7 +308,7 @@ fn mixed_child() {
     while open > 0 {
         let mut any = false;
         for ch in chans.iter_mut() {
-            let Some(ev) = ch.wait(Some(Duration::from_millis(1))) else { continue };
+            let Ok(ev) = ch.wait(Some(Duration::from_millis(1))) else { continue };
             any = true;
             match ev {
                 Event::PoolAssignRequest(req) => ch.respond_pool(req.pool, true).expect("accept"),
@@ -355,16 +355,16 @@ fn write_back_across_processes() {
             .spawn()
             .expect("spawn the peer process");
         for ch in [&mut a_c, &mut b_c] {
-            assert!(matches!(ch.wait(Some(WAIT)), Some(Event::BindRequest { .. })));
+            assert!(matches!(ch.wait(Some(WAIT)), Ok(Event::BindRequest { .. })));
         }
         offer(&mut a_b, &mut b_a, alloc.pool(), true);
         for (ch, pool) in [(&mut a_c, alloc.pool().clone()), (&mut b_c, pool_in(&b, alloc.pool()))] {
             ch.assign_pool(&pool).expect("assign");
-            assert!(matches!(ch.wait(Some(WAIT)), Some(Event::PoolAssigned(_))));
+            assert!(matches!(ch.wait(Some(WAIT)), Ok(Event::PoolAssigned(_))));
         }
         let echoed = |ch: &mut Channel, want: u64| {
             let buf = match ch.wait(Some(WAIT)) {
-                Some(Event::BufferPassed { buffer, meta }) => {
+                Ok(Event::BufferPassed { buffer, meta }) => {
                     assert_eq!(u64::from_le_bytes(meta[..8].try_into().unwrap()), want);
                     buffer
                 }
@@ -393,7 +393,7 @@ fn write_back_across_processes() {
         }
         for ch in [&mut a_c, &mut b_c] {
             ch.teardown().expect("teardown");
-            assert!(matches!(ch.wait(Some(WAIT)), Some(Event::Closed { .. })));
+            assert!(matches!(ch.wait(Some(WAIT)), Ok(Event::Closed { .. })));
         }
         let status = support::payload::wait_exit(&mut child, WAIT);
         assert!(status.success(), "{trust:?}: the peer process saw wrong bytes or failed: {status:?}");
@@ -444,7 +444,7 @@ fn offers_of_one_unknown_pool_on_two_threads_at_once_share_one_pool() {
                     let start = start.clone();
                     std::thread::spawn(move || {
                         start.wait();
-                        let Some(Event::PoolAssignRequest(req)) = rx.wait(Some(WAIT)) else { panic!("no offer") };
+                        let Ok(Event::PoolAssignRequest(req)) = rx.wait(Some(WAIT)) else { panic!("no offer") };
                         rx.respond_pool(req.pool, true).unwrap();
                         rx.flush().unwrap();
                         let buf = received(&mut rx);
@@ -458,7 +458,7 @@ fn offers_of_one_unknown_pool_on_two_threads_at_once_share_one_pool() {
             tx1.flush().unwrap();
             tx2.flush().unwrap();
             for tx in [&mut tx1, &mut tx2] {
-                assert!(matches!(tx.wait(Some(WAIT)), Some(Event::PoolAssigned(_))), "{kind:?} round {round}");
+                assert!(matches!(tx.wait(Some(WAIT)), Ok(Event::PoolAssigned(_))), "{kind:?} round {round}");
             }
             write_and_move(&mut tx1, alloc.alloc().unwrap(), 2 * round + 1);
             write_and_move(&mut tx2, alloc.alloc().unwrap(), 2 * round + 2);

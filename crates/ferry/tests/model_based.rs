@@ -129,8 +129,8 @@ impl Backend for Shm {
         let mut s = Channel::create(source, &ep, setup).expect("create");
         let mut r = Channel::bind(sink, &ep, BindParams::default()).expect("bind");
         let t = std::time::Duration::from_secs(10);
-        assert!(matches!(s.wait(Some(t)), Some(FEvent::BindRequest { .. })));
-        assert!(matches!(r.wait(Some(t)), Some(FEvent::Bound)));
+        assert!(matches!(s.wait(Some(t)), Ok(FEvent::BindRequest { .. })));
+        assert!(matches!(r.wait(Some(t)), Ok(FEvent::Bound)));
         (s, r)
     }
 }
@@ -183,15 +183,15 @@ impl Backend for Net {
         let ep = Endpoint::tcp(s.listen_addr().expect("listening"));
         let mut r = Channel::bind(sink, &ep, BindParams::default()).expect("bind");
         let t = std::time::Duration::from_secs(10);
-        assert!(matches!(s.wait(Some(t)), Some(FEvent::BindRequest { .. })));
-        assert!(matches!(r.wait(Some(t)), Some(FEvent::Bound)));
+        assert!(matches!(s.wait(Some(t)), Ok(FEvent::BindRequest { .. })));
+        assert!(matches!(r.wait(Some(t)), Ok(FEvent::Bound)));
         (s, r)
     }
 
     fn deliver(&mut self, _: ChanId, to: &mut Channel, from: &mut Channel, expect: bool) -> Option<FEvent> {
         from.flush().expect("flush");
         if expect {
-            to.wait(Some(std::time::Duration::from_secs(10)))
+            to.wait(Some(std::time::Duration::from_secs(10))).ok()
         } else {
             to.poll()
         }
@@ -224,10 +224,10 @@ impl Backend for Tls {
             assert!(std::time::Instant::now() < until, "no TLS channel within {t:?}");
             let slice = std::time::Duration::from_millis(5);
             if bound.0.is_none() {
-                bound.0 = s.wait(Some(slice));
+                bound.0 = s.wait(Some(slice)).ok();
             }
             if bound.1.is_none() {
-                bound.1 = r.wait(Some(slice));
+                bound.1 = r.wait(Some(slice)).ok();
             }
         }
         assert!(matches!(bound.0, Some(FEvent::BindRequest { .. })), "{:?}", bound.0);
@@ -270,8 +270,8 @@ impl Backend for Mux {
         let setup = ChannelSetup { direction: Direction::Tx, trust, meta_size: META, ..ChannelSetup::default() };
         let mut s = Channel::create(source, &a.endpoint(self.next_id), setup).expect("create");
         let mut r = Channel::bind(sink, &b.endpoint(self.next_id), BindParams::default()).expect("bind");
-        assert!(matches!(s.wait(Some(t)), Some(FEvent::BindRequest { .. })));
-        assert!(matches!(r.wait(Some(t)), Some(FEvent::Bound)));
+        assert!(matches!(s.wait(Some(t)), Ok(FEvent::BindRequest { .. })));
+        assert!(matches!(r.wait(Some(t)), Ok(FEvent::Bound)));
         (s, r)
     }
 
@@ -282,7 +282,7 @@ impl Backend for Mux {
             return Some(FEvent::Error(e));
         }
         if expect {
-            to.wait(Some(std::time::Duration::from_secs(10)))
+            to.wait(Some(std::time::Duration::from_secs(10))).ok()
         } else {
             to.poll()
         }

@@ -103,8 +103,8 @@ fn receive_from_hostile(trust: TrustLevel) -> (Channel, Child, Buffer) {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match ch.wait(Some(left)) {
-            Some(Event::BindRequest { .. } | Event::PoolAssignRequest(_)) => {}
-            Some(Event::MoveReceived { buffer, .. }) => return (ch, child, buffer),
+            Ok(Event::BindRequest { .. } | Event::PoolAssignRequest(_)) => {}
+            Ok(Event::MoveReceived { buffer, .. }) => return (ch, child, buffer),
             other => panic!("receiver: expected the buffer, got {other:?}"),
         }
     }
@@ -213,8 +213,8 @@ fn tcp_is_secured_in_place() {
     });
     let buffer = loop {
         match rx.wait(Some(T)) {
-            Some(Event::BindRequest { .. } | Event::PoolAssignRequest(_)) => {}
-            Some(Event::MoveReceived { buffer, .. }) => break buffer,
+            Ok(Event::BindRequest { .. } | Event::PoolAssignRequest(_)) => {}
+            Ok(Event::MoveReceived { buffer, .. }) => break buffer,
             other => panic!("receiver: {other:?}"),
         }
     };

@@ -13,8 +13,8 @@ use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Allocator, BindParams, BufferState, Channel, ChannelSetup, ChannelState, Direction, Domain, Endpoint, Error, Event,
-    PoolConstraints, Role, TrustLevel,
+    Allocator, BindParams, BufferState, Channel, ChannelSetup, ChannelState, Direction, Domain, Endpoint, ErrorKind,
+    Event, PoolConstraints, Role, TrustLevel,
 };
 
 use support::payload::{check, fill};
@@ -42,7 +42,7 @@ fn start(domain: &Domain, role: &str, direction: Direction) -> (Channel, Child) 
         .spawn()
         .expect("spawn child");
     match ch.wait(Some(T)) {
-        Some(Event::BindRequest { .. }) => (ch, child),
+        Ok(Event::BindRequest { .. }) => (ch, child),
         ev => panic!("expected a bind, got {ev:?}"),
     }
 }
@@ -217,8 +217,8 @@ fn none_child() {
     let mut kept = Vec::new();
     loop {
         match ch.wait(Some(Duration::from_secs(30))) {
-            Some(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).unwrap(),
-            Some(Event::MoveReceived { mut buffer, meta }) => {
+            Ok(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).unwrap(),
+            Ok(Event::MoveReceived { mut buffer, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(check(&buffer, seq), "child: buffer {seq} arrived corrupted");
                 match role.as_str() {
@@ -233,7 +233,7 @@ fn none_child() {
                     _ => ch.pass(buffer, &meta).unwrap(),
                 }
             }
-            Some(Event::CopyReceived { copy, meta }) => {
+            Ok(Event::CopyReceived { copy, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(check(&copy, seq), "child: copy {seq} arrived corrupted");
                 if role == "hostile-copy" {
@@ -251,9 +251,9 @@ fn none_child() {
                     ch.release(copy).unwrap();
                 }
             }
-            Some(Event::Closed { .. }) | None => break,
-            Some(Event::Error(e)) => panic!("child: {e}"),
-            Some(ev) => panic!("child: unexpected {ev:?}"),
+            Ok(Event::Closed { .. }) | Err(_) => break,
+            Ok(Event::Error(e)) => panic!("child: {e}"),
+            Ok(ev) => panic!("child: unexpected {ev:?}"),
         }
     }
     drop(held);
@@ -394,12 +394,12 @@ fn none_peer_killed_gives_buffers_back() {
     let t = Instant::now();
     let e = loop {
         match ch.wait(Some(T)) {
-            Some(Event::Error(e)) => break e,
-            Some(Event::Closed { .. }) => break Error::PeerGone,
-            Some(ev) => panic!("unexpected {ev:?}"),
-            None => assert!(t.elapsed() < T, "no error after the kill"),
+            Ok(Event::Error(e)) => break e,
+            Ok(Event::Closed { .. }) => break ErrorKind::PeerGone.into(),
+            Ok(ev) => panic!("unexpected {ev:?}"),
+            Err(_) => assert!(t.elapsed() < T, "no error after the kill"),
         }
     };
-    assert!(matches!(e, Error::PeerGone), "{e:?}");
+    assert!(matches!(e.kind(), ErrorKind::PeerGone), "{e:?}");
     assert_eq!(alloc.available(), 6, "the dead peer's buffers came back");
 }

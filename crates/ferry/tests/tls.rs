@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use ferry::tls::{Security, TlsConfig};
 use ferry::{
-    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, Event, MuxListener, MuxSession,
-    NetOptions, PoolConstraints, Role,
+    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, ErrorKind, Event, MuxListener,
+    MuxSession, NetOptions, PoolConstraints, Role, WaitError,
 };
 use support::fault_proxy::{Fault, FaultProxy};
 use support::payload::{check, fill};
@@ -27,7 +27,7 @@ fn loopback() -> SocketAddr {
 }
 
 fn next(ch: &mut Channel) -> Event {
-    ch.wait(Some(T)).unwrap_or_else(|| panic!("no event within {T:?} (state {:?})", ch.state()))
+    ch.wait(Some(T)).unwrap_or_else(|e| panic!("no event within {T:?} (state {:?}): {e}", ch.state()))
 }
 
 /// A source channel listening on `at` with `options`.
@@ -46,9 +46,9 @@ fn echo_sink(mut rx: Channel) -> (u64, Option<Error>) {
     let mut checked = 0;
     loop {
         match rx.wait(Some(T)) {
-            Some(Event::Bound) => {}
-            Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
-            Some(Event::MoveReceived { mut buffer, meta }) => {
+            Ok(Event::Bound) => {}
+            Ok(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
+            Ok(Event::MoveReceived { mut buffer, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(check(&buffer, seq), "buffer {seq} arrived with other bytes than were sent");
                 checked += 1;
@@ -56,10 +56,10 @@ fn echo_sink(mut rx: Channel) -> (u64, Option<Error>) {
                 // The channel may have failed meanwhile: the error event says so.
                 let _ = rx.pass(buffer, &meta);
             }
-            Some(Event::Closed { .. }) => return (checked, None),
-            Some(Event::Error(e)) => return (checked, Some(e)),
-            Some(ev) => panic!("sink: unexpected {ev:?}"),
-            None => panic!("sink: no event within {T:?}"),
+            Ok(Event::Closed { .. }) => return (checked, None),
+            Ok(Event::Error(e)) => return (checked, Some(e)),
+            Ok(ev) => panic!("sink: unexpected {ev:?}"),
+            Err(_) => panic!("sink: no event within {T:?}"),
         }
     }
 }
@@ -141,16 +141,19 @@ fn a_flipped_byte_in_the_stream_is_an_error_never_corrupt_data() {
             sent += 1;
         }
         match tx.wait(Some(T)) {
-            Some(Event::BufferPassed { buffer, meta }) => {
+            Ok(Event::BufferPassed { buffer, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(check(&buffer, seq + 1), "buffer {seq} came back with other bytes than the sink wrote");
             }
-            Some(Event::Error(_)) | Some(Event::Closed { .. }) => break,
+            Ok(Event::Error(_)) | Ok(Event::Closed { .. }) => break,
             ev => panic!("source: unexpected {ev:?}"),
         }
     }
     let (checked, error) = sink.join().unwrap();
-    assert!(matches!(error, Some(Error::Tls(_))), "the sink's channel ended with {error:?}");
+    assert!(
+        matches!(error.as_ref().map(|e| e.kind()), Some(ErrorKind::Tls(_))),
+        "the sink's channel ended with {error:?}"
+    );
     assert!(checked > 5 && checked < sent, "{checked} of {sent} buffers checked before the flipped byte");
 }
 
@@ -175,7 +178,7 @@ fn clients_the_ca_did_not_certify_are_refused_and_the_listener_goes_on() {
         for (what, security) in bad {
             let ep = Endpoint::tcp_with(addr, NetOptions::default().with_security(security));
             match Channel::connect(&d, &ep, BindParams::default(), T) {
-                Err(Error::Tls(why)) => eprintln!("{what}: refused: {why}"),
+                Err(why) if matches!(why.kind(), ErrorKind::Tls(_)) => eprintln!("{what}: refused: {why}"),
                 Err(e) => panic!("{what}: refused without a TLS error: {e:?}"),
                 Ok(_) => panic!("{what}: accepted"),
             }
@@ -183,7 +186,10 @@ fn clients_the_ca_did_not_certify_are_refused_and_the_listener_goes_on() {
     });
     // The creator polls (serving the handshakes) while the bad clients try.
     while !clients.is_finished() {
-        assert!(tx.wait(Some(Duration::from_millis(20))).is_none(), "an event before any good client came");
+        assert!(
+            matches!(tx.wait(Some(Duration::from_millis(20))), Err(WaitError::TimedOut)),
+            "an event before any good client came"
+        );
     }
     clients.join().unwrap();
     let options = pki.options();
@@ -208,10 +214,10 @@ fn a_tls_client_against_a_plain_endpoint_is_refused() {
         Channel::connect(&Domain::new("c"), &Endpoint::tcp_with(addr, options), BindParams::default(), T).err()
     });
     while !client.is_finished() {
-        assert!(tx.wait(Some(Duration::from_millis(20))).is_none());
+        assert!(matches!(tx.wait(Some(Duration::from_millis(20))), Err(WaitError::TimedOut)));
     }
     let e = client.join().unwrap();
-    assert!(matches!(e, Some(Error::Tls(_))), "{e:?}");
+    assert!(matches!(e.as_ref().map(|e| e.kind()), Some(ErrorKind::Tls(_))), "{e:?}");
 }
 
 /// One multiplexed session over TLS: a channel each way, every byte
@@ -228,9 +234,15 @@ fn a_session_over_tls_moves_data_both_ways() {
         if refused.is_finished() {
             break refused.join().unwrap();
         }
-        assert!(matches!(listener.accept(Duration::from_millis(20)), Err(Error::TimedOut)));
+        assert!(matches!(
+            listener.accept(Duration::from_millis(20)).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::TimedOut)
+        ));
     };
-    assert!(matches!(e, Some(Error::Tls(_))), "a client without a certificate got {e:?}");
+    assert!(
+        matches!(e.as_ref().map(|e| e.kind()), Some(ErrorKind::Tls(_))),
+        "a client without a certificate got {e:?}"
+    );
 
     let options = pki.options();
     let peer = std::thread::spawn(move || {
@@ -268,21 +280,29 @@ fn plain_tcp_off_the_loopback_needs_an_explicit_choice() {
     let d = Domain::new("d");
     let setup = ChannelSetup::default();
     let e = Channel::create(&d, &Endpoint::tcp(any), setup).unwrap_err();
-    assert_eq!(e, Error::InsecureAddress(any.ip()));
+    assert_eq!(e, ErrorKind::InsecureAddress(any.ip()));
     assert!(e.to_string().contains("0.0.0.0 is not a loopback address"), "{e}");
-    assert!(matches!(MuxListener::bind(any, NetOptions::default()), Err(Error::InsecureAddress(_))));
+    assert!(matches!(
+        MuxListener::bind(any, NetOptions::default()).as_ref().map_err(|e| e.kind()),
+        Err(ErrorKind::InsecureAddress(_))
+    ));
     let std_listener = TcpListener::bind(any).unwrap();
     let port = std_listener.local_addr().unwrap().port();
     assert!(matches!(
-        MuxSession::accept(&std_listener, NetOptions::default(), Duration::from_millis(1)),
-        Err(Error::InsecureAddress(_))
+        MuxSession::accept(&std_listener, NetOptions::default(), Duration::from_millis(1))
+            .as_ref()
+            .map_err(|e| e.kind()),
+        Err(ErrorKind::InsecureAddress(_))
     ));
     // The wildcard address reaches this host; the rule refuses it before
     // any packet goes out.
     let wildcard = SocketAddr::from(([0, 0, 0, 0], port));
-    assert!(matches!(MuxSession::connect(wildcard, NetOptions::default(), T), Err(Error::InsecureAddress(_))));
+    assert!(matches!(
+        MuxSession::connect(wildcard, NetOptions::default(), T).as_ref().map_err(|e| e.kind()),
+        Err(ErrorKind::InsecureAddress(_))
+    ));
     let e = Channel::connect(&d, &Endpoint::tcp(wildcard), BindParams::default(), T).unwrap_err();
-    assert!(matches!(e, Error::InsecureAddress(_)), "{e:?}");
+    assert!(matches!(e.kind(), ErrorKind::InsecureAddress(_)), "{e:?}");
 
     // Chosen on purpose: plain TCP on all interfaces.
     let insecure = NetOptions::default().with_security(Security::None);
@@ -316,7 +336,10 @@ fn tls_files_that_cannot_be_used_are_named() {
     let pki = Pki::new();
     let dir = TempDir::new("tls-bad");
     let err = |dir: &std::path::Path| match TlsConfig::from_dir(dir, "localhost") {
-        Err(Error::TlsConfig(e)) => e,
+        Err(e) => match e.into_kind() {
+            ErrorKind::TlsConfig(e) => e,
+            other => panic!("expected a TLS configuration error, got {other:?}"),
+        },
         other => panic!("expected a TLS configuration error, got {other:?}"),
     };
     let e = err(&dir.0);
@@ -354,11 +377,14 @@ fn tls_files_that_cannot_be_used_are_named() {
     assert!(config.can_accept() && !config.can_connect());
     let ep =
         Endpoint::tcp_with("127.0.0.1:1".parse().unwrap(), NetOptions::default().with_security(Security::Tls(config)));
-    match Channel::connect(&Domain::new("d"), &ep, BindParams::default(), T) {
-        Err(Error::TlsConfig(e)) => assert_eq!(e.path(), Some(server_only.0.join("client-cert.pem").as_path())),
+    match Channel::connect(&Domain::new("d"), &ep, BindParams::default(), T).map_err(ferry::Error::into_kind) {
+        Err(ErrorKind::TlsConfig(e)) => assert_eq!(e.path(), Some(server_only.0.join("client-cert.pem").as_path())),
         other => panic!("{other:?}"),
     }
-    assert!(matches!(TlsConfig::from_dir(&pki.dir.0, "not a name!"), Err(Error::TlsConfig(_))));
+    assert!(matches!(
+        TlsConfig::from_dir(&pki.dir.0, "not a name!").as_ref().map_err(|e| e.kind()),
+        Err(ErrorKind::TlsConfig(_))
+    ));
 }
 
 /// Bytes TLS has already taken off the socket are not the socket's to
@@ -378,15 +404,15 @@ fn arm_after_an_event_sees_what_tls_already_decrypted() {
     let until = Instant::now() + T;
     while !(bound && requested) {
         assert!(Instant::now() < until, "no TLS channel within {T:?}");
-        requested |= matches!(tx.wait(Some(Duration::from_millis(5))), Some(Event::BindRequest { .. }));
-        bound |= matches!(rx.wait(Some(Duration::from_millis(5))), Some(Event::Bound));
+        requested |= matches!(tx.wait(Some(Duration::from_millis(5))), Ok(Event::BindRequest { .. }));
+        bound |= matches!(rx.wait(Some(Duration::from_millis(5))), Ok(Event::Bound));
     }
     let alloc = Allocator::new(&src, 4, 4096, PoolConstraints::default()).unwrap();
     tx.assign_pool(alloc.pool()).unwrap();
     loop {
         match rx.wait(Some(Duration::from_millis(5))) {
-            Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
-            None => {}
+            Ok(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
+            Err(_) => {}
             ev => panic!("sink: {ev:?}"),
         }
         if let Some(ev) = tx.poll() {
@@ -402,7 +428,7 @@ fn arm_after_an_event_sees_what_tls_already_decrypted() {
     }
     tx.flush().unwrap();
     match rx.wait(Some(T)) {
-        Some(Event::MoveReceived { buffer, .. }) => assert!(check(&buffer, 0)),
+        Ok(Event::MoveReceived { buffer, .. }) => assert!(check(&buffer, 0)),
         ev => panic!("sink: {ev:?}"),
     }
     if rx.arm() {
@@ -436,7 +462,7 @@ fn stalled_handshakes_do_not_keep_a_good_client_out() {
         stalled.push(s);
     }
     // The creator takes them in.
-    assert!(tx.wait(Some(Duration::from_millis(100))).is_none());
+    assert!(matches!(tx.wait(Some(Duration::from_millis(100))), Err(WaitError::TimedOut)));
     let options = pki.options();
     let sink = std::thread::spawn(move || {
         let rx = Channel::bind(&Domain::new("sink"), &Endpoint::tcp_with(addr, options), BindParams::default());

@@ -226,8 +226,8 @@ impl Waiter {
     fn next(&mut self, rig: &mut Rig, busy: bool) -> Option<Event> {
         match self {
             Waiter::Channel => next_event(&mut rig.source, busy),
-            Waiter::WaitAny => ferry::wait_any(&mut [&mut rig.source], None).map(|(_, ev)| ev),
-            Waiter::Selector(sel, _) => sel.wait(None).map(|(_, ev)| ev),
+            Waiter::WaitAny => ferry::wait_any(&mut [&mut rig.source], None).map(|(_, ev)| ev).ok(),
+            Waiter::Selector(sel, _) => sel.wait(None).map(|(_, ev)| ev).ok(),
             Waiter::Epoll(ep) => {
                 let ch = &mut rig.source;
                 let mut events = Vec::with_capacity(1);

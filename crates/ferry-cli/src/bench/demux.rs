@@ -249,7 +249,7 @@ fn assign(ch: &mut Channel, count: usize, size: usize) -> Result<Allocator, Stri
         Allocator::new(ch.domain(), count as u64, size, PoolConstraints::default()).map_err(|e| e.to_string())?;
     ch.assign_pool(alloc.pool()).map_err(|e| e.to_string())?;
     match ch.wait(Some(STEP)) {
-        Some(Event::PoolAssigned(_)) => Ok(alloc),
+        Ok(Event::PoolAssigned(_)) => Ok(alloc),
         ev => Err(format!("expected the pool assigned, got {ev:?}")),
     }
 }
@@ -291,7 +291,7 @@ fn drive(chans: Vec<Channel>, allocs: &[Allocator], size: usize, load: Load) -> 
             while let Some(buf) = allocs[i].alloc() {
                 match ch.move_buffer(buf, &[]) {
                     Ok(()) => {}
-                    Err(r) if r.error == ferry::Error::QueueFull => {
+                    Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                         refill[i] = true;
                         break;
                     }
@@ -303,7 +303,7 @@ fn drive(chans: Vec<Channel>, allocs: &[Allocator], size: usize, load: Load) -> 
         // The application serves its latency-sensitive channel first, on
         // every transport alike: what is left is the transport's own delay.
         let priority = if probe { sel.get_mut(keys[0]).expect("inserted").poll().map(|e| (keys[0], e)) } else { None };
-        let Some((k, first)) = priority.or_else(|| sel.wait(Some(Duration::from_millis(10)))) else { continue };
+        let Some((k, first)) = priority.or_else(|| sel.wait(Some(Duration::from_millis(10))).ok()) else { continue };
         let i = keys.iter().position(|&x| x == k).ok_or("an unknown key")?;
         // This channel's events until it has none (then the others').
         let mut ev = Some(first);
@@ -342,7 +342,7 @@ fn close(chans: &mut [Channel]) {
     for ch in chans.iter_mut() {
         while Instant::now() < deadline {
             match ch.wait(Some(Duration::from_millis(100))) {
-                Some(Event::Closed { .. } | Event::Error(_)) => break,
+                Ok(Event::Closed { .. } | Event::Error(_)) => break,
                 _ if ch.state() == ferry::ChannelState::Closed => break,
                 _ => {}
             }
@@ -369,7 +369,7 @@ fn echo_loop(chans: Vec<Channel>, stop: &AtomicBool) {
             let Some(ch) = sel.get_mut(k) else { continue };
             match ch.pass(buf, &meta) {
                 Ok(()) => passed.push(k),
-                Err(r) if r.error == ferry::Error::QueueFull => still.push((k, r.value, meta)),
+                Err(r) if r.error == ferry::ErrorKind::QueueFull => still.push((k, r.into_inner(), meta)),
                 Err(_) => {}
             }
         }
@@ -383,7 +383,7 @@ fn echo_loop(chans: Vec<Channel>, stop: &AtomicBool) {
         waiting = still;
         let wait = if waiting.is_empty() { Duration::from_millis(10) } else { Duration::ZERO };
         let priority = first_key.and_then(|k| sel.get_mut(k).and_then(Channel::poll).map(|e| (k, e)));
-        let Some((k, first)) = priority.or_else(|| sel.wait(Some(wait))) else { continue };
+        let Some((k, first)) = priority.or_else(|| sel.wait(Some(wait)).ok()) else { continue };
         // This channel's events until it has none (then the others').
         let mut ev = Some(first);
         while let Some(e) = ev {

@@ -38,7 +38,7 @@ use super::compare::median;
 use super::point::{Head, Point};
 use super::progress::Progress;
 use super::{Backend, Ctx, Wait};
-use crate::setup::{assign, connect_local, describe, describe_event, send_when_room};
+use crate::setup::{assign, connect_local, describe_event, describe_wait, send_when_room};
 use crate::stats::{round, Summary};
 use crate::{pin, CliError};
 
@@ -180,7 +180,8 @@ fn serve_event(ch: &mut Channel, ev: Event, echoed: &mut u64) -> Result<bool, St
             *echoed += 1;
             Ok(false)
         }
-        Event::Closed { .. } | Event::Error(ferry::Error::PeerGone) => Ok(true),
+        Event::Closed { .. } => Ok(true),
+        Event::Error(e) if e == ferry::ErrorKind::PeerGone => Ok(true),
         // Clients that are processes bind to the server's channels and offer their pool.
         Event::BindRequest { .. } => {
             ch.set_pool_policy(ferry::PoolPolicy::AcceptAll);
@@ -253,13 +254,13 @@ fn start_server(kind: Server, chans: Vec<Channel>) -> Result<Vec<JoinHandle<Resu
                     let mut echoed = 0;
                     loop {
                         match ch.wait(Some(STEP)) {
-                            Some(ev) => {
+                            Ok(ev) => {
                                 if serve_event(&mut ch, ev, &mut echoed)? {
                                     return Ok(echoed);
                                 }
                             }
-                            None if ch.state() == ferry::ChannelState::Closed => return Ok(echoed),
-                            None => return Err(stuck()),
+                            Err(_) if ch.state() == ferry::ChannelState::Closed => return Ok(echoed),
+                            Err(_) => return Err(stuck()),
                         }
                     }
                 }),
@@ -279,7 +280,7 @@ fn start_server(kind: Server, chans: Vec<Channel>) -> Result<Vec<JoinHandle<Resu
                     }
                     let mut echoed = 0;
                     while !sel.is_empty() {
-                        let (key, ev) = sel.wait(Some(STEP)).ok_or_else(stuck)?;
+                        let (key, ev) = sel.wait(Some(STEP)).map_err(|_| stuck())?;
                         let ch = sel.get_mut(key).ok_or("the selector returned a key it does not hold")?;
                         if serve_drained(ch, ev, &mut echoed)? {
                             drop(sel.remove(key));
@@ -299,7 +300,7 @@ fn start_server(kind: Server, chans: Vec<Channel>) -> Result<Vec<JoinHandle<Resu
                     while open > 0 {
                         let (i, ev) = {
                             let mut refs: Vec<&mut Channel> = chans.iter_mut().collect();
-                            ferry::wait_any(&mut refs, Some(STEP)).ok_or_else(stuck)?
+                            ferry::wait_any(&mut refs, Some(STEP)).map_err(|_| stuck())?
                         };
                         if serve_drained(&mut chans[i], ev, &mut echoed)? {
                             open -= 1;
@@ -330,10 +331,10 @@ fn close(ch: &mut Channel) -> Result<(), String> {
     let t0 = Instant::now();
     while t0.elapsed() < STEP {
         match ch.wait(Some(Duration::from_millis(100))) {
-            Some(Event::Closed { .. }) => return Ok(()),
-            None if ch.state() == ferry::ChannelState::Closed => return Ok(()),
-            Some(Event::BufferPassed { .. }) | None => {}
-            Some(other) => return Err(format!("at the teardown the client got {}", describe_event(&other))),
+            Ok(Event::Closed { .. }) => return Ok(()),
+            Err(_) if ch.state() == ferry::ChannelState::Closed => return Ok(()),
+            Ok(Event::BufferPassed { .. }) | Err(_) => {}
+            Ok(other) => return Err(format!("at the teardown the client got {}", describe_event(&other))),
         }
     }
     Err(format!("the server did not close within {} s", STEP.as_secs()))
@@ -396,8 +397,8 @@ fn round_trips(ch: &mut Channel, alloc: &Allocator, runs: usize, idle: Duration)
             let t0 = Instant::now();
             ch.move_buffer(buf, &(i as u64).to_le_bytes()).map_err(|r| r.error.to_string())?;
             match ch.wait(Some(STEP)) {
-                Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
-                ev => return Err(format!("the client expected its buffer back but got {}", describe(&ev))),
+                Ok(Event::BufferPassed { buffer, .. }) => drop(buffer),
+                ev => return Err(format!("the client expected its buffer back but got {}", describe_wait(&ev))),
             }
             if run > 0 {
                 samples.push(t0.elapsed().as_secs_f64() * 1e6);
@@ -633,7 +634,7 @@ fn busy_client(ch: &mut Channel, alloc: &Allocator, window: usize) -> Result<(),
                     inflight += 1;
                     did = true;
                 }
-                Err(r) if r.error == ferry::Error::QueueFull => break,
+                Err(r) if r.error == ferry::ErrorKind::QueueFull => break,
                 Err(r) => return Err(r.error.to_string()),
             }
         }

@@ -546,7 +546,7 @@ impl Sender {
     /// Take returned buffers; wait for an event first when `block`.
     fn drain(&mut self, block: bool) -> Result<(), CliError> {
         let ch = self.path.channel_mut(0);
-        let mut ev = if block { ch.wait(Some(Duration::from_millis(5))) } else { ch.poll() };
+        let mut ev = if block { ch.wait(Some(Duration::from_millis(5))).ok() } else { ch.poll() };
         while let Some(e) = ev {
             match e {
                 Event::BufferPassed { buffer, .. } => {
@@ -666,7 +666,7 @@ impl Sender {
         let t0 = Instant::now();
         while t0.elapsed() < STEP {
             match ch.wait(Some(Duration::from_millis(100))) {
-                Some(Event::Closed { .. }) => break,
+                Ok(Event::Closed { .. }) => break,
                 _ if ch.state() == ferry::ChannelState::Closed => break,
                 _ => {}
             }
@@ -766,7 +766,7 @@ fn router(a: &ChildArgs) -> Result<(), CliError> {
     let own = Allocator::new(&domain, (2 * window(a.size) + 2) as u64, big(a.size), PoolConstraints::default())?;
     out.assign_pool_and_wait(own.pool(), STEP)?;
     loop {
-        let Some((i, ev)) = ferry::wait_any(&mut [&mut inn, &mut out], Some(STEP)) else {
+        let Ok((i, ev)) = ferry::wait_any(&mut [&mut inn, &mut out], Some(STEP)) else {
             if inn.state() == ferry::ChannelState::Closed {
                 return Ok(());
             }
@@ -794,10 +794,10 @@ fn router(a: &ChildArgs) -> Result<(), CliError> {
                         break b;
                     }
                     match out.wait(Some(STEP)) {
-                        Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
-                        Some(Event::Error(e)) => return Err(e.into()),
-                        Some(other) => return Err(fail(format!("B got {}", describe_event(&other)))),
-                        None => return Err(fail("B's buffers did not come back")),
+                        Ok(Event::BufferPassed { buffer, .. }) => drop(buffer),
+                        Ok(Event::Error(e)) => return Err(e.into()),
+                        Ok(other) => return Err(fail(format!("B got {}", describe_event(&other)))),
+                        Err(_) => return Err(fail("B's buffers did not come back")),
                     }
                 };
                 fresh.as_mut_slice()?[..len].copy_from_slice(&buffer[..len]);
@@ -806,7 +806,7 @@ fn router(a: &ChildArgs) -> Result<(), CliError> {
             }
             (0, Event::Closed { .. }) => {
                 out.teardown()?;
-                while let Some(ev) = out.wait(Some(STEP)) {
+                while let Ok(ev) = out.wait(Some(STEP)) {
                     if matches!(ev, Event::Closed { .. }) {
                         break;
                     }
@@ -886,9 +886,9 @@ fn receiver(a: &ChildArgs) -> Result<(), CliError> {
     let stdout = std::io::stdout();
     loop {
         let ev = match inn.wait(Some(STEP)) {
-            Some(ev) => ev,
-            None if inn.state() == ferry::ChannelState::Closed => return Ok(()),
-            None => continue,
+            Ok(ev) => ev,
+            Err(_) if inn.state() == ferry::ChannelState::Closed => return Ok(()),
+            Err(_) => continue,
         };
         let verify = seq % a.verify_every == 0;
         match ev {

@@ -482,8 +482,8 @@ pub fn check_pool_sizes(sizes: &[usize]) -> Result<(), CliError> {
 
 /// Map the library's "trust level not supported" to a usage error (exit 2).
 pub fn trust_error(e: ::ferry::Error) -> CliError {
-    match e {
-        ::ferry::Error::TrustNotSupported { trust, backend } => {
+    match e.kind() {
+        ::ferry::ErrorKind::TrustNotSupported { trust, backend } => {
             let name = match trust {
                 ::ferry::TrustLevel::None => "none",
                 ::ferry::TrustLevel::Half => "half",
@@ -493,7 +493,7 @@ pub fn trust_error(e: ::ferry::Error) -> CliError {
                 "--trust {name}: the {backend} backend does not offer this trust level; give --trust full or half"
             ))
         }
-        e => e.into(),
+        _ => e.into(),
     }
 }
 

@@ -527,7 +527,7 @@ fn check_tag(buf: &[u8], seq: u64) -> Result<(), CliError> {
 fn step<T>(ch: &mut Channel, what: &str, mut want: impl FnMut(Event) -> Option<T>) -> Result<T, CliError> {
     let t0 = Instant::now();
     while t0.elapsed() < STEP {
-        if let Some(ev) = ch.wait(Some(Duration::from_millis(100))) {
+        if let Ok(ev) = ch.wait(Some(Duration::from_millis(100))) {
             return match ev {
                 Event::Error(e) => Err(CliError::Failed(format!("{what}: {e}"))),
                 ev => {
@@ -571,7 +571,7 @@ fn ferry_stage(a: &StageArgs) -> Result<(), CliError> {
         let mut ch = loop {
             match Channel::bind(&domain, &ep(a.index - 1), BindParams::default()) {
                 Ok(ch) => break ch,
-                Err(ferry::Error::EndpointNotListening) if t0.elapsed() < STEP => {
+                Err(e) if e == ferry::ErrorKind::EndpointNotListening && t0.elapsed() < STEP => {
                     std::thread::sleep(Duration::from_millis(2));
                 }
                 Err(e) => return Err(e.into()),
@@ -620,7 +620,7 @@ fn producer(a: &StageArgs, domain: &Domain, mut out: Channel) -> Result<(), CliE
         take_returns(&mut out, true, busy)?;
     }
     out.teardown()?;
-    while let Some(ev) = out.wait(Some(STEP)) {
+    while let Ok(ev) = out.wait(Some(STEP)) {
         if matches!(ev, Event::Closed { .. }) {
             break;
         }
@@ -708,7 +708,7 @@ fn from_upstream(domain: &Domain, inn: &mut Channel, out: &mut Channel, ev: Even
         Event::MoveReceived { buffer, meta } => send_when_room(buffer, false, |b| out.move_buffer(b, &meta))?,
         Event::Closed { .. } => {
             out.teardown()?;
-            while let Some(ev) = out.wait(Some(STEP)) {
+            while let Ok(ev) = out.wait(Some(STEP)) {
                 if matches!(ev, Event::Closed { .. }) {
                     break;
                 }
@@ -780,7 +780,7 @@ pub fn forwarder(
             }
         } else {
             done.wakeups += 1;
-            ferry::wait_any(&mut [&mut inn, &mut out], Some(STEP))
+            ferry::wait_any(&mut [&mut inn, &mut out], Some(STEP)).ok()
         };
         let Some(first) = first else {
             if inn.state() == ferry::ChannelState::Closed {
@@ -929,8 +929,8 @@ mod tests {
             ChannelSetup { direction: Direction::Tx, role: Role::Master, meta_size: 16, ..ChannelSetup::default() };
         let mut c = Channel::create(creator, &ep, setup).unwrap();
         let mut b = Channel::bind(binder, &ep, BindParams::default()).unwrap();
-        assert!(matches!(c.wait(Some(STEP)), Some(Event::BindRequest { .. })));
-        assert!(matches!(b.wait(Some(STEP)), Some(Event::Bound)));
+        assert!(matches!(c.wait(Some(STEP)), Ok(Event::BindRequest { .. })));
+        assert!(matches!(b.wait(Some(STEP)), Ok(Event::Bound)));
         (c, b)
     }
 
@@ -958,14 +958,14 @@ mod tests {
             produce(&mut out, &alloc, Some(&mut port), &mut seq, 8, false, false).map(|()| (out, alloc, seq))
         });
         feed.write_all(&chunk(0)).unwrap();
-        if let Some(ev) = down.wait(Some(Duration::from_millis(300))) {
+        if let Ok(ev) = down.wait(Some(Duration::from_millis(300))) {
             panic!("before every free buffer was filled, downstream got {}", describe_event(&ev));
         }
         for seq in 1..8 {
             feed.write_all(&chunk(seq)).unwrap();
         }
         let mut got = Vec::new();
-        let mut ev = down.wait(Some(STEP));
+        let mut ev = down.wait(Some(STEP)).ok();
         while let Some(e) = ev {
             match e {
                 Event::MoveReceived { buffer, meta } => got.push((buffer, meta)),
@@ -1002,7 +1002,7 @@ mod tests {
         // The first arrival downstream: the other seven are published with it.
         let mut got = Vec::new();
         match down.wait(Some(STEP)) {
-            Some(Event::MoveReceived { buffer, meta }) => got.push((buffer, meta)),
+            Ok(Event::MoveReceived { buffer, meta }) => got.push((buffer, meta)),
             other => panic!("expected a buffer, got {}", describe_event(&other.unwrap_or(Event::Bound))),
         }
         while let Some(ev) = down.poll() {
@@ -1022,7 +1022,7 @@ mod tests {
         // Every buffer comes home through the middle stage, all eight
         // published upstream together; then close the chain.
         let mut back = 0;
-        let mut ev = up.wait(Some(STEP));
+        let mut ev = up.wait(Some(STEP)).ok();
         while let Some(e) = ev {
             match e {
                 Event::BufferPassed { buffer, .. } => drop(buffer),
@@ -1105,7 +1105,7 @@ mod tests {
         });
         // Opening blocks until the last stage opens its end to write.
         let mut drain = std::fs::File::open(&fifo).unwrap();
-        if let Some(ev) = up.wait(Some(Duration::from_millis(300))) {
+        if let Ok(ev) = up.wait(Some(Duration::from_millis(300))) {
             panic!("while the sink was stuck on the second buffer, upstream got {}", describe_event(&ev));
         }
         let mut written = vec![0u8; 8 * SIZE];
@@ -1120,9 +1120,9 @@ mod tests {
             while back < n {
                 assert!(t0.elapsed() < STEP, "only {back} of {n} returns {what}");
                 match up.wait(Some(STEP)) {
-                    Some(Event::BufferPassed { buffer, .. }) => drop(buffer),
-                    Some(other) => panic!("expected a return, got {}", describe_event(&other)),
-                    None => continue,
+                    Ok(Event::BufferPassed { buffer, .. }) => drop(buffer),
+                    Ok(other) => panic!("expected a return, got {}", describe_event(&other)),
+                    Err(_) => continue,
                 }
                 back += 1;
             }

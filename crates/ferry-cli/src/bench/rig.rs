@@ -17,7 +17,7 @@ use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Even
 
 use super::{trust_error, Backend};
 use crate::echo::{self, EchoOptions};
-use crate::setup::{describe, describe_event};
+use crate::setup::{describe_event, describe_wait};
 use crate::tls_args::{Side, TlsFlags};
 use crate::{pin, CliError};
 
@@ -118,7 +118,7 @@ fn wait_for<T>(
 ) -> Result<T, CliError> {
     let t0 = Instant::now();
     while t0.elapsed() < limit {
-        if let Some(ev) = source.wait(Some(Duration::from_millis(100))) {
+        if let Ok(ev) = source.wait(Some(Duration::from_millis(100))) {
             if let Some(r) = want(ev) {
                 return r;
             }
@@ -151,11 +151,11 @@ pub fn connect(
         let echo_domain = Domain::new("echo");
         let mut sink = Channel::bind(&echo_domain, &ep, BindParams::default())?;
         match source.wait(Some(STEP)) {
-            Some(Event::BindRequest { .. }) => {}
+            Ok(Event::BindRequest { .. }) => {}
             ev => {
                 return Err(CliError::Failed(format!(
                     "the local channel gave {} instead of a bind request; run the benchmark again",
-                    describe(&ev)
+                    describe_wait(&ev)
                 )))
             }
         }
@@ -335,17 +335,19 @@ impl Rig {
         let t0 = Instant::now();
         loop {
             match self.source.wait(Some(Duration::from_millis(100))) {
-                Some(Event::Closed { .. }) => break,
-                Some(Event::BufferPassed { .. } | Event::PoolRemoved(_)) => {}
-                Some(other) => {
+                Ok(Event::Closed { .. }) => break,
+                Ok(Event::BufferPassed { .. } | Event::PoolRemoved(_)) => {}
+                Ok(other) => {
                     return Err(CliError::Failed(format!(
                         "at the teardown the channel gave {}; run the benchmark again",
                         describe_event(&other)
                     )))
                 }
-                None if self.source.state() == ferry::ChannelState::Closed => break,
-                None if t0.elapsed() > STEP => return Err(CliError::Failed("teardown: the echo did not close".into())),
-                None => echo_alive(&mut self.echo)?,
+                Err(_) if self.source.state() == ferry::ChannelState::Closed => break,
+                Err(_) if t0.elapsed() > STEP => {
+                    return Err(CliError::Failed("teardown: the echo did not close".into()))
+                }
+                Err(_) => echo_alive(&mut self.echo)?,
             }
         }
         match &mut self.echo {

@@ -148,19 +148,19 @@ fn failed(what: &'static str) -> impl Fn(std::io::Error) -> CliError {
 /// Wait up to [`STEP`] for the event `want` accepts; anything else is an error.
 fn step<T>(ch: &mut Channel, what: &str, want: impl FnOnce(Event) -> Option<T>) -> Result<T, CliError> {
     match ch.wait(Some(STEP)) {
-        Some(Event::Error(e)) => Err(CliError::Failed(format!("socket-touch: {what}: {e}"))),
-        Some(ev) => {
+        Ok(Event::Error(e)) => Err(CliError::Failed(format!("socket-touch: {what}: {e}"))),
+        Ok(ev) => {
             let words = describe_event(&ev);
             want(ev).ok_or_else(|| CliError::Failed(format!("socket-touch: waiting for the {what}, got {words}")))
         }
-        None => Err(CliError::Failed(format!("socket-touch: no {what} within {} s", STEP.as_secs()))),
+        Err(_) => Err(CliError::Failed(format!("socket-touch: no {what} within {} s", STEP.as_secs()))),
     }
 }
 
 /// Take the buffers the receiver passed back (wait for one if `block`).
 fn take_returns(ch: &mut Channel, block: bool) -> Result<(), CliError> {
     let mut ev = if block {
-        Some(ch.wait(Some(STEP)).ok_or_else(|| CliError::Failed("socket-touch: no buffer came back".into()))?)
+        Some(ch.wait(Some(STEP)).map_err(|_| CliError::Failed("socket-touch: no buffer came back".into()))?)
     } else {
         ch.poll()
     };
@@ -226,7 +226,7 @@ pub fn sender(a: &SenderArgs) -> Result<(), CliError> {
         take_returns(&mut ch, true)?;
     }
     ch.teardown()?;
-    while let Some(ev) = ch.wait(Some(STEP)) {
+    while let Ok(ev) = ch.wait(Some(STEP)) {
         if matches!(ev, Event::Closed { .. }) {
             break;
         }
@@ -278,7 +278,7 @@ impl FerryPeer {
         loop {
             match Channel::bind(&domain, &Endpoint::shm_abstract(name), BindParams::default()) {
                 Ok(ch) => return Ok(ch),
-                Err(ferry::Error::EndpointNotListening) if t0.elapsed() < STEP => {
+                Err(e) if e == ferry::ErrorKind::EndpointNotListening && t0.elapsed() < STEP => {
                     std::thread::sleep(Duration::from_millis(2));
                 }
                 Err(e) => return Err(e.into()),
@@ -294,16 +294,16 @@ impl FerryPeer {
         let (mut got, mut sum) = (0u64, 0u64);
         while got < total {
             match self.ch.wait(Some(STEP)) {
-                Some(Event::MoveReceived { buffer, meta }) => {
+                Ok(Event::MoveReceived { buffer, meta }) => {
                     sum = sum.wrapping_add(touch(&buffer, halves));
                     got += buffer.len() as u64;
                     send_when_room(buffer, false, |b| self.ch.pass(b, &meta))?;
                 }
-                Some(Event::Error(e)) => return Err(e.into()),
-                Some(other) => {
+                Ok(Event::Error(e)) => return Err(e.into()),
+                Ok(other) => {
                     return Err(CliError::Failed(format!("socket-touch receiver got {}", describe_event(&other))))
                 }
-                None => return Err(CliError::Failed(format!("socket-touch: {got} of {total} bytes, then nothing"))),
+                Err(_) => return Err(CliError::Failed(format!("socket-touch: {got} of {total} bytes, then nothing"))),
             }
         }
         let secs = t0.elapsed().as_secs_f64();
@@ -314,7 +314,7 @@ impl FerryPeer {
     /// End the sender: it takes its buffers home and tears the channel down.
     fn stop(mut self) -> Result<(), CliError> {
         drop(self.control.take());
-        while let Some(ev) = self.ch.wait(Some(STEP)) {
+        while let Ok(ev) = self.ch.wait(Some(STEP)) {
             if matches!(ev, Event::Closed { .. }) {
                 break;
             }

@@ -44,15 +44,15 @@ pub fn send(tx: &mut Channel, bytes: usize) -> Result<u64> {
         }
         // A buffer passed back is ours again; dropping it frees it.
         match tx.wait(Some(TIMEOUT)) {
-            Some(Event::BufferPassed { .. }) => back += 1,
-            Some(Event::Error(e)) => return Err(e.into()),
-            Some(other) => return Err(format!("unexpected event {other:?}").into()),
-            None => return Err("no buffer came back in time".into()),
+            Ok(Event::BufferPassed { .. }) => back += 1,
+            Ok(Event::Error(e)) => return Err(e.into()),
+            Ok(other) => return Err(format!("unexpected event {other:?}").into()),
+            Err(_) => return Err("no buffer came back in time".into()),
         }
     }
     tx.teardown()?;
     match tx.wait(Some(TIMEOUT)) {
-        Some(Event::Closed { .. }) => Ok(count),
+        Ok(Event::Closed { .. }) => Ok(count),
         other => Err(format!("expected the close, got {other:?}").into()),
     }
 }
@@ -75,7 +75,7 @@ pub fn receive(rx: &mut Channel, bytes: usize) -> Result<u64> {
     let mut next = 0u64;
     loop {
         match rx.wait(Some(TIMEOUT)) {
-            Some(Event::MoveReceived { buffer, meta }) => {
+            Ok(Event::MoveReceived { buffer, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into()?);
                 if seq != next {
                     return Err(format!("buffer {seq} arrived, {next} expected").into());
@@ -86,11 +86,11 @@ pub fn receive(rx: &mut Channel, bytes: usize) -> Result<u64> {
                 rx.pass_unfilled(buffer, &[])?;
                 next += 1;
             }
-            Some(Event::PoolAssignRequest(_)) => {} // accepted already (AcceptAll)
-            Some(Event::Closed { .. }) => break,
-            Some(Event::Error(e)) => return Err(e.into()),
-            Some(other) => return Err(format!("unexpected event {other:?}").into()),
-            None => return Err("nothing arrived in time".into()),
+            Ok(Event::PoolAssignRequest(_)) => {} // accepted already (AcceptAll)
+            Ok(Event::Closed { .. }) => break,
+            Ok(Event::Error(e)) => return Err(e.into()),
+            Ok(other) => return Err(format!("unexpected event {other:?}").into()),
+            Err(_) => return Err("nothing arrived in time".into()),
         }
     }
     let want = bytes.div_ceil(BUFFER_SIZE) as u64;

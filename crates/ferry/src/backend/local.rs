@@ -4,6 +4,7 @@
 //! puts in a shared segment — and pools travel as `Arc`s of their memfd,
 //! so every domain maps the same memory: zero copy by construction.
 
+use crate::ErrorKind;
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
@@ -66,11 +67,11 @@ impl LocalEndpoint {
         if setup.trust == TrustLevel::None {
             // Within one address space nothing can be enforced against the
             // process itself; NONE needs separate processes (shm backend).
-            return Err(Error::TrustNotSupported { trust: TrustLevel::None, backend: "local" });
+            return Err(ErrorKind::TrustNotSupported { trust: TrustLevel::None, backend: "local" }.into());
         }
         let mut st = self.lock();
         if st.setup.is_some() {
-            return Err(Error::EndpointInUse);
+            return Err(ErrorKind::EndpointInUse.into());
         }
         let bell = Arc::new(Doorbell::new()?);
         st.setup = Some(*setup);
@@ -81,13 +82,13 @@ impl LocalEndpoint {
     pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
         let mut st = self.lock();
         let (Some(setup), Some(creator_bell)) = (st.setup, st.creator.clone()) else {
-            return Err(Error::EndpointNotListening);
+            return Err(ErrorKind::EndpointNotListening.into());
         };
         if st.connected || st.offer.is_some() {
-            return Err(Error::EndpointInUse);
+            return Err(ErrorKind::EndpointInUse.into());
         }
         let layout = RingLayout::new(setup.queue_depth, proto::slot_size(setup.meta_size))
-            .map_err(|_| Error::InvalidArgument("queue depth"))?;
+            .map_err(|_| ErrorKind::InvalidArgument("queue depth"))?;
         let (to_creator_tx, to_creator_rx) = ring::heap_pair(layout);
         let (to_binder_tx, to_binder_rx) = ring::heap_pair(layout);
         let binder_bell = Arc::new(Doorbell::new()?);
@@ -146,7 +147,7 @@ impl Drop for CreatorPending {
         st.setup = None;
         st.creator = None;
         if let Some(offer) = st.offer.take() {
-            *offer.reply.lock().unwrap_or_else(|p| p.into_inner()) = Some(Err(Error::EndpointNotListening));
+            *offer.reply.lock().unwrap_or_else(|p| p.into_inner()) = Some(Err(ErrorKind::EndpointNotListening.into()));
             offer.binder.ring();
         }
     }
@@ -157,7 +158,7 @@ impl PendingSetup for CreatorPending {
         let mut st = self.ep.state.lock().unwrap_or_else(|p| p.into_inner());
         let offer = st.offer.take()?;
         let outcome = negotiate(&self.setup, &offer.params);
-        let answer = outcome.map_err(Error::BindRefused);
+        let answer = outcome.map_err(|why| Error::from(ErrorKind::BindRefused(why)));
         *offer.reply.lock().unwrap_or_else(|p| p.into_inner()) = Some(answer.clone());
         offer.binder.ring();
         match answer {
@@ -244,9 +245,9 @@ impl std::fmt::Debug for LocalLink {
 impl LocalLink {
     fn ring_error(e: RingError) -> Error {
         match e {
-            RingError::Full => Error::QueueFull,
-            RingError::Closed => Error::PeerGone,
-            other => Error::Protocol(format!("ring: {other}")),
+            RingError::Full => ErrorKind::QueueFull.into(),
+            RingError::Closed => ErrorKind::PeerGone.into(),
+            other => ErrorKind::Protocol(format!("ring: {other}")).into(),
         }
     }
 
@@ -272,7 +273,7 @@ impl LocalLink {
                     Some(decoded) => decoded.map(Some),
                     None => match self.last_in.lock().unwrap_or_else(|p| p.into_inner()).pop_front() {
                         Some(msg) => Ok(Some(msg)),
-                        None => Err(Error::PeerGone),
+                        None => Err(ErrorKind::PeerGone.into()),
                     },
                 }
             }
@@ -286,10 +287,13 @@ impl LocalLink {
 
     /// The memory the peer exported for pool `id`.
     fn exported(&mut self, id: PoolId, geometry: Geometry) -> Result<Arc<PoolMemory>> {
-        let memory =
-            self.take_import(id).ok_or_else(|| Error::Protocol(format!("pool {id} was offered but not exported")))?;
+        let memory = self
+            .take_import(id)
+            .ok_or_else(|| ErrorKind::Protocol(format!("pool {id} was offered but not exported")))?;
         if memory.geometry() != geometry {
-            return Err(Error::Protocol(format!("pool {id} offered with a geometry that differs from its memory")));
+            return Err(
+                ErrorKind::Protocol(format!("pool {id} offered with a geometry that differs from its memory")).into()
+            );
         }
         Ok(memory)
     }

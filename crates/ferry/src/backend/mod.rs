@@ -269,6 +269,22 @@ pub enum Endpoint {
     Mux(MuxEndpoint),
 }
 
+/// The endpoint in words, as errors name it: `a local endpoint`, `the shm
+/// endpoint /run/app.sock`, `the TCP endpoint 127.0.0.1:7000`.
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Local(_) => f.write_str("a local endpoint"),
+            #[cfg(not(loom))]
+            Endpoint::Shm(ep) => write!(f, "the shm endpoint {ep}"),
+            #[cfg(not(loom))]
+            Endpoint::Net(ep) => write!(f, "the TCP endpoint {}", ep.addr()),
+            #[cfg(not(loom))]
+            Endpoint::Mux(ep) => write!(f, "{ep}"),
+        }
+    }
+}
+
 impl Endpoint {
     /// A fresh local endpoint: create a channel on it in one domain, bind to
     /// it from another (threads of one process). Clones name the same

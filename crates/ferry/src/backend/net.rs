@@ -27,7 +27,7 @@
 //! buffer (through rustls's buffers): what the kernel did in one copy on
 //! each side, TLS does in user space, and only authenticated bytes land.
 //! A record that fails authentication fails the channel with
-//! [`Error::Tls`]. A creator runs the TLS handshakes of its half-open
+//! [`ErrorKind::Tls`]. A creator runs the TLS handshakes of its half-open
 //! connections side by side, within the same setup deadline and shedding
 //! as the bind requests.
 //!
@@ -74,9 +74,10 @@
 //! lengths that do not fit the type, a pool or index the channel does not
 //! have, a move, pass or payload for a buffer the receiver owns, a copy of
 //! a buffer the receiver owns and has no copy out of — closes the channel
-//! with [`Error::Protocol`] on the receiving side, and ends the connection
+//! with [`ErrorKind::Protocol`] on the receiving side, and ends the connection
 //! at once (the peer reads the end of the stream).
 
+use crate::ErrorKind;
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -131,14 +132,14 @@ const TLS_SEND_LIMIT: usize = 64 << 10;
 pub struct NetOptions {
     /// A peer that sends nothing (not even a keep-alive) or takes none of
     /// our data for this long is treated as dead: the channel fails with
-    /// [`Error::PeerUnresponsive`] and the buffers lent to it come back.
+    /// [`ErrorKind::PeerUnresponsive`] and the buffers lent to it come back.
     /// The ends announce their timeouts when they connect, and each sends
     /// keep-alives every quarter of the shorter one (of at least 100 ms).
     /// Default 10 s.
     pub peer_timeout: Duration,
     /// What protects the connection. Default [`Security::LoopbackOnly`]:
     /// plain TCP, and an address that is not a loopback address is
-    /// refused ([`Error::InsecureAddress`]); across machines use
+    /// refused ([`ErrorKind::InsecureAddress`]); across machines use
     /// [`Security::Tls`], or [`Security::None`] on purpose.
     pub security: Security,
 }
@@ -190,20 +191,20 @@ pub struct NetEndpoint {
 }
 
 /// Connect to `addr` within `timeout`: nobody listening (refused, or the
-/// socket connected to itself) is [`Error::EndpointNotListening`], no
-/// answer in time [`Error::TimedOut`].
+/// socket connected to itself) is [`ErrorKind::EndpointNotListening`], no
+/// answer in time [`ErrorKind::TimedOut`].
 pub(crate) fn connect_stream(addr: SocketAddr, timeout: Duration) -> Result<TcpStream> {
     let timeout = timeout.max(Duration::from_millis(1));
     let stream = TcpStream::connect_timeout(&addr, timeout).map_err(|e| match e.kind() {
-        io::ErrorKind::ConnectionRefused => Error::EndpointNotListening,
-        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => Error::TimedOut,
+        io::ErrorKind::ConnectionRefused => ErrorKind::EndpointNotListening.into(),
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => ErrorKind::TimedOut.into(),
         _ => Error::from(e),
     })?;
     // Connecting to a free port of our own host can connect the socket to
     // itself (TCP simultaneous open, when the kernel picks that very port
     // as our source port): nobody is listening there.
     if stream.local_addr()? == stream.peer_addr()? {
-        return Err(Error::EndpointNotListening);
+        return Err(ErrorKind::EndpointNotListening.into());
     }
     Ok(stream)
 }
@@ -226,7 +227,7 @@ impl NetEndpoint {
             c.server_config()?;
         }
         let listener = TcpListener::bind(self.addr).map_err(|e| match e.kind() {
-            io::ErrorKind::AddrInUse => Error::EndpointInUse,
+            io::ErrorKind::AddrInUse => ErrorKind::EndpointInUse.into(),
             _ => Error::from(e),
         })?;
         listener.set_nonblocking(true)?;
@@ -265,10 +266,10 @@ impl NetEndpoint {
     }
 }
 
-/// The error an I/O error of a connection is: [`Error::Tls`] for a TLS
+/// The error an I/O error of a connection is: [`ErrorKind::Tls`] for a TLS
 /// failure.
 fn io_error(e: &io::Error) -> Error {
-    tls::failure(e).unwrap_or_else(|| Error::Os(e.to_string()))
+    tls::failure(e).unwrap_or_else(|| ErrorKind::Os(e.to_string()).into())
 }
 
 /// A setup message as it goes on the stream: the u16 length of what
@@ -363,10 +364,10 @@ impl SetupConn {
             };
             let ended = || self.tls.as_ref().and_then(|t| t.ended_in_handshake());
             match got {
-                Ok(0) => return Err(ended().unwrap_or(Error::PeerGone)),
+                Ok(0) => return Err(ended().unwrap_or(ErrorKind::PeerGone.into())),
                 Ok(n) => self.have += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    return if Instant::now() >= self.deadline { Err(Error::TimedOut) } else { Ok(None) };
+                    return if Instant::now() >= self.deadline { Err(ErrorKind::TimedOut.into()) } else { Ok(None) };
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(tls::failure(&e).or_else(ended).unwrap_or_else(|| e.into())),
@@ -374,7 +375,9 @@ impl SetupConn {
             // A TLS peer answering a plain one: its first record (an alert
             // or a handshake message) is no setup message.
             if self.tls.is_none() && self.have >= 2 && matches!(self.buf[..2], [0x15 | 0x16, 0x03]) {
-                return Err(Error::Tls("the peer speaks TLS and this end does not; give it Security Tls".into()));
+                return Err(
+                    ErrorKind::Tls("the peer speaks TLS and this end does not; give it Security Tls".into()).into()
+                );
             }
         }
     }
@@ -452,7 +455,8 @@ impl PendingSetup for CreatorPending {
                         }
                         // Refused, gone, or a connector that does not speak
                         // the protocol: drop it and keep listening.
-                        Ok(None) | Err(Error::Protocol(_)) => {}
+                        Ok(None) => {}
+                        Err(e) if matches!(e.kind(), ErrorKind::Protocol(_)) => {}
                         Err(e) => return Some(Err(e)),
                     }
                 }
@@ -687,7 +691,7 @@ impl NetLink {
     fn check(&self) -> Result<()> {
         match &self.gone {
             Some(e) => Err(e.clone()),
-            None if self.closed => Err(Error::PeerGone),
+            None if self.closed => Err(ErrorKind::PeerGone.into()),
             None => Ok(()),
         }
     }
@@ -698,7 +702,7 @@ impl NetLink {
         if self.out.len() >= self.depth {
             self.flush()?;
             if self.out.len() >= self.depth {
-                return Err(Error::QueueFull);
+                return Err(ErrorKind::QueueFull.into());
             }
         }
         Ok(())
@@ -716,7 +720,7 @@ impl NetLink {
             let pool = self
                 .pools
                 .get(&buf.pool)
-                .ok_or_else(|| Error::Protocol(format!("pool {} unknown to the network link", buf.pool)))?;
+                .ok_or_else(|| ErrorKind::Protocol(format!("pool {} unknown to the network link", buf.pool)))?;
             let size = pool.geometry.buffer_size();
             f.head[1] |= FLAG_PAYLOAD;
             f.head[8..16].copy_from_slice(&(size as u64).to_le_bytes());
@@ -787,7 +791,7 @@ impl NetLink {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => return Err(self.fail(Error::PeerGone, true)),
+                Err(_) => return Err(self.fail(ErrorKind::PeerGone.into(), true)),
             };
             let now = Instant::now();
             self.last_tx = now;
@@ -800,7 +804,7 @@ impl NetLink {
         if let Some(t) = &mut self.tls {
             let before = t.written();
             if t.flush(self.stream.as_fd()).is_err() {
-                return Err(self.fail(Error::PeerGone, true));
+                return Err(self.fail(ErrorKind::PeerGone.into(), true));
             }
             if t.written() != before {
                 let now = Instant::now();
@@ -844,10 +848,10 @@ impl NetLink {
         let now = Instant::now();
         let timeout = self.options.peer_timeout;
         if now.duration_since(self.last_rx) > timeout {
-            return Err(self.fail(Error::PeerUnresponsive(timeout), true));
+            return Err(self.fail(ErrorKind::PeerUnresponsive(timeout).into(), true));
         }
         if self.unsent() && now.duration_since(self.last_progress) > timeout {
-            return Err(self.fail(Error::PeerUnresponsive(timeout), true));
+            return Err(self.fail(ErrorKind::PeerUnresponsive(timeout).into(), true));
         }
         if !self.unsent() && now.duration_since(self.last_tx) > self.keepalive {
             self.queue_control(TYPE_KEEPALIVE)?;
@@ -861,14 +865,14 @@ impl NetLink {
         // A goodbye first: the peer closed its end on purpose (even if the
         // close then raced our last frames into a reset).
         if self.goodbye_seen {
-            return self.fail(Error::PeerGone, false);
+            return self.fail(ErrorKind::PeerGone.into(), false);
         }
         // A record that failed its authentication, or a TLS alert: like a
         // malformed frame, whoever sent it.
         if let Some(e) = err.as_ref().and_then(tls::failure) {
             return self.fail(e, false);
         }
-        self.fail(Error::PeerGone, true)
+        self.fail(ErrorKind::PeerGone.into(), true)
     }
 
     /// Parse a complete header: the next state, or a message complete in
@@ -876,10 +880,10 @@ impl NetLink {
     fn parse_head(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
         let head = proto::SlotHead::read(&self.head).expect("the frame head is a slot header");
         let proto::SlotHead { op: kind, flags, meta_len: meta, index, aux, pool } = head;
-        let bad = |what: String| Error::Protocol(format!("frame type {kind}: {what}"));
+        let bad = |what: String| ErrorKind::Protocol(format!("frame type {kind}: {what}"));
         if kind == TYPE_KEEPALIVE || kind == TYPE_GOODBYE {
             if flags != 0 || meta != 0 || aux != 0 {
-                return Err(bad("keep-alive or goodbye with content".into()));
+                return Err(bad("keep-alive or goodbye with content".into()).into());
             }
             if kind == TYPE_GOODBYE {
                 self.goodbye_seen = true;
@@ -889,23 +893,24 @@ impl NetLink {
         }
         // The slot's body (meta data, or an aggregate's fragment table).
         let Some(limit) = proto::body_limit(kind, self.meta_size) else {
-            return Err(bad("unknown frame type".into()));
+            return Err(bad("unknown frame type".into()).into());
         };
         if meta > limit {
-            return Err(bad(format!("meta length {meta} out of range")));
+            return Err(bad(format!("meta length {meta} out of range")).into());
         }
         let payload = flags & FLAG_PAYLOAD != 0;
         let target = match (kind, payload) {
             (TYPE_MOVE | TYPE_COPY | TYPE_PASS, true) => {
                 let p = self.pools.get(&pool).ok_or_else(|| bad(format!("pool {pool} not on this channel")))?;
                 if index >= p.geometry.count() {
-                    return Err(bad(format!("buffer index {index} out of range")));
+                    return Err(bad(format!("buffer index {index} out of range")).into());
                 }
                 if aux != p.geometry.buffer_size() as u64 {
                     return Err(bad(format!(
                         "payload of {aux} bytes for a pool of {}-byte buffers",
                         p.geometry.buffer_size()
-                    )));
+                    ))
+                    .into());
                 }
                 let probe = head.payload_probe().expect("a move, copy or pass");
                 Some(match gate.admit(&probe)? {
@@ -920,12 +925,12 @@ impl NetLink {
                 let buf = BufferId { pool, index };
                 let probe = Message::Copy { buf, meta: Meta::empty() };
                 if gate.admit(&probe)? == Landing::Land && !self.copied_in.contains(&buf) {
-                    return Err(bad("copy without payload of a buffer we never received".into()));
+                    return Err(bad("copy without payload of a buffer we never received".into()).into());
                 }
                 None
             }
-            (TYPE_MOVE, false) => return Err(bad("move without its payload".into())),
-            (_, true) => return Err(bad("payload on a frame that carries none".into())),
+            (TYPE_MOVE, false) => return Err(bad("move without its payload".into()).into()),
+            (_, true) => return Err(bad("payload on a frame that carries none".into()).into()),
             (_, false) => None,
         };
         let len = if target.is_some() { aux as usize } else { 0 };
@@ -1095,7 +1100,7 @@ impl Link for NetLink {
                 self.tick()?;
                 Ok(None)
             }
-            Err(e @ (Error::Protocol(_) | Error::Tls(_))) => Err(self.fail(e, false)),
+            Err(e) if matches!(e.kind(), ErrorKind::Protocol(_) | ErrorKind::Tls(_)) => Err(self.fail(e, false)),
             Err(e) => Err(e),
         }
     }
@@ -1215,7 +1220,7 @@ impl Link for NetLink {
     /// peer that sent a bad frame gets nothing more through (what it still
     /// sends is answered with a reset).
     fn abandon(&mut self) -> bool {
-        self.fail(Error::PeerGone, true);
+        self.fail(ErrorKind::PeerGone.into(), true);
         let _ = self.stream.shutdown(Shutdown::Both);
         self.died
     }

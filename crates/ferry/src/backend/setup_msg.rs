@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::pool::{Geometry, PoolId, TrustLevel};
 use crate::proto;
 use crate::setup::{BindParams, ChannelConstraints, Direction, Negotiated, Role};
+use crate::ErrorKind;
 
 const MAGIC: &[u8; 4] = b"FRY1";
 pub(crate) const KIND_BIND: u8 = 1;
@@ -76,7 +77,7 @@ impl Wire {
 pub(crate) struct Reader<'a>(&'a [u8]);
 
 pub(crate) fn bad(what: &str) -> Error {
-    Error::Protocol(format!("setup message: {what}"))
+    ErrorKind::Protocol(format!("setup message: {what}")).into()
 }
 
 impl<'a> Reader<'a> {
@@ -205,13 +206,13 @@ pub(crate) fn encode_refuse(why: &str) -> Vec<u8> {
 }
 
 /// The binder reads the creator's answer: what was negotiated and the queue
-/// depth, or [`Error::BindRefused`].
+/// depth, or [`ErrorKind::BindRefused`].
 pub(crate) fn parse_reply(buf: &[u8]) -> Result<(Negotiated, u32)> {
     let (kind, mut r) = Reader::open(buf)?;
     match kind {
         KIND_REFUSE => {
             let why = REASONS.get(usize::from(r.u8()?)).copied().unwrap_or("refused by the creator");
-            return Err(Error::BindRefused(why));
+            return Err(ErrorKind::BindRefused(why).into());
         }
         KIND_ACCEPT => {}
         _ => return Err(bad("expected a bind reply")),
@@ -291,7 +292,7 @@ mod tests {
         };
         let (back, depth) = parse_reply(&encode_accept(&neg, 512)).unwrap();
         assert_eq!((back, depth), (neg, 512));
-        assert_eq!(parse_reply(&encode_refuse(REASONS[2])).unwrap_err(), Error::BindRefused(REASONS[2]));
+        assert_eq!(parse_reply(&encode_refuse(REASONS[2])).unwrap_err(), ErrorKind::BindRefused(REASONS[2]));
         let g = Geometry::new(4096, 3).unwrap();
         let id = PoolId::from_u128(77);
         assert_eq!(parse_pool(&encode_pool(PoolFile::Memory, id, g)).unwrap(), (PoolFile::Memory, id, g));
@@ -334,7 +335,13 @@ mod tests {
             Negotiated { constraints: ChannelConstraints::default(), ..good },
         ];
         for lie in lies {
-            assert!(matches!(crate::setup::check_reply(&params, &lie), Err(Error::Protocol(_))), "{lie:?}");
+            assert!(
+                matches!(
+                    crate::setup::check_reply(&params, &lie).as_ref().map_err(|e| e.kind()),
+                    Err(ErrorKind::Protocol(_))
+                ),
+                "{lie:?}"
+            );
         }
     }
 
@@ -343,8 +350,17 @@ mod tests {
         let l = crate::setup::ChannelLimits { max_peer_pools: 2, max_peer_bytes: 1 << 20 };
         let g = Geometry::new(4096, 16).unwrap();
         l.admit(1, 0, g).unwrap();
-        assert!(matches!(l.admit(2, 0, g), Err(Error::LimitExceeded { limit: 2, .. })));
-        assert!(matches!(l.admit(0, (1 << 20) - 4096, g), Err(Error::LimitExceeded { limit: 1_048_576, .. })));
-        assert!(matches!(l.admit(0, usize::MAX, g), Err(Error::LimitExceeded { .. })), "no overflow");
+        assert!(matches!(
+            l.admit(2, 0, g).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::LimitExceeded { limit: 2, .. })
+        ));
+        assert!(matches!(
+            l.admit(0, (1 << 20) - 4096, g).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::LimitExceeded { limit: 1_048_576, .. })
+        ));
+        assert!(
+            matches!(l.admit(0, usize::MAX, g).as_ref().map_err(|e| e.kind()), Err(ErrorKind::LimitExceeded { .. })),
+            "no overflow"
+        );
     }
 }

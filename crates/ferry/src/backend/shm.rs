@@ -19,6 +19,7 @@
 //! request carries the binder's doorbell; the acceptance carries the segment
 //! and the creator's doorbell; a pool announcement carries the pool's memfd.
 
+use crate::ErrorKind;
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
@@ -58,6 +59,16 @@ pub struct ShmEndpoint {
     name: UnixName,
 }
 
+/// The socket's path, or `@name` for an abstract name.
+impl std::fmt::Display for ShmEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.name {
+            UnixName::Path(path) => write!(f, "{}", path.display()),
+            UnixName::Abstract(name) => write!(f, "@{}", String::from_utf8_lossy(name)),
+        }
+    }
+}
+
 impl ShmEndpoint {
     /// An endpoint named by a socket file path.
     pub fn path(path: impl Into<std::path::PathBuf>) -> Self {
@@ -79,7 +90,7 @@ impl ShmEndpoint {
 
     pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
         let listener = Listener::bind(&self.name).map_err(|e| match e.kind() {
-            std::io::ErrorKind::AddrInUse => Error::EndpointInUse,
+            std::io::ErrorKind::AddrInUse => ErrorKind::EndpointInUse.into(),
             _ => Error::from(e),
         })?;
         Ok(Box::new(CreatorPending { listener: Some(listener), setup: *setup, half_open: VecDeque::new() }))
@@ -88,13 +99,15 @@ impl ShmEndpoint {
     pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
         let deadline = Instant::now() + params.timeout;
         let conn = Conn::connect(&self.name, params.timeout).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => Error::EndpointNotListening,
-            std::io::ErrorKind::TimedOut => Error::TimedOut,
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
+                ErrorKind::EndpointNotListening.into()
+            }
+            std::io::ErrorKind::TimedOut => ErrorKind::TimedOut.into(),
             _ => Error::from(e),
         })?;
         let bell = crate::wake::eventfd()?;
         conn.send(&setup_msg::encode_bind(params), &[bell.as_fd()]).map_err(|e| match e.kind() {
-            std::io::ErrorKind::WouldBlock => Error::TimedOut,
+            std::io::ErrorKind::WouldBlock => ErrorKind::TimedOut.into(),
             _ => Error::from(e),
         })?;
         conn.clear_send_timeout()?;
@@ -139,9 +152,9 @@ fn parts(map: Mapping, half: usize, layout: RingLayout) -> (Arc<dyn RingMemory>,
 
 fn ring_err(e: RingError) -> Error {
     match e {
-        RingError::Full => Error::QueueFull,
-        RingError::Closed => Error::PeerGone,
-        other => Error::Protocol(format!("ring: {other}")),
+        RingError::Full => ErrorKind::QueueFull.into(),
+        RingError::Closed => ErrorKind::PeerGone.into(),
+        other => ErrorKind::Protocol(format!("ring: {other}")).into(),
     }
 }
 
@@ -236,7 +249,8 @@ impl PendingSetup for CreatorPending {
                         }
                         // Refused, gone, or a connector that does not speak
                         // the protocol: drop it and keep listening.
-                        Ok(None) | Err(Error::Protocol(_)) => {}
+                        Ok(None) => {}
+                        Err(e) if matches!(e.kind(), ErrorKind::Protocol(_)) => {}
                         Err(e) => return Some(Err(e)),
                     }
                 }
@@ -290,8 +304,8 @@ impl PendingSetup for BinderPending {
         let got = self.conn.as_ref()?.recv(&mut buf, Some(Duration::ZERO));
         let done = match got {
             Ok(None) if Instant::now() < self.deadline => return None,
-            Ok(None) => Err(Error::TimedOut),
-            Ok(Some((0, _))) => Err(Error::PeerGone),
+            Ok(None) => Err(ErrorKind::TimedOut.into()),
+            Ok(Some((0, _))) => Err(ErrorKind::PeerGone.into()),
             Ok(Some((n, fds))) => self.finish(&buf[..n], fds),
             Err(e) => Err(e.into()),
         };
@@ -403,10 +417,10 @@ impl ShmLink {
             let mut buf = [0u8; 64];
             match self.conn.recv(&mut buf, wait)? {
                 None if want.is_none() => return Ok(()),
-                None => return Err(Error::Protocol("pool announced but its memory never came".into())),
+                None => return Err(ErrorKind::Protocol("pool announced but its memory never came".into()).into()),
                 Some((0, _)) => {
                     self.peer_hung_up = true;
-                    return if want.is_some() { Err(Error::PeerGone) } else { Ok(()) };
+                    return if want.is_some() { Err(ErrorKind::PeerGone.into()) } else { Ok(()) };
                 }
                 Some((n, fds)) => {
                     let (file, id, geometry) = setup_msg::parse_pool(&buf[..n])?;
@@ -441,17 +455,17 @@ impl ShmLink {
         }
         let limits = self.limits;
         let over = if geometry.len() > limits.max_peer_bytes {
-            Some(Error::LimitExceeded {
+            Some(ErrorKind::LimitExceeded {
                 what: "bytes of pools assigned by the peer",
                 limit: limits.max_peer_bytes as u64,
             })
         } else if self.pools.len() + self.ledgers.len() >= limits.max_peer_pools {
-            Some(Error::LimitExceeded { what: "pools assigned by the peer", limit: limits.max_peer_pools as u64 })
+            Some(ErrorKind::LimitExceeded { what: "pools assigned by the peer", limit: limits.max_peer_pools as u64 })
         } else {
             None
         };
         match over {
-            Some(e) if want.is_some_and(|(_, w)| w == id) => Err(e),
+            Some(e) if want.is_some_and(|(_, w)| w == id) => Err(e.into()),
             Some(_) => Ok(false),
             None => Ok(true),
         }
@@ -461,7 +475,7 @@ impl ShmLink {
     fn send_pool(&mut self, file: PoolFile, memory: &PoolMemory, fds: &[BorrowedFd<'_>]) -> Result<()> {
         let msg = setup_msg::encode_pool(file, memory.id(), memory.geometry());
         self.conn.send(&msg, fds).map_err(|e| match e.raw_os_error() {
-            Some(code) if code == rustix::io::Errno::PIPE.raw_os_error() => Error::PeerGone,
+            Some(code) if code == rustix::io::Errno::PIPE.raw_os_error() => ErrorKind::PeerGone.into(),
             _ => Error::from(e),
         })
     }
@@ -471,7 +485,9 @@ impl ShmLink {
         self.read_socket(Some((PoolFile::Memory, id)))?;
         let memory = self.pools.remove(&id).expect("read_socket returned it");
         if memory.geometry() != geometry {
-            return Err(Error::Protocol(format!("pool {id}: memory and assignment disagree on its geometry")));
+            return Err(
+                ErrorKind::Protocol(format!("pool {id}: memory and assignment disagree on its geometry")).into()
+            );
         }
         Ok(memory)
     }
@@ -506,7 +522,7 @@ impl ShmLink {
     /// and the pool may then go to a channel of another trust).
     fn share(&mut self, pool: PoolId) -> Result<()> {
         let Some(p) = self.copy_pools.get_mut(&pool) else {
-            return Err(Error::Protocol(format!("buffer of pool {pool} which is not on this link")));
+            return Err(ErrorKind::Protocol(format!("buffer of pool {pool} which is not on this link")).into());
         };
         if p.shared {
             return Ok(());
@@ -523,7 +539,7 @@ impl ShmLink {
     /// buffer this domain owns or reads).
     fn copy_in(&mut self, buf: BufferId) -> Result<()> {
         let Some(pool) = self.copy_pools.get(&buf.pool) else {
-            return Err(Error::Protocol(format!("buffer of pool {} which is not on this channel", buf.pool)));
+            return Err(ErrorKind::Protocol(format!("buffer of pool {} which is not on this channel", buf.pool)).into());
         };
         if !pool.has_peer() {
             // The peer sent its read-only fd ahead of the first buffer of
@@ -616,7 +632,7 @@ impl Link for ShmLink {
 
     fn send(&mut self, msg: &Message) -> Result<()> {
         if self.peer_hung_up {
-            return Err(Error::PeerGone);
+            return Err(ErrorKind::PeerGone.into());
         }
         if self.untrusted {
             if let Some(buf) = carried(msg) {
@@ -658,7 +674,7 @@ impl Link for ShmLink {
             // Whatever the peer pushed before it went is still ours to take.
             return match self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(ring_err)? {
                 Some(decoded) => self.land(decoded?, gate).map(Some),
-                None => Err(Error::PeerGone),
+                None => Err(ErrorKind::PeerGone.into()),
             };
         }
         Ok(None)

@@ -16,9 +16,10 @@
 //!   does nothing special: whenever it holds a buffer, its own memory has
 //!   the bytes.
 
+use crate::ErrorKind;
 use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::pool::BufferId;
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory};
 use crate::proto::Message;
@@ -58,7 +59,9 @@ impl UnsharedPool {
     /// each other to write (FULL, HALF): we write back.
     pub(crate) fn write_back(memory: &Arc<PoolMemory>, peer: &PoolMemory) -> Result<Self> {
         if peer.geometry() != memory.geometry() {
-            return Err(Error::Protocol(format!("pool {}: the peer's memory has another geometry", memory.id())));
+            return Err(
+                ErrorKind::Protocol(format!("pool {}: the peer's memory has another geometry", memory.id())).into()
+            );
         }
         Ok(UnsharedPool {
             geometry: memory.geometry(),
@@ -79,7 +82,9 @@ impl UnsharedPool {
     /// first buffer of the pool).
     pub(crate) fn set_peer(&mut self, peer: &PoolMemory) -> Result<()> {
         if peer.geometry() != self.geometry {
-            return Err(Error::Protocol(format!("pool {}: the peer's memory has another geometry", peer.id())));
+            return Err(
+                ErrorKind::Protocol(format!("pool {}: the peer's memory has another geometry", peer.id())).into()
+            );
         }
         self.peer = Some(Mapping::map_shared(sys::borrow(peer.fd()), self.geometry.len(), Access::Read, 1)?);
         Ok(())
@@ -95,8 +100,10 @@ impl UnsharedPool {
     /// payload gate has admitted it (on the channel, in range, not held by
     /// any domain of this process).
     pub(crate) fn copy_in(&self, index: u32) -> Result<()> {
-        let peer =
-            self.peer.as_ref().ok_or_else(|| Error::Protocol("a buffer arrived before its pool's memory".into()))?;
+        let peer = self
+            .peer
+            .as_ref()
+            .ok_or_else(|| ErrorKind::Protocol("a buffer arrived before its pool's memory".into()))?;
         self.check(index)?;
         Ok(sys::copy_buffer(peer, &self.own, index, self.geometry.buffer_size())?)
     }
@@ -112,7 +119,7 @@ impl UnsharedPool {
 
     fn check(&self, index: u32) -> Result<()> {
         if index >= self.geometry.count() {
-            return Err(Error::Protocol(format!("buffer index {index} out of range")));
+            return Err(ErrorKind::Protocol(format!("buffer index {index} out of range")).into());
         }
         Ok(())
     }
@@ -252,7 +259,7 @@ mod tests {
         wb.arrive(&mv(ours.id(), 2), &mut Admit(super::super::Landing::Land)).unwrap();
         assert!(read(&ours, 2).iter().all(|&b| b == 0xcd));
         // Out of range is a protocol error, not a stray write.
-        assert!(matches!(wb.depart(&mv(ours.id(), 4)), Err(Error::Protocol(_))));
+        assert!(matches!(wb.depart(&mv(ours.id(), 4)).as_ref().map_err(|e| e.kind()), Err(ErrorKind::Protocol(_))));
         // Importing the peer's memory ends it.
         wb.imported(&ours);
         assert!(wb.pools.is_empty());

@@ -20,8 +20,9 @@ use super::{BindParams, Channel, ChannelSetup, ChannelState, Event};
 use crate::backend::Endpoint;
 use crate::domain::Domain;
 use crate::domain::Pool;
-use crate::error::{Error, Result};
+use crate::error::{Result, ResultExt};
 use crate::proto::Message;
+use crate::ErrorKind;
 
 /// How a channel end answers the pool-assignment requests of its peer
 /// ([`Channel::set_pool_policy`]).
@@ -47,7 +48,7 @@ pub enum PoolPolicy {
     /// information: the pool is already assigned
     /// ([`Channel::is_assigned`] is true) and there is nothing to answer
     /// ([`Channel::respond_pool`] would fail with
-    /// [`Error::NoPendingRequest`]). For a domain that learns of pools to
+    /// [`ErrorKind::NoPendingRequest`]). For a domain that learns of pools to
     /// pass them on (along a data path, with
     /// [`forward_pool`](crate::forward_pool)) or that counts them.
     AcceptAndReport,
@@ -68,7 +69,7 @@ impl Channel {
     /// Create a channel on `endpoint` ([`Channel::create`]) and wait until
     /// a binder is connected ([`Channel::wait_connected`]): the channel is
     /// returned `Connected`, the [`Event::BindRequest`] taken.
-    /// [`Error::TimedOut`] if no binder came within `timeout` (the endpoint
+    /// [`ErrorKind::TimedOut`] if no binder came within `timeout` (the endpoint
     /// is free again); the errors of [`Channel::create`].
     ///
     /// For a TCP endpoint on port 0, whose address the binder must learn
@@ -93,9 +94,11 @@ impl Channel {
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn accept(domain: &Domain, endpoint: &Endpoint, setup: ChannelSetup, timeout: Duration) -> Result<Channel> {
-        let mut ch = Channel::create(domain, endpoint, setup)?;
-        ch.wait_connected(timeout)?;
-        Ok(ch)
+        let accepted = Channel::create_bare(domain, endpoint, setup).and_then(|mut ch| {
+            ch.wait_connected_bare(timeout)?;
+            Ok(ch)
+        });
+        accepted.context(|| format!("accept a channel on {endpoint}"))
     }
 
     /// Bind to `endpoint` ([`Channel::bind`]) and wait for the creator's
@@ -104,31 +107,36 @@ impl Channel {
     /// endpoint yet, the bind is retried (pausing up to 50 ms) until
     /// `timeout`: the creator may start after the binder.
     ///
-    /// Errors: [`Error::EndpointNotListening`] if nobody listened within
-    /// `timeout`; [`Error::TimedOut`] if the creator did not answer in time;
-    /// [`Error::BindRefused`] if it refused; the other errors of
+    /// Errors: [`ErrorKind::EndpointNotListening`] if nobody listened within
+    /// `timeout`; [`ErrorKind::TimedOut`] if the creator did not answer in time;
+    /// [`ErrorKind::BindRefused`] if it refused; the other errors of
     /// [`Channel::bind`] at once. (Over TCP, one attempt to reach a host
     /// that does not answer at all may take the backend's setup timeout of
     /// 10 s, past `timeout`.)
     ///
     /// ```
     /// use std::time::Duration;
-    /// use ferry::{BindParams, Channel, Domain, Endpoint, Error};
+    /// use ferry::{BindParams, Channel, Domain, Endpoint, Error, ErrorKind};
     ///
     /// // Nobody creates a channel on this endpoint.
     /// let err = Channel::connect(&Domain::new("d"), &Endpoint::local(), BindParams::default(), Duration::from_millis(20));
-    /// assert_eq!(err.unwrap_err(), Error::EndpointNotListening);
+    /// assert_eq!(err.unwrap_err(), ErrorKind::EndpointNotListening);
     /// ```
     pub fn connect(domain: &Domain, endpoint: &Endpoint, params: BindParams, timeout: Duration) -> Result<Channel> {
+        Channel::connect_bare(domain, endpoint, params, timeout).context(|| format!("connect to {endpoint}"))
+    }
+
+    /// [`Channel::connect`], its errors without context.
+    fn connect_bare(domain: &Domain, endpoint: &Endpoint, params: BindParams, timeout: Duration) -> Result<Channel> {
         let deadline = Instant::now() + timeout;
         let mut pause = Duration::from_millis(1);
         let mut ch = loop {
-            match Channel::bind(domain, endpoint, params) {
+            match Channel::bind_bare(domain, endpoint, params) {
                 Ok(ch) => break ch,
-                Err(Error::EndpointNotListening) => {
+                Err(e) if e == ErrorKind::EndpointNotListening => {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
-                        return Err(Error::EndpointNotListening);
+                        return Err(ErrorKind::EndpointNotListening.into());
                     }
                     std::thread::sleep(pause.min(left));
                     pause = (pause * 2).min(RETRY_MAX);
@@ -136,31 +144,36 @@ impl Channel {
                 Err(e) => return Err(e),
             }
         };
-        ch.wait_connected(deadline.saturating_duration_since(Instant::now()))?;
+        ch.wait_connected_bare(deadline.saturating_duration_since(Instant::now()))?;
         Ok(ch)
     }
 
     /// Wait until a channel being created or bound is connected, taking its
     /// [`Event::BindRequest`] or [`Event::Bound`]. `Ok` at once if it is
-    /// connected already; [`Error::TimedOut`] after `timeout`; the error of
-    /// a failed setup ([`Error::BindRefused`], [`Error::PeerGone`], …);
-    /// [`Error::NotConnected`] for a channel that is tearing down or closed.
+    /// connected already; [`ErrorKind::TimedOut`] after `timeout`; the error of
+    /// a failed setup ([`ErrorKind::BindRefused`], [`ErrorKind::PeerGone`], …);
+    /// [`ErrorKind::NotConnected`] for a channel that is tearing down or closed.
     ///
     /// ```
     /// use std::time::Duration;
-    /// use ferry::{Channel, ChannelSetup, Domain, Endpoint, Error};
+    /// use ferry::{Channel, ChannelSetup, Domain, Endpoint, Error, ErrorKind};
     ///
     /// let mut ch = Channel::create(&Domain::new("d"), &Endpoint::local(), ChannelSetup::default())?;
-    /// assert_eq!(ch.wait_connected(Duration::from_millis(10)), Err(Error::TimedOut)); // nobody binds
+    /// assert_eq!(ch.wait_connected(Duration::from_millis(10)), Err(ErrorKind::TimedOut.into())); // nobody binds
     /// # Ok::<(), ferry::Error>(())
     /// ```
     pub fn wait_connected(&mut self, timeout: Duration) -> Result<()> {
+        self.wait_connected_bare(timeout).context(|| format!("set up {}", self.name))
+    }
+
+    /// [`Channel::wait_connected`], its errors without context.
+    fn wait_connected_bare(&mut self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
             match self.state {
                 ChannelState::Connected => return Ok(()),
                 ChannelState::Initialized | ChannelState::Binding => {}
-                s => return Err(Error::NotConnected(s)),
+                s => return Err(ErrorKind::NotConnected(s).into()),
             }
             let left = deadline.saturating_duration_since(Instant::now());
             match self.wait_unheld(left) {
@@ -170,7 +183,7 @@ impl Channel {
                 Some(other) => self.helpers.held.push_back(other),
                 // Timed out, or closed (the next round says so).
                 None if matches!(self.state, ChannelState::Initialized | ChannelState::Binding) => {
-                    return Err(Error::TimedOut)
+                    return Err(ErrorKind::TimedOut.into())
                 }
                 None => {}
             }
@@ -198,7 +211,7 @@ impl Channel {
     /// tx.assign_pool(alloc.pool())?;
     /// assert!(rx.poll().is_none());              // accepted as it arrived: no event
     /// assert!(rx.is_assigned(alloc.pool().id()));
-    /// assert!(matches!(tx.wait(Some(t)), Some(ferry::Event::PoolAssigned(_))));
+    /// assert!(matches!(tx.wait(Some(t)), Ok(ferry::Event::PoolAssigned(_))));
     ///
     /// // AcceptAndReport accepts too, and says so.
     /// let other = Allocator::new(&a, 4, 4096, PoolConstraints::default())?;
@@ -218,8 +231,8 @@ impl Channel {
     }
 
     /// Assign `pool` to the channel ([`Channel::assign_pool`]) and wait for
-    /// the peer's answer: `Ok` once it is assigned; [`Error::PoolVetoed`] if
-    /// the peer vetoed it; [`Error::TimedOut`] if no answer came within
+    /// the peer's answer: `Ok` once it is assigned; [`ErrorKind::PoolVetoed`] if
+    /// the peer vetoed it; [`ErrorKind::TimedOut`] if no answer came within
     /// `timeout` (the request stays out: its answer is delivered as an
     /// event later); the error of a channel that failed or closed meanwhile;
     /// the errors of [`Channel::assign_pool`] (a full queue is waited out).
@@ -241,7 +254,7 @@ impl Channel {
     ///         let mut rx = Channel::connect(&b, &ep, BindParams::default(), t)?;
     ///         rx.set_pool_policy(PoolPolicy::AcceptAll);
     ///         loop {
-    ///             if let Some(ferry::Event::MoveReceived { buffer, .. }) = rx.wait(Some(t)) {
+    ///             if let Ok(ferry::Event::MoveReceived { buffer, .. }) = rx.wait(Some(t)) {
     ///                 return Ok(buffer.len());
     ///             }
     ///         }
@@ -259,7 +272,7 @@ impl Channel {
         let mut taken = Vec::new();
         let result = self.assign_and_wait(pool, deadline, &mut taken);
         self.helpers.held.extend(taken);
-        result
+        result.context(|| format!("assign pool {} to {}", pool.id(), self.name))
     }
 
     fn assign_and_wait(&mut self, pool: &Pool, deadline: Instant, taken: &mut Vec<Event>) -> Result<()> {
@@ -268,20 +281,20 @@ impl Channel {
         let keep = |ev: Event, taken: &mut Vec<Event>| -> Result<()> {
             let stop = match &ev {
                 Event::Error(e) => Err(e.clone()),
-                Event::Closed { .. } => Err(Error::NotConnected(ChannelState::Closed)),
+                Event::Closed { .. } => Err(ErrorKind::NotConnected(ChannelState::Closed).into()),
                 _ => Ok(()),
             };
             taken.push(ev);
             stop
         };
         loop {
-            match self.assign_pool(pool) {
+            match self.assign_pool_bare(pool) {
                 Ok(()) => break,
-                Err(Error::QueueFull) => {
+                Err(e) if e == ErrorKind::QueueFull => {
                     // Room comes when the peer takes messages: look again soon.
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
-                        return Err(Error::TimedOut);
+                        return Err(ErrorKind::TimedOut.into());
                     }
                     if let Some(ev) = self.wait_unheld(left.min(Duration::from_millis(1))) {
                         keep(ev, taken)?;
@@ -294,10 +307,12 @@ impl Channel {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.wait_unheld(left) {
                 Some(Event::PoolAssigned(p)) if p == id => return Ok(()),
-                Some(Event::PoolVetoed(p)) if p == id => return Err(Error::PoolVetoed(id)),
+                Some(Event::PoolVetoed(p)) if p == id => return Err(ErrorKind::PoolVetoed(id).into()),
                 Some(ev) => keep(ev, taken)?,
-                None if self.state == ChannelState::Closed => return Err(Error::NotConnected(ChannelState::Closed)),
-                None => return Err(Error::TimedOut),
+                None if self.state == ChannelState::Closed => {
+                    return Err(ErrorKind::NotConnected(ChannelState::Closed).into())
+                }
+                None => return Err(ErrorKind::TimedOut.into()),
             }
         }
     }
@@ -306,7 +321,7 @@ impl Channel {
     /// they are (they stay first in line).
     pub(crate) fn wait_unheld(&mut self, timeout: Duration) -> Option<Event> {
         let held = std::mem::take(&mut self.helpers.held);
-        let ev = self.wait(Some(timeout));
+        let ev = self.wait(Some(timeout)).ok();
         debug_assert!(self.helpers.held.is_empty(), "wait holds nothing back");
         self.helpers.held = held;
         ev

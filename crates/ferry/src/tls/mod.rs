@@ -18,7 +18,7 @@
 //! and every payload. A payload is encrypted from the buffer's memory into
 //! TLS records (the one copy encryption needs) and decrypted from the
 //! records into the receiving buffer; a record whose authentication fails
-//! never reaches a buffer: the channel fails with [`Error::Tls`] instead.
+//! never reaches a buffer: the channel fails with [`ErrorKind::Tls`] instead.
 //!
 //! # Files
 //!
@@ -33,13 +33,13 @@
 //!
 //! A machine that only accepts needs no client pair, one that only
 //! connects no server pair; using the missing one is a
-//! [`Error::TlsConfig`] naming the file. `ferry tls gen DIR` writes a CA
+//! [`ErrorKind::TlsConfig`] naming the file. `ferry tls gen DIR` writes a CA
 //! and both pairs for testing.
 //!
 //! # Secure by default across machines
 //!
 //! [`Security::LoopbackOnly`], the default, is plain TCP and refuses any
-//! address that is not a loopback address ([`Error::InsecureAddress`]):
+//! address that is not a loopback address ([`ErrorKind::InsecureAddress`]):
 //! a channel or session that leaves the machine is encrypted and
 //! authenticated ([`Security::Tls`]) unless the program says
 //! [`Security::None`] on purpose.
@@ -61,6 +61,7 @@
 #[cfg(not(loom))]
 mod session;
 
+use crate::ErrorKind;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -94,7 +95,7 @@ pub const CLIENT_KEY: &str = "client-key.pem";
 pub enum Security {
     /// Plain TCP, and only between loopback addresses: an endpoint or
     /// session on any other address is refused with
-    /// [`Error::InsecureAddress`]. The default.
+    /// [`ErrorKind::InsecureAddress`]. The default.
     #[default]
     LoopbackOnly,
     /// Plain TCP on any address, chosen on purpose: anyone who reaches the
@@ -118,12 +119,12 @@ impl Eq for Security {}
 
 impl Security {
     /// Whether an endpoint or session at `addr` (the address bound, or the
-    /// one connected to) may use this: [`Error::InsecureAddress`] for plain
+    /// one connected to) may use this: [`ErrorKind::InsecureAddress`] for plain
     /// TCP by default off the loopback.
     pub fn check_address(&self, addr: SocketAddr) -> Result<()> {
         let ip = addr.ip().to_canonical();
         match self {
-            Security::LoopbackOnly if !ip.is_loopback() => Err(Error::InsecureAddress(ip)),
+            Security::LoopbackOnly if !ip.is_loopback() => Err(ErrorKind::InsecureAddress(ip).into()),
             _ => Ok(()),
         }
     }
@@ -137,7 +138,7 @@ impl Security {
     }
 }
 
-/// A TLS file (or setting) that cannot be used ([`Error::TlsConfig`]).
+/// A TLS file (or setting) that cannot be used ([`ErrorKind::TlsConfig`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsConfigError {
     path: Option<PathBuf>,
@@ -146,11 +147,11 @@ pub struct TlsConfigError {
 
 impl TlsConfigError {
     fn file(path: &Path, why: impl Into<String>) -> Error {
-        Error::TlsConfig(Box::new(TlsConfigError { path: Some(path.to_owned()), why: why.into() }))
+        ErrorKind::TlsConfig(Box::new(TlsConfigError { path: Some(path.to_owned()), why: why.into() })).into()
     }
 
     fn setting(why: impl Into<String>) -> Error {
-        Error::TlsConfig(Box::new(TlsConfigError { path: None, why: why.into() }))
+        ErrorKind::TlsConfig(Box::new(TlsConfigError { path: None, why: why.into() })).into()
     }
 
     #[cfg(test)]
@@ -255,7 +256,7 @@ impl TlsConfig {
     /// pairs. The connecting side checks that the server's certificate
     /// names `server_name` (a DNS name or an IP address).
     ///
-    /// Errors: [`Error::TlsConfig`] naming the file that is missing,
+    /// Errors: [`ErrorKind::TlsConfig`] naming the file that is missing,
     /// unreadable or not what it should be, or a key that does not match
     /// its certificate.
     pub fn from_dir(dir: impl AsRef<Path>, server_name: &str) -> Result<TlsConfig> {

@@ -2,6 +2,7 @@
 //! vectored socket calls the backends make (`send_parts`, `recv_parts`),
 //! so the plain path keeps its system calls and TLS slots in beside it.
 
+use crate::ErrorKind;
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::BorrowedFd;
 
@@ -68,14 +69,14 @@ impl Write for Sock<'_> {
 /// inside `io::Error`s through the socket-shaped calls).
 pub(crate) fn failure(e: &io::Error) -> Option<Error> {
     let inner = e.get_ref()?;
-    inner.downcast_ref::<rustls::Error>().map(|e| Error::Tls(e.to_string()))
+    inner.downcast_ref::<rustls::Error>().map(|e| ErrorKind::Tls(e.to_string()).into())
 }
 
 impl TlsSession {
     /// The accepting side's end of a new connection. At most `send_limit`
     /// bytes of ciphertext wait in rustls for the socket.
     pub(crate) fn server(config: &TlsConfig, send_limit: usize) -> Result<TlsSession> {
-        let conn = rustls::ServerConnection::new(config.server_config()?).map_err(|e| Error::Tls(e.to_string()))?;
+        let conn = rustls::ServerConnection::new(config.server_config()?).map_err(|e| ErrorKind::Tls(e.to_string()))?;
         Ok(TlsSession::new(conn.into(), send_limit))
     }
 
@@ -83,7 +84,7 @@ impl TlsSession {
     /// [`TlsSession::flush`].
     pub(crate) fn client(config: &TlsConfig, send_limit: usize) -> Result<TlsSession> {
         let conn = rustls::ClientConnection::new(config.client_config()?, config.server_name.clone())
-            .map_err(|e| Error::Tls(e.to_string()))?;
+            .map_err(|e| ErrorKind::Tls(e.to_string()))?;
         Ok(TlsSession::new(conn.into(), send_limit))
     }
 
@@ -104,9 +105,9 @@ impl TlsSession {
     /// The error for a connection that ended (or was reset) during the
     /// handshake; `None` once the handshake is done.
     pub(crate) fn ended_in_handshake(&self) -> Option<Error> {
-        self.conn
-            .is_handshaking()
-            .then(|| Error::Tls("the connection ended during the TLS handshake; does the peer use TLS".into()))
+        self.conn.is_handshaking().then(|| {
+            ErrorKind::Tls("the connection ended during the TLS handshake; does the peer use TLS".into()).into()
+        })
     }
 
     /// Whether ciphertext waits for the socket: the caller must wake for

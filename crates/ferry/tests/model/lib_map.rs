@@ -4,7 +4,7 @@
 //! that show a suite did not pass vacuously. Unlike `reference.rs`, this
 //! file uses the `ferry` crate.
 
-use ferry::{Aggregate, BufferState, ChannelState, Error, Member, TrustLevel};
+use ferry::{Aggregate, BufferState, ChannelState, Error, ErrorKind, Member, TrustLevel};
 
 use super::reference::{BufferState as MState, ChannelState as MChan, Reject, Trust};
 
@@ -21,23 +21,23 @@ pub fn trust_level(t: Trust) -> TrustLevel {
 /// The model's name for a library error (None: an error the model has no
 /// counterpart for, which is always a failure).
 pub fn reject_of(e: &Error) -> Option<Reject> {
-    Some(match e {
-        Error::NotConnected(_) => Reject::NotConnected,
-        Error::TearingDown => Reject::TearingDown,
-        Error::WrongDirection => Reject::WrongDirection,
-        Error::ForeignBuffer => Reject::ForeignBuffer,
-        Error::PoolNotAssigned(_) => Reject::PoolNotAssigned,
-        Error::PoolRemovalPending(_) => Reject::PoolRemovalPending,
-        Error::CopiesOutstanding => Reject::CopiesOutstanding,
-        Error::NotCopyHolder => Reject::NotCopyHolder,
-        Error::CopiesForwarded => Reject::CopiesForwarded,
-        Error::SameBuffer => Reject::SameBuffer,
-        Error::MetaTooLarge { .. } => Reject::MetaTooLarge,
-        Error::UnknownPool(_) => Reject::UnknownPool,
-        Error::PoolAlreadyAssigned(_) => Reject::PoolAlreadyAssigned,
-        Error::TrustMismatch { .. } => Reject::TrustMismatch,
-        Error::PoolInUse(_) => Reject::PoolInUse,
-        Error::NoPendingRequest(_) => Reject::NoPendingRequest,
+    Some(match e.kind() {
+        ErrorKind::NotConnected(_) => Reject::NotConnected,
+        ErrorKind::TearingDown => Reject::TearingDown,
+        ErrorKind::WrongDirection => Reject::WrongDirection,
+        ErrorKind::ForeignBuffer => Reject::ForeignBuffer,
+        ErrorKind::PoolNotAssigned(_) => Reject::PoolNotAssigned,
+        ErrorKind::PoolRemovalPending(_) => Reject::PoolRemovalPending,
+        ErrorKind::CopiesOutstanding => Reject::CopiesOutstanding,
+        ErrorKind::NotCopyHolder => Reject::NotCopyHolder,
+        ErrorKind::CopiesForwarded => Reject::CopiesForwarded,
+        ErrorKind::SameBuffer => Reject::SameBuffer,
+        ErrorKind::MetaTooLarge { .. } => Reject::MetaTooLarge,
+        ErrorKind::UnknownPool(_) => Reject::UnknownPool,
+        ErrorKind::PoolAlreadyAssigned(_) => Reject::PoolAlreadyAssigned,
+        ErrorKind::TrustMismatch { .. } => Reject::TrustMismatch,
+        ErrorKind::PoolInUse(_) => Reject::PoolInUse,
+        ErrorKind::NoPendingRequest(_) => Reject::NoPendingRequest,
         _ => return None,
     })
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use ferry::{
     Aggregate, Allocator, BindParams, Buffer, BufferCopy, BufferId, BufferState, Channel, ChannelSetup, Direction,
-    Domain, Endpoint, Error, Event, Member, PoolConstraints,
+    Domain, Endpoint, Error, ErrorKind, Event, Member, PoolConstraints,
 };
 
 use super::wire::{read_frame, write_frame, Chan, Cmd, EndReport, Ev, LibError, Reply, StateReport};
@@ -147,7 +147,7 @@ impl Server {
             Cmd::AwaitConnect { chan } => {
                 let Some(end) = self.ends.get_mut(&chan) else { return self.no_end(chan) };
                 match (end.creator, end.ch.wait(Some(CONNECT))) {
-                    (true, Some(Event::BindRequest { .. })) | (false, Some(Event::Bound)) => Reply::Op(Ok(())),
+                    (true, Ok(Event::BindRequest { .. })) | (false, Ok(Event::Bound)) => Reply::Op(Ok(())),
                     (_, ev) => Reply::Failed(format!("d{}: channel {chan} did not connect: {ev:?}", self.d)),
                 }
             }
@@ -386,7 +386,8 @@ impl Server {
     fn deliver(&mut self, chan: Chan, wait_ms: u32) -> Reply {
         let Some(end) = self.ends.get_mut(&chan) else { return self.no_end(chan) };
         let t = Instant::now();
-        let ev = if wait_ms == 0 { end.ch.poll() } else { end.ch.wait(Some(Duration::from_millis(wait_ms.into()))) };
+        let ev =
+            if wait_ms == 0 { end.ch.poll() } else { end.ch.wait(Some(Duration::from_millis(wait_ms.into()))).ok() };
         let elapsed_ms = t.elapsed().as_millis().min(u32::MAX.into()) as u32;
         let event = ev.map(|ev| self.keep(chan, ev));
         Reply::Event { event, elapsed_ms }
@@ -419,7 +420,7 @@ impl Server {
             Event::Closed { by_peer } => Ev::Closed { by_peer },
             Event::BindRequest { .. } => Ev::BindRequest,
             Event::Bound => Ev::Bound,
-            Event::Error(e) => Ev::Error { peer_gone: e == Error::PeerGone, text: format!("{e:?}") },
+            Event::Error(e) => Ev::Error { peer_gone: e == ErrorKind::PeerGone, text: format!("{e:?}") },
             // The model's pools stay far below the channel's limits.
             Event::PoolOfferRefused { reason, .. } => Ev::Error { peer_gone: false, text: format!("{reason:?}") },
             Event::Aggregate { agg, meta } => match agg.into_members() {

@@ -107,7 +107,7 @@ pub enum Ev {
     BindRequest,
     /// `Bound`.
     Bound,
-    /// `Error`; `peer_gone`: it is `Error::PeerGone`.
+    /// `Error`; `peer_gone`: it is `ErrorKind::PeerGone`.
     Error { peer_gone: bool, text: String },
     /// `Aggregate`, taken apart into handles: per member in the order of its
     /// first fragment, the buffer, whether it was moved (an owned handle,

@@ -51,7 +51,7 @@ pub fn move_and_take_back(
             sent += 1;
         }
         match ch.wait(Some(Duration::from_secs(10))) {
-            Some(ferry::Event::BufferPassed { buffer, meta }) => {
+            Ok(ferry::Event::BufferPassed { buffer, meta }) => {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(check(&buffer, want(seq)), "buffer {seq} came back with the wrong bytes");
                 back.push(seq);

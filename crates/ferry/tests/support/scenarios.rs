@@ -23,7 +23,7 @@ pub struct Triangle {
 
 fn copy_in(ch: &mut Channel, what: &str) -> BufferCopy {
     match ch.wait(Some(WAIT)) {
-        Some(Event::CopyReceived { copy, .. }) => copy,
+        Ok(Event::CopyReceived { copy, .. }) => copy,
         ev => panic!("{what}: expected a copy, got {ev:?}"),
     }
 }
@@ -61,11 +61,11 @@ pub fn copy_resent_after_a_discarded_one(alloc: &Allocator, t: &mut Triangle) {
     t.c_b.release(again).unwrap();
     t.c_b.flush().unwrap();
     for _ in 0..2 {
-        assert!(matches!(t.b_c.wait(Some(WAIT)), Some(Event::CopyReleased { .. })));
+        assert!(matches!(t.b_c.wait(Some(WAIT)), Ok(Event::CopyReleased { .. })));
     }
     t.b_a.release(at_b).unwrap();
     t.b_a.flush().unwrap();
-    assert!(matches!(t.a_b.wait(Some(WAIT)), Some(Event::CopyReleased { .. })));
-    assert!(matches!(t.a_c.wait(Some(WAIT)), Some(Event::CopyReleased { writable: true, .. })));
+    assert!(matches!(t.a_b.wait(Some(WAIT)), Ok(Event::CopyReleased { .. })));
+    assert!(matches!(t.a_c.wait(Some(WAIT)), Ok(Event::CopyReleased { writable: true, .. })));
     assert!(buf.as_mut_slice().is_ok(), "A's buffer is writable once every copy is back");
 }

@@ -1,7 +1,8 @@
 //! The frame layout: encoding and decoding of frame headers (pure, no I/O).
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::proto;
+use crate::ErrorKind;
 
 use crate::backend::setup_msg;
 
@@ -78,7 +79,7 @@ impl MuxHead {
     pub fn decode(h: &[u8; MUX_HEAD]) -> Result<MuxHead> {
         let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
         let head = MuxHead { kind: h[0], flags: h[1], channel: word(4), len: word(8), credit: word(12) };
-        let bad = |what: &str| Err(Error::Protocol(format!("multiplexed frame kind {}: {what}", head.kind)));
+        let bad = |what: &str| Err(ErrorKind::Protocol(format!("multiplexed frame kind {}: {what}", head.kind)).into());
         if h[2] != 0 || h[3] != 0 {
             return bad("reserved bytes set");
         }
@@ -120,7 +121,7 @@ mod tests {
         fn decode_never_panics(bytes in proptest::array::uniform16(any::<u8>())) {
             match MuxHead::decode(&bytes) {
                 Ok(head) => prop_assert_eq!(head.encode(), bytes),
-                Err(e) => prop_assert!(matches!(e, Error::Protocol(_))),
+                Err(e) => prop_assert!(matches!(e.kind(), ErrorKind::Protocol(_))),
             }
         }
 
@@ -157,7 +158,10 @@ mod tests {
             MuxHead { kind: K_MESSAGE, len: 31, ..ok },
             MuxHead { kind: K_OPEN, len: setup_msg::MAX_LEN as u32 + 1, ..ok },
         ] {
-            assert!(matches!(MuxHead::decode(&bad.encode()), Err(Error::Protocol(_))), "{bad:?}");
+            assert!(
+                matches!(MuxHead::decode(&bad.encode()).as_ref().map_err(|e| e.kind()), Err(ErrorKind::Protocol(_))),
+                "{bad:?}"
+            );
         }
         let mut reserved = ok.encode();
         reserved[2] = 1;

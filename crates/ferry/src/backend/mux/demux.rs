@@ -1,6 +1,7 @@
 //! Early demultiplexing: a complete frame goes to its channel, a
 //! message's payload lands in that channel's buffer.
 
+use crate::ErrorKind;
 use std::sync::Arc;
 
 use super::codec::{
@@ -11,7 +12,7 @@ use super::session::{Chan, ChanState, Inner, LinkPool, CREDIT_SLACK, MAX_UNCLAIM
 use super::wire::RxState;
 use crate::backend::setup_msg;
 use crate::backend::Landing;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::pool::BufferId;
 use crate::proto::{self, Message, Meta};
 
@@ -38,15 +39,16 @@ impl Inner {
     pub(super) fn chan_of(&mut self, head: &MuxHead) -> Result<&mut Chan> {
         self.chans
             .get_mut(&head.channel)
-            .ok_or_else(|| Error::Protocol(format!("frame for channel {} which is not open", head.channel)))
+            .ok_or_else(|| ErrorKind::Protocol(format!("frame for channel {} which is not open", head.channel)).into())
     }
 
     pub(super) fn start_chunk(&mut self, head: MuxHead) -> Result<()> {
         let chan = self.chan_of(&head)?;
-        let inc = chan.incoming.as_ref().ok_or_else(|| Error::Protocol("payload chunk without its message".into()))?;
+        let inc =
+            chan.incoming.as_ref().ok_or_else(|| ErrorKind::Protocol("payload chunk without its message".into()))?;
         let len = head.len as usize;
         if len > inc.len - inc.got {
-            return Err(Error::Protocol("payload chunk beyond the announced length".into()));
+            return Err(ErrorKind::Protocol("payload chunk beyond the announced length".into()).into());
         }
         if matches!(inc.target, Target::Discard) {
             chan.stats.payload_staged += len as u64;
@@ -95,7 +97,7 @@ impl Inner {
             K_READ => {
                 let read = self.counters.bytes_reported_read + u64::from(head.credit);
                 if read > self.counters.bytes_sent {
-                    return Err(Error::Protocol("a read report beyond the bytes sent".into()));
+                    return Err(ErrorKind::Protocol("a read report beyond the bytes sent".into()).into());
                 }
                 self.counters.bytes_reported_read = read;
                 // The bulk budget has room again: a channel asleep with
@@ -117,14 +119,16 @@ impl Inner {
                         chan.wake();
                         Ok(())
                     }
-                    Some(_) => Err(Error::Protocol(format!("open of channel {} which is taken", head.channel))),
+                    Some(_) => {
+                        Err(ErrorKind::Protocol(format!("open of channel {} which is taken", head.channel)).into())
+                    }
                     // A newer open of the same number replaces the older
                     // (its binder gave up and tried again).
                     None if self.unclaimed.len() < MAX_UNCLAIMED || self.unclaimed.contains_key(&head.channel) => {
                         self.unclaimed.insert(head.channel, body);
                         Ok(())
                     }
-                    None => Err(Error::Protocol("too many opens of channels nobody listens on".into())),
+                    None => Err(ErrorKind::Protocol("too many opens of channels nobody listens on".into()).into()),
                 }
             }
             K_REPLY => {
@@ -134,7 +138,11 @@ impl Inner {
                     return Ok(());
                 }
                 if !matches!(chan.state, ChanState::Binding) || chan.setup_in.is_some() {
-                    return Err(Error::Protocol(format!("open reply for channel {} which did not ask", head.channel)));
+                    return Err(ErrorKind::Protocol(format!(
+                        "open reply for channel {} which did not ask",
+                        head.channel
+                    ))
+                    .into());
                 }
                 chan.setup_in = Some(body.clone());
                 chan.wake();
@@ -168,7 +176,7 @@ impl Inner {
                     return self.queue_ctrl(K_CLOSE, id, Vec::new(), 0);
                 }
                 if chan.peer_closed.is_some() || chan.incoming.is_some() {
-                    return Err(Error::Protocol(format!("close of channel {id} out of order")));
+                    return Err(ErrorKind::Protocol(format!("close of channel {id} out of order")).into());
                 }
                 chan.peer_closed = Some(head.flags & FLAG_ABORT != 0);
                 chan.wake();
@@ -178,7 +186,7 @@ impl Inner {
                 Ok(())
             }
             K_MESSAGE => self.message(head),
-            _ => Err(Error::Protocol("unexpected frame kind".into())),
+            _ => Err(ErrorKind::Protocol("unexpected frame kind".into()).into()),
         }
     }
 
@@ -190,9 +198,9 @@ impl Inner {
         let chan = self
             .chans
             .get_mut(&id)
-            .ok_or_else(|| Error::Protocol(format!("message for channel {id} which is not open")))?;
+            .ok_or_else(|| ErrorKind::Protocol(format!("message for channel {id} which is not open")))?;
         if chan.peer_closed.is_some() || chan.incoming.is_some() {
-            return Err(Error::Protocol(format!("message for channel {id} out of order")));
+            return Err(ErrorKind::Protocol(format!("message for channel {id} out of order")).into());
         }
         if chan.detached {
             // Closed here (or given up while binding) and the peer does not
@@ -200,7 +208,7 @@ impl Inner {
             let flags = self.body[1];
             let len = u64::from_le_bytes(self.body[8..16].try_into().expect("8 bytes"));
             if flags & FLAG_PAYLOAD != 0 && len > 0 {
-                let len = usize::try_from(len).map_err(|_| Error::Protocol("payload too long".into()))?;
+                let len = usize::try_from(len).map_err(|_| ErrorKind::Protocol("payload too long".into()))?;
                 let inc =
                     Incoming { msg: None, pool: None, offset: 0, len, got: 0, target: Target::Discard, copy: false };
                 self.chans.get_mut(&id).expect("present").incoming = Some(inc);
@@ -208,21 +216,21 @@ impl Inner {
             return Ok(());
         }
         if !matches!(chan.state, ChanState::Open) {
-            return Err(Error::Protocol(format!("message for channel {id} before it was open")));
+            return Err(ErrorKind::Protocol(format!("message for channel {id} before it was open")).into());
         }
         if chan.allowed == 0 && chan.inq.len() >= chan.depth + CREDIT_SLACK {
-            return Err(Error::Protocol(format!("channel {id}: message beyond its credit")));
+            return Err(ErrorKind::Protocol(format!("channel {id}: message beyond its credit")).into());
         }
         chan.allowed = chan.allowed.saturating_sub(1);
         let head = proto::SlotHead::read(h)
-            .ok_or_else(|| Error::Protocol(format!("channel {id}: message shorter than its header")))?;
+            .ok_or_else(|| ErrorKind::Protocol(format!("channel {id}: message shorter than its header")))?;
         let proto::SlotHead { op: kind, flags, meta_len: meta, index, aux, pool } = head;
-        let bad = |what: String| Error::Protocol(format!("channel {id}, message type {kind}: {what}"));
+        let bad = |what: String| ErrorKind::Protocol(format!("channel {id}, message type {kind}: {what}"));
         if MSG_HEAD + meta != body_len {
-            return Err(bad("meta length does not match the frame".into()));
+            return Err(bad("meta length does not match the frame".into()).into());
         }
         if proto::body_limit(kind, chan.meta_size).is_none() {
-            return Err(bad("unknown message type".into()));
+            return Err(bad("unknown message type".into()).into());
         }
         let msg = Message::decode(h, chan.meta_size)?;
         let payload = flags & FLAG_PAYLOAD != 0;
@@ -232,11 +240,11 @@ impl Inner {
             (TYPE_MOVE | TYPE_COPY | TYPE_PASS, true) => {
                 let p = chan.pools.get(&pool).ok_or_else(|| bad(format!("pool {pool} not on this channel")))?.clone();
                 if index >= p.geometry.count() {
-                    return Err(bad(format!("buffer index {index} out of range")));
+                    return Err(bad(format!("buffer index {index} out of range")).into());
                 }
                 let size = p.geometry.buffer_size();
                 if aux != size as u64 {
-                    return Err(bad(format!("payload of {aux} bytes for a pool of {size}-byte buffers")));
+                    return Err(bad(format!("payload of {aux} bytes for a pool of {size}-byte buffers")).into());
                 }
                 let gate = gate.ok_or_else(|| bad("payload before the channel was polled".into()))?;
                 let probe = head.payload_probe().expect("a move, copy or pass");
@@ -260,11 +268,11 @@ impl Inner {
                 let probe = Message::Copy { buf, meta: Meta::empty() };
                 let gate = gate.ok_or_else(|| bad("copy before the channel was polled".into()))?;
                 if gate.admit(&probe)? == Landing::Land && !chan.copied_in.contains(&buf) {
-                    return Err(bad("copy without payload of a buffer we never received".into()));
+                    return Err(bad("copy without payload of a buffer we never received".into()).into());
                 }
             }
-            (TYPE_MOVE, false) => return Err(bad("move without its payload".into())),
-            (_, true) => return Err(bad("payload on a message that carries none".into())),
+            (TYPE_MOVE, false) => return Err(bad("move without its payload".into()).into()),
+            (_, true) => return Err(bad("payload on a message that carries none".into()).into()),
             (_, false) => {}
         }
         chan.stats.frames_received += 1;
@@ -399,8 +407,8 @@ mod tests {
         assert_eq!(links[0].recv(&mut LandAll).unwrap(), None);
         assert_eq!(session.stats().bytes_reported_read, MUX_HEAD as u64);
         theirs.write_all(&MuxHead { credit: 1, ..MuxHead::new(K_READ, 0, 0) }.encode()).unwrap();
-        assert!(matches!(links[1].recv(&mut LandAll), Err(Error::Protocol(_))));
-        assert!(matches!(links[0].recv(&mut LandAll), Err(Error::Protocol(_))));
+        assert!(matches!(links[1].recv(&mut LandAll).as_ref().map_err(|e| e.kind()), Err(ErrorKind::Protocol(_))));
+        assert!(matches!(links[0].recv(&mut LandAll).as_ref().map_err(|e| e.kind()), Err(ErrorKind::Protocol(_))));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! One channel end on a session: the `Link` the channel drives.
 
+use crate::ErrorKind;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,7 +10,7 @@ use super::session::{Inner, OutMsg, Span, CLOSE_FLUSH};
 use super::wire::poll_out;
 use super::MuxSession;
 use crate::backend::{Link, LinkStats, PayloadGate};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::pool::{Geometry, PoolId, PoolMemory};
 use crate::proto::{self, Message};
 use crate::wake::{Arm, Interest, WakeSet};
@@ -86,13 +87,13 @@ impl Link for MuxLink {
         let inner = &mut *guard;
         let id = self.id;
         {
-            let chan = inner.chans.get_mut(&id).ok_or(Error::PeerGone)?;
+            let chan = inner.chans.get_mut(&id).ok_or(ErrorKind::PeerGone)?;
             if chan.gate.is_none() {
                 chan.gate = gate.detach();
             }
         }
         let read = inner.pump_read(Some(id));
-        let chan = inner.chans.get_mut(&id).ok_or(Error::PeerGone)?;
+        let chan = inner.chans.get_mut(&id).ok_or(ErrorKind::PeerGone)?;
         if let Some((msg, landed)) = chan.inq.pop_front() {
             chan.consumed += 1;
             if landed {
@@ -113,7 +114,7 @@ impl Link for MuxLink {
             return Ok(Some(msg));
         }
         let ended = match chan.peer_closed {
-            Some(abort) if chan.incoming.is_none() => Some((Error::PeerGone, abort)),
+            Some(abort) if chan.incoming.is_none() => Some((ErrorKind::PeerGone.into(), abort)),
             _ => inner.gone.clone(),
         };
         if let Some((e, died)) = ended {
@@ -132,14 +133,14 @@ impl Link for MuxLink {
         // the teardown handshake is not gone: its answer may still wait in
         // this channel's queue for `recv`, and nothing is left to send it.
         if inner.chans.get(&self.id).and_then(|c| c.peer_closed) == Some(true) {
-            return Err(Error::PeerGone);
+            return Err(ErrorKind::PeerGone.into());
         }
         inner.pump_write()
     }
 
     fn register(&mut self, wake: &WakeSet) -> Result<()> {
         let inner = self.session.lock();
-        let chan = inner.chans.get(&self.id).ok_or(Error::PeerGone)?;
+        let chan = inner.chans.get(&self.id).ok_or(ErrorKind::PeerGone)?;
         wake.watch(chan.bell.fd().as_fd(), Interest::Read)?;
         self.watching = None;
         wake.watch(inner.stream.as_fd(), Interest::Read)?;
@@ -289,20 +290,20 @@ impl MuxLink {
         let mut guard = self.session.lock();
         let inner = &mut *guard;
         inner.check()?;
-        let chan = inner.chans.get_mut(&self.id).ok_or(Error::PeerGone)?;
+        let chan = inner.chans.get_mut(&self.id).ok_or(ErrorKind::PeerGone)?;
         if chan.peer_closed.is_some() || chan.close_queued.is_some() {
-            return Err(Error::PeerGone);
+            return Err(ErrorKind::PeerGone.into());
         }
         if !last && chan.outq.len() >= chan.depth {
             inner.pump_write()?;
             // Read reports may let held bulk go (see `room`).
             let _ = inner.pump_read(None);
-            let chan = inner.chans.get_mut(&self.id).ok_or(Error::PeerGone)?;
+            let chan = inner.chans.get_mut(&self.id).ok_or(ErrorKind::PeerGone)?;
             if chan.outq.len() >= chan.depth {
-                return Err(Error::QueueFull);
+                return Err(ErrorKind::QueueFull.into());
             }
         }
-        let chan = inner.chans.get_mut(&self.id).ok_or(Error::PeerGone)?;
+        let chan = inner.chans.get_mut(&self.id).ok_or(ErrorKind::PeerGone)?;
         let mut h = [0u8; MSG_HEAD + proto::MAX_META_SIZE];
         msg.encode(&mut h);
         let meta = usize::from(u16::from_le_bytes([h[2], h[3]]));
@@ -311,7 +312,7 @@ impl MuxLink {
             let pool = chan
                 .pools
                 .get(&buf.pool)
-                .ok_or_else(|| Error::Protocol(format!("pool {} unknown to the session", buf.pool)))?;
+                .ok_or_else(|| ErrorKind::Protocol(format!("pool {} unknown to the session", buf.pool)))?;
             let size = pool.geometry.buffer_size();
             h[1] |= FLAG_PAYLOAD;
             h[8..16].copy_from_slice(&(size as u64).to_le_bytes());

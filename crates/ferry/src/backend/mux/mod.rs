@@ -98,7 +98,7 @@
 //! CA did not sign, plain text) is closed like a silent one. Chunks are
 //! encrypted from the buffer's memory and decrypted into the target
 //! buffer; only authenticated bytes land, and a record that fails its
-//! authentication ends the session with [`Error::Tls`]. TLS holds at most
+//! authentication ends the session with [`ErrorKind::Tls`]. TLS holds at most
 //! one chunk of ciphertext for the socket beyond what the kernel holds, so
 //! priority frames queue behind little more than without it. A plain
 //! session to or from an address that is not a loopback address needs
@@ -118,10 +118,10 @@
 //!   grant or report behind one of its kind that still waits is merged
 //!   into it, so a peer that reads keeps a few frames per channel waiting.
 //!   One that provokes more than the limit without reading is cut off:
-//!   the session fails with [`Error::PeerBacklog`] on every channel and
+//!   the session fails with [`ErrorKind::PeerBacklog`] on every channel and
 //!   what was lent over it comes back, as when a peer dies. This side's
 //!   own opens never count against the peer: past the limit a bind says
-//!   [`Error::QueueFull`].
+//!   [`ErrorKind::QueueFull`].
 //! - *Opens nobody listens on*: 64 bind requests of at most 64 bytes; one
 //!   more is a protocol error.
 //! - *Messages of a channel its application has not taken*: the channel's
@@ -133,7 +133,7 @@
 //!   and dropped).
 //! - *Time*: a peer that sends nothing for the peer timeout, or takes
 //!   nothing of what waits for it as long, is declared dead
-//!   ([`Error::PeerUnresponsive`]).
+//!   ([`ErrorKind::PeerUnresponsive`]).
 //!
 //! # Why this way
 //!
@@ -215,9 +215,9 @@
 //! a message beyond the credit, a payload the gate refuses, a read report
 //! beyond the bytes written — is a protocol
 //! error: the session stops, every channel on it fails with
-//! [`Error::Protocol`] on the receiving side, and the peer sees its
+//! [`ErrorKind::Protocol`] on the receiving side, and the peer sees its
 //! connection end. The end of the stream without a goodbye fails every
-//! open channel with [`Error::PeerGone`], and the buffers lent to the peer
+//! open channel with [`ErrorKind::PeerGone`], and the buffers lent to the peer
 //! come back.
 
 mod codec;
@@ -227,6 +227,7 @@ mod session;
 mod setup;
 mod wire;
 
+use crate::ErrorKind;
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -235,7 +236,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::Endpoint;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, ResultExt};
 use crate::sys::RecvPart;
 use crate::tls::TlsSession;
 use crate::NetOptions;
@@ -297,14 +298,19 @@ impl MuxSession {
     /// TLS handshake and the magic both happen within `timeout`; a plain
     /// session to an address that is not a loopback address needs
     /// [`Security::None`](crate::tls::Security::None) on purpose
-    /// ([`Error::InsecureAddress`]).
+    /// ([`ErrorKind::InsecureAddress`]).
     pub fn connect(addr: SocketAddr, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
+        MuxSession::connect_bare(addr, options, timeout).context(|| format!("open a mux session with {addr}"))
+    }
+
+    /// [`MuxSession::connect`], its errors without context.
+    fn connect_bare(addr: SocketAddr, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
         options.security.check_address(addr)?;
         let tls = options.tls_client(TLS_SEND_LIMIT)?;
         let timeout = timeout.max(Duration::from_millis(1));
         let deadline = Instant::now() + timeout;
         let stream = super::net::connect_stream(addr, timeout)?;
-        let mut hs = Handshake::new(stream, tls, deadline, options.peer_timeout).ok_or(Error::PeerGone)?;
+        let mut hs = Handshake::new(stream, tls, deadline, options.peer_timeout).ok_or(ErrorKind::PeerGone)?;
         loop {
             if hs.poll(Instant::now()).map_err(|e| hs.error(e))? {
                 return MuxSession::established(hs, options);
@@ -333,7 +339,7 @@ impl MuxSession {
     /// plain text) is closed like a silent one. A plain session on a
     /// listener whose address is not a loopback address needs
     /// [`Security::None`](crate::tls::Security::None) on purpose
-    /// ([`Error::InsecureAddress`]).
+    /// ([`ErrorKind::InsecureAddress`]).
     pub fn accept(listener: &TcpListener, options: NetOptions, timeout: Duration) -> Result<MuxSession> {
         check_listener(listener, &options)?;
         let deadline = Instant::now() + timeout.max(Duration::from_millis(1));
@@ -386,7 +392,7 @@ impl MuxSession {
     /// until the channel is closed on both sides; a bind that gave up
     /// (timed out, refused) frees its number once the peer has answered
     /// the give-up (meanwhile `bind` and `create` on it say
-    /// [`Error::EndpointInUse`]).
+    /// [`ErrorKind::EndpointInUse`]).
     pub fn endpoint(&self, channel: u32) -> Endpoint {
         self.endpoint_with_priority(channel, 0)
     }
@@ -448,10 +454,10 @@ impl MuxSession {
     /// of control frames (open replies, closes, credit grants, read
     /// reports, keep-alives) wait for the connection. A peer whose opens
     /// and closes, messages or bytes make this side queue more is cut off:
-    /// the session fails with [`Error::PeerBacklog`] on every channel, and
+    /// the session fails with [`ErrorKind::PeerBacklog`] on every channel, and
     /// what was lent over it comes back, as when a peer dies. This side's
     /// own opens do not count against the peer: past the limit a bind on
-    /// the session says [`Error::QueueFull`]. Default [`CONTROL_LIMIT`];
+    /// the session says [`ErrorKind::QueueFull`]. Default [`CONTROL_LIMIT`];
     /// at least [`MIN_CONTROL_LIMIT`] (smaller values are raised to it).
     ///
     /// ```
@@ -549,7 +555,8 @@ impl MuxListener {
     /// Listen on `addr` (port 0: the kernel picks one, see
     /// [`MuxListener::local_addr`]); sessions get `options`.
     pub fn bind(addr: SocketAddr, options: NetOptions) -> Result<MuxListener> {
-        MuxListener::new(TcpListener::bind(addr)?, options)
+        let bound = TcpListener::bind(addr).map_err(Error::from);
+        bound.and_then(|l| MuxListener::new(l, options)).context(|| format!("listen for mux sessions on {addr}"))
     }
 
     /// Accept sessions on a listener the program made (it is made
@@ -557,7 +564,7 @@ impl MuxListener {
     ///
     /// A plain listener on an address that is not a loopback address needs
     /// [`Security::None`](crate::tls::Security::None) on purpose
-    /// ([`Error::InsecureAddress`]).
+    /// ([`ErrorKind::InsecureAddress`]).
     pub fn new(listener: TcpListener, options: NetOptions) -> Result<MuxListener> {
         check_listener(&listener, &options)?;
         listener.set_nonblocking(true)?;
@@ -634,7 +641,7 @@ fn accept_session(
             }
         }
         let Some(left) = deadline.checked_duration_since(now) else {
-            return Err(Error::TimedOut);
+            return Err(ErrorKind::TimedOut.into());
         };
         let first = pending.iter().map(|hs| hs.deadline.saturating_duration_since(now)).min();
         pending.make_contiguous();
@@ -737,13 +744,13 @@ impl Handshake {
     /// The error a connecting side reports: a TLS peer answering a plain
     /// one is named as such.
     fn error(&self, e: Error) -> Error {
-        match e {
-            Error::Protocol(_)
+        match e.kind() {
+            ErrorKind::Protocol(_)
                 if self.tls.is_none() && self.have >= 2 && matches!(self.hello[..2], [0x15 | 0x16, 0x03]) =>
             {
-                Error::Tls("the peer speaks TLS and this end does not; give it Security Tls".into())
+                ErrorKind::Tls("the peer speaks TLS and this end does not; give it Security Tls".into()).into()
             }
-            e => e,
+            _ => e,
         }
     }
 
@@ -761,15 +768,15 @@ impl Handshake {
             };
             let ended = || self.tls.as_ref().and_then(|t| t.ended_in_handshake());
             match got {
-                Ok(0) => return Err(ended().unwrap_or(Error::PeerGone)),
+                Ok(0) => return Err(ended().unwrap_or(ErrorKind::PeerGone.into())),
                 Ok(n) => {
                     self.have += n;
                     if self.have == MAGIC.len() && &self.hello[..MAGIC.len()] != MAGIC {
-                        return Err(Error::Protocol("not a multiplexed session".into()));
+                        return Err(ErrorKind::Protocol("not a multiplexed session".into()).into());
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    return if now >= self.deadline { Err(Error::TimedOut) } else { Ok(false) };
+                    return if now >= self.deadline { Err(ErrorKind::TimedOut.into()) } else { Ok(false) };
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(crate::tls::failure(&e).or_else(ended).unwrap_or_else(|| e.into())),
@@ -785,6 +792,16 @@ pub struct MuxEndpoint {
     session: MuxSession,
     channel: u32,
     priority: u8,
+}
+
+/// `channel 5 of the mux session with 127.0.0.1:7000`.
+impl std::fmt::Display for MuxEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.session.peer_addr() {
+            Some(peer) => write!(f, "channel {} of the mux session with {peer}", self.channel),
+            None => write!(f, "channel {} of a mux session", self.channel),
+        }
+    }
 }
 
 impl std::fmt::Debug for MuxEndpoint {

@@ -1,6 +1,7 @@
 //! The session's shared state: channels, their queues and credit, and
 //! the scheduler that picks the next frame for the wire.
 
+use crate::ErrorKind;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::{Shutdown, TcpStream};
 use std::sync::Arc;
@@ -29,7 +30,7 @@ pub(super) const MAX_UNCLAIMED: usize = 64;
 /// Bytes of control frames (the session's own frames and its answers to
 /// the peer: open replies, closes, credit, read reports, keep-alives)
 /// that may wait for the connection before the peer is cut off with
-/// [`Error::PeerBacklog`] (see [`MuxSession::set_control_limit`](super::MuxSession::set_control_limit)).
+/// [`ErrorKind::PeerBacklog`] (see [`MuxSession::set_control_limit`](super::MuxSession::set_control_limit)).
 ///
 /// A peer that reads what it is sent never makes this end hold more than
 /// a few frames per channel: credit grants and read reports waiting in
@@ -328,7 +329,7 @@ impl Inner {
     /// Queue a control frame. A credit grant or read report right behind
     /// one of the same kind (and channel) that still waits is merged into
     /// it. Past the control limit the session fails with
-    /// [`Error::PeerBacklog`]: the peer provokes frames it does not read.
+    /// [`ErrorKind::PeerBacklog`]: the peer provokes frames it does not read.
     pub(super) fn queue_ctrl(&mut self, kind: u8, channel: u32, body: Vec<u8>, credit: u32) -> Result<()> {
         self.check()?;
         if self.ctrl.is_empty() && self.wire.is_empty() {
@@ -349,8 +350,8 @@ impl Inner {
         self.counters.max_control_queued = self.counters.max_control_queued.max(self.ctrl_bytes as u64);
         self.ctrl.push_back(WireFrame { head, payload: None, priority: None });
         if self.ctrl_bytes > self.control_limit {
-            let e = Error::PeerBacklog { what: "control frames", limit: self.control_limit as u64 };
-            return Err(self.fail(e, true));
+            let e = ErrorKind::PeerBacklog { what: "control frames", limit: self.control_limit as u64 };
+            return Err(self.fail(e.into(), true));
         }
         Ok(())
     }
@@ -524,7 +525,7 @@ impl Inner {
 
     /// Register a pool of channel `id`.
     pub(super) fn register(&mut self, id: u32, memory: &Arc<PoolMemory>) -> Result<()> {
-        let chan = self.chans.get_mut(&id).ok_or(Error::PeerGone)?;
+        let chan = self.chans.get_mut(&id).ok_or(ErrorKind::PeerGone)?;
         if chan.pools.get(&memory.id()).is_some_and(|p| Arc::ptr_eq(&p.memory, memory)) {
             return Ok(());
         }
@@ -679,7 +680,7 @@ mod tests {
     fn waiting_grants_and_reports_merge_and_the_control_queue_is_bounded() {
         use super::super::codec::{K_CLOSE, K_CREDIT, K_READ};
         use super::{CONTROL_LIMIT, MIN_CONTROL_LIMIT};
-        use crate::error::Error;
+        use crate::ErrorKind;
         let (session, _theirs) = unread_session();
         assert_eq!(session.control_limit(), CONTROL_LIMIT);
         session.set_control_limit(0);
@@ -704,7 +705,7 @@ mod tests {
             id += 1;
             assert!(inner.ctrl_bytes <= MIN_CONTROL_LIMIT, "{} bytes queued", inner.ctrl_bytes);
         };
-        assert_eq!(e, Error::PeerBacklog { what: "control frames", limit: MIN_CONTROL_LIMIT as u64 });
+        assert_eq!(e, ErrorKind::PeerBacklog { what: "control frames", limit: MIN_CONTROL_LIMIT as u64 });
         assert_eq!(inner.ctrl_bytes, MIN_CONTROL_LIMIT + MUX_HEAD);
         assert_eq!(inner.counters.max_control_queued, (MIN_CONTROL_LIMIT + MUX_HEAD) as u64);
         assert_eq!(inner.gone, Some((e.clone(), true)), "the peer counts as dead: lent buffers come back");
@@ -719,8 +720,8 @@ mod tests {
         use super::super::codec::K_CLOSE;
         use super::MIN_CONTROL_LIMIT;
         use crate::backend::Endpoint;
-        use crate::error::Error;
         use crate::BindParams;
+        use crate::ErrorKind;
         let (session, _theirs) = unread_session();
         session.set_control_limit(0);
         let Endpoint::Mux(endpoint) = session.endpoint(7) else { unreachable!("a session's endpoint") };
@@ -737,7 +738,10 @@ mod tests {
             }
             assert!(!inner.ctrl_room(MUX_HEAD + 1));
         }
-        assert!(matches!(endpoint.connect(&BindParams::default()), Err(Error::QueueFull)));
+        assert!(matches!(
+            endpoint.connect(&BindParams::default()).as_ref().map_err(|e| e.kind()),
+            Err(ErrorKind::QueueFull)
+        ));
         let inner = session.lock();
         assert!(inner.check().is_ok(), "the session goes on");
         assert!(!inner.chans.contains_key(&7), "the number is free again");

@@ -1,6 +1,7 @@
 //! Opening a channel on a session: claiming its number, the bind request
 //! and the creator's reply.
 
+use crate::ErrorKind;
 use std::os::fd::AsFd;
 use std::time::Instant;
 
@@ -17,7 +18,7 @@ use crate::wake::{Arm, Interest, WakeSet};
 impl MuxEndpoint {
     pub(super) fn claim(&self, state: ChanState) -> Result<()> {
         if self.channel == 0 {
-            return Err(Error::Protocol("channel 0 is the session's".into()));
+            return Err(ErrorKind::Protocol("channel 0 is the session's".into()).into());
         }
         let mut inner = self.session.lock();
         // What the peer sent so far first: a close that frees the number
@@ -26,7 +27,7 @@ impl MuxEndpoint {
         let _ = inner.pump_write();
         inner.check()?;
         if inner.chans.contains_key(&self.channel) {
-            return Err(Error::EndpointInUse);
+            return Err(ErrorKind::EndpointInUse.into());
         }
         let chan = Chan::new(state, self.priority)?;
         inner.chans.insert(self.channel, chan);
@@ -46,7 +47,7 @@ impl MuxEndpoint {
         // limit the bind is refused here, and the session goes on.
         if !inner.ctrl_room(MUX_HEAD + body.len()) {
             inner.chans.remove(&self.channel);
-            return Err(Error::QueueFull);
+            return Err(ErrorKind::QueueFull.into());
         }
         inner.queue_ctrl(K_OPEN, self.channel, body, 0)?;
         let _ = inner.pump_write();
@@ -102,7 +103,7 @@ impl PendingSetup for MuxPending {
             return self.give_up(e);
         }
         let id = self.id;
-        let Some(chan) = inner.chans.get_mut(&id) else { return Some(Err(Error::PeerGone)) };
+        let Some(chan) = inner.chans.get_mut(&id) else { return Some(Err(ErrorKind::PeerGone.into())) };
         let listening = match chan.state {
             ChanState::Listening { setup } => Some(setup),
             _ => None,
@@ -146,7 +147,7 @@ impl PendingSetup for MuxPending {
                 let Some(reply) = arrived else {
                     drop(inner);
                     if self.deadline.is_some_and(|d| Instant::now() >= d) {
-                        return self.give_up(Error::TimedOut);
+                        return self.give_up(ErrorKind::TimedOut.into());
                     }
                     return None;
                 };
@@ -166,7 +167,7 @@ impl PendingSetup for MuxPending {
             }
             _ => {
                 drop(inner);
-                self.give_up(Error::Protocol("channel setup out of order".into()))
+                self.give_up(ErrorKind::Protocol("channel setup out of order".into()).into())
             }
         }
     }

@@ -1,6 +1,7 @@
 //! The socket: writing what the scheduler committed, reading frames,
 //! keep-alives and the peer's liveness, and the goodbye.
 
+use crate::ErrorKind;
 use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -99,7 +100,7 @@ impl Inner {
         if let Some(t) = &mut self.tls {
             let before = t.written();
             if t.flush(self.stream.as_fd()).is_err() {
-                return Err(self.fail(Error::PeerGone, true));
+                return Err(self.fail(ErrorKind::PeerGone.into(), true));
             }
             if t.written() != before {
                 let now = Instant::now();
@@ -145,7 +146,7 @@ impl Inner {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => return Err(self.fail(Error::PeerGone, true)),
+                Err(_) => return Err(self.fail(ErrorKind::PeerGone.into(), true)),
             };
             let now = Instant::now();
             self.last_tx = now;
@@ -170,11 +171,11 @@ impl Inner {
         let now = Instant::now();
         let timeout = self.options.peer_timeout;
         if now.duration_since(self.last_rx) > timeout {
-            return Err(self.fail(Error::PeerUnresponsive(timeout), true));
+            return Err(self.fail(ErrorKind::PeerUnresponsive(timeout).into(), true));
         }
         let busy = self.wants_write();
         if busy && now.duration_since(self.last_progress) > timeout {
-            return Err(self.fail(Error::PeerUnresponsive(timeout), true));
+            return Err(self.fail(ErrorKind::PeerUnresponsive(timeout).into(), true));
         }
         if !busy && now.duration_since(self.last_tx) > self.keepalive {
             self.queue_ctrl(K_KEEPALIVE, 0, Vec::new(), 0)?;
@@ -258,7 +259,9 @@ impl Inner {
             match self.read_frame() {
                 Ok(true) => {}
                 Ok(false) => return Ok(()),
-                Err(e @ (Error::Protocol(_) | Error::Tls(_))) => return Err(self.fail(e, false)),
+                Err(e) if matches!(e.kind(), ErrorKind::Protocol(_) | ErrorKind::Tls(_)) => {
+                    return Err(self.fail(e, false))
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -372,9 +375,9 @@ impl Inner {
 
     pub(super) fn stream_ended(&mut self) -> Error {
         if self.goodbye_seen {
-            return self.fail(Error::PeerGone, false);
+            return self.fail(ErrorKind::PeerGone.into(), false);
         }
-        self.fail(Error::PeerGone, true)
+        self.fail(ErrorKind::PeerGone.into(), true)
     }
 }
 
