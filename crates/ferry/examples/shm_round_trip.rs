@@ -68,8 +68,7 @@ fn run() -> Result<()> {
             None => {}
         }
     }
-    let mut seq = 0u64;
-    for _ in 0..trips {
+    for seq in 0..trips {
         let buf = alloc.alloc().ok_or("pool exhausted")?;
         tx.move_buffer(buf, &seq.to_le_bytes()).map_err(|r| r.error)?;
         let (buffer, meta) = loop {
@@ -89,7 +88,6 @@ fn run() -> Result<()> {
                 }
             }
         }
-        seq += 1;
     }
     println!("{trips} round trips of {size} bytes over shared memory");
     Ok(())
