@@ -30,7 +30,8 @@ unsafe impl Send for Producer {}
 
 impl Producer {
     /// Fill the next slot with `fill` (it gets a zeroed `&mut [u8]` of
-    /// `slot_size` bytes, a private staging copy, then copied into the slot),
+    /// `slot_size` bytes, a private staging copy, then copied into the slot;
+    /// bit 7 of its first byte is the ring's phase bit and is not carried),
     /// publish it: [`stage`](Self::stage) then [`publish`](Self::publish).
     ///
     /// Returns `Ok(true)` when the consumer had declared itself asleep: the
@@ -88,9 +89,7 @@ impl Producer {
         if self.published == self.head {
             return false;
         }
-        self.published = self.head;
-        // Release: publishes the slot contents to the consumer's Acquire load.
-        self.sh.head().store(self.head, Ordering::Release);
+        self.publish_staged();
         // Dekker handshake with prepare_sleep (see module docs): the fence
         // orders the head store before the flag load in the SeqCst order.
         fence(Ordering::SeqCst);
@@ -103,6 +102,21 @@ impl Producer {
             return sleeping.swap(0, Ordering::Relaxed) != 0;
         }
         false
+    }
+
+    /// Store head (Release: publishes the slot contents to a consumer that
+    /// loads it with Acquire), then the phase of every staged slot (what a
+    /// consumer polling its next slot looks at). Head first: a consumer that
+    /// found a slot by its phase then reads a head that covers it.
+    fn publish_staged(&mut self) {
+        let from = self.published;
+        self.published = self.head;
+        self.sh.head().store(self.head, Ordering::Release);
+        let mut counter = from;
+        while counter != self.head {
+            self.sh.publish_slot(counter);
+            counter = counter.wrapping_add(1);
+        }
     }
 
     /// Slots staged and not yet published.
@@ -166,8 +180,7 @@ impl Producer {
         // Staged slots go out with the close (Release, before the flag: a
         // consumer that sees the flag sees them).
         if self.published != self.head {
-            self.published = self.head;
-            self.sh.head().store(self.head, Ordering::Release);
+            self.publish_staged();
         }
         self.sh.closed().fetch_or(PRODUCER_CLOSED, Ordering::Release);
         // Same handshake as try_push: a consumer in prepare_sleep either sees
