@@ -18,6 +18,10 @@ pub(crate) struct Consumer {
     /// The last `try_pop` found a slot by its phase: a run of messages may
     /// be under way, whose extent the head tells (for the read prefetch).
     pub(super) in_run: bool,
+    /// The private copy of the slot being read: reused, since `read_slot`
+    /// overwrites the `slot_size` bytes handed out (a fresh zeroed array per
+    /// pop cost a 256-byte clear).
+    pub(super) copy: Box<[u8; MAX_SLOT]>,
 }
 
 // SAFETY: as for Producer: the raw pointer is only used for atomic accesses
@@ -55,11 +59,10 @@ impl Consumer {
             }
             self.in_run = true;
         }
-        let mut copy = [0u8; MAX_SLOT];
         // Visible: the Acquire load that produced cached_head > tail (of the
         // head or of this slot's phase) synchronized with the producer's
         // Release store after its writes.
-        self.sh.read_slot(self.tail, &mut copy);
+        self.sh.read_slot(self.tail, &mut self.copy);
         self.tail = self.tail.wrapping_add(1);
         // Ask for a published slot a few pops ahead, so its lines are on
         // their way from the producer's core by the time we read it.
@@ -69,7 +72,7 @@ impl Consumer {
         // Release: our reads of the slot happen-before the producer's reuse
         // of it (it loads tail with Acquire).
         self.sh.tail().store(self.tail, Ordering::Release);
-        Ok(Some(read(&copy[..self.sh.slot_size])))
+        Ok(Some(read(&self.copy[..self.sh.slot_size])))
     }
 
     /// Re-read head (Acquire: see try_pop) and validate it: within

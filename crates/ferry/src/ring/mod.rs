@@ -814,7 +814,8 @@ pub(crate) fn init(mem: Arc<dyn RingMemory>, layout: RingLayout) -> Result<(), R
 pub(crate) fn create(mem: Arc<dyn RingMemory>, layout: RingLayout) -> Result<(Producer, Consumer), RingError> {
     let shared = Shared::new(mem, layout)?;
     shared.init_header();
-    let consumer = Consumer { sh: shared.share(), tail: 0, cached_head: 0, in_run: false };
+    let consumer =
+        Consumer { sh: shared.share(), tail: 0, cached_head: 0, in_run: false, copy: Box::new([0; MAX_SLOT]) };
     let producer = Producer { sh: shared, head: 0, published: 0, cached_tail: 0, prefetch_write: has_prefetchw() };
     Ok((producer, consumer))
 }
@@ -836,7 +837,7 @@ pub(crate) fn attach_consumer(mem: Arc<dyn RingMemory>, layout: RingLayout) -> R
     let sh = Shared::new(mem, layout)?;
     sh.validate_header()?;
     let (head, tail) = sh.read_counters()?;
-    Ok(Consumer { sh, tail, cached_head: head, in_run: false })
+    Ok(Consumer { sh, tail, cached_head: head, in_run: false, copy: Box::new([0; MAX_SLOT]) })
 }
 
 /// Not modelled under loom: the protocol words live outside the region.
