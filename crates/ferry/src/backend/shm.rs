@@ -564,18 +564,18 @@ impl ShmLink {
 impl ShmLink {
     /// A message from the ring, before it goes up: under trust NONE a
     /// buffer's bytes are copied into our memory first (unless the gate
-    /// says we hold them already).
-    fn land(&mut self, msg: Message, gate: &mut dyn PayloadGate) -> Result<Message> {
+    /// says we hold them already). By reference: the message goes up as
+    /// it came (moving it through here and back cost a copy of it).
+    fn land(&mut self, msg: &Message, gate: &mut dyn PayloadGate) -> Result<()> {
         if !self.untrusted {
-            self.write_back.arrive(&msg, gate)?;
-            return Ok(msg);
+            return self.write_back.arrive(msg, gate);
         }
-        if let Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } = &msg {
-            if gate.admit(&msg)? == Landing::Land {
+        if let Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } = msg {
+            if gate.admit(msg)? == Landing::Land {
                 self.copy_in(*buf)?;
             }
         }
-        Ok(msg)
+        Ok(())
     }
 }
 
@@ -634,14 +634,20 @@ impl Link for ShmLink {
             if self.rx.take_room_request() {
                 wake::ring(&self.peer_bell);
             }
-            return self.land(decoded?, gate).map(Some);
+            let msg = decoded?;
+            self.land(&msg, gate)?;
+            return Ok(Some(msg));
         }
         // Nothing to do here for now: what we held back goes out.
         self.publish();
         if self.peer_gone(false) {
             // Whatever the peer pushed before it went is still ours to take.
             return match self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(ring_err)? {
-                Some(decoded) => self.land(decoded?, gate).map(Some),
+                Some(decoded) => {
+                    let msg = decoded?;
+                    self.land(&msg, gate)?;
+                    Ok(Some(msg))
+                }
                 None => Err(Error::PeerGone),
             };
         }
