@@ -816,7 +816,14 @@ pub(crate) fn create(mem: Arc<dyn RingMemory>, layout: RingLayout) -> Result<(Pr
     shared.init_header();
     let consumer =
         Consumer { sh: shared.share(), tail: 0, cached_head: 0, in_run: false, copy: Box::new([0; MAX_SLOT]) };
-    let producer = Producer { sh: shared, head: 0, published: 0, cached_tail: 0, prefetch_write: has_prefetchw() };
+    let producer = Producer {
+        sh: shared,
+        head: 0,
+        published: 0,
+        cached_tail: 0,
+        prefetch_write: has_prefetchw(),
+        stage: Box::new([0; MAX_SLOT]),
+    };
     Ok((producer, consumer))
 }
 
@@ -827,7 +834,14 @@ pub(crate) fn attach_producer(mem: Arc<dyn RingMemory>, layout: RingLayout) -> R
     let sh = Shared::new(mem, layout)?;
     sh.validate_header()?;
     let (head, tail) = sh.read_counters()?;
-    Ok(Producer { sh, head, published: head, cached_tail: tail, prefetch_write: has_prefetchw() })
+    Ok(Producer {
+        sh,
+        head,
+        published: head,
+        cached_tail: tail,
+        prefetch_write: has_prefetchw(),
+        stage: Box::new([0; MAX_SLOT]),
+    })
 }
 
 /// Attach the consumer end to a ring another party laid out (validates
