@@ -96,7 +96,9 @@ impl Producer {
         }
         self.publish_staged();
         // Dekker handshake with prepare_sleep (see module docs): the fence
-        // orders the head store before the flag load in the SeqCst order.
+        // orders the head and phase stores before the flag load in the
+        // SeqCst order (the consumer's re-check reads a phase: those stores
+        // must not come after the fence; loom catches it if they do).
         fence(Ordering::SeqCst);
         let sleeping = self.sh.sleeping();
         // Plain load first so the common case (consumer awake) does not write
