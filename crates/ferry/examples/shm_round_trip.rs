@@ -10,6 +10,16 @@
 //! cargo build -p ferry --release --example shm_round_trip
 //! valgrind --tool=callgrind target/release/examples/shm_round_trip --trips 10000
 //! ```
+//!
+//! `--window W` moves W buffers one after the other before they come back
+//! (at most the queue depth), `--batch` has both ends publish in batches
+//! as the benchmarks do: the cost per message of a stream. `--size` sets
+//! the buffer size (default 4096).
+//!
+//! Valgrind before 3.22 passes `prctl(PR_GET_AUXV)` through to the kernel,
+//! which answers with valgrind's own aux vector, and rustix then crashes
+//! reading a vDSO that is not mapped: run it with that prctl failing (for
+//! instance under a seccomp filter that returns `EINVAL` for it).
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -47,13 +57,17 @@ where
 fn run() -> Result<()> {
     let trips: u64 = arg("trips", 10_000)?;
     let size: usize = arg("size", 4096)?;
+    // Buffers in flight at once (moved one after the other, then all
+    // passed back), and whether both ends publish in batches.
+    let window: u64 = arg("window", 1)?;
+    let batch = std::env::args().any(|a| a == "--batch");
     let (a, b) = (Domain::new("source"), Domain::new("sink"));
     let ep = Endpoint::shm_abstract(&format!("ferry-round-trip-{}", std::process::id()));
     let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
     let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
     tx.wait_connected(TIMEOUT)?;
     rx.wait_connected(TIMEOUT)?;
-    let alloc = Allocator::new(&a, 4, size, PoolConstraints::default())?;
+    let alloc = Allocator::new(&a, window.max(4), size, PoolConstraints::default())?;
     tx.assign_pool(alloc.pool())?;
     // The sink accepts at its next poll; the source learns it at its own.
     loop {
@@ -68,27 +82,37 @@ fn run() -> Result<()> {
             None => {}
         }
     }
-    for seq in 0..trips {
-        let buf = alloc.alloc().ok_or("pool exhausted")?;
-        tx.move_buffer(buf, &seq.to_le_bytes()).map_err(|r| r.error)?;
-        let (buffer, meta) = loop {
-            match rx.poll() {
-                Some(Event::MoveReceived { buffer, meta }) => break (buffer, meta),
-                Some(_) => {}
-                None => tx.poll().map_or(Ok(()), |ev| Err(format!("source: unexpected {ev:?}")))?,
-            }
-        };
-        rx.pass(buffer, &meta).map_err(|r| r.error)?;
-        loop {
-            match tx.poll() {
-                Some(Event::BufferPassed { buffer, .. }) => break drop(buffer),
-                Some(ev) => return Err(format!("source: unexpected {ev:?}").into()),
-                None => {
-                    rx.poll().map_or(Ok(()), |ev| Err(format!("sink: unexpected {ev:?}")))?;
+    if batch {
+        tx.set_batching(true)?;
+        rx.set_batching(true)?;
+    }
+    for trip in 0..trips {
+        for i in 0..window {
+            let buf = alloc.alloc().ok_or("pool exhausted")?;
+            tx.move_buffer(buf, &(trip * window + i).to_le_bytes()).map_err(|r| r.error)?;
+        }
+        for _ in 0..window {
+            let (buffer, meta) = loop {
+                match rx.poll() {
+                    Some(Event::MoveReceived { buffer, meta }) => break (buffer, meta),
+                    Some(_) => {}
+                    None => tx.poll().map_or(Ok(()), |ev| Err(format!("source: unexpected {ev:?}")))?,
+                }
+            };
+            rx.pass(buffer, &meta).map_err(|r| r.error)?;
+        }
+        for _ in 0..window {
+            loop {
+                match tx.poll() {
+                    Some(Event::BufferPassed { buffer, .. }) => break drop(buffer),
+                    Some(ev) => return Err(format!("source: unexpected {ev:?}").into()),
+                    None => {
+                        rx.poll().map_or(Ok(()), |ev| Err(format!("sink: unexpected {ev:?}")))?;
+                    }
                 }
             }
         }
     }
-    println!("{trips} round trips of {size} bytes over shared memory");
+    println!("{trips} round trips of {window} buffers of {size} bytes over shared memory");
     Ok(())
 }
