@@ -131,6 +131,12 @@ impl Consumer {
         true
     }
 
+    /// Everything this end knows to be published has been taken (the
+    /// cached head is reached); no look at the region.
+    pub(crate) fn caught_up(&self) -> bool {
+        self.cached_head == self.tail
+    }
+
     /// Whether `try_pop` would find a slot now (by the cached head or by
     /// the next slot's phase).
     fn has_work(&self) -> bool {
