@@ -90,10 +90,12 @@
 //! Each side keeps its own counter in a private field (the copy in the region
 //! is only for the peer) and a cached copy of the peer's counter. The producer
 //! re-reads `tail` only when the ring looks full according to its cached
-//! tail, and the consumer re-reads `head` only when the ring looks empty
-//! according to its cached head. In steady state a push or pop therefore
-//! touches the slot, its own counter line and nothing else of the peer's, so
-//! the two cache lines are not bounced between cores on every operation.
+//! tail; the consumer, when the ring looks empty according to its cached
+//! head, looks at the next slot's phase bit (see above) and re-reads `head`
+//! only at the second message of a run. In steady state a push or pop
+//! therefore touches the slot, its own counter line and nothing else of the
+//! peer's, so the two counter lines are not bounced between cores on every
+//! operation.
 //!
 //! What a push or pop still moves between cores is the slot itself: the
 //! producer writes lines the consumer read one lap ago, the consumer reads
@@ -240,6 +242,10 @@
 //!   caller's [`RingLayout`], never from the region (the header copy is only
 //!   compared with it in `attach_*`). Nothing read from the region is used as
 //!   an index or length.
+//! * A phase bit is only ever compared: a producer that sets phases at
+//!   will makes us take slots it did not publish (garbage descriptors, which
+//!   the caller validates like any other) or wait for ones it did; our tail
+//!   then runs ahead of its head, which the next head read reports.
 //! * A garbage peer can make us return `Corrupt`, `Closed` or `Full`, or
 //!   make us ask for needless wake-ups; it cannot cause UB or a panic.
 //!
