@@ -1,0 +1,128 @@
+//! The work of shared-memory round trips, without the waiting: one thread
+//! holds both ends of a shared-memory channel (two domains, one process)
+//! and moves a buffer to the sink and passes it back, `--trips N` times
+//! (default 10 000). The sink's poll always finds the message there, so
+//! no empty polls are counted: run it under an instruction counter, once
+//! with N and once with 2N, and the difference over N is the instructions
+//! of one round trip (both ends together):
+//!
+//! ```text
+//! cargo build -p ferry --release --example shm_round_trip
+//! valgrind --tool=callgrind target/release/examples/shm_round_trip --trips 10000
+//! ```
+//!
+//! `--window W` moves W buffers one after the other before they come back
+//! (at most the queue depth), `--batch` has both ends publish in batches
+//! as the benchmarks do: the cost per message of a stream. `--size` sets
+//! the buffer size (default 4096).
+//!
+//! Valgrind before 3.22 passes `prctl(PR_GET_AUXV)` through to the kernel,
+//! which answers with valgrind's own aux vector, and rustix then crashes
+//! reading a vDSO that is not mapped: run it with that prctl failing (for
+//! instance under a seccomp filter that returns `EINVAL` for it).
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use ferry::{Allocator, BindParams, Channel, ChannelSetup, Domain, Endpoint, Event, PoolConstraints};
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("shm_round_trip: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The value of `--name VALUE`, if given.
+fn arg<T: std::str::FromStr>(name: &str, default: T) -> Result<T>
+where
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if a.strip_prefix("--") == Some(name) {
+            return Ok(args.next().ok_or(format!("--{name} needs a value"))?.parse()?);
+        }
+    }
+    Ok(default)
+}
+
+fn run() -> Result<()> {
+    let trips: u64 = arg("trips", 10_000)?;
+    let size: usize = arg("size", 4096)?;
+    // Buffers in flight at once (moved one after the other, then all
+    // passed back), and whether both ends publish in batches.
+    let window: u64 = arg("window", 1)?;
+    let batch = std::env::args().any(|a| a == "--batch");
+    let (a, b) = (Domain::new("source"), Domain::new("sink"));
+    let ep = Endpoint::shm_abstract(&format!("ferry-round-trip-{}", std::process::id()));
+    let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
+    let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
+    tx.wait_connected(TIMEOUT)?;
+    rx.wait_connected(TIMEOUT)?;
+    let alloc = Allocator::new(&a, window.max(4), size, PoolConstraints::default())?;
+    tx.assign_pool(alloc.pool())?;
+    // The sink accepts at its next poll; the source learns it at its own.
+    loop {
+        match rx.poll() {
+            Some(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true)?,
+            Some(ev) => return Err(format!("sink: unexpected {ev:?}").into()),
+            None => {}
+        }
+        match tx.poll() {
+            Some(Event::PoolAssigned(_)) => break,
+            Some(ev) => return Err(format!("source: unexpected {ev:?}").into()),
+            None => {}
+        }
+    }
+    if batch {
+        tx.set_batching(true)?;
+        rx.set_batching(true)?;
+    }
+    for trip in 0..trips {
+        for i in 0..window {
+            let buf = alloc.alloc().ok_or("pool exhausted")?;
+            tx.move_buffer(buf, &(trip * window + i).to_le_bytes()).map_err(|r| r.error)?;
+        }
+        // Buffers back at the source (a pass may be published, and taken,
+        // before the sink has seen the whole window).
+        let mut back = 0;
+        for _ in 0..window {
+            let (buffer, meta) = loop {
+                match rx.poll() {
+                    Some(Event::MoveReceived { buffer, meta }) => break (buffer, meta),
+                    Some(_) => {}
+                    None => match tx.poll() {
+                        Some(Event::BufferPassed { buffer, .. }) => {
+                            drop(buffer);
+                            back += 1;
+                        }
+                        Some(ev) => return Err(format!("source: unexpected {ev:?}").into()),
+                        None => {}
+                    },
+                }
+            };
+            rx.pass(buffer, &meta).map_err(|r| r.error)?;
+        }
+        for _ in back..window {
+            loop {
+                match tx.poll() {
+                    Some(Event::BufferPassed { buffer, .. }) => break drop(buffer),
+                    Some(ev) => return Err(format!("source: unexpected {ev:?}").into()),
+                    None => {
+                        rx.poll().map_or(Ok(()), |ev| Err(format!("sink: unexpected {ev:?}")))?;
+                    }
+                }
+            }
+        }
+    }
+    println!("{trips} round trips of {window} buffers of {size} bytes over shared memory");
+    Ok(())
+}
