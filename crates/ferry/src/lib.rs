@@ -150,6 +150,8 @@ pub use alloc::Allocator;
 pub use backend::{Endpoint, LinkStats, LocalEndpoint};
 #[cfg(not(loom))]
 pub use backend::{MuxEndpoint, MuxListener, MuxSession, NetEndpoint, NetOptions, ShmEndpoint};
+#[cfg(all(feature = "fabric", not(loom)))]
+pub use backend::{FabricEndpoint, FabricOptions};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{Channel, Event, PoolPolicy, PoolRequest, DEFAULT_SPIN};
 pub use datapath::{forward_pool, DataPath, PathConfig, PathQuota};
