@@ -148,10 +148,10 @@ mod wake;
 pub use aggregate::{Aggregate, Fragment, Member, Unit, Units};
 pub use alloc::Allocator;
 pub use backend::{Endpoint, LinkStats, LocalEndpoint};
-#[cfg(not(loom))]
-pub use backend::{MuxEndpoint, MuxListener, MuxSession, NetEndpoint, NetOptions, ShmEndpoint};
 #[cfg(all(feature = "fabric", not(loom)))]
 pub use backend::{FabricEndpoint, FabricOptions};
+#[cfg(not(loom))]
+pub use backend::{MuxEndpoint, MuxListener, MuxSession, NetEndpoint, NetOptions, ShmEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};
 pub use channel::{Channel, Event, PoolPolicy, PoolRequest, DEFAULT_SPIN};
 pub use datapath::{forward_pool, DataPath, PathConfig, PathQuota};

@@ -135,3 +135,269 @@ fn flows_full_trust() {
 fn flows_half_trust() {
     flows_at(TrustLevel::Half);
 }
+
+/// The first error event, within `within` (passes and releases on the
+/// way are fine).
+fn error_within(ch: &mut Channel, within: Duration) -> Error {
+    let t = Instant::now();
+    loop {
+        match ch.wait(Some(within)) {
+            Some(Event::Error(e)) => return e,
+            Some(Event::CopyReleased { .. }) | Some(Event::BufferPassed { .. }) => {}
+            Some(ev) => panic!("unexpected {ev:?}"),
+            None => assert!(t.elapsed() < within, "no error event within {within:?}"),
+        }
+    }
+}
+
+// ------------------------------------------------------------- failures
+
+/// A provider that does not exist, and ones that cannot serve the
+/// backend, fail the creation (and the bind) with a fabric error that says
+/// what the backend needs.
+#[test]
+fn unusable_providers_fail_at_creation() {
+    let d = Domain::new("d");
+    // udp (through ofi_rxd) and shm have RMA here, but no completion queue
+    // with a file descriptor, which the channel's waiting needs.
+    let cases = [("no-such-provider", "RMA writes"), ("udp", "file descriptor"), ("shm", "file descriptor")];
+    for (provider, says) in cases {
+        let ep = Endpoint::fabric_with(loopback(), FabricOptions::default().with_provider(provider));
+        match Channel::create(&d, &ep, ChannelSetup::default()) {
+            Err(Error::Fabric(why)) => assert!(why.contains(says), "{provider}: {why}"),
+            other => panic!("{provider}: expected a fabric error, got {:?}", other.map(|c| c.state())),
+        }
+    }
+    // A binder finds out before it sends anything of its own.
+    let listener = std::net::TcpListener::bind(loopback()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ep = Endpoint::fabric_with(addr, FabricOptions::default().with_provider("no-such-provider"));
+    match Channel::bind(&d, &ep, BindParams::default()) {
+        Err(Error::Fabric(why)) => assert!(why.contains("fi_getinfo"), "{why}"),
+        other => panic!("expected a fabric error, got {:?}", other.map(|c| c.state())),
+    }
+}
+
+/// Trust NONE promises memory the peer cannot write; with RMA the peer
+/// writes registered memory by itself, so the backend refuses it.
+#[test]
+fn trust_none_is_refused() {
+    let d = Domain::new("d");
+    let setup = ChannelSetup { trust: TrustLevel::None, ..ChannelSetup::default() };
+    let e = Channel::create(&d, &Endpoint::fabric_with(loopback(), options()), setup).map(|c| c.state());
+    assert!(matches!(e, Err(Error::TrustNotSupported { trust: TrustLevel::None, backend: "fabric" })), "{e:?}");
+}
+
+/// The fabric is not encrypted: an address beyond loopback only on purpose.
+#[test]
+fn addresses_beyond_loopback_only_on_purpose() {
+    let d = Domain::new("d");
+    let at: SocketAddr = "192.0.2.1:7000".parse().unwrap();
+    let e = Channel::create(&d, &Endpoint::fabric_with(at, options()), ChannelSetup::default()).map(|c| c.state());
+    assert!(matches!(e, Err(Error::InsecureAddress(_))), "{e:?}");
+}
+
+/// Both ends must run the same provider: a binder on another one is told
+/// which, and the creator keeps listening for a binder that fits.
+#[test]
+fn ends_on_different_providers_are_told_which() {
+    let src = Domain::new("src");
+    let (mut tx, addr) = listen(&src, TrustLevel::Full);
+    let d = Domain::new("other");
+    let ep = Endpoint::fabric_with(addr, FabricOptions::default().with_provider("sockets"));
+    let mut other = Channel::bind(&d, &ep, BindParams::default()).unwrap();
+    let t = Instant::now();
+    let e = loop {
+        let _ = tx.poll();
+        match other.wait(Some(Duration::from_millis(50))) {
+            Some(Event::Error(e)) => break e,
+            Some(ev) => panic!("unexpected {ev:?}"),
+            None => assert!(t.elapsed() < T, "no answer"),
+        }
+    };
+    assert!(matches!(&e, Error::Fabric(why) if why.contains("sockets") && why.contains("tcp")), "{e:?}");
+    // The right binder still gets through.
+    let sink = std::thread::spawn(move || {
+        let mut rx =
+            Channel::connect(&Domain::new("sink"), &Endpoint::fabric_with(addr, options()), BindParams::default(), T);
+        rx.as_mut().map(|rx| rx.state()).map_err(|e| e.clone())
+    });
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    assert!(sink.join().unwrap().is_ok());
+}
+
+// --------------------------------------------------------- other processes
+
+fn spawn_child(role: &str, addr: SocketAddr) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "fabric_child", "--ignored", "--nocapture", "--test-threads=1", "-q"])
+        .env("FERRY_FABRIC_ROLE", role)
+        .env("FERRY_FABRIC_ADDR", addr.to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn child")
+}
+
+/// The line the child prints that starts with `tag`.
+fn child_says(child: &mut Child, tag: &str) -> String {
+    use std::io::BufRead;
+    let out = child.stdout.as_mut().expect("piped");
+    let mut lines = std::io::BufReader::new(out).lines();
+    loop {
+        match lines.next() {
+            Some(Ok(line)) if line.starts_with(tag) => return line,
+            Some(Ok(_)) => {}
+            other => panic!("the child ended without saying {tag}: {other:?}"),
+        }
+    }
+}
+
+/// FNV-1a over `bytes`, continuing from `h`.
+fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    h
+}
+
+const FNV: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// The peer process. Roles: `sink` (check every moved buffer, fold it into
+/// a checksum, pass it back unfilled; print the checksum at the close),
+/// `hold` (keep what arrives, say so once 6 moves and a copy are here,
+/// and wait to be killed).
+#[test]
+#[ignore = "run as a child process by the other tests"]
+fn fabric_child() {
+    let (Ok(role), Ok(addr)) = (std::env::var("FERRY_FABRIC_ROLE"), std::env::var("FERRY_FABRIC_ADDR")) else {
+        return;
+    };
+    let d = Domain::new("child");
+    let ep = Endpoint::fabric_with(addr.parse().unwrap(), options());
+    let mut ch = Channel::bind(&d, &ep, BindParams::default()).expect("bind");
+    let (mut kept, mut copies, mut sum, mut bytes) = (Vec::new(), Vec::new(), FNV, 0u64);
+    loop {
+        match ch.wait(Some(Duration::from_secs(60))) {
+            Some(Event::Bound) => {}
+            Some(Event::PoolAssignRequest(req)) => ch.respond_pool(req.pool, true).unwrap(),
+            Some(Event::MoveReceived { buffer, meta }) => {
+                let seq = seq_of(&meta);
+                assert!(check(&buffer, seq), "child: buffer {seq} arrived corrupted");
+                if role == "hold" {
+                    kept.push(buffer);
+                } else {
+                    sum = fnv(sum, &buffer);
+                    bytes += buffer.len() as u64;
+                    ch.pass_unfilled(buffer, &meta).unwrap();
+                }
+            }
+            Some(Event::CopyReceived { copy, meta }) => {
+                assert!(check(&copy, seq_of(&meta)), "child: copy arrived corrupted");
+                copies.push(copy);
+            }
+            Some(Event::Closed { .. }) | None => break,
+            Some(Event::Error(e)) => panic!("child: {e}"),
+            Some(ev) => panic!("child: unexpected {ev:?}"),
+        }
+        if role == "hold" && kept.len() == 6 && copies.len() == 1 {
+            println!("held");
+            // Killed here; a parent that is gone leaves it to exit alone.
+            std::thread::sleep(Duration::from_secs(60));
+            return;
+        }
+    }
+    println!("sum {sum:016x} {bytes}");
+}
+
+fn start_child(d: &Domain, role: &str) -> (Channel, Child) {
+    let (mut ch, addr) = listen(d, TrustLevel::Full);
+    let child = spawn_child(role, addr);
+    assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
+    (ch, child)
+}
+
+/// 1 GiB to another process in 1 MiB buffers, every byte checked there
+/// and the whole checksummed on both sides.
+#[test]
+fn one_gib_between_processes() {
+    const BUF: usize = 1 << 20;
+    const MOVES: u64 = 1024;
+    let d = Domain::new("parent");
+    let (mut ch, mut child) = start_child(&d, "sink");
+    let alloc = Allocator::new(&d, 16, BUF, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    let (mut sent, mut back, mut sum) = (0u64, 0u64, FNV);
+    let started = Instant::now();
+    while back < MOVES {
+        while sent < MOVES {
+            let Some(mut b) = alloc.alloc() else { break };
+            fill(b.as_mut_slice().unwrap(), sent);
+            sum = fnv(sum, &b);
+            ch.move_buffer(b, &sent.to_le_bytes()).unwrap();
+            sent += 1;
+        }
+        match ch.wait(Some(Duration::from_secs(30))) {
+            Some(Event::BufferPassed { .. }) => back += 1,
+            ev => panic!("unexpected {ev:?} (state {:?})", ch.state()),
+        }
+    }
+    let took = started.elapsed();
+    ch.teardown().unwrap();
+    assert!(matches!(next(&mut ch), Event::Closed { by_peer: false }));
+    let line = child_says(&mut child, "sum ");
+    assert_eq!(line, format!("sum {sum:016x} {}", MOVES * BUF as u64), "the child's checksum");
+    let stats = ch.link_stats().unwrap();
+    assert_eq!(stats.payload_sent, MOVES * BUF as u64, "{stats:?}");
+    assert_eq!(stats.payload_received, 0, "the passes came back unfilled: {stats:?}");
+    assert_eq!(alloc.available(), 16);
+    assert!(support::payload::wait_exit(&mut child, T).success());
+    eprintln!("1 GiB over the fabric in {took:?} (checksumming included, debug build)");
+}
+
+/// SIGKILL of the peer while it holds moved buffers and a read-only copy:
+/// a typed error in bounded time, every buffer back in the allocator, the
+/// copied buffer writable again.
+#[test]
+fn killed_peer_returns_everything() {
+    let d = Domain::new("parent");
+    let (mut ch, mut child) = start_child(&d, "hold");
+    let alloc = Allocator::new(&d, 8, SIZE, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    for seq in 0..6u64 {
+        let mut b = alloc.alloc().unwrap();
+        fill(b.as_mut_slice().unwrap(), seq);
+        ch.move_buffer(b, &seq.to_le_bytes()).unwrap();
+    }
+    let mut kept = alloc.alloc().unwrap();
+    fill(kept.as_mut_slice().unwrap(), 9);
+    ch.copy(&kept, &9u64.to_le_bytes()).unwrap();
+    ch.flush().unwrap();
+    // The child says when it holds everything; our side keeps polling so
+    // the provider progresses meanwhile.
+    let (said, heard) = std::sync::mpsc::channel();
+    let mut out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let held = std::io::BufReader::new(&mut out).lines().any(|l| l.is_ok_and(|l| l == "held"));
+        let _ = said.send(held);
+    });
+    let t = Instant::now();
+    loop {
+        assert!(ch.wait(Some(Duration::from_millis(20))).is_none(), "no event while the child holds");
+        match heard.try_recv() {
+            Ok(held) => {
+                assert!(held, "the child ended without holding everything");
+                break;
+            }
+            Err(_) => assert!(t.elapsed() < T, "the child never held everything"),
+        }
+    }
+    child.kill().unwrap();
+    let t = Instant::now();
+    let e = error_within(&mut ch, T);
+    assert!(matches!(e, Error::PeerGone | Error::Fabric(_)), "{e:?}");
+    assert!(t.elapsed() < Duration::from_secs(5), "noticed after {:?}", t.elapsed());
+    assert_eq!(alloc.available(), 7, "the six moved buffers are back");
+    assert!(kept.as_mut_slice().is_ok(), "the copy held by the dead peer is void");
+    let _ = child.wait();
+}

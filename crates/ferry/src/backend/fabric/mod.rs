@@ -233,10 +233,10 @@ impl SetupConn {
     /// of the stream, `TimedOut` past the deadline.
     fn poll(&mut self, n: usize) -> Result<Option<Vec<&[u8]>>> {
         loop {
-            if let Some(frames) = split_frames(&self.buf, n)? {
-                // Borrow again: the frames are complete and the buffer stays.
-                let _ = frames;
-                return Ok(split_frames(&self.buf, n)?);
+            // Split again to return them: a borrow returned from the loop
+            // would last across the reads below.
+            if split_frames(&self.buf, n)?.is_some() {
+                return split_frames(&self.buf, n);
             }
             let mut chunk = [0u8; 512];
             match self.stream.read(&mut chunk) {
@@ -795,7 +795,10 @@ impl FabricLink {
                         return Err(bad(format!("buffer index {index} out of range")));
                     }
                     if aux != p.geometry.buffer_size() as u64 {
-                        return Err(bad(format!("payload of {aux} bytes for {}-byte buffers", p.geometry.buffer_size())));
+                        return Err(bad(format!(
+                            "payload of {aux} bytes for {}-byte buffers",
+                            p.geometry.buffer_size()
+                        )));
                     }
                     let probe = head.payload_probe().expect("a move, copy or pass");
                     // The bytes landed already; a buffer this end must not

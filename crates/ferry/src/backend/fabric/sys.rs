@@ -74,8 +74,7 @@ extern "C" {
     ) -> c_int;
     fn ferry_fi_mr_close(mr: *mut RawMr) -> c_int;
     fn ferry_fi_recv(h: *mut RawFabric, buf: *mut c_void, len: usize, desc: *mut c_void, ctx: *mut c_void) -> c_long;
-    fn ferry_fi_send(h: *mut RawFabric, buf: *const c_void, len: usize, desc: *mut c_void, ctx: *mut c_void)
-        -> c_long;
+    fn ferry_fi_send(h: *mut RawFabric, buf: *const c_void, len: usize, desc: *mut c_void, ctx: *mut c_void) -> c_long;
     fn ferry_fi_writedata(
         h: *mut RawFabric,
         buf: *const c_void,
@@ -257,7 +256,14 @@ impl Fabric {
     }
 
     /// Post a receive into `len` bytes at `offset` of `region`.
-    pub(super) fn recv(&self, region: &Region, offset: usize, len: usize, ctx: &Contexts, slot: usize) -> Result<(), i32> {
+    pub(super) fn recv(
+        &self,
+        region: &Region,
+        offset: usize,
+        len: usize,
+        ctx: &Contexts,
+        slot: usize,
+    ) -> Result<(), i32> {
         region.check(offset, len);
         // SAFETY: the range lies inside the registered mapping (checked);
         // ctx.at(slot) is a live context of the size FI_CONTEXT2 asks for,
@@ -268,7 +274,14 @@ impl Fabric {
     }
 
     /// Send `len` bytes at `offset` of `region` to the peer.
-    pub(super) fn send(&self, region: &Region, offset: usize, len: usize, ctx: &Contexts, slot: usize) -> Result<(), i32> {
+    pub(super) fn send(
+        &self,
+        region: &Region,
+        offset: usize,
+        len: usize,
+        ctx: &Contexts,
+        slot: usize,
+    ) -> Result<(), i32> {
         region.check(offset, len);
         // SAFETY: as in recv.
         self.post(|h| unsafe {
