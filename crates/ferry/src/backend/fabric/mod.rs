@@ -50,6 +50,7 @@ use crate::proto::{self, Message, Meta};
 use crate::setup::{check_reply, negotiate, BindParams, ChannelSetup};
 use crate::sys::{Access, Mapping};
 use crate::wake::{Arm, Interest, WakeSet};
+use rustix::event::PollFlags;
 
 use sys::{Completion, Contexts, Fabric, Region};
 
@@ -142,11 +143,19 @@ impl FabricEndpoint {
         Ok(())
     }
 
-    /// Open the fabric endpoint, its source the address `ip` (any if
-    /// unspecified).
+    /// Open the fabric endpoint, its source the address `ip` (the setup
+    /// connection's, so the fabric takes the same interface); a provider
+    /// that does not know the address (its fabric is not IP-addressed)
+    /// picks the source itself.
     fn open(&self, ip: IpAddr) -> Result<Fabric> {
-        let node = (!ip.is_unspecified()).then(|| ip.to_string());
-        Fabric::open(self.options.provider.as_deref(), node.as_deref(), 4 * MAX_SLOTS).map_err(Error::Fabric)
+        let provider = self.options.provider.as_deref();
+        let cq_size = 4 * MAX_SLOTS;
+        if ip.is_unspecified() {
+            return Fabric::open(provider, None, cq_size).map_err(Error::Fabric);
+        }
+        Fabric::open(provider, Some(&ip.to_string()), cq_size)
+            .or_else(|first| Fabric::open(provider, None, cq_size).map_err(|_| first))
+            .map_err(Error::Fabric)
     }
 
     pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
@@ -465,10 +474,10 @@ pub(crate) struct FabricLink {
     meta_size: usize,
     depth: usize,
     /// Message slots: the receives, then `tx_slots` sends.
-    control: Region,
+    control: Arc<Region>,
     tx_slots: usize,
     /// One context per receive slot, per send slot, and per write.
-    contexts: Contexts,
+    contexts: Arc<Contexts>,
     ops: Vec<Op>,
     free_tx: Vec<usize>,
     free_writes: Vec<usize>,
@@ -488,6 +497,8 @@ pub(crate) struct FabricLink {
     lifeline_ended: Option<Instant>,
     goodbye_seen: bool,
     closed: bool,
+    /// A [`Linger`] took over the endpoint (it closes it).
+    lingering: bool,
     died: bool,
     gone: Option<Error>,
     stats: LinkStats,
@@ -505,9 +516,10 @@ impl FabricLink {
         let fd = crate::sys::memfd("ferry-fabric-slots", len)?;
         let map = Mapping::map_shared(fd.as_fd(), len, Access::ReadWrite, 1)?;
         let control = fabric.register(Arc::new(map), 1).map_err(|rc| fabric_error("fi_mr_reg (message slots)", rc))?;
+        let control = Arc::new(control);
         let n = rx_slots + tx_slots + writes;
         let mut link = FabricLink {
-            contexts: Contexts::new(n),
+            contexts: Arc::new(Contexts::new(n)),
             ops: vec![Op::Idle; n],
             free_tx: (rx_slots..rx_slots + tx_slots).rev().collect(),
             free_writes: (rx_slots + tx_slots..n).rev().collect(),
@@ -529,6 +541,7 @@ impl FabricLink {
             lifeline_ended: None,
             goodbye_seen: false,
             closed: false,
+            lingering: false,
             died: false,
             gone: None,
             stats: LinkStats::default(),
@@ -681,6 +694,10 @@ impl FabricLink {
 
     /// Take the completions there are (and let the provider progress).
     fn progress(&mut self) -> Result<()> {
+        // A closed link's completions are its linger's.
+        if self.lingering {
+            return Ok(());
+        }
         let mut done = [Completion::default(); 16];
         loop {
             let n = match self.fabric.poll(&mut done) {
@@ -924,9 +941,7 @@ impl Link for FabricLink {
     }
 
     fn recv(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
-        if let Some(e) = &self.gone {
-            return Err(e.clone());
-        }
+        self.check()?;
         match self.receive(gate) {
             Err(e @ Error::Protocol(_)) => {
                 let e = self.fail(e, false);
@@ -964,7 +979,7 @@ impl Link for FabricLink {
             Some(at) => Arm::Sleep { until: Some(at + GOODBYE_GRACE) },
             // A provider with manual progress moves our writes only when
             // polled: while they are in flight, look again soon.
-            None if self.busy() => Arm::Sleep { until: Some(Instant::now() + Duration::from_millis(1)) },
+            None if self.busy() => Arm::Sleep { until: Some(Instant::now() + Duration::from_millis(50)) },
             None => Arm::SLEEP,
         }
     }
@@ -1006,20 +1021,9 @@ impl Link for FabricLink {
                 }
             }
             let _ = self.queue_control(TYPE_GOODBYE);
-            let deadline = Instant::now() + CLOSE_FLUSH;
-            while self.busy() && self.gone.is_none() && Instant::now() < deadline {
-                if self.pump().is_err() || self.progress().is_err() {
-                    break;
-                }
-                if self.busy() && self.fabric.trywait() {
-                    let _ = super::net::poll_fd(
-                        self.fabric.wait_fd(),
-                        rustix::event::PollFlags::IN,
-                        Duration::from_millis(1),
-                    );
-                }
+            if self.gone.is_none() {
+                self.linger();
             }
-            let _ = self.lifeline.shutdown(Shutdown::Write);
         }
         self.closed = true;
     }
@@ -1046,7 +1050,79 @@ impl Link for FabricLink {
 impl Drop for FabricLink {
     fn drop(&mut self) {
         // Nothing may land in (or be sent from) memory once it is unmapped:
-        // the endpoint goes first, then the registrations and mappings.
-        self.fabric.close_endpoint();
+        // the endpoint goes first, then the registrations and mappings. A
+        // linger closes it itself, and holds what it needs until then.
+        if !self.lingering {
+            self.fabric.close_endpoint();
+        }
+    }
+}
+
+impl FabricLink {
+    /// Hand the endpoint and what is still to go out to a lingering link of
+    /// its own thread: the last messages (the goodbye among them) go out
+    /// and complete while the application goes on, as the kernel lingers
+    /// over a closed socket's last bytes; then the lifeline ends, so the
+    /// peer reads the goodbye before the end, and the endpoint closes
+    /// before the memory it may still use is unmapped (at most
+    /// [`CLOSE_FLUSH`] later). This end keeps only its counters.
+    fn linger(&mut self) {
+        let Ok(lifeline) = self.lifeline.try_clone() else { return };
+        let mut linger = FabricLink {
+            fabric: self.fabric.clone(),
+            lifeline,
+            meta_size: self.meta_size,
+            depth: self.depth,
+            control: self.control.clone(),
+            tx_slots: self.tx_slots,
+            contexts: self.contexts.clone(),
+            ops: std::mem::take(&mut self.ops),
+            free_tx: std::mem::take(&mut self.free_tx),
+            free_writes: std::mem::take(&mut self.free_writes),
+            pools: std::mem::take(&mut self.pools),
+            remote: std::mem::take(&mut self.remote),
+            next_key: self.next_key,
+            backlog: std::mem::take(&mut self.backlog),
+            inbox: VecDeque::new(),
+            writes_in: HashSet::new(),
+            write_seq: self.write_seq,
+            expect_seq: self.expect_seq,
+            copied_in: HashSet::new(),
+            lifeline_ended: None,
+            goodbye_seen: false,
+            closed: false,
+            lingering: false,
+            died: false,
+            gone: None,
+            stats: LinkStats::default(),
+        };
+        self.lingering = true;
+        let mut run = move || {
+            let deadline = Instant::now() + CLOSE_FLUSH;
+            while linger.busy() && Instant::now() < deadline {
+                if linger.pump().is_err() || linger.progress().is_err() {
+                    break;
+                }
+                linger.inbox.clear();
+                if linger.busy() && linger.fabric.trywait() {
+                    let _ = super::net::poll_fd(linger.fabric.wait_fd(), PollFlags::IN, Duration::from_millis(10));
+                }
+            }
+            let _ = linger.lifeline.shutdown(Shutdown::Write);
+            // Dropping it closes the endpoint, then the registrations.
+        };
+        let (hand, take) = std::sync::mpsc::channel::<Box<dyn FnOnce() + Send>>();
+        let thread = std::thread::Builder::new().name("ferry-fabric-linger".into()).spawn(move || {
+            if let Ok(run) = take.recv() {
+                run();
+            }
+        });
+        match thread {
+            Ok(_) => {
+                let _ = hand.send(Box::new(run));
+            }
+            // No thread to be had: linger here, within the same bound.
+            Err(_) => run(),
+        }
     }
 }

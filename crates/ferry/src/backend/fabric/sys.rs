@@ -131,7 +131,8 @@ impl Drop for Handle {
 }
 
 /// An open RDM endpoint with its domain, completion queue and address
-/// vector (one peer).
+/// vector (one peer). Clones share it.
+#[derive(Clone)]
 pub(super) struct Fabric {
     handle: Arc<Mutex<Handle>>,
     provider: String,
@@ -379,6 +380,9 @@ pub(super) struct Region {
 // SAFETY: the registration is closed under the fabric's lock; the rest is
 // plain data and a Send + Sync mapping.
 unsafe impl Send for Region {}
+// SAFETY: shared, a region only gives out its key, its mapping (Sync) and
+// its descriptor, which the provider reads under the fabric's lock.
+unsafe impl Sync for Region {}
 
 impl Region {
     /// The key the peer writes with.
@@ -412,6 +416,10 @@ pub(super) struct Contexts {
     /// Cells: the provider writes into them behind our back.
     space: Box<[UnsafeCell<[u64; 8]>]>,
 }
+
+// SAFETY: we never read or write the cells ourselves: we only hand their
+// addresses to the provider, whose use of them the fabric's lock orders.
+unsafe impl Sync for Contexts {}
 
 impl Contexts {
     /// `n` contexts.
