@@ -39,6 +39,20 @@ fn next(ch: &mut Channel) -> Event {
     }
 }
 
+/// The next event of `ch` while `other`, an end in the same thread, is
+/// flushed meanwhile: with manual progress (the tcp provider's) an end's
+/// messages move only while it is polled.
+fn next_beside(ch: &mut Channel, other: &mut Channel) -> Event {
+    let t = Instant::now();
+    loop {
+        let _ = other.flush();
+        if let Some(ev) = ch.wait(Some(Duration::from_millis(1))) {
+            return ev;
+        }
+        assert!(t.elapsed() < T, "no event within {T:?} (state {:?})", ch.state());
+    }
+}
+
 /// A TX master listening on loopback, and the address to bind to.
 fn listen(domain: &Domain, trust: TrustLevel) -> (Channel, SocketAddr) {
     let setup = ChannelSetup { direction: Direction::Tx, role: Role::Master, trust, ..ChannelSetup::default() };
@@ -226,6 +240,40 @@ fn ends_on_different_providers_are_told_which() {
     assert!(sink.join().unwrap().is_ok());
 }
 
+/// An end dropped after a move to it arrived: the buffer is the dropping
+/// domain's, and the drop says goodbye, so the peer fails with `PeerGone`
+/// but does not take the buffer back, as from a peer that closed on
+/// purpose (a dead peer's buffers come back instead, see
+/// `killed_peer_returns_everything`).
+#[test]
+fn a_dropped_end_keeps_what_it_took_in() {
+    let src = Domain::new("src");
+    let (mut tx, addr) = listen(&src, TrustLevel::Full);
+    let d = Domain::new("sink");
+    let mut rx = Channel::bind(&d, &Endpoint::fabric_with(addr, options()), BindParams::default()).unwrap();
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    assert!(matches!(next_beside(&mut rx, &mut tx), Event::Bound));
+    let alloc = Allocator::new(&src, 4, SIZE, PoolConstraints::default()).unwrap();
+    tx.assign_pool(alloc.pool()).unwrap();
+    let req = match next_beside(&mut rx, &mut tx) {
+        Event::PoolAssignRequest(req) => req,
+        ev => panic!("expected the offer, got {ev:?}"),
+    };
+    rx.respond_pool(req.pool, true).unwrap();
+    assert!(matches!(next_beside(&mut tx, &mut rx), Event::PoolAssigned(_)));
+    let mut b = alloc.alloc().unwrap();
+    fill(b.as_mut_slice().unwrap(), 3);
+    tx.move_buffer(b, &3u64.to_le_bytes()).unwrap();
+    match next_beside(&mut rx, &mut tx) {
+        Event::MoveReceived { buffer, .. } => assert!(check(&buffer, 3)),
+        ev => panic!("expected the move, got {ev:?}"),
+    }
+    drop(rx);
+    let e = error_within(&mut tx, T);
+    assert_eq!(e, Error::PeerGone);
+    assert_eq!(alloc.available(), 3, "the moved buffer stays with the domain that took it in");
+}
+
 // --------------------------------------------------------- other processes
 
 fn spawn_child(role: &str, addr: SocketAddr) -> Child {
@@ -252,10 +300,11 @@ fn child_says(child: &mut Child, tag: &str) -> String {
     }
 }
 
-/// FNV-1a over `bytes`, continuing from `h`.
+/// FNV-1a over the 64-bit words of `bytes` (a length multiple of 8),
+/// continuing from `h`.
 fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
-    for &b in bytes {
-        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    for w in bytes.chunks_exact(8) {
+        h = (h ^ u64::from_le_bytes(w.try_into().unwrap())).wrapping_mul(0x100_0000_01b3);
     }
     h
 }

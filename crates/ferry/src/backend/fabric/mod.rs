@@ -936,8 +936,11 @@ impl Link for FabricLink {
         self.queue(msg, false)
     }
 
+    /// Post what the fabric takes and let the provider progress: with
+    /// manual progress, posted data moves only while its end polls.
     fn flush(&mut self) -> Result<()> {
-        self.pump()
+        self.pump()?;
+        self.progress()
     }
 
     fn recv(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
