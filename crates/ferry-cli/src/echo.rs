@@ -34,7 +34,8 @@ pub struct EchoOptions {
 
 #[derive(Debug, Args)]
 pub struct EchoArgs {
-    /// Endpoint to bind to: `shm:PATH`, `shm@ABSTRACT-NAME` or `tcp:HOST:PORT`. Over TCP the echo
+    /// Endpoint to bind to: `shm:PATH`, `shm@ABSTRACT-NAME`, `tcp:HOST:PORT` or `fabric:HOST:PORT`
+    /// (libfabric RMA, provider from FI_PROVIDER; feature `fabric`). Over TCP the echo
     /// connects: with --tls-certificates DIR it presents client-cert.pem and takes only a server
     /// whose certificate ca-cert.pem signed for HOST; without TLS, HOST must be a loopback address
     /// unless --insecure is given.
@@ -78,7 +79,29 @@ pub fn parse_endpoint(s: &str) -> Result<Endpoint, String> {
             .map(Endpoint::tcp)
             .ok_or_else(|| "not a reachable TCP address; give tcp:HOST:PORT (IPv6: tcp:[::1]:PORT)".to_string());
     }
-    Err("not an endpoint; give shm:PATH, shm@NAME or tcp:HOST:PORT".to_string())
+    if let Some(hostport) = s.strip_prefix("fabric:") {
+        return fabric_endpoint(hostport);
+    }
+    Err("not an endpoint; give shm:PATH, shm@NAME, tcp:HOST:PORT or fabric:HOST:PORT".to_string())
+}
+
+/// `fabric:HOST:PORT`: the fabric backend, its setup connection at that
+/// address, the provider from `FI_PROVIDER` (or libfabric's first choice).
+#[cfg(feature = "fabric")]
+fn fabric_endpoint(hostport: &str) -> Result<Endpoint, String> {
+    use std::net::ToSocketAddrs;
+    hostport
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .map(Endpoint::fabric)
+        .ok_or_else(|| "not a reachable address; give fabric:HOST:PORT (IPv6: fabric:[::1]:PORT)".to_string())
+}
+
+#[cfg(not(feature = "fabric"))]
+fn fabric_endpoint(_: &str) -> Result<Endpoint, String> {
+    Err("this ferry was built without the fabric backend; build it with `cargo build -p ferry-cli --features fabric`"
+        .to_string())
 }
 
 /// The endpoint `s` names, with what protects it when it is TCP (the TLS
@@ -270,6 +293,20 @@ mod tests {
 
     use super::*;
     use crate::setup::{assign, connect_local};
+
+    /// `fabric:HOST:PORT` names a fabric endpoint when the fabric backend
+    /// is built in, and says how to build it in otherwise.
+    #[test]
+    fn fabric_endpoints_are_parsed_or_explained() {
+        let parsed = parse_endpoint("fabric:127.0.0.1:7000");
+        if cfg!(feature = "fabric") {
+            let ep = parsed.expect("a fabric endpoint");
+            assert!(format!("{ep:?}").contains("Fabric"), "{ep:?}");
+        } else {
+            assert!(parsed.expect_err("no fabric backend").contains("--features fabric"));
+        }
+        assert!(parse_endpoint("fabric:").is_err());
+    }
 
     /// A source that moves every buffer of its pool before it takes any
     /// back, over queues of two: the echo's passes find the return queue

@@ -419,6 +419,14 @@ pub enum ErrorKind {
         /// The quota's byte limit.
         max_bytes: u64,
     },
+
+    // --- fabric ------------------------------------------------------------------------
+    /// libfabric refused or failed (the fabric backend): no provider offers
+    /// what the backend needs, opening or registering memory failed, or an
+    /// operation completed with an error. The message names the step and
+    /// libfabric's reason. On a channel, what was lent over it comes back.
+    #[error("the fabric failed: {0}; check the provider (FI_PROVIDER, `fi_info`), its memory-registration limits (`ulimit -l`) and the peer")]
+    Fabric(String),
 }
 
 /// A trust level in words (the library's spelling of [ETH-BT]'s levels).
@@ -704,6 +712,7 @@ mod tests {
             ErrorKind::LimitExceeded { what: "pools assigned by the peer", limit: 256 },
             ErrorKind::PeerBacklog { what: "control frames", limit: 1 << 20 },
             ErrorKind::QuotaExceeded { pools: 2, max_pools: 2, max_bytes: 1 << 20 },
+            ErrorKind::Fabric("fi_getinfo: no data available".into()),
         ]
     }
 

@@ -166,6 +166,8 @@ mod wake;
 pub use aggregate::{Aggregate, Fragment, Member, Unit, Units};
 pub use alloc::Allocator;
 pub use backend::{Endpoint, LinkStats, LocalEndpoint};
+#[cfg(all(feature = "fabric", not(loom)))]
+pub use backend::{FabricEndpoint, FabricOptions};
 #[cfg(not(loom))]
 pub use backend::{MuxEndpoint, MuxListener, MuxSession, NetEndpoint, NetOptions, ShmEndpoint};
 pub use buffer::{Buffer, BufferCopy, BufferId, BufferState, CopySource};

@@ -185,6 +185,9 @@ pub enum Backend {
     /// Ferry: TCP with TLS 1.3 and mutual certificates (loopback; the echo is a thread of this
     /// process; test certificates made for the run). Its --compare baseline is rustls-stream.
     NetTls,
+    /// Ferry: two processes over a fabric (libfabric RMA; loopback, the provider from FI_PROVIDER,
+    /// e.g. tcp; needs a ferry built with the feature `fabric`).
+    Fabric,
     /// Baseline: rustls on a plain TCP stream over loopback, the same bytes as net-tls (an echo
     /// thread writes every message back; this command, no bench/peers).
     RustlsStream,
@@ -209,6 +212,7 @@ impl Backend {
             Backend::Shm => "shm",
             Backend::Net => "net",
             Backend::NetTls => "net-tls",
+            Backend::Fabric => "fabric",
             Backend::RustlsStream => "rustls-stream",
             Backend::UdsCopy => "uds-copy",
             Backend::TcpCopy => "tcp-copy",
@@ -220,7 +224,7 @@ impl Backend {
 
     /// Whether this is one of Ferry's own backends (measured in this process).
     pub fn is_ferry(self) -> bool {
-        matches!(self, Backend::Local | Backend::Shm | Backend::Net | Backend::NetTls)
+        matches!(self, Backend::Local | Backend::Shm | Backend::Net | Backend::NetTls | Backend::Fabric)
     }
 }
 

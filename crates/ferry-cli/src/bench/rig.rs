@@ -98,8 +98,15 @@ fn process_endpoint(
                 Ok((Endpoint::tcp_with(addr, options), String::new()))
             }
         },
+        // Loopback on a port the kernel picks, as for net.
+        Backend::Fabric => match peer {
+            Some(p) => {
+                Err(CliError::Usage(format!("--peer {p}: --backend fabric starts its own echo process; drop --peer")))
+            }
+            None => Ok((echo::parse_endpoint("fabric:127.0.0.1:0").map_err(CliError::Usage)?, String::new())),
+        },
         other => Err(CliError::Usage(format!(
-            "--backend {}: not one of Ferry's process backends; give shm or net",
+            "--backend {}: not one of Ferry's process backends; give shm, net or fabric",
             other.name()
         ))),
     }
@@ -197,6 +204,7 @@ pub fn connect(
     }
     let descriptor = match source.listen_addr() {
         Some(addr) if backend == Backend::Net => format!("tcp:{addr}"),
+        Some(addr) if backend == Backend::Fabric => format!("fabric:{addr}"),
         _ => descriptor,
     };
     let mut args: Vec<String> = match spec.role {

@@ -17,6 +17,8 @@ use crate::ring::{Producer, PUBLISH_EVERY};
 use crate::setup::{BindParams, ChannelSetup, Negotiated};
 use crate::wake::{Arm, WakeSet};
 
+#[cfg(all(feature = "fabric", not(loom)))]
+pub mod fabric;
 pub mod local;
 #[cfg(not(loom))]
 pub mod mux;
@@ -30,6 +32,8 @@ pub mod shm;
 mod uds;
 mod unshared;
 
+#[cfg(all(feature = "fabric", not(loom)))]
+pub use fabric::{FabricEndpoint, FabricOptions};
 pub use local::LocalEndpoint;
 #[cfg(not(loom))]
 pub use mux::{MuxEndpoint, MuxListener, MuxSession};
@@ -252,6 +256,7 @@ pub(crate) type Pending = Box<dyn PendingSetup>;
 /// | [`Endpoint::shm`], [`Endpoint::shm_abstract`] | processes of one host | sharing the pool's memory (a sealed memfd) |
 /// | [`Endpoint::tcp`], [`Endpoint::tcp_with`] | machines | sending the payload from and into buffer memory |
 /// | [`MuxSession::endpoint`] | machines, many channels on one TCP connection | the same, demultiplexed into each channel's buffers |
+/// | `Endpoint::fabric`, `Endpoint::fabric_with` (feature `fabric`) | machines on a fabric (libfabric: verbs, EFA, Slingshot, TCP) | RMA writes from buffer memory into the peer's buffer |
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum Endpoint {
@@ -267,6 +272,10 @@ pub enum Endpoint {
     /// connection ([`MuxSession::endpoint`]).
     #[cfg(not(loom))]
     Mux(MuxEndpoint),
+    /// An endpoint for channels over a fabric (libfabric RMA; feature
+    /// `fabric`).
+    #[cfg(all(feature = "fabric", not(loom)))]
+    Fabric(FabricEndpoint),
 }
 
 /// The endpoint in words, as errors name it: `a local endpoint`, `the shm
@@ -281,6 +290,8 @@ impl std::fmt::Display for Endpoint {
             Endpoint::Net(ep) => write!(f, "the TCP endpoint {}", ep.addr()),
             #[cfg(not(loom))]
             Endpoint::Mux(ep) => write!(f, "{ep}"),
+            #[cfg(all(feature = "fabric", not(loom)))]
+            Endpoint::Fabric(ep) => write!(f, "the fabric endpoint {}", ep.addr()),
         }
     }
 }
@@ -380,7 +391,37 @@ impl Endpoint {
             Endpoint::Net(ep) => ("tcp", ep.addr().to_string()),
             #[cfg(not(loom))]
             Endpoint::Mux(ep) => ("mux", format!("{ep:?}")),
+            #[cfg(all(feature = "fabric", not(loom)))]
+            Endpoint::Fabric(ep) => ("fabric", ep.addr().to_string()),
         }
+    }
+
+    /// A fabric endpoint (feature `fabric`) with default options: the
+    /// creator's setup connection listens at `addr` (TCP), the binder
+    /// connects there, and then payloads go by RMA over the provider that
+    /// `FI_PROVIDER` names (or the first that fits). See docs/FABRIC.md.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use ferry::{BindParams, Channel, ChannelSetup, Domain, Endpoint};
+    ///
+    /// let mut tx = Channel::create(&Domain::new("a"), &Endpoint::fabric("127.0.0.1:0".parse()?), ChannelSetup::default())?;
+    /// let addr = tx.listen_addr().expect("listening");
+    /// let mut rx = Channel::bind(&Domain::new("b"), &Endpoint::fabric(addr), BindParams::default())?;
+    /// tx.wait_connected(Duration::from_secs(10))?;
+    /// rx.wait_connected(Duration::from_secs(10))?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[cfg(all(feature = "fabric", not(loom)))]
+    pub fn fabric(addr: std::net::SocketAddr) -> Endpoint {
+        Endpoint::Fabric(FabricEndpoint::new(addr, FabricOptions::default()))
+    }
+
+    /// A fabric endpoint with options (the provider; addresses beyond
+    /// loopback).
+    #[cfg(all(feature = "fabric", not(loom)))]
+    pub fn fabric_with(addr: std::net::SocketAddr, options: FabricOptions) -> Endpoint {
+        Endpoint::Fabric(FabricEndpoint::new(addr, options))
     }
 
     pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
@@ -392,6 +433,8 @@ impl Endpoint {
             Endpoint::Net(ep) => ep.listen(setup),
             #[cfg(not(loom))]
             Endpoint::Mux(ep) => ep.listen(setup),
+            #[cfg(all(feature = "fabric", not(loom)))]
+            Endpoint::Fabric(ep) => ep.listen(setup),
         }
     }
 
@@ -404,6 +447,8 @@ impl Endpoint {
             Endpoint::Net(ep) => ep.connect(params),
             #[cfg(not(loom))]
             Endpoint::Mux(ep) => ep.connect(params),
+            #[cfg(all(feature = "fabric", not(loom)))]
+            Endpoint::Fabric(ep) => ep.connect(params),
         }
     }
 }

@@ -527,7 +527,7 @@ impl PendingSetup for BinderPending {
     }
 }
 
-fn poll_fd(fd: std::os::fd::BorrowedFd<'_>, events: PollFlags, timeout: Duration) -> io::Result<PollFlags> {
+pub(crate) fn poll_fd(fd: std::os::fd::BorrowedFd<'_>, events: PollFlags, timeout: Duration) -> io::Result<PollFlags> {
     let mut pfd = [PollFd::from_borrowed_fd(fd, events)];
     match rustix::event::poll(&mut pfd, Some(&timespec(timeout))) {
         Ok(_) | Err(rustix::io::Errno::INTR) => Ok(pfd[0].revents()),
@@ -1255,7 +1255,7 @@ fn recv_into(tls: &mut Option<Box<TlsSession>>, fd: BorrowedFd<'_>, parts: &mut 
 /// Kernel-level liveness on top of our keep-alives: TCP keep-alive probes
 /// for a silent connection, and a bound on how long sent data may stay
 /// unacknowledged.
-fn configure_liveness(stream: &TcpStream, timeout: Duration) {
+pub(crate) fn configure_liveness(stream: &TcpStream, timeout: Duration) {
     use rustix::net::sockopt;
     let fd = stream.as_fd();
     let _ = sockopt::set_socket_keepalive(fd, true);

@@ -1,0 +1,291 @@
+/* The libfabric calls of Ferry's fabric backend (crates/ferry/src/backend/fabric).
+ *
+ * Most of libfabric's API is static inline functions that dispatch through
+ * the ops tables of each object, so Rust cannot link against them. This
+ * file wraps the few calls the backend makes behind a flat interface of
+ * opaque handles and plain integers: the Rust side never sees a libfabric
+ * struct, so no struct layout is duplicated (and none can drift from the
+ * installed headers). Every function returns 0 or a negative libfabric
+ * error code unless it says otherwise. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdio.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_rma.h>
+#include <rdma/fi_errno.h>
+
+#define FERRY_FI_VERSION FI_VERSION(1, 9)
+
+/* What the backend asks of a provider's endpoint. */
+#define FERRY_CAPS (FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE)
+/* The memory-registration modes the backend handles. */
+#define FERRY_MR_MODE (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT)
+
+struct ferry_fi {
+	struct fi_info *info;
+	struct fid_fabric *fabric;
+	struct fid_domain *domain;
+	struct fid_ep *ep;
+	struct fid_cq *cq;
+	struct fid_av *av;
+	fi_addr_t peer;
+	int wait_fd;
+};
+
+void ferry_fi_close(struct ferry_fi *h)
+{
+	if (!h)
+		return;
+	/* The endpoint first: it refers to the queue and the address vector. */
+	if (h->ep)
+		fi_close(&h->ep->fid);
+	if (h->av)
+		fi_close(&h->av->fid);
+	if (h->cq)
+		fi_close(&h->cq->fid);
+	if (h->domain)
+		fi_close(&h->domain->fid);
+	if (h->fabric)
+		fi_close(&h->fabric->fid);
+	if (h->info)
+		fi_freeinfo(h->info);
+	free(h);
+}
+
+static int fail(struct ferry_fi *h, int rc, const char *what, char *err, size_t errlen)
+{
+	snprintf(err, errlen, "%s: %s", what, fi_strerror(rc < 0 ? -rc : rc));
+	ferry_fi_close(h);
+	return rc < 0 ? rc : -rc;
+}
+
+/* Open an RDM endpoint with RMA and messages on `provider` (NULL: the
+ * first that fits; FI_PROVIDER narrows it too), its source address `node`
+ * (NULL: any), a completion queue of `cq_size` entries whose wait object
+ * is a file descriptor, and an address vector for one peer. On failure `err`
+ * says which step failed and why. */
+int ferry_fi_open(const char *provider, const char *node, size_t cq_size, struct ferry_fi **out, char *err,
+		  size_t errlen)
+{
+	struct ferry_fi *h = calloc(1, sizeof(*h));
+	struct fi_info *hints = fi_allocinfo();
+	int rc;
+	if (!h || !hints) {
+		free(h);
+		fi_freeinfo(hints);
+		snprintf(err, errlen, "out of memory");
+		return -FI_ENOMEM;
+	}
+	h->wait_fd = -1;
+	hints->caps = FERRY_CAPS;
+	hints->ep_attr->type = FI_EP_RDM;
+	hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
+	hints->domain_attr->mr_mode = FERRY_MR_MODE;
+	hints->domain_attr->threading = FI_THREAD_DOMAIN;
+	/* Messages arrive in the order they were sent. */
+	hints->tx_attr->msg_order = FI_ORDER_SAS;
+	hints->rx_attr->msg_order = FI_ORDER_SAS;
+	if (provider) {
+		hints->fabric_attr->prov_name = strdup(provider);
+		if (!hints->fabric_attr->prov_name) {
+			fi_freeinfo(hints);
+			free(h);
+			snprintf(err, errlen, "out of memory");
+			return -FI_ENOMEM;
+		}
+	}
+	rc = fi_getinfo(FERRY_FI_VERSION, node, NULL, node ? FI_SOURCE : 0, hints, &h->info);
+	fi_freeinfo(hints);
+	if (rc)
+		return fail(h, rc, "no provider offers a reliable endpoint with RMA writes, remote completion data and ordered messages (fi_getinfo)", err, errlen);
+	if (h->info->domain_attr->cq_data_size < 4)
+		return fail(h, -FI_ENODATA, "the provider carries fewer than 4 bytes of remote completion data", err, errlen);
+	if ((rc = fi_fabric(h->info->fabric_attr, &h->fabric, NULL)))
+		return fail(h, rc, "fi_fabric", err, errlen);
+	if ((rc = fi_domain(h->fabric, h->info, &h->domain, NULL)))
+		return fail(h, rc, "fi_domain", err, errlen);
+	struct fi_cq_attr cq_attr = { 0 };
+	cq_attr.size = cq_size;
+	cq_attr.format = FI_CQ_FORMAT_DATA;
+	cq_attr.wait_obj = FI_WAIT_FD;
+	if ((rc = fi_cq_open(h->domain, &cq_attr, &h->cq, NULL)))
+		return fail(h, rc, "fi_cq_open (a completion queue with a file descriptor to wait on)", err, errlen);
+	struct fi_av_attr av_attr = { 0 };
+	av_attr.type = FI_AV_TABLE;
+	av_attr.count = 1;
+	if ((rc = fi_av_open(h->domain, &av_attr, &h->av, NULL)))
+		return fail(h, rc, "fi_av_open", err, errlen);
+	if ((rc = fi_endpoint(h->domain, h->info, &h->ep, NULL)))
+		return fail(h, rc, "fi_endpoint", err, errlen);
+	if ((rc = fi_ep_bind(h->ep, &h->cq->fid, FI_TRANSMIT | FI_RECV)))
+		return fail(h, rc, "fi_ep_bind (completion queue)", err, errlen);
+	if ((rc = fi_ep_bind(h->ep, &h->av->fid, 0)))
+		return fail(h, rc, "fi_ep_bind (address vector)", err, errlen);
+	if ((rc = fi_enable(h->ep)))
+		return fail(h, rc, "fi_enable", err, errlen);
+	if ((rc = fi_control(&h->cq->fid, FI_GETWAIT, &h->wait_fd)))
+		return fail(h, rc, "fi_control(FI_GETWAIT) (the completion queue's file descriptor)", err, errlen);
+	*out = h;
+	return 0;
+}
+
+/* Close the endpoint alone: nothing is received or sent any more (the
+ * registrations and the domain stay until ferry_fi_close). */
+void ferry_fi_close_ep(struct ferry_fi *h)
+{
+	if (h->ep) {
+		fi_close(&h->ep->fid);
+		h->ep = NULL;
+	}
+}
+
+const char *ferry_fi_provider(const struct ferry_fi *h)
+{
+	return h->info->fabric_attr->prov_name;
+}
+
+int ferry_fi_wait_fd(const struct ferry_fi *h)
+{
+	return h->wait_fd;
+}
+
+/* Whether remote addresses are virtual addresses (else offsets into the
+ * registered region). */
+int ferry_fi_virt_addr(const struct ferry_fi *h)
+{
+	return (h->info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
+}
+
+/* This endpoint's fabric address into buf; *len: its room in, the
+ * address's length out. */
+int ferry_fi_getname(struct ferry_fi *h, void *buf, size_t *len)
+{
+	return fi_getname(&h->ep->fid, buf, len);
+}
+
+/* The peer's fabric address: the one destination of this endpoint. */
+int ferry_fi_set_peer(struct ferry_fi *h, const void *addr)
+{
+	int n = fi_av_insert(h->av, addr, 1, &h->peer, 0, NULL);
+	return n == 1 ? 0 : (n < 0 ? n : -FI_EADDRNOTAVAIL);
+}
+
+/* Register [buf, buf + len) for sends from it, receives into it, RMA
+ * writes from it and the peer's RMA writes into it. */
+int ferry_fi_mr_reg(struct ferry_fi *h, void *buf, size_t len, uint64_t requested_key, struct fid_mr **mr,
+		    uint64_t *key, void **desc)
+{
+	uint64_t access = FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE;
+	int rc = fi_mr_reg(h->domain, buf, len, access, 0, requested_key, 0, mr, NULL);
+	if (rc)
+		return rc;
+	if (h->info->domain_attr->mr_mode & FI_MR_ENDPOINT) {
+		if ((rc = fi_mr_bind(*mr, &h->ep->fid, 0)) || (rc = fi_mr_enable(*mr))) {
+			fi_close(&(*mr)->fid);
+			return rc;
+		}
+	}
+	*key = fi_mr_key(*mr);
+	*desc = fi_mr_desc(*mr);
+	return 0;
+}
+
+int ferry_fi_mr_close(struct fid_mr *mr)
+{
+	return fi_close(&mr->fid);
+}
+
+/* Post a receive into buf; ctx is the operation's context (room for a
+ * struct fi_context2). Returns 0, -FI_EAGAIN or an error. */
+long ferry_fi_recv(struct ferry_fi *h, void *buf, size_t len, void *desc, void *ctx)
+{
+	return fi_recv(h->ep, buf, len, desc, FI_ADDR_UNSPEC, ctx);
+}
+
+/* Send buf to the peer. */
+long ferry_fi_send(struct ferry_fi *h, const void *buf, size_t len, void *desc, void *ctx)
+{
+	return fi_send(h->ep, buf, len, desc, h->peer, ctx);
+}
+
+/* Write buf into the peer's memory at raddr (key), with `data` as the
+ * completion data the peer's queue reports once the bytes are there. */
+long ferry_fi_writedata(struct ferry_fi *h, const void *buf, size_t len, void *desc, uint64_t data, uint64_t raddr,
+			uint64_t key, void *ctx)
+{
+	return fi_writedata(h->ep, buf, len, desc, data, h->peer, raddr, key, ctx);
+}
+
+/* One completion, flattened. */
+struct ferry_cqe {
+	void *ctx;
+	uint64_t flags;
+	uint64_t len;
+	uint64_t data;
+	/* 0, or the (positive) libfabric error of a failed operation. */
+	int32_t err;
+	int32_t prov_errno;
+};
+
+/* Up to n completions into out (failed ones too, with err set): how many,
+ * 0 if none, or a negative error of the queue itself. Progresses the
+ * provider (manual progress). */
+long ferry_fi_cq_read(struct ferry_fi *h, struct ferry_cqe *out, size_t n)
+{
+	struct fi_cq_data_entry e[16];
+	if (n > 16)
+		n = 16;
+	ssize_t got = fi_cq_read(h->cq, e, n);
+	if (got == -FI_EAGAIN)
+		return 0;
+	if (got == -FI_EAVAIL) {
+		struct fi_cq_err_entry ee;
+		memset(&ee, 0, sizeof(ee));
+		ssize_t r = fi_cq_readerr(h->cq, &ee, 0);
+		if (r == -FI_EAGAIN)
+			return 0;
+		if (r < 0)
+			return r;
+		out[0].ctx = ee.op_context;
+		out[0].flags = ee.flags;
+		out[0].len = ee.len;
+		out[0].data = ee.data;
+		out[0].err = ee.err ? ee.err : FI_EOTHER;
+		out[0].prov_errno = ee.prov_errno;
+		return 1;
+	}
+	if (got < 0)
+		return got;
+	for (ssize_t i = 0; i < got; i++) {
+		out[i].ctx = e[i].op_context;
+		out[i].flags = e[i].flags;
+		out[i].len = e[i].len;
+		out[i].data = e[i].data;
+		out[i].err = 0;
+		out[i].prov_errno = 0;
+	}
+	return got;
+}
+
+/* 0 if the queue's file descriptor may be slept on now; -FI_EAGAIN if
+ * the queue must be read first. */
+int ferry_fi_trywait(struct ferry_fi *h)
+{
+	struct fid *fids[1] = { &h->cq->fid };
+	return fi_trywait(h->fabric, fids, 1);
+}
+
+const char *ferry_fi_strerror(int err)
+{
+	return fi_strerror(err < 0 ? -err : err);
+}
+
+/* The flag bits of completions the backend looks at. */
+uint64_t ferry_fi_flag_remote_write(void) { return FI_REMOTE_WRITE; }
+uint64_t ferry_fi_flag_remote_cq_data(void) { return FI_REMOTE_CQ_DATA; }
+uint64_t ferry_fi_flag_recv(void) { return FI_RECV; }
