@@ -58,15 +58,7 @@ pub enum Work {
         pool: PoolId,
     },
     /// `move_received`, `buffer_received` (`owned`), `copy_received`.
-    Buffer {
-        f: BufferCallback,
-        ch: usize,
-        token: usize,
-        buffer: usize,
-        id: BufferId,
-        owned: bool,
-        meta: Box<MetaBytes>,
-    },
+    Buffer { f: BufferCallback, ch: usize, token: usize, buffer: usize, id: BufferId, owned: bool, meta: MetaBuf },
     /// `copy_released`.
     Released { f: unsafe extern "C" fn(*mut BulkChannel, *mut BulkBuffer), ch: usize, token: usize, buffer: usize },
 }
@@ -107,10 +99,20 @@ impl Work {
             Work::PoolRemoved { f, ch, pool_ptr, .. } => {
                 call::pool(f, ch, pool_ptr);
             }
-            Work::Buffer { f, ch, buffer, mut meta, .. } => call::buffer_meta(f, ch, buffer, &mut meta[..]),
+            Work::Buffer { f, ch, buffer, mut meta, .. } => call::buffer_meta(f, ch, buffer, meta.bytes_mut()),
             Work::Released { f, ch, buffer, .. } => call::buffer(f, ch, buffer),
         }
     }
+}
+
+/// How a send goes out: its continuation, and whether a callback of the
+/// channel's waitset made it (see [`Waitset::sent`]).
+#[derive(Clone, Copy)]
+pub struct Sending {
+    /// The call's continuation.
+    pub cont: Option<Cont>,
+    /// Made by a callback of the channel's own waitset: published in a batch.
+    pub batched: bool,
 }
 
 /// What dispatch does next.
@@ -185,7 +187,7 @@ impl std::hash::Hasher for IdHasher {
 }
 
 /// A map keyed by small integers.
-type IdMap<V> = HashMap<usize, V, std::hash::BuildHasherDefault<IdHasher>>;
+pub type IdMap<V> = HashMap<usize, V, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// A waitset.
 pub struct Waitset {
@@ -222,14 +224,44 @@ pub struct Waitset {
 }
 
 /// The bytes a callback sees as meta data: the channel's meta size,
-/// zero-padded to the largest meta size (so never empty).
-pub type MetaBytes = [u8; MAX_META_SIZE];
+/// zero-padded (so never empty), aligned to 16 bytes (as malloc's memory
+/// is: programs read their meta data as integers or structs). Small meta
+/// data, the usual kind, is kept inline: no allocation per event, and
+/// work stays small to move.
+pub enum MetaBuf {
+    /// Up to [`INLINE_META`] bytes.
+    Inline(Aligned<INLINE_META>),
+    /// Up to [`MAX_META_SIZE`] bytes.
+    Heap(Box<Aligned<MAX_META_SIZE>>),
+}
 
-fn meta_bytes(meta: &Meta, meta_size: usize) -> Box<MetaBytes> {
-    let mut v = Box::new([0u8; MAX_META_SIZE]);
+/// Bytes aligned to 16.
+#[repr(C, align(16))]
+pub struct Aligned<const N: usize>([u8; N]);
+
+/// Meta data kept inline in a [`MetaBuf`].
+const INLINE_META: usize = 32;
+
+impl MetaBuf {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            MetaBuf::Inline(b) => &mut b.0[..],
+            MetaBuf::Heap(b) => &mut b.0[..],
+        }
+    }
+}
+
+fn meta_bytes(meta: &Meta, meta_size: usize) -> MetaBuf {
     let n = meta.len().min(meta_size).min(MAX_META_SIZE);
-    v[..n].copy_from_slice(&meta[..n]);
-    v
+    if meta_size <= INLINE_META {
+        let mut v = Aligned([0u8; INLINE_META]);
+        v.0[..n].copy_from_slice(&meta[..n]);
+        MetaBuf::Inline(v)
+    } else {
+        let mut v = Box::new(Aligned([0u8; MAX_META_SIZE]));
+        v.0[..n].copy_from_slice(&meta[..n]);
+        MetaBuf::Heap(v)
+    }
 }
 
 fn fields_of(c: &Channel, closed: bool) -> ChannelFields {
@@ -430,6 +462,9 @@ impl Waitset {
         if self.pending.is_empty() {
             self.quiet();
         }
+        // Nothing due: what callbacks sent goes out before the channels
+        // are armed and dispatch returns or sleeps.
+        self.flush_all();
         match self.selector.wait(Some(Duration::ZERO)) {
             Some((key, ev)) => {
                 self.streak += 1;
@@ -439,6 +474,15 @@ impl Waitset {
                 }
             }
             None => Step::Idle { fd: self.epoll.as_raw_fd(), live: !self.selector.is_empty() },
+        }
+    }
+
+    /// Publishes what the attached channels hold back.
+    fn flush_all(&mut self) {
+        for &key in &self.order {
+            if let Some(c) = self.selector.get_mut(key) {
+                let _ = c.flush();
+            }
         }
     }
 
@@ -496,6 +540,11 @@ impl Waitset {
                 let chan = self.chans.get_mut(&token)?;
                 chan.connected_once = true;
                 let bind_cont = chan.bind_cont.take();
+                // Sends made by callbacks are published in batches (see
+                // `Waitset::sent`).
+                if let Some(c) = channel_of(&mut self.selector, chan) {
+                    let _ = c.set_batching(true);
+                }
                 self.sync(token);
                 if let Some(cont) = bind_cont {
                     return Some(Work::Cont { cont, err: OK, ch });
@@ -694,22 +743,40 @@ impl Waitset {
         Ok(())
     }
 
-    /// After an accepted send of `payload` bytes: flushes the channel and
-    /// queues the call's continuation. Over a network link the continuation
-    /// waits until the link has written the payload queued so far to its
-    /// socket (the TCP backend batches, and a program may exit once its
-    /// continuation ran); elsewhere the message is in the peer's ring once
-    /// the call returned.
-    fn sent(&mut self, token: usize, ch: usize, payload: u64, cont: Option<Cont>) {
+    /// After an accepted send of `payload` bytes: publishes it, or leaves
+    /// it to the waitset, and queues the call's continuation.
+    ///
+    /// A send without continuation made by a callback of this waitset
+    /// (`batched`) is published in a batch with the callback's neighbours:
+    /// by this waitset's dispatch when it polls the channel and finds
+    /// nothing to deliver, before it arms the channels (before it returns
+    /// `BULK_ERR_TIMEOUT` or sleeps), every 32 messages, when the queue is
+    /// full, and when the channel is destroyed. Every other send is
+    /// published before the call returns: a program that sends from its
+    /// own loop and then waits on something else is not left waiting for
+    /// a message we hold back.
+    ///
+    /// A continuation runs once the message has left the process: over
+    /// local and shm links once it is in the peer's ring (published now);
+    /// over a network link once the link has written the payload queued so
+    /// far to its socket (the TCP backend batches, and a program may exit
+    /// once its continuation ran).
+    fn sent(&mut self, token: usize, ch: usize, payload: u64, Sending { cont, batched }: Sending) {
         let Some(chan) = self.chans.get_mut(&token) else { return };
+        chan.queued_payload += payload;
+        let queued = chan.queued_payload;
         let Some(c) = channel_of(&mut self.selector, chan) else { return };
+        let Some(cont) = cont else {
+            if !batched {
+                let _ = c.flush();
+            }
+            return;
+        };
         let _ = c.flush();
         let written = c.link_stats().map(|s| s.payload_sent);
-        chan.queued_payload += payload;
-        let Some(cont) = cont else { return };
         match written {
-            Some(written) if written < chan.queued_payload => {
-                chan.unsent.push_back((chan.queued_payload, cont));
+            Some(written) if written < queued => {
+                chan.unsent.push_back((queued, cont));
                 self.unsent += 1;
             }
             _ => self.push(Work::Cont { cont, err: OK, ch }),
@@ -749,7 +816,7 @@ impl Waitset {
         ch: usize,
         buffer: usize,
         meta: *const std::ffi::c_void,
-        cont: Option<Cont>,
+        how: Sending,
         dir: Direction,
     ) -> Res<()> {
         let (chan, selector) = self.chan(token, ch)?;
@@ -774,7 +841,7 @@ impl Waitset {
             s.refresh();
             Ok(e.pool.geometry().buffer_size() as u64)
         })?;
-        self.sent(token, ch, payload, cont);
+        self.sent(token, ch, payload, how);
         Ok(())
     }
 
@@ -785,7 +852,7 @@ impl Waitset {
         ch: usize,
         buffer: usize,
         meta: *const std::ffi::c_void,
-        cont: Option<Cont>,
+        how: Sending,
     ) -> Res<()> {
         let (chan, selector) = self.chan(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
@@ -812,12 +879,12 @@ impl Waitset {
             slot.refresh();
             Ok(payload)
         })?;
-        self.sent(token, ch, payload, cont);
+        self.sent(token, ch, payload, how);
         Ok(())
     }
 
     /// `bulk_channel_release`.
-    pub fn release(&mut self, token: usize, ch: usize, buffer: usize, cont: Option<Cont>) -> Res<()> {
+    pub fn release(&mut self, token: usize, ch: usize, buffer: usize, how: Sending) -> Res<()> {
         let (chan, selector) = self.chan(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Rx)?;
@@ -832,7 +899,7 @@ impl Waitset {
             s.refresh();
             Ok(())
         })?;
-        self.sent(token, ch, 0, cont);
+        self.sent(token, ch, 0, how);
         Ok(())
     }
 

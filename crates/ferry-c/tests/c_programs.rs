@@ -694,6 +694,29 @@ fn error_paths_sanitized() {
         .contains("error_paths: ok");
 }
 
+/// When sends reach the peer: a send outside a callback before the call
+/// returns (the source then waits without dispatching); sends from
+/// callbacks, published in batches, at the latest when the channel is
+/// destroyed (the echo destroys it right after its last callback and ends).
+fn publish(build: Build) {
+    let exe = compile("publish.c", build);
+    for backend in ["local", "sm"] {
+        for case in ["outside", "exit"] {
+            run(&exe, &[backend, case], build, SHORT).success().contains("publish: ok");
+        }
+    }
+}
+
+#[test]
+fn sends_are_published_outside_callbacks_at_once_and_from_callbacks_by_destroy() {
+    publish(Build::Plain);
+}
+
+#[test]
+fn sends_are_published_outside_callbacks_at_once_and_from_callbacks_by_destroy_sanitized() {
+    publish(Build::Sanitized);
+}
+
 // ---------------------------------------------------------------------------
 // The C benchmark (its numbers are scripts/bench-c's business; here it only
 // has to build warning-free and run each experiment on each backend)
