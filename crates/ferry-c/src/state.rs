@@ -512,12 +512,16 @@ pub fn collect_pools() {
         return;
     }
     let all: Vec<WsRef> = waitsets_read().by_key.values().cloned().collect();
-    for ws in all {
-        lock(&ws).keep_used(&mut candidates);
+    for ws in &all {
+        lock(ws).keep_used(&mut candidates);
     }
     // A channel may have taken up one of them while we looked: next time.
     if GENERATION.load(Ordering::SeqCst) != generation {
         return;
     }
     forget(&candidates);
+    // The waitsets' caches let go of them now, not at their next lookup.
+    for ws in &all {
+        lock(ws).forget_pools();
+    }
 }

@@ -358,6 +358,81 @@ impl PoolEntry {
     }
 }
 
+/// The pools a waitset's calls and events used last, held strongly (as a
+/// thread's cache): a lookup under the waitset's lock that hits costs no
+/// shared lock, no reference count and no thread-local lookup.
+#[derive(Default)]
+pub struct PoolCache {
+    epoch: u64,
+    pools: Vec<Arc<PoolEntry>>,
+}
+
+impl PoolCache {
+    /// The cached pool `pick` chooses, if the cache is good.
+    fn find(&mut self, pick: impl Fn(&PoolEntry) -> bool) -> Option<&PoolEntry> {
+        let epoch = EPOCH.load(Ordering::Acquire);
+        if self.epoch != epoch {
+            // Pools were forgotten: let go of their objects at once.
+            self.pools.clear();
+            return None;
+        }
+        self.pools.iter().find(|e| pick(e)).map(|e| &**e)
+    }
+
+    /// Empties the cache if pools were forgotten since it was filled.
+    pub fn forget_stale(&mut self) {
+        if self.epoch != EPOCH.load(Ordering::Acquire) {
+            self.pools.clear();
+        }
+    }
+
+    /// Keeps `e` (looked up at `epoch`).
+    fn remember(&mut self, e: Arc<PoolEntry>, epoch: u64) {
+        if self.epoch != epoch {
+            self.pools.clear();
+            self.epoch = epoch;
+        }
+        self.pools.retain(|x| !Arc::ptr_eq(x, &e));
+        self.pools.insert(0, e);
+        self.pools.truncate(CACHED);
+    }
+}
+
+/// [`with_buffer`] with a waitset's cache instead of the thread's.
+pub fn with_buffer_in<R>(cache: &mut PoolCache, p: usize, f: impl FnOnce(&PoolEntry, usize, View) -> Res<R>) -> Res<R> {
+    if let Some(e) = cache.find(|e| e.locate(p).is_some()) {
+        let (i, view) = e.locate(p).ok_or(ERR_INVALID_BUFFER)?;
+        return f(e, i, view);
+    }
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let e = buffer_pool(p)?;
+    let r = match e.locate(p) {
+        Some((i, view)) => f(&e, i, view),
+        None => Err(ERR_INVALID_BUFFER),
+    };
+    cache.remember(e, epoch);
+    r
+}
+
+/// [`with_pool`] with a waitset's cache instead of the thread's.
+pub fn with_pool_in<R>(cache: &mut PoolCache, id: PoolId, add: bool, f: impl FnOnce(&PoolEntry) -> R) -> Option<R> {
+    if let Some(e) = cache.find(|e| e.pool.id() == id) {
+        return Some(f(e));
+    }
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let e = if add { pool_or_add(id) } else { pool(id) }?;
+    let r = f(&e);
+    cache.remember(e, epoch);
+    Some(r)
+}
+
+/// The pool whose buffer objects include address `p`.
+fn buffer_pool(p: usize) -> Res<Arc<PoolEntry>> {
+    let t = read();
+    let (_, &(id, _)) = t.buffer_addr.range(..=p).next_back().ok_or(ERR_INVALID_BUFFER)?;
+    t.pools.get(&id).cloned().ok_or(ERR_INVALID_BUFFER)
+}
+
 /// Runs `f` on the pool, index and view of a `struct bulk_buffer` address.
 pub fn with_buffer<R>(p: usize, f: impl FnOnce(&PoolEntry, usize, View) -> Res<R>) -> Res<R> {
     let run = |e: &PoolEntry| match e.locate(p) {
@@ -369,11 +444,7 @@ pub fn with_buffer<R>(p: usize, f: impl FnOnce(&PoolEntry, usize, View) -> Res<R
         Err(run) => run,
     };
     let epoch = EPOCH.load(Ordering::Acquire);
-    let e = {
-        let t = read();
-        let (_, &(id, _)) = t.buffer_addr.range(..=p).next_back().ok_or(ERR_INVALID_BUFFER)?;
-        t.pools.get(&id).ok_or(ERR_INVALID_BUFFER)?.clone()
-    };
+    let e = buffer_pool(p)?;
     let r = run(&e);
     remember(e, epoch);
     r

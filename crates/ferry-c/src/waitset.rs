@@ -17,7 +17,9 @@ use crate::boundary::{self, call, ChannelFields};
 use crate::codes::*;
 use crate::ffi::*;
 use crate::state::{self, Res};
-use crate::table::{drop_channel_handles, pool_at, with_buffer, with_pool, View, GENERATION};
+use crate::table::{
+    drop_channel_handles, pool_at, with_buffer_in, with_pool, with_pool_in, PoolCache, View, GENERATION,
+};
 
 /// A continuation the program gave with a call that was accepted.
 #[derive(Clone, Copy)]
@@ -221,6 +223,8 @@ pub struct Waitset {
     worked: bool,
     /// Destroyed: takes no more channels.
     pub dead: bool,
+    /// The pools its calls and events used last.
+    pools: PoolCache,
 }
 
 /// The bytes a callback sees as meta data: the channel's meta size,
@@ -323,6 +327,7 @@ impl Waitset {
             last_work: Instant::now(),
             worked: false,
             dead: false,
+            pools: PoolCache::default(),
         };
         Ok((key, ws))
     }
@@ -396,8 +401,14 @@ impl Waitset {
 
     /// The channel end of `token` (checked against the C struct's address).
     fn chan(&mut self, token: usize, ch: usize) -> Res<(&mut Chan, &mut Selector)> {
+        let (chan, selector, _) = self.chan_and_pools(token, ch)?;
+        Ok((chan, selector))
+    }
+
+    /// [`chan`](Self::chan), and the waitset's pool cache.
+    fn chan_and_pools(&mut self, token: usize, ch: usize) -> Res<(&mut Chan, &mut Selector, &mut PoolCache)> {
         match self.chans.get_mut(&token) {
-            Some(c) if c.c_addr == ch => Ok((c, &mut self.selector)),
+            Some(c) if c.c_addr == ch => Ok((c, &mut self.selector, &mut self.pools)),
             _ => Err(ERR_INVALID_CHANNEL),
         }
     }
@@ -584,10 +595,10 @@ impl Waitset {
                 Some(Work::PoolRemoved { f, ch, token, pool_ptr, pool: id })
             }
             Event::MoveReceived { buffer, meta } => {
-                received_owned(token, ch, cbs.move_received, buffer, &meta, meta_size)
+                received_owned(&mut self.pools, (token, ch), cbs.move_received, buffer, &meta, meta_size)
             }
             Event::BufferPassed { buffer, meta } => {
-                received_owned(token, ch, cbs.buffer_received, buffer, &meta, meta_size)
+                received_owned(&mut self.pools, (token, ch), cbs.buffer_received, buffer, &meta, meta_size)
             }
             Event::CopyReceived { copy, meta } => {
                 let id = copy.id();
@@ -819,10 +830,10 @@ impl Waitset {
         how: Sending,
         dir: Direction,
     ) -> Res<()> {
-        let (chan, selector) = self.chan(token, ch)?;
+        let (chan, selector, pools) = self.chan_and_pools(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, dir)?;
-        let payload = with_buffer(buffer, |e, i, view| {
+        let payload = with_buffer_in(pools, buffer, |e, i, view| {
             if view == View::Copy {
                 return Err(ERR_BUFFER_NOT_OWNED);
             }
@@ -854,10 +865,10 @@ impl Waitset {
         meta: *const std::ffi::c_void,
         how: Sending,
     ) -> Res<()> {
-        let (chan, selector) = self.chan(token, ch)?;
+        let (chan, selector, pools) = self.chan_and_pools(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Tx)?;
-        let payload = with_buffer(buffer, |e, i, view| {
+        let payload = with_buffer_in(pools, buffer, |e, i, view| {
             let mut bytes = [0u8; MAX_META_SIZE];
             let meta = boundary::read_meta(meta, c.meta_size(), &mut bytes);
             let mut slot = e.slot(i);
@@ -885,10 +896,10 @@ impl Waitset {
 
     /// `bulk_channel_release`.
     pub fn release(&mut self, token: usize, ch: usize, buffer: usize, how: Sending) -> Res<()> {
-        let (chan, selector) = self.chan(token, ch)?;
+        let (chan, selector, pools) = self.chan_and_pools(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Rx)?;
-        with_buffer(buffer, |e, i, view| {
+        with_buffer_in(pools, buffer, |e, i, view| {
             let mut s = e.slot(i);
             let at = s.copies.iter().position(|h| h.0 == token && h.2 == view).ok_or(ERR_NOT_A_COPY)?;
             let (_, copy, _) = s.copies.remove(at);
@@ -901,6 +912,11 @@ impl Waitset {
         })?;
         self.sent(token, ch, 0, how);
         Ok(())
+    }
+
+    /// Lets go of the pools its cache holds that were forgotten.
+    pub fn forget_pools(&mut self) {
+        self.pools.forget_stale();
     }
 
     /// Removes from `candidates` the pools a channel end or queued work
@@ -923,8 +939,8 @@ impl Waitset {
 
 /// A buffer moved or passed to us: the program owns it now.
 fn received_owned(
-    token: usize,
-    ch: usize,
+    pools: &mut PoolCache,
+    (token, ch): (usize, usize),
     f: Option<BufferCallback>,
     buffer: Buffer,
     meta: &Meta,
@@ -932,7 +948,7 @@ fn received_owned(
 ) -> Option<Work> {
     let id = buffer.id();
     let i = id.index as usize;
-    let ptr = with_pool(id.pool, true, |e| {
+    let ptr = with_pool_in(pools, id.pool, true, |e| {
         let mut s = e.slot(i);
         s.owned = Some(buffer);
         s.refresh_as(Some(BufferState::ReadWrite));
