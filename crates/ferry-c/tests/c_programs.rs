@@ -740,6 +740,22 @@ fn bench_program_runs_each_experiment() {
     }
 }
 
+/// A program that uses the library runs under valgrind, whose tools do not
+/// map the vDSO (the auxiliary vector is read through libc). Where valgrind
+/// is not installed there is nothing to run it under.
+#[test]
+fn a_program_runs_under_valgrind() {
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        eprintln!("valgrind is not installed: nothing to check");
+        return;
+    }
+    let exe = compile_path(&Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/bulk_work.c"), Build::Plain);
+    let exe = exe.to_string_lossy().into_owned();
+    run(Path::new("valgrind"), &["--tool=none", "-q", &exe, "local", "100"], Build::Plain, SHORT)
+        .success()
+        .contains("100 round trips");
+}
+
 /// A program links against libferry.a (pkg-config --static for what the Rust
 /// standard library needs) and runs without libferry.so.
 #[test]
