@@ -58,6 +58,11 @@ pub struct Slot {
     copy_obj: CRef<BulkBuffer>,
     /// What `owner_obj.state` says.
     owner_state: u32,
+    /// The `state` and `local_ref_count` last written to each object (so
+    /// that a transition writes only the object that changes: another
+    /// thread reading or changing the buffer next does not have to fetch
+    /// the other's cache line).
+    written: [(u32, u32); 2],
 }
 
 impl Slot {
@@ -90,14 +95,20 @@ impl Slot {
     pub fn refresh_as(&mut self, known: Option<BufferState>) {
         let (owner_state, owner_copies, copy_state, view_copies) = self.states(known);
         self.owner_state = owner_state;
-        self.owner_obj.update(|b| {
-            b.state = owner_state;
-            b.local_ref_count = owner_copies;
-        });
-        self.copy_obj.update(|b| {
-            b.state = copy_state;
-            b.local_ref_count = view_copies;
-        });
+        if self.written[0] != (owner_state, owner_copies) {
+            self.written[0] = (owner_state, owner_copies);
+            self.owner_obj.update(|b| {
+                b.state = owner_state;
+                b.local_ref_count = owner_copies;
+            });
+        }
+        if self.written[1] != (copy_state, view_copies) {
+            self.written[1] = (copy_state, view_copies);
+            self.copy_obj.update(|b| {
+                b.state = copy_state;
+                b.local_ref_count = view_copies;
+            });
+        }
     }
 
     /// What the owner's object says now.
@@ -245,6 +256,7 @@ impl Table {
                     owner_obj,
                     copy_obj,
                     owner_state: 0,
+                    written: [(0, 0); 2],
                 };
                 s.refresh();
                 Mutex::new(s)
