@@ -131,6 +131,12 @@ impl Slot {
     }
 }
 
+/// A buffer's slot and its lock, on cache lines of its own: two threads
+/// working on neighbouring buffers (a stream between threads, many
+/// buffers in flight) do not take each other's lines.
+#[repr(align(64))]
+struct SlotCell(Mutex<Slot>);
+
 /// A pool this process knows, with its C objects.
 pub struct PoolEntry {
     /// Ferry's handle (keeps the pool in the domain's list).
@@ -144,7 +150,7 @@ pub struct PoolEntry {
     copy_bufs: CArray<BulkBuffer>,
     /// The pool's `buffers` array.
     _ptrs: CArray<*mut BulkBuffer>,
-    slots: Box<[Mutex<Slot>]>,
+    slots: Box<[SlotCell]>,
     /// Made by bulk_alloc_init: the allocator struct's token and the allocator.
     allocator: Mutex<Option<(usize, Allocator)>>,
 }
@@ -165,7 +171,7 @@ impl PoolEntry {
 
     /// Buffer `i`, locked.
     pub fn slot(&self, i: usize) -> MutexGuard<'_, Slot> {
-        lock(&self.slots[i])
+        lock(&self.slots[i].0)
     }
 
     /// Rewrites the pool's trust from the domain.
@@ -176,7 +182,7 @@ impl PoolEntry {
 
     /// Whether nothing but channels may refer to the pool.
     fn unheld(&self) -> bool {
-        lock(&self.allocator).is_none() && self.slots.iter().all(|s| lock(s).is_empty())
+        lock(&self.allocator).is_none() && self.slots.iter().all(|s| lock(&s.0).is_empty())
     }
 }
 
@@ -259,7 +265,7 @@ impl Table {
                     written: [(0, 0); 2],
                 };
                 s.refresh();
-                Mutex::new(s)
+                SlotCell(Mutex::new(s))
             })
             .collect();
         self.pool_addr.insert(pool_ptr as usize, id);
@@ -532,7 +538,7 @@ pub fn drop_channel_handles(token: usize, never_handed: &[BufferId]) {
     let all: Vec<Arc<PoolEntry>> = read().pools.values().cloned().collect();
     for e in all {
         for slot in e.slots.iter() {
-            let mut s = lock(slot);
+            let mut s = lock(&slot.0);
             if s.copies.iter().any(|c| c.0 == token) {
                 s.copies.retain(|c| c.0 != token);
                 s.refresh();
@@ -617,7 +623,7 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
         let mut alloc = lock(&e.allocator);
         // The program's handles of the pool go back first, then the allocator.
         for slot in e.slots.iter() {
-            let mut s = lock(slot);
+            let mut s = lock(&slot.0);
             s.owned = None;
             s.copies.clear();
             s.refresh();
