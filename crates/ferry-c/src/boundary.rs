@@ -216,6 +216,13 @@ pub fn read_meta(meta: *const c_void, meta_size: usize, buf: &mut [u8]) -> &[u8]
     &buf[..n]
 }
 
+/// This thread, as a number that is never 0 (no thread-local lookup).
+pub fn this_thread() -> usize {
+    // SAFETY: pthread_self has no preconditions and cannot fail.
+    let t = unsafe { libc::pthread_self() } as usize;
+    t.max(1)
+}
+
 fn until_nul(chars: &[c_char]) -> Vec<u8> {
     chars.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect()
 }

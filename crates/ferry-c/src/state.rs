@@ -14,7 +14,6 @@
 //! that busy-polls its own waitset thereby takes no lock another thread's
 //! waitset needs.
 
-use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -30,7 +29,7 @@ use crate::boundary::{self, call};
 use crate::codes::*;
 use crate::ffi::*;
 use crate::table::{forget, unheld_pools, GENERATION};
-use crate::waitset::{Cont, Step, Waitset};
+use crate::waitset::{Cont, IdMap, Sending, Step, Waitset};
 
 /// A result whose error is a C error code.
 pub type Res<T> = Result<T, Errval>;
@@ -45,10 +44,29 @@ pub fn new_token() -> usize {
     NEXT_TOKEN.fetch_add(16, Ordering::Relaxed) + 16
 }
 
-type WsRef = Arc<Mutex<Waitset>>;
+/// A waitset and the thread running one of its callbacks.
+pub struct WsCell {
+    ws: Mutex<Waitset>,
+    /// The thread (`pthread_self`) running a callback or continuation of
+    /// this waitset from its dispatch, else 0. Sends from it are published
+    /// by that dispatch's waitset (see [`Waitset::send`]); others at once.
+    callback_thread: AtomicUsize,
+}
+
+type WsRef = Arc<WsCell>;
+
+fn new_ws(ws: Waitset) -> WsRef {
+    Arc::new(WsCell { ws: Mutex::new(ws), callback_thread: AtomicUsize::new(0) })
+}
 
 fn lock(ws: &WsRef) -> MutexGuard<'_, Waitset> {
-    ws.lock().unwrap_or_else(|p| p.into_inner())
+    ws.ws.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A send on a channel of `ws` with `cont`: batched if this thread runs a
+/// callback of `ws` from its dispatch now.
+fn sending(ws: &WsCell, cont: Option<Cont>) -> Sending {
+    Sending { cont, batched: ws.callback_thread.load(Ordering::Relaxed) == boundary::this_thread() }
 }
 
 /// A channel end as the directory knows it.
@@ -63,12 +81,12 @@ struct ChanRef {
 /// Waitsets by the address given to C, and the default one.
 #[derive(Default)]
 struct Waitsets {
-    by_key: HashMap<usize, WsRef>,
+    by_key: IdMap<WsRef>,
     default: Option<usize>,
 }
 
 static WAITSETS: LazyLock<RwLock<Waitsets>> = LazyLock::new(Default::default);
-static CHANNELS: LazyLock<RwLock<HashMap<usize, ChanRef>>> = LazyLock::new(Default::default);
+static CHANNELS: LazyLock<RwLock<IdMap<ChanRef>>> = LazyLock::new(Default::default);
 
 fn waitsets_read() -> std::sync::RwLockReadGuard<'static, Waitsets> {
     WAITSETS.read().unwrap_or_else(|p| p.into_inner())
@@ -78,11 +96,11 @@ fn waitsets_write() -> std::sync::RwLockWriteGuard<'static, Waitsets> {
     WAITSETS.write().unwrap_or_else(|p| p.into_inner())
 }
 
-fn channels_read() -> std::sync::RwLockReadGuard<'static, HashMap<usize, ChanRef>> {
+fn channels_read() -> std::sync::RwLockReadGuard<'static, IdMap<ChanRef>> {
     CHANNELS.read().unwrap_or_else(|p| p.into_inner())
 }
 
-fn channels_write() -> std::sync::RwLockWriteGuard<'static, HashMap<usize, ChanRef>> {
+fn channels_write() -> std::sync::RwLockWriteGuard<'static, IdMap<ChanRef>> {
     CHANNELS.write().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -95,7 +113,7 @@ fn waitset(key: usize) -> Res<WsRef> {
 /// `bulk_waitset_create`.
 pub fn waitset_create() -> Res<usize> {
     let (key, ws) = Waitset::new()?;
-    waitsets_write().by_key.insert(key, Arc::new(Mutex::new(ws)));
+    waitsets_write().by_key.insert(key, new_ws(ws));
     Ok(key)
 }
 
@@ -109,7 +127,7 @@ pub fn waitset_default() -> Res<usize> {
     if let Some(k) = w.default {
         return Ok(k); // another thread made it meanwhile
     }
-    w.by_key.insert(key, Arc::new(Mutex::new(ws)));
+    w.by_key.insert(key, new_ws(ws));
     w.default = Some(key);
     Ok(key)
 }
@@ -153,7 +171,7 @@ thread_local! {
     /// The waitset this thread dispatched last (a thread usually serves one),
     /// so that a busy dispatch loop takes no directory lock. A destroyed one
     /// does not upgrade (or says so under its lock).
-    static LAST_WAITSET: std::cell::RefCell<Option<(usize, std::sync::Weak<Mutex<Waitset>>)>> =
+    static LAST_WAITSET: std::cell::RefCell<Option<(usize, std::sync::Weak<WsCell>)>> =
         const { std::cell::RefCell::new(None) };
 }
 
@@ -189,7 +207,14 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
         };
         match step {
             Step::Run(work) => {
+                // Sends of the callback are published by this waitset's
+                // polls (see `Waitset::send`); 0 again once it returned
+                // (a nested dispatch leaves it 0 for the rest of the outer
+                // callback: its sends are published at once).
+                let me = boundary::this_thread();
+                ws.callback_thread.store(me, Ordering::Relaxed);
                 work.run();
+                let _ = ws.callback_thread.compare_exchange(me, 0, Ordering::Relaxed, Ordering::Relaxed);
                 return Ok(());
             }
             Step::Spin => std::hint::spin_loop(),
@@ -216,13 +241,18 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
 // ---------------------------------------------------------------------- channels
 
 /// A channel end as a thread remembers it: token, struct address, waitset.
-type LastChannel = Option<(usize, usize, std::sync::Weak<Mutex<Waitset>>)>;
+type KnownChannel = (usize, usize, std::sync::Weak<WsCell>);
+
+/// Channel ends a thread remembers (a thread serving a few channels, e.g.
+/// both ends of a local channel, finds each of them there).
+const KNOWN_CHANNELS: usize = 4;
 
 thread_local! {
-    /// The channel end this thread called last: its token, struct address
-    /// and waitset. A stale entry is harmless: a waitset checks token and
-    /// address again under its lock (tokens are never reused).
-    static LAST_CHANNEL: std::cell::RefCell<LastChannel> = const { std::cell::RefCell::new(None) };
+    /// The channel ends this thread called last, the latest first: token,
+    /// struct address and waitset. A stale entry is harmless: a waitset
+    /// checks token and address again under its lock (tokens are never
+    /// reused).
+    static LAST_CHANNELS: std::cell::RefCell<Vec<KnownChannel>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The token and waitset of a live channel struct, from the directory.
@@ -240,15 +270,22 @@ fn channel_listed(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
 /// directory lock with others.
 fn channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
     let token = boundary::channel_token(ch);
-    let cached = LAST_CHANNEL.with(|l| match &*l.borrow() {
-        Some((t, c, ws)) if *t == token && *c == ch as usize => ws.upgrade(),
-        _ => None,
+    let cached = LAST_CHANNELS.with(|l| {
+        let l = l.try_borrow().ok()?;
+        let (_, _, ws) = l.iter().find(|(t, c, _)| *t == token && *c == ch as usize)?;
+        ws.upgrade()
     });
     if let Some(ws) = cached {
         return Ok((token, ws));
     }
     let (token, ws) = channel_listed(ch)?;
-    LAST_CHANNEL.with(|l| *l.borrow_mut() = Some((token, ch as usize, Arc::downgrade(&ws))));
+    LAST_CHANNELS.with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            l.retain(|(t, _, ws)| *t != token && ws.strong_count() > 0);
+            l.insert(0, (token, ch as usize, Arc::downgrade(&ws)));
+            l.truncate(KNOWN_CHANNELS);
+        }
+    });
     Ok((token, ws))
 }
 
@@ -427,21 +464,21 @@ pub fn channel_send(
 ) -> Res<()> {
     let (token, ws) = channel(ch)?;
     let mut w = lock(&ws);
-    w.send(token, ch as usize, buffer, meta, cont, dir)
+    w.send(token, ch as usize, buffer, meta, sending(&ws, cont), dir)
 }
 
 /// `bulk_channel_copy`.
 pub fn channel_copy(ch: *mut BulkChannel, buffer: usize, meta: *const std::ffi::c_void, cont: Option<Cont>) -> Res<()> {
     let (token, ws) = channel(ch)?;
     let mut w = lock(&ws);
-    w.copy(token, ch as usize, buffer, meta, cont)
+    w.copy(token, ch as usize, buffer, meta, sending(&ws, cont))
 }
 
 /// `bulk_channel_release`.
 pub fn channel_release(ch: *mut BulkChannel, buffer: usize, cont: Option<Cont>) -> Res<()> {
     let (token, ws) = channel(ch)?;
     let mut w = lock(&ws);
-    w.release(token, ch as usize, buffer, cont)
+    w.release(token, ch as usize, buffer, sending(&ws, cont))
 }
 
 /// The program's answer to a pool offer (after its `pool_assigned` ran).
@@ -475,12 +512,16 @@ pub fn collect_pools() {
         return;
     }
     let all: Vec<WsRef> = waitsets_read().by_key.values().cloned().collect();
-    for ws in all {
-        lock(&ws).keep_used(&mut candidates);
+    for ws in &all {
+        lock(ws).keep_used(&mut candidates);
     }
     // A channel may have taken up one of them while we looked: next time.
     if GENERATION.load(Ordering::SeqCst) != generation {
         return;
     }
     forget(&candidates);
+    // The waitsets' caches let go of them now, not at their next lookup.
+    for ws in &all {
+        lock(ws).forget_pools();
+    }
 }

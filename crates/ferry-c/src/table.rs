@@ -58,6 +58,11 @@ pub struct Slot {
     copy_obj: CRef<BulkBuffer>,
     /// What `owner_obj.state` says.
     owner_state: u32,
+    /// The `state` and `local_ref_count` last written to each object (so
+    /// that a transition writes only the object that changes: another
+    /// thread reading or changing the buffer next does not have to fetch
+    /// the other's cache line).
+    written: [(u32, u32); 2],
 }
 
 impl Slot {
@@ -90,14 +95,20 @@ impl Slot {
     pub fn refresh_as(&mut self, known: Option<BufferState>) {
         let (owner_state, owner_copies, copy_state, view_copies) = self.states(known);
         self.owner_state = owner_state;
-        self.owner_obj.update(|b| {
-            b.state = owner_state;
-            b.local_ref_count = owner_copies;
-        });
-        self.copy_obj.update(|b| {
-            b.state = copy_state;
-            b.local_ref_count = view_copies;
-        });
+        if self.written[0] != (owner_state, owner_copies) {
+            self.written[0] = (owner_state, owner_copies);
+            self.owner_obj.update(|b| {
+                b.state = owner_state;
+                b.local_ref_count = owner_copies;
+            });
+        }
+        if self.written[1] != (copy_state, view_copies) {
+            self.written[1] = (copy_state, view_copies);
+            self.copy_obj.update(|b| {
+                b.state = copy_state;
+                b.local_ref_count = view_copies;
+            });
+        }
     }
 
     /// What the owner's object says now.
@@ -120,6 +131,12 @@ impl Slot {
     }
 }
 
+/// A buffer's slot and its lock, on cache lines of its own: two threads
+/// working on neighbouring buffers (a stream between threads, many
+/// buffers in flight) do not take each other's lines.
+#[repr(align(64))]
+struct SlotCell(Mutex<Slot>);
+
 /// A pool this process knows, with its C objects.
 pub struct PoolEntry {
     /// Ferry's handle (keeps the pool in the domain's list).
@@ -133,7 +150,7 @@ pub struct PoolEntry {
     copy_bufs: CArray<BulkBuffer>,
     /// The pool's `buffers` array.
     _ptrs: CArray<*mut BulkBuffer>,
-    slots: Box<[Mutex<Slot>]>,
+    slots: Box<[SlotCell]>,
     /// Made by bulk_alloc_init: the allocator struct's token and the allocator.
     allocator: Mutex<Option<(usize, Allocator)>>,
 }
@@ -154,7 +171,7 @@ impl PoolEntry {
 
     /// Buffer `i`, locked.
     pub fn slot(&self, i: usize) -> MutexGuard<'_, Slot> {
-        lock(&self.slots[i])
+        lock(&self.slots[i].0)
     }
 
     /// Rewrites the pool's trust from the domain.
@@ -165,7 +182,7 @@ impl PoolEntry {
 
     /// Whether nothing but channels may refer to the pool.
     fn unheld(&self) -> bool {
-        lock(&self.allocator).is_none() && self.slots.iter().all(|s| lock(s).is_empty())
+        lock(&self.allocator).is_none() && self.slots.iter().all(|s| lock(&s.0).is_empty())
     }
 }
 
@@ -245,9 +262,10 @@ impl Table {
                     owner_obj,
                     copy_obj,
                     owner_state: 0,
+                    written: [(0, 0); 2],
                 };
                 s.refresh();
-                Mutex::new(s)
+                SlotCell(Mutex::new(s))
             })
             .collect();
         self.pool_addr.insert(pool_ptr as usize, id);
@@ -358,6 +376,81 @@ impl PoolEntry {
     }
 }
 
+/// The pools a waitset's calls and events used last, held strongly (as a
+/// thread's cache): a lookup under the waitset's lock that hits costs no
+/// shared lock, no reference count and no thread-local lookup.
+#[derive(Default)]
+pub struct PoolCache {
+    epoch: u64,
+    pools: Vec<Arc<PoolEntry>>,
+}
+
+impl PoolCache {
+    /// The cached pool `pick` chooses, if the cache is good.
+    fn find(&mut self, pick: impl Fn(&PoolEntry) -> bool) -> Option<&PoolEntry> {
+        let epoch = EPOCH.load(Ordering::Acquire);
+        if self.epoch != epoch {
+            // Pools were forgotten: let go of their objects at once.
+            self.pools.clear();
+            return None;
+        }
+        self.pools.iter().find(|e| pick(e)).map(|e| &**e)
+    }
+
+    /// Empties the cache if pools were forgotten since it was filled.
+    pub fn forget_stale(&mut self) {
+        if self.epoch != EPOCH.load(Ordering::Acquire) {
+            self.pools.clear();
+        }
+    }
+
+    /// Keeps `e` (looked up at `epoch`).
+    fn remember(&mut self, e: Arc<PoolEntry>, epoch: u64) {
+        if self.epoch != epoch {
+            self.pools.clear();
+            self.epoch = epoch;
+        }
+        self.pools.retain(|x| !Arc::ptr_eq(x, &e));
+        self.pools.insert(0, e);
+        self.pools.truncate(CACHED);
+    }
+}
+
+/// [`with_buffer`] with a waitset's cache instead of the thread's.
+pub fn with_buffer_in<R>(cache: &mut PoolCache, p: usize, f: impl FnOnce(&PoolEntry, usize, View) -> Res<R>) -> Res<R> {
+    if let Some(e) = cache.find(|e| e.locate(p).is_some()) {
+        let (i, view) = e.locate(p).ok_or(ERR_INVALID_BUFFER)?;
+        return f(e, i, view);
+    }
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let e = buffer_pool(p)?;
+    let r = match e.locate(p) {
+        Some((i, view)) => f(&e, i, view),
+        None => Err(ERR_INVALID_BUFFER),
+    };
+    cache.remember(e, epoch);
+    r
+}
+
+/// [`with_pool`] with a waitset's cache instead of the thread's.
+pub fn with_pool_in<R>(cache: &mut PoolCache, id: PoolId, add: bool, f: impl FnOnce(&PoolEntry) -> R) -> Option<R> {
+    if let Some(e) = cache.find(|e| e.pool.id() == id) {
+        return Some(f(e));
+    }
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let e = if add { pool_or_add(id) } else { pool(id) }?;
+    let r = f(&e);
+    cache.remember(e, epoch);
+    Some(r)
+}
+
+/// The pool whose buffer objects include address `p`.
+fn buffer_pool(p: usize) -> Res<Arc<PoolEntry>> {
+    let t = read();
+    let (_, &(id, _)) = t.buffer_addr.range(..=p).next_back().ok_or(ERR_INVALID_BUFFER)?;
+    t.pools.get(&id).cloned().ok_or(ERR_INVALID_BUFFER)
+}
+
 /// Runs `f` on the pool, index and view of a `struct bulk_buffer` address.
 pub fn with_buffer<R>(p: usize, f: impl FnOnce(&PoolEntry, usize, View) -> Res<R>) -> Res<R> {
     let run = |e: &PoolEntry| match e.locate(p) {
@@ -369,11 +462,7 @@ pub fn with_buffer<R>(p: usize, f: impl FnOnce(&PoolEntry, usize, View) -> Res<R
         Err(run) => run,
     };
     let epoch = EPOCH.load(Ordering::Acquire);
-    let e = {
-        let t = read();
-        let (_, &(id, _)) = t.buffer_addr.range(..=p).next_back().ok_or(ERR_INVALID_BUFFER)?;
-        t.pools.get(&id).ok_or(ERR_INVALID_BUFFER)?.clone()
-    };
+    let e = buffer_pool(p)?;
     let r = run(&e);
     remember(e, epoch);
     r
@@ -449,7 +538,7 @@ pub fn drop_channel_handles(token: usize, never_handed: &[BufferId]) {
     let all: Vec<Arc<PoolEntry>> = read().pools.values().cloned().collect();
     for e in all {
         for slot in e.slots.iter() {
-            let mut s = lock(slot);
+            let mut s = lock(&slot.0);
             if s.copies.iter().any(|c| c.0 == token) {
                 s.copies.retain(|c| c.0 != token);
                 s.refresh();
@@ -534,7 +623,7 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
         let mut alloc = lock(&e.allocator);
         // The program's handles of the pool go back first, then the allocator.
         for slot in e.slots.iter() {
-            let mut s = lock(slot);
+            let mut s = lock(&slot.0);
             s.owned = None;
             s.copies.clear();
             s.refresh();

@@ -17,7 +17,9 @@ use crate::boundary::{self, call, ChannelFields};
 use crate::codes::*;
 use crate::ffi::*;
 use crate::state::{self, Res};
-use crate::table::{drop_channel_handles, pool_at, with_buffer, with_pool, View, GENERATION};
+use crate::table::{
+    drop_channel_handles, pool_at, with_buffer_in, with_pool, with_pool_in, PoolCache, View, GENERATION,
+};
 
 /// A continuation the program gave with a call that was accepted.
 #[derive(Clone, Copy)]
@@ -58,15 +60,7 @@ pub enum Work {
         pool: PoolId,
     },
     /// `move_received`, `buffer_received` (`owned`), `copy_received`.
-    Buffer {
-        f: BufferCallback,
-        ch: usize,
-        token: usize,
-        buffer: usize,
-        id: BufferId,
-        owned: bool,
-        meta: Box<MetaBytes>,
-    },
+    Buffer { f: BufferCallback, ch: usize, token: usize, buffer: usize, id: BufferId, owned: bool, meta: MetaBuf },
     /// `copy_released`.
     Released { f: unsafe extern "C" fn(*mut BulkChannel, *mut BulkBuffer), ch: usize, token: usize, buffer: usize },
 }
@@ -107,10 +101,20 @@ impl Work {
             Work::PoolRemoved { f, ch, pool_ptr, .. } => {
                 call::pool(f, ch, pool_ptr);
             }
-            Work::Buffer { f, ch, buffer, mut meta, .. } => call::buffer_meta(f, ch, buffer, &mut meta[..]),
+            Work::Buffer { f, ch, buffer, mut meta, .. } => call::buffer_meta(f, ch, buffer, meta.bytes_mut()),
             Work::Released { f, ch, buffer, .. } => call::buffer(f, ch, buffer),
         }
     }
+}
+
+/// How a send goes out: its continuation, and whether a callback of the
+/// channel's waitset made it (see [`Waitset::sent`]).
+#[derive(Clone, Copy)]
+pub struct Sending {
+    /// The call's continuation.
+    pub cont: Option<Cont>,
+    /// Made by a callback of the channel's own waitset: published in a batch.
+    pub batched: bool,
 }
 
 /// What dispatch does next.
@@ -185,7 +189,7 @@ impl std::hash::Hasher for IdHasher {
 }
 
 /// A map keyed by small integers.
-type IdMap<V> = HashMap<usize, V, std::hash::BuildHasherDefault<IdHasher>>;
+pub type IdMap<V> = HashMap<usize, V, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// A waitset.
 pub struct Waitset {
@@ -219,17 +223,49 @@ pub struct Waitset {
     worked: bool,
     /// Destroyed: takes no more channels.
     pub dead: bool,
+    /// The pools its calls and events used last.
+    pools: PoolCache,
 }
 
 /// The bytes a callback sees as meta data: the channel's meta size,
-/// zero-padded to the largest meta size (so never empty).
-pub type MetaBytes = [u8; MAX_META_SIZE];
+/// zero-padded (so never empty), aligned to 16 bytes (as malloc's memory
+/// is: programs read their meta data as integers or structs). Small meta
+/// data, the usual kind, is kept inline: no allocation per event, and
+/// work stays small to move.
+pub enum MetaBuf {
+    /// Up to [`INLINE_META`] bytes.
+    Inline(Aligned<INLINE_META>),
+    /// Up to [`MAX_META_SIZE`] bytes.
+    Heap(Box<Aligned<MAX_META_SIZE>>),
+}
 
-fn meta_bytes(meta: &Meta, meta_size: usize) -> Box<MetaBytes> {
-    let mut v = Box::new([0u8; MAX_META_SIZE]);
+/// Bytes aligned to 16.
+#[repr(C, align(16))]
+pub struct Aligned<const N: usize>([u8; N]);
+
+/// Meta data kept inline in a [`MetaBuf`].
+const INLINE_META: usize = 32;
+
+impl MetaBuf {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            MetaBuf::Inline(b) => &mut b.0[..],
+            MetaBuf::Heap(b) => &mut b.0[..],
+        }
+    }
+}
+
+fn meta_bytes(meta: &Meta, meta_size: usize) -> MetaBuf {
     let n = meta.len().min(meta_size).min(MAX_META_SIZE);
-    v[..n].copy_from_slice(&meta[..n]);
-    v
+    if meta_size <= INLINE_META {
+        let mut v = Aligned([0u8; INLINE_META]);
+        v.0[..n].copy_from_slice(&meta[..n]);
+        MetaBuf::Inline(v)
+    } else {
+        let mut v = Box::new(Aligned([0u8; MAX_META_SIZE]));
+        v.0[..n].copy_from_slice(&meta[..n]);
+        MetaBuf::Heap(v)
+    }
 }
 
 fn fields_of(c: &Channel, closed: bool) -> ChannelFields {
@@ -291,6 +327,7 @@ impl Waitset {
             last_work: Instant::now(),
             worked: false,
             dead: false,
+            pools: PoolCache::default(),
         };
         Ok((key, ws))
     }
@@ -364,8 +401,14 @@ impl Waitset {
 
     /// The channel end of `token` (checked against the C struct's address).
     fn chan(&mut self, token: usize, ch: usize) -> Res<(&mut Chan, &mut Selector)> {
+        let (chan, selector, _) = self.chan_and_pools(token, ch)?;
+        Ok((chan, selector))
+    }
+
+    /// [`chan`](Self::chan), and the waitset's pool cache.
+    fn chan_and_pools(&mut self, token: usize, ch: usize) -> Res<(&mut Chan, &mut Selector, &mut PoolCache)> {
         match self.chans.get_mut(&token) {
-            Some(c) if c.c_addr == ch => Ok((c, &mut self.selector)),
+            Some(c) if c.c_addr == ch => Ok((c, &mut self.selector, &mut self.pools)),
             _ => Err(ERR_INVALID_CHANNEL),
         }
     }
@@ -430,6 +473,9 @@ impl Waitset {
         if self.pending.is_empty() {
             self.quiet();
         }
+        // Nothing due: what callbacks sent goes out before the channels
+        // are armed and dispatch returns or sleeps.
+        self.flush_all();
         match self.selector.wait(Some(Duration::ZERO)) {
             Ok((key, ev)) => {
                 self.streak += 1;
@@ -439,6 +485,15 @@ impl Waitset {
                 }
             }
             Err(_) => Step::Idle { fd: self.epoll.as_raw_fd(), live: !self.selector.is_empty() },
+        }
+    }
+
+    /// Publishes what the attached channels hold back.
+    fn flush_all(&mut self) {
+        for &key in &self.order {
+            if let Some(c) = self.selector.get_mut(key) {
+                let _ = c.flush();
+            }
         }
     }
 
@@ -496,6 +551,11 @@ impl Waitset {
                 let chan = self.chans.get_mut(&token)?;
                 chan.connected_once = true;
                 let bind_cont = chan.bind_cont.take();
+                // Sends made by callbacks are published in batches (see
+                // `Waitset::sent`).
+                if let Some(c) = channel_of(&mut self.selector, chan) {
+                    let _ = c.set_batching(true);
+                }
                 self.sync(token);
                 if let Some(cont) = bind_cont {
                     return Some(Work::Cont { cont, err: OK, ch });
@@ -535,10 +595,10 @@ impl Waitset {
                 Some(Work::PoolRemoved { f, ch, token, pool_ptr, pool: id })
             }
             Event::MoveReceived { buffer, meta } => {
-                received_owned(token, ch, cbs.move_received, buffer, &meta, meta_size)
+                received_owned(&mut self.pools, (token, ch), cbs.move_received, buffer, &meta, meta_size)
             }
             Event::BufferPassed { buffer, meta } => {
-                received_owned(token, ch, cbs.buffer_received, buffer, &meta, meta_size)
+                received_owned(&mut self.pools, (token, ch), cbs.buffer_received, buffer, &meta, meta_size)
             }
             Event::CopyReceived { copy, meta } => {
                 let id = copy.id();
@@ -694,22 +754,40 @@ impl Waitset {
         Ok(())
     }
 
-    /// After an accepted send of `payload` bytes: flushes the channel and
-    /// queues the call's continuation. Over a network link the continuation
-    /// waits until the link has written the payload queued so far to its
-    /// socket (the TCP backend batches, and a program may exit once its
-    /// continuation ran); elsewhere the message is in the peer's ring once
-    /// the call returned.
-    fn sent(&mut self, token: usize, ch: usize, payload: u64, cont: Option<Cont>) {
+    /// After an accepted send of `payload` bytes: publishes it, or leaves
+    /// it to the waitset, and queues the call's continuation.
+    ///
+    /// A send without continuation made by a callback of this waitset
+    /// (`batched`) is published in a batch with the callback's neighbours:
+    /// by this waitset's dispatch when it polls the channel and finds
+    /// nothing to deliver, before it arms the channels (before it returns
+    /// `BULK_ERR_TIMEOUT` or sleeps), every 32 messages, when the queue is
+    /// full, and when the channel is destroyed. Every other send is
+    /// published before the call returns: a program that sends from its
+    /// own loop and then waits on something else is not left waiting for
+    /// a message we hold back.
+    ///
+    /// A continuation runs once the message has left the process: over
+    /// local and shm links once it is in the peer's ring (published now);
+    /// over a network link once the link has written the payload queued so
+    /// far to its socket (the TCP backend batches, and a program may exit
+    /// once its continuation ran).
+    fn sent(&mut self, token: usize, ch: usize, payload: u64, Sending { cont, batched }: Sending) {
         let Some(chan) = self.chans.get_mut(&token) else { return };
+        chan.queued_payload += payload;
+        let queued = chan.queued_payload;
         let Some(c) = channel_of(&mut self.selector, chan) else { return };
+        let Some(cont) = cont else {
+            if !batched {
+                let _ = c.flush();
+            }
+            return;
+        };
         let _ = c.flush();
         let written = c.link_stats().map(|s| s.payload_sent);
-        chan.queued_payload += payload;
-        let Some(cont) = cont else { return };
         match written {
-            Some(written) if written < chan.queued_payload => {
-                chan.unsent.push_back((chan.queued_payload, cont));
+            Some(written) if written < queued => {
+                chan.unsent.push_back((queued, cont));
                 self.unsent += 1;
             }
             _ => self.push(Work::Cont { cont, err: OK, ch }),
@@ -749,13 +827,13 @@ impl Waitset {
         ch: usize,
         buffer: usize,
         meta: *const std::ffi::c_void,
-        cont: Option<Cont>,
+        how: Sending,
         dir: Direction,
     ) -> Res<()> {
-        let (chan, selector) = self.chan(token, ch)?;
+        let (chan, selector, pools) = self.chan_and_pools(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, dir)?;
-        let payload = with_buffer(buffer, |e, i, view| {
+        let payload = with_buffer_in(pools, buffer, |e, i, view| {
             if view == View::Copy {
                 return Err(ERR_BUFFER_NOT_OWNED);
             }
@@ -775,7 +853,7 @@ impl Waitset {
             s.refresh();
             Ok(e.pool.geometry().buffer_size() as u64)
         })?;
-        self.sent(token, ch, payload, cont);
+        self.sent(token, ch, payload, how);
         Ok(())
     }
 
@@ -786,12 +864,12 @@ impl Waitset {
         ch: usize,
         buffer: usize,
         meta: *const std::ffi::c_void,
-        cont: Option<Cont>,
+        how: Sending,
     ) -> Res<()> {
-        let (chan, selector) = self.chan(token, ch)?;
+        let (chan, selector, pools) = self.chan_and_pools(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Tx)?;
-        let payload = with_buffer(buffer, |e, i, view| {
+        let payload = with_buffer_in(pools, buffer, |e, i, view| {
             let mut bytes = [0u8; MAX_META_SIZE];
             let meta = boundary::read_meta(meta, c.meta_size(), &mut bytes);
             let mut slot = e.slot(i);
@@ -813,16 +891,16 @@ impl Waitset {
             slot.refresh();
             Ok(payload)
         })?;
-        self.sent(token, ch, payload, cont);
+        self.sent(token, ch, payload, how);
         Ok(())
     }
 
     /// `bulk_channel_release`.
-    pub fn release(&mut self, token: usize, ch: usize, buffer: usize, cont: Option<Cont>) -> Res<()> {
-        let (chan, selector) = self.chan(token, ch)?;
+    pub fn release(&mut self, token: usize, ch: usize, buffer: usize, how: Sending) -> Res<()> {
+        let (chan, selector, pools) = self.chan_and_pools(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Rx)?;
-        with_buffer(buffer, |e, i, view| {
+        with_buffer_in(pools, buffer, |e, i, view| {
             let mut s = e.slot(i);
             let at = s.copies.iter().position(|h| h.0 == token && h.2 == view).ok_or(ERR_NOT_A_COPY)?;
             let (_, copy, _) = s.copies.remove(at);
@@ -834,8 +912,13 @@ impl Waitset {
             s.refresh();
             Ok(())
         })?;
-        self.sent(token, ch, 0, cont);
+        self.sent(token, ch, 0, how);
         Ok(())
+    }
+
+    /// Lets go of the pools its cache holds that were forgotten.
+    pub fn forget_pools(&mut self) {
+        self.pools.forget_stale();
     }
 
     /// Removes from `candidates` the pools a channel end or queued work
@@ -858,8 +941,8 @@ impl Waitset {
 
 /// A buffer moved or passed to us: the program owns it now.
 fn received_owned(
-    token: usize,
-    ch: usize,
+    pools: &mut PoolCache,
+    (token, ch): (usize, usize),
     f: Option<BufferCallback>,
     buffer: Buffer,
     meta: &Meta,
@@ -867,7 +950,7 @@ fn received_owned(
 ) -> Option<Work> {
     let id = buffer.id();
     let i = id.index as usize;
-    let ptr = with_pool(id.pool, true, |e| {
+    let ptr = with_pool_in(pools, id.pool, true, |e| {
         let mut s = e.slot(i);
         s.owned = Some(buffer);
         s.refresh_as(Some(BufferState::ReadWrite));

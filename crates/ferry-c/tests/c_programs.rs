@@ -694,6 +694,29 @@ fn error_paths_sanitized() {
         .contains("error_paths: ok");
 }
 
+/// When sends reach the peer: a send outside a callback before the call
+/// returns (the source then waits without dispatching); sends from
+/// callbacks, published in batches, at the latest when the channel is
+/// destroyed (the echo destroys it right after its last callback and ends).
+fn publish(build: Build) {
+    let exe = compile("publish.c", build);
+    for backend in ["local", "sm"] {
+        for case in ["outside", "exit"] {
+            run(&exe, &[backend, case], build, SHORT).success().contains("publish: ok");
+        }
+    }
+}
+
+#[test]
+fn sends_are_published_outside_callbacks_at_once_and_from_callbacks_by_destroy() {
+    publish(Build::Plain);
+}
+
+#[test]
+fn sends_are_published_outside_callbacks_at_once_and_from_callbacks_by_destroy_sanitized() {
+    publish(Build::Sanitized);
+}
+
 // ---------------------------------------------------------------------------
 // The C benchmark (its numbers are scripts/bench-c's business; here it only
 // has to build warning-free and run each experiment on each backend)
@@ -715,6 +738,22 @@ fn bench_program_runs_each_experiment() {
             ended.success().contains(&format!("\"experiment\":\"{exp}\"")).contains("\"median\":");
         }
     }
+}
+
+/// A program that uses the library runs under valgrind, whose tools do not
+/// map the vDSO (the auxiliary vector is read through libc). Where valgrind
+/// is not installed there is nothing to run it under.
+#[test]
+fn a_program_runs_under_valgrind() {
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        eprintln!("valgrind is not installed: nothing to check");
+        return;
+    }
+    let exe = compile_path(&Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/bulk_work.c"), Build::Plain);
+    let exe = exe.to_string_lossy().into_owned();
+    run(Path::new("valgrind"), &["--tool=none", "-q", &exe, "local", "100"], Build::Plain, SHORT)
+        .success()
+        .contains("100 round trips");
 }
 
 /// A program links against libferry.a (pkg-config --static for what the Rust

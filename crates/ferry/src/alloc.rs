@@ -192,9 +192,11 @@ impl Allocator {
         Ok(())
     }
 
-    /// Number of free buffers.
+    /// Number of free buffers (read without the domain's lock: exact for
+    /// the thread that allocated and freed last, a recent count for
+    /// others).
     pub fn available(&self) -> usize {
-        self.domain.free_count(self.pool.id())
+        self.pool.view.free_count()
     }
 }
 
@@ -224,6 +226,51 @@ mod tests {
         a.free(x).unwrap();
         drop(y);
         assert_eq!(a.available(), 2);
+    }
+
+    /// `available` (read without the lock) follows the domain's free list
+    /// through every way a buffer leaves and comes back: allocation, free,
+    /// drop, and the free that waits for copies sent over a channel to
+    /// come back.
+    #[test]
+    fn available_follows_the_free_list() {
+        use crate::{BindParams, Channel, ChannelSetup, Endpoint, Event, PoolPolicy};
+        let t = std::time::Duration::from_secs(10);
+        let d = Domain::new("d");
+        let a = Allocator::new(&d, 3, 4096, PoolConstraints::default()).unwrap();
+        let same = |a: &Allocator| assert_eq!(a.available(), d.free_count(a.pool().id()));
+        same(&a);
+        assert_eq!(a.available(), 3);
+        let x = a.alloc().unwrap();
+        let y = a.alloc().unwrap();
+        same(&a);
+        assert_eq!(a.available(), 1);
+        a.free(x).unwrap();
+        same(&a);
+        drop(y);
+        same(&a);
+        assert_eq!(a.available(), 3);
+        let ep = Endpoint::local();
+        let mut tx = Channel::create(&d, &ep, ChannelSetup::default()).unwrap();
+        let mut rx = Channel::bind(&Domain::new("peer"), &ep, BindParams::default()).unwrap();
+        tx.wait_connected(t).unwrap();
+        rx.wait_connected(t).unwrap();
+        rx.set_pool_policy(PoolPolicy::AcceptAll);
+        tx.assign_pool(a.pool()).unwrap();
+        while !tx.is_assigned(a.pool().id()) {
+            rx.poll();
+            tx.poll();
+        }
+        let b = a.alloc().unwrap();
+        tx.copy(&b, &[]).unwrap();
+        drop(b); // read-only while its copy is out: freed when it comes back
+        same(&a);
+        assert_eq!(a.available(), 2);
+        let Ok(Event::CopyReceived { copy, .. }) = rx.wait(Some(t)) else { panic!("no copy") };
+        rx.release(copy).unwrap();
+        assert!(matches!(tx.wait(Some(t)), Ok(Event::CopyReleased { writable: true, .. })));
+        same(&a);
+        assert_eq!(a.available(), 3);
     }
 
     #[test]

@@ -108,7 +108,7 @@ impl Domain {
     pub fn alloc(&self, pool: PoolId) -> Option<Buffer> {
         let mut st = self.shared.lock_settled();
         let entry = st.pools.get_mut(&pool)?;
-        let index = entry.free.pop()?;
+        let index = entry.pop_free()?;
         let view = entry.spare_views.pop().unwrap_or_else(|| entry.view.clone());
         drop(st);
         Some(Buffer::new(self.shared.clone(), view, index))
@@ -129,7 +129,7 @@ impl Domain {
             }
         }
         let entry = st.pools.get_mut(&best?.0)?;
-        let index = entry.free.pop()?;
+        let index = entry.pop_free()?;
         let view = entry.spare_views.pop().unwrap_or_else(|| entry.view.clone());
         drop(st);
         Some(Buffer::new(self.shared.clone(), view, index))
@@ -308,6 +308,8 @@ pub(crate) struct PoolEntry {
     /// What `stats` reports that the free list does not say.
     holdings: Holdings,
     records: Vec<BufRecord>,
+    /// Changed only through `pop_free` and `push_free`, which keep the
+    /// view's count of it (read without the lock) in step.
     free: Vec<u32>,
     /// References to `view` from dropped buffer handles, for the next
     /// `alloc` (taking a new one is a locked instruction, and so is
@@ -373,6 +375,19 @@ impl PoolEntry {
             }
         }
         true
+    }
+
+    /// Takes the most recently freed buffer off the free list.
+    fn pop_free(&mut self) -> Option<u32> {
+        let index = self.free.pop()?;
+        self.view.set_free_count(self.free.len());
+        Some(index)
+    }
+
+    /// Puts a buffer on the free list.
+    fn push_free(&mut self, index: u32) {
+        self.free.push(index);
+        self.view.set_free_count(self.free.len());
     }
 
     /// Any copy of a buffer of this pool out over, or held via, `chan`.
@@ -506,6 +521,7 @@ impl DomainState {
         for i in 0..n {
             view.set_state(i, BufferState::ReadWrite);
         }
+        view.set_free_count(free.len());
         let trust_fixed = trust != TrustLevel::Uninitialized;
         let entry = PoolEntry {
             view,
@@ -643,7 +659,7 @@ impl DomainState {
         }
         if rec.state() == BufferState::ReadWrite {
             rec.freed_at = now;
-            e.free.push(id.index);
+            e.push_free(id.index);
         } else {
             rec.free_when_writable = true;
         }
@@ -700,7 +716,7 @@ impl DomainState {
         if rec.free_when_writable && rec.state() == BufferState::ReadWrite {
             rec.free_when_writable = false;
             rec.freed_at = now;
-            e.free.push(id.index);
+            e.push_free(id.index);
         }
     }
 

@@ -11,7 +11,7 @@
 use crate::ErrorKind;
 use std::fmt;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::error::{Error, Result};
@@ -443,6 +443,11 @@ pub(crate) struct PoolView {
     /// under that lock, so that move and pass can check their precondition
     /// without the lock, and other domains of the process can see it.
     states: Box<[AtomicU8]>,
+    /// The length of the domain's free list of the pool: a mirror written
+    /// under the domain's lock, so that [`crate::Allocator::available`]
+    /// needs no lock (a thread that allocates and frees reads its own
+    /// writes; another sees some recent count).
+    free: AtomicUsize,
 }
 
 impl PoolView {
@@ -455,7 +460,7 @@ impl PoolView {
         }
         let map = memory.map(initial, align)?;
         let states = (0..geometry.count).map(|_| AtomicU8::new(BufferState::Invalid as u8)).collect();
-        let view = Arc::new(PoolView { memory: memory.clone(), map, states });
+        let view = Arc::new(PoolView { memory: memory.clone(), map, states, free: AtomicUsize::new(0) });
         let mut views = memory.views.lock().unwrap_or_else(|e| e.into_inner());
         views.retain(|v| v.strong_count() > 0);
         views.push(Arc::downgrade(&view));
@@ -494,6 +499,16 @@ impl PoolView {
 
     /// Record the state of buffer `index`; called under the domain lock at
     /// every state transition.
+    /// The domain's count of free buffers of the pool (see `free`).
+    pub(crate) fn free_count(&self) -> usize {
+        self.free.load(Ordering::Relaxed)
+    }
+
+    /// Records the domain's count of free buffers (under its lock).
+    pub(crate) fn set_free_count(&self, n: usize) {
+        self.free.store(n, Ordering::Relaxed);
+    }
+
     pub(crate) fn set_state(&self, index: u32, state: BufferState) {
         if let Some(f) = self.states.get(index as usize) {
             f.store(state as u8, Ordering::Release);
