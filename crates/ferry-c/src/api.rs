@@ -1,7 +1,7 @@
 //! The exported functions of the C interface. Each checks its arguments
 //! (NULL first), then works on the library state; a panic never crosses into C
 //! (it becomes `BULK_ERR_INTERNAL`). Nothing here touches C memory
-//! itself: that is [`crate::boundary`]'s.
+//! itself: that is the `boundary` module's.
 
 // `#[no_mangle]` (exporting the C names) is all this lint finds here: the
 // module has no unsafe block.

@@ -96,10 +96,10 @@ impl Allocator {
     /// A buffer that comes back another way (dropped on another thread,
     /// passed back over another channel) is seen within a few milliseconds.
     ///
-    /// Errors: [`Error::TimedOut`] after `timeout`; the error of a channel
+    /// Errors: [`ErrorKind::TimedOut`] after `timeout`; the error of a channel
     /// that failed meanwhile ([`Event::Error`], kept for `poll` too) or
-    /// [`Error::NotConnected`] for one that is closed (its
-    /// [`Event::Closed`] kept likewise); [`Error::InvalidArgument`] if the
+    /// [`ErrorKind::NotConnected`] for one that is closed (its
+    /// [`Event::Closed`] kept likewise); [`ErrorKind::InvalidArgument`] if the
     /// channel belongs to another domain (nothing of this pool could come
     /// back over it).
     ///

@@ -131,7 +131,7 @@ pub struct FanOut {
 impl FanOut {
     /// A fan-out over `channels`: the source ends (TX) of channels of one
     /// domain, connected or not yet. Refused, the channels handed back,
-    /// with [`Error::InvalidArgument`] if there are none, if one is a sink
+    /// with [`ErrorKind::InvalidArgument`] if there are none, if one is a sink
     /// end (RX) once connected, or if they belong to different domains.
     // The error holds the channels, by value as the caller gave them.
     #[allow(clippy::result_large_err)]
@@ -173,8 +173,8 @@ impl FanOut {
     /// this domain, its pool is assigned to the channel, `meta` fits, the
     /// outgoing queue has room). The first failure refuses the publication
     /// with that error and hands the buffer back; nothing was sent
-    /// ([`Error::QueueFull`]: [`poll`](FanOut::poll) and publish again).
-    /// [`Error::NotConnected`] if no sink is connected.
+    /// ([`ErrorKind::QueueFull`]: [`poll`](FanOut::poll) and publish again).
+    /// [`ErrorKind::NotConnected`] if no sink is connected.
     ///
     /// A sink whose copy could not be sent after these checks (its peer
     /// vanished at that moment) is not waited for; its channel reports its

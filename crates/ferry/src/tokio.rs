@@ -177,7 +177,7 @@ impl AsyncChannel {
 
     /// [`Channel::accept`] for tokio: create a channel on `endpoint`, wrap
     /// it, and wait until a binder is connected (its
-    /// [`Event::BindRequest`] taken). [`Error::TimedOut`] if none came
+    /// [`Event::BindRequest`] taken). [`ErrorKind::TimedOut`] if none came
     /// within `timeout`; the errors of [`Channel::create`] and
     /// [`AsyncChannel::new`]. Dropping the future drops the channel: the
     /// endpoint is free again.
@@ -223,9 +223,9 @@ impl AsyncChannel {
     /// up to 50 ms, without holding a runtime thread) while nobody listens
     /// there yet, wrap the channel, and wait for the creator's reply (its
     /// [`Event::Bound`] taken). The errors of [`Channel::connect`]:
-    /// [`Error::EndpointNotListening`] if nobody listened within `timeout`,
-    /// [`Error::TimedOut`] if the creator did not answer in time,
-    /// [`Error::BindRefused`], the other errors of [`Channel::bind`] at
+    /// [`ErrorKind::EndpointNotListening`] if nobody listened within `timeout`,
+    /// [`ErrorKind::TimedOut`] if the creator did not answer in time,
+    /// [`ErrorKind::BindRefused`], the other errors of [`Channel::bind`] at
     /// once; and those of [`AsyncChannel::new`].
     ///
     /// Each bind attempt runs on tokio's blocking pool: over TCP it
@@ -279,7 +279,7 @@ impl AsyncChannel {
     }
 
     /// [`wait_connected`](AsyncChannel::wait_connected) until `deadline`
-    /// ([`Error::TimedOut`] past it).
+    /// ([`ErrorKind::TimedOut`] past it).
     async fn connected_by(mut self, deadline: ::tokio::time::Instant) -> Result<AsyncChannel> {
         match ::tokio::time::timeout_at(deadline, self.wait_connected()).await {
             Ok(Ok(())) => Ok(self),
