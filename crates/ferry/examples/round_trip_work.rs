@@ -1,25 +1,23 @@
-//! The work of shared-memory round trips, without the waiting: one thread
-//! holds both ends of a shared-memory channel (two domains, one process)
-//! and moves a buffer to the sink and passes it back, `--trips N` times
-//! (default 10 000). The sink's poll always finds the message there, so
-//! no empty polls are counted: run it under an instruction counter, once
-//! with N and once with 2N, and the difference over N is the instructions
-//! of one round trip (both ends together):
+//! The work of round trips, without the waiting: one thread holds both
+//! ends of a channel (two domains, one process) and moves a buffer to the
+//! sink and passes it back, `--trips N` times (default 10 000). The sink's
+//! poll always finds the message there, so no empty polls are counted: run
+//! it under an instruction counter, once with N and once with 2N, and the
+//! difference over N is the instructions of one round trip (both ends
+//! together). The C interface's `crates/ferry-c/bench/bulk_work.c` does
+//! the same in C.
 //!
 //! ```text
-//! cargo build -p ferry --release --example shm_round_trip
-//! valgrind --tool=callgrind target/release/examples/shm_round_trip --trips 10000
+//! cargo build -p ferry --release --example round_trip_work
+//! valgrind --tool=callgrind target/release/examples/round_trip_work --backend shm --trips 10000
 //! ```
 //!
+//! `--backend local|shm` (default shm) picks the channel; `--one-domain`
+//! puts both ends in one domain (as the C interface's local channels do).
 //! `--window W` moves W buffers one after the other before they come back
 //! (at most the queue depth), `--batch` has both ends publish in batches
 //! as the benchmarks do: the cost per message of a stream. `--size` sets
 //! the buffer size (default 4096).
-//!
-//! Valgrind before 3.22 passes `prctl(PR_GET_AUXV)` through to the kernel,
-//! which answers with valgrind's own aux vector, and rustix then crashes
-//! reading a vDSO that is not mapped: run it with that prctl failing (for
-//! instance under a seccomp filter that returns `EINVAL` for it).
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -34,7 +32,7 @@ fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("shm_round_trip: {e}");
+            eprintln!("round_trip_work: {e}");
             ExitCode::FAILURE
         }
     }
@@ -61,8 +59,14 @@ fn run() -> Result<()> {
     // passed back), and whether both ends publish in batches.
     let window: u64 = arg("window", 1)?;
     let batch = std::env::args().any(|a| a == "--batch");
-    let (a, b) = (Domain::new("source"), Domain::new("sink"));
-    let ep = Endpoint::shm_abstract(&format!("ferry-round-trip-{}", std::process::id()));
+    let backend: String = arg("backend", "shm".to_string())?;
+    let a = Domain::new("source");
+    let b = if std::env::args().any(|a| a == "--one-domain") { a.clone() } else { Domain::new("sink") };
+    let ep = match backend.as_str() {
+        "shm" => Endpoint::shm_abstract(&format!("ferry-round-trip-{}", std::process::id())),
+        "local" => Endpoint::local(),
+        other => return Err(format!("--backend {other}: choose local or shm").into()),
+    };
     let mut tx = Channel::create(&a, &ep, ChannelSetup::default())?;
     let mut rx = Channel::bind(&b, &ep, BindParams::default())?;
     tx.wait_connected(TIMEOUT)?;
@@ -123,6 +127,6 @@ fn run() -> Result<()> {
             }
         }
     }
-    println!("{trips} round trips of {window} buffers of {size} bytes over shared memory");
+    println!("{trips} round trips of {window} buffers of {size} bytes over {backend}");
     Ok(())
 }
