@@ -399,6 +399,95 @@ fn a_stalled_channel_does_not_block_the_others() {
     assert_eq!(&got[1..], &[300, 300, 300]);
 }
 
+/// A channel's credit is its queue depth, all of it: while the receiving
+/// application takes nothing, exactly as many messages cross as the
+/// credit allows (their payloads land at the receiver, which reads the
+/// connection through a poll of another channel of its session) and a
+/// queue's worth more waits at the sender, which then says `QueueFull`.
+/// Messages taken are granted back a quarter of the depth at a time, and
+/// each grant lets exactly that many more cross. The pool assignment is a
+/// message of the channel too: it took one credit, granted back with the
+/// first data message taken.
+#[test]
+fn a_channel_uses_all_of_its_credit_and_no_more() {
+    const DEPTH: u64 = 8;
+    const GRANT: u64 = DEPTH / 4;
+    const BUF: usize = 4096;
+    // Data messages that may have crossed once `taken` have been taken.
+    let crossed = |taken: u64| DEPTH + (1 + taken) / GRANT * GRANT - 1;
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: DEPTH as u32, ..tx_setup() };
+    let mut tx = Channel::create(&da, &a.endpoint(1), setup).unwrap();
+    let mut idle_tx = Channel::create(&da, &a.endpoint(2), tx_setup()).unwrap();
+    let mut rx = Channel::bind(&db, &b.endpoint(1), BindParams::default()).unwrap();
+    let mut idle_rx = Channel::bind(&db, &b.endpoint(2), BindParams::default()).unwrap();
+    for ch in [&mut tx, &mut idle_tx, &mut rx, &mut idle_rx] {
+        ch.wait_connected(T).unwrap();
+    }
+    let alloc = Allocator::new(&da, 4 * DEPTH, BUF, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    let mut sent = 0u64;
+    let mut send_until_full = |tx: &mut Channel| loop {
+        let mut buf = alloc.alloc().expect("more buffers than credit and queue");
+        fill(buf.as_mut_slice().unwrap(), sent);
+        match tx.move_buffer(buf, &sent.to_le_bytes()) {
+            Ok(()) => sent += 1,
+            Err(r) if r.error == Error::QueueFull => return sent,
+            Err(r) => panic!("move: {}", r.error),
+        }
+    };
+    // Messages whose payload landed at the receiver.
+    let landed = |rx: &Channel| rx.link_stats().unwrap().payload_received / BUF as u64;
+    let settle = |tx: &mut Channel, idle_rx: &mut Channel, rx: &Channel, want: u64| {
+        let deadline = Instant::now() + T;
+        while landed(rx) < want {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {want} messages crossed within {T:?}; receiver {:?}",
+                landed(rx),
+                rx.link_stats()
+            );
+            assert!(tx.wait(Some(Duration::from_millis(1))).is_none());
+            assert!(idle_rx.wait(Some(Duration::from_millis(1))).is_none());
+        }
+        // A few more rounds both ways: nothing beyond the credit crosses.
+        for _ in 0..20 {
+            assert!(tx.wait(Some(Duration::from_millis(1))).is_none());
+            assert!(idle_rx.wait(Some(Duration::from_millis(1))).is_none());
+        }
+        assert_eq!(landed(rx), want, "messages crossed beyond the credit");
+    };
+    send_until_full(&mut tx);
+    settle(&mut tx, &mut idle_rx, &rx, crossed(0));
+    assert_eq!(send_until_full(&mut tx), crossed(0) + DEPTH, "the credit's worth crossed, a queue's worth waits");
+    let mut kept = Vec::new();
+    // Every move arrives whole and in order.
+    let keep = |ev: Event, kept: &mut Vec<ferry::Buffer>| match ev {
+        Event::MoveReceived { buffer, meta } => {
+            let seq = kept.len() as u64;
+            assert_eq!(seq_of(&meta), seq);
+            assert!(check(&buffer, seq), "move {seq} corrupted");
+            kept.push(buffer);
+        }
+        ev => panic!("receiver: unexpected {ev:?}"),
+    };
+    // One message taken at a time: every grant lets its worth cross.
+    for taken in 1..=2 * GRANT {
+        keep(next(&mut rx), &mut kept);
+        settle(&mut tx, &mut idle_rx, &rx, crossed(taken).min(sent));
+    }
+    // Then everything, in order (the sender's end kept going meanwhile).
+    let deadline = Instant::now() + T;
+    while (kept.len() as u64) < sent {
+        assert!(Instant::now() < deadline, "{} of {sent} moves arrived", kept.len());
+        assert!(tx.wait(Some(Duration::from_millis(1))).is_none());
+        if let Some(ev) = rx.wait(Some(Duration::from_millis(1))) {
+            keep(ev, &mut kept);
+        }
+    }
+}
+
 // ------------------------------------------------------- a real peer process
 
 const CHILD_CHANNELS: u32 = 4;
