@@ -393,16 +393,23 @@ mod tests {
     fn private_blocks_are_recycled() {
         let a = PrivateCopy::of(&[b"abc", b"de"]);
         assert_eq!(&a.0[..], b"abcde");
-        let p = a.0.as_ptr();
+        let (p, capacity) = (a.0.as_ptr(), a.0.capacity());
         drop(a);
+        // A block of the same size asked of the allocator meanwhile: the
+        // cache keeps the returned one (the allocator would hand it out).
+        let other = Vec::<u8>::with_capacity(capacity);
         let b = PrivateCopy::of(&[b"xyz"]);
         assert_eq!((b.0.as_ptr(), &b.0[..]), (p, &b"xyz"[..]), "the block just returned");
+        assert_ne!(other.as_ptr(), p);
         let many: Vec<_> = (0..20).map(|_| PrivateCopy::of(&[&[1u8; 100][..]])).collect();
         drop(many);
-        assert!(CACHE.with(|c| c.borrow().len()) <= CACHE_BLOCKS);
+        assert_eq!(CACHE.with(|c| c.borrow().len()), CACHE_BLOCKS, "full, and no fuller");
+        // Blocks of 3 MiB are kept (up to 4 MiB are), as many as fit in
+        // the cache's bytes.
         let big = vec![7u8; 3 << 20];
         let large: Vec<_> = (0..8).map(|_| PrivateCopy::of(&[&big[..]])).collect();
         drop(large);
-        assert!(CACHE.with(|c| c.borrow().iter().map(Vec::capacity).sum::<usize>()) <= CACHE_BYTES);
+        let kept = CACHE.with(|c| c.borrow().iter().map(Vec::capacity).sum::<usize>());
+        assert_eq!(kept, CACHE_BYTES / (3 << 20) * (3 << 20), "as many 3 MiB blocks as fit");
     }
 }
