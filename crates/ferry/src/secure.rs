@@ -412,4 +412,25 @@ mod tests {
         let kept = CACHE.with(|c| c.borrow().iter().map(Vec::capacity).sum::<usize>());
         assert_eq!(kept, CACHE_BYTES / (3 << 20) * (3 << 20), "as many 3 MiB blocks as fit");
     }
+
+    /// A cached block is taken only by a copy it suits (at least as large,
+    /// at most twice as large); blocks up to [`CACHE_BLOCK_MAX`] are kept,
+    /// larger ones freed.
+    #[test]
+    fn private_blocks_are_reused_only_where_they_fit() {
+        let cached = || CACHE.with(|c| c.borrow().iter().map(Vec::capacity).collect::<Vec<_>>());
+        drop(PrivateCopy::of(&[&[1u8; 100][..]]));
+        assert_eq!(cached(), [100]);
+        let larger = PrivateCopy::of(&[&[2u8; 1000][..]]);
+        let tiny = PrivateCopy::of(&[&[3u8; 10][..]]);
+        assert_eq!(cached(), [100], "too small for the one, more than twice the other");
+        drop((larger, tiny));
+        let half = PrivateCopy::of(&[&[4u8; 50][..]]);
+        assert_eq!(half.0.capacity(), 100, "twice as large fits");
+        drop(half);
+        CACHE.with(|c| c.borrow_mut().clear());
+        drop(PrivateCopy::of(&[&vec![5u8; CACHE_BLOCK_MAX][..]]));
+        drop(PrivateCopy::of(&[&vec![6u8; CACHE_BLOCK_MAX + 1][..]]));
+        assert_eq!(cached(), [CACHE_BLOCK_MAX]);
+    }
 }
