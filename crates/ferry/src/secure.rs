@@ -415,7 +415,7 @@ mod tests {
 
     /// A cached block is taken only by a copy it suits (at least as large,
     /// at most twice as large); blocks up to [`CACHE_BLOCK_MAX`] are kept,
-    /// larger ones freed.
+    /// larger ones freed, up to [`CACHE_BYTES`] in all.
     #[test]
     fn private_blocks_are_reused_only_where_they_fit() {
         let cached = || CACHE.with(|c| c.borrow().iter().map(Vec::capacity).collect::<Vec<_>>());
@@ -429,8 +429,11 @@ mod tests {
         assert_eq!(half.0.capacity(), 100, "twice as large fits");
         drop(half);
         CACHE.with(|c| c.borrow_mut().clear());
-        drop(PrivateCopy::of(&[&vec![5u8; CACHE_BLOCK_MAX][..]]));
-        drop(PrivateCopy::of(&[&vec![6u8; CACHE_BLOCK_MAX + 1][..]]));
-        assert_eq!(cached(), [CACHE_BLOCK_MAX]);
+        let largest = vec![5u8; CACHE_BLOCK_MAX + 1];
+        let fit = CACHE_BYTES / CACHE_BLOCK_MAX;
+        let mut copies: Vec<_> = (0..fit).map(|_| PrivateCopy::of(&[&largest[..CACHE_BLOCK_MAX]])).collect();
+        copies.push(PrivateCopy::of(&[&largest[..]]));
+        drop(copies);
+        assert_eq!(cached(), vec![CACHE_BLOCK_MAX; fit], "the largest blocks kept, up to the cache's bytes exactly");
     }
 }
