@@ -346,6 +346,9 @@ mod tests {
         assert!(secured.handle().iter().all(|&x| x == 9), "volatile: the sender's writes show");
         assert!(secured.iter().all(|&x| x == 7), "secured: they do not");
         assert_eq!(secured.len(), 8192);
+        assert!(AsRef::<[u8]>::as_ref(&secured) == &secured[..], "as_ref reads the secured bytes too");
+        let shown = format!("{secured:?}");
+        assert!(shown.starts_with("Secured {") && shown.ends_with("copy: true }"), "{shown}");
     }
 
     /// Local, trust HALF: the sender's view of a buffer it moved away is
