@@ -888,3 +888,98 @@ fn plain_text_off_the_loopback_is_refused_unless_chosen() {
         assert!(NbdServer::bind(&"tcp:[::1]:0".parse().unwrap(), store, ServerConfig::default()).is_ok());
     }
 }
+
+/// Make `fsync` and `fdatasync` fail with `EIO` in the calling thread and
+/// in every thread it starts from now on (a seccomp filter: the kernel
+/// answers the real system calls, as a disk whose cache flush fails
+/// would). Other threads of the test process are not affected; the filter
+/// ends with the threads that carry it.
+fn fail_syncs_with_eio() {
+    #[cfg(target_arch = "x86_64")]
+    const ARCH: u32 = 0xC000_003E; // AUDIT_ARCH_X86_64
+    #[cfg(target_arch = "aarch64")]
+    const ARCH: u32 = 0xC000_00B7; // AUDIT_ARCH_AARCH64
+    const LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
+    const JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
+    const RET_K: u16 = 0x06; // BPF_RET | BPF_K
+    let op = |code: u16, jt: u8, jf: u8, k: u32| libc::sock_filter { code, jt, jf, k };
+    let eio = libc::SECCOMP_RET_ERRNO | libc::EIO as u32;
+    let program = [
+        op(LD_W_ABS, 0, 0, 4), // seccomp_data.arch
+        op(JEQ_K, 0, 4, ARCH),
+        op(LD_W_ABS, 0, 0, 0), // seccomp_data.nr
+        op(JEQ_K, 2, 0, libc::SYS_fdatasync as u32),
+        op(JEQ_K, 1, 0, libc::SYS_fsync as u32),
+        op(RET_K, 0, 0, libc::SECCOMP_RET_ALLOW),
+        op(RET_K, 0, 0, eio),
+    ];
+    let prog = libc::sock_fprog { len: program.len() as u16, filter: program.as_ptr() as *mut libc::sock_filter };
+    // SAFETY: plain prctl calls; `prog` points at `program`, both alive
+    // for the call (the kernel copies the filter).
+    unsafe {
+        assert_eq!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 0, "no_new_privs");
+        assert_eq!(
+            libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &prog as *const libc::sock_fprog),
+            0,
+            "seccomp filter: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// FUA and FLUSH on a file store are `fdatasync`: the client is told its
+/// data is on stable storage only once the kernel said so. The sync is
+/// observed as the kernel's answer to it: in a thread whose `fdatasync`
+/// fails (as a disk's failing cache flush makes it fail), every request
+/// that claims durability (a write, a trim and a write of zeroes with FUA,
+/// a flush) is answered EIO, while the same requests without FUA, which
+/// issue no sync, succeed. A server that skipped the sync would answer a
+/// FUA write with success.
+#[test]
+fn fua_and_flush_are_answered_only_after_the_file_is_synced() {
+    const EIO: u32 = 5;
+    const FUA: u16 = 1;
+    const WRITE: u16 = 1;
+    const FLUSH: u16 = 3;
+    const TRIM: u16 = 4;
+    const WRITE_ZEROES: u16 = 6;
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-block-fua-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = Arc::new(ferry_block::FileStore::open(&dir.join("disk"), Some(1 << 20), false).expect("file store"));
+    // The store itself, then the server: this thread and the server's
+    // threads (started below, from here) cannot sync any more.
+    fail_syncs_with_eio();
+    store.write_at(0, b"plain", false).expect("a write without FUA issues no sync");
+    let refused = store.write_at(8, b"durable", true).expect_err("a FUA write whose sync failed");
+    assert_eq!(refused.raw_os_error(), Some(libc::EIO), "{refused}");
+    assert!(store.flush().is_err(), "a flush whose sync failed");
+    assert!(store.trim(4096, 4096, true).is_err(), "a FUA trim whose sync failed");
+    assert!(store.write_zeroes(8192, 4096, false, true).is_err(), "a FUA write of zeroes whose sync failed");
+
+    let config = ServerConfig { max_payload: 64 << 10, ..ServerConfig::default() };
+    let server = NbdServer::bind(&"tcp:127.0.0.1:0".parse().unwrap(), store.clone(), config).expect("bind");
+    let addr = server.local_addr().to_string();
+    server.spawn(|_| {}).expect("accept thread");
+    let mut c = Client::connect(addr.strip_prefix("tcp:").unwrap());
+    let (_, flags) = c.export_name();
+    assert_ne!(flags & (1 << 3), 0, "NBD_FLAG_SEND_FUA");
+    c.request(0, WRITE, 1, 4096, 5, b"first");
+    assert_eq!(c.simple(0), (0, 1, vec![]), "a write without FUA");
+    c.request(FUA, WRITE, 2, 8192, 6, b"second");
+    assert_eq!(c.simple(0), (EIO, 2, vec![]), "a FUA write must not succeed when its sync fails");
+    c.request(0, FLUSH, 3, 0, 0, b"");
+    assert_eq!(c.simple(0), (EIO, 3, vec![]), "a flush whose sync failed");
+    c.request(0, TRIM, 4, 65536, 4096, b"");
+    assert_eq!(c.simple(0), (0, 4, vec![]), "a trim without FUA");
+    c.request(FUA, TRIM, 5, 65536, 4096, b"");
+    assert_eq!(c.simple(0), (EIO, 5, vec![]), "a FUA trim whose sync failed");
+    c.request(0, WRITE_ZEROES, 6, 65536, 4096, b"");
+    assert_eq!(c.simple(0), (0, 6, vec![]), "a write of zeroes without FUA");
+    c.request(FUA, WRITE_ZEROES, 7, 65536, 4096, b"");
+    assert_eq!(c.simple(0), (EIO, 7, vec![]), "a FUA write of zeroes whose sync failed");
+    // The bytes are in the file all the same (only their durability failed).
+    c.request(0, 0, 8, 4096, 5, b"");
+    assert_eq!(c.simple(5), (0, 8, b"first".to_vec()));
+    drop(c);
+    let _ = std::fs::remove_dir_all(dir);
+}

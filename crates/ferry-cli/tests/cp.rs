@@ -211,3 +211,43 @@ fn stdin_into_a_file_in_many_batches() {
     assert_eq!((got.len(), checksum(&got)), (want.len(), checksum(&want)));
     std::fs::remove_dir_all(d).unwrap();
 }
+
+/// The largest batch a `ferry cp` sender puts in one frame: 8 buffers of
+/// 1 MiB.
+const FULL_BATCH: usize = 8 << 20;
+
+/// Frames at the batch limit: a frame of exactly one full batch is a
+/// `ferry cp` sender's and lands whole (from a raw sender, and from a real
+/// `ferry cp` sending a file of two full batches and a few bytes); a frame
+/// one byte larger is refused as not from `ferry cp`, naming its length.
+#[test]
+fn a_frame_of_exactly_one_full_batch_is_taken_and_one_byte_more_is_not() {
+    let d = dir("cp", "full-batch");
+    let want = data(FULL_BATCH, 8);
+    let (rx, at) = listen("tcp:127.0.0.1:0", &d.join("raw"));
+    let mut sock = std::net::TcpStream::connect(at.strip_prefix("tcp:").unwrap()).unwrap();
+    sock.write_all(&(FULL_BATCH as u64).to_le_bytes()).unwrap();
+    sock.write_all(&want).unwrap();
+    sock.write_all(&0u64.to_le_bytes()).unwrap(); // the end mark
+    let r = finish(rx, None);
+    drop(sock);
+    assert_eq!(r.code, Some(0), "a full batch from a sender: {}", r.stderr);
+    assert_eq!(checksum(&std::fs::read(d.join("raw")).unwrap()), checksum(&want));
+
+    let (rx, at) = listen("tcp:127.0.0.1:0", &d.join("over"));
+    let mut sock = std::net::TcpStream::connect(at.strip_prefix("tcp:").unwrap()).unwrap();
+    sock.write_all(&(FULL_BATCH as u64 + 1).to_le_bytes()).unwrap();
+    let r = finish(rx, None);
+    drop(sock);
+    assert_failed(&r, "tcp:127.0.0.1:0", &format!("not a `ferry cp` sender (a batch of {} bytes", FULL_BATCH + 1));
+
+    let want = data(2 * FULL_BATCH + 3, 9);
+    std::fs::write(d.join("src"), &want).unwrap();
+    let (rx, at) = listen("tcp:127.0.0.1:0", &d.join("copy"));
+    let tx = cp(&[s(&d.join("src")), &at]);
+    assert_eq!(tx.code, Some(0), "{}", tx.stderr);
+    let rx = finish(rx, None);
+    assert_eq!(rx.code, Some(0), "{}", rx.stderr);
+    assert_eq!(checksum(&std::fs::read(d.join("copy")).unwrap()), checksum(&want));
+    std::fs::remove_dir_all(d).unwrap();
+}

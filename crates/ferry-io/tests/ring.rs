@@ -261,3 +261,85 @@ fn dropping_the_ring_waits_for_its_requests_and_returns_their_buffers() {
     assert_eq!(a.available(), COUNT as usize, "all back once the kernel is done");
     std::fs::remove_dir_all(d).unwrap();
 }
+
+/// The file size limit (`RLIMIT_FSIZE`) of the short-write child: not a
+/// multiple of anything the kernel or the pool rounds to.
+const FSIZE_LIMIT: u64 = 5 * BUF as u64 + 1000;
+/// Where its write starts: 5000 bytes below the limit, so the kernel
+/// writes 5000 bytes of the 16 KiB chunk and reports a short write.
+const SHORT_AT: u64 = FSIZE_LIMIT - 5000;
+
+/// The child of `a_short_write_goes_on_where_it_stopped` (ignored
+/// otherwise): under a file size limit, a chunk written across it with
+/// io_uring (fixed buffers) and with the blocking fallback.
+#[test]
+#[ignore = "run as a child process by a_short_write_goes_on_where_it_stopped"]
+fn short_write_child() {
+    let Ok(d) = std::env::var("FERRY_RING_SHORT_DIR") else { return };
+    let d = PathBuf::from(d);
+    let want = data(BUF, 11);
+    // The pool's memory is a file too: made before the limit.
+    let a = Allocator::new(&Domain::new("ring"), COUNT, BUF, PoolConstraints::default()).unwrap();
+    let rings = [("io_uring", Ring::new(4).unwrap()), ("blocking", Ring::blocking(4).unwrap())];
+    // SAFETY: plain libc calls. SIGXFSZ ignored: a write past the limit
+    // then fails with EFBIG instead of killing the process; the limit is
+    // this child's own.
+    unsafe {
+        assert_ne!(libc::signal(libc::SIGXFSZ, libc::SIG_IGN), libc::SIG_ERR);
+        let limit = libc::rlimit { rlim_cur: FSIZE_LIMIT, rlim_max: FSIZE_LIMIT };
+        assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &limit), 0);
+    }
+    for (name, mut ring) in rings {
+        let registered = ring.register(&a).clone();
+        if name == "io_uring" {
+            assert_eq!(registered, Mode::Fixed, "this kernel registers the pool's memfd memory");
+        }
+        let path = d.join(name);
+        let out = Port::create(&path).unwrap();
+        let mut b = a.alloc().unwrap();
+        b.as_mut_slice().unwrap().copy_from_slice(&want);
+        ring.submit_write(&out, Some(SHORT_AT), b, 1).unwrap();
+        let got = ring.wait(Some(T)).unwrap();
+        assert_eq!(got.len(), 1, "{name}: one completion within {T:?}");
+        // The first 5000 bytes fit; the rest, written where they belong
+        // (at the limit), is refused: an error at that byte, never a
+        // success, and the file holds the chunk's first 5000 bytes there.
+        match &got[0].result {
+            Err(IoError::Os { offset, source, .. }) => {
+                assert_eq!(source.raw_os_error(), Some(libc::EFBIG), "{name}: {source}");
+                assert_eq!(*offset, FSIZE_LIMIT, "{name}: the error is at the byte where the write stopped");
+            }
+            other => panic!("{name}: a write across the file size limit gave {other:?}"),
+        }
+        let file = std::fs::read(&path).unwrap();
+        assert_eq!(file.len() as u64, FSIZE_LIMIT, "{name}");
+        assert!(file[SHORT_AT as usize..] == want[..5000], "{name}: the bytes before the limit are the chunk's first");
+        assert_eq!(a.available(), COUNT as usize, "{name}: the buffer is back");
+    }
+    println!("short write child: ok");
+}
+
+/// A write the kernel cuts short (a real short write: the file size limit
+/// lets only part of it through) goes on at the offset where it stopped,
+/// not at the one it started from; here the rest then fails, and the
+/// failure is reported at that byte with the bytes before it in place. A
+/// continuation at the starting offset would overwrite the start of the
+/// chunk with its later bytes and report the whole chunk written. Run in a
+/// child process, which alone carries the limit.
+#[test]
+fn a_short_write_goes_on_where_it_stopped() {
+    let d = dir("short");
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "short_write_child", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("FERRY_RING_SHORT_DIR", &d)
+        .output()
+        .expect("run the child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("short write child: ok"),
+        "child {}:\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::remove_dir_all(d).unwrap();
+}

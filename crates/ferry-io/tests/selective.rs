@@ -204,3 +204,54 @@ fn unmapped_writes_to_sockets_and_pipes_survive_reuse_of_the_buffer() {
         assert!(got.iter().all(|&x| x == 0xAA), "{name}: the stream carried the buffer's later contents");
     }
 }
+
+/// Everything `read_unmapped` returns until end of input, as bytes.
+fn read_unmapped_to_end(port: &mut Port, alloc: &Allocator) -> (Vec<u8>, Vec<usize>) {
+    let (mut bytes, mut lens) = (Vec::new(), Vec::new());
+    loop {
+        let filled = port.read_unmapped(alloc, 2).unwrap();
+        if filled.is_empty() {
+            return (bytes, lens);
+        }
+        for f in filled {
+            lens.push(f.len);
+            bytes.extend_from_slice(f.bytes());
+        }
+    }
+}
+
+/// Input whose size is not a multiple of the buffer size, read with
+/// `read_unmapped` from a file and from a pipe: the last buffer, partly
+/// filled, comes out with the rest (every byte, in order, the last
+/// buffer's length the remainder), and every buffer is back afterwards.
+#[test]
+fn reading_unmapped_keeps_the_partly_filled_last_buffer() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ferry-io-selective-tail-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let alloc = Allocator::new(&Domain::new("reader"), COUNT, BUF, PoolConstraints::default()).unwrap();
+    for len in [1234, 3 * BUF + 1234, 5 * BUF - 1] {
+        let want: Vec<u8> = (0..len).map(|i| byte(i as u64 / 999, i)).collect();
+        let tail = len % BUF;
+        std::fs::write(dir.join("in"), &want).unwrap();
+        let (got, lens) = read_unmapped_to_end(&mut Port::open(dir.join("in")).unwrap(), &alloc);
+        assert_eq!((got.len(), lens.last().copied()), (len, Some(tail)), "file of {len} bytes: {lens:?}");
+        assert!(got == want, "file of {len} bytes: contents differ");
+
+        let mut fds = [0; 2];
+        // SAFETY: room for the two fds.
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: both new, owned by nothing else.
+        let (r, w) = unsafe { (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1])) };
+        let sent = want.clone();
+        let writer = std::thread::spawn(move || {
+            let mut w = w;
+            w.write_all(&sent).unwrap();
+        });
+        let (got, lens) = read_unmapped_to_end(&mut Port::from_fd(r, "pipe").unwrap(), &alloc);
+        writer.join().unwrap();
+        assert_eq!(got.len(), len, "pipe of {len} bytes: {lens:?}");
+        assert!(got == want, "pipe of {len} bytes: contents differ");
+        assert_eq!(alloc.available(), COUNT as usize, "every buffer is back");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

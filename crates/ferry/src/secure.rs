@@ -346,6 +346,9 @@ mod tests {
         assert!(secured.handle().iter().all(|&x| x == 9), "volatile: the sender's writes show");
         assert!(secured.iter().all(|&x| x == 7), "secured: they do not");
         assert_eq!(secured.len(), 8192);
+        assert!(AsRef::<[u8]>::as_ref(&secured) == &secured[..], "as_ref reads the secured bytes too");
+        let shown = format!("{secured:?}");
+        assert!(shown.starts_with("Secured {") && shown.ends_with("copy: true }"), "{shown}");
     }
 
     /// Local, trust HALF: the sender's view of a buffer it moved away is
@@ -393,16 +396,47 @@ mod tests {
     fn private_blocks_are_recycled() {
         let a = PrivateCopy::of(&[b"abc", b"de"]);
         assert_eq!(&a.0[..], b"abcde");
-        let p = a.0.as_ptr();
+        let (p, capacity) = (a.0.as_ptr(), a.0.capacity());
         drop(a);
+        // A block of the same size asked of the allocator meanwhile: the
+        // cache keeps the returned one (the allocator would hand it out).
+        let other = Vec::<u8>::with_capacity(capacity);
         let b = PrivateCopy::of(&[b"xyz"]);
         assert_eq!((b.0.as_ptr(), &b.0[..]), (p, &b"xyz"[..]), "the block just returned");
+        assert_ne!(other.as_ptr(), p);
         let many: Vec<_> = (0..20).map(|_| PrivateCopy::of(&[&[1u8; 100][..]])).collect();
         drop(many);
-        assert!(CACHE.with(|c| c.borrow().len()) <= CACHE_BLOCKS);
+        assert_eq!(CACHE.with(|c| c.borrow().len()), CACHE_BLOCKS, "full, and no fuller");
+        // Blocks of 3 MiB are kept (up to 4 MiB are), as many as fit in
+        // the cache's bytes.
         let big = vec![7u8; 3 << 20];
         let large: Vec<_> = (0..8).map(|_| PrivateCopy::of(&[&big[..]])).collect();
         drop(large);
-        assert!(CACHE.with(|c| c.borrow().iter().map(Vec::capacity).sum::<usize>()) <= CACHE_BYTES);
+        let kept = CACHE.with(|c| c.borrow().iter().map(Vec::capacity).sum::<usize>());
+        assert_eq!(kept, CACHE_BYTES / (3 << 20) * (3 << 20), "as many 3 MiB blocks as fit");
+    }
+
+    /// A cached block is taken only by a copy it suits (at least as large,
+    /// at most twice as large); blocks up to [`CACHE_BLOCK_MAX`] are kept,
+    /// larger ones freed, up to [`CACHE_BYTES`] in all.
+    #[test]
+    fn private_blocks_are_reused_only_where_they_fit() {
+        let cached = || CACHE.with(|c| c.borrow().iter().map(Vec::capacity).collect::<Vec<_>>());
+        drop(PrivateCopy::of(&[&[1u8; 100][..]]));
+        assert_eq!(cached(), [100]);
+        let larger = PrivateCopy::of(&[&[2u8; 1000][..]]);
+        let tiny = PrivateCopy::of(&[&[3u8; 10][..]]);
+        assert_eq!(cached(), [100], "too small for the one, more than twice the other");
+        drop((larger, tiny));
+        let half = PrivateCopy::of(&[&[4u8; 50][..]]);
+        assert_eq!(half.0.capacity(), 100, "twice as large fits");
+        drop(half);
+        CACHE.with(|c| c.borrow_mut().clear());
+        let largest = vec![5u8; CACHE_BLOCK_MAX + 1];
+        let fit = CACHE_BYTES / CACHE_BLOCK_MAX;
+        let mut copies: Vec<_> = (0..fit).map(|_| PrivateCopy::of(&[&largest[..CACHE_BLOCK_MAX]])).collect();
+        copies.push(PrivateCopy::of(&[&largest[..]]));
+        drop(copies);
+        assert_eq!(cached(), vec![CACHE_BLOCK_MAX; fit], "the largest blocks kept, up to the cache's bytes exactly");
     }
 }

@@ -509,3 +509,53 @@ fn received_buffers_go_back_with_their_last_fragment() {
     assert!(matches!(tx.wait(Some(T)), Ok(Event::CopyReleased { writable: true, .. })));
     assert_eq!(alloc.available(), 2);
 }
+
+/// A received aggregate clipped from the front, in steps, past the last
+/// fragment of one member while it still holds another: that member's
+/// buffer goes back then (its owner gets it back and can allocate it
+/// again), not when the aggregate goes; what is left reads as the other
+/// member's bytes.
+#[test]
+fn clipping_a_received_aggregate_past_a_member_gives_its_buffer_back() {
+    let (a, b) = (Domain::new("a"), Domain::new("b"));
+    let (mut tx, mut rx, alloc) = local_pair_with_pool(&a, &b);
+    let mut x = alloc.alloc().unwrap();
+    x.as_mut_slice().unwrap()[..10].copy_from_slice(b"0123456789");
+    let mut y = alloc.alloc().unwrap();
+    y.as_mut_slice().unwrap()[..10].copy_from_slice(b"abcdefghij");
+    let (x, y) = (Aggregate::from(x), Aggregate::from(y));
+    let x_id = x.fragments().next().unwrap().buffer_id();
+    // `x` and `y` keep references: both cross as copies.
+    tx.send_aggregate(x.slice(0..10).unwrap().join(y.slice(0..10).unwrap()), b"m").unwrap();
+    let mut got = loop {
+        match rx.wait(Some(T)) {
+            Some(Event::Aggregate { agg, .. }) => break agg,
+            Some(Event::PoolAssignRequest(_) | Event::PoolAssigned(_)) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    drop((x, y));
+    assert_eq!(alloc.available(), 0, "both buffers are out as copies");
+    // Into x's only fragment, then to its end: x is done with.
+    got.clip_front(4);
+    assert_eq!(got.to_vec(), b"456789abcdefghij");
+    got.clip_front(6);
+    assert_eq!(got.to_vec(), b"abcdefghij");
+    rx.flush().unwrap();
+    match tx.wait(Some(T)) {
+        Some(Event::CopyReleased { buffer, writable: true }) => assert_eq!(buffer, x_id),
+        other => panic!("x's copy should be back while the aggregate still holds y: {other:?}"),
+    }
+    assert_eq!(alloc.available(), 1, "x is free again");
+    let again = alloc.alloc().expect("x, allocated again");
+    assert_eq!(again.id(), x_id);
+    drop(again);
+    // y goes with the aggregate's last byte.
+    got.clip_front(3);
+    assert_eq!(got.to_vec(), b"defghij");
+    got.clip_front(100);
+    assert!(got.is_empty());
+    rx.flush().unwrap();
+    assert!(matches!(tx.wait(Some(T)), Some(Event::CopyReleased { writable: true, .. })));
+    assert_eq!(alloc.available(), 2);
+}

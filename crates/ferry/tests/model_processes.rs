@@ -701,9 +701,13 @@ fn killed_domain_gives_back_what_it_was_lent() {
         let stats = stats.borrow();
         let n = n as usize;
         let mut f = Floors::default();
+        // An end notices a death only if its channel to the victim was
+        // still open at the kill (each case checks every such end): how
+        // many there are is up to the sequences, a floor like the others.
         f.at_least("buffers that came back", stats.reclaimed, n / 4)
             .at_least("buffers allocated again", stats.reallocated, n / 8)
-            .at_least("copies voided", stats.voided, n / 16);
+            .at_least("copies voided", stats.voided, n / 16)
+            .at_least("ends that noticed a death", stats.notices, n);
         f
     };
     let rounds = run_covered(
@@ -725,7 +729,6 @@ fn killed_domain_gives_back_what_it_was_lent() {
     eprintln!("kill suite: {rounds} × {n} sequences in {:.1?}: {stats:#?}", t.elapsed());
     let n = rounds as usize * n as usize;
     assert_eq!(stats.kills, n, "{stats:?}");
-    assert!(stats.notices >= n, "too few ends noticed a death: {stats:?}");
 }
 
 /// A fixed sequence (all channels FULL), everything delivered, then

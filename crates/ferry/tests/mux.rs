@@ -399,6 +399,95 @@ fn a_stalled_channel_does_not_block_the_others() {
     assert_eq!(&got[1..], &[300, 300, 300]);
 }
 
+/// A channel's credit is its queue depth, all of it: while the receiving
+/// application takes nothing, exactly as many messages cross as the
+/// credit allows (their payloads land at the receiver, which reads the
+/// connection through a poll of another channel of its session) and a
+/// queue's worth more waits at the sender, which then says `QueueFull`.
+/// Messages taken are granted back a quarter of the depth at a time, and
+/// each grant lets exactly that many more cross. The pool assignment is a
+/// message of the channel too: it took one credit, granted back with the
+/// first data message taken.
+#[test]
+fn a_channel_uses_all_of_its_credit_and_no_more() {
+    const DEPTH: u64 = 8;
+    const GRANT: u64 = DEPTH / 4;
+    const BUF: usize = 4096;
+    // Data messages that may have crossed once `taken` have been taken.
+    let crossed = |taken: u64| DEPTH + (1 + taken) / GRANT * GRANT - 1;
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: DEPTH as u32, ..tx_setup() };
+    let mut tx = Channel::create(&da, &a.endpoint(1), setup).unwrap();
+    let mut idle_tx = Channel::create(&da, &a.endpoint(2), tx_setup()).unwrap();
+    let mut rx = Channel::bind(&db, &b.endpoint(1), BindParams::default()).unwrap();
+    let mut idle_rx = Channel::bind(&db, &b.endpoint(2), BindParams::default()).unwrap();
+    for ch in [&mut tx, &mut idle_tx, &mut rx, &mut idle_rx] {
+        ch.wait_connected(T).unwrap();
+    }
+    let alloc = Allocator::new(&da, 4 * DEPTH, BUF, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    let mut sent = 0u64;
+    let mut send_until_full = |tx: &mut Channel| loop {
+        let mut buf = alloc.alloc().expect("more buffers than credit and queue");
+        fill(buf.as_mut_slice().unwrap(), sent);
+        match tx.move_buffer(buf, &sent.to_le_bytes()) {
+            Ok(()) => sent += 1,
+            Err(r) if r.error == Error::QueueFull => return sent,
+            Err(r) => panic!("move: {}", r.error),
+        }
+    };
+    // Messages whose payload landed at the receiver.
+    let landed = |rx: &Channel| rx.link_stats().unwrap().payload_received / BUF as u64;
+    let settle = |tx: &mut Channel, idle_rx: &mut Channel, rx: &Channel, want: u64| {
+        let deadline = Instant::now() + T;
+        while landed(rx) < want {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {want} messages crossed within {T:?}; receiver {:?}",
+                landed(rx),
+                rx.link_stats()
+            );
+            assert!(tx.wait(Some(Duration::from_millis(1))).is_none());
+            assert!(idle_rx.wait(Some(Duration::from_millis(1))).is_none());
+        }
+        // A few more rounds both ways: nothing beyond the credit crosses.
+        for _ in 0..20 {
+            assert!(tx.wait(Some(Duration::from_millis(1))).is_none());
+            assert!(idle_rx.wait(Some(Duration::from_millis(1))).is_none());
+        }
+        assert_eq!(landed(rx), want, "messages crossed beyond the credit");
+    };
+    send_until_full(&mut tx);
+    settle(&mut tx, &mut idle_rx, &rx, crossed(0));
+    assert_eq!(send_until_full(&mut tx), crossed(0) + DEPTH, "the credit's worth crossed, a queue's worth waits");
+    let mut kept = Vec::new();
+    // Every move arrives whole and in order.
+    let keep = |ev: Event, kept: &mut Vec<ferry::Buffer>| match ev {
+        Event::MoveReceived { buffer, meta } => {
+            let seq = kept.len() as u64;
+            assert_eq!(seq_of(&meta), seq);
+            assert!(check(&buffer, seq), "move {seq} corrupted");
+            kept.push(buffer);
+        }
+        ev => panic!("receiver: unexpected {ev:?}"),
+    };
+    // One message taken at a time: every grant lets its worth cross.
+    for taken in 1..=2 * GRANT {
+        keep(next(&mut rx), &mut kept);
+        settle(&mut tx, &mut idle_rx, &rx, crossed(taken).min(sent));
+    }
+    // Then everything, in order (the sender's end kept going meanwhile).
+    let deadline = Instant::now() + T;
+    while (kept.len() as u64) < sent {
+        assert!(Instant::now() < deadline, "{} of {sent} moves arrived", kept.len());
+        assert!(tx.wait(Some(Duration::from_millis(1))).is_none());
+        if let Some(ev) = rx.wait(Some(Duration::from_millis(1))) {
+            keep(ev, &mut kept);
+        }
+    }
+}
+
 // ------------------------------------------------------- a real peer process
 
 const CHILD_CHANNELS: u32 = 4;
@@ -806,6 +895,104 @@ fn bulk_on_its_way_stays_within_the_budget() {
                 Ok(ev) => panic!("unexpected {ev:?}"),
                 Err(_) => {}
             }
+        }
+    }
+}
+
+/// Priority frames are never held by the bulk budget: with the budget
+/// full of bulk the peer has not reported read (the receiving application
+/// has not polled at all), a priority message larger than what is left of
+/// the budget still goes to the socket at once, and no bulk with it; it
+/// arrives whole, ahead of the held bulk, which then all follows in order.
+/// (Small bulk buffers and the smallest budget: what is on its way fits in
+/// the two kernels' buffers, so the socket takes all that is committed.)
+#[test]
+fn priority_frames_are_not_held_by_a_full_bulk_budget() {
+    const BULK_BUF: usize = 4096;
+    const BULK_COUNT: u64 = 64;
+    const PRIO_BUF: usize = 16 << 10;
+    let (a, b) = session_pair(NetOptions::default());
+    a.set_bulk_budget(0);
+    let budget = a.bulk_budget() as u64;
+    assert_eq!(budget, ferry::backend::mux::MIN_BULK_BUDGET as u64);
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let bulk_setup = ChannelSetup { queue_depth: BULK_COUNT as u32, ..tx_setup() };
+    let mut txs = vec![
+        Channel::create(&da, &a.endpoint(1), bulk_setup).unwrap(),
+        Channel::create(&da, &a.endpoint_with_priority(3, 7), tx_setup()).unwrap(),
+    ];
+    let mut rxs: Vec<Channel> =
+        [1, 3].iter().map(|&id| Channel::bind(&db, &b.endpoint(id), BindParams::default()).unwrap()).collect();
+    for ch in txs.iter_mut().chain(rxs.iter_mut()) {
+        ch.wait_connected(T).unwrap();
+    }
+    let allocs = [
+        Allocator::new(&da, BULK_COUNT, BULK_BUF, PoolConstraints::default()).unwrap(),
+        Allocator::new(&da, 1, PRIO_BUF, PoolConstraints::default()).unwrap(),
+    ];
+    for ((tx, rx), alloc) in txs.iter_mut().zip(rxs.iter_mut()).zip(&allocs) {
+        assign_pair(tx, rx, alloc);
+    }
+    let reported = a.stats().bytes_reported_read;
+    // Bulk until the budget holds it back.
+    let mut bulk_sent = 0u64;
+    let deadline = Instant::now() + T;
+    while a.stats().budget_holds == 0 {
+        assert!(Instant::now() < deadline, "{bulk_sent} bulk moves never filled the budget: {:?}", a.stats());
+        let mut buf = allocs[0].alloc().expect("more bulk buffers than the budget holds");
+        fill(buf.as_mut_slice().unwrap(), bulk_sent);
+        txs[0].move_buffer(buf, &bulk_sent.to_le_bytes()).expect("room in the bulk queue");
+        bulk_sent += 1;
+        assert!(txs[0].wait(Some(Duration::from_millis(1))).is_none());
+    }
+    let before = a.stats();
+    assert_eq!(before.bytes_reported_read, reported, "the receiver has read nothing");
+    assert!(before.bytes_sent - reported + PRIO_BUF as u64 > budget, "the priority message would fit: {before:?}");
+    // The priority message: on the socket without a byte reported read.
+    let mut buf = allocs[1].alloc().unwrap();
+    fill(buf.as_mut_slice().unwrap(), 1000);
+    txs[1].move_buffer(buf, &1000u64.to_le_bytes()).unwrap();
+    // (Well before the peer timeout, which a sender that makes no
+    // progress reaches.)
+    let deadline = Instant::now() + T / 2;
+    while a.stats().bytes_sent < before.bytes_sent + PRIO_BUF as u64 {
+        let held =
+            format!("the priority message did not go out past the full budget: {:?}, before it {before:?}", a.stats());
+        assert!(Instant::now() < deadline, "{held}");
+        for tx in &mut txs {
+            if let Some(ev) = tx.wait(Some(Duration::from_millis(1))) {
+                panic!("{held}; then {ev:?}");
+            }
+        }
+    }
+    let after = a.stats();
+    assert_eq!(after.bytes_reported_read, reported, "the receiver has read nothing");
+    assert!(
+        after.bytes_sent - before.bytes_sent < (PRIO_BUF + BULK_BUF) as u64,
+        "bulk went out with the priority message: {after:?}, before it {before:?}"
+    );
+    match next(&mut rxs[1]) {
+        Event::MoveReceived { buffer, meta } => {
+            assert_eq!(seq_of(&meta), 1000);
+            assert!(check(&buffer, 1000), "the priority move is corrupted");
+        }
+        ev => panic!("priority channel: unexpected {ev:?}"),
+    }
+    // The held bulk follows, all of it, in order.
+    let mut kept = Vec::new();
+    let deadline = Instant::now() + T;
+    while (kept.len() as u64) < bulk_sent {
+        assert!(Instant::now() < deadline, "{} of {bulk_sent} bulk moves arrived", kept.len());
+        assert!(txs[0].wait(Some(Duration::from_millis(1))).is_none());
+        match rxs[0].wait(Some(Duration::from_millis(1))) {
+            Some(Event::MoveReceived { buffer, meta }) => {
+                let seq = kept.len() as u64;
+                assert_eq!(seq_of(&meta), seq);
+                assert!(check(&buffer, seq), "bulk move {seq} corrupted");
+                kept.push(buffer);
+            }
+            None => {}
+            Some(ev) => panic!("bulk channel: unexpected {ev:?}"),
         }
     }
 }

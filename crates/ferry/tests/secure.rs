@@ -25,14 +25,20 @@ const FIRST: u8 = 0xA5;
 /// `FIRST`, then write the buffer over and over (new values each round)
 /// through its own view and through a fresh writable mapping of the memfd
 /// (under trust NONE the memfd is sealed: it re-enables write on its own
-/// view instead), until killed (at most 30 s).
+/// view instead; under HALF its own view of the moved buffer is protected:
+/// it makes it writable again, its own mapping), until killed (at most
+/// 30 s).
 #[test]
 #[ignore = "run as a child process by the other tests"]
 fn secure_child() {
     let (Ok(name), Ok(trust)) = (std::env::var("FERRY_SECURE_EP"), std::env::var("FERRY_SECURE_TRUST")) else {
         return;
     };
-    let trust = if trust == "none" { TrustLevel::None } else { TrustLevel::Full };
+    let trust = match trust.as_str() {
+        "none" => TrustLevel::None,
+        "half" => TrustLevel::Half,
+        _ => TrustLevel::Full,
+    };
     let d = Domain::new("hostile");
     let mut ch = Channel::connect(&d, &Endpoint::shm_abstract(&name), BindParams::default(), T).expect("bind");
     let alloc = Allocator::new(&d, 1, SIZE, PoolConstraints { trust, ..PoolConstraints::default() }).unwrap();
@@ -65,6 +71,10 @@ fn secure_child() {
         assert_eq!(unsafe { libc::mprotect(view.cast(), SIZE, libc::PROT_READ | libc::PROT_WRITE) }, 0);
         view.cast()
     } else {
+        if trust == TrustLevel::Half {
+            // SAFETY: our own mapping of the pool, SIZE bytes at `view`.
+            assert_eq!(unsafe { libc::mprotect(view.cast(), SIZE, libc::PROT_READ | libc::PROT_WRITE) }, 0);
+        }
         mine
     };
     let end = Instant::now() + Duration::from_secs(30);
@@ -73,7 +83,7 @@ fn secure_child() {
         round = round.wrapping_add(1) | 1;
         // SAFETY: both are read-write mappings of this process of SIZE
         // bytes of the pool (our view: read-write under trust FULL, made so
-        // above under NONE); volatile writes, as a hostile sender would do
+        // above under HALF and NONE); volatile writes, as a hostile sender would do
         // them.
         unsafe {
             std::ptr::write_bytes(mine as *mut u8, round, SIZE);
@@ -95,7 +105,7 @@ fn receive_from_hostile(trust: TrustLevel) -> (Channel, Child, Buffer) {
     let child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "secure_child", "--ignored", "--nocapture", "--test-threads=1"])
         .env("FERRY_SECURE_EP", &name)
-        .env("FERRY_SECURE_TRUST", if trust == TrustLevel::None { "none" } else { "full" })
+        .env("FERRY_SECURE_TRUST", format!("{trust:?}").to_lowercase())
         .stdout(Stdio::null())
         .spawn()
         .expect("spawn the sender");
@@ -133,9 +143,25 @@ fn eventually(mut f: impl FnMut() -> bool) -> bool {
 /// goes on writing.
 #[test]
 fn a_hostile_sender_cannot_change_secured_bytes_shm() {
-    let (_ch, child, buffer) = receive_from_hostile(TrustLevel::Full);
+    secured_bytes_outlast_a_hostile_sender(TrustLevel::Full);
+}
+
+/// Trust HALF over shm: protections are applied in the sender's own
+/// process, which it may undo (its own view made writable again), and the
+/// pool's memfd is not sealed (a new writable mapping of it works): the
+/// memory is not the receiver's alone, so securing must copy it, and the
+/// secured bytes keep what the buffer held while the sender writes on.
+#[test]
+fn half_trust_across_processes_is_secured_by_a_copy_shm() {
+    secured_bytes_outlast_a_hostile_sender(TrustLevel::Half);
+}
+
+/// A buffer from the hostile sender of `trust`, secured while the sender
+/// writes it: a private copy, whose bytes never change while the volatile
+/// view changes under the receiver.
+fn secured_bytes_outlast_a_hostile_sender(trust: TrustLevel) {
+    let (_ch, child, buffer) = receive_from_hostile(trust);
     let secured = buffer.secure().unwrap();
-    assert!(secured.is_copy(), "the sender's process maps the memory writable: a private copy");
     // The sender may be writing while we secure: what we secured is the
     // bytes at that time (a hostile sender decides what they are); from
     // then on they never change.
@@ -158,6 +184,7 @@ fn a_hostile_sender_cannot_change_secured_bytes_shm() {
     }
     assert_eq!(changes, 3, "the sender kept writing meanwhile");
     assert!(secured[..] == snapshot[..], "secured bytes changed");
+    assert!(secured.is_copy(), "{trust:?}: the sender's process maps the memory writable: a private copy");
     stop(child);
 }
 
