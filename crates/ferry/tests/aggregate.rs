@@ -529,8 +529,8 @@ fn clipping_a_received_aggregate_past_a_member_gives_its_buffer_back() {
     tx.send_aggregate(x.slice(0..10).unwrap().join(y.slice(0..10).unwrap()), b"m").unwrap();
     let mut got = loop {
         match rx.wait(Some(T)) {
-            Some(Event::Aggregate { agg, .. }) => break agg,
-            Some(Event::PoolAssignRequest(_) | Event::PoolAssigned(_)) => {}
+            Ok(Event::Aggregate { agg, .. }) => break agg,
+            Ok(Event::PoolAssignRequest(_) | Event::PoolAssigned(_)) => {}
             other => panic!("unexpected {other:?}"),
         }
     };
@@ -543,7 +543,7 @@ fn clipping_a_received_aggregate_past_a_member_gives_its_buffer_back() {
     assert_eq!(got.to_vec(), b"abcdefghij");
     rx.flush().unwrap();
     match tx.wait(Some(T)) {
-        Some(Event::CopyReleased { buffer, writable: true }) => assert_eq!(buffer, x_id),
+        Ok(Event::CopyReleased { buffer, writable: true }) => assert_eq!(buffer, x_id),
         other => panic!("x's copy should be back while the aggregate still holds y: {other:?}"),
     }
     assert_eq!(alloc.available(), 1, "x is free again");
@@ -556,6 +556,6 @@ fn clipping_a_received_aggregate_past_a_member_gives_its_buffer_back() {
     got.clip_front(100);
     assert!(got.is_empty());
     rx.flush().unwrap();
-    assert!(matches!(tx.wait(Some(T)), Some(Event::CopyReleased { writable: true, .. })));
+    assert!(matches!(tx.wait(Some(T)), Ok(Event::CopyReleased { writable: true, .. })));
     assert_eq!(alloc.available(), 2);
 }

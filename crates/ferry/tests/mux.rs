@@ -433,7 +433,7 @@ fn a_channel_uses_all_of_its_credit_and_no_more() {
         fill(buf.as_mut_slice().unwrap(), sent);
         match tx.move_buffer(buf, &sent.to_le_bytes()) {
             Ok(()) => sent += 1,
-            Err(r) if r.error == Error::QueueFull => return sent,
+            Err(r) if r.error == ErrorKind::QueueFull => return sent,
             Err(r) => panic!("move: {}", r.error),
         }
     };
@@ -448,13 +448,13 @@ fn a_channel_uses_all_of_its_credit_and_no_more() {
                 landed(rx),
                 rx.link_stats()
             );
-            assert!(tx.wait(Some(Duration::from_millis(1))).is_none());
-            assert!(idle_rx.wait(Some(Duration::from_millis(1))).is_none());
+            assert!(tx.wait(Some(Duration::from_millis(1))).is_err());
+            assert!(idle_rx.wait(Some(Duration::from_millis(1))).is_err());
         }
         // A few more rounds both ways: nothing beyond the credit crosses.
         for _ in 0..20 {
-            assert!(tx.wait(Some(Duration::from_millis(1))).is_none());
-            assert!(idle_rx.wait(Some(Duration::from_millis(1))).is_none());
+            assert!(tx.wait(Some(Duration::from_millis(1))).is_err());
+            assert!(idle_rx.wait(Some(Duration::from_millis(1))).is_err());
         }
         assert_eq!(landed(rx), want, "messages crossed beyond the credit");
     };
@@ -481,8 +481,8 @@ fn a_channel_uses_all_of_its_credit_and_no_more() {
     let deadline = Instant::now() + T;
     while (kept.len() as u64) < sent {
         assert!(Instant::now() < deadline, "{} of {sent} moves arrived", kept.len());
-        assert!(tx.wait(Some(Duration::from_millis(1))).is_none());
-        if let Some(ev) = rx.wait(Some(Duration::from_millis(1))) {
+        assert!(tx.wait(Some(Duration::from_millis(1))).is_err());
+        if let Ok(ev) = rx.wait(Some(Duration::from_millis(1))) {
             keep(ev, &mut kept);
         }
     }
@@ -943,7 +943,7 @@ fn priority_frames_are_not_held_by_a_full_bulk_budget() {
         fill(buf.as_mut_slice().unwrap(), bulk_sent);
         txs[0].move_buffer(buf, &bulk_sent.to_le_bytes()).expect("room in the bulk queue");
         bulk_sent += 1;
-        assert!(txs[0].wait(Some(Duration::from_millis(1))).is_none());
+        assert!(txs[0].wait(Some(Duration::from_millis(1))).is_err());
     }
     let before = a.stats();
     assert_eq!(before.bytes_reported_read, reported, "the receiver has read nothing");
@@ -960,7 +960,7 @@ fn priority_frames_are_not_held_by_a_full_bulk_budget() {
             format!("the priority message did not go out past the full budget: {:?}, before it {before:?}", a.stats());
         assert!(Instant::now() < deadline, "{held}");
         for tx in &mut txs {
-            if let Some(ev) = tx.wait(Some(Duration::from_millis(1))) {
+            if let Ok(ev) = tx.wait(Some(Duration::from_millis(1))) {
                 panic!("{held}; then {ev:?}");
             }
         }
@@ -983,16 +983,16 @@ fn priority_frames_are_not_held_by_a_full_bulk_budget() {
     let deadline = Instant::now() + T;
     while (kept.len() as u64) < bulk_sent {
         assert!(Instant::now() < deadline, "{} of {bulk_sent} bulk moves arrived", kept.len());
-        assert!(txs[0].wait(Some(Duration::from_millis(1))).is_none());
+        assert!(txs[0].wait(Some(Duration::from_millis(1))).is_err());
         match rxs[0].wait(Some(Duration::from_millis(1))) {
-            Some(Event::MoveReceived { buffer, meta }) => {
+            Ok(Event::MoveReceived { buffer, meta }) => {
                 let seq = kept.len() as u64;
                 assert_eq!(seq_of(&meta), seq);
                 assert!(check(&buffer, seq), "bulk move {seq} corrupted");
                 kept.push(buffer);
             }
-            None => {}
-            Some(ev) => panic!("bulk channel: unexpected {ev:?}"),
+            Err(_) => {}
+            Ok(ev) => panic!("bulk channel: unexpected {ev:?}"),
         }
     }
 }
