@@ -216,6 +216,13 @@ impl NetEndpoint {
         self.addr
     }
 
+    /// The options, its security among them: what a program gives a
+    /// further connection to the same peer (a second channel) so that it
+    /// is protected as this one is.
+    pub fn options(&self) -> &NetOptions {
+        &self.options
+    }
+
     pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
         self.options.security.check_address(self.addr)?;
         if let Some(c) = self.options.security.tls() {
