@@ -1219,3 +1219,52 @@ fn configure_liveness(stream: &TcpStream, timeout: Duration) {
     let _ = sockopt::set_tcp_keepcnt(fd, 4);
     let _ = sockopt::set_tcp_user_timeout(fd, timeout.as_millis().min(u128::from(u32::MAX)) as u32);
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+
+    use super::*;
+    use crate::tls::testing;
+
+    /// Ciphertext TLS took for the last queued frame and could not write
+    /// (the socket is full): with no frame queued the link still watches
+    /// for writability, and the ciphertext goes out once the peer reads.
+    #[test]
+    fn ciphertext_held_by_tls_alone_keeps_the_link_watching_for_writability() {
+        let ((stream, tls), (mut peer, _)) = testing::pair(TLS_SEND_LIMIT);
+        // Small buffers: the socket fills after a few frames.
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream.as_fd(), 4096);
+        let _ = rustix::net::sockopt::set_socket_recv_buffer_size(peer.as_fd(), 4096);
+        let mut link = NetLink::new(stream, Some(Box::new(tls)), 0, 1024, NetOptions::default()).unwrap();
+        let wake = WakeSet::new().unwrap();
+        Link::register(&mut link, &wake).unwrap();
+        let mut held = false;
+        for _ in 0..100_000 {
+            link.queue_control(TYPE_KEEPALIVE).unwrap();
+            NetLink::flush(&mut link).unwrap();
+            if link.out.is_empty() && link.tls.as_ref().is_some_and(|t| t.wants_write()) {
+                held = true;
+                break;
+            }
+        }
+        assert!(held, "the socket never filled with the last frame's ciphertext");
+        assert!(matches!(Link::arm(&mut link, &wake), Arm::Sleep { .. }));
+        assert_eq!(
+            link.interest,
+            Interest::ReadWrite,
+            "TLS holds ciphertext: the link must wake when the socket drains"
+        );
+        let mut sink = vec![0u8; 64 << 10];
+        loop {
+            match peer.read(&mut sink) {
+                Ok(n) => assert!(n > 0, "the link closed the connection"),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("peer: {e}"),
+            }
+        }
+        assert!(wake.wait(Duration::from_secs(10)), "the drained socket did not wake the link");
+        NetLink::flush(&mut link).unwrap();
+        assert!(!link.unsent(), "the held ciphertext went out");
+    }
+}
