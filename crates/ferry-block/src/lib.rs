@@ -19,7 +19,8 @@
 //! server off the loopback is a choice made on purpose
 //! ([`ServerConfig::insecure`]). Ferry's own block protocol takes the
 //! [`Security`](ferry::tls::Security) of its TCP endpoint's options, for
-//! the request and the read-data channel alike ([`serve_tcp`],
+//! the request and the read-data channel alike ([`serve_endpoint`] and
+//! [`BlockClient::connect`] with a TCP endpoint, [`serve_tcp`] and
 //! [`BlockClient::connect_tcp`]). Under TLS payloads are decrypted into
 //! (and encrypted from) the server's buffers by rustls: the zero-copy
 //! receive into a memory store is a plain-text path.

@@ -29,14 +29,14 @@
 //!   client's, which the server fills in place and passes back.
 //!
 //! Over TCP both channels take the endpoint's [`NetOptions`] and so its
-//! security: give them with [`BlockClient::connect_tcp`] and
-//! [`serve_tcp`](crate::serve_tcp), and with
+//! security ([`BlockClient::connect`] and
+//! [`serve_endpoint`](crate::serve_endpoint) with a TCP endpoint, or
+//! [`BlockClient::connect_tcp`] and [`serve_tcp`](crate::serve_tcp) with
+//! an address and options): with
 //! [`Security::Tls`](ferry::tls::Security::Tls) every request, payload and
 //! reply goes through TLS 1.3 with mutual certificate authentication
 //! (the server's certificate checked against the CA and the name, the
-//! client's against the CA). [`BlockClient::connect`] and
-//! [`serve_endpoint`](crate::serve_endpoint) give a TCP endpoint's
-//! read-data channel the default options (plain TCP, loopback only).
+//! client's against the CA), the read-data channel as well.
 //!
 //! Many requests may be in flight, matched by request id, answered in the
 //! order they are done. The server ([`crate::server`]) serves all clients
@@ -245,8 +245,9 @@ impl BlockClient {
     /// of `buffer_size` bytes (the largest request; a power of two, a
     /// multiple of the page size). `timeout` bounds every wait.
     ///
-    /// Over TCP the client also binds the server's read-data channel, and
-    /// reads come back in `buffers` buffers of the server's pool.
+    /// Over TCP the client also binds the server's read-data channel, with
+    /// the endpoint's [`NetOptions`] (so with its security), and reads come
+    /// back in `buffers` buffers of the server's pool.
     pub fn connect(
         domain: &Domain,
         endpoint: &Endpoint,
@@ -254,7 +255,11 @@ impl BlockClient {
         buffer_size: usize,
         timeout: Duration,
     ) -> Result<BlockClient, Error> {
-        BlockClient::connect_with(domain, endpoint, NetOptions::default(), buffers, buffer_size, timeout)
+        let data_options = match endpoint {
+            Endpoint::Net(ep) => ep.options().clone(),
+            _ => NetOptions::default(),
+        };
+        BlockClient::connect_with(domain, endpoint, data_options, buffers, buffer_size, timeout)
     }
 
     /// [`BlockClient::connect`] to a server on TCP at `addr` (one that
@@ -271,8 +276,7 @@ impl BlockClient {
         buffer_size: usize,
         timeout: Duration,
     ) -> Result<BlockClient, Error> {
-        let endpoint = Endpoint::tcp_with(addr, options.clone());
-        BlockClient::connect_with(domain, &endpoint, options, buffers, buffer_size, timeout)
+        BlockClient::connect(domain, &Endpoint::tcp_with(addr, options), buffers, buffer_size, timeout)
     }
 
     /// [`BlockClient::connect`], the read-data channel (over TCP)

@@ -94,7 +94,9 @@ pub fn serve_client(ch: Channel, store: &dyn Store) -> Result<ChannelSummary, Er
 /// Serve every client that connects to `endpoint`, all from this thread,
 /// until `stop` returns true (checked at least every 200 ms). `gone` hears
 /// of each client when it leaves. Fails only when the endpoint cannot be
-/// listened on at all.
+/// listened on at all. On a TCP endpoint the read-data channels listen on
+/// its address with its [`NetOptions`], so under the same security as
+/// the request channels.
 pub fn serve_endpoint(
     domain: &Domain,
     endpoint: &Endpoint,
@@ -122,9 +124,7 @@ pub fn serve_tcp(
     stop: &dyn Fn() -> bool,
     gone: &mut dyn FnMut(&ClientReport),
 ) -> Result<(), Error> {
-    let endpoint = Endpoint::tcp_with(addr, options.clone());
-    let mut lp = Loop::new(domain, store, Some((addr.ip(), options)))?;
-    lp.run(Some(&endpoint), stop, gone)
+    serve_endpoint(domain, &Endpoint::tcp_with(addr, options), store, stop, gone)
 }
 
 fn request_setup() -> ChannelSetup {
@@ -132,11 +132,10 @@ fn request_setup() -> ChannelSetup {
 }
 
 /// Where read-data channels listen, and with what options: the address
-/// of a TCP endpoint (with the default options; [`serve_tcp`] gives its
-/// own).
+/// and the options (its security among them) of a TCP endpoint.
 fn data_ip(endpoint: &Endpoint) -> Option<(IpAddr, NetOptions)> {
     match endpoint {
-        Endpoint::Net(ep) => Some((ep.addr().ip(), NetOptions::default())),
+        Endpoint::Net(ep) => Some((ep.addr().ip(), ep.options().clone())),
         _ => None,
     }
 }

@@ -571,3 +571,74 @@ fn pipelined_requests_through_tls_are_all_answered() {
     assert!(line.contains("(TLS) disconnected (NBD_CMD_DISC)") && line.contains("200 reads"), "{line}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Ferry's own block protocol with TLS given in a TCP endpoint alone
+/// (`serve_endpoint`, `BlockClient::connect`): both sides take the
+/// endpoint's security for the read-data channel too. Each of them is
+/// also paired with the form that is given its options
+/// (`serve_tcp`, `BlockClient::connect_tcp`), whose read-data channel is
+/// TLS whatever the other side does: a plain read-data channel on the
+/// endpoint side would not connect to it, so reads coming back prove
+/// that channel encrypted.
+#[test]
+fn tls_endpoints_give_the_read_data_channel_their_security() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use ferry::tls::{Security, TlsConfig};
+    use ferry::{Domain, Endpoint, NetOptions};
+    use ferry_block::{BlockClient, MemStore};
+
+    let dir = scratch("endpoint");
+    let pki = certificates(&dir.join("pki"));
+    let tls = Arc::new(TlsConfig::from_dir(&pki, "127.0.0.1").unwrap());
+    let options = NetOptions::default().with_security(Security::Tls(tls));
+    let limit = Duration::from_secs(20);
+    for (server_by_endpoint, client_by_endpoint) in [(true, true), (true, false), (false, true)] {
+        let case = format!("server by endpoint {server_by_endpoint}, client by endpoint {client_by_endpoint}");
+        let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let server = {
+            let (stop, options) = (stop.clone(), options.clone());
+            std::thread::spawn(move || {
+                let store = MemStore::new(8 << 20).unwrap();
+                let domain = Domain::new("server");
+                let stop = || stop.load(Ordering::Relaxed);
+                if server_by_endpoint {
+                    let ep = Endpoint::tcp_with(addr, options);
+                    ferry_block::serve_endpoint(&domain, &ep, &store, &stop, &mut |_| {})
+                } else {
+                    ferry_block::serve_tcp(&domain, addr, options, &store, &stop, &mut |_| {})
+                }
+            })
+        };
+        let t0 = Instant::now();
+        let mut client = loop {
+            let domain = Domain::new("app");
+            let c = if client_by_endpoint {
+                BlockClient::connect(&domain, &Endpoint::tcp_with(addr, options.clone()), 4, 64 << 10, limit)
+            } else {
+                BlockClient::connect_tcp(&domain, addr, options.clone(), 4, 64 << 10, limit)
+            };
+            match c {
+                Ok(c) => break c,
+                // The server thread may not listen yet.
+                Err(ferry_block::Error::Ferry(e))
+                    if e == ferry::ErrorKind::EndpointNotListening && t0.elapsed() < limit =>
+                {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => panic!("{case}: the TLS client does not connect: {e}"),
+            }
+        };
+        assert!(client.has_data_channel(), "{case}");
+        let data: Vec<u8> = (0..256u32 << 10).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        client.write(1 << 20, &data).unwrap_or_else(|e| panic!("{case}: write: {e}"));
+        let mut back = vec![0u8; data.len()];
+        client.read(1 << 20, &mut back).unwrap_or_else(|e| panic!("{case}: read: {e}"));
+        assert!(back == data, "{case}: reads come back through the read-data channel as written");
+        drop(client);
+        stop.store(true, Ordering::Relaxed);
+        server.join().unwrap().unwrap_or_else(|e| panic!("{case}: the server failed: {e}"));
+    }
+}

@@ -1,8 +1,9 @@
 //! TLS on TCP channels and sessions: data both ways with every byte
 //! checked, a man in the middle who flips one byte, clients that must be
 //! refused (no certificate, another CA's, plain text) while the listening
-//! side goes on serving, the non-loopback rule, and the configuration
-//! loader's errors. Real sockets on loopback, certificates made here.
+//! side goes on serving, a sender whose socket fills while TLS holds
+//! ciphertext (woken when it drains), the non-loopback rule, and the
+//! configuration loader's errors. Real sockets on loopback, certificates made here.
 
 mod support;
 
@@ -473,4 +474,166 @@ fn stalled_handshakes_do_not_keep_a_good_client_out() {
     finish(tx);
     assert_eq!(sink.join().unwrap(), (3, None));
     drop(stalled);
+}
+
+/// Buffers of the socket-filling tests: more than the kernel's buffers on
+/// both sides of the proxy hold, so that the sender's socket fills.
+const FILL_BUFFERS: u64 = 96;
+const FILL_SIZE: usize = 256 << 10;
+
+/// Options for the socket-filling tests: the peer sends nothing back for a
+/// while, which must not count as a dead peer.
+fn patient(pki: &Pki) -> NetOptions {
+    let mut options = pki.options();
+    options.peer_timeout = Duration::from_secs(60);
+    options
+}
+
+/// The sink of the socket-filling tests: takes the pool, checks and keeps
+/// every buffer until it has all `total`, says so on `all_in`, then
+/// passes each back with `seq + 1` written into it and runs until the
+/// channel closes.
+fn hold_then_echo(mut rx: Channel, total: u64, all_in: std::sync::mpsc::Sender<()>) -> (u64, Option<Error>) {
+    let mut held = Vec::new();
+    loop {
+        match rx.wait(Some(Duration::from_secs(60))) {
+            Ok(Event::Bound) => {}
+            Ok(Event::PoolAssignRequest(req)) => rx.respond_pool(req.pool, true).unwrap(),
+            Ok(Event::MoveReceived { buffer, meta }) => {
+                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                assert!(check(&buffer, seq), "buffer {seq} arrived with other bytes than were sent");
+                held.push((buffer, meta));
+                if held.len() as u64 == total {
+                    let _ = all_in.send(());
+                    for (mut buffer, meta) in held.drain(..) {
+                        let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                        fill(buffer.as_mut_slice().unwrap(), seq + 1);
+                        rx.pass(buffer, &meta).unwrap();
+                    }
+                }
+            }
+            Ok(Event::Closed { .. }) => return (total, None),
+            Ok(Event::Error(e)) => return (held.len() as u64, Some(e)),
+            Ok(ev) => panic!("sink: unexpected {ev:?}"),
+            Err(_) => panic!("sink: no event within a minute"),
+        }
+    }
+}
+
+/// The next event of `ch` as an event loop gets it: `poll`, and when
+/// there is none, `arm` and sleep in poll(2) on the channel's fd until it
+/// is readable or `until` (`None`): nothing but the channel's own wake-up
+/// ends the sleep.
+fn next_from_fd(ch: &mut Channel, until: Instant) -> Option<Event> {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    loop {
+        if let Some(ev) = ch.poll() {
+            return Some(ev);
+        }
+        if ch.arm() {
+            let left = until.checked_duration_since(Instant::now())?;
+            let timeout = Timespec { tv_sec: left.as_secs() as _, tv_nsec: left.subsec_nanos() as _ };
+            let mut fds = [PollFd::new(&*ch, PollFlags::IN)];
+            match poll(&mut fds, Some(&timeout)) {
+                Ok(0) => return None,
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => panic!("poll: {e}"),
+            }
+        }
+    }
+}
+
+/// The source `tx` (bound through `proxy`, its sink `hold_then_echo`)
+/// sends `FILL_BUFFERS` while the proxy does not read what it sends, so
+/// the socket fills with ciphertext and TLS holds more; then the proxy
+/// reads again, slowly, and passes nothing the other way, so only the
+/// socket draining can wake the source, and the last frames are taken by
+/// TLS while the socket is still full. Every buffer must reach the sink then
+/// (the source asleep in poll(2) on its fd, woken by nothing else), and
+/// come back with its bytes.
+fn send_into_a_full_socket(
+    tx: &mut Channel,
+    domain: &Domain,
+    proxy: &Arc<FaultProxy>,
+    all_in: std::sync::mpsc::Receiver<()>,
+) {
+    let alloc = Allocator::new(domain, FILL_BUFFERS, FILL_SIZE, PoolConstraints::default()).unwrap();
+    assign(tx, &alloc);
+    proxy.set(Fault::StopReading { towards_server: false });
+    for seq in 0..FILL_BUFFERS {
+        let mut b = alloc.alloc().unwrap();
+        fill(b.as_mut_slice().unwrap(), seq);
+        tx.move_buffer(b, &seq.to_le_bytes()).unwrap();
+    }
+    let _ = tx.flush();
+    let controller = {
+        let proxy = proxy.clone();
+        std::thread::spawn(move || {
+            // The peer reads nothing for a while (the source sleeps meanwhile)...
+            std::thread::sleep(Duration::from_millis(300));
+            // ... then reads slowly (the socket stays nearly full), and
+            // nothing reaches the source.
+            proxy.set(Fault::Trickle { towards_server: false, delay: Duration::from_millis(2) });
+            let drained = all_in.recv_timeout(Duration::from_secs(20)).is_ok();
+            proxy.set(Fault::None);
+            drained
+        })
+    };
+    let sent = tx.link_stats().expect("counters").payload_sent;
+    assert!(sent < FILL_BUFFERS * FILL_SIZE as u64, "the socket never filled: {sent} bytes went out at once");
+    let until = Instant::now() + Duration::from_secs(40);
+    let mut back = 0;
+    while back < FILL_BUFFERS {
+        match next_from_fd(tx, until) {
+            Some(Event::BufferPassed { buffer, meta }) => {
+                let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
+                assert!(check(&buffer, seq + 1), "buffer {seq} came back with the wrong bytes");
+                back += 1;
+            }
+            ev => panic!("source: {ev:?} with {back} buffers back (state {:?})", tx.state()),
+        }
+    }
+    assert!(controller.join().unwrap(), "the source stalled: its data did not reach the sink while the socket drained");
+}
+
+#[test]
+fn ciphertext_held_for_a_full_socket_goes_out_when_it_drains() {
+    let pki = Pki::new();
+    let src = Domain::new("src");
+    let setup = ChannelSetup { direction: Direction::Tx, role: Role::Master, ..ChannelSetup::default() };
+    let mut tx = Channel::create(&src, &Endpoint::tcp_with(loopback(), patient(&pki)), setup).unwrap();
+    let proxy = Arc::new(FaultProxy::start(tx.listen_addr().unwrap()).unwrap());
+    let (at, options) = (proxy.addr(), patient(&pki));
+    let (all_in, drained) = std::sync::mpsc::channel();
+    let sink = std::thread::spawn(move || {
+        let rx = Channel::bind(&Domain::new("sink"), &Endpoint::tcp_with(at, options), BindParams::default());
+        hold_then_echo(rx.unwrap(), FILL_BUFFERS, all_in)
+    });
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    send_into_a_full_socket(&mut tx, &src, &proxy, drained);
+    finish(tx);
+    assert_eq!(sink.join().unwrap(), (FILL_BUFFERS, None));
+}
+
+#[test]
+fn ciphertext_held_for_a_full_socket_goes_out_when_it_drains_on_a_session() {
+    let pki = Pki::new();
+    let mut listener = MuxListener::bind(loopback(), patient(&pki)).unwrap();
+    let proxy = Arc::new(FaultProxy::start(listener.local_addr().unwrap()).unwrap());
+    let (at, options) = (proxy.addr(), patient(&pki));
+    let (all_in, drained) = std::sync::mpsc::channel();
+    let sink = std::thread::spawn(move || {
+        let session = MuxSession::connect(at, options, T).unwrap();
+        let rx = Channel::connect(&Domain::new("sink"), &session.endpoint(1), BindParams::default(), T).unwrap();
+        hold_then_echo(rx, FILL_BUFFERS, all_in)
+    });
+    let session = listener.accept(T).unwrap();
+    // The socket, not the peer's read reports, bounds what goes out.
+    session.set_bulk_budget(usize::MAX);
+    let src = Domain::new("src");
+    let setup = ChannelSetup { direction: Direction::Tx, role: Role::Master, ..ChannelSetup::default() };
+    let mut tx = Channel::accept(&src, &session.endpoint(1), setup, T).unwrap();
+    send_into_a_full_socket(&mut tx, &src, &proxy, drained);
+    finish(tx);
+    assert_eq!(sink.join().unwrap(), (FILL_BUFFERS, None));
 }

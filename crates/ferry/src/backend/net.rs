@@ -221,6 +221,13 @@ impl NetEndpoint {
         self.addr
     }
 
+    /// The options, its security among them: what a program gives a
+    /// further connection to the same peer (a second channel) so that it
+    /// is protected as this one is.
+    pub fn options(&self) -> &NetOptions {
+        &self.options
+    }
+
     pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
         self.options.security.check_address(self.addr)?;
         if let Some(c) = self.options.security.tls() {
@@ -1267,7 +1274,10 @@ pub(crate) fn configure_liveness(stream: &TcpStream, timeout: Duration) {
 
 #[cfg(test)]
 mod tests {
+    use std::io::Read;
+
     use super::*;
+    use crate::tls::testing;
 
     #[test]
     fn keepalives_go_out_for_the_shorter_timeout_within_bounds() {
@@ -1284,5 +1294,47 @@ mod tests {
         assert_eq!(usize::from(u16::from_le_bytes([framed[0], framed[1]])), framed.len() - 2);
         assert_eq!(unframed(&framed[2..]), Ok((&b"FRY1\x03\x00"[..], Duration::from_millis(1234))));
         assert!(unframed(&[1, 2, 3]).is_err(), "shorter than the timeout");
+    }
+
+    /// Ciphertext TLS took for the last queued frame and could not write
+    /// (the socket is full): with no frame queued the link still watches
+    /// for writability, and the ciphertext goes out once the peer reads.
+    #[test]
+    fn ciphertext_held_by_tls_alone_keeps_the_link_watching_for_writability() {
+        let ((stream, tls), (mut peer, _)) = testing::pair(TLS_SEND_LIMIT);
+        // Small buffers: the socket fills after a few frames.
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream.as_fd(), 4096);
+        let _ = rustix::net::sockopt::set_socket_recv_buffer_size(peer.as_fd(), 4096);
+        let mut link =
+            NetLink::new(stream, Some(Box::new(tls)), 0, 1024, NetOptions::default(), Duration::from_secs(10)).unwrap();
+        let wake = WakeSet::new().unwrap();
+        Link::register(&mut link, &wake).unwrap();
+        let mut held = false;
+        for _ in 0..100_000 {
+            link.queue_control(TYPE_KEEPALIVE).unwrap();
+            NetLink::flush(&mut link).unwrap();
+            if link.out.is_empty() && link.tls.as_ref().is_some_and(|t| t.wants_write()) {
+                held = true;
+                break;
+            }
+        }
+        assert!(held, "the socket never filled with the last frame's ciphertext");
+        assert!(matches!(Link::arm(&mut link, &wake), Arm::Sleep { .. }));
+        assert_eq!(
+            link.interest,
+            Interest::ReadWrite,
+            "TLS holds ciphertext: the link must wake when the socket drains"
+        );
+        let mut sink = vec![0u8; 64 << 10];
+        loop {
+            match peer.read(&mut sink) {
+                Ok(n) => assert!(n > 0, "the link closed the connection"),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("peer: {e}"),
+            }
+        }
+        assert!(wake.wait(Duration::from_secs(10)), "the drained socket did not wake the link");
+        NetLink::flush(&mut link).unwrap();
+        assert!(!link.unsent(), "the held ciphertext went out");
     }
 }

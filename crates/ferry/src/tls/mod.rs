@@ -72,6 +72,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
 use crate::error::{Error, Result};
 
+#[cfg(all(test, not(loom)))]
+pub(crate) use session::testing;
 #[cfg(not(loom))]
 pub(crate) use session::{failure, TlsSession};
 

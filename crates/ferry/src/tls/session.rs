@@ -241,3 +241,85 @@ impl TlsSession {
         let _ = self.flush(fd);
     }
 }
+
+/// TLS connections for the backends' unit tests: test certificates, and
+/// a handshaken pair over loopback TCP.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsFd;
+    use std::time::{Duration, Instant};
+
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose,
+    };
+
+    use super::TlsSession;
+    use crate::sys::RecvPart;
+    use crate::tls::TlsConfig;
+
+    /// A CA and a server pair for 127.0.0.1 and a client pair it signed,
+    /// loaded as Ferry loads them.
+    pub(crate) fn config() -> TlsConfig {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+        let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+        let dir = std::env::temp_dir().join(format!("ferry-unit-tls-{}-{:?}", std::process::id(), Instant::now()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(super::super::CA_CERT), ca.pem()).unwrap();
+        for (names, usage, cert, key) in [
+            (
+                vec!["127.0.0.1".to_owned()],
+                ExtendedKeyUsagePurpose::ServerAuth,
+                super::super::SERVER_CERT,
+                super::super::SERVER_KEY,
+            ),
+            (
+                vec!["client".to_owned()],
+                ExtendedKeyUsagePurpose::ClientAuth,
+                super::super::CLIENT_CERT,
+                super::super::CLIENT_KEY,
+            ),
+        ] {
+            let mut params = CertificateParams::new(names).unwrap();
+            params.extended_key_usages = vec![usage];
+            params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+            let pair = KeyPair::generate().unwrap();
+            std::fs::write(dir.join(cert), params.signed_by(&pair, &ca).unwrap().pem()).unwrap();
+            std::fs::write(dir.join(key), pair.serialize_pem()).unwrap();
+        }
+        let config = TlsConfig::from_dir(&dir, "127.0.0.1");
+        let _ = std::fs::remove_dir_all(&dir);
+        config.unwrap()
+    }
+
+    /// Two non-blocking loopback sockets, the accepting one's TLS server
+    /// end and the connecting one's client end, with the handshake done
+    /// (at most `send_limit` bytes of ciphertext wait in each).
+    pub(crate) fn pair(send_limit: usize) -> ((TcpStream, TlsSession), (TcpStream, TlsSession)) {
+        let config = config();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        for s in [&server, &client] {
+            s.set_nonblocking(true).unwrap();
+        }
+        let mut server_tls = TlsSession::server(&config, send_limit).unwrap();
+        let mut client_tls = TlsSession::client(&config, send_limit).unwrap();
+        client_tls.flush(client.as_fd()).unwrap();
+        let until = Instant::now() + Duration::from_secs(10);
+        while server_tls.ended_in_handshake().is_some() || client_tls.ended_in_handshake().is_some() {
+            assert!(Instant::now() < until, "no TLS handshake within 10 s");
+            for (sock, tls) in [(&server, &mut server_tls), (&client, &mut client_tls)] {
+                let mut byte = [0u8];
+                match tls.recv_parts(sock.as_fd(), &mut [RecvPart::slice(&mut byte)]) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    other => panic!("during the handshake: {other:?}"),
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        ((server, server_tls), (client, client_tls))
+    }
+}

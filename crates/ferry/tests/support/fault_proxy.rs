@@ -61,6 +61,15 @@ pub enum Fault {
         /// `true`: the client → server direction stalls; `false`: the server → client direction stalls.
         towards_server: bool,
     },
+    /// Forward one direction only, one chunk (up to 64 KiB) per `delay` at most, and read nothing from the
+    /// other side (as `StopReading`): a slow reader whose peer's answers are held back, so that the sender
+    /// of the trickling direction has nothing but its socket draining to wake it.
+    Trickle {
+        /// `true`: client → server trickles and server → client stalls; `false`: the reverse.
+        towards_server: bool,
+        /// How long each chunk is held after it was read.
+        delay: Duration,
+    },
     /// Hold each forwarded chunk (in both directions) until this long after the proxy read it. A
     /// direction forwards one chunk at a time, so this also limits throughput to about one chunk (up to
     /// 64 KiB) per delay.
@@ -418,7 +427,9 @@ fn pump(shared: &Shared, conn: &Conn, dir: Dir) {
             _ => {}
         }
         if pending == 0 {
-            if fault == (Fault::StopReading { towards_server: dir.towards_server() }) {
+            let trickle_stalled =
+                matches!(fault, Fault::Trickle { towards_server, .. } if towards_server != dir.towards_server());
+            if trickle_stalled || fault == (Fault::StopReading { towards_server: dir.towards_server() }) {
                 thread::sleep(POLL);
                 continue;
             }
@@ -444,7 +455,12 @@ fn pump(shared: &Shared, conn: &Conn, dir: Dir) {
             // Look at the fault again (it may have changed while the read was waiting) before forwarding.
             continue;
         }
-        if let Fault::Delay(delay) = fault {
+        let delay = match fault {
+            Fault::Delay(delay) => Some(delay),
+            Fault::Trickle { towards_server, delay } if towards_server == dir.towards_server() => Some(delay),
+            _ => None,
+        };
+        if let Some(delay) = delay {
             let now = Instant::now();
             let due = received_at + delay;
             if now < due {

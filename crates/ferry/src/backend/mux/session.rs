@@ -746,4 +746,56 @@ mod tests {
         assert!(inner.check().is_ok(), "the session goes on");
         assert!(!inner.chans.contains_key(&7), "the number is free again");
     }
+
+    /// Ciphertext TLS took for the last queued frame and could not write
+    /// (the socket is full): with no frame queued the session still
+    /// watches its socket for writability, and the ciphertext goes out once
+    /// the peer reads.
+    #[test]
+    fn ciphertext_held_by_tls_alone_keeps_the_session_watching_for_writability() {
+        use std::os::fd::AsFd;
+
+        use super::super::codec::K_KEEPALIVE;
+        use super::super::TLS_SEND_LIMIT;
+        use super::Inner;
+        use crate::backend::NetOptions;
+        use crate::tls::testing;
+        use crate::wake::{Interest, WakeSet};
+
+        let ((stream, tls), (mut peer, _)) = testing::pair(TLS_SEND_LIMIT);
+        // Small buffers: the socket fills after a few frames.
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream.as_fd(), 4096);
+        let _ = rustix::net::sockopt::set_socket_recv_buffer_size(peer.as_fd(), 4096);
+        let mut inner =
+            Inner::new(stream, Some(Box::new(tls)), NetOptions::default(), Duration::from_secs(10)).unwrap();
+        let mut held = false;
+        for _ in 0..100_000 {
+            inner.queue_ctrl(K_KEEPALIVE, 0, Vec::new(), 0).unwrap();
+            inner.pump_write().unwrap();
+            if inner.wire.is_empty() && inner.ctrl.is_empty() && inner.tls_unsent() {
+                held = true;
+                break;
+            }
+        }
+        assert!(held, "the socket never filled with the last frame's ciphertext");
+        let wake = WakeSet::new().unwrap();
+        let mut watching = None;
+        assert!(inner.arm_socket(&wake, &mut watching).is_some());
+        assert_eq!(
+            watching,
+            Some(Interest::ReadWrite),
+            "TLS holds ciphertext: the session must wake when the socket drains"
+        );
+        let mut sink = vec![0u8; 64 << 10];
+        loop {
+            match peer.read(&mut sink) {
+                Ok(n) => assert!(n > 0, "the session closed the connection"),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("peer: {e}"),
+            }
+        }
+        assert!(wake.wait(Duration::from_secs(10)), "the drained socket did not wake the session");
+        inner.pump_write().unwrap();
+        assert!(!inner.tls_unsent(), "the held ciphertext went out");
+    }
 }
