@@ -314,7 +314,7 @@ impl Channel {
     }
 
     /// Send an aggregate as one unit: the peer receives one
-    /// [`Event::Aggregate`] with the same fragments over its own handles
+    /// [`Event::Aggregate`](super::Event::Aggregate) with the same fragments over its own handles
     /// of the buffers.
     ///
     /// Each distinct buffer crosses once, however many fragments refer to
