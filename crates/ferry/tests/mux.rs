@@ -14,7 +14,7 @@ use ferry::{
 };
 
 use support::payload::{check, fill, wait_exit};
-use support::scenarios::{copy_resent_after_a_discarded_one, Triangle};
+use support::scenarios::{copy_resent_after_a_discarded_one, idle_then_move, Triangle};
 
 const T: Duration = Duration::from_secs(10);
 const SIZE: usize = 64 << 10;
@@ -1128,7 +1128,6 @@ fn a_bind_that_gave_up_or_was_refused_leaves_the_session_usable() {
 /// timeouts, and data still flows after.
 #[test]
 fn session_keepalives_follow_the_shorter_peer_timeout() {
-    const IDLE: Duration = Duration::from_secs(3);
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let long = std::thread::spawn(move || MuxSession::connect(addr, NetOptions::default(), T).unwrap());
@@ -1139,28 +1138,7 @@ fn session_keepalives_follow_the_shorter_peer_timeout() {
     let (mut tx, mut rx) = (txs.remove(0), rxs.remove(0));
     let alloc = Allocator::new(&a, 2, SIZE, PoolConstraints::default()).unwrap();
     assign_pair(&mut tx, &mut rx, &alloc);
-    let (idled, sink_idled) = std::sync::mpsc::channel();
-    let sink = std::thread::spawn(move || {
-        // Idle: only keep-alives go out, from within the wait.
-        let idle = rx.wait(Some(IDLE));
-        assert_eq!(idle.unwrap_err(), ferry::WaitError::TimedOut, "the long-timeout end saw an event while idle");
-        idled.send(()).unwrap();
-        match next(&mut rx) {
-            Event::MoveReceived { buffer, .. } => assert!(check(&buffer, 9)),
-            ev => panic!("expected the move after the idle time, got {ev:?}"),
-        }
-    });
-    let idle = tx.wait(Some(IDLE));
-    assert!(
-        matches!(idle, Err(ferry::WaitError::TimedOut)),
-        "the short-timeout end saw {idle:?} while idle: the peer's keep-alives were too rare"
-    );
-    sink_idled.recv().expect("the sink stayed up while idle");
-    let mut buf = alloc.alloc().unwrap();
-    fill(buf.as_mut_slice().unwrap(), 9);
-    tx.move_buffer(buf, &9u64.to_le_bytes()).unwrap();
-    tx.flush().unwrap();
-    sink.join().unwrap();
+    idle_then_move(&mut tx, rx, &alloc, Duration::from_secs(3));
 }
 
 /// A channel whose queue is full sleeps on its fd until room comes. When

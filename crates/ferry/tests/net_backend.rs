@@ -274,12 +274,10 @@ fn refused_bind_then_success() {
 /// several of the short timeouts, and data still flows after.
 #[test]
 fn keepalives_follow_the_shorter_peer_timeout() {
-    const IDLE: Duration = Duration::from_secs(3);
     let short = NetOptions::with_peer_timeout(Duration::from_secs(1));
     let src = Domain::new("short timeout");
     let alloc = Allocator::new(&src, 2, SIZE, PoolConstraints::default()).unwrap();
     let (mut tx, addr) = listen(&src, loopback(), TrustLevel::Full, short);
-    let (idled, sink_idled) = std::sync::mpsc::channel();
     let sink = std::thread::spawn(move || {
         // The default peer timeout: 10 s.
         let d = Domain::new("long timeout");
@@ -289,28 +287,14 @@ fn keepalives_follow_the_shorter_peer_timeout() {
             Event::PoolAssignRequest(req) => rx.respond_pool(req.pool, true).unwrap(),
             ev => panic!("expected the pool offer, got {ev:?}"),
         }
-        // Idle: only keep-alives go out, from within the wait.
-        let idle = rx.wait(Some(IDLE));
-        assert!(matches!(idle, Err(ferry::WaitError::TimedOut)), "the long-timeout end saw {idle:?} while idle");
-        idled.send(()).unwrap();
-        match next(&mut rx) {
-            Event::MoveReceived { buffer, meta } => assert!(check(&buffer, seq_of(&meta))),
-            ev => panic!("expected the move after the idle time, got {ev:?}"),
-        }
+        // The answer goes out now, not with the next wait.
+        rx.flush().unwrap();
+        rx
     });
     tx.wait_connected(T).unwrap();
     assign(&mut tx, &alloc);
-    let idle = tx.wait(Some(IDLE));
-    assert!(
-        matches!(idle, Err(ferry::WaitError::TimedOut)),
-        "the short-timeout end saw {idle:?} while idle: the peer's keep-alives were too rare"
-    );
-    sink_idled.recv().expect("the sink stayed up while idle");
-    let mut buf = alloc.alloc().unwrap();
-    fill(buf.as_mut_slice().unwrap(), 7);
-    tx.move_buffer(buf, &7u64.to_le_bytes()).unwrap();
-    tx.flush().unwrap();
-    sink.join().unwrap();
+    let rx = sink.join().unwrap();
+    support::scenarios::idle_then_move(&mut tx, rx, &alloc, Duration::from_secs(3));
 }
 
 // ------------------------------------------------------------ hostile peer

@@ -69,3 +69,36 @@ pub fn copy_resent_after_a_discarded_one(alloc: &Allocator, t: &mut Triangle) {
     assert!(matches!(t.a_c.wait(Some(WAIT)), Ok(Event::CopyReleased { writable: true, .. })));
     assert!(buf.as_mut_slice().is_ok(), "A's buffer is writable once every copy is back");
 }
+
+/// Two connected ends, `tx`'s pool (`alloc`) assigned, whose peer timeouts
+/// differ: both stay idle for `idle`, longer than the shorter timeout, and
+/// must see no event (the keep-alives that keep them up are not events);
+/// then a move made after the idle time still arrives intact.
+pub fn idle_then_move(tx: &mut Channel, mut rx: Channel, alloc: &Allocator, idle: Duration) {
+    const SEQ: u64 = 7;
+    let (idled, sink_idled) = std::sync::mpsc::channel();
+    let sink = std::thread::spawn(move || {
+        // Idle: only keep-alives go out, from within the wait.
+        let seen = rx.wait(Some(idle));
+        assert!(matches!(seen, Err(ferry::WaitError::TimedOut)), "the long-timeout end saw {seen:?} while idle");
+        idled.send(()).unwrap();
+        match rx.wait(Some(WAIT)) {
+            Ok(Event::MoveReceived { buffer, meta }) => {
+                assert_eq!(&meta[..], &SEQ.to_le_bytes()[..]);
+                assert!(check(&buffer, SEQ), "the bytes moved after the idle time");
+            }
+            ev => panic!("expected the move after the idle time, got {ev:?}"),
+        }
+    });
+    let seen = tx.wait(Some(idle));
+    assert!(
+        matches!(seen, Err(ferry::WaitError::TimedOut)),
+        "the short-timeout end saw {seen:?} while idle: the peer's keep-alives were too rare"
+    );
+    sink_idled.recv().expect("the sink stayed up while idle");
+    let mut buf = alloc.alloc().unwrap();
+    fill(buf.as_mut_slice().unwrap(), SEQ);
+    tx.move_buffer(buf, &SEQ.to_le_bytes()).unwrap();
+    tx.flush().unwrap();
+    sink.join().unwrap();
+}
