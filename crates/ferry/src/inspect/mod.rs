@@ -5,14 +5,14 @@
 //! [`Pool::stats`](crate::Pool::stats) return the counters of a channel end
 //! and what a domain holds of its pools.
 //!
-//! Outside: every process that uses Ferry publishes its domains, channels
-//! and pools with their counters in a small file of its own in a per-user
-//! directory ([`registry_dir`]), rewritten a few times a second by a
-//! thread of the library and removed when the process exits. `ferry
-//! inspect` reads them ([`read_all`]). `FERRY_INSPECT=0` in the
-//! environment turns the registry off (nothing is written); failing to
-//! create it never fails the process (the reason is printed once on
-//! stderr). docs/INSPECT.md says what each counter means.
+//! Outside: every process that has a Ferry channel publishes its domains,
+//! channels and pools with their counters in a small file of its own in a
+//! per-user directory ([`registry_dir`]), rewritten a few times a second by
+//! a thread of the library (started with the first channel) and removed
+//! when the process exits. `ferry inspect` reads them ([`read_all`]).
+//! `FERRY_INSPECT=0` in the environment turns the registry off (nothing is
+//! written); failing to create it never fails the process (the reason is
+//! printed once on stderr). docs/INSPECT.md says what each counter means.
 //!
 //! The counters are plain relaxed atomics that only the channel end's
 //! thread writes (a load and a store, no locked instruction), so they cost
@@ -289,7 +289,8 @@ impl ChanEntry {
     }
 }
 
-/// Add a new domain to the registry (no-op when it is off).
+/// Add a new domain to the registry (no-op when it is off); published
+/// once the process has a channel.
 pub(crate) fn register_domain(domain: &std::sync::Arc<crate::domain::DomainShared>) {
     #[cfg(not(loom))]
     registry::register_domain(domain);
@@ -297,7 +298,8 @@ pub(crate) fn register_domain(domain: &std::sync::Arc<crate::domain::DomainShare
     let _ = domain;
 }
 
-/// Add a new channel end to the registry (no-op when it is off).
+/// Add a new channel end to the registry, starting the registry's file
+/// and thread at the first (no-op when it is off).
 pub(crate) fn register_channel(entry: &std::sync::Arc<ChanEntry>) {
     #[cfg(not(loom))]
     registry::register_channel(entry);
