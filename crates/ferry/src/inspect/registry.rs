@@ -23,7 +23,7 @@ use std::fs::File;
 use std::io::{self, Read, Seek};
 use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -220,15 +220,17 @@ impl Registry {
         let start_time = proc_stat(pid).map_or(0, |(_, t)| t);
         let name = std::fs::read_to_string("/proc/self/comm").map(|s| s.trim_end().to_owned()).unwrap_or_default();
         let _ = self.exit_path.set(path.clone());
-        static AT_EXIT: std::sync::Once = std::sync::Once::new();
-        AT_EXIT.call_once(|| {
+        // A flag, not a `Once`: a child forked while its parent was
+        // registering would wait on the `Once` forever.
+        static AT_EXIT: AtomicBool = AtomicBool::new(false);
+        if !AT_EXIT.swap(true, Ordering::AcqRel) {
             // SAFETY: `remove_at_exit` is an `extern "C" fn()` that never
             // unwinds (it catches everything, takes no lock and only
             // removes a file); atexit only stores the pointer.
             unsafe {
                 libc::atexit(remove_at_exit);
             }
-        });
+        }
         let published = Published { file: Arc::new(file), start_time, name };
         // A first snapshot at once, empty: a reader never finds the file
         // without one.
