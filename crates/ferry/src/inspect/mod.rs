@@ -73,8 +73,10 @@ pub struct ChannelStats {
     pub bytes_received: u64,
     /// Messages the outgoing queue holds at most.
     pub queue_capacity: u32,
-    /// Messages in the outgoing queue, not yet taken by the peer, when last
-    /// sampled (every 64 operations of a kind sent, and whenever the end prepares to sleep).
+    /// Messages in the outgoing queue, not yet taken by the peer (over TCP
+    /// or a session: not yet written to the connection), when last sampled
+    /// (every 64 operations of a kind sent, and whenever the end prepares
+    /// to sleep).
     pub queue_depth: u32,
     /// The most messages seen in the outgoing queue (the capacity once a
     /// send found it full).
