@@ -160,3 +160,164 @@ fn this_process_registry_file_holds_its_channels() {
     let d = snap.domains.iter().find(|d| d.name == "registry-a").unwrap();
     assert!(d.channels.is_empty());
 }
+
+// ------------------------------------------- the registry in processes of its own
+
+/// Run the ignored test `name` of this binary as a process of its own,
+/// publishing in a fresh registry directory, and check that it succeeds
+/// within `limit` (killed and failed after).
+fn run_alone(name: &str, limit: Duration) {
+    let dir = std::env::temp_dir().join(format!("ferry-inspect-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--ignored", "--nocapture", "--test-threads=1"])
+        .env("FERRY_INSPECT_DIR", &dir)
+        .env_remove("FERRY_INSPECT")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("run the test binary again");
+    let deadline = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = std::fs::remove_dir_all(&dir);
+            panic!("{name} did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(status.success(), "{name}: {status}");
+}
+
+/// Whether a thread of this process is the registry's.
+fn registry_thread_runs() -> bool {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .any(|t| std::fs::read_to_string(t.unwrap().path().join("comm")).is_ok_and(|c| c.trim_end() == "ferry-inspect"))
+}
+
+#[test]
+fn the_registry_starts_with_the_first_channel_not_with_buffers() {
+    if std::env::var_os("FERRY_INSPECT").is_some_and(|v| v == "0") {
+        return;
+    }
+    run_alone("registry_start_child", Duration::from_secs(120));
+}
+
+/// A process that only uses domains, pools and buffers runs no registry
+/// thread and writes no file; its first channel starts both.
+#[test]
+#[ignore = "run as a process of its own by the_registry_starts_with_the_first_channel_not_with_buffers"]
+fn registry_start_child() {
+    let path = inspect::registry_dir().join(format!("{}.ferry", std::process::id()));
+    let (a, b) = (Domain::new("buffers-a"), Domain::new("buffers-b"));
+    let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default()).unwrap();
+    let mut buf = alloc.alloc().unwrap();
+    buf.as_mut_slice().unwrap()[0] = 1;
+    drop(buf);
+    assert_eq!(alloc.pool().stats().free, 4);
+    assert!(!registry_thread_runs(), "a registry thread without a channel");
+    assert!(!path.exists(), "a registry file without a channel");
+    assert!(!inspect::publish_now());
+
+    let (mut tx, mut rx) = pair(&a, &b, 4);
+    assign(&mut tx, &mut rx, &alloc);
+    // The thread names itself once it runs.
+    let deadline = std::time::Instant::now() + T;
+    while !registry_thread_runs() {
+        assert!(std::time::Instant::now() < deadline, "no registry thread after the first channel");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(inspect::publish_now());
+    let snap = inspect::read_file(&path).expect("the registry file");
+    let names: Vec<&str> = snap.domains.iter().map(|d| d.name.as_str()).collect();
+    assert!(names.contains(&"buffers-a") && names.contains(&"buffers-b"), "{names:?}");
+}
+
+#[test]
+fn a_forked_child_is_not_held_by_the_registry_of_its_parent() {
+    if std::env::var_os("FERRY_INSPECT").is_some_and(|v| v == "0") {
+        return;
+    }
+    run_alone("fork_child", Duration::from_secs(300));
+}
+
+/// Forks while the registry's thread and another thread publish without
+/// pause (each holds the registry's locks much of the time): every child
+/// makes a domain and a channel, which must not wait on a lock a thread of
+/// its parent held at the fork (the child has no such thread to release
+/// it).
+#[test]
+#[ignore = "run as a process of its own by a_forked_child_is_not_held_by_the_registry_of_its_parent"]
+fn fork_child() {
+    const FORKS: usize = 100;
+    const CHILD_LIMIT: Duration = Duration::from_secs(20);
+    let (a, b) = (Domain::new("parent-a"), Domain::new("parent-b"));
+    let alloc = Allocator::new(&a, 4, 4096, PoolConstraints::default()).unwrap();
+    let mut pairs: Vec<(Channel, Channel)> = (0..20).map(|_| pair(&a, &b, 4)).collect();
+    let (tx, rx) = &mut pairs[0];
+    assign(tx, rx, &alloc);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                assert!(inspect::publish_now());
+            }
+        })
+    };
+    for n in 0..FORKS {
+        // SAFETY: the child runs only `forked_work` (no lock it shares
+        // with the parent's threads is the point of the test) and leaves
+        // with `_exit`, without the parent's exit handlers or unwinding.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            let ok = std::panic::catch_unwind(forked_work).unwrap_or(false);
+            // SAFETY: ends the forked child at once, as it must.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let deadline = std::time::Instant::now() + CHILD_LIMIT;
+        let mut status = 0;
+        loop {
+            // SAFETY: a plain waitpid on our own child, status into a local.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            assert!(r >= 0, "waitpid: {}", std::io::Error::last_os_error());
+            if r == pid {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                // SAFETY: kill and reap our own child, which is stuck.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, &mut status, 0);
+                }
+                panic!("forked child {n} did not make its domain and channel within {CHILD_LIMIT:?}");
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "forked child {n}: status {status:#x}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    busy.join().unwrap();
+    drop(pairs);
+}
+
+/// What a forked child does: a domain, a channel to itself, its own
+/// registry file with them.
+fn forked_work() -> bool {
+    let (c, d) = (Domain::new("forked-c"), Domain::new("forked-d"));
+    let (tx, _rx) = pair(&c, &d, 4);
+    if !inspect::publish_now() {
+        return false;
+    }
+    let path = inspect::registry_dir().join(format!("{}.ferry", std::process::id()));
+    let Ok(snap) = inspect::read_file(&path) else { return false };
+    let channels: usize = snap.domains.iter().map(|d| d.channels.len()).sum();
+    drop(tx);
+    snap.pid == std::process::id() && channels == 2 && snap.domains.iter().all(|d| d.name.starts_with("forked-"))
+}

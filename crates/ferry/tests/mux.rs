@@ -488,6 +488,51 @@ fn a_channel_uses_all_of_its_credit_and_no_more() {
     }
 }
 
+/// A session channel keeps its queue depth in its counters: the messages
+/// its credit holds back are counted, and none once the peer took them.
+#[test]
+fn a_session_channel_counts_what_waits_in_its_queue() {
+    const DEPTH: u32 = 8;
+    const BUF: usize = 4096;
+    let (a, b) = session_pair(NetOptions::default());
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: DEPTH, ..tx_setup() };
+    let mut tx = Channel::create(&da, &a.endpoint(1), setup).unwrap();
+    let mut rx = Channel::bind(&db, &b.endpoint(1), BindParams::default()).unwrap();
+    for ch in [&mut tx, &mut rx] {
+        ch.wait_connected(T).unwrap();
+    }
+    let alloc = Allocator::new(&da, 4 * u64::from(DEPTH), BUF, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    // More than the credit lets cross, fewer than credit and queue hold.
+    let sent = u64::from(DEPTH) + 3;
+    for seq in 0..sent {
+        tx.move_buffer(alloc.alloc().unwrap(), &seq.to_le_bytes()).unwrap();
+    }
+    // The end samples its queue when it goes to sleep in `wait`. The
+    // session wrote what the credit allows at once (nothing else drives
+    // it meanwhile): the rest waits, its payload not (all) written.
+    let _ = tx.wait(Some(Duration::from_millis(1)));
+    let s = tx.stats();
+    let written = tx.link_stats().unwrap().payload_sent / BUF as u64;
+    let waiting = (sent - written) as u32;
+    assert!(waiting > 0, "the credit holds some back ({sent} sent, {written} written)");
+    assert_eq!((s.queue_depth, s.queue_capacity, s.queue_high_water), (waiting, DEPTH, waiting));
+    let deadline = Instant::now() + T;
+    // The receiver takes everything: the queue empties.
+    let mut taken = 0;
+    while taken < sent {
+        assert!(Instant::now() < deadline, "{taken} of {sent} moves arrived");
+        let _ = tx.wait(Some(Duration::from_millis(1)));
+        if let Ok(Event::MoveReceived { buffer, .. }) = rx.wait(Some(Duration::from_millis(1))) {
+            drop(buffer);
+            taken += 1;
+        }
+    }
+    let _ = tx.wait(Some(Duration::from_millis(1)));
+    assert_eq!(tx.stats().queue_depth, 0);
+}
+
 // ------------------------------------------------------- a real peer process
 
 const CHILD_CHANNELS: u32 = 4;

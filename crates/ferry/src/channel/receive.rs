@@ -244,7 +244,7 @@ impl Channel {
                     link.set_gate(gate);
                 }
                 let role = if creator { neg.creator_role } else { neg.binder_role };
-                self.inspect.counters.sample_queue(0, link.capacity());
+                self.inspect.counters.connected(self.direction, link.capacity());
                 let (peer, direction, trust) = (link.peer(), self.direction, self.trust);
                 self.inspect.update(|i| {
                     (i.peer, i.role, i.direction, i.trust) = (peer, role, direction, trust);

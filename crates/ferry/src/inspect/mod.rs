@@ -5,24 +5,25 @@
 //! [`Pool::stats`](crate::Pool::stats) return the counters of a channel end
 //! and what a domain holds of its pools.
 //!
-//! Outside: every process that uses Ferry publishes its domains, channels
-//! and pools with their counters in a small file of its own in a per-user
-//! directory ([`registry_dir`]), rewritten a few times a second by a
-//! thread of the library and removed when the process exits. `ferry
-//! inspect` reads them ([`read_all`]). `FERRY_INSPECT=0` in the
-//! environment turns the registry off (nothing is written); failing to
-//! create it never fails the process (the reason is printed once on
-//! stderr). docs/INSPECT.md says what each counter means.
+//! Outside: every process that has a Ferry channel publishes its domains,
+//! channels and pools with their counters in a small file of its own in a
+//! per-user directory ([`registry_dir`]), rewritten a few times a second by
+//! a thread of the library (started with the first channel) and removed
+//! when the process exits. `ferry inspect` reads them ([`read_all`]).
+//! `FERRY_INSPECT=0` in the environment turns the registry off (nothing is
+//! written); failing to create it never fails the process (the reason is
+//! printed once on stderr). docs/INSPECT.md says what each counter means.
 //!
 //! The counters are plain relaxed atomics that only the channel end's
-//! thread writes (a load and a store, no locked instruction), so they cost
-//! the data path next to nothing; the registry thread only reads them.
+//! thread writes (a load and a store, no locked instruction), all that a
+//! transfer writes on one cache line, so they cost the data path next to
+//! nothing; the registry thread only reads them.
 
 // The loom build has no registry (no thread, no file): what only the
 // registry uses is unused there.
 #![cfg_attr(loom, allow(dead_code))]
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::setup::{ChannelState, Direction, Role};
@@ -72,8 +73,10 @@ pub struct ChannelStats {
     pub bytes_received: u64,
     /// Messages the outgoing queue holds at most.
     pub queue_capacity: u32,
-    /// Messages in the outgoing queue, not yet taken by the peer, when last
-    /// sampled (every 64 operations of a kind sent, and whenever the end prepares to sleep).
+    /// Messages in the outgoing queue, not yet taken by the peer (over TCP
+    /// or a session: not yet written to the connection), when last sampled
+    /// (every 64 operations of a kind sent, and whenever the end prepares
+    /// to sleep).
     pub queue_depth: u32,
     /// The most messages seen in the outgoing queue (the capacity once a
     /// send found it full).
@@ -126,7 +129,8 @@ fn add(c: &AtomicU64, n: u64) {
     c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
 }
 
-/// The kinds of [`OpCounts`], as stored in [`ChanCounters`].
+/// The kinds of [`OpCounts`], as counted in [`ChanCounters`]: the four
+/// transfers first.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Op {
     Move = 0,
@@ -138,19 +142,38 @@ pub(crate) enum Op {
     Aggregate = 6,
 }
 
+/// The transfer kinds ([`Op::Move`] to [`Op::Release`]).
+const TRANSFERS: usize = 4;
+
 /// A channel end's counters, written by the end, read by `stats` and the
-/// registry thread. On cache lines of their own: the two ends of a local
+/// registry thread. (`--cfg ferry_counters_off` builds Ferry without the
+/// counts of transfers, only to measure what they cost:
+/// scripts/bench-counters.) On cache lines of their own: the two ends of a local
 /// channel run on two cores, and their counters must not share a line.
+///
+/// Everything a transfer writes (its count, its bytes, the queue's
+/// sample) is on the first line, so a round trip touches one line of
+/// counters at each end; the rare counts follow.
 #[derive(Debug, Default)]
-#[repr(align(64))]
+#[repr(C, align(64))]
 pub(crate) struct ChanCounters {
-    sent: [AtomicU64; 7],
-    received: [AtomicU64; 7],
+    /// Moves, passes, copies and releases through this end, by kind, sent
+    /// or received: an end sends two of these kinds and receives the other
+    /// two (a source sends moves and copies and receives passes and
+    /// releases, a sink the reverse), so one count per kind says both, and
+    /// `source` says which way.
+    transfers: [AtomicU64; TRANSFERS],
     bytes_sent: AtomicU64,
     bytes_received: AtomicU64,
     queue_capacity: AtomicU32,
     queue_depth: AtomicU32,
     queue_high_water: AtomicU32,
+    /// The end is the source (its direction is `Tx`), known at connection.
+    source: AtomicBool,
+    /// The other kinds ([`Op::PoolAssign`] on), sent.
+    other_sent: [AtomicU64; 3],
+    /// The other kinds, received.
+    other_received: [AtomicU64; 3],
     queue_full: AtomicU64,
     /// Operations sent when a send was last refused for a full queue, plus
     /// one (0: never): still the count, the end is blocked. Kept on the
@@ -160,12 +183,32 @@ pub(crate) struct ChanCounters {
     errors: AtomicU64,
 }
 
+// What a transfer writes fits the first cache line.
+const _: () = assert!(std::mem::offset_of!(ChanCounters, other_sent) <= 64);
+
+/// Whether an end that is the source sends operations of kind `op`
+/// (the transfer kinds; the others go both ways).
+fn source_sends(op: usize) -> bool {
+    op == Op::Move as usize || op == Op::Copy as usize
+}
+
 impl ChanCounters {
+    /// The end connected, as the source or not, with an outgoing queue of
+    /// `capacity` messages.
+    pub(crate) fn connected(&self, direction: Direction, capacity: usize) {
+        self.source.store(direction == Direction::Tx, Ordering::Relaxed);
+        self.sample_queue(0, capacity);
+    }
+
     /// An operation of `bytes` payload went out. Returns whether the queue
     /// depth is due for a sample (every 64 operations of a kind).
     #[inline]
     pub(crate) fn sent(&self, op: Op, bytes: u64) -> bool {
-        let c = &self.sent[op as usize];
+        if cfg!(ferry_counters_off) {
+            return false;
+        }
+        let op = op as usize;
+        let c = if op < TRANSFERS { &self.transfers[op] } else { &self.other_sent[op - TRANSFERS] };
         let n = c.load(Ordering::Relaxed).wrapping_add(1);
         c.store(n, Ordering::Relaxed);
         add(&self.bytes_sent, bytes);
@@ -173,13 +216,19 @@ impl ChanCounters {
     }
 
     fn total_sent(&self) -> u64 {
-        self.sent.iter().map(|c| c.load(Ordering::Relaxed)).fold(0, u64::wrapping_add)
+        let source = self.source.load(Ordering::Relaxed);
+        let transfers = (0..TRANSFERS).filter(|&op| source_sends(op) == source).map(|op| &self.transfers[op]);
+        transfers.chain(&self.other_sent).map(|c| c.load(Ordering::Relaxed)).fold(0, u64::wrapping_add)
     }
 
     /// An operation of `bytes` payload was delivered.
     #[inline]
     pub(crate) fn received(&self, op: Op, bytes: u64) {
-        add(&self.received[op as usize], 1);
+        if cfg!(ferry_counters_off) {
+            return;
+        }
+        let op = op as usize;
+        add(if op < TRANSFERS { &self.transfers[op] } else { &self.other_received[op - TRANSFERS] }, 1);
         add(&self.bytes_received, bytes);
     }
 
@@ -214,8 +263,18 @@ impl ChanCounters {
     }
 
     pub(crate) fn snapshot(&self) -> ChannelStats {
-        let ops = |a: &[AtomicU64; 7]| {
-            let v = |op: Op| a[op as usize].load(Ordering::Relaxed);
+        let source = self.source.load(Ordering::Relaxed);
+        // The counts of one way: the transfer kinds that go that way, and
+        // `others`.
+        let ops = |sending: bool, others: &[AtomicU64; 3]| {
+            let v = |op: Op| {
+                let op = op as usize;
+                match op.checked_sub(TRANSFERS) {
+                    None if source_sends(op) == (source == sending) => self.transfers[op].load(Ordering::Relaxed),
+                    None => 0,
+                    Some(i) => others[i].load(Ordering::Relaxed),
+                }
+            };
             OpCounts {
                 moves: v(Op::Move),
                 passes: v(Op::Pass),
@@ -227,8 +286,8 @@ impl ChanCounters {
             }
         };
         ChannelStats {
-            sent: ops(&self.sent),
-            received: ops(&self.received),
+            sent: ops(true, &self.other_sent),
+            received: ops(false, &self.other_received),
             bytes_sent: self.bytes_sent.load(Ordering::Relaxed),
             bytes_received: self.bytes_received.load(Ordering::Relaxed),
             queue_capacity: self.queue_capacity.load(Ordering::Relaxed),
@@ -289,7 +348,8 @@ impl ChanEntry {
     }
 }
 
-/// Add a new domain to the registry (no-op when it is off).
+/// Add a new domain to the registry (no-op when it is off); published
+/// once the process has a channel.
 pub(crate) fn register_domain(domain: &std::sync::Arc<crate::domain::DomainShared>) {
     #[cfg(not(loom))]
     registry::register_domain(domain);
@@ -297,7 +357,8 @@ pub(crate) fn register_domain(domain: &std::sync::Arc<crate::domain::DomainShare
     let _ = domain;
 }
 
-/// Add a new channel end to the registry (no-op when it is off).
+/// Add a new channel end to the registry, starting the registry's file
+/// and thread at the first (no-op when it is off).
 pub(crate) fn register_channel(entry: &std::sync::Arc<ChanEntry>) {
     #[cfg(not(loom))]
     registry::register_channel(entry);

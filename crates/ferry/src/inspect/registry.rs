@@ -12,13 +12,19 @@
 //! leaves it behind, and the next process to start its registry, or any
 //! reader, removes files whose process is gone (the pid is not running, is
 //! a zombie, or runs a later process: the start time differs).
+//!
+//! The file and its thread start with the process's first channel end: a
+//! process that only makes domains, pools and buffers publishes nothing
+//! and runs no thread. A forked child starts a registry of its own at its
+//! first domain or channel and never touches its parent's, whose locks the
+//! parent's thread may have held at the fork.
 
 use std::fs::File;
 use std::io::{self, Read, Seek};
 use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::format::{self, ChannelSnapshot, DomainSnapshot, ProcessSnapshot, ReadError, HEADER_LEN, MAX_BODY};
@@ -31,25 +37,44 @@ pub const INTERVAL: Duration = Duration::from_millis(250);
 /// The file name suffix of registry files.
 const SUFFIX: &str = ".ferry";
 
-/// The registry of this process, once started.
-struct State {
+/// The registry of one process. A forked child makes a registry of its
+/// own instead of using its parent's: a lock the parent's registry thread
+/// held at the fork stays held in the child forever (the thread is not
+/// there to release it), so nothing the child does may take it.
+struct Registry {
+    /// The process this registry belongs to.
     pid: u32,
+    state: Mutex<State>,
+    /// Serializes the writers of the file (the thread and `publish_now`),
+    /// and holds the last generation written.
+    writer: Mutex<u64>,
+    /// The file to remove at exit, once there is one.
+    exit_path: OnceLock<PathBuf>,
+}
+
+/// What a registry knows of its process.
+#[derive(Default)]
+struct State {
+    domains: Vec<Weak<DomainShared>>,
+    channels: Vec<Weak<ChanEntry>>,
+    /// The file and the thread that rewrites it, once the first channel
+    /// started them.
+    file: Option<Published>,
+    /// The registry could not be started in this process (said once).
+    failed: bool,
+}
+
+/// The registry file of a process whose registry is started.
+struct Published {
     file: Arc<File>,
     start_time: u64,
     name: String,
-    domains: Vec<Weak<DomainShared>>,
-    channels: Vec<Weak<ChanEntry>>,
 }
 
-static STATE: Mutex<Option<State>> = Mutex::new(None);
-/// Serializes the writers of the file (the thread and `publish_now`), and
-/// holds the last generation written.
-static WRITER: Mutex<u64> = Mutex::new(0);
-/// The file to remove at exit, and the process it belongs to (a forked
-/// child inherits the handler and must not remove its parent's file).
-static EXIT_PATH: Mutex<Option<(u32, PathBuf)>> = Mutex::new(None);
-/// The registry could not be started in this process (said once).
-static FAILED: AtomicBool = AtomicBool::new(false);
+/// The registry of the current process (null until the first domain or
+/// channel); registries are never freed, so a pointer read here stays
+/// valid for the life of the process.
+static CURRENT: AtomicPtr<Registry> = AtomicPtr::new(std::ptr::null_mut());
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -57,6 +82,47 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 fn enabled() -> bool {
     std::env::var_os("FERRY_INSPECT").is_none_or(|v| v != "0")
+}
+
+/// The registry of this process, if it has one (a forked child's parent's
+/// registry does not count).
+fn existing() -> Option<&'static Registry> {
+    let ptr = CURRENT.load(Ordering::Acquire);
+    // SAFETY: CURRENT is null or a pointer from `Box::into_raw` in
+    // `registry()` that was published there and is never freed.
+    let reg = unsafe { ptr.as_ref() }?;
+    (reg.pid == std::process::id()).then_some(reg)
+}
+
+/// The registry of this process, made at the first call in the process
+/// (in a forked child: at its first call, whatever its parent had).
+fn registry() -> &'static Registry {
+    let pid = std::process::id();
+    loop {
+        let seen = CURRENT.load(Ordering::Acquire);
+        // SAFETY: as in `existing`: null or published and never freed.
+        if let Some(reg) = unsafe { seen.as_ref() }.filter(|r| r.pid == pid) {
+            return reg;
+        }
+        let fresh = Box::into_raw(Box::new(Registry {
+            pid,
+            state: Mutex::new(State::default()),
+            writer: Mutex::new(0),
+            exit_path: OnceLock::new(),
+        }));
+        // The registry `seen` (the parent's, in a forked child) is left as
+        // it is, locks and all: the child never touches it again.
+        match CURRENT.compare_exchange(seen, fresh, Ordering::AcqRel, Ordering::Acquire) {
+            // SAFETY: `fresh` is from `Box::into_raw` above and, now
+            // published, is never freed.
+            Ok(_) => return unsafe { &*fresh },
+            // Another thread of this process made one first: ours was
+            // never shared, so it is freed here, and the loop takes theirs.
+            // SAFETY: `fresh` is from `Box::into_raw` above and no one
+            // else has seen it.
+            Err(_) => drop(unsafe { Box::from_raw(fresh) }),
+        }
+    }
 }
 
 /// The directory of the current user's registry files:
@@ -114,92 +180,142 @@ fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Start the registry of this process if it is not (or was started by the
-/// parent of a fork): `None` if it is off or could not be started.
-fn started() -> Option<MutexGuard<'static, Option<State>>> {
-    if !enabled() {
-        return None;
-    }
-    let pid = std::process::id();
-    let mut st = lock(&STATE);
-    if st.as_ref().is_some_and(|s| s.pid == pid) {
-        return Some(st);
-    }
-    if FAILED.load(Ordering::Relaxed) {
-        return None;
-    }
-    match start(pid) {
-        Ok(state) => {
-            *st = Some(state);
-            Some(st)
+impl Registry {
+    /// Start publishing (the file and its thread) if not yet: whether the
+    /// registry is started. Called with the state locked.
+    fn start_locked(&'static self, st: &mut State) -> bool {
+        if st.file.is_some() {
+            return true;
         }
-        Err(e) => {
-            if !FAILED.swap(true, Ordering::Relaxed) {
-                eprintln!("ferry: the inspection registry is off in this process: {e}");
+        if st.failed {
+            return false;
+        }
+        match self.start() {
+            Ok(published) => {
+                st.file = Some(published);
+                true
             }
-            None
+            Err(e) => {
+                st.failed = true;
+                eprintln!("ferry: the inspection registry is off in this process: {e}");
+                false
+            }
         }
     }
-}
 
-fn start(pid: u32) -> io::Result<State> {
-    let dir = registry_dir();
-    own_dir(&dir)?;
-    let _ = sweep(&dir);
-    let path = dir.join(format!("{pid}{SUFFIX}"));
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&path)?;
-    let start_time = proc_stat(pid).map_or(0, |(_, t)| t);
-    let name = std::fs::read_to_string("/proc/self/comm").map(|s| s.trim_end().to_owned()).unwrap_or_default();
-    *lock(&EXIT_PATH) = Some((pid, path.clone()));
-    static AT_EXIT: std::sync::Once = std::sync::Once::new();
-    AT_EXIT.call_once(|| {
-        // SAFETY: `remove_at_exit` is an `extern "C" fn()` that never
-        // unwinds (it catches everything and only takes a mutex without
-        // waiting and removes a file); atexit only stores the pointer.
-        unsafe {
-            libc::atexit(remove_at_exit);
+    fn start(&'static self) -> io::Result<Published> {
+        let pid = self.pid;
+        let dir = registry_dir();
+        own_dir(&dir)?;
+        let _ = sweep(&dir);
+        let path = dir.join(format!("{pid}{SUFFIX}"));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)?;
+        let start_time = proc_stat(pid).map_or(0, |(_, t)| t);
+        let name = std::fs::read_to_string("/proc/self/comm").map(|s| s.trim_end().to_owned()).unwrap_or_default();
+        let _ = self.exit_path.set(path.clone());
+        // A flag, not a `Once`: a child forked while its parent was
+        // registering would wait on the `Once` forever.
+        static AT_EXIT: AtomicBool = AtomicBool::new(false);
+        if !AT_EXIT.swap(true, Ordering::AcqRel) {
+            // SAFETY: `remove_at_exit` is an `extern "C" fn()` that never
+            // unwinds (it catches everything, takes no lock and only
+            // removes a file); atexit only stores the pointer.
+            unsafe {
+                libc::atexit(remove_at_exit);
+            }
         }
-    });
-    let file = Arc::new(file);
-    // A first snapshot at once, empty: a reader never finds the file
-    // without one.
-    write_snapshot(&file, pid, start_time, &name, &[]);
-    let spawned = std::thread::Builder::new().name("ferry-inspect".into()).spawn(move || publisher(pid));
-    if let Err(e) = spawned {
-        let _ = std::fs::remove_file(&path);
-        return Err(e);
+        let published = Published { file: Arc::new(file), start_time, name };
+        // A first snapshot at once, empty: a reader never finds the file
+        // without one.
+        self.write_snapshot(&published, &[]);
+        let spawned = std::thread::Builder::new().name("ferry-inspect".into()).spawn(move || self.publisher());
+        if let Err(e) = spawned {
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
+        Ok(published)
     }
-    Ok(State { pid, file, start_time, name, domains: Vec::new(), channels: Vec::new() })
+
+    /// The registry thread: a snapshot now (once the registration that
+    /// started it is done) and every [`INTERVAL`], for as long as the
+    /// process lives.
+    fn publisher(&'static self) {
+        while self.publish() {
+            std::thread::sleep(until_next_tick());
+        }
+    }
+
+    /// Take and write one snapshot; false if the registry is not started.
+    fn publish(&self) -> bool {
+        let (published, domains, channels) = {
+            let mut st = lock(&self.state);
+            let Some(p) = &st.file else { return false };
+            let published = Published { file: p.file.clone(), start_time: p.start_time, name: p.name.clone() };
+            st.domains.retain(|d| d.strong_count() > 0);
+            st.channels.retain(|c| c.strong_count() > 0);
+            (published, st.domains.clone(), st.channels.clone())
+        };
+        let channels: Vec<Arc<ChanEntry>> = channels.iter().filter_map(Weak::upgrade).collect();
+        let mut snaps = Vec::new();
+        for d in domains.iter().filter_map(Weak::upgrade) {
+            let pools = d.lock().pool_snapshots();
+            let chans = channels
+                .iter()
+                .filter(|c| c.domain == d.id)
+                .map(|c| {
+                    let info = c.info();
+                    ChannelSnapshot {
+                        key: c.key,
+                        backend: info.backend.to_owned(),
+                        endpoint: info.endpoint,
+                        peer: info.peer,
+                        role: format!("{:?}", info.role),
+                        direction: format!("{:?}", info.direction),
+                        trust: format!("{:?}", info.trust),
+                        state: format!("{:?}", info.state),
+                        stats: c.counters.snapshot(),
+                    }
+                })
+                .collect();
+            snaps.push(DomainSnapshot { id: d.id, name: d.name().to_owned(), pools, channels: chans });
+        }
+        self.write_snapshot(&published, &snaps);
+        true
+    }
+
+    /// Rewrite the file: the generation odd, the body, then the header
+    /// with the next even generation and the body's checksum.
+    fn write_snapshot(&self, published: &Published, domains: &[DomainSnapshot]) {
+        let body = format::encode_body(&published.name, INTERVAL.as_millis() as u32, domains);
+        let mut generation = lock(&self.writer);
+        let next = generation.wrapping_add(2) & !1;
+        let header = format::header(next, &body, self.pid, published.start_time, now_ms());
+        let file = &published.file;
+        let written = file
+            .write_all_at(&(next | 1).to_le_bytes(), format::GENERATION_AT)
+            .and_then(|()| file.write_all_at(&body, HEADER_LEN as u64))
+            .and_then(|()| file.write_all_at(&header, 0));
+        *generation = next;
+        // A write that failed (a full file system) is tried again next time.
+        let _ = written;
+    }
 }
 
 extern "C" fn remove_at_exit() {
     let _ = std::panic::catch_unwind(|| {
-        // Never wait at exit: if the path is being set, the file is swept
-        // later instead.
-        if let Ok(guard) = EXIT_PATH.try_lock() {
-            if let Some((pid, path)) = guard.as_ref() {
-                if *pid == std::process::id() {
-                    let _ = std::fs::remove_file(path);
-                }
-            }
+        // Only this process's own file: a forked child inherits the handler
+        // but not the file.
+        if let Some(path) = existing().and_then(|r| r.exit_path.get()) {
+            let _ = std::fs::remove_file(path);
         }
     });
-}
-
-/// The registry thread: a snapshot now (once the registration that
-/// started it is done) and every [`INTERVAL`], for as long as the process
-/// lives (it stops if the registry was restarted by a fork).
-fn publisher(pid: u32) {
-    while std::process::id() == pid && publish() {
-        std::thread::sleep(until_next_tick());
-    }
 }
 
 /// The time to the next multiple of [`INTERVAL`] on the wall clock: every
@@ -211,80 +327,37 @@ fn until_next_tick() -> Duration {
     Duration::from_nanos((interval - now % interval) as u64)
 }
 
+/// Note a new domain; it is published once the process has a channel.
 pub(crate) fn register_domain(domain: &Arc<DomainShared>) {
-    if let Some(mut st) = started() {
-        // (The registry thread drops the dead ones.)
-        st.as_mut().expect("started").domains.push(Arc::downgrade(domain));
+    if !enabled() {
+        return;
     }
+    let mut st = lock(&registry().state);
+    // (The registry thread drops the dead ones; until it runs, so does
+    // every registration, so a process without channels keeps no list.)
+    st.domains.retain(|d| d.strong_count() > 0);
+    st.domains.push(Arc::downgrade(domain));
 }
 
+/// Note a new channel end, and start the registry (its file and thread)
+/// at the first one.
 pub(crate) fn register_channel(entry: &Arc<ChanEntry>) {
-    if let Some(mut st) = started() {
-        st.as_mut().expect("started").channels.push(Arc::downgrade(entry));
+    if !enabled() {
+        return;
+    }
+    let reg = registry();
+    let mut st = lock(&reg.state);
+    if reg.start_locked(&mut st) {
+        st.channels.push(Arc::downgrade(entry));
     }
 }
 
 /// Write a snapshot of this process to its registry file now (the
 /// registry thread does every quarter of a second). Returns whether one
-/// was written: `false` when the registry is off in this process.
+/// was written: `false` when the registry is off in this process, or not
+/// started (it starts with the process's first channel).
 pub fn publish_now() -> bool {
-    if started().is_none() {
-        return false;
-    }
-    publish()
-}
-
-/// Take and write one snapshot; false if the registry is gone.
-fn publish() -> bool {
-    let (pid, file, start_time, name, domains, channels) = {
-        let mut guard = lock(&STATE);
-        let Some(st) = guard.as_mut().filter(|s| s.pid == std::process::id()) else { return false };
-        st.domains.retain(|d| d.strong_count() > 0);
-        st.channels.retain(|c| c.strong_count() > 0);
-        (st.pid, st.file.clone(), st.start_time, st.name.clone(), st.domains.clone(), st.channels.clone())
-    };
-    let channels: Vec<Arc<ChanEntry>> = channels.iter().filter_map(Weak::upgrade).collect();
-    let mut snaps = Vec::new();
-    for d in domains.iter().filter_map(Weak::upgrade) {
-        let pools = d.lock().pool_snapshots();
-        let chans = channels
-            .iter()
-            .filter(|c| c.domain == d.id)
-            .map(|c| {
-                let info = c.info();
-                ChannelSnapshot {
-                    key: c.key,
-                    backend: info.backend.to_owned(),
-                    endpoint: info.endpoint,
-                    peer: info.peer,
-                    role: format!("{:?}", info.role),
-                    direction: format!("{:?}", info.direction),
-                    trust: format!("{:?}", info.trust),
-                    state: format!("{:?}", info.state),
-                    stats: c.counters.snapshot(),
-                }
-            })
-            .collect();
-        snaps.push(DomainSnapshot { id: d.id, name: d.name().to_owned(), pools, channels: chans });
-    }
-    write_snapshot(&file, pid, start_time, &name, &snaps);
-    true
-}
-
-/// Rewrite the file: the generation odd, the body, then the header with
-/// the next even generation and the body's checksum.
-fn write_snapshot(file: &File, pid: u32, start_time: u64, name: &str, domains: &[DomainSnapshot]) {
-    let body = format::encode_body(name, INTERVAL.as_millis() as u32, domains);
-    let mut generation = lock(&WRITER);
-    let next = generation.wrapping_add(2) & !1;
-    let header = format::header(next, &body, pid, start_time, now_ms());
-    let written = file
-        .write_all_at(&(next | 1).to_le_bytes(), format::GENERATION_AT)
-        .and_then(|()| file.write_all_at(&body, HEADER_LEN as u64))
-        .and_then(|()| file.write_all_at(&header, 0));
-    *generation = next;
-    // A write that failed (a full file system) is tried again next time.
-    let _ = written;
+    existing().is_some_and(Registry::publish)
 }
 
 /// One registry file as a reader found it.

@@ -50,6 +50,13 @@ impl MuxLink {
 }
 
 impl Link for MuxLink {
+    fn queued(&mut self) -> Option<usize> {
+        // The channel's messages the session has not written yet, the one
+        // whose payload is going out included.
+        let inner = self.session.lock();
+        Some(inner.chans.get(&self.id).map_or(0, |c| c.outq.len() + usize::from(c.sending.is_some())))
+    }
+
     fn peer(&self) -> String {
         self.session.peer_addr().map(|a| a.to_string()).unwrap_or_default()
     }
