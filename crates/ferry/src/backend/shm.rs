@@ -649,11 +649,18 @@ impl Link for ShmLink {
         self.tx.stage(|slot| msg.encode(slot)).map_err(ring_err)?;
         // A batching end still publishes at once when the peer is waiting
         // for this message: it sent us something since our last
-        // publication and we have taken all it sent (request and answer).
-        // Held back, the message would go out only at our next empty poll,
-        // after a look at our incoming ring that costs a cache miss on the
-        // round trip's path. Within a stream we keep batching: there the
-        // peer's messages are still coming, or none came in between.
+        // publication and we have taken all we know of (request and
+        // answer). Held back, the message would go out only at our next
+        // empty poll, after a look at our incoming ring that costs a cache
+        // miss on the round trip's path. For the same reason "all we know
+        // of" takes no look: after a message found by its slot's phase
+        // alone, more of a burst may be published, and the answer to the
+        // burst's first message goes at once too. Within a stream we keep
+        // batching after that: there the peer's messages are still coming
+        // (the head we read at the second tells how many), or none came in
+        // between. So the batch boundaries move with timing; the
+        // application flushes before it waits elsewhere (see
+        // `Channel::set_batching`).
         if super::publish_now(&self.tx, self.batching, msg) || (self.received_since_publish && self.rx.caught_up()) {
             self.publish();
         }

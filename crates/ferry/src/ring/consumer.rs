@@ -132,7 +132,9 @@ impl Consumer {
     }
 
     /// Everything this end knows to be published has been taken (the
-    /// cached head is reached); no look at the region.
+    /// cached head is reached); no look at the region. After a slot found
+    /// by its phase alone the cached head is only a lower bound: more may
+    /// be published.
     pub(crate) fn caught_up(&self) -> bool {
         self.cached_head == self.tail
     }
