@@ -45,6 +45,22 @@ fn socket_touch_prints_fifteen_points_and_the_ratios() {
     assert!(ratios.iter().any(|r| r["ferry"] == "ferry-channel" && r["touched"] == "none"));
 }
 
+/// 33 buffers a run: one more than the Ferry sender's window and its
+/// batches of 32 moves, so the run's last move is held back in a batch of
+/// one when the sender has sent it. The sender must publish it before it
+/// waits for its next control line; the receiver waits for it otherwise.
+#[test]
+fn socket_touch_delivers_a_run_that_ends_in_a_partial_batch() {
+    let total = (33u64 * 131072).to_string();
+    let lines = common::json_lines(["bench", "socket-touch", "--runs", "1", "--total", &total, "--json"]);
+    let points: Vec<_> = lines.iter().filter(|p| p.get("kind").is_none()).collect();
+    assert_eq!(points.len(), 15, "{points:?}");
+    for p in &points {
+        assert_eq!(p["total"], 33 * 131072, "{p}");
+        assert!(p["median"].as_f64().is_some_and(|m| m > 0.0), "{p}");
+    }
+}
+
 #[test]
 fn socket_touch_refuses_a_total_that_is_not_whole_buffers() {
     common::refused(["bench", "socket-touch", "--runs", "1", "--total", "1000000"]);

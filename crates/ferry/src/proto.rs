@@ -300,6 +300,28 @@ const OP_TEARDOWN: u8 = 9;
 // 10 and 11 are the TCP backend's keep-alive and goodbye frames.
 const OP_AGG: u8 = 12;
 const OP_AGG_FRAGS: u8 = 13;
+// Bit 7 of a slot's first byte is the ring's phase bit (crate::ring): the
+// opcode must not need it.
+const _: () = {
+    let ops = [
+        OP_MOVE,
+        OP_COPY,
+        OP_PASS,
+        OP_RELEASE,
+        OP_ASSIGN,
+        OP_ASSIGN_REPLY,
+        OP_REMOVE,
+        OP_REMOVE_REPLY,
+        OP_TEARDOWN,
+        OP_AGG,
+        OP_AGG_FRAGS,
+    ];
+    let mut i = 0;
+    while i < ops.len() {
+        assert!(ops[i] & 0x80 == 0);
+        i += 1;
+    }
+};
 
 const FLAG_ACCEPT: u8 = 1;
 

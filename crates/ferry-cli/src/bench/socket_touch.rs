@@ -221,6 +221,10 @@ pub fn sender(a: &SenderArgs) -> Result<(), CliError> {
             send_when_room(buf, false, |b| ch.move_buffer(b, &seq.to_le_bytes()))?;
             seq += 1;
         }
+        // Batching holds moves back until the next flush, poll or wait (or
+        // 32 of them): the receiver must get the run's last ones before we
+        // block on the next control line, outside the channel.
+        ch.flush()?;
     }
     while alloc.available() < WINDOW {
         take_returns(&mut ch, true)?;

@@ -354,6 +354,9 @@ pub(crate) struct ShmLink {
     peer_hung_up: bool,
     /// Sends are published in batches (see `Link::set_batching`).
     batching: bool,
+    /// A message came from the peer since our last publication: it is
+    /// likely waiting for what we send next (see `send`).
+    received_since_publish: bool,
     /// What the peer may make us take on: pool files beyond these are not
     /// taken from the socket's message (their fds are closed at once).
     limits: crate::setup::ChannelLimits,
@@ -393,6 +396,7 @@ impl ShmLink {
             empty_polls: 0,
             peer_hung_up: false,
             batching: false,
+            received_since_publish: false,
             limits,
             discarded: VecDeque::new(),
         })
@@ -555,6 +559,7 @@ impl ShmLink {
     /// Make the staged messages visible to the peer; ring its doorbell if
     /// it sleeps.
     fn publish(&mut self) {
+        self.received_since_publish = false;
         if self.tx.publish() {
             wake::ring(&self.peer_bell);
         }
@@ -588,18 +593,18 @@ impl ShmLink {
 impl ShmLink {
     /// A message from the ring, before it goes up: under trust NONE a
     /// buffer's bytes are copied into our memory first (unless the gate
-    /// says we hold them already).
-    fn land(&mut self, msg: Message, gate: &mut dyn PayloadGate) -> Result<Message> {
+    /// says we hold them already). By reference: the message goes up as
+    /// it came (moving it through here and back cost a copy of it).
+    fn land(&mut self, msg: &Message, gate: &mut dyn PayloadGate) -> Result<()> {
         if !self.untrusted {
-            self.write_back.arrive(&msg, gate)?;
-            return Ok(msg);
+            return self.write_back.arrive(msg, gate);
         }
-        if let Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } = &msg {
-            if gate.admit(&msg)? == Landing::Land {
+        if let Message::Move { buf, .. } | Message::Copy { buf, .. } | Message::Pass { buf, .. } = msg {
+            if gate.admit(msg)? == Landing::Land {
                 self.copy_in(*buf)?;
             }
         }
-        Ok(msg)
+        Ok(())
     }
 }
 
@@ -642,7 +647,21 @@ impl Link for ShmLink {
             self.write_back.depart(msg)?;
         }
         self.tx.stage(|slot| msg.encode(slot)).map_err(ring_err)?;
-        if super::publish_now(&self.tx, self.batching, msg) {
+        // A batching end still publishes at once when the peer is waiting
+        // for this message: it sent us something since our last
+        // publication and we have taken all we know of (request and
+        // answer). Held back, the message would go out only at our next
+        // empty poll, after a look at our incoming ring that costs a cache
+        // miss on the round trip's path. For the same reason "all we know
+        // of" takes no look: after a message found by its slot's phase
+        // alone, more of a burst may be published, and the answer to the
+        // burst's first message goes at once too. Within a stream we keep
+        // batching after that: there the peer's messages are still coming
+        // (the head we read at the second tells how many), or none came in
+        // between. So the batch boundaries move with timing; the
+        // application flushes before it waits elsewhere (see
+        // `Channel::set_batching`).
+        if super::publish_now(&self.tx, self.batching, msg) || (self.received_since_publish && self.rx.caught_up()) {
             self.publish();
         }
         Ok(())
@@ -663,17 +682,24 @@ impl Link for ShmLink {
     fn recv(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
         let meta = self.meta_size;
         if let Some(decoded) = self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(ring_err)? {
+            self.received_since_publish = true;
             if self.rx.take_room_request() {
                 wake::ring(&self.peer_bell);
             }
-            return self.land(decoded?, gate).map(Some);
+            let msg = decoded?;
+            self.land(&msg, gate)?;
+            return Ok(Some(msg));
         }
         // Nothing to do here for now: what we held back goes out.
         self.publish();
         if self.peer_gone(false) {
             // Whatever the peer pushed before it went is still ours to take.
             return match self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(ring_err)? {
-                Some(decoded) => self.land(decoded?, gate).map(Some),
+                Some(decoded) => {
+                    let msg = decoded?;
+                    self.land(&msg, gate)?;
+                    Ok(Some(msg))
+                }
                 None => Err(ErrorKind::PeerGone.into()),
             };
         }

@@ -497,9 +497,13 @@ impl Channel {
     /// [`flush`](Channel::flush), by a [`poll`](Channel::poll) that finds
     /// nothing to deliver, by [`wait`](Channel::wait), when the queue is
     /// full or 32 messages are waiting, by a teardown, and when the channel
-    /// is closed or dropped. Turning it off flushes. Nothing else changes:
-    /// every operation still checks, changes states and fails as without
-    /// batching. `NotConnected` before the channel is connected.
+    /// is closed or dropped. (A shared-memory end may publish sooner, e.g.
+    /// an answer the peer waits for: where batches end depends on timing.)
+    /// Messages held back stay so while this end makes none of these
+    /// calls: flush before waiting on anything other than the channel.
+    /// Turning it off flushes. Nothing else changes: every operation still
+    /// checks, changes states and fails as without batching.
+    /// `NotConnected` before the channel is connected.
     pub fn set_batching(&mut self, on: bool) -> Result<()> {
         match self.link.as_mut() {
             Some(link) => {

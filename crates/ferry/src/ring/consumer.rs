@@ -12,8 +12,16 @@ pub(crate) struct Consumer {
     pub(super) sh: Shared,
     /// Our tail; authoritative (the region copy is for the producer only).
     pub(super) tail: u64,
-    /// Last head read from the region; invariant `0 <= cached_head - tail <= cap`.
+    /// Last head read from the region, or `tail + 1` after a slot found
+    /// published by its phase; invariant `0 <= cached_head - tail <= cap`.
     pub(super) cached_head: u64,
+    /// The last `try_pop` found a slot by its phase: a run of messages may
+    /// be under way, whose extent the head tells (for the read prefetch).
+    pub(super) in_run: bool,
+    /// The private copy of the slot being read: reused, since `read_slot`
+    /// overwrites the `slot_size` bytes handed out (a fresh zeroed array per
+    /// pop cost a 256-byte clear).
+    pub(super) copy: Box<[u8; MAX_SLOT]>,
 }
 
 // SAFETY: as for Producer: the raw pointer is only used for atomic accesses
@@ -25,22 +33,36 @@ impl Consumer {
     /// producer cannot change it while we decode), advance tail, and hand
     /// the copy to `read`.
     ///
-    /// `Ok(None)` if empty. `Err(Corrupt)` if head is inconsistent (more than
-    /// capacity ahead of tail, behind tail, or moved backwards); the ring is
-    /// left unchanged.
+    /// `Ok(None)` if empty. `Err(Corrupt)` if head, when read, is
+    /// inconsistent (more than capacity ahead of tail, behind tail, or moved
+    /// backwards); the ring is left unchanged.
     pub(crate) fn try_pop<R>(&mut self, read: impl FnOnce(&[u8]) -> R) -> Result<Option<R>, RingError> {
         if self.cached_head == self.tail {
-            // Looks empty with the cached head: only now touch the
-            // producer's cache line.
-            self.refresh_head()?;
-            if self.cached_head == self.tail {
+            // Looks empty with the cached head: look at the phase of the
+            // next slot, whose line we must fetch anyway (the head's line
+            // stays with the producer; see "Phase bit").
+            if !self.sh.slot_published(self.tail) {
+                self.in_run = false;
                 return Ok(None);
             }
+            if self.in_run {
+                // Two in a row: a batch, probably. Its extent (one look at
+                // the head's line per batch) lets the prefetch run ahead.
+                // The head store came before the phase store we saw
+                // (Acquire), so an honest head covers this slot.
+                self.refresh_head()?;
+                if self.cached_head == self.tail {
+                    return Err(RingError::Corrupt("ring head is behind a published slot"));
+                }
+            } else {
+                self.cached_head = self.tail.wrapping_add(1);
+            }
+            self.in_run = true;
         }
-        let mut copy = [0u8; MAX_SLOT];
-        // Visible: the Acquire load that produced cached_head > tail
-        // synchronized with the producer's Release store after its writes.
-        self.sh.read_slot(self.tail, &mut copy);
+        // Visible: the Acquire load that produced cached_head > tail (of the
+        // head or of this slot's phase) synchronized with the producer's
+        // Release store after its writes.
+        self.sh.read_slot(self.tail, &mut self.copy);
         self.tail = self.tail.wrapping_add(1);
         // Ask for a published slot a few pops ahead, so its lines are on
         // their way from the producer's core by the time we read it.
@@ -50,7 +72,7 @@ impl Consumer {
         // Release: our reads of the slot happen-before the producer's reuse
         // of it (it loads tail with Acquire).
         self.sh.tail().store(self.tail, Ordering::Release);
-        Ok(Some(read(&copy[..self.sh.slot_size])))
+        Ok(Some(read(&self.copy[..self.sh.slot_size])))
     }
 
     /// Re-read head (Acquire: see try_pop) and validate it: within
@@ -72,19 +94,13 @@ impl Consumer {
         Ok(self.cached_head.wrapping_sub(self.tail) as u32)
     }
 
-    /// Sleep protocol: declare asleep (SeqCst), then re-check for work.
-    /// Returns true if the caller may block (still empty, producer not
-    /// closed), false if work arrived, the producer closed, or head is
-    /// corrupt (the flag is cleared again; `try_pop` reports the corruption).
-    /// After a true return, block with `futex_wait(sleep_word(), 1)` (or
-    /// park) and call `cancel_sleep` when woken.
     /// Spin for at most `spin` until there is work or the producer closed;
     /// `true` if there is (spinning is cheaper than a sleep and a wake-up
     /// across cores, ≈ 50 µs on the machines measured).
     pub(crate) fn spin_for_work(&mut self, spin: std::time::Duration) -> bool {
         let start = std::time::Instant::now();
         while start.elapsed() < spin {
-            if self.len().map_or(true, |n| n > 0) || self.peer_closed() {
+            if self.has_work() || self.peer_closed() {
                 return true;
             }
             std::hint::spin_loop();
@@ -92,22 +108,41 @@ impl Consumer {
         false
     }
 
+    /// Sleep protocol: declare asleep (SeqCst), then re-check for work.
+    /// Returns true if the caller may block (still empty, producer not
+    /// closed), false if work arrived or the producer closed (the flag is
+    /// cleared again). After a true return, block with
+    /// `futex_wait(sleep_word(), 1)` (or park) and call `cancel_sleep` when
+    /// woken.
     pub(crate) fn prepare_sleep(&mut self) -> bool {
         if self.cached_head != self.tail {
             return false;
         }
         self.sh.sleeping().store(1, Ordering::SeqCst);
         // Dekker handshake with try_push/close (see module docs): after this
-        // fence either we see the producer's head/closed store, or the
-        // producer sees our flag.
+        // fence either we see the phase of the producer's next slot (or its
+        // closed flag), or the producer sees our flag.
         fence(Ordering::SeqCst);
         let closed = self.sh.closed().load(Ordering::Acquire) & PRODUCER_CLOSED != 0;
-        let refreshed = self.refresh_head();
-        if closed || refreshed.is_err() || self.cached_head != self.tail {
+        if closed || self.sh.slot_published(self.tail) {
             self.cancel_sleep();
             return false;
         }
         true
+    }
+
+    /// Everything this end knows to be published has been taken (the
+    /// cached head is reached); no look at the region. After a slot found
+    /// by its phase alone the cached head is only a lower bound: more may
+    /// be published.
+    pub(crate) fn caught_up(&self) -> bool {
+        self.cached_head == self.tail
+    }
+
+    /// Whether `try_pop` would find a slot now (by the cached head or by
+    /// the next slot's phase).
+    fn has_work(&self) -> bool {
+        self.cached_head != self.tail || self.sh.slot_published(self.tail)
     }
 
     /// Room handshake (see the module docs): whether the producer asked to

@@ -278,3 +278,31 @@ fn room_handshake_never_loses_wakeup() {
         drop(producer.join().unwrap());
     });
 }
+
+/// A consumer that finds two slots in a row by their phase bits reads the
+/// head at the second (the start of a run) and must find it covering that
+/// slot: the producer stores head before the phase (both Release), and the
+/// consumer's Acquire load of the phase orders the head store before its
+/// head load. Were the phase stored first, the consumer could read an old
+/// head and report corruption (the unwrap below would panic).
+#[test]
+fn head_covers_a_slot_found_by_phase() {
+    model("head_covers_a_slot_found_by_phase", || {
+        let (mut p, mut c) = heap_pair(RingLayout::new(4, 64).unwrap());
+        let producer = thread::spawn(move || {
+            for i in 0..3u8 {
+                p.try_push(|b| b[1] = i).unwrap();
+            }
+            p
+        });
+        let mut got = Vec::new();
+        while got.len() < 3 {
+            match c.try_pop(|b| b[1]).unwrap() {
+                Some(x) => got.push(x),
+                None => thread::yield_now(),
+            }
+        }
+        assert_eq!(got, [0, 1, 2]);
+        drop(producer.join().unwrap());
+    });
+}

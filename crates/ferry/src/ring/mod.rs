@@ -53,7 +53,7 @@
 //! |    388 |  124 | padding              |                       |
 //! |    512 |    4 | `closed: AtomicU32` (bit 0 producer closed, bit 1 consumer closed) | each side its bit |
 //! |    516 |  124 | padding              |                       |
-//! |    640 | capacity * slot_size | slots | producer only |
+//! |    640 | capacity * slot_size | slots (bit 7 of each slot's first byte: its phase, see below) | producer only |
 //!
 //! `region_size = 640 + capacity * slot_size`. Each hot word has 128 bytes to
 //! itself (two 64-byte lines, so adjacent-line prefetch does not pull the
@@ -63,15 +63,39 @@
 //! `crossbeam_utils::CachePadded` is not used: its size is target-dependent
 //! (64 or 128 bytes) and a cross-process layout needs fixed offsets.
 //!
+//! # Phase bit (the consumer polls the slot, not the head)
+//!
+//! Bit 7 of every slot's first byte is the ring's, not the caller's (the
+//! fill closure's value there is replaced, and the copy handed to the
+//! reader has it clear): it says which lap of the ring last published the
+//! slot, like the phase tag of an NVMe completion queue. The slot for
+//! counter `c` is published when the bit equals `phase(c)`, set on even
+//! laps (`c & capacity == 0`) and clear on odd ones; a zeroed slot thus
+//! reads as published by lap -1, i.e. not yet.
+//!
+//! The consumer that has nothing cached looks at the phase of the slot at
+//! its tail instead of at `head`: the slot's line is the one it has to
+//! fetch anyway, so a message costs one cache line crossing cores instead
+//! of two (the head's and the slot's), and the head's line stays with the
+//! producer. `head` is still stored on every publish (before the phase
+//! bits) and read at the start of a run of several messages (for the read
+//! prefetch), by [`Consumer::len`] and on attach.
+//!
+//! A staged slot is written whole, its first word with the *previous* lap's
+//! phase (still unpublished); `publish` then stores `head` and re-stores
+//! the first word of each staged slot with the current phase.
+//!
 //! # Cached counters (why it is fast)
 //!
 //! Each side keeps its own counter in a private field (the copy in the region
 //! is only for the peer) and a cached copy of the peer's counter. The producer
 //! re-reads `tail` only when the ring looks full according to its cached
-//! tail, and the consumer re-reads `head` only when the ring looks empty
-//! according to its cached head. In steady state a push or pop therefore
-//! touches the slot, its own counter line and nothing else of the peer's, so
-//! the two cache lines are not bounced between cores on every operation.
+//! tail; the consumer, when the ring looks empty according to its cached
+//! head, looks at the next slot's phase bit (see above) and re-reads `head`
+//! only at the second message of a run. In steady state a push or pop
+//! therefore touches the slot, its own counter line and nothing else of the
+//! peer's, so the two counter lines are not bounced between cores on every
+//! operation.
 //!
 //! What a push or pop still moves between cores is the slot itself: the
 //! producer writes lines the consumer read one lap ago, the consumer reads
@@ -90,10 +114,17 @@
 //! the loom mutation runs confirm that every other one is needed).
 //!
 //! * **Publishing a slot.** The producer writes the slot words (Relaxed) of
-//!   one or more staged slots, then `head.store(h + n, Release)`. The
-//!   consumer loads `head` with `Acquire`; if it reads `h + n` (or later) the
-//!   Release/Acquire pair makes the writes of all `n` slots happen-before its
-//!   slot reads, so it sees every descriptor whole.
+//!   one or more staged slots, then `head.store(h + n, Release)`, then the
+//!   first word of each of the `n` slots with its phase (Release). The
+//!   consumer either loads `head` with `Acquire`: if it reads `h + n` (or
+//!   later) the Release/Acquire pair makes the writes of all `n` slots
+//!   happen-before its slot reads (their phase bits may still be old: the
+//!   reader masks the bit, and the rest of the first word was written at
+//!   staging); or it loads the first word of the slot at its tail with
+//!   `Acquire` and finds the phase of this lap: that pair makes the writes
+//!   of this slot, and the head store before it, happen-before its reads.
+//!   So a consumer that went past a slot by its phase never reads a head
+//!   behind it afterwards (the head check stays sound).
 //! * **Releasing a slot.** The consumer copies the slot out (Relaxed word
 //!   loads), then `tail.store(t + 1, Release)`. The producer loads `tail` with
 //!   `Acquire` before reusing the slot, so the consumer's reads happen-before
@@ -114,16 +145,21 @@
 //!
 //!   ```text
 //!   producer (publish)                   consumer (prepare_sleep)
-//!   P1 head.store(h+n, Release)          C1 sleeping.store(1, SeqCst)
+//!   P1 head.store(h+n, Release),         C1 sleeping.store(1, SeqCst)
+//!      then the n phase words (Release)
 //!   P2 fence(SeqCst)                     C2 fence(SeqCst)
-//!   P3 sleeping.load -> swap(0)          C3 head.load(Acquire) (+ closed)
+//!   P3 sleeping.load -> swap(0)          C3 phase of slot[tail] (Acquire) (+ closed)
 //!   ```
 //!
 //!   The two fences are totally ordered in the single SeqCst order S.
 //!   If P2 precedes C2 in S, then C3 (sequenced after C2) must read the
 //!   value stored by P1 (sequenced before P2) or a later one
 //!   (C++20 [atomics.order], the rule for two SeqCst fences): the consumer sees the item, `prepare_sleep`
-//!   returns false and it does not block. If C2 precedes P2, then P3 must
+//!   returns false and it does not block. (C3 reads the phase word of the
+//!   slot at the consumer's tail, which is the first slot it has not seen
+//!   published, so the batch that publishes it stores that word in P1; the
+//!   word is stored again only a lap later, after the consumer has taken
+//!   the slot.) If C2 precedes P2, then P3 must
 //!   read the 1 stored by C1 or a later value of the flag: the producer sees
 //!   the consumer asleep and `try_push` returns `Ok(true)`. Both may happen
 //!   (a harmless spurious wake), but "consumer blocks" and "producer does not
@@ -206,6 +242,10 @@
 //!   caller's [`RingLayout`], never from the region (the header copy is only
 //!   compared with it in `attach_*`). Nothing read from the region is used as
 //!   an index or length.
+//! * A phase bit is only ever compared: a producer that sets phases at
+//!   will makes us take slots it did not publish (garbage descriptors, which
+//!   the caller validates like any other) or wait for ones it did; our tail
+//!   then runs ahead of its head, which the next head read reports.
 //! * A garbage peer can make us return `Corrupt`, `Closed` or `Full`, or
 //!   make us ask for needless wake-ups; it cannot cause UB or a panic.
 //!
@@ -249,7 +289,14 @@ const MAX_CAPACITY: u32 = 65536;
 
 /// "FRRG" as little-endian bytes.
 const MAGIC: u32 = 0x4752_5246;
-const VERSION: u32 = 2;
+/// 3: the phase bit in every slot (2 had the consumer poll `head`).
+const VERSION: u32 = 3;
+
+/// The phase bit in a slot's first word (bit 7 of the slot's first byte,
+/// whatever the byte order).
+const PHASE: u64 = u64::from_ne_bytes([0x80, 0, 0, 0, 0, 0, 0, 0]);
+/// The caller's part of a slot's first byte.
+const FIRST_BYTE_MASK: u8 = 0x7f;
 
 /// Spacing of the hot words: two 64-byte lines (adjacent-line prefetch).
 const LINE: usize = 128;
@@ -423,6 +470,8 @@ struct LoomState {
     sleeping: AtomicU32,
     closed: AtomicU32,
     slots: Box<[loom::cell::UnsafeCell<[u8; MAX_SLOT]>]>,
+    /// Each slot's phase bit (in the region: inside the slot's first word).
+    phases: Box<[AtomicU64]>,
 }
 
 /// A validated view of the region, shared (by value) by both ends.
@@ -471,6 +520,7 @@ impl Shared {
                 sleeping: AtomicU32::new(0),
                 closed: AtomicU32::new(0),
                 slots: (0..layout.capacity).map(|_| loom::cell::UnsafeCell::new([0u8; MAX_SLOT])).collect(),
+                phases: (0..layout.capacity).map(|_| AtomicU64::new(0)).collect(),
             }),
         })
     }
@@ -587,22 +637,60 @@ impl Shared {
         &self.model.closed
     }
 
+    /// The phase bit that marks the slot for `counter` published: set on
+    /// even laps, clear on odd ones (capacity is a power of two, so
+    /// `counter & cap` is the lap's lowest bit).
+    #[inline]
+    fn phase(&self, counter: u64) -> u64 {
+        if counter & self.cap == 0 {
+            PHASE
+        } else {
+            0
+        }
+    }
+
     /// Copies `src[..slot_size]` into the slot for `counter`, word by word
-    /// with Relaxed atomic stores (publication is by the later Release store
-    /// of head).
+    /// with Relaxed atomic stores, the first word with the previous lap's
+    /// phase: the slot stays unpublished until [`publish_slot`](Self::publish_slot).
     #[cfg(not(loom))]
     fn write_slot(&self, counter: u64, src: &[u8; MAX_SLOT]) {
         let off = self.slot_off(counter);
-        for (i, chunk) in src[..self.slot_size].chunks_exact(8).enumerate() {
-            let mut word = [0u8; 8];
-            word.copy_from_slice(chunk);
-            self.raw_u64(off + i * 8).store(u64::from_ne_bytes(word), Ordering::Relaxed);
+        let word = |chunk: &[u8]| {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(chunk);
+            u64::from_ne_bytes(bytes)
+        };
+        let (first, rest) = src[..self.slot_size].split_at(8);
+        let stale = self.phase(counter) ^ PHASE;
+        self.raw_u64(off).store((word(first) & !PHASE) | stale, Ordering::Relaxed);
+        for (i, chunk) in rest.chunks_exact(8).enumerate() {
+            self.raw_u64(off + 8 + i * 8).store(word(chunk), Ordering::Relaxed);
         }
+    }
+
+    /// Publish the slot for `counter` (written by `write_slot`): its first
+    /// word again, with this lap's phase. Release: a consumer that loads the
+    /// word with Acquire and finds the phase sees the whole slot, and every
+    /// head store before this one.
+    #[cfg(not(loom))]
+    fn publish_slot(&self, counter: u64) {
+        let first = self.raw_u64(self.slot_off(counter));
+        // Our own store of write_slot (a consumer scribbling over it would
+        // only garble its own copy).
+        let word = first.load(Ordering::Relaxed);
+        first.store((word & !PHASE) | self.phase(counter), Ordering::Release);
+    }
+
+    /// Whether the slot for `counter` carries its lap's phase, i.e. the
+    /// producer has published it. Acquire: pairs with `publish_slot`.
+    #[cfg(not(loom))]
+    fn slot_published(&self, counter: u64) -> bool {
+        self.raw_u64(self.slot_off(counter)).load(Ordering::Acquire) & PHASE == self.phase(counter)
     }
 
     /// Copies the slot for `counter` into `dst[..slot_size]`, word by word
     /// with Relaxed atomic loads (made visible by the earlier Acquire load of
-    /// head).
+    /// head or of the slot's phase), the phase bit cleared.
     #[cfg(not(loom))]
     fn read_slot(&self, counter: u64, dst: &mut [u8; MAX_SLOT]) {
         let off = self.slot_off(counter);
@@ -610,6 +698,7 @@ impl Shared {
             let word = self.raw_u64(off + i * 8).load(Ordering::Relaxed);
             chunk.copy_from_slice(&word.to_ne_bytes());
         }
+        dst[0] &= FIRST_BYTE_MASK;
     }
 
     #[cfg(loom)]
@@ -620,12 +709,26 @@ impl Shared {
         self.model.slots[idx].with_mut(|p| unsafe { *p = *src });
     }
 
+    /// The phase lives apart from the slot bytes under loom: the model
+    /// checks that finding the phase orders the slot's writes before our
+    /// reads (the cell flags a race otherwise).
+    #[cfg(loom)]
+    fn publish_slot(&self, counter: u64) {
+        self.model.phases[(counter & self.mask) as usize].store(self.phase(counter), Ordering::Release);
+    }
+
+    #[cfg(loom)]
+    fn slot_published(&self, counter: u64) -> bool {
+        self.model.phases[(counter & self.mask) as usize].load(Ordering::Acquire) == self.phase(counter)
+    }
+
     #[cfg(loom)]
     fn read_slot(&self, counter: u64, dst: &mut [u8; MAX_SLOT]) {
         let idx = (counter & self.mask) as usize;
         // SAFETY: loom's UnsafeCell checks that this read does not race with
         // a write to the slot; the pointer is valid for the closure.
         self.model.slots[idx].with(|p| unsafe { *dst = *p });
+        dst[0] &= FIRST_BYTE_MASK;
     }
 
     /// Writes a fresh header: zero everything, then layout, then the magic
@@ -717,8 +820,16 @@ pub(crate) fn init(mem: Arc<dyn RingMemory>, layout: RingLayout) -> Result<(), R
 pub(crate) fn create(mem: Arc<dyn RingMemory>, layout: RingLayout) -> Result<(Producer, Consumer), RingError> {
     let shared = Shared::new(mem, layout)?;
     shared.init_header();
-    let consumer = Consumer { sh: shared.share(), tail: 0, cached_head: 0 };
-    let producer = Producer { sh: shared, head: 0, published: 0, cached_tail: 0, prefetch_write: has_prefetchw() };
+    let consumer =
+        Consumer { sh: shared.share(), tail: 0, cached_head: 0, in_run: false, copy: Box::new([0; MAX_SLOT]) };
+    let producer = Producer {
+        sh: shared,
+        head: 0,
+        published: 0,
+        cached_tail: 0,
+        prefetch_write: has_prefetchw(),
+        stage: Box::new([0; MAX_SLOT]),
+    };
     Ok((producer, consumer))
 }
 
@@ -729,7 +840,14 @@ pub(crate) fn attach_producer(mem: Arc<dyn RingMemory>, layout: RingLayout) -> R
     let sh = Shared::new(mem, layout)?;
     sh.validate_header()?;
     let (head, tail) = sh.read_counters()?;
-    Ok(Producer { sh, head, published: head, cached_tail: tail, prefetch_write: has_prefetchw() })
+    Ok(Producer {
+        sh,
+        head,
+        published: head,
+        cached_tail: tail,
+        prefetch_write: has_prefetchw(),
+        stage: Box::new([0; MAX_SLOT]),
+    })
 }
 
 /// Attach the consumer end to a ring another party laid out (validates
@@ -739,7 +857,7 @@ pub(crate) fn attach_consumer(mem: Arc<dyn RingMemory>, layout: RingLayout) -> R
     let sh = Shared::new(mem, layout)?;
     sh.validate_header()?;
     let (head, tail) = sh.read_counters()?;
-    Ok(Consumer { sh, tail, cached_head: head })
+    Ok(Consumer { sh, tail, cached_head: head, in_run: false, copy: Box::new([0; MAX_SLOT]) })
 }
 
 /// Not modelled under loom: the protocol words live outside the region.

@@ -20,6 +20,10 @@ pub(crate) struct Producer {
     pub(super) cached_tail: u64,
     /// The CPU has a write prefetch (x86 `prefetchw`).
     pub(super) prefetch_write: bool,
+    /// The private staging copy of the slot being filled: reused, and only
+    /// its `slot_size` bytes cleared (a fresh 256-byte array per message
+    /// cost a 256-byte clear).
+    pub(super) stage: Box<[u8; MAX_SLOT]>,
 }
 
 // SAFETY: the only non-Send field is the raw `base` pointer into memory that
@@ -30,7 +34,8 @@ unsafe impl Send for Producer {}
 
 impl Producer {
     /// Fill the next slot with `fill` (it gets a zeroed `&mut [u8]` of
-    /// `slot_size` bytes, a private staging copy, then copied into the slot),
+    /// `slot_size` bytes, a private staging copy, then copied into the slot;
+    /// bit 7 of its first byte is the ring's phase bit and is not carried),
     /// publish it: [`stage`](Self::stage) then [`publish`](Self::publish).
     ///
     /// Returns `Ok(true)` when the consumer had declared itself asleep: the
@@ -62,12 +67,13 @@ impl Producer {
                 return Err(RingError::Full);
             }
         }
-        let mut stage = [0u8; MAX_SLOT];
-        fill(&mut stage[..self.sh.slot_size]);
+        let stage = &mut self.stage[..self.sh.slot_size];
+        stage.fill(0);
+        fill(stage);
         // The slot at head is free: head - cached_tail < cap, and the Acquire
         // load that produced cached_tail ordered the consumer's reads of this
         // slot before our writes.
-        self.sh.write_slot(self.head, &stage);
+        self.sh.write_slot(self.head, &self.stage);
         self.head = self.head.wrapping_add(1);
         // Ask for the lines of a slot a few pushes ahead now, so that the
         // write then finds them in our cache instead of waiting for the
@@ -88,11 +94,11 @@ impl Producer {
         if self.published == self.head {
             return false;
         }
-        self.published = self.head;
-        // Release: publishes the slot contents to the consumer's Acquire load.
-        self.sh.head().store(self.head, Ordering::Release);
+        self.publish_staged();
         // Dekker handshake with prepare_sleep (see module docs): the fence
-        // orders the head store before the flag load in the SeqCst order.
+        // orders the head and phase stores before the flag load in the
+        // SeqCst order (the consumer's re-check reads a phase: those stores
+        // must not come after the fence; loom catches it if they do).
         fence(Ordering::SeqCst);
         let sleeping = self.sh.sleeping();
         // Plain load first so the common case (consumer awake) does not write
@@ -103,6 +109,21 @@ impl Producer {
             return sleeping.swap(0, Ordering::Relaxed) != 0;
         }
         false
+    }
+
+    /// Store head (Release: publishes the slot contents to a consumer that
+    /// loads it with Acquire), then the phase of every staged slot (what a
+    /// consumer polling its next slot looks at). Head first: a consumer that
+    /// found a slot by its phase then reads a head that covers it.
+    fn publish_staged(&mut self) {
+        let from = self.published;
+        self.published = self.head;
+        self.sh.head().store(self.head, Ordering::Release);
+        let mut counter = from;
+        while counter != self.head {
+            self.sh.publish_slot(counter);
+            counter = counter.wrapping_add(1);
+        }
     }
 
     /// Slots staged and not yet published.
@@ -166,8 +187,7 @@ impl Producer {
         // Staged slots go out with the close (Release, before the flag: a
         // consumer that sees the flag sees them).
         if self.published != self.head {
-            self.published = self.head;
-            self.sh.head().store(self.head, Ordering::Release);
+            self.publish_staged();
         }
         self.sh.closed().fetch_or(PRODUCER_CLOSED, Ordering::Release);
         // Same handshake as try_push: a consumer in prepare_sleep either sees

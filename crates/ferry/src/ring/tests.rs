@@ -33,18 +33,22 @@ fn peek_u64(mem: &Arc<dyn RingMemory>, off: usize) -> u64 {
     unsafe { RawAtomicU64::from_ptr(mem.as_ptr().add(off).cast()) }.load(SeqCst)
 }
 
+/// The sequence number in bytes 8..16, a pattern derived from it in the
+/// rest (bit 7 of byte 0 is the ring's phase bit: written, not carried).
 fn fill_pattern(buf: &mut [u8], seq: u64) {
-    buf[..8].copy_from_slice(&seq.to_le_bytes());
-    for (i, b) in buf[8..].iter_mut().enumerate() {
+    let (head, rest) = buf.split_at_mut(8);
+    rest[..8].copy_from_slice(&seq.to_le_bytes());
+    for (i, b) in head.iter_mut().chain(&mut rest[8..]).enumerate() {
         *b = (seq as u8).wrapping_mul(31).wrapping_add(i as u8);
     }
 }
 
 fn check_pattern(buf: &[u8], expect_len: usize) -> u64 {
     assert_eq!(buf.len(), expect_len);
-    let seq = u64::from_le_bytes(buf[..8].try_into().unwrap());
-    for (i, b) in buf[8..].iter().enumerate() {
-        assert_eq!(*b, (seq as u8).wrapping_mul(31).wrapping_add(i as u8), "seq {seq} byte {i}");
+    let seq = u64::from_le_bytes(buf[8..16].try_into().unwrap());
+    for (i, b) in buf[..8].iter().chain(&buf[16..]).enumerate() {
+        let want = (seq as u8).wrapping_mul(31).wrapping_add(i as u8) & if i == 0 { 0x7f } else { 0xff };
+        assert_eq!(*b, want, "seq {seq} byte {i}");
     }
     seq
 }
@@ -132,7 +136,8 @@ fn empty_and_staging_is_zeroed() {
     p.try_push(|b| b.fill(0xff)).unwrap();
     assert!(!p.is_empty());
     assert_eq!(c.len(), Ok(1));
-    assert_eq!(c.try_pop(|b| b.iter().all(|&x| x == 0xff)), Ok(Some(true)));
+    // All but bit 7 of the first byte, which is the ring's phase bit.
+    assert_eq!(c.try_pop(|b| b[0] == 0x7f && b[1..].iter().all(|&x| x == 0xff)), Ok(Some(true)));
     assert!(p.is_empty());
     // Next pushes reuse slots that held 0xff: fill must see zeroes.
     for _ in 0..4 {
@@ -245,30 +250,34 @@ fn corrupt_head_is_reported_not_panicking() {
     let mem = heap(l);
     let (mut p, mut c) = create(mem.clone(), l).unwrap();
 
-    // Head far ahead of tail.
+    // The consumer goes by the slots' phase bits: a garbage head alone
+    // neither stops it nor makes it sleep, but len() reports it.
     poke_u64(&mem, HEAD_OFF, u64::MAX / 2);
-    assert!(matches!(c.try_pop(|_| ()), Err(RingError::Corrupt(_))));
-    assert!(matches!(c.len(), Err(RingError::Corrupt(_))));
-    assert!(!c.prepare_sleep());
-    poke_u64(&mem, HEAD_OFF, 9); // capacity + 1
-    assert!(matches!(c.try_pop(|_| ()), Err(RingError::Corrupt(_))));
-    poke_u64(&mem, HEAD_OFF, 0); // restored: consistent again
     assert_eq!(c.try_pop(|_| ()), Ok(None));
+    assert!(matches!(c.len(), Err(RingError::Corrupt(_))));
+    assert!(c.prepare_sleep());
+    c.cancel_sleep();
+    poke_u64(&mem, HEAD_OFF, 9); // capacity + 1
+    assert!(matches!(c.len(), Err(RingError::Corrupt(_))));
+    poke_u64(&mem, HEAD_OFF, 0); // restored: consistent again
+    assert_eq!(c.len(), Ok(0));
 
-    // Head behind tail.
+    // The head is read at the second slot of a run found by phase: there
+    // it must cover the slot.
     for i in 0..3 {
-        p.try_push(|b| b[0] = i).unwrap();
-    }
-    for i in 0..3 {
-        assert_eq!(c.try_pop(|b| b[0]), Ok(Some(i)));
+        p.try_push(|b| b[1] = i).unwrap();
     }
     poke_u64(&mem, HEAD_OFF, 1);
+    assert_eq!(c.try_pop(|b| b[1]), Ok(Some(0)));
+    assert_eq!(c.try_pop(|_| ()), Err(RingError::Corrupt("ring head is behind a published slot")));
+    poke_u64(&mem, HEAD_OFF, u64::MAX); // behind tail by wrapping
     assert_eq!(c.try_pop(|_| ()), Err(RingError::Corrupt("ring head is behind tail")));
-    poke_u64(&mem, HEAD_OFF, u64::MAX); // "behind" by wrapping, too
-    assert_eq!(c.try_pop(|_| ()), Err(RingError::Corrupt("ring head is behind tail")));
+    poke_u64(&mem, HEAD_OFF, 3);
+    assert_eq!(c.try_pop(|b| b[1]), Ok(Some(1)));
+    assert_eq!(c.try_pop(|b| b[1]), Ok(Some(2)));
+    assert_eq!(c.try_pop(|_| ()), Ok(None));
 
     // Head went backwards but is still ahead of tail.
-    poke_u64(&mem, HEAD_OFF, 3);
     p.try_push(|b| b[0] = 3).unwrap();
     p.try_push(|b| b[0] = 4).unwrap();
     assert_eq!(c.len(), Ok(2));
@@ -525,7 +534,7 @@ fn futex_sleep_wake_threaded() {
         let mut wakes = 0u64;
         let mut seq = 0;
         while seq < N {
-            match p.try_push(|b| b[..8].copy_from_slice(&seq.to_le_bytes())) {
+            match p.try_push(|b| b[8..16].copy_from_slice(&seq.to_le_bytes())) {
                 Ok(wake) => {
                     seq += 1;
                     if wake {
@@ -547,13 +556,13 @@ fn futex_sleep_wake_threaded() {
     let timeout = futex::Timespec { tv_sec: 5, tv_nsec: 0 };
     let (mut expect, mut sleeps, mut prepares, mut done) = (0u64, 0u64, 0u64, false);
     while !done {
-        if let Some(seq) = c.try_pop(|b| u64::from_le_bytes(b[..8].try_into().unwrap())).unwrap() {
+        if let Some(seq) = c.try_pop(|b| u64::from_le_bytes(b[8..16].try_into().unwrap())).unwrap() {
             assert_eq!(seq, expect);
             expect += 1;
             continue;
         }
         if c.peer_closed() {
-            while let Some(seq) = c.try_pop(|b| u64::from_le_bytes(b[..8].try_into().unwrap())).unwrap() {
+            while let Some(seq) = c.try_pop(|b| u64::from_le_bytes(b[8..16].try_into().unwrap())).unwrap() {
                 assert_eq!(seq, expect);
                 expect += 1;
             }
@@ -596,4 +605,27 @@ fn room_requests_reach_the_consumer_once() {
     assert_eq!(c.try_pop(|b| b[0]), Ok(Some(2)));
     assert!(!p.want_room());
     assert!(!c.take_room_request());
+}
+
+/// The consumer finds a published slot by its phase bit without the head
+/// (whose line then stays with the producer); a staged slot carries the
+/// previous lap's phase and stays invisible until published, on every lap.
+#[test]
+fn consumer_goes_by_the_slot_phase() {
+    let l = layout(4, 64);
+    let mem = heap(l);
+    let (mut p, mut c) = create(mem.clone(), l).unwrap();
+    for i in 0..12u8 {
+        p.stage(|b| b[1] = i).unwrap();
+        assert_eq!(c.try_pop(|b| b[1]), Ok(None), "staged, not published");
+        assert!(c.prepare_sleep(), "nothing published: the consumer may sleep");
+        c.cancel_sleep();
+        p.publish();
+        // As if the head's store had not reached this core yet.
+        poke_u64(&mem, HEAD_OFF, u64::from(i));
+        assert!(!c.prepare_sleep(), "published: no sleep");
+        assert_eq!(c.try_pop(|b| b[1]), Ok(Some(i)));
+        assert_eq!(c.try_pop(|b| b[1]), Ok(None));
+        poke_u64(&mem, HEAD_OFF, u64::from(i) + 1);
+    }
 }
