@@ -148,6 +148,7 @@ impl FabricEndpoint {
     /// that does not know the address (its fabric is not IP-addressed)
     /// picks the source itself.
     fn open(&self, ip: IpAddr) -> Result<Fabric> {
+        sys::load().map_err(ErrorKind::FabricUnavailable)?;
         let provider = self.options.provider.as_deref();
         let cq_size = 4 * MAX_SLOTS;
         if ip.is_unspecified() {

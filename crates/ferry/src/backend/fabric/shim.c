@@ -6,11 +6,30 @@
  * opaque handles and plain integers: the Rust side never sees a libfabric
  * struct, so no struct layout is duplicated (and none can drift from the
  * installed headers). Every function returns 0 or a negative libfabric
- * error code unless it says otherwise. */
+ * error code unless it says otherwise.
+ *
+ * libfabric itself is not linked: ferry_fi_load opens it (dlopen) when the
+ * first fabric endpoint is opened, so a program built with the backend but
+ * not using it never loads libfabric and its providers (some of which
+ * change the process at load time, see ferry_fi_load). */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <stdio.h>
+
+/* The functions libfabric exports that the shim calls, directly or through
+ * the headers' inline functions (fi_allocinfo calls fi_dupinfo); the other
+ * calls go through ops tables. Each name becomes a call through a pointer
+ * that ferry_fi_load fills in: with these macros, the headers' own
+ * prototypes declare the pointers, with the types the headers give. */
+#define fi_getinfo (*ferry_dl_fi_getinfo)
+#define fi_freeinfo (*ferry_dl_fi_freeinfo)
+#define fi_dupinfo (*ferry_dl_fi_dupinfo)
+#define fi_fabric (*ferry_dl_fi_fabric)
+#define fi_strerror (*ferry_dl_fi_strerror)
 
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
@@ -18,6 +37,77 @@
 #include <rdma/fi_cm.h>
 #include <rdma/fi_rma.h>
 #include <rdma/fi_errno.h>
+
+/* libfabric's file name: its soname, unless FERRY_LIBFABRIC names another
+ * (a vendor's build, say /opt/amazon/efa/lib/libfabric.so.1). */
+#define FERRY_LIBFABRIC_SONAME "libfabric.so.1"
+
+static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *libfabric;
+
+/* Load libfabric once: 0, or -FI_ENOSYS with `err` saying why (a library
+ * that is not there, or one without a function the shim needs).
+ *
+ * Loading runs the constructors of libfabric's providers' libraries, and
+ * Debian's psm provider (libinfinipath) installs handlers for SIGSEGV,
+ * SIGBUS, SIGILL, SIGABRT, SIGINT and SIGTERM there, which write a
+ * backtrace file and exit. They are debugging aids of that provider, not
+ * something the library needs, and they would take a process's own
+ * dispositions from it (a protection fault would no longer kill it by its
+ * signal), so every disposition the load changed is put back as it was. */
+int ferry_fi_load(char *err, size_t errlen)
+{
+	int rc = 0;
+	pthread_mutex_lock(&load_lock);
+	if (libfabric)
+		goto out;
+	struct sigaction before[NSIG];
+	for (int sig = 1; sig < NSIG; sig++)
+		if (sigaction(sig, NULL, &before[sig]))
+			before[sig].sa_handler = SIG_ERR;
+	const char *file = getenv("FERRY_LIBFABRIC");
+	if (!file || !*file)
+		file = FERRY_LIBFABRIC_SONAME;
+	void *lib = dlopen(file, RTLD_NOW | RTLD_LOCAL);
+	for (int sig = 1; sig < NSIG; sig++) {
+		struct sigaction now;
+		if (before[sig].sa_handler == SIG_ERR || sigaction(sig, NULL, &now))
+			continue;
+		if (now.sa_handler != before[sig].sa_handler || now.sa_flags != before[sig].sa_flags)
+			sigaction(sig, &before[sig], NULL);
+	}
+	if (!lib) {
+		const char *why = dlerror();
+		snprintf(err, errlen, "%s", why ? why : file);
+		rc = -FI_ENOSYS;
+		goto out;
+	}
+	struct {
+		const char *name;
+		void **slot;
+	} symbols[] = {
+		{ "fi_getinfo", (void **)&ferry_dl_fi_getinfo },
+		{ "fi_freeinfo", (void **)&ferry_dl_fi_freeinfo },
+		{ "fi_dupinfo", (void **)&ferry_dl_fi_dupinfo },
+		{ "fi_fabric", (void **)&ferry_dl_fi_fabric },
+		{ "fi_strerror", (void **)&ferry_dl_fi_strerror },
+	};
+	for (size_t i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++) {
+		*symbols[i].slot = dlsym(lib, symbols[i].name);
+		if (!*symbols[i].slot) {
+			snprintf(err, errlen, "%s has no %s", file, symbols[i].name);
+			for (size_t j = 0; j < i; j++)
+				*symbols[j].slot = NULL;
+			dlclose(lib);
+			rc = -FI_ENOSYS;
+			goto out;
+		}
+	}
+	libfabric = lib;
+out:
+	pthread_mutex_unlock(&load_lock);
+	return rc;
+}
 
 #define FERRY_FI_VERSION FI_VERSION(1, 9)
 
@@ -282,6 +372,8 @@ int ferry_fi_trywait(struct ferry_fi *h)
 
 const char *ferry_fi_strerror(int err)
 {
+	if (!ferry_dl_fi_strerror)
+		return "libfabric is not loaded";
 	return fi_strerror(err < 0 ? -err : err);
 }
 

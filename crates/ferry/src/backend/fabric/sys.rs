@@ -1,7 +1,8 @@
 //! The libfabric calls of the fabric backend, and the only unsafe code it
 //! has. libfabric's calls are inline C functions, so they go through a small
 //! C shim (`shim.c`, compiled by build.rs) that hands out opaque handles and
-//! flat completions: no libfabric struct layout is repeated here.
+//! flat completions: no libfabric struct layout is repeated here. The shim
+//! loads libfabric itself ([`load`]) before the first endpoint opens.
 //!
 //! The safe API above the calls keeps three promises: a handle is used by
 //! one thread at a time (`&mut` or the owner's lock), memory stays mapped
@@ -48,6 +49,7 @@ pub(super) struct Completion {
 }
 
 extern "C" {
+    fn ferry_fi_load(err: *mut c_char, errlen: usize) -> c_int;
     fn ferry_fi_open(
         provider: *const c_char,
         node: *const c_char,
@@ -90,6 +92,19 @@ extern "C" {
     fn ferry_fi_strerror(err: c_int) -> *const c_char;
     fn ferry_fi_flag_remote_write() -> u64;
     fn ferry_fi_flag_remote_cq_data() -> u64;
+}
+
+/// Load libfabric if it is not loaded yet (once per process; the shim's
+/// calls need it). The error is the loader's words.
+pub(super) fn load() -> Result<(), String> {
+    let mut err = [0 as c_char; 512];
+    // SAFETY: err has the room we say it has; the shim serialises loads.
+    let rc = unsafe { ferry_fi_load(err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        // SAFETY: the shim wrote a NUL-terminated message into err.
+        return Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned());
+    }
+    Ok(())
 }
 
 /// libfabric's `FI_EAGAIN`: the operation cannot be posted now.
