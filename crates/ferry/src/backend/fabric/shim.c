@@ -265,12 +265,16 @@ int ferry_fi_set_peer(struct ferry_fi *h, const void *addr)
 	return n == 1 ? 0 : (n < 0 ? n : -FI_EADDRNOTAVAIL);
 }
 
-/* Register [buf, buf + len) for sends from it, receives into it, RMA
- * writes from it and the peer's RMA writes into it. */
-int ferry_fi_mr_reg(struct ferry_fi *h, void *buf, size_t len, uint64_t requested_key, struct fid_mr **mr,
-		    uint64_t *key, void **desc)
+/* Register [buf, buf + len) for sends from it and receives into it, and
+ * if `remote_write`, for RMA writes from it and the peer's RMA writes into
+ * it (memory the peer must not write, such as the message ring, is
+ * registered without). */
+int ferry_fi_mr_reg(struct ferry_fi *h, void *buf, size_t len, int remote_write, uint64_t requested_key,
+		    struct fid_mr **mr, uint64_t *key, void **desc)
 {
-	uint64_t access = FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE;
+	uint64_t access = FI_SEND | FI_RECV;
+	if (remote_write)
+		access |= FI_WRITE | FI_REMOTE_WRITE;
 	int rc = fi_mr_reg(h->domain, buf, len, access, 0, requested_key, 0, mr, NULL);
 	if (rc)
 		return rc;

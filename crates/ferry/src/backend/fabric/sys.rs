@@ -69,6 +69,7 @@ extern "C" {
         h: *mut RawFabric,
         buf: *mut c_void,
         len: usize,
+        remote_write: c_int,
         requested_key: u64,
         mr: *mut *mut RawMr,
         key: *mut u64,
@@ -251,10 +252,11 @@ impl Fabric {
         Ok(())
     }
 
-    /// Register `map` for sends, receives, writes from it and the peer's
-    /// writes into it. `requested_key` is the key unless the provider picks
-    /// its own (unique among this end's registrations).
-    pub(super) fn register(&self, map: Arc<Mapping>, requested_key: u64) -> Result<Region, i32> {
+    /// Register `map` for sends and receives, and if `remote_write`, for
+    /// writes from it and the peer's writes into it. `requested_key` is the
+    /// key unless the provider picks its own (unique among this end's
+    /// registrations).
+    pub(super) fn register(&self, map: Arc<Mapping>, requested_key: u64, remote_write: bool) -> Result<Region, i32> {
         let mut mr = std::ptr::null_mut();
         let mut key = 0;
         let mut desc = std::ptr::null_mut();
@@ -262,7 +264,16 @@ impl Fabric {
         // mapped as long as the Region (which owns an Arc of it) lives,
         // and the Region closes the registration before it lets go.
         let rc = self.with(|h| unsafe {
-            ferry_fi_mr_reg(h.raw.as_ptr(), map.as_ptr().cast(), map.len(), requested_key, &mut mr, &mut key, &mut desc)
+            ferry_fi_mr_reg(
+                h.raw.as_ptr(),
+                map.as_ptr().cast(),
+                map.len(),
+                c_int::from(remote_write),
+                requested_key,
+                &mut mr,
+                &mut key,
+                &mut desc,
+            )
         });
         if rc != 0 {
             return Err(rc);
