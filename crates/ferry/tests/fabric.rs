@@ -12,8 +12,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Allocator, BindParams, BufferState, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, ErrorKind, Event,
-    FabricOptions, PoolConstraints, Role, TrustLevel,
+    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, ErrorKind, Event, FabricOptions,
+    PoolConstraints, Role, TrustLevel,
 };
 
 use support::payload::{check, fill};
@@ -75,70 +75,10 @@ fn assign(ch: &mut Channel, alloc: &Allocator) {
 /// straight from buffer to buffer.
 fn flows_at(trust: TrustLevel) {
     let src = Domain::new("src");
-    let (mut tx, addr) = listen(&src, trust);
-    let sink = std::thread::spawn(move || {
-        let d = Domain::new("sink");
-        let mut rx = Channel::bind(&d, &Endpoint::fabric_with(addr, options()), BindParams::default()).unwrap();
-        let mut copies = Vec::new();
-        loop {
-            match next(&mut rx) {
-                Event::Bound => {}
-                Event::PoolAssignRequest(req) => rx.respond_pool(req.pool, true).unwrap(),
-                Event::MoveReceived { mut buffer, meta } => {
-                    let seq = seq_of(&meta);
-                    assert!(check(&buffer, seq), "move {seq} arrived corrupted");
-                    fill(buffer.as_mut_slice().unwrap(), seq + 1);
-                    rx.pass(buffer, &meta).unwrap();
-                }
-                Event::CopyReceived { copy, meta } => {
-                    assert!(check(&copy, seq_of(&meta)), "copy arrived corrupted");
-                    copies.push(copy);
-                    if copies.len() == 4 {
-                        for c in copies.drain(..) {
-                            rx.release(c).unwrap();
-                        }
-                    }
-                }
-                Event::Closed { .. } => break,
-                ev => panic!("sink: unexpected {ev:?}"),
-            }
-        }
-        rx.link_stats()
-    });
-    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
-    let alloc = Allocator::new(&src, 8, SIZE, PoolConstraints::default()).unwrap();
-    assign(&mut tx, &alloc);
-    let total = 200u64;
-    support::payload::move_and_take_back(&mut tx, &alloc, total, |seq| seq + 1);
-    let mut b = alloc.alloc().unwrap();
-    fill(b.as_mut_slice().unwrap(), 7);
-    for _ in 0..4 {
-        tx.copy(&b, &7u64.to_le_bytes()).unwrap();
-    }
-    assert_eq!(src.buffer_state(b.id()), BufferState::ReadOnlyOwned);
-    let mut released = 0;
-    while released < 4 {
-        match next(&mut tx) {
-            Event::CopyReleased { writable, .. } => {
-                released += 1;
-                assert_eq!(writable, released == 4);
-            }
-            ev => panic!("unexpected {ev:?}"),
-        }
-    }
-    assert!(b.as_mut_slice().is_ok());
-    drop(b);
-    tx.teardown().unwrap();
-    assert!(matches!(next(&mut tx), Event::Closed { by_peer: false }));
-    let ours = tx.link_stats().expect("the fabric backend counts");
-    let theirs = sink.join().unwrap().expect("the fabric backend counts");
-    let moved = total * SIZE as u64;
-    // The first copy carries the bytes; the next three find them there.
-    assert_eq!(ours.payload_sent, moved + SIZE as u64, "{ours:?}");
-    assert_eq!(ours.payload_received, moved, "{ours:?}");
-    assert_eq!(theirs.payload_received, moved + SIZE as u64, "{theirs:?}");
-    assert_eq!((ours.payload_staged, theirs.payload_staged), (0, 0), "no payload byte copied in user space");
-    assert_eq!(alloc.available(), 8);
+    let (tx, addr) = listen(&src, trust);
+    let bind =
+        move |d: &Domain| Channel::bind(d, &Endpoint::fabric_with(addr, options()), BindParams::default()).unwrap();
+    support::scenarios::flows(&src, tx, SIZE, bind);
 }
 
 #[test]
