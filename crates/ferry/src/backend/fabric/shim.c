@@ -326,8 +326,19 @@ struct ferry_cqe {
 	int32_t prov_errno;
 };
 
-/* Up to n completions into out (failed ones too, with err set): how many,
- * 0 if none, or a negative error of the queue itself. Progresses the
+static void flatten(struct ferry_cqe *out, void *ctx, uint64_t flags, uint64_t len, uint64_t data, int32_t err,
+		    int32_t prov_errno)
+{
+	out->ctx = ctx;
+	out->flags = flags;
+	out->len = len;
+	out->data = data;
+	out->err = err;
+	out->prov_errno = prov_errno;
+}
+
+/* Up to n completions into out (a failed one alone, with err set): how
+ * many, 0 if none, or a negative error of the queue itself. Progresses the
  * provider (manual progress). */
 long ferry_fi_cq_read(struct ferry_fi *h, struct ferry_cqe *out, size_t n)
 {
@@ -345,24 +356,13 @@ long ferry_fi_cq_read(struct ferry_fi *h, struct ferry_cqe *out, size_t n)
 			return 0;
 		if (r < 0)
 			return r;
-		out[0].ctx = ee.op_context;
-		out[0].flags = ee.flags;
-		out[0].len = ee.len;
-		out[0].data = ee.data;
-		out[0].err = ee.err ? ee.err : FI_EOTHER;
-		out[0].prov_errno = ee.prov_errno;
+		flatten(out, ee.op_context, ee.flags, ee.len, ee.data, ee.err ? ee.err : FI_EOTHER, ee.prov_errno);
 		return 1;
 	}
 	if (got < 0)
 		return got;
-	for (ssize_t i = 0; i < got; i++) {
-		out[i].ctx = e[i].op_context;
-		out[i].flags = e[i].flags;
-		out[i].len = e[i].len;
-		out[i].data = e[i].data;
-		out[i].err = 0;
-		out[i].prov_errno = 0;
-	}
+	for (ssize_t i = 0; i < got; i++)
+		flatten(&out[i], e[i].op_context, e[i].flags, e[i].len, e[i].data, 0, 0);
 	return got;
 }
 
@@ -381,7 +381,10 @@ const char *ferry_fi_strerror(int err)
 	return fi_strerror(err < 0 ? -err : err);
 }
 
-/* The flag bits of completions the backend looks at. */
-uint64_t ferry_fi_flag_remote_write(void) { return FI_REMOTE_WRITE; }
-uint64_t ferry_fi_flag_remote_cq_data(void) { return FI_REMOTE_CQ_DATA; }
-uint64_t ferry_fi_flag_recv(void) { return FI_RECV; }
+/* Whether a completion with these flags is the peer's write into our
+ * memory: it carries remote completion data (the backend sends no message
+ * with data). */
+int ferry_fi_is_remote_write(uint64_t flags)
+{
+	return (flags & (FI_REMOTE_WRITE | FI_REMOTE_CQ_DATA)) != 0;
+}
