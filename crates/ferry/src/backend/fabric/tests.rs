@@ -219,3 +219,37 @@ fn a_refused_registration_is_a_typed_error_and_the_link_goes_on() {
     read_slot(b.pools.get(&memory.id()).unwrap().region.map(), 0, &mut landed);
     assert!(landed.iter().all(|&x| x == 0x3c), "the move's bytes did not land");
 }
+
+/// A peer that sends a message longer than a slot: the receive completes
+/// with an error (truncated), and the link fails with a typed fabric error
+/// as a death (what was lent comes back), within a bound.
+#[test]
+fn a_receive_completed_with_an_error_fails_the_link() {
+    let (mut a, mut b) = pair();
+    // Two idle send slots of b, next to each other: one send of both.
+    let slot = b.free_tx.pop().unwrap();
+    assert_eq!(b.free_tx.pop(), Some(slot + 1));
+    write_slot(b.control.map(), slot * SLOT, &[0x11; 2 * SLOT]);
+    drive(&mut b, &mut a, |b| match b.fabric.send(&b.control, slot * SLOT, 2 * SLOT, &b.contexts, slot) {
+        Err(rc) if rc == -sys::EAGAIN => {
+            let _ = b.flush();
+            None
+        }
+        posted => {
+            posted.unwrap();
+            Some(())
+        }
+    });
+    let deadline = Instant::now() + WITHIN;
+    let e = loop {
+        let mut done = [Completion::default(); 16];
+        let _ = b.fabric.poll(&mut done);
+        if let Err(e) = a.recv(&mut LandAll) {
+            break e;
+        }
+        assert!(Instant::now() < deadline, "the oversized message went unnoticed");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert!(matches!(e.kind(), ErrorKind::Fabric(why) if why.contains("a receive failed")), "{e:?}");
+    assert!(a.peer_died(), "a failed receive is the peer's loss: what was lent comes back");
+}
