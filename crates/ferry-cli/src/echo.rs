@@ -138,6 +138,9 @@ pub enum Transport {
     Shm,
     /// TCP over loopback.
     Tcp,
+    /// The fabric backend on libfabric's tcp provider over loopback.
+    #[cfg(feature = "fabric")]
+    Fabric,
 }
 
 /// `ferry echo`: bind to the endpoint, echo until the peer closes, print
@@ -238,6 +241,11 @@ fn sleep_until_ready(ch: &mut Channel, limit: Duration) {
 /// Create the channel on a fresh endpoint of `transport` (shared memory, or
 /// TCP on a loopback port the kernel picks) and start `ferry echo` on it as
 /// a process pinned to CPU 1.
+/// The libfabric provider of [`Transport::Fabric`]: tcp, which every
+/// machine has.
+#[cfg(feature = "fabric")]
+const FABRIC_PROVIDER: &str = "tcp";
+
 pub fn spawn_process_on(
     transport: Transport,
     domain: &Domain,
@@ -256,6 +264,13 @@ pub fn spawn_process_on(
             let addr = ch.listen_addr().ok_or_else(|| CliError::Failed("TCP channel has no address".into()))?;
             (ch, format!("tcp:{addr}"))
         }
+        #[cfg(feature = "fabric")]
+        Transport::Fabric => {
+            let options = ferry::FabricOptions::default().with_provider(FABRIC_PROVIDER);
+            let ch = Channel::create(domain, &Endpoint::fabric_with(([127, 0, 0, 1], 0).into(), options), setup)?;
+            let addr = ch.listen_addr().ok_or_else(|| CliError::Failed("fabric channel has no address".into()))?;
+            (ch, format!("fabric:{addr}"))
+        }
     };
     let exe = std::env::current_exe().map_err(|e| CliError::Failed(format!("cannot find own executable: {e}")))?;
     let mut cmd = std::process::Command::new(exe);
@@ -268,6 +283,11 @@ pub fn spawn_process_on(
         if on {
             cmd.arg(flag);
         }
+    }
+    #[cfg(feature = "fabric")]
+    if matches!(transport, Transport::Fabric) {
+        // The echo process takes its provider from FI_PROVIDER.
+        cmd.env("FI_PROVIDER", FABRIC_PROVIDER);
     }
     let mut child = cmd
         .stdout(std::process::Stdio::piped())

@@ -18,8 +18,14 @@ struct Run {
 /// Run `ferry ARGS…`, killed after `limit` (a command that should have
 /// been refused must not hang the test).
 fn ferry_within(args: &[&str], limit: Duration) -> Run {
+    ferry_in_env(args, &[], limit)
+}
+
+/// [`ferry_within`] with these environment variables set.
+fn ferry_in_env(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Run {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args(args)
+        .envs(env.iter().copied())
         .env("RUST_BACKTRACE", "0")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -143,6 +149,35 @@ fn every_flag_out_of_range_is_one_line() {
         (&["echo"], "--endpoint", None),
     ] {
         assert_usage(args, flag, value);
+    }
+}
+
+/// The demo's last flow goes over the fabric backend when this ferry has
+/// it (libfabric's tcp provider, every byte verified, nothing staged), is
+/// skipped with the loader's reason on a machine without libfabric, and
+/// otherwise says how to build it in.
+#[test]
+fn the_demo_moves_data_over_the_fabric_when_built_in() {
+    let args = ["demo", "--bytes", "262144"];
+    let r = ferry(&args);
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    assert_for_users(&r.stdout, &args);
+    if cfg!(feature = "fabric") {
+        let line =
+            r.stdout.lines().find(|l| l.starts_with("over the fabric:")).unwrap_or_else(|| panic!("{}", r.stdout));
+        assert!(line.contains("4 buffers, 256 KiB moved and verified"), "{line}");
+        let counters = r.stdout.lines().find(|l| l.contains("posted sends and RMA writes")).expect("the counters");
+        assert!(
+            counters
+                .contains("256 KiB sent straight from buffers, 256 KiB received straight into buffers, 0 bytes staged"),
+            "{counters}"
+        );
+        let r = ferry_in_env(&args, &[("FERRY_LIBFABRIC", "/nonexistent/libfabric.so.1")], Duration::from_secs(120));
+        assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+        assert!(r.stdout.contains("skipped: ") && r.stdout.contains("libfabric could not be loaded"), "{}", r.stdout);
+        assert!(r.stdout.contains("all checks passed"), "{}", r.stdout);
+    } else {
+        assert!(r.stdout.contains("fabric backend: not built into this ferry (scripts/setup fabric"), "{}", r.stdout);
     }
 }
 

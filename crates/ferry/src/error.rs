@@ -427,6 +427,12 @@ pub enum ErrorKind {
     /// libfabric's reason. On a channel, what was lent over it comes back.
     #[error("the fabric failed: {0}; check the provider (FI_PROVIDER, `fi_info`), its memory-registration limits (`ulimit -l`) and the peer")]
     Fabric(String),
+    /// libfabric could not be loaded (the fabric backend loads it when the
+    /// first fabric endpoint opens): it is not installed, or the file that
+    /// `FERRY_LIBFABRIC` names is not a libfabric. The message is the
+    /// loader's.
+    #[error("libfabric could not be loaded: {0}; install it (Debian: libfabric1) or name its file in FERRY_LIBFABRIC")]
+    FabricUnavailable(String),
 }
 
 /// A trust level in words (the library's spelling of [ETH-BT]'s levels).
@@ -713,6 +719,7 @@ mod tests {
             ErrorKind::PeerBacklog { what: "control frames", limit: 1 << 20 },
             ErrorKind::QuotaExceeded { pools: 2, max_pools: 2, max_bytes: 1 << 20 },
             ErrorKind::Fabric("fi_getinfo: no data available".into()),
+            ErrorKind::FabricUnavailable("libfabric.so.1: cannot open shared object file".into()),
         ]
     }
 

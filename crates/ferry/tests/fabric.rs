@@ -1,8 +1,9 @@
 //! The fabric backend over real libfabric: the `tcp` provider (through
 //! `ofi_rxm` for its reliable datagram endpoints) on loopback. Moves,
 //! passes and copies between two domains with every byte checked, two
-//! processes moving 1 GiB, a peer killed with SIGKILL, and providers that
-//! cannot serve the backend.
+//! processes moving 1 GiB, a peer killed with SIGKILL, providers that
+//! cannot serve the backend, and libfabric loaded only when a fabric
+//! endpoint opens, leaving the process's signal dispositions as they were.
 
 mod support;
 
@@ -11,8 +12,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry::{
-    Allocator, BindParams, BufferState, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, ErrorKind, Event,
-    FabricOptions, PoolConstraints, Role, TrustLevel,
+    Allocator, BindParams, Channel, ChannelSetup, Direction, Domain, Endpoint, Error, ErrorKind, Event, FabricOptions,
+    PoolConstraints, Role, TrustLevel,
 };
 
 use support::payload::{check, fill};
@@ -74,70 +75,10 @@ fn assign(ch: &mut Channel, alloc: &Allocator) {
 /// straight from buffer to buffer.
 fn flows_at(trust: TrustLevel) {
     let src = Domain::new("src");
-    let (mut tx, addr) = listen(&src, trust);
-    let sink = std::thread::spawn(move || {
-        let d = Domain::new("sink");
-        let mut rx = Channel::bind(&d, &Endpoint::fabric_with(addr, options()), BindParams::default()).unwrap();
-        let mut copies = Vec::new();
-        loop {
-            match next(&mut rx) {
-                Event::Bound => {}
-                Event::PoolAssignRequest(req) => rx.respond_pool(req.pool, true).unwrap(),
-                Event::MoveReceived { mut buffer, meta } => {
-                    let seq = seq_of(&meta);
-                    assert!(check(&buffer, seq), "move {seq} arrived corrupted");
-                    fill(buffer.as_mut_slice().unwrap(), seq + 1);
-                    rx.pass(buffer, &meta).unwrap();
-                }
-                Event::CopyReceived { copy, meta } => {
-                    assert!(check(&copy, seq_of(&meta)), "copy arrived corrupted");
-                    copies.push(copy);
-                    if copies.len() == 4 {
-                        for c in copies.drain(..) {
-                            rx.release(c).unwrap();
-                        }
-                    }
-                }
-                Event::Closed { .. } => break,
-                ev => panic!("sink: unexpected {ev:?}"),
-            }
-        }
-        rx.link_stats()
-    });
-    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
-    let alloc = Allocator::new(&src, 8, SIZE, PoolConstraints::default()).unwrap();
-    assign(&mut tx, &alloc);
-    let total = 200u64;
-    support::payload::move_and_take_back(&mut tx, &alloc, total, |seq| seq + 1);
-    let mut b = alloc.alloc().unwrap();
-    fill(b.as_mut_slice().unwrap(), 7);
-    for _ in 0..4 {
-        tx.copy(&b, &7u64.to_le_bytes()).unwrap();
-    }
-    assert_eq!(src.buffer_state(b.id()), BufferState::ReadOnlyOwned);
-    let mut released = 0;
-    while released < 4 {
-        match next(&mut tx) {
-            Event::CopyReleased { writable, .. } => {
-                released += 1;
-                assert_eq!(writable, released == 4);
-            }
-            ev => panic!("unexpected {ev:?}"),
-        }
-    }
-    assert!(b.as_mut_slice().is_ok());
-    drop(b);
-    tx.teardown().unwrap();
-    assert!(matches!(next(&mut tx), Event::Closed { by_peer: false }));
-    let ours = tx.link_stats().expect("the fabric backend counts");
-    let theirs = sink.join().unwrap().expect("the fabric backend counts");
-    let moved = total * SIZE as u64;
-    // The first copy carries the bytes; the next three find them there.
-    assert_eq!(ours.payload_sent, moved + SIZE as u64, "{ours:?}");
-    assert_eq!(ours.payload_received, moved, "{ours:?}");
-    assert_eq!(theirs.payload_received, moved + SIZE as u64, "{theirs:?}");
-    assert_eq!((ours.payload_staged, theirs.payload_staged), (0, 0), "no payload byte copied in user space");
-    assert_eq!(alloc.available(), 8);
+    let (tx, addr) = listen(&src, trust);
+    let bind =
+        move |d: &Domain| Channel::bind(d, &Endpoint::fabric_with(addr, options()), BindParams::default()).unwrap();
+    support::scenarios::flows(&src, tx, SIZE, bind);
 }
 
 #[test]
@@ -457,4 +398,152 @@ fn killed_peer_returns_everything() {
     assert_eq!(alloc.available(), 7, "the six moved buffers are back");
     assert!(kept.as_mut_slice().is_ok(), "the copy held by the dead peer is void");
     let _ = child.wait();
+}
+
+// ------------------------------------------------- loading libfabric lazily
+
+/// The signals whose dispositions a provider's library took at load time
+/// (Debian's psm provider: a backtrace and exit in place of the signal).
+const WATCHED_SIGNALS: [i32; 6] =
+    [libc::SIGSEGV, libc::SIGBUS, libc::SIGILL, libc::SIGABRT, libc::SIGINT, libc::SIGTERM];
+
+/// Whether libfabric is mapped into this process, and the watched signals
+/// whose handler lives in a shared library (Rust's own handlers for stack
+/// overflows live in the executable), with that library's file.
+fn loaded_and_handled() -> (bool, Vec<(i32, String)>) {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let handled = WATCHED_SIGNALS
+        .into_iter()
+        .filter_map(|sig| {
+            // SAFETY: struct sigaction is plain data; all zeroes is a valid value.
+            let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+            // SAFETY: a query only (no new action); `old` is a valid out place.
+            assert_eq!(unsafe { libc::sigaction(sig, std::ptr::null(), &mut old) }, 0);
+            if old.sa_sigaction == libc::SIG_DFL || old.sa_sigaction == libc::SIG_IGN {
+                return None;
+            }
+            // SAFETY: struct Dl_info is plain data; dladdr only fills it in.
+            let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+            // SAFETY: dladdr reads no memory at the address; `info` is a valid out place.
+            if unsafe { libc::dladdr(old.sa_sigaction as *const libc::c_void, &mut info) } == 0
+                || info.dli_fname.is_null()
+            {
+                return Some((sig, "?".to_string()));
+            }
+            // SAFETY: dli_fname is a NUL-terminated string of the loader's.
+            let file = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
+            file.contains(".so").then_some((sig, file))
+        })
+        .collect();
+    (maps.contains("libfabric"), handled)
+}
+
+fn run_signals_child(mode: &str, libfabric: Option<&str>) -> std::process::Output {
+    let mut child = Command::new(std::env::current_exe().unwrap());
+    child.args(["--exact", "fabric_signals_child", "--ignored", "--nocapture", "--test-threads=1", "-q"]);
+    child.env("FERRY_FABRIC_SIGNALS", mode);
+    if let Some(file) = libfabric {
+        child.env("FERRY_LIBFABRIC", file);
+    }
+    child.output().expect("run child")
+}
+
+/// Where libfabric is missing (here: `FERRY_LIBFABRIC` names a file that
+/// is not there, or a library that is not libfabric), opening a fabric
+/// endpoint fails with `FabricUnavailable` saying what the loader said,
+/// on both ends; nothing else of the process is affected.
+#[test]
+fn a_missing_libfabric_is_a_typed_error() {
+    for (file, says) in [("/nonexistent/libfabric.so.1", "/nonexistent/libfabric.so.1"), ("libc.so.6", "fi_getinfo")] {
+        let out = run_signals_child("missing", Some(file));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{file}: {:?}: {stdout} {stderr}", out.status);
+        let lines: Vec<&str> = stdout.lines().filter(|l| l.starts_with("unavailable")).collect();
+        assert_eq!(lines.len(), 2, "{file}: {stdout} {stderr}");
+        for line in lines {
+            assert!(line.contains(says) && line.contains("FERRY_LIBFABRIC"), "{file}: {line}");
+        }
+    }
+}
+
+/// A program built with the fabric backend loads libfabric only when it
+/// opens a fabric endpoint, and loading it leaves the process's signal
+/// dispositions as they were: a HALF-trust protection fault still kills
+/// the process by SIGSEGV after the fabric was used.
+#[test]
+fn libfabric_loads_on_first_use_and_leaves_signals_alone() {
+    use std::os::unix::process::ExitStatusExt;
+    let out = run_signals_child("idle", None);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{:?}: {stdout} {}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("before: loaded false handled []"), "{stdout}");
+
+    let out = run_signals_child("used", None);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stdout.contains("before: loaded false handled []"), "{stdout} {stderr}");
+    assert!(stdout.contains("after: loaded true handled []"), "{stdout} {stderr}");
+    assert!(stdout.contains("faulting"), "the child did not get to the fault: {stdout} {stderr}");
+    assert_eq!(out.status.signal(), Some(libc::SIGSEGV), "{:?}: {stdout} {stderr}", out.status);
+}
+
+/// Helper of `libfabric_loads_on_first_use_and_leaves_signals_alone`, run
+/// in a child process: says whether libfabric is loaded and which watched
+/// signals have handlers; in mode `used`, opens a fabric endpoint, says it
+/// again, and writes into a buffer it moved away under HALF trust.
+#[test]
+#[ignore = "run as a child process by the other tests"]
+fn fabric_signals_child() {
+    use std::io::Write;
+    let Ok(mode) = std::env::var("FERRY_FABRIC_SIGNALS") else { return };
+    let say = |when: &str| {
+        let (loaded, handled) = loaded_and_handled();
+        println!("{when}: loaded {loaded} handled {handled:?}");
+        std::io::stdout().flush().unwrap();
+    };
+    say("before");
+    if mode == "missing" {
+        let d = Domain::new("d");
+        let listener = std::net::TcpListener::bind(loopback()).unwrap();
+        let bind_to = Endpoint::fabric_with(listener.local_addr().unwrap(), options());
+        let create = Channel::create(&d, &Endpoint::fabric_with(loopback(), options()), ChannelSetup::default());
+        for end in [create, Channel::bind(&d, &bind_to, BindParams::default())] {
+            match end {
+                Err(e) if matches!(e.kind(), ErrorKind::FabricUnavailable(_)) => println!("unavailable: {e}"),
+                other => panic!("expected FabricUnavailable, got {:?}", other.map(|c| c.state())),
+            }
+        }
+        return;
+    }
+    if mode != "used" {
+        return;
+    }
+    let d = Domain::new("d");
+    let (_fabric, _) = listen(&d, TrustLevel::Half);
+    say("after");
+    // A protection fault under HALF trust, over the local backend.
+    let setup = ChannelSetup { trust: TrustLevel::Half, ..ChannelSetup::default() };
+    let ep = Endpoint::local();
+    let mut tx = Channel::create(&d, &ep, setup).unwrap();
+    let sink = Domain::new("sink");
+    let mut rx = Channel::bind(&sink, &ep, BindParams::default()).unwrap();
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    assert!(matches!(next(&mut rx), Event::Bound));
+    let alloc = Allocator::new(&d, 2, SIZE, PoolConstraints::default()).unwrap();
+    tx.assign_pool(alloc.pool()).unwrap();
+    match next(&mut rx) {
+        Event::PoolAssignRequest(req) => rx.respond_pool(req.pool, true).unwrap(),
+        ev => panic!("expected the offer, got {ev:?}"),
+    }
+    assert!(matches!(next(&mut tx), Event::PoolAssigned(_)));
+    let mut b = alloc.alloc().unwrap();
+    let addr = b.as_mut_slice().unwrap().as_mut_ptr();
+    tx.move_buffer(b, b"").unwrap();
+    println!("faulting");
+    std::io::stdout().flush().unwrap();
+    // SAFETY: none: the page is PROT_NONE after the move under HALF trust,
+    // so this write must fault.
+    unsafe { std::ptr::write_volatile(addr, 1) };
+    println!("the write after the move did not fault");
 }

@@ -7,7 +7,13 @@
 //! TCP, say) and the pool then reaches it over a local or shm channel whose
 //! other end has other memory for it, that channel carries the bytes.
 //! Every domain here lives in this process; every channel is real (a local
-//! ring, an shm segment over an abstract socket, a loopback TCP connection).
+//! ring, an shm segment over an abstract socket, a loopback TCP connection,
+//! and with the feature `fabric` a libfabric endpoint on its tcp provider,
+//! whose payloads are RMA writes into the peer's registered memory).
+//!
+//! Both ends of a channel live in one thread here, and a fabric provider
+//! with manual progress moves an end's data only while that end is polled:
+//! every wait polls the other end of its channel too ([`wait_beside`]).
 
 mod support;
 
@@ -28,9 +34,33 @@ enum Kind {
     Local,
     Shm,
     Tcp,
+    #[cfg(feature = "fabric")]
+    Fabric,
 }
 
-const KINDS: [Kind; 3] = [Kind::Local, Kind::Shm, Kind::Tcp];
+#[cfg(not(feature = "fabric"))]
+const KINDS: &[Kind] = &[Kind::Local, Kind::Shm, Kind::Tcp];
+#[cfg(feature = "fabric")]
+const KINDS: &[Kind] = &[Kind::Local, Kind::Shm, Kind::Tcp, Kind::Fabric];
+
+/// Whether channels of `kind` take trust NONE: the local backend has one
+/// address space, and a fabric peer writes registered memory by itself.
+fn takes_trust_none(kind: Kind) -> bool {
+    matches!(kind, Kind::Shm | Kind::Tcp)
+}
+
+/// The next event of `ch` within [`WAIT`], polling `other` (the channel's
+/// other end, in this thread) meanwhile.
+fn wait_beside(ch: &mut Channel, other: &mut Channel) -> Event {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let _ = other.flush();
+        match ch.wait(Some(Duration::from_millis(1))) {
+            Ok(ev) => return ev,
+            Err(e) => assert!(std::time::Instant::now() < deadline, "no event within {WAIT:?}: {e}"),
+        }
+    }
+}
 
 /// A connected channel from `source` (TX end) to `sink` (RX end).
 fn connect(kind: Kind, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Channel, Channel) {
@@ -51,9 +81,17 @@ fn connect(kind: Kind, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Ch
             let ep = Endpoint::tcp(tx.listen_addr().expect("listening"));
             (tx, Channel::bind(sink, &ep, BindParams::default()).expect("bind"))
         }
+        #[cfg(feature = "fabric")]
+        Kind::Fabric => {
+            let options = ferry::FabricOptions::default().with_provider("tcp");
+            let ep = Endpoint::fabric_with("127.0.0.1:0".parse().unwrap(), options.clone());
+            let tx = Channel::create(source, &ep, setup).expect("create");
+            let ep = Endpoint::fabric_with(tx.listen_addr().expect("listening"), options);
+            (tx, Channel::bind(sink, &ep, BindParams::default()).expect("bind"))
+        }
     };
-    assert!(matches!(tx.wait(Some(WAIT)), Ok(Event::BindRequest { .. })));
-    assert!(matches!(rx.wait(Some(WAIT)), Ok(Event::Bound)));
+    assert!(matches!(wait_beside(&mut tx, &mut rx), Event::BindRequest { .. }));
+    assert!(matches!(wait_beside(&mut rx, &mut tx), Event::Bound));
     (tx, rx)
 }
 
@@ -61,16 +99,16 @@ fn connect(kind: Kind, source: &Domain, sink: &Domain, trust: TrustLevel) -> (Ch
 fn offer(from: &mut Channel, to: &mut Channel, pool: &Pool, accept: bool) {
     from.assign_pool(pool).expect("assign");
     from.flush().expect("flush");
-    match to.wait(Some(WAIT)) {
-        Ok(Event::PoolAssignRequest(req)) => {
+    match wait_beside(to, from) {
+        Event::PoolAssignRequest(req) => {
             to.respond_pool(req.pool, accept).expect("respond");
             to.flush().expect("flush");
         }
         ev => panic!("expected the assignment request, got {ev:?}"),
     }
-    match from.wait(Some(WAIT)) {
-        Ok(Event::PoolAssigned(id)) if accept => assert_eq!(id, pool.id()),
-        Ok(Event::PoolVetoed(id)) if !accept => assert_eq!(id, pool.id()),
+    match wait_beside(from, to) {
+        Event::PoolAssigned(id) if accept => assert_eq!(id, pool.id()),
+        Event::PoolVetoed(id) if !accept => assert_eq!(id, pool.id()),
         ev => panic!("expected the answer to the assignment, got {ev:?}"),
     }
 }
@@ -80,9 +118,11 @@ fn pool_in(domain: &Domain, pool: &Pool) -> Pool {
     domain.pool(pool.id()).expect("the domain has the pool")
 }
 
-fn received(ch: &mut Channel) -> Buffer {
-    match ch.wait(Some(WAIT)) {
-        Ok(Event::MoveReceived { buffer, .. }) | Ok(Event::BufferPassed { buffer, .. }) => buffer,
+/// The buffer `ch` receives next (a move or a pass from `sender`, the
+/// channel's other end).
+fn received(ch: &mut Channel, sender: &mut Channel) -> Buffer {
+    match wait_beside(ch, sender) {
+        Event::MoveReceived { buffer, .. } | Event::BufferPassed { buffer, .. } => buffer,
         ev => panic!("expected a buffer, got {ev:?}"),
     }
 }
@@ -105,9 +145,9 @@ fn write_and_pass(ch: &mut Channel, mut buf: Buffer, seq: u64) {
 /// accepted: moves and passes carry the bytes of the moment.
 #[test]
 fn a_pool_vetoed_then_accepted_on_the_same_channel_keeps_its_contents() {
-    for kind in KINDS {
+    for &kind in KINDS {
         for trust in [TrustLevel::Full, TrustLevel::Half, TrustLevel::None] {
-            if trust == TrustLevel::None && kind == Kind::Local {
+            if trust == TrustLevel::None && !takes_trust_none(kind) {
                 continue;
             }
             let (a, b) = (Domain::new("a"), Domain::new("b"));
@@ -117,10 +157,10 @@ fn a_pool_vetoed_then_accepted_on_the_same_channel_keeps_its_contents() {
             offer(&mut tx, &mut rx, alloc.pool(), true);
             for round in 0..3u64 {
                 write_and_move(&mut tx, alloc.alloc().unwrap(), 10 + round);
-                let got = received(&mut rx);
+                let got = received(&mut rx, &mut tx);
                 assert!(check(&got, 10 + round), "{kind:?}/{trust:?}: the move arrived with other bytes");
                 write_and_pass(&mut rx, got, 20 + round);
-                let back = received(&mut tx);
+                let back = received(&mut tx, &mut rx);
                 assert!(check(&back, 20 + round), "{kind:?}/{trust:?}: the pass came back with other bytes");
             }
         }
@@ -135,13 +175,13 @@ fn a_pool_vetoed_then_accepted_on_the_same_channel_keeps_its_contents() {
 #[test]
 fn a_pool_reaching_a_domain_along_two_paths_keeps_its_contents() {
     let mut combos = 0;
-    for ab in KINDS {
-        for ac in KINDS {
-            for bc in KINDS {
+    for &ab in KINDS {
+        for &ac in KINDS {
+            for &bc in KINDS {
                 for trust in [TrustLevel::Full, TrustLevel::Half, TrustLevel::None] {
-                    // Trust NONE needs separate address spaces' worth of
-                    // protection: the local backend refuses it.
-                    if trust == TrustLevel::None && [ab, ac, bc].contains(&Kind::Local) {
+                    // Trust NONE needs memory the peer cannot write: the
+                    // local and fabric backends refuse it.
+                    if trust == TrustLevel::None && ![ab, ac, bc].into_iter().all(takes_trust_none) {
                         continue;
                     }
                     two_paths(ab, ac, bc, trust);
@@ -150,7 +190,8 @@ fn a_pool_reaching_a_domain_along_two_paths_keeps_its_contents() {
             }
         }
     }
-    assert_eq!(combos, 54 + 8);
+    let n = KINDS.len();
+    assert_eq!(combos, 2 * n * n * n + 8);
 }
 
 fn two_paths(ab: Kind, ac: Kind, bc: Kind, trust: TrustLevel) {
@@ -166,33 +207,33 @@ fn two_paths(ab: Kind, ac: Kind, bc: Kind, trust: TrustLevel) {
     for round in 0..3u64 {
         let seq = 100 * round;
         write_and_move(&mut a_b, alloc.alloc().unwrap(), seq + 1);
-        let at_b = received(&mut b_a);
+        let at_b = received(&mut b_a, &mut a_b);
         assert!(check(&at_b, seq + 1), "{what}: B got other bytes than A wrote");
         write_and_move(&mut b_c, at_b, seq + 2);
-        let at_c = received(&mut c_b);
+        let at_c = received(&mut c_b, &mut b_c);
         assert!(check(&at_c, seq + 2), "{what}: C got other bytes than B wrote");
         write_and_pass(&mut c_b, at_c, seq + 3);
-        let back_at_b = received(&mut b_c);
+        let back_at_b = received(&mut b_c, &mut c_b);
         assert!(check(&back_at_b, seq + 3), "{what}: B got other bytes back than C wrote");
         // B has it from both A and C now; it writes it and moves it to C
         // over the other path's way back: C passes it to A directly.
         write_and_move(&mut b_c, back_at_b, seq + 4);
-        let at_c = received(&mut c_b);
+        let at_c = received(&mut c_b, &mut b_c);
         assert!(check(&at_c, seq + 4), "{what}: C got other bytes than B wrote (second time)");
         // C cannot pass it to A over a-c (A moved nothing to C on it): C
         // passes it back to B, and B to A.
         write_and_pass(&mut c_b, at_c, seq + 5);
-        let at_b = received(&mut b_c);
+        let at_b = received(&mut b_c, &mut c_b);
         assert!(check(&at_b, seq + 5), "{what}: B got other bytes back than C wrote (second time)");
         write_and_pass(&mut b_a, at_b, seq + 6);
-        let home = received(&mut a_b);
+        let home = received(&mut a_b, &mut b_a);
         assert!(check(&home, seq + 6), "{what}: A got other bytes back than B wrote");
         // And the direct path A -> C -> A.
         write_and_move(&mut a_c, home, seq + 7);
-        let at_c = received(&mut c_a);
+        let at_c = received(&mut c_a, &mut a_c);
         assert!(check(&at_c, seq + 7), "{what}: C got other bytes than A wrote (direct)");
         write_and_pass(&mut c_a, at_c, seq + 8);
-        let home = received(&mut a_c);
+        let home = received(&mut a_c, &mut c_a);
         assert!(check(&home, seq + 8), "{what}: A got other bytes back than C wrote (direct)");
     }
 }
@@ -201,8 +242,8 @@ fn two_paths(ab: Kind, ac: Kind, bc: Kind, trust: TrustLevel) {
 /// from A to C; C reads what A wrote; the releases come back.
 #[test]
 fn a_copy_forwarded_along_a_second_path_shows_the_owners_bytes() {
-    for ab in KINDS {
-        for bc in KINDS {
+    for &ab in KINDS {
+        for &bc in KINDS {
             let what = format!("A-B {ab:?}, A-C Tcp, B-C {bc:?}");
             let (a, b, c) = (Domain::new("a"), Domain::new("b"), Domain::new("c"));
             let alloc = Allocator::new(&a, 4, SIZE, PoolConstraints::default()).unwrap();
@@ -216,27 +257,27 @@ fn a_copy_forwarded_along_a_second_path_shows_the_owners_bytes() {
             fill(buf.as_mut_slice().unwrap(), 42);
             a_b.copy(&buf, &[]).unwrap();
             a_b.flush().unwrap();
-            let copy = match b_a.wait(Some(WAIT)) {
-                Ok(Event::CopyReceived { copy, .. }) => copy,
+            let copy = match wait_beside(&mut b_a, &mut a_b) {
+                Event::CopyReceived { copy, .. } => copy,
                 ev => panic!("{what}: expected a copy, got {ev:?}"),
             };
             assert!(check(&copy, 42), "{what}: B's copy shows other bytes");
             b_c.copy(&copy, &[]).unwrap();
             b_c.flush().unwrap();
-            let fwd = match c_b.wait(Some(WAIT)) {
-                Ok(Event::CopyReceived { copy, .. }) => copy,
+            let fwd = match wait_beside(&mut c_b, &mut b_c) {
+                Event::CopyReceived { copy, .. } => copy,
                 ev => panic!("{what}: expected a forwarded copy, got {ev:?}"),
             };
             assert!(check(&fwd, 42), "{what}: C's forwarded copy shows other bytes");
             c_b.release(fwd).unwrap();
             c_b.flush().unwrap();
-            assert!(matches!(b_c.wait(Some(WAIT)), Ok(Event::CopyReleased { .. })));
+            assert!(matches!(wait_beside(&mut b_c, &mut c_b), Event::CopyReleased { .. }));
             b_a.release(copy).unwrap();
             b_a.flush().unwrap();
-            assert!(matches!(a_b.wait(Some(WAIT)), Ok(Event::CopyReleased { writable: true, .. })));
+            assert!(matches!(wait_beside(&mut a_b, &mut b_a), Event::CopyReleased { writable: true, .. }));
             fill(buf.as_mut_slice().expect("writable again"), 43);
             write_and_move(&mut a_c, buf, 44);
-            assert!(check(&received(&mut c_a), 44), "{what}: C got other bytes than A wrote");
+            assert!(check(&received(&mut c_a, &mut a_c), 44), "{what}: C got other bytes than A wrote");
         }
     }
 }
@@ -248,9 +289,19 @@ fn a_copy_forwarded_along_a_second_path_shows_the_owners_bytes() {
 /// ways.
 #[test]
 fn a_ring_of_mixed_channels_keeps_the_contents() {
-    for order in
-        [[Kind::Tcp, Kind::Shm, Kind::Local], [Kind::Shm, Kind::Tcp, Kind::Local], [Kind::Local, Kind::Tcp, Kind::Shm]]
-    {
+    #[allow(unused_mut)]
+    let mut orders = vec![
+        [Kind::Tcp, Kind::Shm, Kind::Local],
+        [Kind::Shm, Kind::Tcp, Kind::Local],
+        [Kind::Local, Kind::Tcp, Kind::Shm],
+    ];
+    #[cfg(feature = "fabric")]
+    orders.extend([
+        [Kind::Fabric, Kind::Shm, Kind::Tcp],
+        [Kind::Local, Kind::Fabric, Kind::Fabric],
+        [Kind::Tcp, Kind::Local, Kind::Fabric],
+    ]);
+    for order in orders {
         let what = format!("ring {order:?}");
         let d = [Domain::new("r0"), Domain::new("r1"), Domain::new("r2")];
         let alloc = Allocator::new(&d[0], 4, SIZE, PoolConstraints::default()).unwrap();
@@ -267,15 +318,15 @@ fn a_ring_of_mixed_channels_keeps_the_contents() {
         for lap in 0..3 {
             for (i, (tx, rx)) in chans.iter_mut().enumerate() {
                 write_and_move(tx, buf, seq);
-                buf = received(rx);
+                buf = received(rx, tx);
                 assert!(check(&buf, seq), "{what}: lap {lap}, hop {i}: other bytes than the sender wrote");
                 seq += 1;
             }
         }
         for _ in 0..3 {
-            for i in (0..3).rev() {
-                write_and_pass(&mut chans[i].1, buf, seq);
-                buf = received(&mut chans[i].0);
+            for (i, (tx, rx)) in chans.iter_mut().enumerate().rev() {
+                write_and_pass(rx, buf, seq);
+                buf = received(tx, rx);
                 assert!(check(&buf, seq), "{what}: pass back on channel {i}: other bytes than the sender wrote");
                 seq += 1;
             }
@@ -377,13 +428,13 @@ fn write_back_across_processes() {
             let seq = 10 * round;
             // A -> B over TCP, B -> C over shm (write-back at C), back.
             write_and_move(&mut a_b, alloc.alloc().unwrap(), seq);
-            let mut at_b = received(&mut b_a);
+            let mut at_b = received(&mut b_a, &mut a_b);
             assert!(check(&at_b, seq), "{trust:?}: B got other bytes than A wrote");
             fill(at_b.as_mut_slice().unwrap(), seq + 1);
             b_c.move_buffer(at_b, &(seq + 1).to_le_bytes()).expect("move");
             let back = echoed(&mut b_c, seq + 2);
             write_and_pass(&mut b_a, back, seq + 3);
-            let home = received(&mut a_b);
+            let home = received(&mut a_b, &mut b_a);
             assert!(check(&home, seq + 3), "{trust:?}: A got other bytes back than B wrote");
             // A -> C directly (shared memory), back.
             let mut home = home;
@@ -447,7 +498,10 @@ fn offers_of_one_unknown_pool_on_two_threads_at_once_share_one_pool() {
                         let Ok(Event::PoolAssignRequest(req)) = rx.wait(Some(WAIT)) else { panic!("no offer") };
                         rx.respond_pool(req.pool, true).unwrap();
                         rx.flush().unwrap();
-                        let buf = received(&mut rx);
+                        let buf = match rx.wait(Some(WAIT)) {
+                            Ok(Event::MoveReceived { buffer, .. }) => buffer,
+                            ev => panic!("expected a buffer, got {ev:?}"),
+                        };
                         (rx, buf)
                     })
                 })

@@ -1353,8 +1353,10 @@ fn write_faults(addr: usize) -> bool {
             // A fault is expected: no core dump of it.
             libc::prctl(libc::PR_SET_DUMPABLE, 0);
             // The kernel's action, whatever handler a library of this
-            // process installed (libfabric's psm provider installs one that
-            // writes a backtrace file and exits).
+            // process installed (Rust's own for stack overflows; a program
+            // that links libfabric gets its psm provider's, which writes a
+            // backtrace file and exits; Ferry's fabric backend loads it
+            // without that).
             libc::signal(libc::SIGSEGV, libc::SIG_DFL);
             let p = addr as *mut u8;
             let v = std::ptr::read_volatile(p);

@@ -69,76 +69,13 @@ fn error_within(ch: &mut Channel, within: Duration) -> Error {
 
 /// Moves, passes and copies between two domains over loopback TCP, every
 /// byte checked on arrival, at each trust level; the counters show the
-/// payload went straight from buffer to buffer.
+/// payload went straight from buffer to buffer, in batched frames.
 fn flows_at(trust: TrustLevel, at: SocketAddr) {
     let src = Domain::new("src");
-    let (mut tx, addr) = listen(&src, at, trust, NetOptions::default());
-    let sink = std::thread::spawn(move || {
-        let d = Domain::new("sink");
-        let mut rx = Channel::bind(&d, &Endpoint::tcp(addr), BindParams::default()).unwrap();
-        let mut copies = Vec::new();
-        loop {
-            match next(&mut rx) {
-                Event::Bound => {}
-                Event::PoolAssignRequest(req) => rx.respond_pool(req.pool, true).unwrap(),
-                Event::MoveReceived { mut buffer, meta } => {
-                    let seq = seq_of(&meta);
-                    assert!(check(&buffer, seq), "move {seq} arrived corrupted");
-                    fill(buffer.as_mut_slice().unwrap(), seq + 1);
-                    rx.pass(buffer, &meta).unwrap();
-                }
-                Event::CopyReceived { copy, meta } => {
-                    assert!(check(&copy, seq_of(&meta)), "copy arrived corrupted");
-                    copies.push(copy);
-                    if copies.len() == 4 {
-                        for c in copies.drain(..) {
-                            rx.release(c).unwrap();
-                        }
-                    }
-                }
-                Event::Closed { .. } => break,
-                ev => panic!("sink: unexpected {ev:?}"),
-            }
-        }
-        rx.link_stats()
-    });
-    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
-    let alloc = Allocator::new(&src, 8, SIZE, PoolConstraints::default()).unwrap();
-    assign(&mut tx, &alloc);
-    // The sink writes seq + 1: its write must come back.
-    let total = 200u64;
-    support::payload::move_and_take_back(&mut tx, &alloc, total, |seq| seq + 1);
-    // Copies: the owner reads while they are out, writes once all are back.
-    let mut b = alloc.alloc().unwrap();
-    fill(b.as_mut_slice().unwrap(), 7);
-    for _ in 0..4 {
-        tx.copy(&b, &7u64.to_le_bytes()).unwrap();
-    }
-    assert_eq!(src.buffer_state(b.id()), BufferState::ReadOnlyOwned);
-    let mut released = 0;
-    while released < 4 {
-        match next(&mut tx) {
-            Event::CopyReleased { writable, .. } => {
-                released += 1;
-                assert_eq!(writable, released == 4);
-            }
-            ev => panic!("unexpected {ev:?}"),
-        }
-    }
-    assert!(b.as_mut_slice().is_ok());
-    drop(b);
-    tx.teardown().unwrap();
-    assert!(matches!(next(&mut tx), Event::Closed { by_peer: false }));
-    let ours = tx.link_stats().expect("the TCP backend counts");
-    let theirs = sink.join().unwrap().expect("the TCP backend counts");
-    let moved = total * SIZE as u64;
-    // The first copy carries the bytes; the next three find them there.
-    assert_eq!(ours.payload_sent, moved + SIZE as u64, "{ours:?}");
-    assert_eq!(ours.payload_received, moved, "{ours:?}");
-    assert_eq!(theirs.payload_received, moved + SIZE as u64, "{theirs:?}");
-    assert_eq!((ours.payload_staged, theirs.payload_staged), (0, 0), "no payload byte copied in user space");
+    let (tx, addr) = listen(&src, at, trust, NetOptions::default());
+    let bind = move |d: &Domain| Channel::bind(d, &Endpoint::tcp(addr), BindParams::default()).unwrap();
+    let (ours, _) = support::scenarios::flows(&src, tx, SIZE, bind);
     assert!(ours.send_calls < ours.frames_sent, "frames are batched: {ours:?}");
-    assert_eq!(alloc.available(), 8);
 }
 
 #[test]

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use ferry::{Allocator, BufferCopy, Channel, Event};
+use ferry::{Allocator, BufferCopy, BufferState, Channel, Domain, Event, LinkStats, PoolConstraints};
 
 use super::payload::{check, fill};
 
@@ -101,4 +101,101 @@ pub fn idle_then_move(tx: &mut Channel, mut rx: Channel, alloc: &Allocator, idle
     tx.move_buffer(buf, &SEQ.to_le_bytes()).unwrap();
     tx.flush().unwrap();
     sink.join().unwrap();
+}
+
+fn next(ch: &mut Channel) -> Event {
+    match ch.wait(Some(WAIT)) {
+        Ok(ev) => ev,
+        Err(_) => panic!("no event within {WAIT:?} (state {:?})", ch.state()),
+    }
+}
+
+fn seq_of(meta: &[u8]) -> u64 {
+    u64::from_le_bytes(meta[..8].try_into().unwrap())
+}
+
+/// Moves, passes and copies between two domains over a transport that
+/// mirrors the pool (TCP, the fabric): `tx` is a TX master of `src` that a
+/// binder is about to reach; `bind` makes the sink end in a thread of its
+/// own. 200 moves of `size`-byte buffers that the sink checks, writes and
+/// passes back (each checked here), then four copies of one buffer that
+/// the sink checks and releases (the owner reads while they are out and
+/// writes once all are back). The counters of both ends show that every
+/// payload went straight from buffer to buffer (the first copy carries
+/// the bytes, the next three find them there) and none was staged; they
+/// are returned (ours, the sink's) for the transport's own checks.
+pub fn flows(
+    src: &Domain,
+    mut tx: Channel,
+    size: usize,
+    bind: impl FnOnce(&Domain) -> Channel + Send + 'static,
+) -> (LinkStats, LinkStats) {
+    let sink = std::thread::spawn(move || {
+        let d = Domain::new("sink");
+        let mut rx = bind(&d);
+        let mut copies = Vec::new();
+        loop {
+            match next(&mut rx) {
+                Event::Bound => {}
+                Event::PoolAssignRequest(req) => rx.respond_pool(req.pool, true).unwrap(),
+                Event::MoveReceived { mut buffer, meta } => {
+                    let seq = seq_of(&meta);
+                    assert!(check(&buffer, seq), "move {seq} arrived corrupted");
+                    fill(buffer.as_mut_slice().unwrap(), seq + 1);
+                    rx.pass(buffer, &meta).unwrap();
+                }
+                Event::CopyReceived { copy, meta } => {
+                    assert!(check(&copy, seq_of(&meta)), "copy arrived corrupted");
+                    copies.push(copy);
+                    if copies.len() == 4 {
+                        for c in copies.drain(..) {
+                            rx.release(c).unwrap();
+                        }
+                    }
+                }
+                Event::Closed { .. } => break,
+                ev => panic!("sink: unexpected {ev:?}"),
+            }
+        }
+        rx.link_stats()
+    });
+    assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
+    let alloc = Allocator::new(src, 8, size, PoolConstraints::default()).unwrap();
+    tx.assign_pool(alloc.pool()).unwrap();
+    match next(&mut tx) {
+        Event::PoolAssigned(_) => {}
+        ev => panic!("expected the pool assigned, got {ev:?}"),
+    }
+    // The sink writes seq + 1: its write must come back.
+    let total = 200u64;
+    super::payload::move_and_take_back(&mut tx, &alloc, total, |seq| seq + 1);
+    let mut b = alloc.alloc().unwrap();
+    fill(b.as_mut_slice().unwrap(), 7);
+    for _ in 0..4 {
+        tx.copy(&b, &7u64.to_le_bytes()).unwrap();
+    }
+    assert_eq!(src.buffer_state(b.id()), BufferState::ReadOnlyOwned);
+    let mut released = 0;
+    while released < 4 {
+        match next(&mut tx) {
+            Event::CopyReleased { writable, .. } => {
+                released += 1;
+                assert_eq!(writable, released == 4);
+            }
+            ev => panic!("unexpected {ev:?}"),
+        }
+    }
+    assert!(b.as_mut_slice().is_ok());
+    drop(b);
+    tx.teardown().unwrap();
+    assert!(matches!(next(&mut tx), Event::Closed { by_peer: false }));
+    let ours = tx.link_stats().expect("the transport counts");
+    let theirs = sink.join().unwrap().expect("the transport counts");
+    let moved = total * size as u64;
+    assert_eq!(ours.payload_sent, moved + size as u64, "{ours:?}");
+    assert_eq!(ours.payload_received, moved, "{ours:?}");
+    assert_eq!(theirs.payload_received, moved + size as u64, "{theirs:?}");
+    assert_eq!((ours.payload_staged, theirs.payload_staged), (0, 0), "no payload byte copied in user space");
+    assert_eq!(alloc.available(), 8);
+    (ours, theirs)
 }

@@ -34,6 +34,8 @@
 //! each side has memory the other cannot write.
 
 mod sys;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{HashSet, VecDeque};
 use std::io::{self, Read, Write};
@@ -148,6 +150,7 @@ impl FabricEndpoint {
     /// that does not know the address (its fabric is not IP-addressed)
     /// picks the source itself.
     fn open(&self, ip: IpAddr) -> Result<Fabric> {
+        sys::load().map_err(ErrorKind::FabricUnavailable)?;
         let provider = self.options.provider.as_deref();
         let cq_size = 4 * MAX_SLOTS;
         if ip.is_unspecified() {
@@ -517,7 +520,9 @@ impl FabricLink {
         let len = ((rx_slots + tx_slots) * SLOT).next_multiple_of(crate::sys::page_size());
         let fd = crate::sys::memfd("ferry-fabric-slots", len)?;
         let map = Mapping::map_shared(fd.as_fd(), len, Access::ReadWrite, 1)?;
-        let control = fabric.register(Arc::new(map), 1).map_err(|rc| fabric_error("fi_mr_reg (message slots)", rc))?;
+        // Messages arrive by sends only: the peer gets no RMA access to the ring.
+        let control =
+            fabric.register(Arc::new(map), 1, false).map_err(|rc| fabric_error("fi_mr_reg (message slots)", rc))?;
         let control = Arc::new(control);
         let n = rx_slots + tx_slots + writes;
         let mut link = FabricLink {
@@ -597,7 +602,7 @@ impl FabricLink {
         let map = Arc::new(memory.map(Access::ReadWrite, 1)?);
         let key = self.next_key;
         self.next_key += 1;
-        let region = self.fabric.register(map, key).map_err(|rc| fabric_error("fi_mr_reg (a pool)", rc))?;
+        let region = self.fabric.register(map, key, true).map_err(|rc| fabric_error("fi_mr_reg (a pool)", rc))?;
         let base = if self.fabric.virt_addr() { region.map().as_ptr() as u64 } else { 0 };
         let mut slot = [0u8; SLOT];
         slot[0] = TYPE_KEY;

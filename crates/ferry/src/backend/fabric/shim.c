@@ -6,11 +6,30 @@
  * opaque handles and plain integers: the Rust side never sees a libfabric
  * struct, so no struct layout is duplicated (and none can drift from the
  * installed headers). Every function returns 0 or a negative libfabric
- * error code unless it says otherwise. */
+ * error code unless it says otherwise.
+ *
+ * libfabric itself is not linked: ferry_fi_load opens it (dlopen) when the
+ * first fabric endpoint is opened, so a program built with the backend but
+ * not using it never loads libfabric and its providers (some of which
+ * change the process at load time, see ferry_fi_load). */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <stdio.h>
+
+/* The functions libfabric exports that the shim calls, directly or through
+ * the headers' inline functions (fi_allocinfo calls fi_dupinfo); the other
+ * calls go through ops tables. Each name becomes a call through a pointer
+ * that ferry_fi_load fills in: with these macros, the headers' own
+ * prototypes declare the pointers, with the types the headers give. */
+#define fi_getinfo (*ferry_dl_fi_getinfo)
+#define fi_freeinfo (*ferry_dl_fi_freeinfo)
+#define fi_dupinfo (*ferry_dl_fi_dupinfo)
+#define fi_fabric (*ferry_dl_fi_fabric)
+#define fi_strerror (*ferry_dl_fi_strerror)
 
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
@@ -18,6 +37,77 @@
 #include <rdma/fi_cm.h>
 #include <rdma/fi_rma.h>
 #include <rdma/fi_errno.h>
+
+/* libfabric's file name: its soname, unless FERRY_LIBFABRIC names another
+ * (a vendor's build, say /opt/amazon/efa/lib/libfabric.so.1). */
+#define FERRY_LIBFABRIC_SONAME "libfabric.so.1"
+
+static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *libfabric;
+
+/* Load libfabric once: 0, or -FI_ENOSYS with `err` saying why (a library
+ * that is not there, or one without a function the shim needs).
+ *
+ * Loading runs the constructors of libfabric's providers' libraries, and
+ * Debian's psm provider (libinfinipath) installs handlers for SIGSEGV,
+ * SIGBUS, SIGILL, SIGABRT, SIGINT and SIGTERM there, which write a
+ * backtrace file and exit. They are debugging aids of that provider, not
+ * something the library needs, and they would take a process's own
+ * dispositions from it (a protection fault would no longer kill it by its
+ * signal), so every disposition the load changed is put back as it was. */
+int ferry_fi_load(char *err, size_t errlen)
+{
+	int rc = 0;
+	pthread_mutex_lock(&load_lock);
+	if (libfabric)
+		goto out;
+	struct sigaction before[NSIG];
+	for (int sig = 1; sig < NSIG; sig++)
+		if (sigaction(sig, NULL, &before[sig]))
+			before[sig].sa_handler = SIG_ERR;
+	const char *file = getenv("FERRY_LIBFABRIC");
+	if (!file || !*file)
+		file = FERRY_LIBFABRIC_SONAME;
+	void *lib = dlopen(file, RTLD_NOW | RTLD_LOCAL);
+	for (int sig = 1; sig < NSIG; sig++) {
+		struct sigaction now;
+		if (before[sig].sa_handler == SIG_ERR || sigaction(sig, NULL, &now))
+			continue;
+		if (now.sa_handler != before[sig].sa_handler || now.sa_flags != before[sig].sa_flags)
+			sigaction(sig, &before[sig], NULL);
+	}
+	if (!lib) {
+		const char *why = dlerror();
+		snprintf(err, errlen, "%s", why ? why : file);
+		rc = -FI_ENOSYS;
+		goto out;
+	}
+	struct {
+		const char *name;
+		void **slot;
+	} symbols[] = {
+		{ "fi_getinfo", (void **)&ferry_dl_fi_getinfo },
+		{ "fi_freeinfo", (void **)&ferry_dl_fi_freeinfo },
+		{ "fi_dupinfo", (void **)&ferry_dl_fi_dupinfo },
+		{ "fi_fabric", (void **)&ferry_dl_fi_fabric },
+		{ "fi_strerror", (void **)&ferry_dl_fi_strerror },
+	};
+	for (size_t i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++) {
+		*symbols[i].slot = dlsym(lib, symbols[i].name);
+		if (!*symbols[i].slot) {
+			snprintf(err, errlen, "%s has no %s", file, symbols[i].name);
+			for (size_t j = 0; j < i; j++)
+				*symbols[j].slot = NULL;
+			dlclose(lib);
+			rc = -FI_ENOSYS;
+			goto out;
+		}
+	}
+	libfabric = lib;
+out:
+	pthread_mutex_unlock(&load_lock);
+	return rc;
+}
 
 #define FERRY_FI_VERSION FI_VERSION(1, 9)
 
@@ -175,12 +265,16 @@ int ferry_fi_set_peer(struct ferry_fi *h, const void *addr)
 	return n == 1 ? 0 : (n < 0 ? n : -FI_EADDRNOTAVAIL);
 }
 
-/* Register [buf, buf + len) for sends from it, receives into it, RMA
- * writes from it and the peer's RMA writes into it. */
-int ferry_fi_mr_reg(struct ferry_fi *h, void *buf, size_t len, uint64_t requested_key, struct fid_mr **mr,
-		    uint64_t *key, void **desc)
+/* Register [buf, buf + len) for sends from it and receives into it, and
+ * if `remote_write`, for RMA writes from it and the peer's RMA writes into
+ * it (memory the peer must not write, such as the message ring, is
+ * registered without). */
+int ferry_fi_mr_reg(struct ferry_fi *h, void *buf, size_t len, int remote_write, uint64_t requested_key,
+		    struct fid_mr **mr, uint64_t *key, void **desc)
 {
-	uint64_t access = FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE;
+	uint64_t access = FI_SEND | FI_RECV;
+	if (remote_write)
+		access |= FI_WRITE | FI_REMOTE_WRITE;
 	int rc = fi_mr_reg(h->domain, buf, len, access, 0, requested_key, 0, mr, NULL);
 	if (rc)
 		return rc;
@@ -232,8 +326,19 @@ struct ferry_cqe {
 	int32_t prov_errno;
 };
 
-/* Up to n completions into out (failed ones too, with err set): how many,
- * 0 if none, or a negative error of the queue itself. Progresses the
+static void flatten(struct ferry_cqe *out, void *ctx, uint64_t flags, uint64_t len, uint64_t data, int32_t err,
+		    int32_t prov_errno)
+{
+	out->ctx = ctx;
+	out->flags = flags;
+	out->len = len;
+	out->data = data;
+	out->err = err;
+	out->prov_errno = prov_errno;
+}
+
+/* Up to n completions into out (a failed one alone, with err set): how
+ * many, 0 if none, or a negative error of the queue itself. Progresses the
  * provider (manual progress). */
 long ferry_fi_cq_read(struct ferry_fi *h, struct ferry_cqe *out, size_t n)
 {
@@ -251,24 +356,13 @@ long ferry_fi_cq_read(struct ferry_fi *h, struct ferry_cqe *out, size_t n)
 			return 0;
 		if (r < 0)
 			return r;
-		out[0].ctx = ee.op_context;
-		out[0].flags = ee.flags;
-		out[0].len = ee.len;
-		out[0].data = ee.data;
-		out[0].err = ee.err ? ee.err : FI_EOTHER;
-		out[0].prov_errno = ee.prov_errno;
+		flatten(out, ee.op_context, ee.flags, ee.len, ee.data, ee.err ? ee.err : FI_EOTHER, ee.prov_errno);
 		return 1;
 	}
 	if (got < 0)
 		return got;
-	for (ssize_t i = 0; i < got; i++) {
-		out[i].ctx = e[i].op_context;
-		out[i].flags = e[i].flags;
-		out[i].len = e[i].len;
-		out[i].data = e[i].data;
-		out[i].err = 0;
-		out[i].prov_errno = 0;
-	}
+	for (ssize_t i = 0; i < got; i++)
+		flatten(&out[i], e[i].op_context, e[i].flags, e[i].len, e[i].data, 0, 0);
 	return got;
 }
 
@@ -282,10 +376,15 @@ int ferry_fi_trywait(struct ferry_fi *h)
 
 const char *ferry_fi_strerror(int err)
 {
+	if (!ferry_dl_fi_strerror)
+		return "libfabric is not loaded";
 	return fi_strerror(err < 0 ? -err : err);
 }
 
-/* The flag bits of completions the backend looks at. */
-uint64_t ferry_fi_flag_remote_write(void) { return FI_REMOTE_WRITE; }
-uint64_t ferry_fi_flag_remote_cq_data(void) { return FI_REMOTE_CQ_DATA; }
-uint64_t ferry_fi_flag_recv(void) { return FI_RECV; }
+/* Whether a completion with these flags is the peer's write into our
+ * memory: it carries remote completion data (the backend sends no message
+ * with data). */
+int ferry_fi_is_remote_write(uint64_t flags)
+{
+	return (flags & (FI_REMOTE_WRITE | FI_REMOTE_CQ_DATA)) != 0;
+}

@@ -1,7 +1,8 @@
 //! The libfabric calls of the fabric backend, and the only unsafe code it
 //! has. libfabric's calls are inline C functions, so they go through a small
 //! C shim (`shim.c`, compiled by build.rs) that hands out opaque handles and
-//! flat completions: no libfabric struct layout is repeated here.
+//! flat completions: no libfabric struct layout is repeated here. The shim
+//! loads libfabric itself ([`load`]) before the first endpoint opens.
 //!
 //! The safe API above the calls keeps three promises: a handle is used by
 //! one thread at a time (`&mut` or the owner's lock), memory stays mapped
@@ -48,6 +49,7 @@ pub(super) struct Completion {
 }
 
 extern "C" {
+    fn ferry_fi_load(err: *mut c_char, errlen: usize) -> c_int;
     fn ferry_fi_open(
         provider: *const c_char,
         node: *const c_char,
@@ -67,6 +69,7 @@ extern "C" {
         h: *mut RawFabric,
         buf: *mut c_void,
         len: usize,
+        remote_write: c_int,
         requested_key: u64,
         mr: *mut *mut RawMr,
         key: *mut u64,
@@ -88,8 +91,20 @@ extern "C" {
     fn ferry_fi_cq_read(h: *mut RawFabric, out: *mut Completion, n: usize) -> c_long;
     fn ferry_fi_trywait(h: *mut RawFabric) -> c_int;
     fn ferry_fi_strerror(err: c_int) -> *const c_char;
-    fn ferry_fi_flag_remote_write() -> u64;
-    fn ferry_fi_flag_remote_cq_data() -> u64;
+    fn ferry_fi_is_remote_write(flags: u64) -> c_int;
+}
+
+/// Load libfabric if it is not loaded yet (once per process; the shim's
+/// calls need it). The error is the loader's words.
+pub(super) fn load() -> Result<(), String> {
+    let mut err = [0 as c_char; 512];
+    // SAFETY: err has the room we say it has; the shim serialises loads.
+    let rc = unsafe { ferry_fi_load(err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        // SAFETY: the shim wrote a NUL-terminated message into err.
+        return Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned());
+    }
+    Ok(())
 }
 
 /// libfabric's `FI_EAGAIN`: the operation cannot be posted now.
@@ -105,9 +120,8 @@ pub(super) fn strerror(err: i32) -> String {
 /// Whether a completion is the peer's write into our memory: it carries
 /// remote completion data (the backend sends no message with data).
 pub(super) fn is_remote_write(flags: u64) -> bool {
-    // SAFETY: returns a constant.
-    let (write, data) = unsafe { (ferry_fi_flag_remote_write(), ferry_fi_flag_remote_cq_data()) };
-    flags & (write | data) != 0
+    // SAFETY: a pure function of its argument.
+    unsafe { ferry_fi_is_remote_write(flags) != 0 }
 }
 
 struct Handle {
@@ -236,10 +250,11 @@ impl Fabric {
         Ok(())
     }
 
-    /// Register `map` for sends, receives, writes from it and the peer's
-    /// writes into it. `requested_key` is the key unless the provider picks
-    /// its own (unique among this end's registrations).
-    pub(super) fn register(&self, map: Arc<Mapping>, requested_key: u64) -> Result<Region, i32> {
+    /// Register `map` for sends and receives, and if `remote_write`, for
+    /// writes from it and the peer's writes into it. `requested_key` is the
+    /// key unless the provider picks its own (unique among this end's
+    /// registrations).
+    pub(super) fn register(&self, map: Arc<Mapping>, requested_key: u64, remote_write: bool) -> Result<Region, i32> {
         let mut mr = std::ptr::null_mut();
         let mut key = 0;
         let mut desc = std::ptr::null_mut();
@@ -247,7 +262,16 @@ impl Fabric {
         // mapped as long as the Region (which owns an Arc of it) lives,
         // and the Region closes the registration before it lets go.
         let rc = self.with(|h| unsafe {
-            ferry_fi_mr_reg(h.raw.as_ptr(), map.as_ptr().cast(), map.len(), requested_key, &mut mr, &mut key, &mut desc)
+            ferry_fi_mr_reg(
+                h.raw.as_ptr(),
+                map.as_ptr().cast(),
+                map.len(),
+                c_int::from(remote_write),
+                requested_key,
+                &mut mr,
+                &mut key,
+                &mut desc,
+            )
         });
         if rc != 0 {
             return Err(rc);
