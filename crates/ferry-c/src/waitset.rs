@@ -126,6 +126,9 @@ pub enum Step {
     /// Nothing is due and the channels are armed: wait for `fd`. `live`:
     /// something can still happen.
     Idle { fd: i32, live: bool },
+    /// Nothing is due, and the channels were not armed: the dispatch does
+    /// not sleep and nobody else can wait on the waitset's fd.
+    Nothing,
 }
 
 /// Where a channel end is.
@@ -223,6 +226,10 @@ pub struct Waitset {
     worked: bool,
     /// Destroyed: takes no more channels.
     pub dead: bool,
+    /// The program took the fd (`bulk_waitset_fd`): it may sleep on it, so
+    /// a dispatch that finds nothing arms the channels even when it does
+    /// not sleep itself.
+    fd_taken: bool,
     /// The pools its calls and events used last.
     pools: PoolCache,
 }
@@ -327,13 +334,21 @@ impl Waitset {
             last_work: Instant::now(),
             worked: false,
             dead: false,
+            fd_taken: false,
             pools: PoolCache::default(),
         };
         Ok((key, ws))
     }
 
-    /// The program's fd.
-    pub fn fd(&self) -> i32 {
+    /// The program's fd, for the program to wait on. Until now dispatch
+    /// armed the channels only before sleeping itself; the fd is made
+    /// readable once, so that the program's loop dispatches until
+    /// `BULK_ERR_TIMEOUT`, which then arms them.
+    pub fn take_fd(&mut self) -> i32 {
+        if !self.fd_taken {
+            self.fd_taken = true;
+            self.ring();
+        }
         self.epoll.as_raw_fd()
     }
 
@@ -422,9 +437,12 @@ impl Waitset {
     /// cannot hold continuations back for ever. Until `spin_until` the
     /// channels are only polled (no system call, no doorbell for the peer
     /// to ring); after it they are armed, and `Idle` means the fd will
-    /// tell when to look again.
-    pub fn next_step(&mut self, spin_until: &mut Option<Instant>) -> Step {
-        let step = self.next_step_inner(spin_until);
+    /// tell when to look again. A dispatch that will not sleep (`sleeps`
+    /// false) on a waitset whose fd the program never took does not arm
+    /// them (`Nothing`): arming costs system calls here and at the peer,
+    /// and nobody could wait for what it announces.
+    pub fn next_step(&mut self, spin_until: &mut Option<Instant>, sleeps: bool) -> Step {
+        let step = self.next_step_inner(spin_until, sleeps);
         if matches!(step, Step::Run(_)) {
             self.worked = true;
         }
@@ -445,7 +463,7 @@ impl Waitset {
         }
     }
 
-    fn next_step_inner(&mut self, spin_until: &mut Option<Instant>) -> Step {
+    fn next_step_inner(&mut self, spin_until: &mut Option<Instant>, sleeps: bool) -> Step {
         self.release_written();
         if self.streak >= FAIRNESS {
             if let Some(w) = self.pop() {
@@ -476,6 +494,9 @@ impl Waitset {
         // Nothing due: what callbacks sent goes out before the channels
         // are armed and dispatch returns or sleeps.
         self.flush_all();
+        if !sleeps && !self.fd_taken {
+            return Step::Nothing;
+        }
         match self.selector.wait(Some(Duration::ZERO)) {
             Ok((key, ev)) => {
                 self.streak += 1;
