@@ -217,6 +217,9 @@ pub struct Waitset {
     unsent: usize,
     /// Where the next direct poll of the channels starts (fairness).
     next_poll: usize,
+    /// A callback held a send back for batching since the channels were
+    /// last polled (see [`Waitset::poll_channels`]).
+    held_back: bool,
     /// See [`DEFAULT_SPIN`].
     pub spin: Duration,
     /// About when the last work was handed to dispatch: read when a
@@ -330,6 +333,7 @@ impl Waitset {
             streak: 0,
             unsent: 0,
             next_poll: 0,
+            held_back: false,
             spin: DEFAULT_SPIN,
             last_work: Instant::now(),
             worked: false,
@@ -519,20 +523,32 @@ impl Waitset {
     }
 
     /// Polls every attached channel once, starting after the one that
-    /// had the last event: the first event.
+    /// had the last event: the first event. A channel's poll that finds
+    /// nothing publishes what callbacks held back on it, which another
+    /// channel of this waitset may be waiting for (both ends of a channel
+    /// here): if callbacks held sends back, a round that found nothing is
+    /// followed by a second one, rather than by a dispatch that returns
+    /// `BULK_ERR_TIMEOUT` while the answer is there.
     fn poll_channels(&mut self) -> Option<(usize, Event)> {
         let n = self.order.len();
         if n == 0 {
             return None;
         }
-        for j in 0..n {
-            let key = self.order[(self.next_poll + j) % n];
-            if let Some(ev) = self.selector.get_mut(key).and_then(Channel::poll) {
-                self.next_poll = (self.next_poll + j + 1) % n;
-                return Some((key, ev));
+        loop {
+            let held_back = std::mem::take(&mut self.held_back);
+            for j in 0..n {
+                let key = self.order[(self.next_poll + j) % n];
+                if let Some(ev) = self.selector.get_mut(key).and_then(Channel::poll) {
+                    self.next_poll = (self.next_poll + j + 1) % n;
+                    // Not every channel was polled: some may still hold back.
+                    self.held_back |= held_back;
+                    return Some((key, ev));
+                }
+            }
+            if !held_back {
+                return None;
             }
         }
-        None
     }
 
     /// Writes the channel fields that follow its state.
@@ -799,7 +815,9 @@ impl Waitset {
         let queued = chan.queued_payload;
         let Some(c) = channel_of(&mut self.selector, chan) else { return };
         let Some(cont) = cont else {
-            if !batched {
+            if batched {
+                self.held_back = true;
+            } else {
                 let _ = c.flush();
             }
             return;
