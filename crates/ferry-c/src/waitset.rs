@@ -360,10 +360,10 @@ impl Waitset {
         Ok((key, ws))
     }
 
-    /// The program's fd, for the program to wait on. Until now dispatch
-    /// armed the channels only before sleeping itself; the fd is made
-    /// readable once, so that the program's loop dispatches until
-    /// `BULK_ERR_TIMEOUT`, which then arms them.
+    /// The program's fd, for the program to wait on. Until the program
+    /// takes it, a dispatch that does not sleep leaves the channels unarmed;
+    /// so the fd is made readable once, and the program's loop dispatches
+    /// until `BULK_ERR_TIMEOUT`, which arms them.
     pub fn take_fd(&mut self) -> i32 {
         if !self.fd_taken {
             self.fd_taken = true;
