@@ -158,7 +158,7 @@ pub fn waitset_destroy(key: usize) -> Res<()> {
 
 /// `bulk_waitset_fd`.
 pub fn waitset_fd(key: usize) -> Res<i32> {
-    Ok(lock(&waitset(key)?).fd())
+    Ok(lock(&waitset(key)?).take_fd())
 }
 
 /// `bulk_waitset_set_spin`.
@@ -196,6 +196,7 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
     // Read the clock only once there is nothing to do at once.
     let mut deadline: Option<Option<Instant>> = None;
     let mut spin_until = None;
+    let sleeps = timeout != Some(Duration::ZERO);
     loop {
         // The lock is held only to pick the work; callbacks run without it.
         let step = {
@@ -203,7 +204,7 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
             if w.dead {
                 return Err(ERR_INVALID_WAITSET);
             }
-            w.next_step(&mut spin_until)
+            w.next_step(&mut spin_until, sleeps)
         };
         match step {
             Step::Run(work) => {
@@ -218,6 +219,7 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
                 return Ok(());
             }
             Step::Spin => std::hint::spin_loop(),
+            Step::Nothing => return Err(ERR_TIMEOUT),
             Step::Idle { fd, live } => {
                 // A timeout too long to represent is no limit.
                 let deadline = *deadline.get_or_insert_with(|| timeout.and_then(|t| Instant::now().checked_add(t)));

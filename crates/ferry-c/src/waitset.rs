@@ -126,6 +126,9 @@ pub enum Step {
     /// Nothing is due and the channels are armed: wait for `fd`. `live`:
     /// something can still happen.
     Idle { fd: i32, live: bool },
+    /// Nothing is due, and the channels were not armed: the dispatch does
+    /// not sleep and nobody else can wait on the waitset's fd.
+    Nothing,
 }
 
 /// Where a channel end is.
@@ -191,6 +194,21 @@ impl std::hash::Hasher for IdHasher {
 /// A map keyed by small integers.
 pub type IdMap<V> = HashMap<usize, V, std::hash::BuildHasherDefault<IdHasher>>;
 
+/// A channel end and the parts of its waitset a call on it uses.
+type ChanParts<'a> = (&'a mut Chan, &'a mut Selector, &'a mut PoolCache, &'a mut bool);
+
+/// After an accepted send without continuation of `payload` bytes on
+/// `chan`: publishes it, or notes in `held_back` that a callback held it
+/// back for batching (see [`Waitset::sent`]).
+fn sent_unanswered(chan: &mut Chan, selector: &mut Selector, held_back: &mut bool, payload: u64, batched: bool) {
+    chan.queued_payload += payload;
+    if batched {
+        *held_back = true;
+    } else if let Some(c) = channel_of(selector, chan) {
+        let _ = c.flush();
+    }
+}
+
 /// A waitset.
 pub struct Waitset {
     /// The allocation whose address is the `struct waitset *`.
@@ -198,8 +216,9 @@ pub struct Waitset {
     selector: Selector,
     /// Selector key → channel token.
     keys: IdMap<usize>,
-    /// The selector keys, in the order the channels are polled.
-    order: Vec<usize>,
+    /// The selector keys and channel tokens, in the order the channels are
+    /// polled (so that a polled event needs no lookup of its token).
+    order: Vec<(usize, usize)>,
     /// The channel ends, by token.
     chans: IdMap<Chan>,
     /// The program's fd: the selector's fd and `bell`.
@@ -214,6 +233,9 @@ pub struct Waitset {
     unsent: usize,
     /// Where the next direct poll of the channels starts (fairness).
     next_poll: usize,
+    /// A callback held a send back for batching since the channels were
+    /// last polled (see [`Waitset::poll_channels`]).
+    held_back: bool,
     /// See [`DEFAULT_SPIN`].
     pub spin: Duration,
     /// About when the last work was handed to dispatch: read when a
@@ -223,6 +245,10 @@ pub struct Waitset {
     worked: bool,
     /// Destroyed: takes no more channels.
     pub dead: bool,
+    /// The program took the fd (`bulk_waitset_fd`): it may sleep on it, so
+    /// a dispatch that finds nothing arms the channels even when it does
+    /// not sleep itself.
+    fd_taken: bool,
     /// The pools its calls and events used last.
     pools: PoolCache,
 }
@@ -323,17 +349,26 @@ impl Waitset {
             streak: 0,
             unsent: 0,
             next_poll: 0,
+            held_back: false,
             spin: DEFAULT_SPIN,
             last_work: Instant::now(),
             worked: false,
             dead: false,
+            fd_taken: false,
             pools: PoolCache::default(),
         };
         Ok((key, ws))
     }
 
-    /// The program's fd.
-    pub fn fd(&self) -> i32 {
+    /// The program's fd, for the program to wait on. Until the program
+    /// takes it, a dispatch that does not sleep leaves the channels unarmed;
+    /// so the fd is made readable once, and the program's loop dispatches
+    /// until `BULK_ERR_TIMEOUT`, which arms them.
+    pub fn take_fd(&mut self) -> i32 {
+        if !self.fd_taken {
+            self.fd_taken = true;
+            self.ring();
+        }
         self.epoll.as_raw_fd()
     }
 
@@ -379,7 +414,7 @@ impl Waitset {
         let may_have_event = !channel.arm();
         let key = self.selector.insert(channel);
         self.keys.insert(key, token);
-        self.order.push(key);
+        self.order.push((key, token));
         self.chans.insert(
             token,
             Chan {
@@ -401,14 +436,14 @@ impl Waitset {
 
     /// The channel end of `token` (checked against the C struct's address).
     fn chan(&mut self, token: usize, ch: usize) -> Res<(&mut Chan, &mut Selector)> {
-        let (chan, selector, _) = self.chan_and_pools(token, ch)?;
+        let (chan, selector, _, _) = self.chan_and_pools(token, ch)?;
         Ok((chan, selector))
     }
 
-    /// [`chan`](Self::chan), and the waitset's pool cache.
-    fn chan_and_pools(&mut self, token: usize, ch: usize) -> Res<(&mut Chan, &mut Selector, &mut PoolCache)> {
+    /// [`chan`](Self::chan), the waitset's pool cache and its `held_back`.
+    fn chan_and_pools(&mut self, token: usize, ch: usize) -> Res<ChanParts<'_>> {
         match self.chans.get_mut(&token) {
-            Some(c) if c.c_addr == ch => Ok((c, &mut self.selector, &mut self.pools)),
+            Some(c) if c.c_addr == ch => Ok((c, &mut self.selector, &mut self.pools, &mut self.held_back)),
             _ => Err(ERR_INVALID_CHANNEL),
         }
     }
@@ -422,9 +457,12 @@ impl Waitset {
     /// cannot hold continuations back for ever. Until `spin_until` the
     /// channels are only polled (no system call, no doorbell for the peer
     /// to ring); after it they are armed, and `Idle` means the fd will
-    /// tell when to look again.
-    pub fn next_step(&mut self, spin_until: &mut Option<Instant>) -> Step {
-        let step = self.next_step_inner(spin_until);
+    /// tell when to look again. A dispatch that will not sleep (`sleeps`
+    /// false) on a waitset whose fd the program never took does not arm
+    /// them (`Nothing`): arming costs system calls here and at the peer,
+    /// and nobody could wait for what it announces.
+    pub fn next_step(&mut self, spin_until: &mut Option<Instant>, sleeps: bool) -> Step {
+        let step = self.next_step_inner(spin_until, sleeps);
         if matches!(step, Step::Run(_)) {
             self.worked = true;
         }
@@ -445,16 +483,16 @@ impl Waitset {
         }
     }
 
-    fn next_step_inner(&mut self, spin_until: &mut Option<Instant>) -> Step {
+    fn next_step_inner(&mut self, spin_until: &mut Option<Instant>, sleeps: bool) -> Step {
         self.release_written();
         if self.streak >= FAIRNESS {
             if let Some(w) = self.pop() {
                 return Step::Run(w);
             }
         }
-        if let Some((key, ev)) = self.poll_channels() {
+        if let Some((token, ev)) = self.poll_channels() {
             self.streak += 1;
-            if let Some(w) = self.take_event(key, ev) {
+            if let Some(w) = self.take_event(token, ev) {
                 return Step::Run(w);
             }
             return Step::Spin;
@@ -476,10 +514,13 @@ impl Waitset {
         // Nothing due: what callbacks sent goes out before the channels
         // are armed and dispatch returns or sleeps.
         self.flush_all();
+        if !sleeps && !self.fd_taken {
+            return Step::Nothing;
+        }
         match self.selector.wait(Some(Duration::ZERO)) {
             Ok((key, ev)) => {
                 self.streak += 1;
-                match self.take_event(key, ev) {
+                match self.keys.get(&key).copied().and_then(|token| self.take_event(token, ev)) {
                     Some(w) => Step::Run(w),
                     None => Step::Spin,
                 }
@@ -490,7 +531,7 @@ impl Waitset {
 
     /// Publishes what the attached channels hold back.
     fn flush_all(&mut self) {
-        for &key in &self.order {
+        for &(key, _) in &self.order {
             if let Some(c) = self.selector.get_mut(key) {
                 let _ = c.flush();
             }
@@ -498,20 +539,32 @@ impl Waitset {
     }
 
     /// Polls every attached channel once, starting after the one that
-    /// had the last event: the first event.
+    /// had the last event: the first event, with its channel's token. A channel's poll that finds
+    /// nothing publishes what callbacks held back on it, which another
+    /// channel of this waitset may be waiting for (both ends of a channel
+    /// here): if callbacks held sends back, a round that found nothing is
+    /// followed by a second one, rather than by a dispatch that returns
+    /// `BULK_ERR_TIMEOUT` while the answer is there.
     fn poll_channels(&mut self) -> Option<(usize, Event)> {
         let n = self.order.len();
         if n == 0 {
             return None;
         }
-        for j in 0..n {
-            let key = self.order[(self.next_poll + j) % n];
-            if let Some(ev) = self.selector.get_mut(key).and_then(Channel::poll) {
-                self.next_poll = (self.next_poll + j + 1) % n;
-                return Some((key, ev));
+        loop {
+            let held_back = std::mem::take(&mut self.held_back);
+            for j in 0..n {
+                let (key, token) = self.order[(self.next_poll + j) % n];
+                if let Some(ev) = self.selector.get_mut(key).and_then(Channel::poll) {
+                    self.next_poll = (self.next_poll + j + 1) % n;
+                    // Not every channel was polled: some may still hold back.
+                    self.held_back |= held_back;
+                    return Some((token, ev));
+                }
+            }
+            if !held_back {
+                return None;
             }
         }
-        None
     }
 
     /// Writes the channel fields that follow its state.
@@ -528,7 +581,7 @@ impl Waitset {
         let Some(chan) = self.chans.get_mut(&token) else { return };
         if let Link::Attached(key) = chan.link {
             self.keys.remove(&key);
-            self.order.retain(|k| *k != key);
+            self.order.retain(|(k, _)| *k != key);
             if let Some(c) = self.selector.remove(key) {
                 chan.link = Link::Detached(Box::new(c));
             }
@@ -536,10 +589,9 @@ impl Waitset {
         self.sync(token);
     }
 
-    /// Turns a channel's event into the work it calls for (more of it is
-    /// queued).
-    fn take_event(&mut self, key: usize, ev: Event) -> Option<Work> {
-        let token = *self.keys.get(&key)?;
+    /// Turns the event of the channel of `token` into the work it calls
+    /// for (more of it is queued).
+    fn take_event(&mut self, token: usize, ev: Event) -> Option<Work> {
         let (ch, cbs, meta_size) = {
             let chan = self.chans.get_mut(&token)?;
             let cbs = boundary::read(chan.callbacks as *const BulkChannelCallbacks)?;
@@ -686,7 +738,7 @@ impl Waitset {
         let channel = match std::mem::replace(&mut chan.link, Link::Attached(usize::MAX)) {
             Link::Attached(key) => {
                 self.keys.remove(&key);
-                self.order.retain(|k| *k != key);
+                self.order.retain(|(k, _)| *k != key);
                 self.selector.remove(key)
             }
             Link::Detached(c) => Some(*c),
@@ -774,15 +826,13 @@ impl Waitset {
     /// once its continuation ran).
     fn sent(&mut self, token: usize, ch: usize, payload: u64, Sending { cont, batched }: Sending) {
         let Some(chan) = self.chans.get_mut(&token) else { return };
+        let Some(cont) = cont else {
+            sent_unanswered(chan, &mut self.selector, &mut self.held_back, payload, batched);
+            return;
+        };
         chan.queued_payload += payload;
         let queued = chan.queued_payload;
         let Some(c) = channel_of(&mut self.selector, chan) else { return };
-        let Some(cont) = cont else {
-            if !batched {
-                let _ = c.flush();
-            }
-            return;
-        };
         let _ = c.flush();
         let written = c.link_stats().map(|s| s.payload_sent);
         match written {
@@ -830,7 +880,7 @@ impl Waitset {
         how: Sending,
         dir: Direction,
     ) -> Res<()> {
-        let (chan, selector, pools) = self.chan_and_pools(token, ch)?;
+        let (chan, selector, pools, held_back) = self.chan_and_pools(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, dir)?;
         let payload = with_buffer_in(pools, buffer, |e, i, view| {
@@ -853,6 +903,11 @@ impl Waitset {
             s.refresh();
             Ok(e.pool.geometry().buffer_size() as u64)
         })?;
+        if how.cont.is_none() {
+            // The usual send: no second lookup of the channel.
+            sent_unanswered(chan, selector, held_back, payload, how.batched);
+            return Ok(());
+        }
         self.sent(token, ch, payload, how);
         Ok(())
     }
@@ -866,7 +921,7 @@ impl Waitset {
         meta: *const std::ffi::c_void,
         how: Sending,
     ) -> Res<()> {
-        let (chan, selector, pools) = self.chan_and_pools(token, ch)?;
+        let (chan, selector, pools, held_back) = self.chan_and_pools(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Tx)?;
         let payload = with_buffer_in(pools, buffer, |e, i, view| {
@@ -891,13 +946,18 @@ impl Waitset {
             slot.refresh();
             Ok(payload)
         })?;
+        if how.cont.is_none() {
+            // The usual send: no second lookup of the channel.
+            sent_unanswered(chan, selector, held_back, payload, how.batched);
+            return Ok(());
+        }
         self.sent(token, ch, payload, how);
         Ok(())
     }
 
     /// `bulk_channel_release`.
     pub fn release(&mut self, token: usize, ch: usize, buffer: usize, how: Sending) -> Res<()> {
-        let (chan, selector, pools) = self.chan_and_pools(token, ch)?;
+        let (chan, selector, pools, held_back) = self.chan_and_pools(token, ch)?;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Rx)?;
         with_buffer_in(pools, buffer, |e, i, view| {
@@ -912,6 +972,11 @@ impl Waitset {
             s.refresh();
             Ok(())
         })?;
+        if how.cont.is_none() {
+            // The usual send: no second lookup of the channel.
+            sent_unanswered(chan, selector, held_back, 0, how.batched);
+            return Ok(());
+        }
         self.sent(token, ch, 0, how);
         Ok(())
     }

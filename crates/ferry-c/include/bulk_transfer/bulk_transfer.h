@@ -503,7 +503,8 @@ errval_t bulk_waitset_dispatch(struct waitset *ws, int64_t timeout_ns);
  * millisecond); also when the timeout is 0. Default: 20 us, Ferry's spin
  * before sleeping: a program that busy-polls with timeout 0 then makes no
  * system call and costs its peers none. An idle waitset is armed at once.
- * 0: never poll longer than one round.
+ * 0: never poll longer than one round. With timeout 0 the channels are
+ * armed only once the program took the waitset's fd (bulk_waitset_fd).
  */
 errval_t bulk_waitset_set_spin(struct waitset *ws, uint64_t spin_ns);
 
@@ -511,7 +512,8 @@ errval_t bulk_waitset_set_spin(struct waitset *ws, uint64_t spin_ns);
  * A file descriptor that is readable when something may be due on `ws`,
  * for the program's own poll/epoll/libuv/libevent loop (-1 for an invalid
  * waitset). Never read it: call bulk_waitset_dispatch(ws, 0) until it
- * returns BULK_ERR_TIMEOUT, which re-arms it. Owned by the waitset.
+ * returns BULK_ERR_TIMEOUT, which re-arms it (it is readable when first
+ * handed out, so that the loop starts with that). Owned by the waitset.
  */
 int bulk_waitset_fd(struct waitset *ws);
 
