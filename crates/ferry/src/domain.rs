@@ -573,11 +573,12 @@ impl DomainState {
     #[inline]
     fn sync_protection(entry: &mut PoolEntry, index: u32) {
         let rec = &mut entry.records[index as usize];
-        entry.view.set_state(index, rec.state());
+        let state = rec.state();
+        entry.view.set_state(index, state);
         if !entry.trust.protects() {
             return;
         }
-        let want = match rec.state() {
+        let want = match state {
             BufferState::ReadWrite => Access::ReadWrite,
             BufferState::ReadOnlyOwned | BufferState::ReadOnly => Access::Read,
             BufferState::Invalid => Access::None,
@@ -598,25 +599,49 @@ impl DomainState {
     }
 
     /// The owner gave the buffer away (move, pass, full-copy destination).
+    #[cfg(test)]
     pub(crate) fn give_away(&mut self, id: BufferId) {
-        let e = self.rec_mut(id);
-        e.holdings.owned -= u32::from(e.records[id.index as usize].owned);
-        e.records[id.index as usize].owned = false;
-        Self::sync_protection(e, id.index);
+        Self::give_away_in(self.rec_mut(id), id.index);
     }
 
-    /// Before the owner gives buffer `id` to another process over `chan`:
-    /// note the pool ledger's departure count, so that the buffer comes back
-    /// if that process dies holding it, and not if it passed it on. If the
-    /// buffer arrived here on another channel, this is a departure the one
-    /// who lent it to us must learn of: counted first.
-    pub(crate) fn note_lending(&mut self, id: BufferId, chan: ChanKey) -> Result<()> {
+    /// [`DomainState::give_away`] in the pool's entry, looked up already.
+    #[inline]
+    fn give_away_in(e: &mut PoolEntry, index: u32) {
+        e.holdings.owned -= u32::from(e.records[index as usize].owned);
+        e.records[index as usize].owned = false;
+        Self::sync_protection(e, index);
+    }
+
+    /// Give owned buffer `id` away over `chan` (move, pass): one look-up of
+    /// its pool for the whole send. `cross`: the peer is another process,
+    /// which can die holding it; then the ledger's mark is noted first
+    /// (see `DomainState::note_lending`), and nothing changes if that
+    /// fails.
+    #[inline]
+    pub(crate) fn lend(&mut self, id: BufferId, chan: ChanKey, cross: bool) -> Result<()> {
         let e = self.rec_mut(id);
+        if cross {
+            Self::note_lending(e, id.index, chan)?;
+        }
+        Self::give_away_in(e, id.index);
+        Ok(())
+    }
+
+    /// Before the owner gives buffer `index` of entry `e` to another
+    /// process over `chan`: note the pool ledger's departure count, so that
+    /// the buffer comes back if that process dies holding it, and not if it
+    /// passed it on. If the buffer arrived here on another channel, this is
+    /// a departure the one who lent it to us must learn of: counted first.
+    /// A buffer going back on the channel it came by only reads the count
+    /// (its lender, the peer, still takes it back if we die holding it, and
+    /// must not if it moves on from here later).
+    #[inline]
+    fn note_lending(e: &mut PoolEntry, index: u32, chan: ChanKey) -> Result<()> {
         let memory = e.view.memory();
-        let rec = &mut e.records[id.index as usize];
+        let rec = &mut e.records[index as usize];
         let mark = match rec.arrived_via {
-            Some(via) if via != chan => memory.ledger()?.depart(id.index),
-            _ => memory.departures(id.index),
+            Some(via) if via != chan => memory.ledger()?.depart(index),
+            _ => memory.departures(index),
         };
         rec.lent_on = Some((chan, mark));
         Ok(())
@@ -631,35 +656,60 @@ impl DomainState {
         !rec.owned && rec.lent_on == Some((chan, e.view.memory().departures(id.index)))
     }
 
-    /// A buffer arrived on `chan` (moved or passed): it is ours.
-    pub(crate) fn arrived(&mut self, id: BufferId, chan: ChanKey) {
-        let rec = &mut self.rec_mut(id).records[id.index as usize];
+    /// A buffer arrived on `chan` (moved or passed): it is ours. False,
+    /// and nothing changes, if it was ours already (the peer cannot give
+    /// us what we own). One look-up of its pool for the whole delivery.
+    #[inline]
+    pub(crate) fn arrived(&mut self, id: BufferId, chan: ChanKey) -> bool {
+        let e = self.rec_mut(id);
+        let rec = &mut e.records[id.index as usize];
+        if rec.owned {
+            return false;
+        }
         rec.arrived_via = Some(chan);
         rec.lent_on = None;
-        self.take_ownership(id);
+        Self::take_ownership_in(e, id.index);
+        true
     }
 
     /// A moved or passed buffer arrived: it is ours, read-write.
     pub(crate) fn take_ownership(&mut self, id: BufferId) {
-        let e = self.rec_mut(id);
-        e.holdings.owned += u32::from(!e.records[id.index as usize].owned);
-        e.records[id.index as usize].owned = true;
-        Self::sync_protection(e, id.index);
+        Self::take_ownership_in(self.rec_mut(id), id.index);
+    }
+
+    /// [`DomainState::take_ownership`] in the pool's entry, looked up already.
+    #[inline]
+    fn take_ownership_in(e: &mut PoolEntry, index: u32) {
+        e.holdings.owned += u32::from(!e.records[index as usize].owned);
+        e.records[index as usize].owned = true;
+        Self::sync_protection(e, index);
     }
 
     /// Put an owned buffer without a handle on the free list (or keep it
     /// aside until its copies are back).
     pub(crate) fn free(&mut self, id: BufferId) {
+        let now = self.tick_free_clock();
+        Self::free_in(self.rec_mut(id), id.index, now);
+    }
+
+    /// The free clock's next value (see [`BufRecord::freed_at`]).
+    #[inline]
+    fn tick_free_clock(&mut self) -> u64 {
         self.free_clock += 1;
-        let now = self.free_clock;
-        let e = self.rec_mut(id);
-        let rec = &mut e.records[id.index as usize];
+        self.free_clock
+    }
+
+    /// [`DomainState::free`] in the pool's entry, looked up already, at
+    /// free-clock time `now`.
+    #[inline]
+    fn free_in(e: &mut PoolEntry, index: u32, now: u64) {
+        let rec = &mut e.records[index as usize];
         if !rec.owned {
             return;
         }
         if rec.state() == BufferState::ReadWrite {
             rec.freed_at = now;
-            e.push_free(id.index);
+            e.push_free(index);
         } else {
             rec.free_when_writable = true;
         }
@@ -961,14 +1011,24 @@ impl IntoIterator for LentSet {
 /// the domain refers to the pool, the pool leaves the list.
 pub(crate) fn buffer_dropped(domain: &DomainShared, id: BufferId, view: Arc<PoolView>) {
     let mut st = domain.lock();
-    st.free(id);
+    let now = st.tick_free_clock();
+    // One look-up of the pool for the whole drop (a live handle keeps it
+    // listed, so it is there).
     let (unused, gone) = match st.pools.get_mut(&id.pool) {
-        Some(e) if e.orphaned() => (Some(view), st.release_if_unused(id.pool)),
-        Some(e) if Arc::ptr_eq(&view, &e.view) && e.spare_views.len() < e.records.len() => {
-            e.spare_views.push(view);
-            (None, None)
+        Some(e) if e.orphaned() => {
+            DomainState::free_in(e, id.index, now);
+            (Some(view), st.release_if_unused(id.pool))
         }
-        _ => (Some(view), None),
+        Some(e) => {
+            DomainState::free_in(e, id.index, now);
+            if Arc::ptr_eq(&view, &e.view) && e.spare_views.len() < e.records.len() {
+                e.spare_views.push(view);
+                (None, None)
+            } else {
+                (Some(view), None)
+            }
+        }
+        None => (Some(view), None),
     };
     drop(st);
     drop(unused);
@@ -1151,6 +1211,32 @@ mod tests {
         st.copy_released_here(id, 9);
         assert_eq!(rw(&st), (true, true));
         assert!(view.is_read_write(0) && !view.is_read_write(2), "untouched, and out of range");
+    }
+
+    /// The fused transitions of a send and a delivery: `lend` gives the
+    /// buffer away and notes the mark only towards another process;
+    /// `arrived` refuses a buffer we own without changing anything.
+    #[test]
+    fn lend_and_arrive_in_one_look_up() {
+        let d = Domain::new("d");
+        let alloc = crate::Allocator::new(&d, 2, 4096, crate::PoolConstraints::default()).unwrap();
+        let pool = alloc.pool().id();
+        let id = BufferId { pool, index: 0 };
+        let mut st = d.lock();
+        let owned = |st: &DomainState| st.entry(pool).unwrap().holdings.owned;
+        assert!(!st.arrived(id, 7), "ours already");
+        assert_eq!((st.buffer_state(pool, 0), owned(&st)), (BufferState::ReadWrite, 2));
+        assert_eq!(st.record(id).unwrap().arrived_via, None, "a refused arrival leaves no trace");
+        st.lend(id, 7, false).unwrap();
+        assert_eq!((st.buffer_state(pool, 0), owned(&st)), (BufferState::Invalid, 1));
+        assert_eq!(st.record(id).unwrap().lent_on, None, "no mark towards a thread");
+        assert!(st.arrived(id, 7));
+        assert_eq!((st.buffer_state(pool, 0), owned(&st)), (BufferState::ReadWrite, 2));
+        st.lend(id, 7, true).unwrap();
+        assert_eq!(st.record(id).unwrap().lent_on, Some((7, 0)), "back where it came from: the count read");
+        assert!(st.still_lent(id, 7) && !st.still_lent(id, 8));
+        assert!(st.arrived(id, 7));
+        assert!(!st.still_lent(id, 7), "back: nothing to reclaim");
     }
 
     #[test]

@@ -385,12 +385,11 @@ impl Channel {
                     .into());
                 }
                 let (view, ()) = self.delivered_view(buf, |st| {
-                    if st.record(buf).is_some_and(|r| r.is_owned()) {
+                    if !st.arrived(buf, key) {
                         return Err(
                             ErrorKind::Protocol(format!("peer gave us buffer {} which we own", buf.index)).into()
                         );
                     }
-                    st.arrived(buf, key);
                     Ok(())
                 })?;
                 if let Some(lent) = &mut self.lent {

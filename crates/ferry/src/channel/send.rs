@@ -606,15 +606,9 @@ impl Channel {
         make: impl FnOnce(BufferId, Meta) -> Message,
     ) -> Result<(), Refused<Buffer>> {
         let id = buffer.id();
-        {
-            let mut st = self.domain.lock();
-            if self.lent.is_some() {
-                if let Err(e) = st.note_lending(id, self.key) {
-                    drop(st);
-                    return Err(Refused::new(e, buffer));
-                }
-            }
-            st.give_away(id);
+        let lent = self.domain.lock().lend(id, self.key, self.lent.is_some());
+        if let Err(e) = lent {
+            return Err(Refused::new(e, buffer));
         }
         let msg = make(id, Meta::new(meta).expect("meta checked"));
         let link = self.link_mut();
