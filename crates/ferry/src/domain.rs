@@ -15,6 +15,7 @@ use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState};
 use crate::error::Result;
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory, PoolView, TrustLevel};
 use crate::sys::Access;
+use crate::ErrorKind;
 
 /// Identifies a channel end inside its domain.
 pub(crate) type ChanKey = u64;
@@ -852,21 +853,44 @@ impl DomainState {
         }
     }
 
+    /// Whether one more copy of `id` held via `chan` may be released, on
+    /// top of `already` released in the same batch and not yet counted
+    /// (the release preconditions of docs/SEMANTICS.md after the channel's
+    /// own: a copy held, and the last one not while forwarded copies of a
+    /// buffer we do not own are out).
+    pub(crate) fn check_release(&self, id: BufferId, chan: ChanKey, already: u32) -> Result<()> {
+        let rec = self.record(id).ok_or(ErrorKind::NotCopyHolder)?;
+        let held = rec.held_via(chan).saturating_sub(already);
+        if held == 0 {
+            return Err(ErrorKind::NotCopyHolder.into());
+        }
+        if !rec.is_owned() && rec.has_forwarded() && held < 2 {
+            return Err(ErrorKind::CopiesForwarded.into());
+        }
+        Ok(())
+    }
+
     /// Take the deferred releases of one channel.
     pub(crate) fn take_deferred(&mut self, chan: ChanKey) -> Vec<BufferId> {
-        if self.deferred_releases.is_empty() {
-            return Vec::new();
-        }
         let mut out = Vec::new();
+        self.take_deferred_each(chan, |id| out.push(id));
+        out
+    }
+
+    /// Take the deferred releases of one channel, handing each to `each`
+    /// in the order the copies were dropped.
+    pub(crate) fn take_deferred_each(&mut self, chan: ChanKey, mut each: impl FnMut(BufferId)) {
+        if self.deferred_releases.is_empty() {
+            return;
+        }
         self.deferred_releases.retain(|(c, id)| {
             if *c == chan {
-                out.push(*id);
+                each(*id);
                 false
             } else {
                 true
             }
         });
-        out
     }
 
     /// A channel is closed for good: copies dropped but never released over
@@ -1237,6 +1261,49 @@ mod tests {
         assert!(st.still_lent(id, 7) && !st.still_lent(id, 8));
         assert!(st.arrived(id, 7));
         assert!(!st.still_lent(id, 7), "back: nothing to reclaim");
+    }
+
+    /// Copies dropped together are released in one flush, each checked as
+    /// `release` would after the ones before it: of two copies held via a
+    /// channel, one of them forwarded on, only one goes; the other waits
+    /// for the forwarded copy to come back.
+    #[test]
+    fn a_flush_checks_each_dropped_copy_after_the_ones_before() {
+        let (a, b, c) = (Domain::new("a"), Domain::new("b"), Domain::new("c"));
+        let (mut ab, mut ba) = linked(&a, &b);
+        let (mut bc, mut cb) = linked(&b, &c);
+        let al = alloc(&a, 1);
+        let id = al.pool().id();
+        offer(&mut ab, &mut ba, al.pool(), true);
+        offer(&mut bc, &mut cb, &b.pool(id).expect("accepted"), true);
+        let buf = al.alloc().unwrap();
+        ab.copy(&buf, b"").unwrap();
+        ab.copy(&buf, b"").unwrap();
+        let mut copies = Vec::new();
+        while let Some(ev) = ba.poll() {
+            let crate::Event::CopyReceived { copy, .. } = ev else { panic!("{ev:?}") };
+            copies.push(copy);
+        }
+        assert_eq!(copies.len(), 2);
+        bc.copy(&copies[0], b"").unwrap();
+        let Some(crate::Event::CopyReceived { copy: at_c, .. }) = cb.poll() else { panic!("no copy at c") };
+        drop(copies);
+        assert!(ba.poll().is_none());
+        let released = |ab: &mut crate::Channel| {
+            let mut n = Vec::new();
+            while let Some(ev) = ab.poll() {
+                let crate::Event::CopyReleased { writable, .. } = ev else { panic!("{ev:?}") };
+                n.push(writable);
+            }
+            n
+        };
+        assert_eq!(released(&mut ab), [false], "one copy stays at b while c reads the forwarded one");
+        assert_eq!(b.buffer_state(buf.id()), BufferState::ReadOnly);
+        cb.release(at_c).unwrap();
+        assert!(matches!(bc.poll(), Some(crate::Event::CopyReleased { .. })));
+        assert!(ba.poll().is_none());
+        assert_eq!(released(&mut ab), [true]);
+        assert_eq!(b.buffer_state(buf.id()), BufferState::Invalid);
     }
 
     #[test]

@@ -634,20 +634,20 @@ impl Channel {
     fn release_id(&mut self, id: BufferId) -> Result<()> {
         self.check_sendable(Direction::Rx)?;
         self.check_pool(id.pool)?;
-        {
-            let st = self.domain.lock();
-            let rec = st.record(id).ok_or(ErrorKind::NotCopyHolder)?;
-            if rec.held_via(self.key) == 0 {
-                return Err(ErrorKind::NotCopyHolder.into());
-            }
-            if !rec.is_owned() && rec.has_forwarded() && rec.held_via(self.key) < 2 {
-                return Err(ErrorKind::CopiesForwarded.into());
-            }
-        }
+        self.domain.lock().check_release(id, self.key, 0)?;
+        // The state changes only once the release is on its way (a second
+        // lock): until then the copy is held, and it stays held if the
+        // send fails (the caller gets it back).
+        self.send_release(id)?;
+        self.domain.lock().copy_released_here(id, self.key);
+        Ok(())
+    }
+
+    /// Send the release of a copy of `id` (checks done but the room).
+    fn send_release(&mut self, id: BufferId) -> Result<()> {
         self.check_room()?;
         self.link_mut().send(&Message::Release { buf: id })?;
         self.count_sent(Op::Release, 0);
-        self.domain.lock().copy_released_here(id, self.key);
         Ok(())
     }
 
@@ -681,25 +681,53 @@ impl Channel {
         }
     }
 
+    /// Two domain locks however many copies were dropped: one to take
+    /// them and check each as [`release`](Channel::release) would, in
+    /// order (a copy counts as released for the checks of the copies after
+    /// it), one to record what went. In between, nothing else can release
+    /// or forward these copies (their handles are gone, and only this end
+    /// releases copies held via it); a forwarded copy coming back meanwhile
+    /// only makes one wait for the next flush.
     fn flush_deferred_now(&mut self) {
-        let ids = self.domain.lock().take_deferred(self.key);
-        for id in ids {
-            match self.release_id(id) {
-                Ok(()) => {}
-                Err(e) if matches!(e.kind(), ErrorKind::CopiesForwarded | ErrorKind::QueueFull) => {
-                    self.domain.lock().defer_release(self.key, id);
+        let key = self.key;
+        let mut batch = std::mem::take(&mut self.deferred);
+        {
+            let mut st = self.domain.lock();
+            st.take_deferred_each(key, |id| batch.push((id, Deferred::Send)));
+            for i in 0..batch.len() {
+                let id = batch[i].0;
+                let already = batch[..i].iter().filter(|&&(p, d)| p == id && d == Deferred::Send).count() as u32;
+                let verdict = self
+                    .check_sendable(Direction::Rx)
+                    .and_then(|()| self.check_pool(id.pool))
+                    .and_then(|()| st.check_release(id, key, already));
+                if let Err(e) = verdict {
+                    batch[i].1 = Deferred::refused(&e);
                 }
-                // Channel no longer connected: the copy is simply gone.
-                Err(_) => self.domain.lock().copy_released_here(id, self.key),
+            }
+        }
+        for (id, what) in &mut batch {
+            if *what == Deferred::Send {
+                *what = self.send_release(*id).map_or_else(|e| Deferred::refused(&e), |()| Deferred::Gone);
             }
         }
         // Clear the flag under the lock: a copy dropped meanwhile pushes its
         // entry under the same lock and sets the flag after it.
         let mut st = self.domain.lock();
+        for (id, what) in batch.drain(..) {
+            match what {
+                Deferred::Keep => {
+                    st.defer_release(key, id);
+                }
+                _ => st.copy_released_here(id, key),
+            }
+        }
         st.settle_pinned();
         if st.nothing_pending() {
             self.domain.shared.has_deferred.store(false, Ordering::Release);
         }
+        drop(st);
+        self.deferred = batch;
     }
 
     #[inline]
@@ -728,5 +756,29 @@ impl Channel {
         debug_assert!(!self.sent_teardown || msg == Message::Teardown);
         self.outbox.push_back(msg);
         self.flush_outbox();
+    }
+}
+
+/// What becomes of a dropped copy in [`Channel::flush_deferred`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Deferred {
+    /// Its release may go (checked, not sent yet).
+    Send,
+    /// Released, or gone with a channel no longer connected.
+    Gone,
+    /// It waits for the next flush: forwarded copies still out, or the
+    /// queue full.
+    Keep,
+}
+
+impl Deferred {
+    /// The copy's fate when its release was refused with `e`.
+    fn refused(e: &Error) -> Deferred {
+        if matches!(e.kind(), ErrorKind::CopiesForwarded | ErrorKind::QueueFull) {
+            Deferred::Keep
+        } else {
+            // Channel no longer connected: the copy is simply gone.
+            Deferred::Gone
+        }
     }
 }
