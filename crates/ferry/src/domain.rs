@@ -43,6 +43,22 @@ impl std::fmt::Debug for Domain {
 pub(crate) struct DomainShared {
     pub(crate) id: u64,
     name: String,
+    /// Every buffer state of the domain, behind one lock taken once per
+    /// operation: alloc, a send (move, pass, copy), a delivery, a handle
+    /// dropped; a release twice (its state changes only after it is sent),
+    /// a flush of dropped copies twice however many. A move and pass back
+    /// is six acquisitions in all, wherever the two ends live.
+    ///
+    /// Not split per pool or per buffer: the two ends of one channel use
+    /// the same pools and buffers, so a finer lock would not keep them
+    /// apart; and the domain-wide parts (the pool list that every
+    /// operation looks its pool up in, the free clock, deferred releases,
+    /// pinned buffers, closed channels' copies) would need a second lock
+    /// taken with the first in a fixed order. What two threads of one
+    /// domain share is kept short instead: a buffer operation's critical
+    /// section is a look-up and a few field updates (system calls only for
+    /// the `mprotect` of a trust level that asks for it, and once per pool
+    /// for its ledger).
     state: Mutex<DomainState>,
     next_chan: AtomicU64,
     /// Some copy handle was dropped and waits for its channel to release
