@@ -733,19 +733,61 @@ impl DomainState {
     }
 
     /// A copy of the buffer was sent over `chan`.
+    #[cfg(test)]
     pub(crate) fn copy_sent(&mut self, id: BufferId, chan: ChanKey) {
-        let e = self.rec_mut(id);
-        bump(&mut e.records[id.index as usize].copies_out, chan);
+        Self::copy_sent_in(self.rec_mut(id), id.index, chan);
+    }
+
+    /// [`DomainState::copy_sent`] in the pool's entry, looked up already.
+    #[inline]
+    fn copy_sent_in(e: &mut PoolEntry, index: u32, chan: ChanKey) {
+        bump(&mut e.records[index as usize].copies_out, chan);
         e.holdings.copies_out += 1;
-        Self::sync_protection(e, id.index);
+        Self::sync_protection(e, index);
+    }
+
+    /// A copy of `id` goes out over `chan` (checks done): counted in the
+    /// pool ledger first if the peer is another process (`cross`: if we
+    /// die, the owner learns that a copy may still be out), nothing changed
+    /// if that fails. One look-up of the pool for the whole send. Returns
+    /// whether a copy of it sent over `chan` was out already (the peer has
+    /// its bytes) and the buffer size.
+    #[inline]
+    pub(crate) fn copy_going(&mut self, id: BufferId, chan: ChanKey, cross: bool) -> Result<(bool, usize)> {
+        let e = self.rec_mut(id);
+        if cross {
+            e.view.memory().ledger()?.copy_out(id.index);
+        }
+        let resend = e.records[id.index as usize].copies_out_via(chan) > 0;
+        Self::copy_sent_in(e, id.index, chan);
+        Ok((resend, e.view.geometry().buffer_size()))
     }
 
     /// A copy arrived over `chan`.
+    #[cfg(test)]
     pub(crate) fn copy_received(&mut self, id: BufferId, chan: ChanKey) {
-        let e = self.rec_mut(id);
-        bump(&mut e.records[id.index as usize].copies_in, chan);
+        Self::copy_received_in(self.rec_mut(id), id.index, chan);
+    }
+
+    /// [`DomainState::copy_received`] in the pool's entry, looked up already.
+    #[inline]
+    fn copy_received_in(e: &mut PoolEntry, index: u32, chan: ChanKey) {
+        bump(&mut e.records[index as usize].copies_in, chan);
         e.holdings.copies_held += 1;
-        Self::sync_protection(e, id.index);
+        Self::sync_protection(e, index);
+    }
+
+    /// A copy arrived over `chan`: held here. False, and nothing changes,
+    /// if it cannot exist (see [`BufRecord::may_receive_copy`]). One
+    /// look-up of the pool for the whole delivery.
+    #[inline]
+    pub(crate) fn copy_arrived(&mut self, id: BufferId, chan: ChanKey) -> bool {
+        let e = self.rec_mut(id);
+        if !e.records[id.index as usize].may_receive_copy() {
+            return false;
+        }
+        Self::copy_received_in(e, id.index, chan);
+        true
     }
 
     /// We released a copy held via `chan` (the pool leaves the list if
@@ -1277,6 +1319,32 @@ mod tests {
         assert!(st.still_lent(id, 7) && !st.still_lent(id, 8));
         assert!(st.arrived(id, 7));
         assert!(!st.still_lent(id, 7), "back: nothing to reclaim");
+    }
+
+    /// The fused transitions of a copy sent and a copy delivered:
+    /// `copy_going` says whether the peer has the bytes already, and counts
+    /// the copy in the ledger only towards another process; `copy_arrived`
+    /// refuses a copy that cannot exist without changing anything.
+    #[test]
+    fn copies_go_and_arrive_in_one_look_up() {
+        let d = Domain::new("d");
+        let alloc = crate::Allocator::new(&d, 2, 4096, crate::PoolConstraints::default()).unwrap();
+        let pool = alloc.pool().id();
+        let id = BufferId { pool, index: 1 };
+        let mut st = d.lock();
+        let held = |st: &DomainState| st.entry(pool).unwrap().holdings.copies_held;
+        assert!(!st.copy_arrived(id, 7), "ours, no copy out: forged");
+        assert_eq!((st.buffer_state(pool, 1), held(&st)), (BufferState::ReadWrite, 0));
+        assert_eq!(st.copy_going(id, 7, false).unwrap(), (false, 4096));
+        assert_eq!(st.copy_going(id, 7, false).unwrap(), (true, 4096), "the peer has the bytes");
+        assert_eq!(st.copy_going(id, 8, false).unwrap(), (false, 4096), "not over this channel");
+        let memory = st.entry(pool).unwrap().view.memory().clone();
+        assert_eq!(memory.copies(1), 0, "between threads: no ledger");
+        assert_eq!(st.copy_going(id, 8, true).unwrap(), (true, 4096));
+        assert_eq!(memory.copies(1), 1, "to another process: counted before it goes");
+        assert_eq!(st.buffer_state(pool, 1), BufferState::ReadOnlyOwned);
+        assert!(st.copy_arrived(id, 9), "a copy of ours forwarded back");
+        assert_eq!(held(&st), 1);
     }
 
     /// Copies dropped together are released in one flush, each checked as

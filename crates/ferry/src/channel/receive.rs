@@ -404,10 +404,9 @@ impl Channel {
                     return Err(ErrorKind::Protocol("copy against the channel direction".into()).into());
                 }
                 let (view, ()) = self.delivered_view(buf, |st| {
-                    if st.record(buf).is_some_and(|r| !r.may_receive_copy()) {
+                    if !st.copy_arrived(buf, key) {
                         return Err(forged_copy(buf));
                     }
-                    st.copy_received(buf, key);
                     Ok(())
                 })?;
                 self.inspect.counters.received(Op::Copy, view.geometry().buffer_size() as u64);

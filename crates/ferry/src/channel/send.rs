@@ -183,17 +183,7 @@ impl Channel {
         // no payload: the buffer has been read-only since, so the peer's
         // bytes are current (the TCP backend then sends none).
         let cross = self.lent.is_some();
-        let (resend, size) = {
-            let mut st = self.domain.lock();
-            if cross {
-                // Counted in the pool ledger before it goes: if we die, the
-                // owner learns that a copy may still be out.
-                st.entry(id.pool).expect("pool checked").view.memory().ledger()?.copy_out(id.index);
-            }
-            let resend = st.record(id).is_some_and(|r| r.copies_out_via(self.key) > 0);
-            st.copy_sent(id, self.key);
-            (resend, st.entry(id.pool).map_or(0, |e| e.view.geometry().buffer_size()))
-        };
+        let (resend, size) = self.domain.lock().copy_going(id, self.key, cross)?;
         let msg = Message::Copy { buf: id, meta };
         let link = self.link_mut();
         let sent = if resend { link.send_unfilled(&msg) } else { link.send(&msg) };
