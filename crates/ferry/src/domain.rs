@@ -806,26 +806,44 @@ impl DomainState {
     /// the buffer is now read-write here, or `None` if no such copy was out
     /// (a peer protocol violation).
     pub(crate) fn copy_returned(&mut self, id: BufferId, chan: ChanKey) -> Option<bool> {
-        let e = self.rec_mut(id);
+        self.copy_came_back(id, chan, false)
+    }
+
+    /// [`DomainState::copy_returned`], and if the copy went to another
+    /// process (`cross`), counted back in the pool ledger: a release
+    /// delivered, with one look-up of the pool.
+    #[inline]
+    pub(crate) fn copy_came_back(&mut self, id: BufferId, chan: ChanKey, cross: bool) -> Option<bool> {
+        let DomainState { pools, free_clock, .. } = self;
+        let e = pools.get_mut(&id.pool).expect("pool checked by caller");
         if !drop_one(&mut e.records[id.index as usize].copies_out, chan) {
             return None;
         }
         e.holdings.copies_out -= 1;
         Self::sync_protection(e, id.index);
+        if cross {
+            e.view.memory().copy_back(id.index);
+        }
         let writable = e.records[id.index as usize].state() == BufferState::ReadWrite;
-        self.maybe_free(id);
+        Self::maybe_free_in(e, id.index, free_clock);
         Some(writable)
     }
 
     fn maybe_free(&mut self, id: BufferId) {
-        self.free_clock += 1;
-        let now = self.free_clock;
-        let e = self.rec_mut(id);
-        let rec = &mut e.records[id.index as usize];
+        let DomainState { pools, free_clock, .. } = self;
+        Self::maybe_free_in(pools.get_mut(&id.pool).expect("pool checked by caller"), id.index, free_clock);
+    }
+
+    /// An owned buffer whose handle was dropped while copies were out goes
+    /// on the free list once it is read-write (ticking the free clock).
+    #[inline]
+    fn maybe_free_in(e: &mut PoolEntry, index: u32, free_clock: &mut u64) {
+        *free_clock += 1;
+        let rec = &mut e.records[index as usize];
         if rec.free_when_writable && rec.state() == BufferState::ReadWrite {
             rec.free_when_writable = false;
-            rec.freed_at = now;
-            e.push_free(id.index);
+            rec.freed_at = *free_clock;
+            e.push_free(index);
         }
     }
 
@@ -1321,10 +1339,11 @@ mod tests {
         assert!(!st.still_lent(id, 7), "back: nothing to reclaim");
     }
 
-    /// The fused transitions of a copy sent and a copy delivered:
+    /// The fused transitions of a copy sent, delivered and released:
     /// `copy_going` says whether the peer has the bytes already, and counts
     /// the copy in the ledger only towards another process; `copy_arrived`
-    /// refuses a copy that cannot exist without changing anything.
+    /// refuses a copy that cannot exist without changing anything;
+    /// `copy_came_back` counts back in the ledger only what was out.
     #[test]
     fn copies_go_and_arrive_in_one_look_up() {
         let d = Domain::new("d");
@@ -1345,6 +1364,10 @@ mod tests {
         assert_eq!(st.buffer_state(pool, 1), BufferState::ReadOnlyOwned);
         assert!(st.copy_arrived(id, 9), "a copy of ours forwarded back");
         assert_eq!(held(&st), 1);
+        assert_eq!(st.copy_came_back(id, 9, true), None, "none sent over 9");
+        assert_eq!(memory.copies(1), 1, "a release of nothing counts nothing back");
+        assert_eq!(st.copy_came_back(id, 8, true), Some(false));
+        assert_eq!(memory.copies(1), 0, "from another process: counted back");
     }
 
     /// Copies dropped together are released in one flush, each checked as

@@ -421,13 +421,9 @@ impl Channel {
                 }
                 let cross = self.lent.is_some();
                 let writable = self.delivered(buf, |st| {
-                    let writable = st.copy_returned(buf, key).ok_or_else(|| {
-                        ErrorKind::Protocol(format!("release of a copy of buffer {} never sent", buf.index))
-                    })?;
-                    if cross {
-                        st.entry(buf.pool).expect("pool checked").view.memory().copy_back(buf.index);
-                    }
-                    Ok(writable)
+                    st.copy_came_back(buf, key, cross).ok_or_else(|| {
+                        ErrorKind::Protocol(format!("release of a copy of buffer {} never sent", buf.index)).into()
+                    })
                 })?;
                 self.inspect.counters.received(Op::Release, 0);
                 Ok(Event::CopyReleased { buffer: buf, writable })
