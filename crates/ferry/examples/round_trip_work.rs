@@ -17,7 +17,9 @@
 //! `--window W` moves W buffers one after the other before they come back
 //! (at most the queue depth), `--batch` has both ends publish in batches
 //! as the benchmarks do: the cost per message of a stream. `--size` sets
-//! the buffer size (default 4096).
+//! the buffer size (default 4096). `--copy release` sends a copy instead
+//! of moving the buffer, and the sink releases it; `--copy drop` has the
+//! sink drop it instead (released the next time its channel runs).
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -60,6 +62,15 @@ fn run() -> Result<()> {
     let window: u64 = arg("window", 1)?;
     let batch = std::env::args().any(|a| a == "--batch");
     let backend: String = arg("backend", "shm".to_string())?;
+    let copy: String = arg("copy", String::new())?;
+    if !copy.is_empty() {
+        if !matches!(copy.as_str(), "release" | "drop") {
+            return Err(format!("--copy {copy}: choose release or drop").into());
+        }
+        if window != 1 || batch {
+            return Err("--copy goes with neither --window nor --batch".into());
+        }
+    }
     let a = Domain::new("source");
     let b = if std::env::args().any(|a| a == "--one-domain") { a.clone() } else { Domain::new("sink") };
     let ep = match backend.as_str() {
@@ -89,6 +100,37 @@ fn run() -> Result<()> {
     if batch {
         tx.set_batching(true)?;
         rx.set_batching(true)?;
+    }
+    if !copy.is_empty() {
+        let buf = alloc.alloc().ok_or("pool exhausted")?;
+        for trip in 0..trips {
+            tx.copy(&buf, &trip.to_le_bytes())?;
+            let copy_in = loop {
+                match rx.poll() {
+                    Some(Event::CopyReceived { copy, .. }) => break copy,
+                    Some(ev) => return Err(format!("sink: unexpected {ev:?}").into()),
+                    None => {}
+                }
+            };
+            if copy == "release" {
+                rx.release(copy_in).map_err(|r| r.error)?;
+            } else {
+                // Released by the sink's next poll.
+                drop(copy_in);
+            }
+            loop {
+                match tx.poll() {
+                    Some(Event::CopyReleased { writable: true, .. }) => break,
+                    Some(ev) => return Err(format!("source: unexpected {ev:?}").into()),
+                    None => {
+                        rx.poll().map_or(Ok(()), |ev| Err(format!("sink: unexpected {ev:?}")))?;
+                    }
+                }
+            }
+        }
+        let how = if copy == "release" { "released" } else { "dropped" };
+        println!("{trips} copies of a buffer of {size} bytes over {backend}, {how} by the sink");
+        return Ok(());
     }
     for trip in 0..trips {
         for i in 0..window {

@@ -15,6 +15,7 @@ use crate::buffer::{Buffer, BufferCopy, BufferId, BufferState};
 use crate::error::Result;
 use crate::pool::{Geometry, PoolId, PoolMap, PoolMemory, PoolView, TrustLevel};
 use crate::sys::Access;
+use crate::ErrorKind;
 
 /// Identifies a channel end inside its domain.
 pub(crate) type ChanKey = u64;
@@ -42,6 +43,22 @@ impl std::fmt::Debug for Domain {
 pub(crate) struct DomainShared {
     pub(crate) id: u64,
     name: String,
+    /// Every buffer state of the domain, behind one lock taken once per
+    /// operation: alloc, a send (move, pass, copy), a delivery, a handle
+    /// dropped; a release twice (its state changes only after it is sent),
+    /// a flush of dropped copies twice however many. A move and pass back
+    /// is six acquisitions in all, wherever the two ends live.
+    ///
+    /// Not split per pool or per buffer: the two ends of one channel use
+    /// the same pools and buffers, so a finer lock would not keep them
+    /// apart; and the domain-wide parts (the pool list that every
+    /// operation looks its pool up in, the free clock, deferred releases,
+    /// pinned buffers, closed channels' copies) would need a second lock
+    /// taken with the first in a fixed order. What two threads of one
+    /// domain share is kept short instead: a buffer operation's critical
+    /// section is a look-up and a few field updates (system calls only for
+    /// the `mprotect` of a trust level that asks for it, and once per pool
+    /// for its ledger).
     state: Mutex<DomainState>,
     next_chan: AtomicU64,
     /// Some copy handle was dropped and waits for its channel to release
@@ -573,11 +590,12 @@ impl DomainState {
     #[inline]
     fn sync_protection(entry: &mut PoolEntry, index: u32) {
         let rec = &mut entry.records[index as usize];
-        entry.view.set_state(index, rec.state());
+        let state = rec.state();
+        entry.view.set_state(index, state);
         if !entry.trust.protects() {
             return;
         }
-        let want = match rec.state() {
+        let want = match state {
             BufferState::ReadWrite => Access::ReadWrite,
             BufferState::ReadOnlyOwned | BufferState::ReadOnly => Access::Read,
             BufferState::Invalid => Access::None,
@@ -598,25 +616,49 @@ impl DomainState {
     }
 
     /// The owner gave the buffer away (move, pass, full-copy destination).
+    #[cfg(test)]
     pub(crate) fn give_away(&mut self, id: BufferId) {
-        let e = self.rec_mut(id);
-        e.holdings.owned -= u32::from(e.records[id.index as usize].owned);
-        e.records[id.index as usize].owned = false;
-        Self::sync_protection(e, id.index);
+        Self::give_away_in(self.rec_mut(id), id.index);
     }
 
-    /// Before the owner gives buffer `id` to another process over `chan`:
-    /// note the pool ledger's departure count, so that the buffer comes back
-    /// if that process dies holding it, and not if it passed it on. If the
-    /// buffer arrived here on another channel, this is a departure the one
-    /// who lent it to us must learn of: counted first.
-    pub(crate) fn note_lending(&mut self, id: BufferId, chan: ChanKey) -> Result<()> {
+    /// [`DomainState::give_away`] in the pool's entry, looked up already.
+    #[inline]
+    fn give_away_in(e: &mut PoolEntry, index: u32) {
+        e.holdings.owned -= u32::from(e.records[index as usize].owned);
+        e.records[index as usize].owned = false;
+        Self::sync_protection(e, index);
+    }
+
+    /// Give owned buffer `id` away over `chan` (move, pass): one look-up of
+    /// its pool for the whole send. `cross`: the peer is another process,
+    /// which can die holding it; then the ledger's mark is noted first
+    /// (see `DomainState::note_lending`), and nothing changes if that
+    /// fails.
+    #[inline]
+    pub(crate) fn lend(&mut self, id: BufferId, chan: ChanKey, cross: bool) -> Result<()> {
         let e = self.rec_mut(id);
+        if cross {
+            Self::note_lending(e, id.index, chan)?;
+        }
+        Self::give_away_in(e, id.index);
+        Ok(())
+    }
+
+    /// Before the owner gives buffer `index` of entry `e` to another
+    /// process over `chan`: note the pool ledger's departure count, so that
+    /// the buffer comes back if that process dies holding it, and not if it
+    /// passed it on. If the buffer arrived here on another channel, this is
+    /// a departure the one who lent it to us must learn of: counted first.
+    /// A buffer going back on the channel it came by only reads the count
+    /// (its lender, the peer, still takes it back if we die holding it, and
+    /// must not if it moves on from here later).
+    #[inline]
+    fn note_lending(e: &mut PoolEntry, index: u32, chan: ChanKey) -> Result<()> {
         let memory = e.view.memory();
-        let rec = &mut e.records[id.index as usize];
+        let rec = &mut e.records[index as usize];
         let mark = match rec.arrived_via {
-            Some(via) if via != chan => memory.ledger()?.depart(id.index),
-            _ => memory.departures(id.index),
+            Some(via) if via != chan => memory.ledger()?.depart(index),
+            _ => memory.departures(index),
         };
         rec.lent_on = Some((chan, mark));
         Ok(())
@@ -631,54 +673,121 @@ impl DomainState {
         !rec.owned && rec.lent_on == Some((chan, e.view.memory().departures(id.index)))
     }
 
-    /// A buffer arrived on `chan` (moved or passed): it is ours.
-    pub(crate) fn arrived(&mut self, id: BufferId, chan: ChanKey) {
-        let rec = &mut self.rec_mut(id).records[id.index as usize];
+    /// A buffer arrived on `chan` (moved or passed): it is ours. False,
+    /// and nothing changes, if it was ours already (the peer cannot give
+    /// us what we own). One look-up of its pool for the whole delivery.
+    #[inline]
+    pub(crate) fn arrived(&mut self, id: BufferId, chan: ChanKey) -> bool {
+        let e = self.rec_mut(id);
+        let rec = &mut e.records[id.index as usize];
+        if rec.owned {
+            return false;
+        }
         rec.arrived_via = Some(chan);
         rec.lent_on = None;
-        self.take_ownership(id);
+        Self::take_ownership_in(e, id.index);
+        true
     }
 
     /// A moved or passed buffer arrived: it is ours, read-write.
     pub(crate) fn take_ownership(&mut self, id: BufferId) {
-        let e = self.rec_mut(id);
-        e.holdings.owned += u32::from(!e.records[id.index as usize].owned);
-        e.records[id.index as usize].owned = true;
-        Self::sync_protection(e, id.index);
+        Self::take_ownership_in(self.rec_mut(id), id.index);
+    }
+
+    /// [`DomainState::take_ownership`] in the pool's entry, looked up already.
+    #[inline]
+    fn take_ownership_in(e: &mut PoolEntry, index: u32) {
+        e.holdings.owned += u32::from(!e.records[index as usize].owned);
+        e.records[index as usize].owned = true;
+        Self::sync_protection(e, index);
     }
 
     /// Put an owned buffer without a handle on the free list (or keep it
     /// aside until its copies are back).
     pub(crate) fn free(&mut self, id: BufferId) {
+        let now = self.tick_free_clock();
+        Self::free_in(self.rec_mut(id), id.index, now);
+    }
+
+    /// The free clock's next value (see [`BufRecord::freed_at`]).
+    #[inline]
+    fn tick_free_clock(&mut self) -> u64 {
         self.free_clock += 1;
-        let now = self.free_clock;
-        let e = self.rec_mut(id);
-        let rec = &mut e.records[id.index as usize];
+        self.free_clock
+    }
+
+    /// [`DomainState::free`] in the pool's entry, looked up already, at
+    /// free-clock time `now`.
+    #[inline]
+    fn free_in(e: &mut PoolEntry, index: u32, now: u64) {
+        let rec = &mut e.records[index as usize];
         if !rec.owned {
             return;
         }
         if rec.state() == BufferState::ReadWrite {
             rec.freed_at = now;
-            e.push_free(id.index);
+            e.push_free(index);
         } else {
             rec.free_when_writable = true;
         }
     }
 
     /// A copy of the buffer was sent over `chan`.
+    #[cfg(test)]
     pub(crate) fn copy_sent(&mut self, id: BufferId, chan: ChanKey) {
-        let e = self.rec_mut(id);
-        bump(&mut e.records[id.index as usize].copies_out, chan);
+        Self::copy_sent_in(self.rec_mut(id), id.index, chan);
+    }
+
+    /// [`DomainState::copy_sent`] in the pool's entry, looked up already.
+    #[inline]
+    fn copy_sent_in(e: &mut PoolEntry, index: u32, chan: ChanKey) {
+        bump(&mut e.records[index as usize].copies_out, chan);
         e.holdings.copies_out += 1;
-        Self::sync_protection(e, id.index);
+        Self::sync_protection(e, index);
+    }
+
+    /// A copy of `id` goes out over `chan` (checks done): counted in the
+    /// pool ledger first if the peer is another process (`cross`: if we
+    /// die, the owner learns that a copy may still be out), nothing changed
+    /// if that fails. One look-up of the pool for the whole send. Returns
+    /// whether a copy of it sent over `chan` was out already (the peer has
+    /// its bytes) and the buffer size.
+    #[inline]
+    pub(crate) fn copy_going(&mut self, id: BufferId, chan: ChanKey, cross: bool) -> Result<(bool, usize)> {
+        let e = self.rec_mut(id);
+        if cross {
+            e.view.memory().ledger()?.copy_out(id.index);
+        }
+        let resend = e.records[id.index as usize].copies_out_via(chan) > 0;
+        Self::copy_sent_in(e, id.index, chan);
+        Ok((resend, e.view.geometry().buffer_size()))
     }
 
     /// A copy arrived over `chan`.
+    #[cfg(test)]
     pub(crate) fn copy_received(&mut self, id: BufferId, chan: ChanKey) {
-        let e = self.rec_mut(id);
-        bump(&mut e.records[id.index as usize].copies_in, chan);
+        Self::copy_received_in(self.rec_mut(id), id.index, chan);
+    }
+
+    /// [`DomainState::copy_received`] in the pool's entry, looked up already.
+    #[inline]
+    fn copy_received_in(e: &mut PoolEntry, index: u32, chan: ChanKey) {
+        bump(&mut e.records[index as usize].copies_in, chan);
         e.holdings.copies_held += 1;
-        Self::sync_protection(e, id.index);
+        Self::sync_protection(e, index);
+    }
+
+    /// A copy arrived over `chan`: held here. False, and nothing changes,
+    /// if it cannot exist (see [`BufRecord::may_receive_copy`]). One
+    /// look-up of the pool for the whole delivery.
+    #[inline]
+    pub(crate) fn copy_arrived(&mut self, id: BufferId, chan: ChanKey) -> bool {
+        let e = self.rec_mut(id);
+        if !e.records[id.index as usize].may_receive_copy() {
+            return false;
+        }
+        Self::copy_received_in(e, id.index, chan);
+        true
     }
 
     /// We released a copy held via `chan` (the pool leaves the list if
@@ -697,26 +806,44 @@ impl DomainState {
     /// the buffer is now read-write here, or `None` if no such copy was out
     /// (a peer protocol violation).
     pub(crate) fn copy_returned(&mut self, id: BufferId, chan: ChanKey) -> Option<bool> {
-        let e = self.rec_mut(id);
+        self.copy_came_back(id, chan, false)
+    }
+
+    /// [`DomainState::copy_returned`], and if the copy went to another
+    /// process (`cross`), counted back in the pool ledger: a release
+    /// delivered, with one look-up of the pool.
+    #[inline]
+    pub(crate) fn copy_came_back(&mut self, id: BufferId, chan: ChanKey, cross: bool) -> Option<bool> {
+        let DomainState { pools, free_clock, .. } = self;
+        let e = pools.get_mut(&id.pool).expect("pool checked by caller");
         if !drop_one(&mut e.records[id.index as usize].copies_out, chan) {
             return None;
         }
         e.holdings.copies_out -= 1;
         Self::sync_protection(e, id.index);
+        if cross {
+            e.view.memory().copy_back(id.index);
+        }
         let writable = e.records[id.index as usize].state() == BufferState::ReadWrite;
-        self.maybe_free(id);
+        Self::maybe_free_in(e, id.index, free_clock);
         Some(writable)
     }
 
     fn maybe_free(&mut self, id: BufferId) {
-        self.free_clock += 1;
-        let now = self.free_clock;
-        let e = self.rec_mut(id);
-        let rec = &mut e.records[id.index as usize];
+        let DomainState { pools, free_clock, .. } = self;
+        Self::maybe_free_in(pools.get_mut(&id.pool).expect("pool checked by caller"), id.index, free_clock);
+    }
+
+    /// An owned buffer whose handle was dropped while copies were out goes
+    /// on the free list once it is read-write (ticking the free clock).
+    #[inline]
+    fn maybe_free_in(e: &mut PoolEntry, index: u32, free_clock: &mut u64) {
+        *free_clock += 1;
+        let rec = &mut e.records[index as usize];
         if rec.free_when_writable && rec.state() == BufferState::ReadWrite {
             rec.free_when_writable = false;
-            rec.freed_at = now;
-            e.push_free(id.index);
+            rec.freed_at = *free_clock;
+            e.push_free(index);
         }
     }
 
@@ -802,21 +929,44 @@ impl DomainState {
         }
     }
 
+    /// Whether one more copy of `id` held via `chan` may be released, on
+    /// top of `already` released in the same batch and not yet counted
+    /// (the release preconditions of docs/SEMANTICS.md after the channel's
+    /// own: a copy held, and the last one not while forwarded copies of a
+    /// buffer we do not own are out).
+    pub(crate) fn check_release(&self, id: BufferId, chan: ChanKey, already: u32) -> Result<()> {
+        let rec = self.record(id).ok_or(ErrorKind::NotCopyHolder)?;
+        let held = rec.held_via(chan).saturating_sub(already);
+        if held == 0 {
+            return Err(ErrorKind::NotCopyHolder.into());
+        }
+        if !rec.is_owned() && rec.has_forwarded() && held < 2 {
+            return Err(ErrorKind::CopiesForwarded.into());
+        }
+        Ok(())
+    }
+
     /// Take the deferred releases of one channel.
     pub(crate) fn take_deferred(&mut self, chan: ChanKey) -> Vec<BufferId> {
-        if self.deferred_releases.is_empty() {
-            return Vec::new();
-        }
         let mut out = Vec::new();
+        self.take_deferred_each(chan, |id| out.push(id));
+        out
+    }
+
+    /// Take the deferred releases of one channel, handing each to `each`
+    /// in the order the copies were dropped.
+    pub(crate) fn take_deferred_each(&mut self, chan: ChanKey, mut each: impl FnMut(BufferId)) {
+        if self.deferred_releases.is_empty() {
+            return;
+        }
         self.deferred_releases.retain(|(c, id)| {
             if *c == chan {
-                out.push(*id);
+                each(*id);
                 false
             } else {
                 true
             }
         });
-        out
     }
 
     /// A channel is closed for good: copies dropped but never released over
@@ -961,14 +1111,24 @@ impl IntoIterator for LentSet {
 /// the domain refers to the pool, the pool leaves the list.
 pub(crate) fn buffer_dropped(domain: &DomainShared, id: BufferId, view: Arc<PoolView>) {
     let mut st = domain.lock();
-    st.free(id);
+    let now = st.tick_free_clock();
+    // One look-up of the pool for the whole drop (a live handle keeps it
+    // listed, so it is there).
     let (unused, gone) = match st.pools.get_mut(&id.pool) {
-        Some(e) if e.orphaned() => (Some(view), st.release_if_unused(id.pool)),
-        Some(e) if Arc::ptr_eq(&view, &e.view) && e.spare_views.len() < e.records.len() => {
-            e.spare_views.push(view);
-            (None, None)
+        Some(e) if e.orphaned() => {
+            DomainState::free_in(e, id.index, now);
+            (Some(view), st.release_if_unused(id.pool))
         }
-        _ => (Some(view), None),
+        Some(e) => {
+            DomainState::free_in(e, id.index, now);
+            if Arc::ptr_eq(&view, &e.view) && e.spare_views.len() < e.records.len() {
+                e.spare_views.push(view);
+                (None, None)
+            } else {
+                (Some(view), None)
+            }
+        }
+        None => (Some(view), None),
     };
     drop(st);
     drop(unused);
@@ -1151,6 +1311,106 @@ mod tests {
         st.copy_released_here(id, 9);
         assert_eq!(rw(&st), (true, true));
         assert!(view.is_read_write(0) && !view.is_read_write(2), "untouched, and out of range");
+    }
+
+    /// The fused transitions of a send and a delivery: `lend` gives the
+    /// buffer away and notes the mark only towards another process;
+    /// `arrived` refuses a buffer we own without changing anything.
+    #[test]
+    fn lend_and_arrive_in_one_look_up() {
+        let d = Domain::new("d");
+        let alloc = crate::Allocator::new(&d, 2, 4096, crate::PoolConstraints::default()).unwrap();
+        let pool = alloc.pool().id();
+        let id = BufferId { pool, index: 0 };
+        let mut st = d.lock();
+        let owned = |st: &DomainState| st.entry(pool).unwrap().holdings.owned;
+        assert!(!st.arrived(id, 7), "ours already");
+        assert_eq!((st.buffer_state(pool, 0), owned(&st)), (BufferState::ReadWrite, 2));
+        assert_eq!(st.record(id).unwrap().arrived_via, None, "a refused arrival leaves no trace");
+        st.lend(id, 7, false).unwrap();
+        assert_eq!((st.buffer_state(pool, 0), owned(&st)), (BufferState::Invalid, 1));
+        assert_eq!(st.record(id).unwrap().lent_on, None, "no mark towards a thread");
+        assert!(st.arrived(id, 7));
+        assert_eq!((st.buffer_state(pool, 0), owned(&st)), (BufferState::ReadWrite, 2));
+        st.lend(id, 7, true).unwrap();
+        assert_eq!(st.record(id).unwrap().lent_on, Some((7, 0)), "back where it came from: the count read");
+        assert!(st.still_lent(id, 7) && !st.still_lent(id, 8));
+        assert!(st.arrived(id, 7));
+        assert!(!st.still_lent(id, 7), "back: nothing to reclaim");
+    }
+
+    /// The fused transitions of a copy sent, delivered and released:
+    /// `copy_going` says whether the peer has the bytes already, and counts
+    /// the copy in the ledger only towards another process; `copy_arrived`
+    /// refuses a copy that cannot exist without changing anything;
+    /// `copy_came_back` counts back in the ledger only what was out.
+    #[test]
+    fn copies_go_and_arrive_in_one_look_up() {
+        let d = Domain::new("d");
+        let alloc = crate::Allocator::new(&d, 2, 4096, crate::PoolConstraints::default()).unwrap();
+        let pool = alloc.pool().id();
+        let id = BufferId { pool, index: 1 };
+        let mut st = d.lock();
+        let held = |st: &DomainState| st.entry(pool).unwrap().holdings.copies_held;
+        assert!(!st.copy_arrived(id, 7), "ours, no copy out: forged");
+        assert_eq!((st.buffer_state(pool, 1), held(&st)), (BufferState::ReadWrite, 0));
+        assert_eq!(st.copy_going(id, 7, false).unwrap(), (false, 4096));
+        assert_eq!(st.copy_going(id, 7, false).unwrap(), (true, 4096), "the peer has the bytes");
+        assert_eq!(st.copy_going(id, 8, false).unwrap(), (false, 4096), "not over this channel");
+        let memory = st.entry(pool).unwrap().view.memory().clone();
+        assert_eq!(memory.copies(1), 0, "between threads: no ledger");
+        assert_eq!(st.copy_going(id, 8, true).unwrap(), (true, 4096));
+        assert_eq!(memory.copies(1), 1, "to another process: counted before it goes");
+        assert_eq!(st.buffer_state(pool, 1), BufferState::ReadOnlyOwned);
+        assert!(st.copy_arrived(id, 9), "a copy of ours forwarded back");
+        assert_eq!(held(&st), 1);
+        assert_eq!(st.copy_came_back(id, 9, true), None, "none sent over 9");
+        assert_eq!(memory.copies(1), 1, "a release of nothing counts nothing back");
+        assert_eq!(st.copy_came_back(id, 8, true), Some(false));
+        assert_eq!(memory.copies(1), 0, "from another process: counted back");
+    }
+
+    /// Copies dropped together are released in one flush, each checked as
+    /// `release` would after the ones before it: of two copies held via a
+    /// channel, one of them forwarded on, only one goes; the other waits
+    /// for the forwarded copy to come back.
+    #[test]
+    fn a_flush_checks_each_dropped_copy_after_the_ones_before() {
+        let (a, b, c) = (Domain::new("a"), Domain::new("b"), Domain::new("c"));
+        let (mut ab, mut ba) = linked(&a, &b);
+        let (mut bc, mut cb) = linked(&b, &c);
+        let al = alloc(&a, 1);
+        let id = al.pool().id();
+        offer(&mut ab, &mut ba, al.pool(), true);
+        offer(&mut bc, &mut cb, &b.pool(id).expect("accepted"), true);
+        let buf = al.alloc().unwrap();
+        ab.copy(&buf, b"").unwrap();
+        ab.copy(&buf, b"").unwrap();
+        let mut copies = Vec::new();
+        while let Some(ev) = ba.poll() {
+            let crate::Event::CopyReceived { copy, .. } = ev else { panic!("{ev:?}") };
+            copies.push(copy);
+        }
+        assert_eq!(copies.len(), 2);
+        bc.copy(&copies[0], b"").unwrap();
+        let Some(crate::Event::CopyReceived { copy: at_c, .. }) = cb.poll() else { panic!("no copy at c") };
+        drop(copies);
+        assert!(ba.poll().is_none());
+        let released = |ab: &mut crate::Channel| {
+            let mut n = Vec::new();
+            while let Some(ev) = ab.poll() {
+                let crate::Event::CopyReleased { writable, .. } = ev else { panic!("{ev:?}") };
+                n.push(writable);
+            }
+            n
+        };
+        assert_eq!(released(&mut ab), [false], "one copy stays at b while c reads the forwarded one");
+        assert_eq!(b.buffer_state(buf.id()), BufferState::ReadOnly);
+        cb.release(at_c).unwrap();
+        assert!(matches!(bc.poll(), Some(crate::Event::CopyReleased { .. })));
+        assert!(ba.poll().is_none());
+        assert_eq!(released(&mut ab), [true]);
+        assert_eq!(b.buffer_state(buf.id()), BufferState::Invalid);
     }
 
     #[test]

@@ -244,6 +244,9 @@ pub struct Channel {
     lent: Option<LentSet>,
     /// References of the buffer handles we gave away, for those we receive.
     spares: Spares,
+    /// The dropped copies a flush works on, kept for the next flush (no
+    /// allocation per flush).
+    deferred: Vec<(BufferId, send::Deferred)>,
     /// The pool policy and the events the waiting helpers took (connect.rs).
     helpers: connect::Helpers,
     /// Everything that wakes this end, behind the one fd of
@@ -397,6 +400,7 @@ impl Channel {
             got_teardown: false,
             lent: None,
             spares: Spares::default(),
+            deferred: Vec::new(),
             helpers: connect::Helpers::default(),
             wake,
             spin: DEFAULT_SPIN,

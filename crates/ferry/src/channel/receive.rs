@@ -6,7 +6,7 @@ use super::{Assembly, ChanPool, Channel, Event};
 use crate::aggregate::{Aggregate, Held};
 use crate::backend::{Landing, PayloadGate};
 use crate::buffer::{BufferCopy, BufferId, BufferState};
-use crate::domain::{Domain, DomainState, LentSet};
+use crate::domain::{Domain, DomainState, LentSet, PoolEntry};
 use crate::error::{Error, Result, WaitError};
 use crate::inspect::Op;
 use crate::pool::{PoolId, PoolView, TrustLevel};
@@ -385,12 +385,11 @@ impl Channel {
                     .into());
                 }
                 let (view, ()) = self.delivered_view(buf, |st| {
-                    if st.record(buf).is_some_and(|r| r.is_owned()) {
+                    if !st.arrived(buf, key) {
                         return Err(
                             ErrorKind::Protocol(format!("peer gave us buffer {} which we own", buf.index)).into()
                         );
                     }
-                    st.arrived(buf, key);
                     Ok(())
                 })?;
                 if let Some(lent) = &mut self.lent {
@@ -405,10 +404,9 @@ impl Channel {
                     return Err(ErrorKind::Protocol("copy against the channel direction".into()).into());
                 }
                 let (view, ()) = self.delivered_view(buf, |st| {
-                    if st.record(buf).is_some_and(|r| !r.may_receive_copy()) {
+                    if !st.copy_arrived(buf, key) {
                         return Err(forged_copy(buf));
                     }
-                    st.copy_received(buf, key);
                     Ok(())
                 })?;
                 self.inspect.counters.received(Op::Copy, view.geometry().buffer_size() as u64);
@@ -422,14 +420,10 @@ impl Channel {
                     return Err(ErrorKind::Protocol("release against the channel direction".into()).into());
                 }
                 let cross = self.lent.is_some();
-                let (_, writable) = self.delivered_view(buf, |st| {
-                    let writable = st.copy_returned(buf, key).ok_or_else(|| {
-                        ErrorKind::Protocol(format!("release of a copy of buffer {} never sent", buf.index))
-                    })?;
-                    if cross {
-                        st.entry(buf.pool).expect("pool checked").view.memory().copy_back(buf.index);
-                    }
-                    Ok(writable)
+                let writable = self.delivered(buf, |st| {
+                    st.copy_came_back(buf, key, cross).ok_or_else(|| {
+                        ErrorKind::Protocol(format!("release of a copy of buffer {} never sent", buf.index)).into()
+                    })
                 })?;
                 self.inspect.counters.received(Op::Release, 0);
                 Ok(Event::CopyReleased { buffer: buf, writable })
@@ -516,22 +510,48 @@ impl Channel {
     /// The view of a buffer named by the peer, checking that its pool is on
     /// this channel and the index is in range; then `apply` the delivery's
     /// state change under the same domain lock (one lock per delivery).
+    #[inline]
     fn delivered_view<R>(
         &mut self,
         buf: BufferId,
         apply: impl FnOnce(&mut DomainState) -> Result<R>,
     ) -> Result<(Arc<PoolView>, R)> {
-        if !self.pools.iter().any(|p| p.id == buf.pool && p.listed) {
-            return Err(ErrorKind::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)).into());
-        }
+        self.check_listed(buf)?;
         let mut st = self.domain.lock();
-        let e = st.entry(buf.pool).ok_or_else(|| ErrorKind::Protocol(format!("unknown pool {}", buf.pool)))?;
-        if buf.index >= e.view.geometry().count() {
-            return Err(ErrorKind::Protocol(format!("buffer index {} out of range", buf.index)).into());
-        }
+        let e = named_entry(&st, buf)?;
         let view = self.spares.view(&e.view);
         Ok((view, apply(&mut st)?))
     }
+
+    /// [`Channel::delivered_view`] for a delivery that makes no handle (a
+    /// release): no view reference taken and let go.
+    fn delivered<R>(&mut self, buf: BufferId, apply: impl FnOnce(&mut DomainState) -> Result<R>) -> Result<R> {
+        self.check_listed(buf)?;
+        let mut st = self.domain.lock();
+        named_entry(&st, buf)?;
+        apply(&mut st)
+    }
+
+    /// A buffer named by the peer is of a pool on this channel (checked
+    /// before the domain lock: nothing of the domain in it).
+    #[inline]
+    fn check_listed(&self, buf: BufferId) -> Result<()> {
+        if !self.pools.iter().any(|p| p.id == buf.pool && p.listed) {
+            return Err(ErrorKind::Protocol(format!("buffer of pool {} which is not assigned", buf.pool)).into());
+        }
+        Ok(())
+    }
+}
+
+/// The entry of the pool of a buffer named by the peer: known here, the
+/// index in range.
+#[inline(always)]
+fn named_entry(st: &DomainState, buf: BufferId) -> Result<&PoolEntry> {
+    let e = st.entry(buf.pool).ok_or_else(|| ErrorKind::Protocol(format!("unknown pool {}", buf.pool)))?;
+    if buf.index >= e.view.geometry().count() {
+        return Err(ErrorKind::Protocol(format!("buffer index {} out of range", buf.index)).into());
+    }
+    Ok(e)
 }
 
 /// A channel's check of an arriving payload (see [`PayloadGate`]): the

@@ -183,17 +183,7 @@ impl Channel {
         // no payload: the buffer has been read-only since, so the peer's
         // bytes are current (the TCP backend then sends none).
         let cross = self.lent.is_some();
-        let (resend, size) = {
-            let mut st = self.domain.lock();
-            if cross {
-                // Counted in the pool ledger before it goes: if we die, the
-                // owner learns that a copy may still be out.
-                st.entry(id.pool).expect("pool checked").view.memory().ledger()?.copy_out(id.index);
-            }
-            let resend = st.record(id).is_some_and(|r| r.copies_out_via(self.key) > 0);
-            st.copy_sent(id, self.key);
-            (resend, st.entry(id.pool).map_or(0, |e| e.view.geometry().buffer_size()))
-        };
+        let (resend, size) = self.domain.lock().copy_going(id, self.key, cross)?;
         let msg = Message::Copy { buf: id, meta };
         let link = self.link_mut();
         let sent = if resend { link.send_unfilled(&msg) } else { link.send(&msg) };
@@ -610,15 +600,9 @@ impl Channel {
         make: impl FnOnce(BufferId, Meta) -> Message,
     ) -> Result<(), Refused<Buffer>> {
         let id = buffer.id();
-        {
-            let mut st = self.domain.lock();
-            if self.lent.is_some() {
-                if let Err(e) = st.note_lending(id, self.key) {
-                    drop(st);
-                    return Err(Refused::new(e, buffer));
-                }
-            }
-            st.give_away(id);
+        let lent = self.domain.lock().lend(id, self.key, self.lent.is_some());
+        if let Err(e) = lent {
+            return Err(Refused::new(e, buffer));
         }
         let msg = make(id, Meta::new(meta).expect("meta checked"));
         let link = self.link_mut();
@@ -644,20 +628,20 @@ impl Channel {
     fn release_id(&mut self, id: BufferId) -> Result<()> {
         self.check_sendable(Direction::Rx)?;
         self.check_pool(id.pool)?;
-        {
-            let st = self.domain.lock();
-            let rec = st.record(id).ok_or(ErrorKind::NotCopyHolder)?;
-            if rec.held_via(self.key) == 0 {
-                return Err(ErrorKind::NotCopyHolder.into());
-            }
-            if !rec.is_owned() && rec.has_forwarded() && rec.held_via(self.key) < 2 {
-                return Err(ErrorKind::CopiesForwarded.into());
-            }
-        }
+        self.domain.lock().check_release(id, self.key, 0)?;
+        // The state changes only once the release is on its way (a second
+        // lock): until then the copy is held, and it stays held if the
+        // send fails (the caller gets it back).
+        self.send_release(id)?;
+        self.domain.lock().copy_released_here(id, self.key);
+        Ok(())
+    }
+
+    /// Send the release of a copy of `id` (checks done but the room).
+    fn send_release(&mut self, id: BufferId) -> Result<()> {
         self.check_room()?;
         self.link_mut().send(&Message::Release { buf: id })?;
         self.count_sent(Op::Release, 0);
-        self.domain.lock().copy_released_here(id, self.key);
         Ok(())
     }
 
@@ -691,25 +675,53 @@ impl Channel {
         }
     }
 
+    /// Two domain locks however many copies were dropped: one to take
+    /// them and check each as [`release`](Channel::release) would, in
+    /// order (a copy counts as released for the checks of the copies after
+    /// it), one to record what went. In between, nothing else can release
+    /// or forward these copies (their handles are gone, and only this end
+    /// releases copies held via it); a forwarded copy coming back meanwhile
+    /// only makes one wait for the next flush.
     fn flush_deferred_now(&mut self) {
-        let ids = self.domain.lock().take_deferred(self.key);
-        for id in ids {
-            match self.release_id(id) {
-                Ok(()) => {}
-                Err(e) if matches!(e.kind(), ErrorKind::CopiesForwarded | ErrorKind::QueueFull) => {
-                    self.domain.lock().defer_release(self.key, id);
+        let key = self.key;
+        let mut batch = std::mem::take(&mut self.deferred);
+        {
+            let mut st = self.domain.lock();
+            st.take_deferred_each(key, |id| batch.push((id, Deferred::Send)));
+            for i in 0..batch.len() {
+                let id = batch[i].0;
+                let already = batch[..i].iter().filter(|&&(p, d)| p == id && d == Deferred::Send).count() as u32;
+                let verdict = self
+                    .check_sendable(Direction::Rx)
+                    .and_then(|()| self.check_pool(id.pool))
+                    .and_then(|()| st.check_release(id, key, already));
+                if let Err(e) = verdict {
+                    batch[i].1 = Deferred::refused(&e);
                 }
-                // Channel no longer connected: the copy is simply gone.
-                Err(_) => self.domain.lock().copy_released_here(id, self.key),
+            }
+        }
+        for (id, what) in &mut batch {
+            if *what == Deferred::Send {
+                *what = self.send_release(*id).map_or_else(|e| Deferred::refused(&e), |()| Deferred::Gone);
             }
         }
         // Clear the flag under the lock: a copy dropped meanwhile pushes its
         // entry under the same lock and sets the flag after it.
         let mut st = self.domain.lock();
+        for (id, what) in batch.drain(..) {
+            match what {
+                Deferred::Keep => {
+                    st.defer_release(key, id);
+                }
+                _ => st.copy_released_here(id, key),
+            }
+        }
         st.settle_pinned();
         if st.nothing_pending() {
             self.domain.shared.has_deferred.store(false, Ordering::Release);
         }
+        drop(st);
+        self.deferred = batch;
     }
 
     #[inline]
@@ -738,5 +750,29 @@ impl Channel {
         debug_assert!(!self.sent_teardown || msg == Message::Teardown);
         self.outbox.push_back(msg);
         self.flush_outbox();
+    }
+}
+
+/// What becomes of a dropped copy in [`Channel::flush_deferred`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Deferred {
+    /// Its release may go (checked, not sent yet).
+    Send,
+    /// Released, or gone with a channel no longer connected.
+    Gone,
+    /// It waits for the next flush: forwarded copies still out, or the
+    /// queue full.
+    Keep,
+}
+
+impl Deferred {
+    /// The copy's fate when its release was refused with `e`.
+    fn refused(e: &Error) -> Deferred {
+        if matches!(e.kind(), ErrorKind::CopiesForwarded | ErrorKind::QueueFull) {
+            Deferred::Keep
+        } else {
+            // Channel no longer connected: the copy is simply gone.
+            Deferred::Gone
+        }
     }
 }
