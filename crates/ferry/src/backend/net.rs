@@ -762,6 +762,11 @@ impl NetLink {
 
     /// Send what the socket takes now.
     fn flush(&mut self) -> Result<()> {
+        // TLS's `send_parts` ends with a write of all the ciphertext it
+        // holds: once it ran, what still waits is what the socket refused
+        // just now, and another write would only be refused again.
+        let mut tls_tried = false;
+        let written = self.tls.as_ref().map(|t| t.written());
         while !self.out.is_empty() {
             let sent = {
                 let mut parts: Vec<SendPart<'_>> = Vec::with_capacity(2 * FRAMES_PER_SEND.min(self.out.len()));
@@ -791,7 +796,10 @@ impl NetLink {
                 }
                 match &mut self.tls {
                     None => sys::send_parts(self.stream.as_fd(), &parts),
-                    Some(t) => t.send_parts(self.stream.as_fd(), &parts),
+                    Some(t) => {
+                        tls_tried = true;
+                        t.send_parts(self.stream.as_fd(), &parts)
+                    }
                 }
             };
             let n = match sent {
@@ -808,12 +816,12 @@ impl NetLink {
         }
         // Ciphertext of frames TLS has taken (their buffers are free
         // again) still goes out: what flushing means for this link.
-        if let Some(t) = &mut self.tls {
-            let before = t.written();
-            if t.flush(self.stream.as_fd()).is_err() {
+        if let Some(t) = self.tls.as_mut() {
+            if !tls_tried && t.flush(self.stream.as_fd()).is_err() {
                 return Err(self.fail(ErrorKind::PeerGone.into(), true));
             }
-            if t.written() != before {
+            // Ciphertext that went out is progress, whichever write sent it.
+            if Some(t.written()) != written {
                 let now = Instant::now();
                 self.last_tx = now;
                 self.last_progress = now;
@@ -1294,6 +1302,37 @@ mod tests {
         assert_eq!(usize::from(u16::from_le_bytes([framed[0], framed[1]])), framed.len() - 2);
         assert_eq!(unframed(&framed[2..]), Ok((&b"FRY1\x03\x00"[..], Duration::from_millis(1234))));
         assert!(unframed(&[1, 2, 3]).is_err(), "shorter than the timeout");
+    }
+
+    /// A flush whose TLS write the socket refused (it is full: the peer
+    /// reads nothing) does not write again before it returns: one refused
+    /// system call per flush, not two.
+    #[test]
+    fn a_flush_tries_a_full_socket_once() {
+        let ((stream, tls), (_peer, _)) = testing::pair(TLS_SEND_LIMIT);
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(stream.as_fd(), 4096);
+        let mut link =
+            NetLink::new(stream, Some(Box::new(tls)), 0, 1024, NetOptions::default(), Duration::from_secs(10)).unwrap();
+        let refused = |link: &NetLink| link.tls.as_ref().expect("TLS").refused();
+        let mut full = false;
+        for _ in 0..100_000 {
+            link.queue_control(TYPE_KEEPALIVE).unwrap();
+            NetLink::flush(&mut link).unwrap();
+            if refused(&link) > 0 {
+                full = true;
+                break;
+            }
+        }
+        assert!(full, "the socket never filled");
+        let mut tries = Vec::new();
+        for _ in 0..3 {
+            link.queue_control(TYPE_KEEPALIVE).unwrap();
+            let before = refused(&link);
+            NetLink::flush(&mut link).unwrap();
+            tries.push(refused(&link) - before);
+        }
+        assert!(tries.iter().all(|&n| n <= 1), "refused writes per flush: {tries:?}");
+        assert!(tries.contains(&1), "the socket took everything: {tries:?}");
     }
 
     /// Ciphertext TLS took for the last queued frame and could not write
