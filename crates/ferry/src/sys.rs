@@ -410,6 +410,46 @@ pub(crate) fn send_parts(fd: BorrowedFd<'_>, parts: &[SendPart<'_>]) -> io::Resu
     Ok(rustix::net::sendmsg(fd, &slices, &mut control, SendFlags::DONTWAIT | SendFlags::NOSIGNAL)?)
 }
 
+/// Ask the kernel to report the socket writable (and to take more bytes)
+/// only while fewer than `bytes` of what was written are unsent.
+pub(crate) fn set_unsent_low_water(stream: &std::net::TcpStream, bytes: usize) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: the descriptor is the live socket `stream` owns; the option
+    // value is a c_int on our stack whose size we pass.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_NOTSENT_LOWAT,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Bytes written to the socket that the kernel has not sent yet
+/// (`SIOCOUTQNSD`).
+#[cfg(test)]
+pub(crate) fn unsent_bytes(stream: &std::net::TcpStream) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    const SIOCOUTQNSD: libc::c_ulong = 0x894B;
+    let mut value: libc::c_int = 0;
+    // SAFETY: the descriptor is the live socket `stream` owns; the ioctl
+    // writes one c_int into `value`.
+    let rc = unsafe { libc::ioctl(stream.as_raw_fd(), SIOCOUTQNSD as _, &mut value) };
+    if rc == 0 {
+        Ok(value.max(0) as usize)
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// What kind of file `fd` is, as `/proc/self/fd` shows it: a path for a
 /// file, `anon_inode:[eventfd]` for an eventfd, `pipe:[…]`, `socket:[…]`.
 pub(crate) fn fd_kind(fd: BorrowedFd<'_>) -> io::Result<std::path::PathBuf> {

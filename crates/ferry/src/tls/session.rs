@@ -31,11 +31,17 @@ pub(crate) struct TlsSession {
     eof: bool,
     /// Ciphertext bytes the socket took so far.
     written: u64,
+    /// Writes the socket refused (it was full) so far.
+    refused: u64,
 }
 
 impl std::fmt::Debug for TlsSession {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TlsSession").field("handshaking", &self.conn.is_handshaking()).finish()
+        f.debug_struct("TlsSession")
+            .field("handshaking", &self.conn.is_handshaking())
+            .field("written", &self.written)
+            .field("refused", &self.refused)
+            .finish()
     }
 }
 
@@ -99,6 +105,7 @@ impl TlsSession {
             peer_closed: false,
             eof: false,
             written: 0,
+            refused: 0,
         }
     }
 
@@ -128,12 +135,22 @@ impl TlsSession {
         self.written
     }
 
+    /// Writes the socket refused so far (each one a system call that
+    /// moved nothing).
+    #[cfg(test)]
+    pub(crate) fn refused(&self) -> u64 {
+        self.refused
+    }
+
     /// Send the ciphertext waiting for the socket, as far as it takes it.
     pub(crate) fn flush(&mut self, fd: BorrowedFd<'_>) -> io::Result<()> {
         while self.conn.wants_write() {
             match self.conn.write_tls(&mut Sock(fd)) {
                 Ok(n) => self.written += n as u64,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.refused += 1;
+                    return Ok(());
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }

@@ -263,7 +263,7 @@ impl Inner {
         let _ = stream.set_read_timeout(None);
         let _ = stream.set_write_timeout(None);
         // Not a TCP socket (a fuzzing socket pair): nothing to bound.
-        let _ = super::wire::set_unsent_low_water(&stream, super::wire::UNSENT_LOW_WATER);
+        let _ = crate::sys::set_unsent_low_water(&stream, super::wire::UNSENT_LOW_WATER);
         let now = Instant::now();
         Ok(Inner {
             stream,
@@ -543,10 +543,11 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::super::codec::{MuxHead, K_MESSAGE, MAX_CHUNK, MUX_HEAD};
-    use super::super::wire::{unsent_bytes, UNSENT_LOW_WATER};
+    use super::super::wire::UNSENT_LOW_WATER;
     use super::super::MuxSession;
     use crate::pool::{BufferId, Geometry, PoolId, PoolMemory};
     use crate::proto::{Message, Meta};
+    use crate::sys::unsent_bytes;
 
     /// Bytes the peer's socket has received and its application not read.
     fn unread(stream: &TcpStream) -> usize {

@@ -46,46 +46,6 @@ pub const MIN_BULK_BUDGET: usize = READ_REPORT_EVERY + MUX_HEAD + MAX_CHUNK;
 /// Frames read per poll before the polling channel gets its answer.
 pub(super) const READ_FRAMES: usize = 256;
 
-/// Ask the kernel to report the socket writable (and to take more bytes)
-/// only while fewer than `bytes` of what was written are unsent.
-pub(super) fn set_unsent_low_water(stream: &TcpStream, bytes: usize) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
-    // SAFETY: the descriptor is the live socket `stream` owns; the option
-    // value is a c_int on our stack whose size we pass.
-    let rc = unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_NOTSENT_LOWAT,
-            (&value as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-/// Bytes written to the socket that the kernel has not sent yet
-/// (`SIOCOUTQNSD`).
-#[cfg(test)]
-pub(super) fn unsent_bytes(stream: &TcpStream) -> io::Result<usize> {
-    use std::os::fd::AsRawFd;
-    const SIOCOUTQNSD: libc::c_ulong = 0x894B;
-    let mut value: libc::c_int = 0;
-    // SAFETY: the descriptor is the live socket `stream` owns; the ioctl
-    // writes one c_int into `value`.
-    let rc = unsafe { libc::ioctl(stream.as_raw_fd(), SIOCOUTQNSD as _, &mut value) };
-    if rc == 0 {
-        Ok(value.max(0) as usize)
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
 pub(super) enum RxState {
     Head { have: usize },
     Body { head: MuxHead, have: usize },
