@@ -397,6 +397,13 @@ pub(crate) fn recv_parts(fd: BorrowedFd<'_>, parts: &[RecvPart<'_>]) -> io::Resu
     Ok(r.bytes)
 }
 
+/// Copy what the socket `fd` holds into `buf` without taking it off the
+/// socket, without blocking.
+pub(crate) fn peek(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
+    use rustix::net::RecvFlags;
+    Ok(rustix::net::recv(fd, buf, RecvFlags::PEEK | RecvFlags::DONTWAIT)?.0)
+}
+
 /// Send from `parts` in order, without blocking and without `SIGPIPE`.
 pub(crate) fn send_parts(fd: BorrowedFd<'_>, parts: &[SendPart<'_>]) -> io::Result<usize> {
     use rustix::net::{SendAncillaryBuffer, SendFlags};
