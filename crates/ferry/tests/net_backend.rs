@@ -269,6 +269,53 @@ fn payload_less_frames_share_a_receive_call() {
     peer.join().unwrap();
 }
 
+/// Frames read ahead and not delivered yet are an event waiting: the
+/// channel does not arm (its fd would not say so, the socket is empty),
+/// and the next poll delivers them.
+#[test]
+fn frames_read_ahead_keep_the_channel_awake() {
+    let d = Domain::new("source");
+    let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
+    let (ready, moved) = std::sync::mpsc::channel();
+    let peer = std::thread::spawn(move || {
+        let mut p = RawPeer::bind(addr);
+        let (pool, _) = p.accept_pool();
+        let mut got = Vec::new();
+        while got.len() < 3 {
+            let h = p.next_frame();
+            if h.kind == raw_peer::MOVE {
+                got.push(h.index);
+            }
+        }
+        moved.recv().unwrap();
+        let run: Vec<u8> =
+            got.iter().flat_map(|&i| raw_peer::frame_bytes(raw_peer::PASS, 0, i, 0, pool, &[0; 8], &[])).collect();
+        p.send(&run);
+        p.drain();
+    });
+    assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
+    let alloc = Allocator::new(&d, 3, 4096, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    for _ in 0..3 {
+        ch.move_buffer(alloc.alloc().unwrap(), &[0; 8]).unwrap();
+    }
+    ch.flush().unwrap();
+    ready.send(()).unwrap();
+    // The run comes in one write: the first pass is delivered from it,
+    // the others are read ahead with it.
+    assert!(matches!(next(&mut ch), Event::BufferPassed { .. }));
+    let mut back = 1;
+    while back < 3 {
+        assert!(!ch.arm(), "{back} of 3 passes delivered, the others read ahead: the channel must not sleep");
+        match ch.poll() {
+            Some(Event::BufferPassed { .. }) => back += 1,
+            ev => panic!("expected a buffer back, got {ev:?}"),
+        }
+    }
+    drop(ch);
+    peer.join().unwrap();
+}
+
 /// Frames read ahead together are still checked one by one, each against
 /// the state the ones before it left: a pass with payload of a buffer that
 /// an unfilled pass of the same write gave back to us is a protocol error,

@@ -1277,9 +1277,9 @@ impl Link for NetLink {
         if self.gone.is_some() || NetLink::flush(self).is_err() || self.tick().is_err() {
             return Arm::Ready;
         }
-        // Bytes TLS took off the socket and has not given out: the socket
-        // will not say so again.
-        if self.tls.as_ref().is_some_and(|t| t.has_input()) {
+        // Bytes TLS took off the socket and has not given out, or frames
+        // read ahead and not parsed yet: the socket will not say so again.
+        if self.ahead_start < self.ahead_end || self.tls.as_ref().is_some_and(|t| t.has_input()) {
             return Arm::Ready;
         }
         // Output queued: wake when the socket takes more (room, progress).
