@@ -118,6 +118,9 @@ const BATCH_FRAMES: usize = 64;
 const BATCH_BYTES: usize = 1 << 20;
 /// Most frames in one `sendmsg` (two parts each).
 const FRAMES_PER_SEND: usize = 128;
+/// The fewest bytes laid out for one `sendmsg` when the socket was full
+/// last time (see `NetLink::send_budget`).
+const MIN_SEND_BUDGET: usize = 64 << 10;
 /// Most header and meta bytes read ahead of the frame being parsed (a run
 /// of 64 unfilled passes with 16 bytes of meta data each is 3 KiB).
 const AHEAD: usize = 4096;
@@ -609,6 +612,11 @@ pub(crate) struct NetLink {
     out: VecDeque<OutFrame>,
     /// Bytes of the front frame already sent.
     out_sent: usize,
+    /// About how many bytes to lay out for one `sendmsg`: twice what the
+    /// socket took when it was last full, doubled after each send it took
+    /// whole (a full socket takes a few payloads; laying out a hundred
+    /// each time costs more than the call).
+    send_budget: usize,
     out_payload: usize,
     rx: RxState,
     head: [u8; FRAME_HEAD + proto::MAX_META_SIZE],
@@ -665,6 +673,7 @@ impl NetLink {
             retired: Vec::new(),
             out: VecDeque::new(),
             out_sent: 0,
+            send_budget: usize::MAX,
             out_payload: 0,
             rx: RxState::Head { have: 0 },
             head: [0; FRAME_HEAD + proto::MAX_META_SIZE],
@@ -786,9 +795,10 @@ impl NetLink {
             let sent = {
                 let mut parts: Vec<SendPart<'_>> = Vec::with_capacity(2 * FRAMES_PER_SEND.min(self.out.len()));
                 let mut skip = self.out_sent;
-                // TLS takes at most its send limit per call: frames past
-                // that would only be laid out again next call.
-                let budget = if self.tls.is_some() { TLS_SEND_LIMIT } else { usize::MAX };
+                // TLS takes at most its send limit per call, and a full
+                // socket about what it took last time: frames past that
+                // would only be laid out again next call.
+                let budget = if self.tls.is_some() { TLS_SEND_LIMIT } else { self.send_budget };
                 let mut laid = 0;
                 for f in self.out.iter().take(FRAMES_PER_SEND) {
                     if laid >= budget {
@@ -809,11 +819,13 @@ impl NetLink {
                     }
                     skip = 0;
                 }
-                match &mut self.tls {
+                let sent = match &mut self.tls {
                     None => sys::send_parts(self.stream.as_fd(), &parts),
                     Some(t) => t.send_parts(self.stream.as_fd(), &parts),
-                }
+                };
+                (sent, laid)
             };
+            let (sent, laid) = sent;
             let n = match sent {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -825,6 +837,16 @@ impl NetLink {
             self.last_progress = now;
             self.stats.send_calls += 1;
             self.consume_sent(n);
+            if self.tls.is_none() {
+                if n < laid {
+                    // The socket took less than it was given: it is full,
+                    // and another try now would only be told so. Next time
+                    // lay out about what it takes.
+                    self.send_budget = (2 * n).max(MIN_SEND_BUDGET);
+                    break;
+                }
+                self.send_budget = self.send_budget.saturating_mul(2);
+            }
         }
         // Ciphertext of frames TLS has taken (their buffers are free
         // again) still goes out: what flushing means for this link.
@@ -1031,25 +1053,31 @@ impl NetLink {
                     recv_into(&mut self.tls, self.stream.as_fd(), &mut [part])
                 }
                 RxState::Body { meta, have_meta, target, len, have } => {
-                    let mut parts = Vec::with_capacity(3);
+                    // Meta, payload, the next header: no allocation.
+                    let mut parts: [RecvPart<'_>; 3] = std::array::from_fn(|_| RecvPart::slice(&mut []));
+                    let mut k = 0;
+                    let mut push = |part| {
+                        parts[k] = part;
+                        k += 1;
+                    };
                     let (head, ahead) = (&mut self.head, &mut self.ahead);
                     if have_meta < meta {
                         offered += meta - have_meta;
-                        parts.push(RecvPart::slice(&mut head[FRAME_HEAD + have_meta..FRAME_HEAD + meta]));
+                        push(RecvPart::slice(&mut head[FRAME_HEAD + have_meta..FRAME_HEAD + meta]));
                     }
                     let mut whole = true;
                     match target {
                         Some(Target::Land { pool, offset }) if have < len => {
                             let p = &self.pools[&pool];
                             offered += len - have;
-                            parts.push(RecvPart::mapping(&p.map, offset + have, len - have).expect("checked range"));
+                            push(RecvPart::mapping(&p.map, offset + have, len - have).expect("checked range"));
                         }
                         Some(Target::Discard) if have < len => {
                             self.scratch.resize(64 << 10, 0);
                             let take = (len - have).min(self.scratch.len());
                             whole = take == len - have;
                             offered += take;
-                            parts.push(RecvPart::slice(&mut self.scratch[..take]));
+                            push(RecvPart::slice(&mut self.scratch[..take]));
                         }
                         _ => {}
                     }
@@ -1057,9 +1085,9 @@ impl NetLink {
                         // The next frame's header: never payload, so it may
                         // be read ahead into our own memory.
                         offered += FRAME_HEAD;
-                        parts.push(RecvPart::slice(&mut ahead[..FRAME_HEAD]));
+                        push(RecvPart::slice(&mut ahead[..FRAME_HEAD]));
                     }
-                    recv_into(&mut self.tls, self.stream.as_fd(), &mut parts)
+                    recv_into(&mut self.tls, self.stream.as_fd(), &mut parts[..k])
                 }
             };
             let n = match got {
