@@ -1595,6 +1595,23 @@ mod tests {
         drop(writer.join().unwrap());
     }
 
+    /// The fuzz target's seeds, and every prefix of each, go through the
+    /// frame decoder (with runs read ahead) without a panic.
+    #[cfg(feature = "fuzzing")]
+    #[test]
+    fn fuzz_seeds_decode() {
+        for seed in [
+            &include_bytes!("../../../../fuzz/seeds/net_frames/control")[..],
+            include_bytes!("../../../../fuzz/seeds/net_frames/copy_again"),
+            include_bytes!("../../../../fuzz/seeds/net_frames/copy_discard_then_pass"),
+            include_bytes!("../../../../fuzz/seeds/net_frames/move_land"),
+        ] {
+            for n in 0..=seed.len() {
+                crate::fuzzing::net_stream_from_peer(&seed[..n]);
+            }
+        }
+    }
+
     #[test]
     fn setup_messages_carry_the_peer_timeout() {
         let framed = framed(b"FRY1\x03\x00", Duration::from_millis(1234));
