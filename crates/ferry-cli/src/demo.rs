@@ -382,7 +382,7 @@ fn between_processes(
         queue_depth: 256,
         ..ChannelSetup::default()
     };
-    let opts = EchoOptions { busy: false, touch: false, verify: true, batch: false };
+    let opts = EchoOptions { verify: true, ..EchoOptions::default() };
     let (mut source, child) = echo::spawn_process_on(transport, &a, setup, opts)?;
     let alloc = Allocator::new(&a, 64, size, PoolConstraints::default())?;
     source.assign_pool(alloc.pool())?;

@@ -30,6 +30,10 @@ pub struct EchoOptions {
     pub verify: bool,
     /// Publish passes in batches (`Channel::set_batching`).
     pub batch: bool,
+    /// Give every buffer back without its contents
+    /// (`Channel::pass_unfilled`), as a consumer that is done with the
+    /// data does: over the network the payload then travels one way only.
+    pub unfilled: bool,
 }
 
 #[derive(Debug, Args)]
@@ -53,6 +57,10 @@ pub struct EchoArgs {
     /// Publish passes back in batches (`Channel::set_batching`).
     #[arg(long)]
     batch: bool,
+    /// Pass every buffer back without its contents (`Channel::pass_unfilled`): over TCP the
+    /// payload then travels one way only.
+    #[arg(long)]
+    unfilled: bool,
     /// Pin to this CPU (0 to the number of CPUs less one).
     #[arg(allow_negative_numbers = true, long, value_parser = crate::args::cpu)]
     cpu: Option<usize>,
@@ -152,7 +160,13 @@ pub fn run(args: &EchoArgs) -> Result<(), CliError> {
     }
     let domain = Domain::new("echo");
     let mut ch = Channel::bind(&domain, &ep, BindParams::default())?;
-    let opts = EchoOptions { busy: args.busy_poll, touch: args.touch, verify: args.verify, batch: args.batch };
+    let opts = EchoOptions {
+        busy: args.busy_poll,
+        touch: args.touch,
+        verify: args.verify,
+        batch: args.batch,
+        unfilled: args.unfilled,
+    };
     let n = serve(&mut ch, opts).map_err(CliError::Failed)?;
     println!("echoed {n}");
     Ok(())
@@ -169,7 +183,8 @@ pub fn serve(ch: &mut Channel, opts: EchoOptions) -> Result<u64, String> {
     }
     loop {
         while let Some((buffer, meta)) = backlog.pop_front() {
-            match ch.pass(buffer, &meta) {
+            let passed = if opts.unfilled { ch.pass_unfilled(buffer, &meta) } else { ch.pass(buffer, &meta) };
+            match passed {
                 Ok(()) => echoed += 1,
                 Err(r) if r.error == ferry::ErrorKind::QueueFull => {
                     backlog.push_front((r.into_inner(), meta));
@@ -277,9 +292,13 @@ pub fn spawn_process_on(
     // CPU 1, or the only one there is.
     let cpu = (1 % pin::cpus()).to_string();
     cmd.args(["echo", "--endpoint", &endpoint, "--cpu", &cpu]);
-    for (on, flag) in
-        [(opts.busy, "--busy-poll"), (opts.touch, "--touch"), (opts.verify, "--verify"), (opts.batch, "--batch")]
-    {
+    for (on, flag) in [
+        (opts.busy, "--busy-poll"),
+        (opts.touch, "--touch"),
+        (opts.verify, "--verify"),
+        (opts.batch, "--batch"),
+        (opts.unfilled, "--unfilled"),
+    ] {
         if on {
             cmd.arg(flag);
         }

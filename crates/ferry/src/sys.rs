@@ -379,22 +379,37 @@ impl<'a> SendPart<'a> {
 /// nothing is there; `Ok(0)` at end of stream).
 pub(crate) fn recv_parts(fd: BorrowedFd<'_>, parts: &[RecvPart<'_>]) -> io::Result<usize> {
     use rustix::net::{RecvAncillaryBuffer, RecvFlags};
-    let mut slices: Vec<io::IoSliceMut<'_>> = parts
-        .iter()
-        .map(|p| {
-            // SAFETY: each part is a live, writable range for its lifetime
-            // (a slice we borrow mutably, or a checked range of a mapping we
-            // borrow). The slice exists only for this call and only the
-            // kernel writes through it. Pool memory is shared with other
-            // views; the buffer-state layer guarantees that no domain of
-            // this process owns or reads a buffer while its payload lands
-            // (the channel's payload gate).
-            io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p.ptr, p.len) })
-        })
-        .collect();
+    let slice = |p: &RecvPart<'_>| {
+        // SAFETY: each part is a live, writable range for its lifetime
+        // (a slice we borrow mutably, or a checked range of a mapping we
+        // borrow). The slice exists only for this call and only the
+        // kernel writes through it. Pool memory is shared with other
+        // views; the buffer-state layer guarantees that no domain of
+        // this process owns or reads a buffer while its payload lands
+        // (the channel's payload gate).
+        io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(p.ptr, p.len) })
+    };
     let mut control = RecvAncillaryBuffer::default();
-    let r = rustix::net::recvmsg(fd, &mut slices, &mut control, RecvFlags::DONTWAIT)?;
+    // A few parts (the usual case: meta, payload, the next header) need
+    // no allocation.
+    let r = if parts.len() <= 4 {
+        let mut slices: [io::IoSliceMut<'_>; 4] = std::array::from_fn(|_| io::IoSliceMut::new(&mut []));
+        for (s, p) in slices.iter_mut().zip(parts) {
+            *s = slice(p);
+        }
+        rustix::net::recvmsg(fd, &mut slices[..parts.len()], &mut control, RecvFlags::DONTWAIT)?
+    } else {
+        let mut slices: Vec<io::IoSliceMut<'_>> = parts.iter().map(slice).collect();
+        rustix::net::recvmsg(fd, &mut slices, &mut control, RecvFlags::DONTWAIT)?
+    };
     Ok(r.bytes)
+}
+
+/// Copy what the socket `fd` holds into `buf` without taking it off the
+/// socket, without blocking.
+pub(crate) fn peek(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
+    use rustix::net::RecvFlags;
+    Ok(rustix::net::recv(fd, buf, RecvFlags::PEEK | RecvFlags::DONTWAIT)?.0)
 }
 
 /// Send from `parts` in order, without blocking and without `SIGPIPE`.

@@ -4,7 +4,7 @@
 
 mod support;
 
-use support::raw_peer::RawPeer;
+use support::raw_peer::{self, RawPeer};
 
 use std::io::Read;
 use std::net::SocketAddr;
@@ -151,6 +151,159 @@ fn unfilled_passes_carry_no_payload() {
     assert_eq!(master_stats.payload_sent, 0, "{master_stats:?}");
     assert_eq!(filler_stats.payload_received, 0, "{filler_stats:?}");
     assert_eq!(master_stats.payload_received, 50 * SIZE as u64);
+}
+
+/// A run of frames without payload that arrives at once (a peer's batch
+/// of unfilled passes) is read in a few system calls, not one per frame:
+/// the link reads the run's headers ahead into a bounded buffer of its own.
+#[test]
+fn payload_less_frames_share_a_receive_call() {
+    const N: u32 = 48;
+    let d = Domain::new("source");
+    let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
+    let (ready, moved) = std::sync::mpsc::channel();
+    let peer = std::thread::spawn(move || {
+        let mut p = RawPeer::bind(addr);
+        let (pool, _) = p.accept_pool();
+        let mut got = Vec::new();
+        while got.len() < N as usize {
+            let h = p.next_frame();
+            if h.kind == raw_peer::MOVE {
+                got.push(h.index);
+            }
+        }
+        moved.recv().unwrap();
+        // Every buffer back unfilled, the whole run in one write.
+        let run: Vec<u8> = got
+            .iter()
+            .flat_map(|&i| raw_peer::frame_bytes(raw_peer::PASS, 0, i, 0, pool, &u64::from(i).to_le_bytes(), &[]))
+            .collect();
+        p.send(&run);
+        p.drain();
+    });
+    assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
+    let alloc = Allocator::new(&d, N as u64, 4096, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    for i in 0..N {
+        let b = alloc.alloc().unwrap();
+        ch.move_buffer(b, &u64::from(i).to_le_bytes()).unwrap();
+    }
+    ch.flush().unwrap();
+    let before = ch.link_stats().unwrap();
+    ready.send(()).unwrap();
+    for _ in 0..N {
+        match next(&mut ch) {
+            Event::BufferPassed { buffer, meta } => assert_eq!(seq_of(&meta), u64::from(buffer.id().index)),
+            ev => panic!("expected a buffer back, got {ev:?}"),
+        }
+    }
+    let after = ch.link_stats().unwrap();
+    assert_eq!(after.frames_received - before.frames_received, u64::from(N), "{after:?}");
+    assert_eq!(after.payload_received, before.payload_received, "unfilled passes carry no payload");
+    let calls = after.recv_calls - before.recv_calls;
+    assert!(calls <= u64::from(N) / 8, "{N} frames of one write took {calls} receive calls");
+    drop(ch);
+    peer.join().unwrap();
+}
+
+/// Frames read ahead and not delivered yet are an event waiting: the
+/// channel does not arm (its fd would not say so, the socket is empty),
+/// and the next poll delivers them.
+#[test]
+fn frames_read_ahead_keep_the_channel_awake() {
+    let d = Domain::new("source");
+    let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
+    let (ready, moved) = std::sync::mpsc::channel();
+    let peer = std::thread::spawn(move || {
+        let mut p = RawPeer::bind(addr);
+        let (pool, _) = p.accept_pool();
+        let mut got = Vec::new();
+        while got.len() < 3 {
+            let h = p.next_frame();
+            if h.kind == raw_peer::MOVE {
+                got.push(h.index);
+            }
+        }
+        moved.recv().unwrap();
+        let run: Vec<u8> =
+            got.iter().flat_map(|&i| raw_peer::frame_bytes(raw_peer::PASS, 0, i, 0, pool, &[0; 8], &[])).collect();
+        p.send(&run);
+        p.drain();
+    });
+    assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
+    let alloc = Allocator::new(&d, 3, 4096, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    for _ in 0..3 {
+        ch.move_buffer(alloc.alloc().unwrap(), &[0; 8]).unwrap();
+    }
+    ch.flush().unwrap();
+    ready.send(()).unwrap();
+    // The run comes in one write: the first pass is delivered from it,
+    // the others are read ahead with it.
+    assert!(matches!(next(&mut ch), Event::BufferPassed { .. }));
+    let mut back = 1;
+    while back < 3 {
+        assert!(!ch.arm(), "{back} of 3 passes delivered, the others read ahead: the channel must not sleep");
+        match ch.poll() {
+            Some(Event::BufferPassed { .. }) => back += 1,
+            ev => panic!("expected a buffer back, got {ev:?}"),
+        }
+    }
+    drop(ch);
+    peer.join().unwrap();
+}
+
+/// Frames read ahead together are still checked one by one, each against
+/// the state the ones before it left: a pass with payload of a buffer that
+/// an unfilled pass of the same write gave back to us is a protocol error,
+/// and our bytes stay as they are.
+#[test]
+fn frames_read_ahead_are_gated_in_order() {
+    let d = Domain::new("victim");
+    let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
+    let peer = std::thread::spawn(move || {
+        let mut p = RawPeer::bind(addr);
+        let (pool, size) = p.accept_pool();
+        let mut got = Vec::new();
+        while got.len() < 2 {
+            let h = p.next_frame();
+            if h.kind == raw_peer::MOVE {
+                got.push(h.index);
+            }
+        }
+        let mut run = Vec::new();
+        for &i in &got {
+            run.extend(raw_peer::frame_bytes(raw_peer::PASS, 0, i, 0, pool, &[], &[]));
+        }
+        run.extend(raw_peer::frame_bytes(raw_peer::PASS, 2, got[0], size as u64, pool, &[], &vec![0xee; size]));
+        p.send(&run);
+        p.drain();
+    });
+    assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
+    let alloc = Allocator::new(&d, 2, 4096, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    for seq in 0..2 {
+        let mut b = alloc.alloc().unwrap();
+        fill(b.as_mut_slice().unwrap(), seq);
+        ch.move_buffer(b, &seq.to_le_bytes()).unwrap();
+    }
+    let mut back = Vec::new();
+    while back.len() < 2 {
+        match next(&mut ch) {
+            Event::BufferPassed { buffer, .. } => back.push(buffer),
+            ev => panic!("expected a buffer back, got {ev:?}"),
+        }
+    }
+    match error_within(&mut ch, T).kind() {
+        ErrorKind::Protocol(_) => {}
+        e => panic!("expected a protocol error, got {e:?}"),
+    }
+    assert_eq!(ch.state(), ChannelState::Closed);
+    for (seq, b) in back.iter().enumerate() {
+        assert!(check(b, seq as u64), "buffer {seq} changed under us");
+    }
+    drop(ch);
+    peer.join().unwrap();
 }
 
 /// Nobody listening, and an address in use: typed errors.

@@ -109,6 +109,7 @@ fn user_copies(backend: Backend) -> Option<u64> {
 fn baseline(ctx: &Ctx<'_>, backend: Backend, sizes: &[usize]) -> Result<Vec<Point>, CliError> {
     match backend {
         Backend::RustlsStream => super::tls_stream::measure(ctx, sizes),
+        Backend::Iperf3 => super::iperf3::measure(ctx, sizes),
         _ => peers::measure(ctx, backend, sizes),
     }
 }
@@ -134,7 +135,13 @@ fn ferry_point(
         queue_depth: (count * 2).next_power_of_two().clamp(64, 65536) as u32,
         ..ChannelSetup::default()
     };
-    let spec = EchoSpec { role: EchoRole::Standard, busy: a.busy(), touch: a.touch, batch: !a.no_batching };
+    let spec = EchoSpec {
+        role: EchoRole::Standard,
+        busy: a.busy(),
+        touch: a.touch,
+        batch: !a.no_batching,
+        unfilled: a.one_way,
+    };
     let mut rig = match kept.take() {
         Some(r) => r,
         None => rig::connect(backend, setup, spec, a.peer.as_deref(), &a.tls)?,
@@ -153,10 +160,17 @@ fn ferry_point(
         Experiment::Rtt => rtt(ctx, &mut rig, &alloc, backend, size, runs, wait)?,
         _ => throughput(ctx, &mut rig, &alloc, backend, size, runs)?,
     };
+    let mut point = point;
     if a.peer.is_some() {
         *kept = Some(rig);
     } else {
         rig::check_echoed(rig.finish()?, moved)?;
+        if a.touch {
+            // The echo checked every byte of every payload against the
+            // pattern (it fails the run on the first wrong one), and it saw
+            // every move.
+            point.set("verified", json!(moved));
+        }
     }
     Ok(point)
 }
@@ -353,6 +367,8 @@ fn throughput(
     let default_moves = super::default_moves(size, a.touch || backend == Backend::NetTls);
     let moves = a.moves.unwrap_or(default_moves).max(window);
     let mut rates = Vec::with_capacity(runs);
+    // Time of the recorded runs (one way: the baseline runs about as long).
+    let mut measured = 0.0;
     for run in 0..=runs {
         let (mut sent, mut done, mut inflight) = (0usize, 0usize, 0usize);
         let t0 = Instant::now();
@@ -389,16 +405,25 @@ fn throughput(
         }
         let secs = t0.elapsed().as_secs_f64();
         if run > 0 {
-            rates.push(moves as f64 / secs / 1e6);
+            measured += secs;
+            rates.push(if a.one_way { (moves * size) as f64 / secs / 1e9 } else { moves as f64 / secs / 1e6 });
         }
         if run > 0 {
             ctx.progress.inc(1);
         }
     }
     let summary = Summary::of(&rates).ok_or_else(|| CliError::Failed("no samples".into()))?;
-    let gbit = round(summary.median * 1e6 * size as f64 * 8.0 / 1e9);
-    let extra = json!({ "inflight": window, "moves_per_run": moves, "gbit_s_median": gbit });
-    let point = Point::new(head(ctx, backend, size, runs, "Mops/s"), summary, user_copies(backend), extra);
+    let (unit, gbit) = if a.one_way {
+        ("GB/s", round(summary.median * 8.0))
+    } else {
+        ("Mops/s", round(summary.median * 1e6 * size as f64 * 8.0 / 1e9))
+    };
+    let mut extra = json!({ "inflight": window, "moves_per_run": moves, "gbit_s_median": gbit });
+    if a.one_way {
+        extra["variant"] = json!("one-way");
+        extra["seconds"] = json!(round(measured));
+    }
+    let point = Point::new(head(ctx, backend, size, runs, unit), summary, user_copies(backend), extra);
     Ok((point, ((runs + 1) * moves) as u64))
 }
 

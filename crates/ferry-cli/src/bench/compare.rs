@@ -5,7 +5,7 @@
 
 use serde_json::json;
 
-use super::{peers, Backend, Ctx, Experiment, Point};
+use super::{iperf3, peers, Backend, Ctx, Experiment, Point};
 use crate::stats::round;
 use crate::CliError;
 
@@ -17,6 +17,8 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
         Experiment::Rtt => {
             &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2, Backend::Eventfd]
         }
+        // One way: the peers' throughput echoes every payload back; iperf3 sends one way.
+        Experiment::Throughput if a.one_way => &[Backend::Iperf3],
         Experiment::Throughput => {
             &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2, Backend::RustlsStream]
         }
@@ -32,6 +34,19 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
     if !a.against.is_empty() {
         let mut v = Vec::new();
         for &b in &a.against {
+            if b == Backend::Iperf3 && a.experiment == Experiment::Throughput {
+                if !a.one_way {
+                    return Err(CliError::Usage(
+                        "--against iperf3: iperf3 sends one way; add --one-way so that Ferry's sink gives the buffers back unfilled too".into(),
+                    ));
+                }
+                if a.backend() != Backend::Net {
+                    return Err(CliError::Usage(format!(
+                        "--against iperf3: TCP is compared with TCP; give --backend net instead of {}",
+                        a.backend().name()
+                    )));
+                }
+            }
             if !applies.contains(&b) {
                 let names: Vec<&str> = applies.iter().map(|b| b.name()).collect();
                 return Err(CliError::Usage(format!(
@@ -41,8 +56,11 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
                     names.join(", ")
                 )));
             }
-            if a.experiment != Experiment::Pipeline && b != Backend::RustlsStream {
-                peers::check(b)?;
+            match b {
+                Backend::Iperf3 => iperf3::check()?,
+                Backend::RustlsStream => {}
+                _ if a.experiment == Experiment::Pipeline => {}
+                _ => peers::check(b)?,
             }
             if !v.contains(&b) {
                 v.push(b);
@@ -59,6 +77,16 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
     };
     let mut v = Vec::new();
     for &b in defaults {
+        // iperf3 runs TCP: compared with Ferry's TCP backend, when installed.
+        if b == Backend::Iperf3 {
+            if a.backend() == Backend::Net {
+                match iperf3::check() {
+                    Ok(()) => v.push(b),
+                    Err(e) => eprintln!("ferry bench: {e}; left out of the comparison"),
+                }
+            }
+            continue;
+        }
         // Only TLS is compared with TLS (measured by this command).
         if b == Backend::RustlsStream {
             if a.backend() == Backend::NetTls {

@@ -29,6 +29,7 @@ pub mod compare;
 pub mod demux;
 pub mod fanin;
 pub mod fbufs;
+pub mod iperf3;
 pub mod layers;
 pub mod peers;
 pub mod pipeline;
@@ -202,6 +203,9 @@ pub enum Backend {
     /// Floor: raw eventfd ping-pong (blocking) or a shared cache-line ping-pong (--busy-poll),
     /// no payload, rtt only (bench/peers).
     Eventfd,
+    /// Baseline: iperf3, one TCP stream one way over 127.0.0.1 with --size messages, run by
+    /// this command; throughput only (the baseline of --one-way --backend net).
+    Iperf3,
 }
 
 impl Backend {
@@ -219,6 +223,7 @@ impl Backend {
             Backend::PipeCopy => "pipe-copy",
             Backend::Iceoryx2 => "iceoryx2",
             Backend::Eventfd => "eventfd",
+            Backend::Iperf3 => "iperf3",
         }
     }
 
@@ -341,6 +346,12 @@ pub struct BenchArgs {
     /// see `Channel::set_batching`).
     #[arg(long)]
     pub no_batching: bool,
+    /// throughput: the echo gives every buffer back without its contents
+    /// (`Channel::pass_unfilled`), as a consumer that is done with the data does, so that over
+    /// TCP the payload travels one way, as iperf3's does; rates in GB/s. With --compare and
+    /// --backend net the baseline is iperf3.
+    #[arg(long)]
+    pub one_way: bool,
     /// One JSON object per measured point on stdout.
     #[arg(long)]
     pub json: bool,
@@ -549,6 +560,19 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
         )));
     }
     only("--moves", a.moves.is_some(), exp == Experiment::Throughput, "throughput")?;
+    only("--one-way", a.one_way, exp == Experiment::Throughput, "throughput")?;
+    if a.one_way && !backend.is_ferry() {
+        return Err(usage(format!(
+            "--one-way: {} is not one of Ferry's backends (its sink decides what goes back); give --backend local, shm, net or net-tls",
+            backend.name()
+        )));
+    }
+    if backend == Backend::Iperf3 && exp != Experiment::Throughput {
+        return Err(usage(format!(
+            "--backend iperf3: one TCP stream one way; use it with throughput, not {}",
+            exp.name()
+        )));
+    }
     let windowed = matches!(
         exp,
         Experiment::Throughput | Experiment::Pipeline | Experiment::Fanin | Experiment::Demux | Experiment::Chain
@@ -758,6 +782,9 @@ mod tests {
             &["layers", "--busy-poll"],
             &["throughput", "--backend", "net-tls", "--peer", "tcp:127.0.0.1:1"],
             &["throughput", "--compare", "--against", "rustls-stream", "--backend", "rustls-stream"],
+            &["rtt", "--one-way"],
+            &["throughput", "--backend", "uds-copy", "--one-way"],
+            &["rtt", "--backend", "iperf3"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }
@@ -778,6 +805,9 @@ mod tests {
             &["layers", "--size", "1048576", "--rounds", "3"],
             &["throughput", "--backend", "net-tls", "--compare", "--size", "1048576"],
             &["throughput", "--backend", "rustls-stream", "--size", "65536"],
+            &["throughput", "--backend", "net", "--one-way", "--compare", "--against", "iperf3"],
+            &["throughput", "--backend", "shm", "--one-way"],
+            &["throughput", "--backend", "iperf3", "--size", "65536"],
         ] {
             assert!(check(good).is_ok(), "{good:?} refused");
         }

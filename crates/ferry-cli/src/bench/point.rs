@@ -137,8 +137,10 @@ impl Point {
         let gbit = self.num("gbit_s_median").map_or(String::new(), |g| format!(", {g} Gbit/s{note}"));
         let n = self.num("samples").unwrap_or(0.0);
         let asym = self.num("asymptotic_gbit_s").map_or(String::new(), |g| format!(", asymptotic {g} Gbit/s"));
+        let verified =
+            self.num("verified").map_or(String::new(), |v| format!(", {v} payloads verified by the receiver"));
         format!(
-            "{what}: median {m:>9.3} {} (p5 {p5:.3}, p95 {p95:.3}, p99 {p99:.3}; {n} sample{}){gbit}{asym}",
+            "{what}: median {m:>9.3} {} (p5 {p5:.3}, p95 {p95:.3}, p99 {p99:.3}; {n} sample{}){gbit}{asym}{verified}",
             self.unit_text(),
             if n == 1.0 { "" } else { "s" }
         )

@@ -47,6 +47,18 @@ pub struct EchoSpec {
     pub touch: bool,
     /// Both ends publish messages in batches (`Channel::set_batching`).
     pub batch: bool,
+    /// The standard echo passes every buffer back without its contents
+    /// (`Channel::pass_unfilled`): the payload travels one way.
+    pub unfilled: bool,
+}
+
+impl EchoSpec {
+    /// The options of the standard echo. With `touch` the echo checks every
+    /// byte against the sender's pattern, as the peers' echoes do (reading
+    /// alone would be less work than theirs).
+    fn echo_options(&self) -> EchoOptions {
+        EchoOptions { busy: self.busy, touch: false, verify: self.touch, batch: self.batch, unfilled: self.unfilled }
+    }
 }
 
 enum Echo {
@@ -172,12 +184,7 @@ pub fn connect(
                 pin::to_cpu(1);
                 let _keep = echo_domain;
                 match spec.role {
-                    // --touch: the echo checks every byte against the sender's pattern, as the
-                    // peers' echoes do (reading alone would be less work than theirs).
-                    EchoRole::Standard => echo::serve(
-                        &mut sink,
-                        EchoOptions { busy: spec.busy, touch: false, verify: spec.touch, batch: spec.batch },
-                    ),
+                    EchoRole::Standard => echo::serve(&mut sink, spec.echo_options()),
                     EchoRole::Fbufs => super::fbufs::serve(&mut sink, spec.busy),
                 }
             })
@@ -192,7 +199,10 @@ pub fn connect(
     let (ep, descriptor) = process_endpoint(backend, &name, peer, tls)?;
     let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
     if peer.is_some() {
-        let flags = if tls.is_default() { String::new() } else { format!(" {}", tls.forward().join(" ")) };
+        let mut flags = if tls.is_default() { String::new() } else { format!(" {}", tls.forward().join(" ")) };
+        if spec.unfilled {
+            flags.push_str(" --unfilled");
+        }
         eprintln!(
             "ferry bench: waiting up to {} s for the echo: start `ferry echo --endpoint {descriptor}{flags}`",
             BY_HAND.as_secs()
@@ -224,6 +234,9 @@ pub fn connect(
     }
     if spec.batch && spec.role == EchoRole::Standard {
         args.push("--batch".into());
+    }
+    if spec.unfilled && spec.role == EchoRole::Standard {
+        args.push("--unfilled".into());
     }
     let mut child = spawn_self(&args)?;
     let alive = |c: &mut Child| match c.try_wait() {
@@ -258,10 +271,7 @@ fn connect_tls(domain: Domain, setup: ChannelSetup, spec: EchoSpec) -> Result<Ri
             let ep = Endpoint::tcp_with(addr, options);
             let mut sink = Channel::bind(&echo_domain, &ep, BindParams::default()).map_err(|e| e.to_string())?;
             match spec.role {
-                EchoRole::Standard => echo::serve(
-                    &mut sink,
-                    EchoOptions { busy: spec.busy, touch: false, verify: spec.touch, batch: spec.batch },
-                ),
+                EchoRole::Standard => echo::serve(&mut sink, spec.echo_options()),
                 EchoRole::Fbufs => super::fbufs::serve(&mut sink, spec.busy),
             }
         })

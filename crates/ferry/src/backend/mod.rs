@@ -195,7 +195,8 @@ pub struct LinkStats {
     pub payload_staged: u64,
     /// `sendmsg` calls that sent something.
     pub send_calls: u64,
-    /// `recvmsg` calls that received something.
+    /// `recvmsg` calls that received something (a look at what the socket
+    /// holds, before a run of frames is read at once, counts as one).
     pub recv_calls: u64,
 }
 

@@ -34,6 +34,20 @@ pub struct Head {
     pub pool: u128,
 }
 
+/// One frame as it goes on the wire: one argument per header field, in
+/// wire order.
+#[allow(clippy::too_many_arguments)]
+pub fn frame_bytes(kind: u8, flags: u8, index: u32, aux: u64, pool: u128, meta: &[u8], payload: &[u8]) -> Vec<u8> {
+    let mut f = vec![kind, flags];
+    f.extend_from_slice(&(meta.len() as u16).to_le_bytes());
+    f.extend_from_slice(&index.to_le_bytes());
+    f.extend_from_slice(&aux.to_le_bytes());
+    f.extend_from_slice(&pool.to_le_bytes());
+    f.extend_from_slice(meta);
+    f.extend_from_slice(payload);
+    f
+}
+
 /// A connected raw peer.
 pub struct RawPeer {
     /// The connection.
@@ -66,15 +80,14 @@ impl RawPeer {
     /// Send one frame: one argument per header field, in wire order.
     #[allow(clippy::too_many_arguments)]
     pub fn frame(&mut self, kind: u8, flags: u8, index: u32, aux: u64, pool: u128, meta: &[u8], payload: &[u8]) {
-        let mut f = vec![kind, flags];
-        f.extend_from_slice(&(meta.len() as u16).to_le_bytes());
-        f.extend_from_slice(&index.to_le_bytes());
-        f.extend_from_slice(&aux.to_le_bytes());
-        f.extend_from_slice(&pool.to_le_bytes());
-        f.extend_from_slice(meta);
-        f.extend_from_slice(payload);
+        let f = frame_bytes(kind, flags, index, aux, pool, meta, payload);
+        self.send(&f);
+    }
+
+    /// Send bytes as they are (e.g. several frames at once, in one write).
+    pub fn send(&mut self, bytes: &[u8]) {
         // The victim may close as soon as it has seen enough.
-        let _ = self.s.write_all(&f);
+        let _ = self.s.write_all(bytes);
     }
 
     /// Read the next frame, its meta and payload (skipped).
