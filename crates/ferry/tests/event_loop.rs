@@ -977,7 +977,7 @@ fn room(kind: Kind, depth: u32, size: usize) {
             // find room again when it arms: fill again until it asks for
             // room and stays quiet. Local and shm never find room alone.
             let end = Instant::now() + T;
-            while !(tx.arm() && !readable(tx.as_fd(), Duration::ZERO)) {
+            while !tx.arm() || readable(tx.as_fd(), Duration::ZERO) {
                 assert!(
                     kind == Kind::Tcp && Instant::now() < end,
                     "round {round}: a full queue arms (asking for room) and stays quiet while the consumer takes nothing"
