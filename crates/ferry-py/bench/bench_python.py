@@ -254,50 +254,78 @@ def iceoryx2_throughput(n):
     return n * MIB / elapsed
 
 
+def spread(values):
+    """Median and range of one figure over the rounds."""
+    return statistics.median(values), min(values), max(values)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a smoke run: few runs and few arrays")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: one round, few runs and few arrays")
+    ap.add_argument("--rounds", type=int, default=3, metavar="N",
+                    help="alternated rounds of every experiment; figures are medians over them (default 3)")
     ap.add_argument("--json", metavar="FILE", help="append the results to FILE as JSON lines (scripts/bench-report)")
     args = ap.parse_args()
     runs, arrays = (3, 300) if args.quick else (50, 5000)
+    rounds = 1 if args.quick else max(1, args.rounds)
 
-    py_rtt = python_rtt(runs)
-    rs_rtt = rust_rtt(runs)
-    rates = {
-        "Ferry (shm)": ferry_throughput(arrays),
-        "multiprocessing.Pipe": pipe_throughput(arrays),
-        "shared_memory + Queue": shm_throughput(arrays),
-        "iceoryx2 (PyPI)": iceoryx2_throughput(arrays),
+    # Each round runs every experiment once, in the same order, so a slow
+    # spell of the machine hits all of them alike rather than one.
+    throughputs = {
+        "Ferry (shm)": ferry_throughput,
+        "multiprocessing.Pipe": pipe_throughput,
+        "shared_memory + Queue": shm_throughput,
+        "iceoryx2 (PyPI)": iceoryx2_throughput,
     }
-    print(f"Ferry from Python ({'quick smoke run' if args.quick else 'full run'}), Python {sys.version.split()[0]}")
+    rtts = {"python": [], "rust": []}
+    rates = {who: [] for who in throughputs}
+    for _ in range(rounds):
+        rtts["python"].append(python_rtt(runs))
+        rtts["rust"].append(rust_rtt(runs))
+        for who, measure in throughputs.items():
+            rates[who].append(measure(arrays))
+
+    def cell(values, scale=1.0):
+        med, lo, hi = spread([v * scale for v in values])
+        return f"{med:.2f}" if rounds == 1 else f"{med:.2f} ({lo:.2f}–{hi:.2f})"
+
+    what = "quick smoke run" if args.quick else f"{rounds} alternated rounds, median (range)"
+    print(f"Ferry from Python ({what}), Python {sys.version.split()[0]}")
     print()
     print("| 4 KiB move + pass round trip, shared memory | median µs |")
     print("|---|---:|")
-    print(f"| Python → `ferry echo --busy-poll` | {py_rtt:.2f} |")
-    print(f"| Rust (`ferry bench rtt --backend shm`) | {rs_rtt:.2f} |")
-    print(f"| Python / Rust | {py_rtt / rs_rtt:.2f}× (goal: ≤ 3×) |")
+    print(f"| Python → `ferry echo --busy-poll` | {cell(rtts['python'])} |")
+    print(f"| Rust (`ferry bench rtt --backend shm`) | {cell(rtts['rust'])} |")
+    per_round = [p / r for p, r in zip(rtts["python"], rtts["rust"])]
+    print(f"| Python / Rust | {cell(per_round)}× |")
     print()
     print(f"| 1 MiB numpy arrays, two Python processes ({arrays} arrays) | GB/s | Ferry is |")
     print("|---|---:|---:|")
-    ferry_rate = rates["Ferry (shm)"]
-    for what, rate in rates.items():
-        if isinstance(rate, str):
-            print(f"| {what} | {rate} | — |")
+    ferry_rates = rates["Ferry (shm)"]
+    for who, values in rates.items():
+        missing = next((v for v in values if isinstance(v, str)), None)
+        if missing is not None:
+            print(f"| {who} | {missing} | — |")
             continue
-        ratio = "—" if what.startswith("Ferry") else f"{ferry_rate / rate:.1f}× faster"
-        print(f"| {what} | {rate / 1e9:.2f} | {ratio} |")
+        if who.startswith("Ferry"):
+            ratio = "—"
+        else:
+            ratio = f"{statistics.median(f / v for f, v in zip(ferry_rates, values)):.1f}× faster"
+        print(f"| {who} | {cell(values, 1e-9)} | {ratio} |")
     if args.json:
         with open(args.json, "a") as out:
-            for who, median in (("python", py_rtt), ("rust", rs_rtt)):
-                out.write(json.dumps({"kind": "rtt", "who": who, "size": 4096, "median": median, "unit": "us",
-                                      "runs": runs, "quick": args.quick}) + "\n")
-            for who, rate in rates.items():
-                point = {"kind": "throughput", "who": who, "size": MIB, "arrays": arrays, "quick": args.quick}
-                if isinstance(rate, str):
-                    point["missing"] = rate
-                else:
-                    point["gb_s"] = rate / 1e9
-                out.write(json.dumps(point) + "\n")
+            for r in range(rounds):
+                for who in ("python", "rust"):
+                    out.write(json.dumps({"kind": "rtt", "who": who, "size": 4096, "median": rtts[who][r], "unit": "us",
+                                          "runs": runs, "round": r + 1, "quick": args.quick}) + "\n")
+                for who, values in rates.items():
+                    point = {"kind": "throughput", "who": who, "size": MIB, "arrays": arrays, "round": r + 1,
+                             "quick": args.quick}
+                    if isinstance(values[r], str):
+                        point["missing"] = values[r]
+                    else:
+                        point["gb_s"] = values[r] / 1e9
+                    out.write(json.dumps(point) + "\n")
 
 
 if __name__ == "__main__":
