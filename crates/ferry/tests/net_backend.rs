@@ -162,9 +162,7 @@ fn payload_less_frames_share_a_receive_call() {
     let d = Domain::new("source");
     let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
     let (ready, moved) = std::sync::mpsc::channel();
-    let peer = std::thread::spawn(move || {
-        let mut p = RawPeer::bind(addr);
-        let (pool, _) = p.accept_pool();
+    let peer = RawPeer::spawn_with_pool(addr, move |p, pool, _| {
         let mut got = Vec::new();
         while got.len() < N as usize {
             let h = p.next_frame();
@@ -214,9 +212,7 @@ fn frames_read_ahead_keep_the_channel_awake() {
     let d = Domain::new("source");
     let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
     let (ready, moved) = std::sync::mpsc::channel();
-    let peer = std::thread::spawn(move || {
-        let mut p = RawPeer::bind(addr);
-        let (pool, _) = p.accept_pool();
+    let peer = RawPeer::spawn_with_pool(addr, move |p, pool, _| {
         let mut got = Vec::new();
         while got.len() < 3 {
             let h = p.next_frame();
@@ -261,9 +257,7 @@ fn frames_read_ahead_keep_the_channel_awake() {
 fn frames_read_ahead_are_gated_in_order() {
     let d = Domain::new("victim");
     let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
-    let peer = std::thread::spawn(move || {
-        let mut p = RawPeer::bind(addr);
-        let (pool, size) = p.accept_pool();
+    let peer = RawPeer::spawn_with_pool(addr, move |p, pool, size| {
         let mut got = Vec::new();
         while got.len() < 2 {
             let h = p.next_frame();
@@ -411,13 +405,10 @@ fn hostile_frames_are_protocol_errors() {
     for (what, attack) in attacks {
         let d = Domain::new("victim");
         let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
-        let peer = std::thread::spawn(move || {
-            let mut p = RawPeer::bind(addr);
-            let (pool, size) = p.accept_pool();
-            attack(&mut p, pool, size);
+        let peer = RawPeer::spawn_with_pool(addr, move |p, pool, size| {
+            attack(p, pool, size);
             // Stay until the victim hangs up.
-            let mut sink = [0u8; 4096];
-            while matches!(p.s.read(&mut sink), Ok(n) if n > 0) {}
+            p.drain();
         });
         assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
         let alloc = Allocator::new(&d, 2, 4096, PoolConstraints::default()).unwrap();
@@ -445,13 +436,10 @@ fn pass_of_a_buffer_a_local_neighbour_owns_is_refused() {
     let d = Domain::new("victim");
     let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
     let (go, wait_go) = std::sync::mpsc::channel::<()>();
-    let peer = std::thread::spawn(move || {
-        let mut p = RawPeer::bind(addr);
-        let (pool, size) = p.accept_pool();
+    let peer = RawPeer::spawn_with_pool(addr, move |p, pool, size| {
         wait_go.recv().unwrap();
         p.frame(3, 2, 0, size as u64, pool, &[], &vec![0xee; size]);
-        let mut sink = [0u8; 4096];
-        while matches!(p.s.read(&mut sink), Ok(n) if n > 0) {}
+        p.drain();
     });
     assert!(matches!(next(&mut ch), Event::BindRequest { .. }));
     let alloc = Allocator::new(&d, 2, 4096, PoolConstraints::default()).unwrap();
@@ -579,9 +567,7 @@ fn a_protocol_error_ends_the_connection_at_once() {
     let d = Domain::new("victim");
     let (mut ch, addr) = listen(&d, loopback(), TrustLevel::Full, NetOptions::default());
     let (sent, wait_sent) = std::sync::mpsc::channel();
-    let peer = std::thread::spawn(move || {
-        let mut p = RawPeer::bind(addr);
-        let (pool, _) = p.accept_pool();
+    let peer = RawPeer::spawn_with_pool(addr, move |p, pool, _| {
         p.frame(42, 0, 0, 0, pool, &[], &[]);
         sent.send(()).unwrap();
         // Well within the victim's peer timeout (10 s): only an end that

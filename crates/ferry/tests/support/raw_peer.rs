@@ -121,6 +121,20 @@ impl RawPeer {
         }
     }
 
+    /// On a thread of its own: connect and bind to `addr`, accept the
+    /// first pool the victim assigns, then run `body` with the peer, the
+    /// pool and its buffer size. The hostile tests' common opening.
+    pub fn spawn_with_pool<T: Send + 'static>(
+        addr: SocketAddr,
+        body: impl FnOnce(&mut RawPeer, u128, usize) -> T + Send + 'static,
+    ) -> std::thread::JoinHandle<T> {
+        std::thread::spawn(move || {
+            let mut peer = RawPeer::bind(addr);
+            let (pool, size) = peer.accept_pool();
+            body(&mut peer, pool, size)
+        })
+    }
+
     /// Read until the victim hangs up.
     pub fn drain(&mut self) {
         let mut sink = [0u8; 4096];
