@@ -244,7 +244,7 @@ def load(dirpath):
     profiles = defaultdict(lambda: defaultdict(dict))
     for name in sorted(os.listdir(dirpath)):
         m = re.match(r"(.+)\.([a-z])\.(\d+)$", name)
-        if not m:
+        if not m or m.group(1).endswith("-atomics"):
             continue
         p = Profile(os.path.join(dirpath, name))
         words = p.cmd.split()
@@ -287,9 +287,95 @@ def solve(case, runs, empty_from=None, view="by_layer"):
         (la, sa), (lb, sb) = layers["a"][role], layers["b"][role]
         de = empties["b"][role] - empties["a"][role]
         per[role] = {k: (lb.get(k, 0) - la.get(k, 0) - de * e.get(k, 0.0)) / dn for k in set(la) | set(lb) | set(e)}
-        sysper[role] = sum(sb.values()) - sum(sa.values()) - de * sum(esys.values())
+        # System calls of the layers (the harness's clock reads are system
+        # calls under valgrind, which has no vDSO).
+        sysper[role] = sum(v for k, v in sb.items() if k != "harness") - sum(v for k, v in sa.items() if k != "harness")
+        sysper[role] -= de * sum(v for k, v in esys.items() if k != "harness")
         sysper[role] /= dn
+        # How much of the difference was empty polls: the part that rests on
+        # the price of one empty poll (a poll during setup may cost a little
+        # more or less than one later), so a bound on the error.
+        per[role]["(empty polls taken out)"] = de * sum(v for k, v in e.items() if k != "harness") / dn
     return per, sysper, e, esys, empties
+
+
+def atomic_addresses(binary):
+    """Addresses of the locked read-modify-write instructions (x86 `lock`
+    prefix, and `xchg` with memory, locked by definition) of `binary`."""
+    import subprocess
+
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", binary], capture_output=True, text=True).stdout
+    rx = re.compile(r"^\s+([0-9a-f]+):\s+(lock |xchg)")
+    return {int(m.group(1), 16) for m in map(rx.match, text.splitlines()) if m}
+
+
+def atomics_per_function(path, addresses):
+    """Executions of the given instructions per function, from a profile
+    made with --dump-instr=yes (positions: instr line)."""
+    names = {}
+    fn = None
+    res = defaultdict(int)
+    pending = False
+    last = 0
+    with open(path, errors="replace") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not line:
+                continue
+            if line.startswith("0x") or line[0] in "+-*":
+                parts = line.split()
+                pos = parts[0]
+                if pos.startswith("0x"):
+                    last = int(pos, 16)
+                elif pos[0] == "+":
+                    last += int(pos[1:])
+                elif pos[0] == "-":
+                    last -= int(pos[1:])
+                if pending:
+                    pending = False
+                elif last in addresses and len(parts) > 2:
+                    res[fn] += int(parts[2])
+                continue
+            key, _, val = line.partition("=")
+            if key in ("fn", "cfn"):
+                m = re.match(r"\((\d+)\)(?: (.*))?$", val)
+                if m and m.group(2) is not None:
+                    names[m.group(1)] = m.group(2)
+                if key == "fn":
+                    fn = names.get(m.group(1)) if m else val
+            elif key == "calls":
+                pending = True
+    return res
+
+
+def print_atomics(d, cases):
+    """Locked read-modify-writes per message (runs b - a of the `atomics`
+    profiles; the empty polls of either system have none)."""
+    for name, case in cases.items():
+        runs = case.get("atomics")
+        if not runs:
+            continue
+        per_run = defaultdict(dict)
+        for f in sorted(os.listdir(d)):
+            m = re.match(re.escape(name) + r"-atomics\.([ab])\.(\d+)$", f)
+            if not m:
+                continue
+            path = os.path.join(d, f)
+            with open(path, errors="replace") as fh:
+                cmd = next((l[4:].split() for l in fh if l.startswith("cmd:")), [])
+            role = "echo" if len(cmd) > 1 and cmd[1] == "echo" else "source"
+            per_run[m.group(1)][role] = atomics_per_function(path, atomic_addresses(cmd[0]))
+        if set(per_run) != {"a", "b"}:
+            continue
+        dn = runs["b"] - runs["a"]
+        print(f"\n== {case['label']}: locked read-modify-writes per {case['unit']}")
+        for role in ("source", "echo"):
+            a, b = per_run["a"].get(role, {}), per_run["b"].get(role, {})
+            rows = [((b.get(k, 0) - a.get(k, 0)) / dn, k) for k in set(a) | set(b)]
+            rows = sorted((r for r in rows if r[0] >= 0.05), reverse=True)
+            print(f"   {role}: {sum(r[0] for r in rows):.1f}")
+            for v, k in rows:
+                print(f"     {v:5.1f}  {k[:110]}")
 
 
 def main():
@@ -326,8 +412,9 @@ def main():
             "empty_poll_total": round(sum(v for k, v in e.items() if k != "harness"), 1),
             "per_message": {k: {r: round(per[r].get(k, 0)) for r in per} for k in keys},
             "total_without_harness": {
-                r: round(sum(v for k, v in per[r].items() if k != "harness")) for r in per
+                r: round(sum(v for k, v in per[r].items() if k not in ("harness", "(empty polls taken out)"))) for r in per
             },
+            "empty_polls_taken_out": {r: round(per[r]["(empty polls taken out)"]) for r in per},
             "syscalls_per_message": {r: round(sysper[r], 3) for r in sysper},
         }
         out[name] = res
@@ -340,6 +427,7 @@ def main():
                 rows = sorted(((v, k) for k, v in fper[role].items() if v >= functions), reverse=True)
                 for v, k in rows:
                     print(f"     {role:<7}{v:>7.0f}  {k[:120]}")
+    print_atomics(d, cases)
     with open(os.path.join(d, "summary.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"\n(written: {os.path.join(d, 'summary.json')})")
@@ -355,8 +443,10 @@ def print_case(res, keys):
     t = res["total_without_harness"]
     print(f"   {'total, no harness':<22}{t['source']:>10}{t['echo']:>10}{t['source'] + t['echo']:>10}")
     s = res["syscalls_per_message"]
-    print(f"   syscalls per {unit}: source {s['source']}, echo {s['echo']}")
+    print(f"   system calls per {unit} (no harness): source {s['source']}, echo {s['echo']}")
     print(f"   one empty poll: {res['empty_poll_total']} instructions (harness loop excluded)")
+    x = res["empty_polls_taken_out"]
+    print(f"   empty polls taken out per {unit}: source {x['source']}, echo {x['echo']}")
     print(f"   messages per run: {res['messages']}; empty polls: {res['empty_polls']}")
 
 
