@@ -244,7 +244,7 @@ def load(dirpath):
     profiles = defaultdict(lambda: defaultdict(dict))
     for name in sorted(os.listdir(dirpath)):
         m = re.match(r"(.+)\.([a-z])\.(\d+)$", name)
-        if not m or m.group(1).endswith("-atomics"):
+        if not m or m.group(1).endswith(("-atomics", "-floor")):
             continue
         p = Profile(os.path.join(dirpath, name))
         words = p.cmd.split()
@@ -378,6 +378,75 @@ def print_atomics(d, cases):
                 print(f"     {v:5.1f}  {k[:110]}")
 
 
+def straight_line(path, file_part):
+    """Ir per instruction address of the lines of files containing
+    `file_part`, from a profile made with --dump-instr=yes."""
+    names = {}
+    fl = fi = None
+    res = defaultdict(int)
+    pending = False
+    last = 0
+    with open(path, errors="replace") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not line:
+                continue
+            if line.startswith("0x") or line[0] in "+-*":
+                parts = line.split()
+                pos = parts[0]
+                if pos.startswith("0x"):
+                    last = int(pos, 16)
+                elif pos[0] == "+":
+                    last += int(pos[1:])
+                elif pos[0] == "-":
+                    last -= int(pos[1:])
+                if pending:
+                    pending = False
+                elif file_part in (fi or fl or "") and len(parts) > 2:
+                    res[last] += int(parts[2])
+                continue
+            key, _, val = line.partition("=")
+            if key in ("fl", "fi", "fe", "cfi", "cfl"):
+                m = re.match(r"\((\d+)\)(?: (.*))?$", val)
+                if m and m.group(2) is not None:
+                    names[m.group(1)] = m.group(2)
+                name = names.get(m.group(1)) if m else val
+                if key == "fl":
+                    fl, fi = name, None
+                elif key in ("fi", "fe"):
+                    fi = None if name == fl else name
+            elif key == "calls":
+                pending = True
+    return res
+
+
+def print_floor(d, cases):
+    """The floor's instructions per round trip: each instruction of its
+    ping-pong (the lines of `file`) counted once per round trip at most,
+    that is the spin loops as if they found the line at the first look."""
+    for name, case in cases.items():
+        if "floor_file" not in case:
+            continue
+        per_run = defaultdict(dict)
+        for f in sorted(os.listdir(d)):
+            m = re.match(re.escape(name) + r"\.([ab])\.(\d+)$", f)
+            if not m:
+                continue
+            path = os.path.join(d, f)
+            with open(path, errors="replace") as fh:
+                cmd = next((l[4:].split() for l in fh if l.startswith("cmd:")), [])
+            role = "echo" if len(cmd) > 1 and cmd[1] == "echo" else "source"
+            per_run[m.group(1)][role] = straight_line(path, case["floor_file"])
+        if set(per_run) != {"a", "b"}:
+            continue
+        dn = case["runs"]["b"]["messages"] - case["runs"]["a"]["messages"]
+        print(f"\n== {case['label']}: instructions per {case['unit']}, each spin loop once")
+        for role in ("source", "echo"):
+            a, b = per_run["a"].get(role, {}), per_run["b"].get(role, {})
+            n = sum(max(0.0, min((b.get(k, 0) - a.get(k, 0)) / dn, 1.0)) for k in set(a) | set(b))
+            print(f"   {role}: {n:.0f}")
+
+
 def main():
     args = sys.argv[1:]
     functions = 0
@@ -394,6 +463,8 @@ def main():
     out = {}
     empty = {}
     for name, case in cases.items():
+        if "floor_file" in case:
+            continue
         runs = profiles.get(name, {})
         missing = [r for r in case["runs"] if set(runs.get(r, {})) != {"source", "echo"}]
         if missing:
@@ -424,10 +495,13 @@ def main():
             empty_fn[name] = (fe, {})
             print(f"   per function (>= {functions} instructions per {res['unit']}):")
             for role in ("source", "echo"):
-                rows = sorted(((v, k) for k, v in fper[role].items() if v >= functions), reverse=True)
+                rows = sorted(
+                    ((v, k) for k, v in fper[role].items() if v >= functions and not k.startswith("(")), reverse=True
+                )
                 for v, k in rows:
                     print(f"     {role:<7}{v:>7.0f}  {k[:120]}")
     print_atomics(d, cases)
+    print_floor(d, cases)
     with open(os.path.join(d, "summary.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"\n(written: {os.path.join(d, 'summary.json')})")
