@@ -449,8 +449,12 @@ mod tests {
         let t = T::try_parse_from(args.iter().chain(&["--inflight", "32", "--compare", "--rounds", "1"])).unwrap();
         let mut ctx = Ctx { args: &t.a, progress: Progress::hidden(), points: Vec::new() };
         run(&mut ctx).unwrap();
-        let got: Vec<(&str, Option<f64>)> = ctx.points.iter().map(|p| (p.backend(), p.num("samples"))).collect();
-        assert_eq!(got, [("net-tls", Some(1.0)), ("rustls-stream", Some(1.0))]);
+        let got: Vec<(&str, &str, Option<f64>)> =
+            ctx.points.iter().map(|p| (p.backend(), p.str("variant"), p.num("samples"))).collect();
+        assert_eq!(
+            got,
+            [("net-tls", "", Some(1.0)), ("rustls-stream", "", Some(1.0)), ("rustls-stream", "hot", Some(1.0))]
+        );
     }
 
     /// Each wait mode measures its own point, and the source comes back from

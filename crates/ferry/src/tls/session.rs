@@ -232,6 +232,10 @@ impl TlsSession {
             let mut input = &self.cipher[self.start..self.end];
             let taken = self.conn.read_tls(&mut input)?;
             self.start += taken;
+            // Ciphertext already waiting means the socket refused the
+            // last write (every write path tries until it does): the
+            // caller waits for writability before trying again.
+            let waiting = self.conn.wants_write();
             let state = match self.conn.process_new_packets() {
                 Ok(state) => state,
                 Err(e) => {
@@ -242,8 +246,13 @@ impl TlsSession {
             };
             self.plain = state.plaintext_bytes_to_read();
             self.peer_closed = state.peer_has_closed();
-            // Handshake answers (and key updates) go out at once.
-            self.flush(fd)?;
+            // Handshake answers (and key updates) go out at once, unless
+            // they queue behind ciphertext the full socket refused: another
+            // write now (once per record read, in a bulk transfer both
+            // ways) would only be refused again.
+            if !waiting {
+                self.flush(fd)?;
+            }
             if taken == 0 && self.plain == 0 && !self.peer_closed {
                 // rustls took nothing and gave nothing: a stream that
                 // cannot go on.
@@ -338,5 +347,64 @@ pub(crate) mod testing {
             std::thread::sleep(Duration::from_millis(1));
         }
         ((server, server_tls), (client, client_tls))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::os::fd::AsFd;
+    use std::time::{Duration, Instant};
+
+    use super::testing;
+    use crate::sys::{RecvPart, SendPart};
+
+    /// Reading records leaves ciphertext the socket refused to the
+    /// caller's next flush (which waits for writability): no write per
+    /// record read, each one refused while the socket stays full.
+    #[test]
+    fn reading_leaves_refused_ciphertext_to_the_next_flush() {
+        let ((server, mut server_tls), (client, mut client_tls)) = testing::pair(64 << 10);
+        // A small send buffer: the client's way out fills after a few
+        // records. (The server's receive buffer keeps its size: one that
+        // small drops segments, and the acknowledgements they carry.)
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size(client.as_fd(), 4096);
+        let chunk = vec![7u8; 16 << 10];
+        let mut queued = 0;
+        while client_tls.refused() == 0 && queued < 64 << 20 {
+            queued += client_tls.queue(client.as_fd(), &chunk).unwrap();
+        }
+        assert!(client_tls.refused() > 0, "the socket took {queued} bytes and never refused more");
+        let refused = client_tls.refused();
+        // The server sends 256 KiB (sixteen and more records); the client reads them all.
+        let data: Vec<u8> = (0..256 << 10).map(|i| (i % 251) as u8).collect();
+        let mut got = vec![0u8; data.len()];
+        let (mut sent, mut have) = (0, 0);
+        let until = Instant::now() + Duration::from_secs(10);
+        while have < got.len() {
+            assert!(Instant::now() < until, "only {have} of {} bytes arrived within 10 s", got.len());
+            if sent < data.len() {
+                match server_tls.send_parts(server.as_fd(), &[SendPart::slice(&data[sent..])]) {
+                    Ok(n) => sent += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => panic!("server: {e}"),
+                }
+            } else {
+                server_tls.flush(server.as_fd()).unwrap();
+            }
+            match client_tls.recv_parts(client.as_fd(), &mut [RecvPart::slice(&mut got[have..])]) {
+                Ok(0) => panic!("the server closed the connection"),
+                Ok(n) => have += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => panic!("client: {e}"),
+            }
+        }
+        assert!(got == data, "the bytes arrived changed");
+        assert!(client_tls.wants_write(), "reading wrote the refused ciphertext");
+        assert_eq!(client_tls.refused(), refused, "writes the full socket refused while reading");
+        // The next flush sends it, as far as the socket takes it.
+        let written = client_tls.written();
+        client_tls.flush(client.as_fd()).unwrap();
+        assert!(client_tls.written() > written || client_tls.refused() > refused, "the flush did not try the socket");
     }
 }
