@@ -1337,3 +1337,59 @@ fn a_copy_resent_without_payload_after_one_that_was_already_here() {
     let mut t = Triangle { a_b, b_a, b_c, c_b, a_c, c_a };
     copy_resent_after_a_discarded_one(&alloc, &mut t);
 }
+
+/// A channel woken by its own message, which it then reads itself, leaves
+/// no doorbell ringing: once `poll` has taken everything and says `None`,
+/// its fd is quiet (a rung doorbell would cost an eventfd write on the
+/// way in and a read at the next `arm`, and wake a `Selector` for
+/// nothing). Round trip after round trip, both ends.
+#[test]
+fn a_channel_that_reads_its_own_message_rings_no_doorbell() {
+    use std::os::fd::AsFd;
+    // Keep-alive timers far away: only the messages may wake a channel.
+    let (sa, sb) = session_pair(NetOptions::with_peer_timeout(Duration::from_secs(120)));
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let (mut txs, mut rxs) = open_channels(&sa, &sb, 1, &da, &db);
+    let (mut tx, mut rx) = (txs.pop().unwrap(), rxs.pop().unwrap());
+    rx.set_pool_policy(ferry::PoolPolicy::AcceptAll);
+    let alloc = Allocator::new(&da, 8, 4096, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    // Whatever setup left on both ends is taken before the round trips.
+    for ch in [&mut tx, &mut rx] {
+        while ch.poll().is_some() {}
+    }
+    /// Sleep on `ch`'s fd until it wakes, take its one event, and check
+    /// that the fd is quiet after `poll` said `None`.
+    fn take(ch: &mut Channel, who: &str, round: u64) -> Event {
+        assert!(ch.arm(), "{who}, round {round}: nothing should be due before the peer sends");
+        assert!(support::readable(ch.as_fd(), T), "{who}, round {round}: no wake-up");
+        let ev = ch.poll().unwrap_or_else(|| panic!("{who}, round {round}: woken for nothing"));
+        assert!(ch.poll().is_none(), "{who}, round {round}: one event at a time");
+        assert!(
+            !support::readable(ch.as_fd(), Duration::ZERO),
+            "{who}, round {round}: the fd stays readable after the channel read its own message (its doorbell rang)"
+        );
+        ev
+    }
+    for round in 0..20u64 {
+        let mut buf = alloc.alloc().unwrap();
+        fill(buf.as_mut_slice().unwrap(), round);
+        tx.move_buffer(buf, &round.to_le_bytes()).unwrap();
+        tx.flush().unwrap();
+        let buffer = match take(&mut rx, "receiver", round) {
+            Event::MoveReceived { buffer, meta } => {
+                assert_eq!(seq_of(&meta), round);
+                assert!(check(&buffer, round));
+                buffer
+            }
+            ev => panic!("receiver: unexpected {ev:?}"),
+        };
+        rx.pass(buffer, &round.to_le_bytes()).unwrap();
+        rx.flush().unwrap();
+        match take(&mut tx, "sender", round) {
+            Event::BufferPassed { buffer, .. } => drop(buffer),
+            ev => panic!("sender: unexpected {ev:?}"),
+        }
+    }
+    assert_eq!(alloc.available(), 8);
+}

@@ -98,6 +98,10 @@ impl Link for MuxLink {
             if chan.gate.is_none() {
                 chan.gate = gate.detach();
             }
+            // The channel is awake: what this poll lands for it, it takes
+            // itself, without ringing its own doorbell (an eventfd write
+            // now, a read at the next `arm` and a wake-up for nothing).
+            chan.armed = false;
         }
         let read = inner.pump_read(Some(id));
         let chan = inner.chans.get_mut(&id).ok_or(ErrorKind::PeerGone)?;
