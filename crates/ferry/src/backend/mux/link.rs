@@ -67,8 +67,13 @@ impl Link for MuxLink {
 
     fn room(&mut self) -> usize {
         let mut inner = self.session.lock();
-        let _ = inner.pump_write();
         let room = |inner: &Inner| inner.chans.get(&self.id).map_or(0, |c| c.depth.saturating_sub(c.outq.len()));
+        // An empty queue has all the room there is: nothing to write for it
+        // (the send that follows writes anyway).
+        if inner.chans.get(&self.id).is_some_and(|c| c.outq.is_empty()) {
+            return room(&inner);
+        }
+        let _ = inner.pump_write();
         if room(&inner) == 0 {
             // The queue may wait for the peer's read reports: read them
             // (a sender that never polls must not stall).
