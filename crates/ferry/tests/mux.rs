@@ -1393,3 +1393,44 @@ fn a_channel_that_reads_its_own_message_rings_no_doorbell() {
     }
     assert_eq!(alloc.available(), 8);
 }
+
+/// A channel armed and then polled again without arming (as a `Selector`
+/// spinning over every channel does) stays armed: when another channel of
+/// the session reads its message off the socket, its fd becomes readable
+/// (the socket, drained by the other channel, will not say so).
+#[test]
+fn a_channel_polled_after_arming_is_still_rung_by_another_channels_read() {
+    use std::os::fd::AsFd;
+    // Keep-alive timers far away: only the doorbell may wake the channel.
+    let (sa, sb) = session_pair(NetOptions::with_peer_timeout(Duration::from_secs(120)));
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let (mut txs, mut rxs) = open_channels(&sa, &sb, 2, &da, &db);
+    let (mut armed, mut other) = (rxs.remove(0), rxs.remove(0));
+    armed.set_pool_policy(ferry::PoolPolicy::AcceptAll);
+    let alloc = Allocator::new(&da, 4, 4096, PoolConstraints::default()).unwrap();
+    assign_pair(&mut txs[0], &mut armed, &alloc);
+    for ch in txs.iter_mut().chain([&mut armed, &mut other]) {
+        while ch.poll().is_some() {}
+    }
+    assert!(armed.arm(), "nothing should be due yet");
+    assert!(armed.poll().is_none());
+    let mut buf = alloc.alloc().unwrap();
+    fill(buf.as_mut_slice().unwrap(), 7);
+    txs[0].move_buffer(buf, &7u64.to_le_bytes()).unwrap();
+    txs[0].flush().unwrap();
+    // The other channel reads everything the sender's session wrote.
+    let deadline = Instant::now() + T;
+    while sb.stats().bytes_received < sa.stats().bytes_sent {
+        assert!(other.poll().is_none());
+        assert!(Instant::now() < deadline, "the move never arrived");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(support::readable(armed.as_fd(), T), "the armed channel's fd stayed quiet although its message had come");
+    match armed.poll() {
+        Some(Event::MoveReceived { buffer, meta }) => {
+            assert_eq!(seq_of(&meta), 7);
+            assert!(check(&buffer, 7));
+        }
+        ev => panic!("unexpected {ev:?}"),
+    }
+}

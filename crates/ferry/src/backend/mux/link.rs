@@ -98,18 +98,20 @@ impl Link for MuxLink {
         let mut guard = self.session.lock();
         let inner = &mut *guard;
         let id = self.id;
-        {
+        let was_armed = {
             let chan = inner.chans.get_mut(&id).ok_or(ErrorKind::PeerGone)?;
             if chan.gate.is_none() {
                 chan.gate = gate.detach();
             }
-            // The channel is awake: what this poll lands for it, it takes
-            // itself, without ringing its own doorbell (an eventfd write
-            // now, a read at the next `arm` and a wake-up for nothing).
-            chan.armed = false;
-        }
+            // What this poll lands for the channel it takes itself: no
+            // ringing its own doorbell (an eventfd write now, a read at the
+            // next `arm`, and a wake-up for nothing). Still armed after it,
+            // so that another channel's poll rings it as before.
+            std::mem::replace(&mut chan.armed, false)
+        };
         let read = inner.pump_read(Some(id));
         let chan = inner.chans.get_mut(&id).ok_or(ErrorKind::PeerGone)?;
+        chan.armed |= was_armed;
         if let Some((msg, landed)) = chan.inq.pop_front() {
             chan.consumed += 1;
             if landed {
