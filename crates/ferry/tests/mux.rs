@@ -1434,3 +1434,67 @@ fn a_channel_polled_after_arming_is_still_rung_by_another_channels_read() {
         ev => panic!("unexpected {ev:?}"),
     }
 }
+
+/// The credit a receiver gives back for the messages it took goes out
+/// with what it sends next (here its pass back), not in a write of its
+/// own: one system call and one wake-up of the peer per round trip, as on
+/// a connection of its own. A receiver that sends nothing still gives it
+/// back the next time it polls and finds nothing.
+#[test]
+fn credit_goes_out_with_the_next_write() {
+    // Depth 8: a grant every 2 messages taken.
+    let (sa, sb) = session_pair(NetOptions::with_peer_timeout(Duration::from_secs(120)));
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: 8, ..tx_setup() };
+    let mut tx = Channel::create(&da, &sa.endpoint(1), setup).unwrap();
+    let mut rx = Channel::bind(&db, &sb.endpoint(1), BindParams::default()).unwrap();
+    for ch in [&mut tx, &mut rx] {
+        ch.wait_connected(T).unwrap();
+    }
+    rx.set_pool_policy(ferry::PoolPolicy::AcceptAll);
+    let alloc = Allocator::new(&da, 8, 4096, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    for ch in [&mut tx, &mut rx] {
+        while ch.poll().is_some() {}
+    }
+    let mut kept = Vec::new();
+    let mut alone = 0;
+    for seq in 0..8u64 {
+        let mut buf = alloc.alloc().unwrap();
+        fill(buf.as_mut_slice().unwrap(), seq);
+        tx.move_buffer(buf, &seq.to_le_bytes()).unwrap();
+        tx.flush().unwrap();
+        // Polls that find nothing write nothing either (nothing is due).
+        let before = sb.stats().bytes_sent;
+        let deadline = Instant::now() + T;
+        let buffer = loop {
+            match rx.poll() {
+                Some(Event::MoveReceived { buffer, meta }) => {
+                    assert_eq!(seq_of(&meta), seq);
+                    break buffer;
+                }
+                Some(ev) => panic!("message {seq}: unexpected {ev:?}"),
+                None => {
+                    assert!(Instant::now() < deadline, "message {seq} never arrived");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        };
+        assert_eq!(sb.stats().bytes_sent, before, "message {seq}: taking it wrote a grant on its own");
+        if seq < 6 {
+            rx.pass(buffer, &seq.to_le_bytes()).unwrap();
+            assert!(sb.stats().bytes_sent > before, "message {seq}: the pass was not written");
+            match next(&mut tx) {
+                Event::BufferPassed { buffer, .. } => drop(buffer),
+                ev => panic!("unexpected {ev:?}"),
+            }
+        } else {
+            // Kept: the receiver sends nothing; its next empty poll writes.
+            kept.push(buffer);
+            assert!(rx.poll().is_none());
+            alone += sb.stats().bytes_sent - before;
+        }
+    }
+    assert_eq!(alone, 16, "the grant for the two kept messages, one frame on its own");
+    drop(kept);
+}

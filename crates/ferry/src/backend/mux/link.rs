@@ -125,9 +125,11 @@ impl Link for MuxLink {
                 chan.allowed += n;
                 // A session this cuts off reports it on the next call: the
                 // message taken here is the application's all the same.
-                if inner.queue_ctrl(K_CREDIT, id, Vec::new(), n as u32).is_ok() {
-                    let _ = inner.pump_write();
-                }
+                // The grant goes out with the next write: what the
+                // application sends now (a reply, say), or the write of
+                // its next poll that finds nothing, or of its `arm`. One
+                // system call and one wake-up of the peer, not two.
+                let _ = inner.queue_ctrl(K_CREDIT, id, Vec::new(), n as u32);
             }
             return Ok(Some(msg));
         }
