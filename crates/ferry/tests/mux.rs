@@ -1498,3 +1498,71 @@ fn credit_goes_out_with_the_next_write() {
     assert_eq!(alone, 16, "the grant for the two kept messages, one frame on its own");
     drop(kept);
 }
+
+/// A receiver that takes message after message and writes nothing (a sink
+/// that keeps what it gets) does not keep its credit back until it runs
+/// dry: a grant waits behind no other, so the peer is at most one grant
+/// short and keeps sending.
+#[test]
+fn a_receiver_that_never_writes_gives_credit_back_as_it_takes() {
+    const DEPTH: u64 = 8;
+    let (sa, sb) = session_pair(NetOptions::with_peer_timeout(Duration::from_secs(120)));
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: DEPTH as u32, ..tx_setup() };
+    let mut tx = Channel::create(&da, &sa.endpoint(1), setup).unwrap();
+    let mut rx = Channel::bind(&db, &sb.endpoint(1), BindParams::default()).unwrap();
+    for ch in [&mut tx, &mut rx] {
+        ch.wait_connected(T).unwrap();
+    }
+    rx.set_pool_policy(ferry::PoolPolicy::AcceptAll);
+    let alloc = Allocator::new(&da, DEPTH, 4096, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    for ch in [&mut tx, &mut rx] {
+        while ch.poll().is_some() {}
+    }
+    // All the sender's credit on the wire at once.
+    for seq in 0..DEPTH {
+        let mut buf = alloc.alloc().unwrap();
+        fill(buf.as_mut_slice().unwrap(), seq);
+        tx.move_buffer(buf, &seq.to_le_bytes()).unwrap();
+    }
+    tx.flush().unwrap();
+    let before = sb.stats().bytes_sent;
+    let mut kept = Vec::new();
+    let deadline = Instant::now() + T;
+    // The channel's setup took some of the first credit: six are surely
+    // on the wire.
+    while kept.len() < 6 {
+        match rx.poll() {
+            Some(Event::MoveReceived { buffer, meta }) => {
+                assert_eq!(seq_of(&meta), kept.len() as u64);
+                kept.push(buffer);
+            }
+            Some(ev) => panic!("unexpected {ev:?}"),
+            None => {
+                // Only before the first message: the sender wrote all of
+                // them at once, on loopback they are all there together.
+                assert!(kept.is_empty(), "the receiver ran dry after {} messages", kept.len());
+                assert!(Instant::now() < deadline, "no message within {T:?}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+    let granted = sb.stats().bytes_sent - before;
+    assert!(granted > 0, "the receiver took 6 messages and gave no credit back");
+    assert!(granted <= 2 * 16, "{granted} bytes of grants for 6 messages: not merged");
+    // The rest come with the credit (the sender's session writes when its
+    // channel is polled).
+    while kept.len() < DEPTH as usize {
+        assert!(tx.poll().is_none());
+        match rx.wait(Some(Duration::from_millis(5))) {
+            Ok(Event::MoveReceived { buffer, meta }) => {
+                assert_eq!(seq_of(&meta), kept.len() as u64);
+                kept.push(buffer);
+            }
+            Ok(ev) => panic!("unexpected {ev:?}"),
+            Err(_) => assert!(Instant::now() < deadline, "the last moves never came"),
+        }
+    }
+    drop(kept);
+}

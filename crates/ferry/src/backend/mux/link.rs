@@ -128,8 +128,14 @@ impl Link for MuxLink {
                 // The grant goes out with the next write: what the
                 // application sends now (a reply, say), or the write of
                 // its next poll that finds nothing, or of its `arm`. One
-                // system call and one wake-up of the peer, not two.
-                let _ = inner.queue_ctrl(K_CREDIT, id, Vec::new(), n as u32);
+                // system call and one wake-up of the peer, not two. But a
+                // grant waits behind no other: an application that takes
+                // message after message and writes nothing keeps its peer
+                // at most one grant short.
+                let waiting = inner.ctrl_waiting(K_CREDIT, id);
+                if inner.queue_ctrl(K_CREDIT, id, Vec::new(), n as u32).is_ok() && waiting {
+                    let _ = inner.pump_write();
+                }
             }
             return Ok(Some(msg));
         }

@@ -35,7 +35,8 @@
 //! takes messages (in grants of a quarter of the depth, written with the
 //! next frames that side sends: its reply, or the write of its next poll
 //! that finds nothing, so that a round trip costs the peer one wake-up,
-//! not two). Payload bytes need
+//! not two; a grant never waits behind another, so a receiver that only
+//! takes keeps its sender at most one grant short). Payload bytes need
 //! no credit: they land in the buffer the message names, memory the
 //! receiver has anyway. So what the receiver must hold for a channel that
 //! nobody reads is bounded (the depth in message headers), and it can
@@ -209,7 +210,8 @@
 //!   frame whole: headers, bodies, chunks). A receiver reports once it
 //!   has read [`READ_REPORT_EVERY`] bytes or more since its last report,
 //!   with the next frames it writes (at the latest when one of its
-//!   channels polls and finds nothing, or arms)
+//!   channels polls and finds nothing, or arms, or when the next report
+//!   comes due)
 //!   (without a body, at least one byte); reports never add up to more
 //!   than the bytes the peer wrote. A sender must not rely on a report
 //!   for fewer than [`READ_REPORT_EVERY`] bytes, so it never keeps less

@@ -383,6 +383,12 @@ impl Inner {
         Ok(())
     }
 
+    /// Whether a control frame of `kind` for `channel` waits for the
+    /// connection (a credit grant or read report not written yet).
+    pub(super) fn ctrl_waiting(&self, kind: u8, channel: u32) -> bool {
+        self.ctrl.iter().any(|f| f.head[0] == kind && f.head[4..8] == channel.to_le_bytes())
+    }
+
     /// Whether a control frame of `len` bytes that this side starts (an
     /// open) fits in the control limit now.
     pub(super) fn ctrl_room(&self, len: usize) -> bool {
