@@ -1337,3 +1337,232 @@ fn a_copy_resent_without_payload_after_one_that_was_already_here() {
     let mut t = Triangle { a_b, b_a, b_c, c_b, a_c, c_a };
     copy_resent_after_a_discarded_one(&alloc, &mut t);
 }
+
+/// A channel woken by its own message, which it then reads itself, leaves
+/// no doorbell ringing: once `poll` has taken everything and says `None`,
+/// its fd is quiet (a rung doorbell would cost an eventfd write on the
+/// way in and a read at the next `arm`, and wake a `Selector` for
+/// nothing). Round trip after round trip, both ends.
+#[test]
+fn a_channel_that_reads_its_own_message_rings_no_doorbell() {
+    use std::os::fd::AsFd;
+    // Keep-alive timers far away: only the messages may wake a channel.
+    let (sa, sb) = session_pair(NetOptions::with_peer_timeout(Duration::from_secs(120)));
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let (mut txs, mut rxs) = open_channels(&sa, &sb, 1, &da, &db);
+    let (mut tx, mut rx) = (txs.pop().unwrap(), rxs.pop().unwrap());
+    rx.set_pool_policy(ferry::PoolPolicy::AcceptAll);
+    let alloc = Allocator::new(&da, 8, 4096, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    // Whatever setup left on both ends is taken before the round trips.
+    for ch in [&mut tx, &mut rx] {
+        while ch.poll().is_some() {}
+    }
+    /// Sleep on `ch`'s fd until it wakes, take its one event, and check
+    /// that the fd is quiet after `poll` said `None`.
+    fn take(ch: &mut Channel, who: &str, round: u64) -> Event {
+        assert!(ch.arm(), "{who}, round {round}: nothing should be due before the peer sends");
+        assert!(support::readable(ch.as_fd(), T), "{who}, round {round}: no wake-up");
+        let ev = ch.poll().unwrap_or_else(|| panic!("{who}, round {round}: woken for nothing"));
+        assert!(ch.poll().is_none(), "{who}, round {round}: one event at a time");
+        assert!(
+            !support::readable(ch.as_fd(), Duration::ZERO),
+            "{who}, round {round}: the fd stays readable after the channel read its own message (its doorbell rang)"
+        );
+        ev
+    }
+    for round in 0..20u64 {
+        let mut buf = alloc.alloc().unwrap();
+        fill(buf.as_mut_slice().unwrap(), round);
+        tx.move_buffer(buf, &round.to_le_bytes()).unwrap();
+        tx.flush().unwrap();
+        let buffer = match take(&mut rx, "receiver", round) {
+            Event::MoveReceived { buffer, meta } => {
+                assert_eq!(seq_of(&meta), round);
+                assert!(check(&buffer, round));
+                buffer
+            }
+            ev => panic!("receiver: unexpected {ev:?}"),
+        };
+        rx.pass(buffer, &round.to_le_bytes()).unwrap();
+        rx.flush().unwrap();
+        match take(&mut tx, "sender", round) {
+            Event::BufferPassed { buffer, .. } => drop(buffer),
+            ev => panic!("sender: unexpected {ev:?}"),
+        }
+    }
+    assert_eq!(alloc.available(), 8);
+}
+
+/// A channel armed and then polled again without arming (as a `Selector`
+/// spinning over every channel does) stays armed: when another channel of
+/// the session reads its message off the socket, its fd becomes readable
+/// (the socket, drained by the other channel, will not say so).
+#[test]
+fn a_channel_polled_after_arming_is_still_rung_by_another_channels_read() {
+    use std::os::fd::AsFd;
+    // Keep-alive timers far away: only the doorbell may wake the channel.
+    let (sa, sb) = session_pair(NetOptions::with_peer_timeout(Duration::from_secs(120)));
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let (mut txs, mut rxs) = open_channels(&sa, &sb, 2, &da, &db);
+    let (mut armed, mut other) = (rxs.remove(0), rxs.remove(0));
+    armed.set_pool_policy(ferry::PoolPolicy::AcceptAll);
+    let alloc = Allocator::new(&da, 4, 4096, PoolConstraints::default()).unwrap();
+    assign_pair(&mut txs[0], &mut armed, &alloc);
+    for ch in txs.iter_mut().chain([&mut armed, &mut other]) {
+        while ch.poll().is_some() {}
+    }
+    assert!(armed.arm(), "nothing should be due yet");
+    assert!(armed.poll().is_none());
+    let mut buf = alloc.alloc().unwrap();
+    fill(buf.as_mut_slice().unwrap(), 7);
+    txs[0].move_buffer(buf, &7u64.to_le_bytes()).unwrap();
+    txs[0].flush().unwrap();
+    // The other channel reads everything the sender's session wrote.
+    let deadline = Instant::now() + T;
+    while sb.stats().bytes_received < sa.stats().bytes_sent {
+        assert!(other.poll().is_none());
+        assert!(Instant::now() < deadline, "the move never arrived");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(support::readable(armed.as_fd(), T), "the armed channel's fd stayed quiet although its message had come");
+    match armed.poll() {
+        Some(Event::MoveReceived { buffer, meta }) => {
+            assert_eq!(seq_of(&meta), 7);
+            assert!(check(&buffer, 7));
+        }
+        ev => panic!("unexpected {ev:?}"),
+    }
+}
+
+/// The credit a receiver gives back for the messages it took goes out
+/// with what it sends next (here its pass back), not in a write of its
+/// own: one system call and one wake-up of the peer per round trip, as on
+/// a connection of its own. A receiver that sends nothing still gives it
+/// back the next time it polls and finds nothing.
+#[test]
+fn credit_goes_out_with_the_next_write() {
+    // Depth 8: a grant every 2 messages taken.
+    let (sa, sb) = session_pair(NetOptions::with_peer_timeout(Duration::from_secs(120)));
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: 8, ..tx_setup() };
+    let mut tx = Channel::create(&da, &sa.endpoint(1), setup).unwrap();
+    let mut rx = Channel::bind(&db, &sb.endpoint(1), BindParams::default()).unwrap();
+    for ch in [&mut tx, &mut rx] {
+        ch.wait_connected(T).unwrap();
+    }
+    rx.set_pool_policy(ferry::PoolPolicy::AcceptAll);
+    let alloc = Allocator::new(&da, 8, 4096, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    for ch in [&mut tx, &mut rx] {
+        while ch.poll().is_some() {}
+    }
+    let mut kept = Vec::new();
+    let mut alone = 0;
+    for seq in 0..8u64 {
+        let mut buf = alloc.alloc().unwrap();
+        fill(buf.as_mut_slice().unwrap(), seq);
+        tx.move_buffer(buf, &seq.to_le_bytes()).unwrap();
+        tx.flush().unwrap();
+        // Polls that find nothing write nothing either (nothing is due).
+        let before = sb.stats().bytes_sent;
+        let deadline = Instant::now() + T;
+        let buffer = loop {
+            match rx.poll() {
+                Some(Event::MoveReceived { buffer, meta }) => {
+                    assert_eq!(seq_of(&meta), seq);
+                    break buffer;
+                }
+                Some(ev) => panic!("message {seq}: unexpected {ev:?}"),
+                None => {
+                    assert!(Instant::now() < deadline, "message {seq} never arrived");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        };
+        assert_eq!(sb.stats().bytes_sent, before, "message {seq}: taking it wrote a grant on its own");
+        if seq < 6 {
+            rx.pass(buffer, &seq.to_le_bytes()).unwrap();
+            assert!(sb.stats().bytes_sent > before, "message {seq}: the pass was not written");
+            match next(&mut tx) {
+                Event::BufferPassed { buffer, .. } => drop(buffer),
+                ev => panic!("unexpected {ev:?}"),
+            }
+        } else {
+            // Kept: the receiver sends nothing; its next empty poll writes.
+            kept.push(buffer);
+            assert!(rx.poll().is_none());
+            alone += sb.stats().bytes_sent - before;
+        }
+    }
+    assert_eq!(alone, 16, "the grant for the two kept messages, one frame on its own");
+    drop(kept);
+}
+
+/// A receiver that takes message after message and writes nothing (a sink
+/// that keeps what it gets) does not keep its credit back until it runs
+/// dry: a grant waits behind no other, so the peer is at most one grant
+/// short and keeps sending.
+#[test]
+fn a_receiver_that_never_writes_gives_credit_back_as_it_takes() {
+    const DEPTH: u64 = 8;
+    let (sa, sb) = session_pair(NetOptions::with_peer_timeout(Duration::from_secs(120)));
+    let (da, db) = (Domain::new("a"), Domain::new("b"));
+    let setup = ChannelSetup { queue_depth: DEPTH as u32, ..tx_setup() };
+    let mut tx = Channel::create(&da, &sa.endpoint(1), setup).unwrap();
+    let mut rx = Channel::bind(&db, &sb.endpoint(1), BindParams::default()).unwrap();
+    for ch in [&mut tx, &mut rx] {
+        ch.wait_connected(T).unwrap();
+    }
+    rx.set_pool_policy(ferry::PoolPolicy::AcceptAll);
+    let alloc = Allocator::new(&da, DEPTH, 4096, PoolConstraints::default()).unwrap();
+    assign_pair(&mut tx, &mut rx, &alloc);
+    for ch in [&mut tx, &mut rx] {
+        while ch.poll().is_some() {}
+    }
+    // All the sender's credit on the wire at once.
+    for seq in 0..DEPTH {
+        let mut buf = alloc.alloc().unwrap();
+        fill(buf.as_mut_slice().unwrap(), seq);
+        tx.move_buffer(buf, &seq.to_le_bytes()).unwrap();
+    }
+    tx.flush().unwrap();
+    let before = sb.stats().bytes_sent;
+    let mut kept = Vec::new();
+    let deadline = Instant::now() + T;
+    // The channel's setup took some of the first credit: six are surely
+    // on the wire.
+    while kept.len() < 6 {
+        match rx.poll() {
+            Some(Event::MoveReceived { buffer, meta }) => {
+                assert_eq!(seq_of(&meta), kept.len() as u64);
+                kept.push(buffer);
+            }
+            Some(ev) => panic!("unexpected {ev:?}"),
+            None => {
+                // Only before the first message: the sender wrote all of
+                // them at once, on loopback they are all there together.
+                assert!(kept.is_empty(), "the receiver ran dry after {} messages", kept.len());
+                assert!(Instant::now() < deadline, "no message within {T:?}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+    let granted = sb.stats().bytes_sent - before;
+    assert!(granted > 0, "the receiver took 6 messages and gave no credit back");
+    assert!(granted <= 2 * 16, "{granted} bytes of grants for 6 messages: not merged");
+    // The rest come with the credit (the sender's session writes when its
+    // channel is polled).
+    while kept.len() < DEPTH as usize {
+        assert!(tx.poll().is_none());
+        match rx.wait(Some(Duration::from_millis(5))) {
+            Ok(Event::MoveReceived { buffer, meta }) => {
+                assert_eq!(seq_of(&meta), kept.len() as u64);
+                kept.push(buffer);
+            }
+            Ok(ev) => panic!("unexpected {ev:?}"),
+            Err(_) => assert!(Instant::now() < deadline, "the last moves never came"),
+        }
+    }
+    drop(kept);
+}

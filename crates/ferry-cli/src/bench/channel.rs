@@ -62,7 +62,8 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
     let others = if a.compare { compare::baselines(a)? } else { Vec::new() };
     let rounds = if a.compare { a.rounds } else { 1 };
     if a.compare {
-        let per_round = runs * sizes.len() * (nw + others.len());
+        let per_other = |b: &Backend| if b.is_ferry() { nw } else { 1 };
+        let per_round = runs * sizes.len() * (nw + others.iter().map(per_other).sum::<usize>());
         ctx.progress = Progress::new((per_round * rounds) as u64, a.json);
     }
     let mut kept: Option<Rig> = None;
@@ -71,7 +72,7 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
             for &wait in &waits {
                 let how = wait.map_or(String::new(), |w| format!(" --wait {}", w.name()));
                 ctx.progress.say(format!("{} {} {size} B{how}", a.experiment.name(), primary.name()));
-                let mut p = ferry_point(ctx, primary, size, wait, &mut kept)?;
+                let mut p = ferry_point(ctx, primary, size, wait, &mut kept, false)?;
                 if a.compare {
                     p.set("round", json!(round + 1));
                 }
@@ -84,6 +85,16 @@ pub fn run(ctx: &mut Ctx<'_>) -> Result<(), CliError> {
                     continue;
                 }
                 ctx.progress.say(format!("{} {} {size} B", a.experiment.name(), b.name()));
+                if b.is_ferry() {
+                    // A session's baseline: a channel over a connection of its
+                    // own, its echo a thread too, waiting as the session's does.
+                    for &wait in &waits {
+                        let mut p = ferry_point(ctx, b, size, wait, &mut None, true)?;
+                        p.set("round", json!(round + 1));
+                        ctx.emit(p);
+                    }
+                    continue;
+                }
                 let only = if b == Backend::Eventfd { Vec::new() } else { vec![size] };
                 for mut p in baseline(ctx, b, &only)? {
                     p.set("round", json!(round + 1));
@@ -114,13 +125,15 @@ fn baseline(ctx: &Ctx<'_>, backend: Backend, sizes: &[usize]) -> Result<Vec<Poin
     }
 }
 
-/// One point on one of Ferry's backends.
+/// One point on one of Ferry's backends; with `echo_thread`, the echo of
+/// net is a thread of this process, as a session's is.
 fn ferry_point(
     ctx: &Ctx<'_>,
     backend: Backend,
     size: usize,
     wait: Option<Wait>,
     kept: &mut Option<Rig>,
+    echo_thread: bool,
 ) -> Result<Point, CliError> {
     let a = ctx.args;
     let count = match a.experiment {
@@ -144,6 +157,7 @@ fn ferry_point(
     };
     let mut rig = match kept.take() {
         Some(r) => r,
+        None if echo_thread && backend == Backend::Net => rig::connect_net_thread(setup, spec)?,
         None => rig::connect(backend, setup, spec, a.peer.as_deref(), &a.tls)?,
     };
     let alloc = Allocator::new(&rig.domain, count as u64, size, PoolConstraints::default())?;
@@ -161,6 +175,9 @@ fn ferry_point(
         _ => throughput(ctx, &mut rig, &alloc, backend, size, runs)?,
     };
     let mut point = point;
+    if echo_thread || matches!(backend, Backend::Mux | Backend::NetTls) {
+        point.set("echo", json!("thread"));
+    }
     if a.peer.is_some() {
         *kept = Some(rig);
     } else {
@@ -454,6 +471,30 @@ mod tests {
         assert_eq!(
             got,
             [("net-tls", "", Some(1.0)), ("rustls-stream", "", Some(1.0)), ("rustls-stream", "hot", Some(1.0))]
+        );
+    }
+
+    /// A session's channel runs beside a channel over a connection of its
+    /// own (net, its echo a thread too), each wait mode against the same
+    /// mode, every buffer echoed (the echo's count is checked at the
+    /// teardown).
+    #[test]
+    fn mux_rtt_runs_beside_net() {
+        let args = ["t", "rtt", "--backend", "mux", "--blocking", "--runs", "1", "--wait", "channel,selector"];
+        let t = T::try_parse_from(args.iter().chain(&["--compare", "--against", "net", "--rounds", "1"])).unwrap();
+        let mut ctx = Ctx { args: &t.a, progress: Progress::hidden(), points: Vec::new() };
+        run(&mut ctx).unwrap();
+        let got: Vec<(&str, &str, &str, Option<f64>)> =
+            ctx.points.iter().map(|p| (p.backend(), p.str("wait"), p.str("echo"), p.num("samples"))).collect();
+        let n = Some(MOVES_PER_RUN as f64);
+        assert_eq!(
+            got,
+            [
+                ("mux", "channel", "thread", n),
+                ("mux", "selector", "thread", n),
+                ("net", "channel", "thread", n),
+                ("net", "selector", "thread", n)
+            ]
         );
     }
 

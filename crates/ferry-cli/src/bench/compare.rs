@@ -14,6 +14,10 @@ use crate::CliError;
 /// note, when ferry-peers was built without it).
 pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
     let applies: &[Backend] = match a.experiment {
+        // A session's channel against a channel over a connection of its own (and the copies).
+        Experiment::Rtt | Experiment::Throughput if a.backend() == Backend::Mux => {
+            &[Backend::Net, Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy]
+        }
         Experiment::Rtt => {
             &[Backend::UdsCopy, Backend::TcpCopy, Backend::PipeCopy, Backend::Iceoryx2, Backend::Eventfd]
         }
@@ -58,7 +62,8 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
             }
             match b {
                 Backend::Iperf3 => iperf3::check()?,
-                Backend::RustlsStream => {}
+                // Measured by this command.
+                Backend::RustlsStream | Backend::Net => {}
                 _ if a.experiment == Experiment::Pipeline => {}
                 _ => peers::check(b)?,
             }
@@ -73,6 +78,8 @@ pub fn baselines(a: &super::BenchArgs) -> Result<Vec<Backend>, CliError> {
         Experiment::FbufsTable | Experiment::Fbufs => &[Backend::UdsCopy],
         // TLS against TLS: the same bytes through rustls on a plain stream.
         Experiment::Throughput if a.backend() == Backend::NetTls => &[Backend::RustlsStream],
+        // A session's channel against a TCP connection of its own; the copies are a flag away.
+        _ if a.backend() == Backend::Mux => return Ok(vec![Backend::Net]),
         _ => applies,
     };
     let mut v = Vec::new();
@@ -124,8 +131,12 @@ fn label(p: &Point) -> String {
     }
 }
 
-fn is_ferry(p: &Point) -> bool {
-    matches!(p.backend(), "local" | "shm" | "net" | "net-tls")
+/// Whether the point is the measured side of a ratio: one of Ferry's
+/// backends, unless it was named by `--against` (net, the baseline of a
+/// session's channel).
+fn is_ferry(p: &Point, against: &[Backend]) -> bool {
+    matches!(p.backend(), "local" | "shm" | "net" | "net-tls" | "mux")
+        && !against.iter().any(|b| b.name() == p.backend())
 }
 
 /// Print Ferry / baseline ratios of the medians, per round, for every pair
@@ -142,11 +153,21 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
     type Row = (String, String, String, usize, i64);
     // Per row: ratios of medians, ratios of p99s.
     let mut rows: Vec<(Row, Vec<f64>, Vec<f64>)> = Vec::new();
-    for f in pts.iter().filter(|p| is_ferry(p)) {
+    // With --backend mux and no --against, net is still the baseline.
+    let against: Vec<Backend> = if ctx.args.backend() == Backend::Mux && ctx.args.against.is_empty() {
+        vec![Backend::Net]
+    } else {
+        ctx.args.against.clone()
+    };
+    for f in pts.iter().filter(|p| is_ferry(p, &against)) {
         let (unit, size, stages, rnd) = key(f);
-        for b in pts.iter().filter(|p| !is_ferry(p)) {
+        for b in pts.iter().filter(|p| !is_ferry(p, &against)) {
             let (bu, bs, bst, brnd) = key(b);
             if bu != unit || bst != stages || brnd != rnd || (bs != size && bs != 0) {
+                continue;
+            }
+            // Ferry against Ferry (a session against a connection): wait mode against the same mode.
+            if b.0.get("wait").is_some() && f.0.get("wait") != b.0.get("wait") {
                 continue;
             }
             let (fq, bq) = (f.quantiles(), b.quantiles());
@@ -192,10 +213,12 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
             println!("{v}");
         } else {
             let rs: Vec<String> = ratios.iter().map(|r| format!("{}", round(*r))).collect();
+            // Ferry against Ferry (a session against a connection): named by backend.
+            let who = if against.iter().any(|b| base.split(' ').next() == Some(b.name())) { &ferry } else { "Ferry" };
             let verdict = if faster >= 1.0 {
-                format!("Ferry {}× faster", round(faster))
+                format!("{who} {}× faster", round(faster))
             } else {
-                format!("Ferry {}× slower", round(1.0 / faster))
+                format!("{who} {}× slower", round(1.0 / faster))
             };
             let unit = super::point::unit_text(&unit);
             let tail = if p99 {

@@ -186,6 +186,10 @@ pub enum Backend {
     /// Ferry: TCP with TLS 1.3 and mutual certificates (loopback; the echo is a thread of this
     /// process; test certificates made for the run). Its --compare baseline is rustls-stream.
     NetTls,
+    /// Ferry: one channel of a multiplexed session (`MuxSession`) over loopback TCP; the echo is a
+    /// thread of this process on the session's other end; rtt and throughput. Its --compare
+    /// baseline is net: a channel over a TCP connection of its own, its echo a thread as well.
+    Mux,
     /// Ferry: two processes over a fabric (libfabric RMA; loopback, the provider from FI_PROVIDER,
     /// e.g. tcp; needs a ferry built with the feature `fabric`).
     Fabric,
@@ -216,6 +220,7 @@ impl Backend {
             Backend::Shm => "shm",
             Backend::Net => "net",
             Backend::NetTls => "net-tls",
+            Backend::Mux => "mux",
             Backend::Fabric => "fabric",
             Backend::RustlsStream => "rustls-stream",
             Backend::UdsCopy => "uds-copy",
@@ -229,7 +234,7 @@ impl Backend {
 
     /// Whether this is one of Ferry's own backends (measured in this process).
     pub fn is_ferry(self) -> bool {
-        matches!(self, Backend::Local | Backend::Shm | Backend::Net | Backend::NetTls | Backend::Fabric)
+        matches!(self, Backend::Local | Backend::Shm | Backend::Net | Backend::NetTls | Backend::Mux | Backend::Fabric)
     }
 }
 
@@ -296,6 +301,7 @@ impl Trust {
   ferry bench rtt --backend shm --size 4096 --size 1048576 --json
   ferry bench throughput --compare --against uds-copy --size 65536 --plot tp.svg
   ferry bench rtt --blocking --idle-us 200 --compare --against eventfd
+  ferry bench rtt --backend mux --blocking --compare --against net
   ferry bench fbufs-table --backend shm --compare --plot fbufs.svg
   ferry bench fbufs --backend shm --compare
   ferry bench rtt --blocking --idle-us 200 --wait channel,epoll,selector --compare --against eventfd
@@ -603,10 +609,19 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     if !a.against.is_empty() && !a.compare {
         return Err(usage("--against needs --compare; add --compare"));
     }
-    if let Some(b) = a.against.iter().find(|b| b.is_ferry()) {
+    // A session's channel is compared with a channel over a connection of its own.
+    if let Some(b) = a.against.iter().find(|b| b.is_ferry() && !(backend == Backend::Mux && **b == Backend::Net)) {
         return Err(usage(format!(
-            "--against {}: Ferry's own backends are chosen with --backend; --against takes baselines and peers",
+            "--against {}: Ferry's own backends are chosen with --backend; --against takes baselines and peers \
+             (and net with --backend mux)",
             b.name()
+        )));
+    }
+    if backend == Backend::Mux && !matches!(exp, Experiment::Rtt | Experiment::Throughput) {
+        return Err(usage(format!(
+            "--backend mux: a session's channel is measured with rtt and throughput; for many channels on one \
+             session use demux, not {}",
+            exp.name()
         )));
     }
     if a.compare && !backend.is_ferry() {
@@ -785,6 +800,11 @@ mod tests {
             &["rtt", "--one-way"],
             &["throughput", "--backend", "uds-copy", "--one-way"],
             &["rtt", "--backend", "iperf3"],
+            // net is a baseline only of a session's channel.
+            &["rtt", "--backend", "shm", "--compare", "--against", "net"],
+            &["rtt", "--backend", "mux", "--compare", "--against", "shm"],
+            &["fbufs-table", "--backend", "mux"],
+            &["rtt", "--backend", "mux", "--peer", "tcp:127.0.0.1:1"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }
@@ -808,6 +828,9 @@ mod tests {
             &["throughput", "--backend", "net", "--one-way", "--compare", "--against", "iperf3"],
             &["throughput", "--backend", "shm", "--one-way"],
             &["throughput", "--backend", "iperf3", "--size", "65536"],
+            &["rtt", "--backend", "mux", "--blocking", "--compare", "--against", "net"],
+            &["rtt", "--backend", "mux", "--busy-poll", "--compare"],
+            &["throughput", "--backend", "mux", "--compare", "--against", "net,tcp-copy"],
         ] {
             assert!(check(good).is_ok(), "{good:?} refused");
         }

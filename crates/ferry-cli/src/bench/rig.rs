@@ -162,7 +162,12 @@ pub fn connect(
 ) -> Result<Rig, CliError> {
     let domain = Domain::new("source");
     if backend == Backend::NetTls {
-        return connect_tls(domain, setup, spec);
+        let tls = super::tls_stream::config()?;
+        let options = ferry::NetOptions::default().with_security(ferry::tls::Security::Tls(tls));
+        return connect_thread(domain, setup, spec, options, "TLS echo thread");
+    }
+    if backend == Backend::Mux {
+        return connect_mux(domain, setup, spec);
     }
     if backend == Backend::Local {
         let ep = Endpoint::local();
@@ -255,14 +260,26 @@ pub fn connect(
     Ok(Rig { domain, source, echo: Echo::Process(Some(child)) })
 }
 
-/// A source on loopback TCP with TLS, and its echo on a thread of this
-/// process binding with the same test certificates.
-fn connect_tls(domain: Domain, setup: ChannelSetup, spec: EchoSpec) -> Result<Rig, CliError> {
-    let tls = super::tls_stream::config()?;
-    let options = ferry::NetOptions::default().with_security(ferry::tls::Security::Tls(tls));
+/// A source on loopback TCP without TLS, and its echo on a thread of this
+/// process: the baseline of a session's channel ([`Backend::Mux`]), whose
+/// echo is a thread as well.
+pub fn connect_net_thread(setup: ChannelSetup, spec: EchoSpec) -> Result<Rig, CliError> {
+    connect_thread(Domain::new("source"), setup, spec, ferry::NetOptions::default(), "echo thread")
+}
+
+/// A source on loopback TCP with `options` (TLS or not), and its echo on a
+/// thread of this process binding with the same options.
+fn connect_thread(
+    domain: Domain,
+    setup: ChannelSetup,
+    spec: EchoSpec,
+    options: ferry::NetOptions,
+    what: &str,
+) -> Result<Rig, CliError> {
     let ep = Endpoint::tcp_with(([127, 0, 0, 1], 0).into(), options.clone());
     let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
-    let addr = source.listen_addr().ok_or_else(|| CliError::Failed("the TLS channel is not listening".into()))?;
+    let addr =
+        source.listen_addr().ok_or_else(|| CliError::Failed(format!("the channel to the {what} is not listening")))?;
     let handle = std::thread::Builder::new()
         .name("echo".into())
         .spawn(move || {
@@ -270,17 +287,67 @@ fn connect_tls(domain: Domain, setup: ChannelSetup, spec: EchoSpec) -> Result<Ri
             let echo_domain = Domain::new("echo");
             let ep = Endpoint::tcp_with(addr, options);
             let mut sink = Channel::bind(&echo_domain, &ep, BindParams::default()).map_err(|e| e.to_string())?;
-            match spec.role {
-                EchoRole::Standard => echo::serve(&mut sink, spec.echo_options()),
-                EchoRole::Fbufs => super::fbufs::serve(&mut sink, spec.busy),
-            }
+            serve(&mut sink, spec)
         })
         .map_err(|e| CliError::Failed(format!("cannot start the echo thread: {e}")))?;
     let alive = || Ok(());
-    wait_for(&mut source, STEP, "bind from the TLS echo thread", alive, bound)?;
+    wait_for(&mut source, STEP, &format!("bind from the {what}"), alive, bound)?;
     pin::to_cpu(0);
     source.set_batching(spec.batch)?;
     Ok(Rig { domain, source, echo: Echo::Thread(Some(handle)) })
+}
+
+/// The channel a multiplexed session over loopback TCP carries, its echo
+/// on a thread of this process at the session's other end. The session is
+/// the channel's only one on either side: what is measured is what the
+/// session adds to one channel over its own connection.
+fn connect_mux(domain: Domain, setup: ChannelSetup, spec: EchoSpec) -> Result<Rig, CliError> {
+    /// The channel's number on the session (any will do: it is the only one).
+    const CHANNEL: u32 = 1;
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0))
+        .map_err(|e| CliError::Failed(format!("cannot listen on loopback for the session: {e}")))?;
+    let addr = listener.local_addr().map_err(|e| CliError::Failed(format!("session listener: {e}")))?;
+    let handle = std::thread::Builder::new()
+        .name("echo".into())
+        .spawn(move || {
+            pin::to_cpu(1);
+            let echo_domain = Domain::new("echo");
+            let session =
+                ferry::MuxSession::connect(addr, ferry::NetOptions::default(), STEP).map_err(|e| e.to_string())?;
+            let mut sink = Channel::bind(&echo_domain, &session.endpoint(CHANNEL), BindParams::default())
+                .map_err(|e| e.to_string())?;
+            // The channel holds the session from here on.
+            drop(session);
+            serve(&mut sink, spec)
+        })
+        .map_err(|e| CliError::Failed(format!("cannot start the echo thread: {e}")))?;
+    let session = match ferry::MuxSession::accept(&listener, ferry::NetOptions::default(), STEP) {
+        Ok(s) => s,
+        Err(e) => {
+            // The echo thread gives up within its own deadline.
+            let why = match handle.join() {
+                Ok(Err(echo)) => format!("{e} (echo thread: {echo})"),
+                _ => e.to_string(),
+            };
+            return Err(CliError::Failed(format!("no session with the echo thread: {why}")));
+        }
+    };
+    drop(listener);
+    let mut source = Channel::create(&domain, &session.endpoint(CHANNEL), setup).map_err(trust_error)?;
+    drop(session);
+    let alive = || Ok(());
+    wait_for(&mut source, STEP, "bind from the session's echo thread", alive, bound)?;
+    pin::to_cpu(0);
+    source.set_batching(spec.batch)?;
+    Ok(Rig { domain, source, echo: Echo::Thread(Some(handle)) })
+}
+
+/// The echo loop `spec` asks for, on `sink`: how many buffers it passed back.
+fn serve(sink: &mut Channel, spec: EchoSpec) -> Result<u64, String> {
+    match spec.role {
+        EchoRole::Standard => echo::serve(sink, spec.echo_options()),
+        EchoRole::Fbufs => super::fbufs::serve(sink, spec.busy),
+    }
 }
 
 fn bound(ev: Event) -> Option<Result<(), CliError>> {

@@ -74,7 +74,7 @@ impl Inner {
                 // not a copy's.
                 if inc.copy {
                     chan.copied_in.insert(buf);
-                } else if matches!(inc.target, Target::Land) {
+                } else if matches!(inc.target, Target::Land) && !chan.copied_in.is_empty() {
                     chan.copied_in.remove(&buf);
                 }
             }

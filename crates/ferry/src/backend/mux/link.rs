@@ -67,8 +67,13 @@ impl Link for MuxLink {
 
     fn room(&mut self) -> usize {
         let mut inner = self.session.lock();
-        let _ = inner.pump_write();
         let room = |inner: &Inner| inner.chans.get(&self.id).map_or(0, |c| c.depth.saturating_sub(c.outq.len()));
+        // An empty queue has all the room there is: nothing to write for it
+        // (the send that follows writes anyway).
+        if inner.chans.get(&self.id).is_some_and(|c| c.outq.is_empty()) {
+            return room(&inner);
+        }
+        let _ = inner.pump_write();
         if room(&inner) == 0 {
             // The queue may wait for the peer's read reports: read them
             // (a sender that never polls must not stall).
@@ -93,14 +98,20 @@ impl Link for MuxLink {
         let mut guard = self.session.lock();
         let inner = &mut *guard;
         let id = self.id;
-        {
+        let was_armed = {
             let chan = inner.chans.get_mut(&id).ok_or(ErrorKind::PeerGone)?;
             if chan.gate.is_none() {
                 chan.gate = gate.detach();
             }
-        }
+            // What this poll lands for the channel it takes itself: no
+            // ringing its own doorbell (an eventfd write now, a read at the
+            // next `arm`, and a wake-up for nothing). Still armed after it,
+            // so that another channel's poll rings it as before.
+            std::mem::replace(&mut chan.armed, false)
+        };
         let read = inner.pump_read(Some(id));
         let chan = inner.chans.get_mut(&id).ok_or(ErrorKind::PeerGone)?;
+        chan.armed |= was_armed;
         if let Some((msg, landed)) = chan.inq.pop_front() {
             chan.consumed += 1;
             if landed {
@@ -114,7 +125,15 @@ impl Link for MuxLink {
                 chan.allowed += n;
                 // A session this cuts off reports it on the next call: the
                 // message taken here is the application's all the same.
-                if inner.queue_ctrl(K_CREDIT, id, Vec::new(), n as u32).is_ok() {
+                // The grant goes out with the next write: what the
+                // application sends now (a reply, say), or the write of
+                // its next poll that finds nothing, or of its `arm`. One
+                // system call and one wake-up of the peer, not two. But a
+                // grant waits behind no other: an application that takes
+                // message after message and writes nothing keeps its peer
+                // at most one grant short.
+                let waiting = inner.ctrl_waiting(K_CREDIT, id);
+                if inner.queue_ctrl(K_CREDIT, id, Vec::new(), n as u32).is_ok() && waiting {
                     let _ = inner.pump_write();
                 }
             }

@@ -32,7 +32,11 @@
 //! Every channel has its own credit, counted in messages. A sender starts
 //! with the channel's queue depth in credit and spends one per message it
 //! puts on the wire; the receiver gives credit back as its application
-//! takes messages (in grants of a quarter of the depth). Payload bytes need
+//! takes messages (in grants of a quarter of the depth, written with the
+//! next frames that side sends: its reply, or the write of its next poll
+//! that finds nothing, so that a round trip costs the peer one wake-up,
+//! not two; a grant never waits behind another, so a receiver that only
+//! takes keeps its sender at most one grant short). Payload bytes need
 //! no credit: they land in the buffer the message names, memory the
 //! receiver has anyway. So what the receiver must hold for a channel that
 //! nobody reads is bounded (the depth in message headers), and it can
@@ -203,8 +207,11 @@
 //!   shorter of the two ends' peer timeouts; *goodbye*: the session ends on purpose.
 //! - *read report*: the sender of the report has read this many more bytes
 //!   of the stream (counted from the first byte after the magic, every
-//!   frame whole: headers, bodies, chunks). A receiver reports as soon as
-//!   it has read [`READ_REPORT_EVERY`] bytes or more since its last report
+//!   frame whole: headers, bodies, chunks). A receiver reports once it
+//!   has read [`READ_REPORT_EVERY`] bytes or more since its last report,
+//!   with the next frames it writes (at the latest when one of its
+//!   channels polls and finds nothing, or arms, or when the next report
+//!   comes due)
 //!   (without a body, at least one byte); reports never add up to more
 //!   than the bytes the peer wrote. A sender must not rely on a report
 //!   for fewer than [`READ_REPORT_EVERY`] bytes, so it never keeps less

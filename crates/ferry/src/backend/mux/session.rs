@@ -50,6 +50,33 @@ pub(super) const CREDIT_SLACK: usize = 64;
 
 // -------------------------------------------------------------- inner state
 
+/// Hasher for maps keyed by channel number. SipHash cost about a fifth of
+/// a session's instructions per idle round trip (the session looks its
+/// channels up several times per frame); a Fibonacci multiply spreads the
+/// small numbers applications choose over the high bits hashbrown groups
+/// by. The entries are this side's own channels (the peer's opens nobody
+/// listens on are bounded apart), so a peer choosing numbers gains nothing.
+#[derive(Default, Clone, Copy)]
+pub(super) struct ChanHasher(u64);
+
+impl std::hash::Hasher for ChanHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only reached for keys other than u32; fold the bytes in.
+        for &b in bytes {
+            self.write_u32(u32::from(b));
+        }
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.0 = (self.0.rotate_left(5) ^ u64::from(v)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// `HashMap` keyed by channel number.
+pub(super) type ChanMap<V> = HashMap<u32, V, std::hash::BuildHasherDefault<ChanHasher>>;
+
 /// A pool as the session sees it: its own read-write mapping.
 pub(super) struct LinkPool {
     pub(super) map: Mapping,
@@ -210,8 +237,8 @@ pub(super) struct Inner {
     /// How often a keep-alive goes out when nothing else does: a quarter
     /// of the shorter of the two ends' peer timeouts.
     pub(super) keepalive: Duration,
-    pub(super) chans: HashMap<u32, Chan>,
-    pub(super) unclaimed: HashMap<u32, Vec<u8>>,
+    pub(super) chans: ChanMap<Chan>,
+    pub(super) unclaimed: ChanMap<Vec<u8>>,
     pub(super) ctrl: VecDeque<WireFrame>,
     /// Bytes of the frames in `ctrl`.
     pub(super) ctrl_bytes: usize,
@@ -270,8 +297,8 @@ impl Inner {
             tls,
             keepalive: crate::backend::net::keepalive_interval(options.peer_timeout, peer_timeout),
             options,
-            chans: HashMap::new(),
-            unclaimed: HashMap::new(),
+            chans: ChanMap::default(),
+            unclaimed: ChanMap::default(),
             ctrl: VecDeque::new(),
             ctrl_bytes: 0,
             control_limit: CONTROL_LIMIT,
@@ -354,6 +381,12 @@ impl Inner {
             return Err(self.fail(e.into(), true));
         }
         Ok(())
+    }
+
+    /// Whether a control frame of `kind` for `channel` waits for the
+    /// connection (a credit grant or read report not written yet).
+    pub(super) fn ctrl_waiting(&self, kind: u8, channel: u32) -> bool {
+        self.ctrl.iter().any(|f| f.head[0] == kind && f.head[4..8] == channel.to_le_bytes())
     }
 
     /// Whether a control frame of `len` bytes that this side starts (an

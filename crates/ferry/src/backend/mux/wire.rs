@@ -180,8 +180,12 @@ impl Inner {
 
     /// Read frames until the socket is dry, a bounded number was read, or
     /// (with `want`) that channel has a message or one of a higher priority
-    /// got one. Then report what was read to the peer if a report is due,
-    /// and write what a report from the peer let go.
+    /// got one. Then queue a report of what was read if one is due, and
+    /// write what a report from the peer let go. A report is written here
+    /// only when an earlier one still waits: else it goes out with the next
+    /// write (a reply the application sends, or the write of a poll that
+    /// finds nothing, of an `arm` or a flush), one system call and one
+    /// wake-up of the peer.
     pub(super) fn pump_read(&mut self, want: Option<u32>) -> Result<()> {
         let reported = self.counters.bytes_reported_read;
         let read = self.read_frames(want);
@@ -190,12 +194,16 @@ impl Inner {
         }
         let unreported = self.counters.bytes_received - self.counters.bytes_reported_to_peer;
         let report = unreported >= READ_REPORT_EVERY as u64;
+        // A report waits behind no other: a reader that writes nothing
+        // keeps its peer at most one report short.
+        let mut write = false;
         if report {
+            write = self.ctrl_waiting(K_READ, 0);
             let n = u32::try_from(unreported).unwrap_or(u32::MAX);
             self.counters.bytes_reported_to_peer += u64::from(n);
             self.queue_ctrl(K_READ, 0, Vec::new(), n)?;
         }
-        if report || (self.counters.bytes_reported_read != reported && self.has_output()) {
+        if write || (self.counters.bytes_reported_read != reported && self.has_output()) {
             self.pump_write()?;
         }
         read
