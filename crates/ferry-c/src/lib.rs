@@ -16,6 +16,7 @@ mod boundary;
 mod cmem;
 pub mod codes;
 pub mod ffi;
+mod handles;
 #[cfg(test)]
 mod layout;
 mod state;
