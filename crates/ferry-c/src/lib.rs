@@ -16,7 +16,6 @@ mod boundary;
 mod cmem;
 pub mod codes;
 pub mod ffi;
-mod handles;
 #[cfg(test)]
 mod layout;
 mod state;

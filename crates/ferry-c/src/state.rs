@@ -8,9 +8,8 @@
 //!
 //! Locks, in the order they are taken (never the other way round): a
 //! waitset's ([`Waitset`], with its channel ends), then the table's, a
-//! pool's allocator's and a buffer's ([`crate::table`]). The directory of
-//! waitsets and the handles of channel ends (a lock per end, see
-//! [`crate::handles`]) map C handles to waitsets; each is the last lock a
+//! pool's allocator's and a buffer's ([`crate::table`]). The two
+//! directories below map C handles to waitsets; each is the last lock a
 //! thread takes, held only while looking up or changing an entry. A thread
 //! that busy-polls its own waitset thereby takes no lock another thread's
 //! waitset needs.
@@ -29,7 +28,6 @@ use ferry::{
 use crate::boundary::{self, call};
 use crate::codes::*;
 use crate::ffi::*;
-use crate::handles::Handles;
 use crate::table::{forget, unheld_pools, GENERATION};
 use crate::waitset::{Cont, IdMap, Sending, Step, Waitset};
 
@@ -38,6 +36,13 @@ pub type Res<T> = Result<T, Errval>;
 
 /// The process's domain.
 pub static DOMAIN: LazyLock<Domain> = LazyLock::new(|| Domain::new(&format!("process {}", std::process::id())));
+
+static NEXT_TOKEN: AtomicUsize = AtomicUsize::new(0x1000);
+
+/// A new token for a channel's or allocator's `impl_data` (never 0, never reused).
+pub fn new_token() -> usize {
+    NEXT_TOKEN.fetch_add(16, Ordering::Relaxed) + 16
+}
 
 /// A waitset and the thread running one of its callbacks.
 pub struct WsCell {
@@ -64,9 +69,10 @@ fn sending(ws: &WsCell, cont: Option<Cont>) -> Sending {
     Sending { cont, batched: ws.callback_thread.load(Ordering::Relaxed) == boundary::this_thread() }
 }
 
-/// A channel end as the directory knows it (its handle checks the
-/// address of the program's `struct bulk_channel`).
+/// A channel end as the directory knows it.
 struct ChanRef {
+    /// Address of the program's `struct bulk_channel`.
+    c_addr: usize,
     ws: WsRef,
     /// A local creator's endpoint, for its binder.
     local_ep: Option<Endpoint>,
@@ -80,8 +86,7 @@ struct Waitsets {
 }
 
 static WAITSETS: LazyLock<RwLock<Waitsets>> = LazyLock::new(Default::default);
-/// The channel ends, by the token in their struct's `impl_data`.
-static CHANNELS: Handles<ChanRef> = Handles::new();
+static CHANNELS: LazyLock<RwLock<IdMap<ChanRef>>> = LazyLock::new(Default::default);
 
 fn waitsets_read() -> std::sync::RwLockReadGuard<'static, Waitsets> {
     WAITSETS.read().unwrap_or_else(|p| p.into_inner())
@@ -89,6 +94,14 @@ fn waitsets_read() -> std::sync::RwLockReadGuard<'static, Waitsets> {
 
 fn waitsets_write() -> std::sync::RwLockWriteGuard<'static, Waitsets> {
     WAITSETS.write().unwrap_or_else(|p| p.into_inner())
+}
+
+fn channels_read() -> std::sync::RwLockReadGuard<'static, IdMap<ChanRef>> {
+    CHANNELS.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn channels_write() -> std::sync::RwLockWriteGuard<'static, IdMap<ChanRef>> {
+    CHANNELS.write().unwrap_or_else(|p| p.into_inner())
 }
 
 // ---------------------------------------------------------------------- waitsets
@@ -229,11 +242,52 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
 
 // ---------------------------------------------------------------------- channels
 
-/// The token and waitset of a live channel struct, for a call on it
-/// (which its waitset checks again).
+/// A channel end as a thread remembers it: token, struct address, waitset.
+type KnownChannel = (usize, usize, std::sync::Weak<WsCell>);
+
+/// Channel ends a thread remembers (a thread serving a few channels, e.g.
+/// both ends of a local channel, finds each of them there).
+const KNOWN_CHANNELS: usize = 4;
+
+thread_local! {
+    /// The channel ends this thread called last, the latest first: token,
+    /// struct address and waitset. A stale entry is harmless: a waitset
+    /// checks token and address again under its lock (tokens are never
+    /// reused).
+    static LAST_CHANNELS: std::cell::RefCell<Vec<KnownChannel>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The token and waitset of a live channel struct, from the directory.
+fn channel_listed(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
+    let token = boundary::channel_token(ch);
+    match channels_read().get(&token) {
+        Some(r) if r.c_addr == ch as usize => Ok((token, r.ws.clone())),
+        _ => Err(ERR_INVALID_CHANNEL),
+    }
+}
+
+/// The token and waitset of a channel struct, for a call on it (which its
+/// waitset checks again): from this thread's last call if it was on the
+/// same channel, so that a thread busy with one channel shares no
+/// directory lock with others.
 fn channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
     let token = boundary::channel_token(ch);
-    let ws = CHANNELS.with(token, Some(ch as usize), |r| r.ws.clone()).ok_or(ERR_INVALID_CHANNEL)?;
+    let cached = LAST_CHANNELS.with(|l| {
+        let l = l.try_borrow().ok()?;
+        let (_, _, ws) = l.iter().find(|(t, c, _)| *t == token && *c == ch as usize)?;
+        ws.upgrade()
+    });
+    if let Some(ws) = cached {
+        return Ok((token, ws));
+    }
+    let (token, ws) = channel_listed(ch)?;
+    LAST_CHANNELS.with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            l.retain(|(t, _, ws)| *t != token && ws.strong_count() > 0);
+            l.insert(0, (token, ch as usize, Arc::downgrade(&ws)));
+            l.truncate(KNOWN_CHANNELS);
+        }
+    });
     Ok((token, ws))
 }
 
@@ -250,9 +304,9 @@ fn endpoint(ep: *mut BulkEndpointDescriptor, remote: bool) -> Res<(Endpoint, u32
                 (false, true) => Endpoint::local(),
                 (true, false) => {
                     let token = boundary::channel_token(other);
-                    match CHANNELS.with(token, Some(other as usize), |r| r.local_ep.clone()) {
-                        Some(ep) => ep.ok_or(ERR_INVALID_ENDPOINT)?,
-                        None => return Err(ERR_ENDPOINT_NOT_LISTENING),
+                    match channels_read().get(&token) {
+                        Some(r) if r.c_addr == other as usize => r.local_ep.clone().ok_or(ERR_INVALID_ENDPOINT)?,
+                        _ => return Err(ERR_ENDPOINT_NOT_LISTENING),
                     }
                 }
                 _ => return Err(ERR_INVALID_ENDPOINT),
@@ -289,11 +343,12 @@ fn register(
     local_ep: Option<Endpoint>,
     bind_cont: Option<Cont>,
 ) -> Res<()> {
+    let token = new_token();
     let mut w = lock(&ws);
     if w.dead {
         return Err(ERR_INVALID_WAITSET);
     }
-    let token = CHANNELS.insert(end.ch as usize, ChanRef { ws: ws.clone(), local_ep }).ok_or(ERR_NO_RESOURCES)?;
+    channels_write().insert(token, ChanRef { c_addr: end.ch as usize, ws: ws.clone(), local_ep });
     boundary::init_channel(
         end.ch,
         BulkChannel {
@@ -317,7 +372,7 @@ fn register(
 
 /// Refuses a channel struct that is in use.
 fn check_unused(ch: *mut BulkChannel) -> Res<()> {
-    match channel(ch) {
+    match channel_listed(ch) {
         Ok(_) => Err(ERR_CHANNEL_IN_USE),
         Err(_) => Ok(()),
     }
@@ -389,7 +444,7 @@ pub fn channel_bind(
 pub fn channel_destroy(ch: *mut BulkChannel, cont: Option<Cont>) -> Res<()> {
     let (token, ws) = channel(ch)?;
     lock(&ws).destroy(token, ch as usize, cont)?;
-    CHANNELS.remove(token, ch as usize);
+    channels_write().remove(&token);
     collect_pools();
     Ok(())
 }
@@ -430,7 +485,7 @@ pub fn channel_release(ch: *mut BulkChannel, buffer: usize, cont: Option<Cont>) 
 
 /// The program's answer to a pool offer (after its `pool_assigned` ran).
 pub fn answer_pool(token: usize, pool: PoolId, accept: bool) {
-    let ws = CHANNELS.with(token, None, |r| r.ws.clone());
+    let ws = channels_read().get(&token).map(|r| r.ws.clone());
     if let Some(ws) = ws {
         lock(&ws).answer_pool(token, pool, accept);
     }

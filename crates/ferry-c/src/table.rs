@@ -16,8 +16,7 @@ use crate::boundary;
 use crate::cmem::{CArray, CRef};
 use crate::codes::*;
 use crate::ffi::*;
-use crate::handles::Handles;
-use crate::state::{Res, DOMAIN};
+use crate::state::{new_token, Res, DOMAIN};
 
 static TABLE: LazyLock<RwLock<Table>> = LazyLock::new(Default::default);
 
@@ -187,9 +186,11 @@ impl PoolEntry {
     }
 }
 
-/// The allocator structs initialized by bulk_alloc_init, by the token in
-/// their `impl_data`: each one's pool.
-static ALLOCATORS: Handles<Arc<PoolEntry>> = Handles::new();
+/// An allocator struct initialized by bulk_alloc_init.
+struct AllocEntry {
+    c_addr: usize,
+    pool: PoolId,
+}
 
 /// The index of the pools.
 #[derive(Default)]
@@ -199,6 +200,7 @@ pub struct Table {
     pool_addr: HashMap<usize, PoolId>,
     /// Address of a pool's first `struct bulk_buffer` of each view → pool.
     buffer_addr: BTreeMap<usize, (PoolId, View)>,
+    allocators: HashMap<usize, AllocEntry>,
 }
 
 fn pool_id_words(id: PoolId) -> BulkPoolId {
@@ -315,13 +317,15 @@ pub fn pool_at(p: usize) -> Res<Arc<PoolEntry>> {
 /// only while it has not changed.
 static EPOCH: AtomicU64 = AtomicU64::new(0);
 
-/// The pools a thread used last, held strongly so that a
+/// The pools and allocators a thread used last, held strongly so that a
 /// lookup that hits costs no shared lock and no reference count (both would
 /// move a cache line between the cores of two busy threads).
 #[derive(Default)]
 struct Cache {
     epoch: u64,
     pools: Vec<Arc<PoolEntry>>,
+    /// Token and struct address of an allocator, and its pool.
+    allocs: Vec<(usize, usize, Arc<PoolEntry>)>,
 }
 
 /// Entries a thread keeps of each kind.
@@ -546,12 +550,40 @@ pub fn drop_channel_handles(token: usize, never_handed: &[BufferId]) {
 // ---------------------------------------------------------------------- allocators
 
 /// Runs `f` on the token and pool of a live allocator struct (the pool's
-/// allocator lock checks the token again). The handle's lock is the last
-/// a thread takes: it is let go before `f` runs.
+/// allocator lock checks the token again).
 fn with_allocator<R>(a: *mut BulkAllocator, f: impl FnOnce(usize, &PoolEntry) -> Res<R>) -> Res<R> {
     let token = boundary::allocator_token(a);
-    let e = ALLOCATORS.with(token, Some(a as usize), |e| e.clone()).ok_or(ERR_INVALID_ALLOCATOR)?;
-    f(token, &e)
+    let epoch = EPOCH.load(Ordering::Acquire);
+    let mut f = Some(f);
+    let hit = CACHE.with(|c| {
+        let c = c.try_borrow().ok()?;
+        if c.epoch != epoch {
+            return None;
+        }
+        let (_, _, e) = c.allocs.iter().find(|(t, addr, _)| *t == token && *addr == a as usize)?;
+        Some((f.take()?)(token, e))
+    });
+    if let Some(r) = hit {
+        return r;
+    }
+    let e = {
+        let t = read();
+        match t.allocators.get(&token) {
+            Some(ae) if ae.c_addr == a as usize => t.pools.get(&ae.pool).cloned().ok_or(ERR_INVALID_ALLOCATOR)?,
+            _ => return Err(ERR_INVALID_ALLOCATOR),
+        }
+    };
+    let r = (f.take().ok_or(ERR_INTERNAL)?)(token, &e);
+    CACHE.with(|c| {
+        let Ok(mut c) = c.try_borrow_mut() else { return };
+        if c.epoch != epoch {
+            *c = Cache { epoch, ..Cache::default() };
+        }
+        c.allocs.retain(|(t, _, _)| *t != token);
+        c.allocs.insert(0, (token, a as usize, e));
+        c.allocs.truncate(CACHED);
+    });
+    r
 }
 
 /// `bulk_alloc_init`.
@@ -569,18 +601,10 @@ pub fn alloc_init(a: *mut BulkAllocator, count: usize, size: usize, c: Option<Bu
     let pool = DOMAIN.pool(alloc.pool().id()).ok_or(ERR_INTERNAL)?;
     let id = pool.id();
     let free = alloc.available();
+    let token = new_token();
     let mut t = write();
-    let e = t.add_pool(pool, None);
-    let Some(token) = ALLOCATORS.insert(a as usize, e.clone()) else {
-        // The pool goes again, with the allocator.
-        t.pools.remove(&id);
-        t.pool_addr.remove(&e.pool_ptr());
-        t.buffer_addr.remove(&e.bufs.base());
-        t.buffer_addr.remove(&e.copy_bufs.base());
-        return Err(ERR_NO_RESOURCES);
-    };
-    // Under the table's lock: nobody sees the pool without its allocator.
-    *lock(&e.allocator) = Some((token, alloc));
+    let e = t.add_pool(pool, Some((token, alloc)));
+    t.allocators.insert(token, AllocEntry { c_addr: a as usize, pool: id });
     boundary::write_allocator(a, e.pool_ptr() as *mut BulkPool, free, token);
     Ok(())
 }
@@ -588,10 +612,13 @@ pub fn alloc_init(a: *mut BulkAllocator, count: usize, size: usize, c: Option<Bu
 /// `bulk_alloc_free` (the caller collects the pool afterwards).
 pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
     let token = boundary::allocator_token(a);
-    let e = ALLOCATORS.remove(token, a as usize).ok_or(ERR_INVALID_ALLOCATOR)?;
-    let t = write();
+    let mut t = write();
+    let e = match t.allocators.get(&token) {
+        Some(ae) if ae.c_addr == a as usize => t.pools.get(&ae.pool).cloned(),
+        _ => return Err(ERR_INVALID_ALLOCATOR),
+    };
+    t.allocators.remove(&token);
     EPOCH.fetch_add(1, Ordering::AcqRel);
-    let e = t.pools.get(&e.pool.id()).cloned();
     if let Some(e) = e {
         let mut alloc = lock(&e.allocator);
         // The program's handles of the pool go back first, then the allocator.
