@@ -214,7 +214,9 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
         } else {
             let rs: Vec<String> = ratios.iter().map(|r| format!("{}", round(*r))).collect();
             // Ferry against Ferry (a session against a connection): named by backend.
-            let who = if against.iter().any(|b| base.split(' ').next() == Some(b.name())) { &ferry } else { "Ferry" };
+            let ferry_against_ferry =
+                matches!(base.split(' ').next(), Some("local" | "shm" | "net" | "net-tls" | "mux"));
+            let who = if ferry_against_ferry { &ferry } else { "Ferry" };
             let verdict = if faster >= 1.0 {
                 format!("{who} {}× faster", round(faster))
             } else {
