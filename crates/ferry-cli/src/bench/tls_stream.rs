@@ -310,17 +310,9 @@ fn measure_one(ctx: &Ctx<'_>, size: usize, buffers: Buffers) -> Result<Point, Cl
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
+    use crate::bench::parse_bench_args;
     use crate::bench::progress::Progress;
-    use crate::bench::BenchArgs;
-
-    #[derive(Parser)]
-    struct T {
-        #[command(flatten)]
-        a: BenchArgs,
-    }
 
     /// A pool cycles through every buffer, a message leaving from and
     /// coming back into the same one; the hot pair sends from one buffer
@@ -342,9 +334,9 @@ mod tests {
     /// each with every message echoed (checked) and the buffers unchanged.
     #[test]
     fn measures_the_pool_and_the_hot_buffer() {
-        let args = ["t", "throughput", "--backend", "rustls-stream", "--size", "65536", "--inflight", "8"];
-        let t = T::try_parse_from(args.iter().chain(&["--runs", "1", "--moves", "20"])).unwrap();
-        let ctx = Ctx { args: &t.a, progress: Progress::hidden(), points: Vec::new() };
+        let args = parse_bench_args("throughput --backend rustls-stream --size 65536 --inflight 8 --runs 1 --moves 20")
+            .unwrap();
+        let ctx = Ctx { args: &args, progress: Progress::hidden(), points: Vec::new() };
         let points = measure(&ctx, &[65536]).unwrap();
         let got: Vec<(&str, &str, Option<f64>, Option<f64>)> =
             points.iter().map(|p| (p.backend(), p.str("variant"), p.num("buffers"), p.num("samples"))).collect();
