@@ -490,14 +490,21 @@ pub(crate) struct FabricLink {
     remote: PoolMap<RemotePool>,
     next_key: u64,
     backlog: VecDeque<OutMsg>,
+    /// Our next write's number, and the peer's next one we wait for.
+    write_seq: u32,
+    expect_seq: u32,
+    end: EndState,
+}
+
+/// What a link learns as it runs: arrivals not handed up yet, and how its
+/// end came. A lingering copy of a link starts with a fresh one.
+#[derive(Default)]
+struct EndState {
     /// Messages received, in order, not handed up yet.
     inbox: VecDeque<([u8; SLOT], usize)>,
     /// Sequence numbers of the peer's writes that completed here and wait
     /// for their message.
     writes_in: HashSet<u32>,
-    /// Our next write's number, and the peer's next one we wait for.
-    write_seq: u32,
-    expect_seq: u32,
     copied_in: HashSet<BufferId>,
     lifeline_ended: Option<Instant>,
     goodbye_seen: bool,
@@ -540,18 +547,9 @@ impl FabricLink {
             remote: PoolMap::default(),
             next_key: 2,
             backlog: VecDeque::new(),
-            inbox: VecDeque::new(),
-            writes_in: HashSet::new(),
             write_seq: 0,
             expect_seq: 0,
-            copied_in: HashSet::new(),
-            lifeline_ended: None,
-            goodbye_seen: false,
-            closed: false,
-            lingering: false,
-            died: false,
-            gone: None,
-            stats: LinkStats::default(),
+            end: EndState::default(),
         };
         for slot in 0..rx_slots {
             link.post_recv(slot)?;
@@ -568,17 +566,17 @@ impl FabricLink {
     }
 
     fn fail(&mut self, e: Error, died: bool) -> Error {
-        if self.gone.is_none() {
-            self.died = died;
-            self.gone = Some(e.clone());
+        if self.end.gone.is_none() {
+            self.end.died = died;
+            self.end.gone = Some(e.clone());
         }
-        self.gone.clone().expect("set")
+        self.end.gone.clone().expect("set")
     }
 
     fn check(&self) -> Result<()> {
-        match &self.gone {
+        match &self.end.gone {
             Some(e) => Err(e.clone()),
-            None if self.closed => Err(ErrorKind::PeerGone.into()),
+            None if self.end.closed => Err(ErrorKind::PeerGone.into()),
             None => Ok(()),
         }
     }
@@ -680,7 +678,7 @@ impl FabricLink {
                 self.free_writes.pop();
                 self.ops[ctx] = Op::Write(buf.pool);
                 self.pools.get_mut(&buf.pool).expect("present").writes_out += 1;
-                self.stats.send_calls += 1;
+                self.end.stats.send_calls += 1;
                 self.backlog.front_mut().expect("present").payload = Some((buf, true));
             }
             let Some(&slot) = self.free_tx.last() else { return Ok(()) };
@@ -695,8 +693,8 @@ impl FabricLink {
             }
             self.free_tx.pop();
             self.ops[slot] = Op::Send;
-            self.stats.send_calls += 1;
-            self.stats.frames_sent += 1;
+            self.end.stats.send_calls += 1;
+            self.end.stats.frames_sent += 1;
             self.backlog.pop_front();
         }
     }
@@ -704,7 +702,7 @@ impl FabricLink {
     /// Take the completions there are (and let the provider progress).
     fn progress(&mut self) -> Result<()> {
         // A closed link's completions are its linger's.
-        if self.lingering {
+        if self.end.lingering {
             return Ok(());
         }
         let mut done = [Completion::default(); 16];
@@ -727,7 +725,7 @@ impl FabricLink {
         let op = slot.map_or(Op::Idle, |s| self.ops[s]);
         if c.err != 0 {
             // A receive cancelled by the endpoint's close is no failure.
-            if op == Op::Recv && self.closed {
+            if op == Op::Recv && self.end.closed {
                 return Ok(());
             }
             let what = match op {
@@ -743,7 +741,7 @@ impl FabricLink {
             return Err(self.fail(e, true));
         }
         if sys::is_remote_write(c.flags) {
-            self.writes_in.insert(c.data as u32);
+            self.end.writes_in.insert(c.data as u32);
             // Providers that consume a receive for the completion data
             // (FI_RX_CQ_DATA) name that receive: post it again.
             if let (Some(s), Op::Recv) = (slot, op) {
@@ -757,7 +755,7 @@ impl FabricLink {
                 let len = (c.len as usize).min(SLOT);
                 let mut bytes = [0u8; SLOT];
                 read_slot(self.control.map(), s * SLOT, &mut bytes[..len]);
-                self.inbox.push_back((bytes, len));
+                self.end.inbox.push_back((bytes, len));
                 self.post_recv(s)?;
             }
             Op::Send => {
@@ -769,7 +767,7 @@ impl FabricLink {
                 self.free_writes.push(s);
                 if let Some(p) = self.pools.get_mut(&id) {
                     p.writes_out -= 1;
-                    self.stats.payload_sent += p.geometry.buffer_size() as u64;
+                    self.end.stats.payload_sent += p.geometry.buffer_size() as u64;
                     if p.forgotten && p.writes_out == 0 {
                         self.pools.remove(&id);
                     }
@@ -783,7 +781,7 @@ impl FabricLink {
     /// The next message of the inbox that can be handed up; link messages
     /// (keys, goodbye) are taken here.
     fn deliver(&mut self, gate: &mut dyn PayloadGate) -> Result<Option<Message>> {
-        while let Some((bytes, len)) = self.inbox.front() {
+        while let Some((bytes, len)) = self.end.inbox.front() {
             let (bytes, len) = (*bytes, *len);
             let Some(head) = proto::SlotHead::read(&bytes[..len]) else {
                 return Err(ErrorKind::Protocol(format!("a message of {len} bytes")).into());
@@ -791,8 +789,8 @@ impl FabricLink {
             let proto::SlotHead { op: kind, flags, meta_len: meta, index, aux, pool } = head;
             let bad = |what: String| Error::from(ErrorKind::Protocol(format!("fabric message type {kind}: {what}")));
             if kind == TYPE_GOODBYE {
-                self.inbox.pop_front();
-                self.goodbye_seen = true;
+                self.end.inbox.pop_front();
+                self.end.goodbye_seen = true;
                 continue;
             }
             if kind == TYPE_KEY {
@@ -802,7 +800,7 @@ impl FabricLink {
                 let base = u64::from_le_bytes(bytes[32..40].try_into().expect("8 bytes"));
                 let len = u64::from_le_bytes(bytes[40..48].try_into().expect("8 bytes"));
                 self.remote.insert(pool, RemotePool { base, key: aux, len });
-                self.inbox.pop_front();
+                self.end.inbox.pop_front();
                 continue;
             }
             let Some(limit) = proto::body_limit(kind, self.meta_size) else {
@@ -816,7 +814,7 @@ impl FabricLink {
             match (kind, payload) {
                 (TYPE_MOVE | TYPE_COPY | TYPE_PASS, true) => {
                     // The bytes must be here before the message goes up.
-                    if !self.writes_in.remove(&self.expect_seq) {
+                    if !self.end.writes_in.remove(&self.expect_seq) {
                         return Ok(None);
                     }
                     self.expect_seq = self.expect_seq.wrapping_add(1);
@@ -834,13 +832,13 @@ impl FabricLink {
                     // The bytes landed already; a buffer this end must not
                     // take fails the channel.
                     let _: Landing = gate.admit(&probe)?;
-                    self.stats.payload_received += aux;
+                    self.end.stats.payload_received += aux;
                     landed = true;
                 }
                 (TYPE_COPY, false) => {
                     let buf = BufferId { pool, index };
                     let probe = Message::Copy { buf, meta: Meta::empty() };
-                    if gate.admit(&probe)? == Landing::Land && !self.copied_in.contains(&buf) {
+                    if gate.admit(&probe)? == Landing::Land && !self.end.copied_in.contains(&buf) {
                         return Err(bad("copy without payload of a buffer we never received".into()));
                     }
                 }
@@ -851,14 +849,14 @@ impl FabricLink {
             let msg = Message::decode(&bytes[..len], self.meta_size)?;
             if let (true, Some(buf)) = (landed, msg.payload_buffer()) {
                 if kind == TYPE_COPY {
-                    self.copied_in.insert(buf);
+                    self.end.copied_in.insert(buf);
                 } else {
-                    self.copied_in.remove(&buf);
+                    self.end.copied_in.remove(&buf);
                 }
             }
-            self.inbox.pop_front();
-            self.stats.frames_received += 1;
-            self.stats.recv_calls += 1;
+            self.end.inbox.pop_front();
+            self.end.stats.frames_received += 1;
+            self.end.stats.recv_calls += 1;
             return Ok(Some(msg));
         }
         Ok(None)
@@ -866,7 +864,7 @@ impl FabricLink {
 
     /// Whether the lifeline has ended (the peer closed it or died).
     fn lifeline_down(&mut self) -> bool {
-        if self.lifeline_ended.is_some() {
+        if self.end.lifeline_ended.is_some() {
             return true;
         }
         let mut byte = [0u8; 1];
@@ -874,7 +872,7 @@ impl FabricLink {
             Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => false,
             // Nothing is sent on the lifeline: bytes are as bad as its end.
             _ => {
-                self.lifeline_ended = Some(Instant::now());
+                self.end.lifeline_ended = Some(Instant::now());
                 true
             }
         }
@@ -886,11 +884,11 @@ impl FabricLink {
         if let Some(msg) = self.deliver(gate)? {
             return Ok(Some(msg));
         }
-        if self.goodbye_seen {
+        if self.end.goodbye_seen {
             return Err(self.fail(ErrorKind::PeerGone.into(), false));
         }
         if self.lifeline_down() {
-            let since = self.lifeline_ended.expect("ended");
+            let since = self.end.lifeline_ended.expect("ended");
             if since.elapsed() >= GOODBYE_GRACE {
                 return Err(self.fail(ErrorKind::PeerGone.into(), true));
             }
@@ -980,18 +978,18 @@ impl Link for FabricLink {
     }
 
     fn arm(&mut self, _wake: &WakeSet) -> Arm {
-        if self.gone.is_some() || self.pump().is_err() || self.progress().is_err() {
+        if self.end.gone.is_some() || self.pump().is_err() || self.progress().is_err() {
             return Arm::Ready;
         }
         // A message ready in the inbox, or completions the queue has: the
         // fd would not say so.
-        let ready = self.inbox.front().is_some_and(|(b, _)| {
-            b[1] & FLAG_PAYLOAD == 0 || self.writes_in.contains(&self.expect_seq) || !matches!(b[0], 1..=3)
+        let ready = self.end.inbox.front().is_some_and(|(b, _)| {
+            b[1] & FLAG_PAYLOAD == 0 || self.end.writes_in.contains(&self.expect_seq) || !matches!(b[0], 1..=3)
         });
-        if ready || self.goodbye_seen || !self.fabric.trywait() {
+        if ready || self.end.goodbye_seen || !self.fabric.trywait() {
             return Arm::Ready;
         }
-        match self.lifeline_ended {
+        match self.end.lifeline_ended {
             Some(at) => Arm::Sleep { until: Some(at + GOODBYE_GRACE) },
             // A provider with manual progress moves our writes only when
             // polled: while they are in flight, look again soon.
@@ -1015,7 +1013,7 @@ impl Link for FabricLink {
     }
 
     fn forget_pool(&mut self, id: PoolId) {
-        self.copied_in.retain(|b| b.pool != id);
+        self.end.copied_in.retain(|b| b.pool != id);
         let queued = self.backlog.iter().any(|m| m.payload.is_some_and(|(b, _)| b.pool == id));
         if let Some(p) = self.pools.get_mut(&id) {
             if p.writes_out > 0 || queued {
@@ -1027,21 +1025,21 @@ impl Link for FabricLink {
     }
 
     fn close(&mut self, last: Vec<Message>) {
-        if self.closed {
+        if self.end.closed {
             return;
         }
-        if self.gone.is_none() {
+        if self.end.gone.is_none() {
             for msg in &last {
                 if self.queue(msg, true).is_err() {
                     break;
                 }
             }
             let _ = self.queue_control(TYPE_GOODBYE);
-            if self.gone.is_none() {
+            if self.end.gone.is_none() {
                 self.linger();
             }
         }
-        self.closed = true;
+        self.end.closed = true;
     }
 
     fn peer_can_die(&self) -> bool {
@@ -1051,15 +1049,15 @@ impl Link for FabricLink {
     fn abandon(&mut self) -> bool {
         self.fail(ErrorKind::PeerGone.into(), true);
         let _ = self.lifeline.shutdown(Shutdown::Both);
-        self.died
+        self.end.died
     }
 
     fn peer_died(&mut self) -> bool {
-        self.died
+        self.end.died
     }
 
     fn stats(&self) -> Option<LinkStats> {
-        Some(self.stats)
+        Some(self.end.stats)
     }
 }
 
@@ -1068,7 +1066,7 @@ impl Drop for FabricLink {
         // Nothing may land in (or be sent from) memory once it is unmapped:
         // the endpoint goes first, then the registrations and mappings. A
         // linger closes it itself, and holds what it needs until then.
-        if !self.lingering {
+        if !self.end.lingering {
             self.fabric.close_endpoint();
         }
     }
@@ -1099,27 +1097,18 @@ impl FabricLink {
             remote: std::mem::take(&mut self.remote),
             next_key: self.next_key,
             backlog: std::mem::take(&mut self.backlog),
-            inbox: VecDeque::new(),
-            writes_in: HashSet::new(),
             write_seq: self.write_seq,
             expect_seq: self.expect_seq,
-            copied_in: HashSet::new(),
-            lifeline_ended: None,
-            goodbye_seen: false,
-            closed: false,
-            lingering: false,
-            died: false,
-            gone: None,
-            stats: LinkStats::default(),
+            end: EndState::default(),
         };
-        self.lingering = true;
+        self.end.lingering = true;
         let mut run = move || {
             let deadline = Instant::now() + CLOSE_FLUSH;
             while linger.busy() && Instant::now() < deadline {
                 if linger.pump().is_err() || linger.progress().is_err() {
                     break;
                 }
-                linger.inbox.clear();
+                linger.end.inbox.clear();
                 if linger.busy() && linger.fabric.trywait() {
                     let _ = super::net::poll_fd(linger.fabric.wait_fd(), PollFlags::IN, Duration::from_millis(10));
                 }
