@@ -211,8 +211,6 @@ fn sent_unanswered(chan: &mut Chan, selector: &mut Selector, held_back: &mut boo
 
 /// A waitset.
 pub struct Waitset {
-    /// The allocation whose address is the `struct waitset *`.
-    _tag: Box<u64>,
     selector: Selector,
     /// Selector key → channel token.
     keys: IdMap<usize>,
@@ -243,8 +241,6 @@ pub struct Waitset {
     last_work: Instant,
     /// Work was handed out since `last_work` was read.
     worked: bool,
-    /// Destroyed: takes no more channels.
-    pub dead: bool,
     /// The program took the fd (`bulk_waitset_fd`): it may sleep on it, so
     /// a dispatch that finds nothing arms the channels even when it does
     /// not sleep itself.
@@ -326,18 +322,15 @@ fn channel_of<'a>(selector: &'a mut Selector, chan: &'a mut Chan) -> Option<&'a 
 }
 
 impl Waitset {
-    /// A new waitset and its key (the address given to C).
-    pub fn new() -> Res<(usize, Waitset)> {
+    /// A new waitset.
+    pub fn new() -> Res<Waitset> {
         let no_fd = |_| ERR_NO_RESOURCES;
         let selector = Selector::new().map_err(|e| of_error(&e))?;
         let ep = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(no_fd)?;
         let bell = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(no_fd)?;
         epoll::add(&ep, selector.as_fd(), epoll::EventData::new_u64(0), epoll::EventFlags::IN).map_err(no_fd)?;
         epoll::add(&ep, &bell, epoll::EventData::new_u64(1), epoll::EventFlags::IN).map_err(no_fd)?;
-        let tag = Box::new(0u64);
-        let key = &*tag as *const u64 as usize;
-        let ws = Waitset {
-            _tag: tag,
+        Ok(Waitset {
             selector,
             keys: IdMap::default(),
             order: Vec::new(),
@@ -353,11 +346,9 @@ impl Waitset {
             spin: DEFAULT_SPIN,
             last_work: Instant::now(),
             worked: false,
-            dead: false,
             fd_taken: false,
             pools: PoolCache::default(),
-        };
-        Ok((key, ws))
+        })
     }
 
     /// The program's fd, for the program to wait on. Until the program
