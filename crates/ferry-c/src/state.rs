@@ -29,7 +29,7 @@ use crate::boundary::{self, call};
 use crate::codes::*;
 use crate::ffi::*;
 use crate::table::{forget, unheld_pools, GENERATION};
-use crate::waitset::{Cont, IdMap, Sending, Step, Waitset};
+use crate::waitset::{Cont, IdMap, Sending, SpinClock, Step, Waitset};
 
 /// A result whose error is a C error code.
 pub type Res<T> = Result<T, Errval>;
@@ -220,7 +220,7 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
 fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
     // Read the clock only once there is nothing to do at once.
     let mut deadline: Option<Option<Instant>> = None;
-    let mut spin_until = None;
+    let mut spin_until = SpinClock::default();
     let sleeps = timeout != Some(Duration::ZERO);
     loop {
         // The lock is held only to pick the work; callbacks run without it.

@@ -172,6 +172,17 @@ pub const DEFAULT_SPIN: Duration = ferry::DEFAULT_SPIN;
 /// on it. One that has been idle longer arms at once.
 const BUSY: Duration = Duration::from_millis(1);
 
+/// A spinning dispatch reads the clock once per this many empty polls.
+const CLOCK_EVERY: u32 = 16;
+
+/// A dispatch's spin: until when it polls (`None` until its first empty
+/// poll), and its empty polls since.
+#[derive(Default)]
+pub struct SpinClock {
+    until: Option<Instant>,
+    polls: u32,
+}
+
 /// Hashes the small integers a waitset's maps are keyed by (selector keys,
 /// channel tokens) with one multiplication: no SipHash on the data path.
 #[derive(Default, Clone, Copy)]
@@ -445,15 +456,15 @@ impl Waitset {
     /// carry the peer's actions, which a program waits for; a continuation
     /// only reports that one of its own calls completed. After
     /// [`FAIRNESS`] events in a row one queued work runs, so a busy peer
-    /// cannot hold continuations back for ever. Until `spin_until` the
+    /// cannot hold continuations back for ever. Until the end of `spin` the
     /// channels are only polled (no system call, no doorbell for the peer
     /// to ring); after it they are armed, and `Idle` means the fd will
     /// tell when to look again. A dispatch that will not sleep (`sleeps`
     /// false) on a waitset whose fd the program never took does not arm
     /// them (`Nothing`): arming costs system calls here and at the peer,
     /// and nobody could wait for what it announces.
-    pub fn next_step(&mut self, spin_until: &mut Option<Instant>, sleeps: bool) -> Step {
-        let step = self.next_step_inner(spin_until, sleeps);
+    pub fn next_step(&mut self, spin: &mut SpinClock, sleeps: bool) -> Step {
+        let step = self.next_step_inner(spin, sleeps);
         if matches!(step, Step::Run(_)) {
             self.worked = true;
         }
@@ -474,7 +485,7 @@ impl Waitset {
         }
     }
 
-    fn next_step_inner(&mut self, spin_until: &mut Option<Instant>, sleeps: bool) -> Step {
+    fn next_step_inner(&mut self, spin: &mut SpinClock, sleeps: bool) -> Step {
         self.release_written();
         if self.streak >= FAIRNESS {
             if let Some(w) = self.pop() {
@@ -491,13 +502,23 @@ impl Waitset {
         if let Some(w) = self.pop() {
             return Step::Run(w);
         }
-        let now = Instant::now();
-        let until = match *spin_until {
-            Some(until) => until,
-            None => *spin_until.insert(self.spin_until(now)),
-        };
-        if now < until {
-            return Step::Spin;
+        // The clock is read at the first empty poll (an idle waitset arms
+        // at once), then every CLOCK_EVERY polls: a busy poll stays a poll.
+        match spin.until {
+            Some(until) => {
+                spin.polls += 1;
+                if spin.polls % CLOCK_EVERY != 0 || Instant::now() < until {
+                    return Step::Spin;
+                }
+            }
+            None => {
+                let now = Instant::now();
+                let until = self.spin_until(now);
+                spin.until = Some(until);
+                if now < until {
+                    return Step::Spin;
+                }
+            }
         }
         if self.pending.is_empty() {
             self.quiet();
