@@ -17,7 +17,7 @@
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, LazyLock, RwLock};
 use std::time::{Duration, Instant};
 
 use ferry::{
@@ -28,6 +28,7 @@ use ferry::{
 use crate::boundary::{self, call};
 use crate::codes::*;
 use crate::ffi::*;
+use crate::lock::{SpinGuard, SpinLock};
 use crate::table::{forget, unheld_pools, GENERATION};
 use crate::waitset::{Cont, IdMap, Sending, SpinClock, Step, Waitset};
 
@@ -50,7 +51,7 @@ pub fn new_token() -> usize {
 pub struct WsCell {
     /// `None` once destroyed: its selector and fds are closed then, even
     /// while a thread's cache still holds the cell.
-    ws: Mutex<Option<Waitset>>,
+    ws: SpinLock<Option<Waitset>>,
     /// The thread (`pthread_self`) running a callback or continuation of
     /// this waitset from its dispatch, else 0. Sends from it are published
     /// by that dispatch's waitset (see [`Waitset::send`]); others at once.
@@ -61,16 +62,16 @@ type WsRef = Arc<WsCell>;
 
 /// A new waitset and its key (the address given to C).
 fn new_ws() -> Res<(usize, WsRef)> {
-    let ws = Arc::new(WsCell { ws: Mutex::new(Some(Waitset::new()?)), callback_thread: AtomicUsize::new(0) });
+    let ws = Arc::new(WsCell { ws: SpinLock::new(Some(Waitset::new()?)), callback_thread: AtomicUsize::new(0) });
     Ok((Arc::as_ptr(&ws) as usize, ws))
 }
 
-fn lock(ws: &WsCell) -> MutexGuard<'_, Option<Waitset>> {
-    ws.ws.lock().unwrap_or_else(|p| p.into_inner())
+fn lock(ws: &WsCell) -> SpinGuard<'_, Option<Waitset>> {
+    ws.ws.lock()
 }
 
 /// The waitset behind a locked cell, unless it was destroyed.
-fn live<'a>(g: &'a mut MutexGuard<'_, Option<Waitset>>) -> Res<&'a mut Waitset> {
+fn live<'a>(g: &'a mut SpinGuard<'_, Option<Waitset>>) -> Res<&'a mut Waitset> {
     g.as_mut().ok_or(ERR_INVALID_WAITSET)
 }
 
