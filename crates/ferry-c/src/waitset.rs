@@ -564,10 +564,13 @@ impl Waitset {
         }
         loop {
             let held_back = std::mem::take(&mut self.held_back);
-            for j in 0..n {
-                let (key, token) = self.order[(self.next_poll + j) % n];
+            // Indices wrap by a compare, not a division (one per poll).
+            let mut i = self.next_poll.min(n - 1);
+            for _ in 0..n {
+                let (key, token) = self.order[i];
+                i = if i + 1 == n { 0 } else { i + 1 };
                 if let Some(ev) = self.selector.get_mut(key).and_then(Channel::poll) {
-                    self.next_poll = (self.next_poll + j + 1) % n;
+                    self.next_poll = i;
                     // Not every channel was polled: some may still hold back.
                     self.held_back |= held_back;
                     return Some((token, ev));
@@ -606,10 +609,26 @@ impl Waitset {
     fn take_event(&mut self, token: usize, ev: Event) -> Option<Work> {
         let (ch, cbs, meta_size) = {
             let chan = self.chans.get_mut(&token)?;
-            let cbs = boundary::read(chan.callbacks as *const BulkChannelCallbacks)?;
             let ch = chan.c_addr;
-            (ch, cbs, channel_of(&mut self.selector, chan).map_or(0, |c| c.meta_size()))
+            (
+                ch,
+                chan.callbacks as *const BulkChannelCallbacks,
+                channel_of(&mut self.selector, chan).map_or(0, |c| c.meta_size()),
+            )
         };
+        // The usual events need one callback: only it is read.
+        let ev = match ev {
+            Event::MoveReceived { buffer, meta } => {
+                let f = boundary::buffer_callback(cbs, false)?;
+                return received_owned(&mut self.pools, (token, ch), f, buffer, &meta, meta_size);
+            }
+            Event::BufferPassed { buffer, meta } => {
+                let f = boundary::buffer_callback(cbs, true)?;
+                return received_owned(&mut self.pools, (token, ch), f, buffer, &meta, meta_size);
+            }
+            ev => ev,
+        };
+        let cbs = boundary::read(cbs)?;
         match ev {
             Event::BindRequest { .. } | Event::Bound => {
                 let chan = self.chans.get_mut(&token)?;
@@ -658,12 +677,8 @@ impl Waitset {
                 let pool_ptr = with_pool(id, false, |e| e.pool_ptr())?;
                 Some(Work::PoolRemoved { f, ch, token, pool_ptr, pool: id })
             }
-            Event::MoveReceived { buffer, meta } => {
-                received_owned(&mut self.pools, (token, ch), cbs.move_received, buffer, &meta, meta_size)
-            }
-            Event::BufferPassed { buffer, meta } => {
-                received_owned(&mut self.pools, (token, ch), cbs.buffer_received, buffer, &meta, meta_size)
-            }
+            // Served above.
+            Event::MoveReceived { .. } | Event::BufferPassed { .. } => None,
             Event::CopyReceived { copy, meta } => {
                 let id = copy.id();
                 let i = id.index as usize;
@@ -901,12 +916,10 @@ impl Waitset {
             }
             let mut s = e.slot(i);
             let b = s.owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
-            let mut bytes = [0u8; MAX_META_SIZE];
-            let meta = boundary::read_meta(meta, c.meta_size(), &mut bytes);
-            let sent = match dir {
+            let sent = boundary::with_meta(meta, c.meta_size(), |meta| match dir {
                 Direction::Tx => c.move_buffer(b, meta),
                 Direction::Rx => c.pass(b, meta),
-            };
+            });
             if let Err(r) = sent {
                 let (error, value) = r.into_parts();
                 s.owned = Some(value);
@@ -937,8 +950,7 @@ impl Waitset {
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Tx)?;
         let payload = with_buffer_in(pools, buffer, |e, i, view| {
-            let mut bytes = [0u8; MAX_META_SIZE];
-            let meta = boundary::read_meta(meta, c.meta_size(), &mut bytes);
+            let meta_size = c.meta_size();
             let mut slot = e.slot(i);
             let held = slot.copies.iter().find(|h| h.2 == view).map(|h| &h.1);
             // The bytes travel unless the peer may hold a copy already: an
@@ -949,11 +961,11 @@ impl Waitset {
                 (View::Owner, Some(_)) if slot.owner_state() == buffer_state_to(BufferState::ReadWrite) => size,
                 _ => 0,
             };
-            let sent = match (view, &slot.owned, held) {
-                (View::Owner, Some(b), _) => c.copy(b, meta),
-                (_, _, Some(copy)) => c.copy(copy, meta),
-                _ => return Err(ERR_BUFFER_NOT_OWNED),
-            };
+            let sent = boundary::with_meta(meta, meta_size, |meta| match (view, &slot.owned, held) {
+                (View::Owner, Some(b), _) => Ok(c.copy(b, meta)),
+                (_, _, Some(copy)) => Ok(c.copy(copy, meta)),
+                _ => Err(ERR_BUFFER_NOT_OWNED),
+            })?;
             sent.map_err(|e| of_error(&e))?;
             slot.refresh();
             Ok(payload)
