@@ -815,6 +815,10 @@ mod tests {
             &["rtt", "--backend", "mux", "--compare", "--against", "shm"],
             &["fbufs-table", "--backend", "mux"],
             &["rtt", "--backend", "mux", "--peer", "tcp:127.0.0.1:1"],
+            // One domain is a local channel's, measured on its own.
+            &["rtt", "--backend", "shm", "--one-domain"],
+            &["throughput", "--one-domain", "--compare"],
+            &["fanin", "--one-domain"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }
@@ -841,6 +845,8 @@ mod tests {
             &["rtt", "--backend", "mux", "--blocking", "--compare", "--against", "net"],
             &["rtt", "--backend", "mux", "--busy-poll", "--compare"],
             &["throughput", "--backend", "mux", "--compare", "--against", "net,tcp-copy"],
+            &["rtt", "--backend", "local", "--one-domain", "--busy-poll"],
+            &["throughput", "--one-domain"],
         ] {
             assert!(check(good).is_ok(), "{good:?} refused");
         }
