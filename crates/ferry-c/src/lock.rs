@@ -5,8 +5,9 @@
 //! call into the library takes two or three such locks: on a busy-polled
 //! message path the locked instructions cost more than the rest of the
 //! call. A thread that finds the lock taken spins briefly, then yields
-//! its CPU until it is free (the sections hold no lock for long: no
-//! sleeping, no call into the program).
+//! its CPU, then naps between looks (the sections are short: no sleeping,
+//! no call into the program; the longest, a channel's destroy, unmaps
+//! pools).
 
 #![allow(unsafe_code)]
 
@@ -16,6 +17,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Polls of a taken lock before the thread yields between polls.
 const SPINS: u32 = 64;
+/// Yields before the thread naps between polls (a holder that takes long).
+const YIELDS: u32 = SPINS + 100;
+/// The nap.
+const NAP: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// A value behind a [`SpinLock`].
 pub struct SpinLock<T> {
@@ -47,11 +52,13 @@ impl<T> SpinLock<T> {
             // Wait with plain reads (no locked instruction) until it looks free.
             while self.locked.load(Ordering::Relaxed) {
                 if spins < SPINS {
-                    spins += 1;
                     std::hint::spin_loop();
-                } else {
+                } else if spins < YIELDS {
                     std::thread::yield_now();
+                } else {
+                    std::thread::sleep(NAP);
                 }
+                spins = spins.saturating_add(1);
             }
         }
         SpinGuard { lock: self }
@@ -108,6 +115,20 @@ mod tests {
             t.join().expect("thread");
         }
         assert_eq!(*lock.lock(), 80_000);
+    }
+
+    /// A holder that keeps the lock a while (naps of the waiter) still
+    /// hands it over, with its writes.
+    #[test]
+    fn long_hold() {
+        let lock = Arc::new(SpinLock::new(0u32));
+        let mut g = lock.lock();
+        let l = lock.clone();
+        let waiter = std::thread::spawn(move || *l.lock());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        *g = 7;
+        drop(g);
+        assert_eq!(waiter.join().expect("waiter"), 7);
     }
 
     /// A panic while the lock is held lets it go.
