@@ -46,9 +46,21 @@ impl<T> SpinLock<T> {
     }
 
     /// Takes the lock, waiting for it if another thread holds it.
+    #[inline]
     pub fn lock(&self) -> SpinGuard<'_, T> {
+        if self.locked.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            self.lock_contended();
+        }
+        SpinGuard { lock: self }
+    }
+
+    /// [`lock`](Self::lock) once the first try failed: out of the way of
+    /// the usual path.
+    #[cold]
+    #[inline(never)]
+    fn lock_contended(&self) {
         let mut spins = 0u32;
-        while self.locked.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        loop {
             // Wait with plain reads (no locked instruction) until it looks free.
             while self.locked.load(Ordering::Relaxed) {
                 if spins < SPINS {
@@ -60,8 +72,10 @@ impl<T> SpinLock<T> {
                 }
                 spins = spins.saturating_add(1);
             }
+            if self.locked.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                return;
+            }
         }
-        SpinGuard { lock: self }
     }
 }
 
