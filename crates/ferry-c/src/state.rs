@@ -208,13 +208,22 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
     if let Some(r) = cached {
         return r;
     }
+    let ws = remember_waitset(key)?;
+    (run.take().ok_or(ERR_INTERNAL)?)(&ws)
+}
+
+/// The waitset of `key` from the directory, kept in this thread's cache
+/// (the first dispatch of a waitset: out of the usual path).
+#[cold]
+#[inline(never)]
+fn remember_waitset(key: usize) -> Res<WsRef> {
     let ws = waitset(key)?;
     LAST_WAITSET.with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
             *l = Some((key, ws.clone()));
         }
     });
-    (run.take().ok_or(ERR_INTERNAL)?)(&ws)
+    Ok(ws)
 }
 
 /// [`dispatch`] on a waitset found.
@@ -313,6 +322,15 @@ fn with_channel<R>(ch: *mut BulkChannel, f: impl FnOnce(usize, &WsRef) -> Res<R>
     if let Some(r) = cached {
         return r;
     }
+    let (token, ws) = remember_channel(ch)?;
+    (f.take().ok_or(ERR_INTERNAL)?)(token, &ws)
+}
+
+/// A channel struct's token and waitset from the directory, kept in this
+/// thread's cache (the first call on a channel: out of the usual path).
+#[cold]
+#[inline(never)]
+fn remember_channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
     let (token, ws) = channel_listed(ch)?;
     LAST_CHANNELS.with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
@@ -321,7 +339,7 @@ fn with_channel<R>(ch: *mut BulkChannel, f: impl FnOnce(usize, &WsRef) -> Res<R>
             l.truncate(KNOWN_CHANNELS);
         }
     });
-    (f.take().ok_or(ERR_INTERNAL)?)(token, &ws)
+    Ok((token, ws))
 }
 
 /// The Ferry endpoint an endpoint descriptor names, and its backend.
