@@ -10,6 +10,14 @@
  *     back; one sample per run of MOVES moves, millions of moves per
  *     second (and Gbit/s of buffer size).
  *
+ * throughput: the source sends the next move from its buffer_received
+ *   callback, as a C program streaming over the interface does: a send
+ *   made by a callback of the channel's own waitset is published in a
+ *   batch with its neighbours, as ferry bench's source publishes with
+ *   Channel::set_batching. --loop-refill: the source's own loop sends
+ *   instead (after each dispatch), and every such send is published on
+ *   its own before the call returns.
+ *
  * Both ends busy-poll bulk_waitset_dispatch(ws, 0); the source is pinned
  * to CPU 0 and the echo to CPU 1, as in ferry bench. local: the echo is a
  * thread of this process; sm: a child process (forked before the library
@@ -17,12 +25,12 @@
  * touched after each buffer was written once (as without --touch).
  *
  *   bulk_bench rtt|throughput local|sm [--size N] [--runs R]
- *              [--moves M] [--inflight W] [--json]
+ *              [--moves M] [--inflight W] [--loop-refill] [--json]
  *
  * Output: one line per point; with --json the same fields as ferry bench
  * --json (experiment, backend, size, trust, mode, touch, runs, samples,
  * unit, median, p5, p95, p99; throughput adds inflight, moves_per_run,
- * gbit_s_median) and "api": "c".
+ * gbit_s_median, and refill: callback or loop) and "api": "c".
  */
 #define _GNU_SOURCE
 #include <bulk_transfer/bulk_transfer.h>
@@ -192,16 +200,40 @@ static struct bulk_channel source;
 static struct bulk_allocator alloc;
 static uint64_t back;
 static int bound_in, pool_ok;
+/* Throughput: moves of the run not sent yet, the next sequence number, and
+ * whether buffer_received sends the next one. */
+static uint64_t to_send, seq;
+static int refill_in_callback;
 
 static void source_buffer_received(struct bulk_channel *ch, struct bulk_buffer *b, void *meta)
 {
-    (void)ch;
     (void)meta;
     errval_t e = bulk_alloc_return_buffer(&alloc, b);
     if (e != BULK_OK) {
         die("bulk_alloc_return_buffer", e);
     }
     back++;
+    if (!refill_in_callback || to_send == 0) {
+        return;
+    }
+    /* The next move, from the callback (published in a batch); if the queue
+     * is full the source's loop sends it once there is room. */
+    struct bulk_buffer *next = bulk_alloc_new_buffer(&alloc);
+    if (next == NULL) {
+        return;
+    }
+    unsigned char m[META_SIZE] = { 0 };
+    memcpy(m, &seq, sizeof seq);
+    e = bulk_channel_move(ch, next, m, BULK_CONT_NOP);
+    if (e == BULK_OK) {
+        seq++;
+        to_send--;
+        return;
+    }
+    if (e != BULK_ERR_QUEUE_FULL) {
+        die("bulk_channel_move", e);
+    }
+    TRY(bulk_alloc_return_buffer(&alloc, next));
 }
 
 static errval_t source_bind_received(struct bulk_channel *ch)
@@ -271,7 +303,8 @@ int main(int argc, char **argv)
 {
     if (argc < 3) {
         fprintf(stderr,
-                "usage: %s rtt|throughput local|sm [--size N] [--runs R] [--moves M] [--inflight W] [--json]\n",
+                "usage: %s rtt|throughput local|sm [--size N] [--runs R] [--moves M] [--inflight W] [--loop-refill] "
+                "[--json]\n",
                 argv[0]);
         return 2;
     }
@@ -286,10 +319,12 @@ int main(int argc, char **argv)
         return 2;
     }
     size_t size = 4096, runs = rtt ? 100 : 20, moves = 50000, inflight = 250;
-    int json = 0;
+    int json = 0, loop_refill = 0;
     for (int i = 3; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0) {
             json = 1;
+        } else if (strcmp(argv[i], "--loop-refill") == 0) {
+            loop_refill = 1;
         } else if (i + 1 < argc && strcmp(argv[i], "--size") == 0) {
             size = strtoull(argv[++i], NULL, 0);
         } else if (i + 1 < argc && strcmp(argv[i], "--runs") == 0) {
@@ -408,7 +443,6 @@ int main(int argc, char **argv)
     size_t nsamples = rtt ? runs * MOVES_PER_RUN : runs;
     double *samples = calloc(nsamples, sizeof *samples);
     size_t got = 0;
-    uint64_t seq = 0;
     for (size_t run = 0; run <= runs; run++) {
         if (rtt) {
             for (size_t i = 0; i < MOVES_PER_RUN; i++) {
@@ -429,19 +463,23 @@ int main(int argc, char **argv)
                 }
             }
         } else {
-            uint64_t sent = 0, start_back = back;
+            uint64_t start_back = back;
+            to_send = moves;
+            refill_in_callback = !loop_refill;
             uint64_t t0 = now_ns();
             while (back - start_back < moves) {
-                while (sent - (back - start_back) < inflight && sent < moves) {
+                /* The window's first moves, and any the callback could not send. */
+                while (to_send > 0 && (moves - to_send) - (back - start_back) < inflight) {
                     struct bulk_buffer *b = bulk_alloc_new_buffer(&alloc);
                     if (b == NULL) {
                         break;
                     }
                     send(ws, b, seq++);
-                    sent++;
+                    to_send--;
                 }
                 poll_once(ws);
             }
+            refill_in_callback = 0;
             double secs = (double)(now_ns() - t0) / 1e9;
             if (run > 0) {
                 samples[got++] = (double)moves / secs / 1e6;
@@ -460,8 +498,8 @@ int main(int argc, char **argv)
                "\"median\":%.3f,\"p5\":%.3f,\"p95\":%.3f,\"p99\":%.3f",
                argv[1], backend, size, runs, got, unit, round3(median), round3(p5), round3(p95), round3(p99));
         if (!rtt) {
-            printf(",\"inflight\":%zu,\"moves_per_run\":%zu,\"gbit_s_median\":%.3f", inflight, moves,
-                   round3(median * 1e6 * (double)size * 8.0 / 1e9));
+            printf(",\"inflight\":%zu,\"moves_per_run\":%zu,\"gbit_s_median\":%.3f,\"refill\":\"%s\"", inflight,
+                   moves, round3(median * 1e6 * (double)size * 8.0 / 1e9), loop_refill ? "loop" : "callback");
         }
         printf("}\n");
     } else {

@@ -11,6 +11,11 @@
  *
  * sm: both ends in this process over a Unix socket path (a pool travels
  * as it does between processes).
+ *
+ * With a WINDOW above 1 the source sends its next move from its
+ * buffer_received callback (published in a batch, as the echo's passes
+ * are), like bulk_bench's throughput source and Rust's round_trip_work
+ * --batch; the window's first moves come from the main loop.
  */
 #define _GNU_SOURCE
 #include <bulk_transfer/bulk_transfer.h>
@@ -27,7 +32,7 @@
 
 static struct bulk_channel source, echo;
 static struct bulk_allocator alloc;
-static unsigned long back;
+static unsigned long back, sent, total, window = 1;
 static int bound, pool_ok;
 
 static void fail(const char *what, errval_t e)
@@ -54,13 +59,22 @@ static void echo_move(struct bulk_channel *ch, struct bulk_buffer *b, void *meta
 
 static void source_back(struct bulk_channel *ch, struct bulk_buffer *b, void *meta)
 {
-    (void)ch;
     (void)meta;
     errval_t e = bulk_alloc_return_buffer(&alloc, b);
     if (e != BULK_OK) {
         fail("return", e);
     }
     back++;
+    if (window > 1 && sent < total) {
+        struct bulk_buffer *next = bulk_alloc_new_buffer(&alloc);
+        unsigned char m[META_SIZE] = { 0 };
+        if (next != NULL) {
+            if ((e = bulk_channel_move(ch, next, m, BULK_CONT_NOP)) != BULK_OK) {
+                fail("move from the callback", e);
+            }
+            sent++;
+        }
+    }
 }
 
 static errval_t source_bind(struct bulk_channel *ch)
@@ -100,7 +114,8 @@ int main(int argc, char **argv)
     }
     int sm = strcmp(argv[1], "sm") == 0;
     unsigned long n = strtoul(argv[2], NULL, 0);
-    unsigned long window = argc > 3 ? strtoul(argv[3], NULL, 0) : 1;
+    total = n;
+    window = argc > 3 ? strtoul(argv[3], NULL, 0) : 1;
     if (window == 0 || window > 512) {
         fprintf(stderr, "bulk_work: WINDOW must be 1 to 512\n");
         return 2;
@@ -153,7 +168,6 @@ int main(int argc, char **argv)
     while (!pool_ok) {
         step(ws);
     }
-    unsigned long sent = 0;
     unsigned char meta[META_SIZE] = { 0 };
     while (back < n) {
         while (sent < n && sent - back < window) {

@@ -14,6 +14,7 @@ use std::ffi::{c_char, c_void, CStr};
 use std::ptr;
 
 use crate::ffi::*;
+use ferry::MAX_META_SIZE;
 
 /// Reads a caller's struct (NULL: `None`).
 pub fn read<T: Copy>(p: *const T) -> Option<T> {
@@ -205,15 +206,37 @@ pub fn c_string(s: *const c_char, max: usize) -> Option<Vec<u8>> {
     (bytes.len() <= max).then(|| bytes.to_vec())
 }
 
-/// `meta_size` bytes of the program's meta data (zeros for NULL), in `buf`.
-pub fn read_meta(meta: *const c_void, meta_size: usize, buf: &mut [u8]) -> &[u8] {
-    let n = meta_size.min(buf.len());
-    if !meta.is_null() && n > 0 {
-        // SAFETY: non-NULL meta data points to the channel's meta_size
-        // bytes (interface contract); at most that many are read.
-        unsafe { ptr::copy_nonoverlapping(meta as *const u8, buf.as_mut_ptr(), n) };
+/// Runs `f` on `meta_size` bytes (at most [`MAX_META_SIZE`]) of the
+/// program's meta data, zeros for NULL, read where they are: no copy.
+pub fn with_meta<R>(meta: *const c_void, meta_size: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+    static ZEROS: [u8; MAX_META_SIZE] = [0; MAX_META_SIZE];
+    let n = meta_size.min(MAX_META_SIZE);
+    if meta.is_null() || n == 0 {
+        return f(&ZEROS[..n]);
     }
-    &buf[..n]
+    // SAFETY: non-NULL meta data points to the channel's meta_size bytes,
+    // which the program does not change during the call (interface
+    // contract); the slice covers at most that many and lives only for
+    // `f`, within the call.
+    f(unsafe { std::slice::from_raw_parts(meta as *const u8, n) })
+}
+
+/// The `move_received` (`passed` false) or `buffer_received` callback of
+/// a callbacks struct (NULL struct: `None`), read alone.
+pub fn buffer_callback(p: *const BulkChannelCallbacks, passed: bool) -> Option<Option<BufferCallback>> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: as in `read`: a non-NULL callbacks struct given with a
+    // channel stays valid while it lives (interface contract); one
+    // field is read.
+    Some(unsafe {
+        if passed {
+            ptr::addr_of!((*p).buffer_received).read_unaligned()
+        } else {
+            ptr::addr_of!((*p).move_received).read_unaligned()
+        }
+    })
 }
 
 /// This thread, as a number that is never 0 (no thread-local lookup).

@@ -18,6 +18,7 @@ pub mod codes;
 pub mod ffi;
 #[cfg(test)]
 mod layout;
+mod lock;
 mod state;
 mod table;
 mod waitset;

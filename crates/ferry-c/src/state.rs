@@ -17,7 +17,7 @@
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, LazyLock, RwLock};
 use std::time::{Duration, Instant};
 
 use ferry::{
@@ -28,8 +28,9 @@ use ferry::{
 use crate::boundary::{self, call};
 use crate::codes::*;
 use crate::ffi::*;
+use crate::lock::{SpinGuard, SpinLock};
 use crate::table::{forget, unheld_pools, GENERATION};
-use crate::waitset::{Cont, IdMap, Sending, Step, Waitset};
+use crate::waitset::{Cont, IdMap, Sending, SpinClock, Step, Waitset};
 
 /// A result whose error is a C error code.
 pub type Res<T> = Result<T, Errval>;
@@ -44,9 +45,13 @@ pub fn new_token() -> usize {
     NEXT_TOKEN.fetch_add(16, Ordering::Relaxed) + 16
 }
 
-/// A waitset and the thread running one of its callbacks.
+/// A waitset and the thread running one of its callbacks. The address of
+/// the cell is the `struct waitset *` given to C: it is not reused while
+/// anything (a thread's cache included) still refers to the cell.
 pub struct WsCell {
-    ws: Mutex<Waitset>,
+    /// `None` once destroyed: its selector and fds are closed then, even
+    /// while a thread's cache still holds the cell.
+    ws: SpinLock<Option<Waitset>>,
     /// The thread (`pthread_self`) running a callback or continuation of
     /// this waitset from its dispatch, else 0. Sends from it are published
     /// by that dispatch's waitset (see [`Waitset::send`]); others at once.
@@ -55,12 +60,19 @@ pub struct WsCell {
 
 type WsRef = Arc<WsCell>;
 
-fn new_ws(ws: Waitset) -> WsRef {
-    Arc::new(WsCell { ws: Mutex::new(ws), callback_thread: AtomicUsize::new(0) })
+/// A new waitset and its key (the address given to C).
+fn new_ws() -> Res<(usize, WsRef)> {
+    let ws = Arc::new(WsCell { ws: SpinLock::new(Some(Waitset::new()?)), callback_thread: AtomicUsize::new(0) });
+    Ok((Arc::as_ptr(&ws) as usize, ws))
 }
 
-fn lock(ws: &WsRef) -> MutexGuard<'_, Waitset> {
-    ws.ws.lock().unwrap_or_else(|p| p.into_inner())
+fn lock(ws: &WsCell) -> SpinGuard<'_, Option<Waitset>> {
+    ws.ws.lock()
+}
+
+/// The waitset behind a locked cell, unless it was destroyed.
+fn live<'a>(g: &'a mut SpinGuard<'_, Option<Waitset>>) -> Res<&'a mut Waitset> {
+    g.as_mut().ok_or(ERR_INVALID_WAITSET)
 }
 
 /// A send on a channel of `ws` with `cont`: batched if this thread runs a
@@ -112,8 +124,8 @@ fn waitset(key: usize) -> Res<WsRef> {
 
 /// `bulk_waitset_create`.
 pub fn waitset_create() -> Res<usize> {
-    let (key, ws) = Waitset::new()?;
-    waitsets_write().by_key.insert(key, new_ws(ws));
+    let (key, ws) = new_ws()?;
+    waitsets_write().by_key.insert(key, ws);
     Ok(key)
 }
 
@@ -122,12 +134,12 @@ pub fn waitset_default() -> Res<usize> {
     if let Some(k) = waitsets_read().default {
         return Ok(k);
     }
-    let (key, ws) = Waitset::new()?;
+    let (key, ws) = new_ws()?;
     let mut w = waitsets_write();
     if let Some(k) = w.default {
         return Ok(k); // another thread made it meanwhile
     }
-    w.by_key.insert(key, new_ws(ws));
+    w.by_key.insert(key, ws);
     w.default = Some(key);
     Ok(key)
 }
@@ -142,11 +154,12 @@ fn waitset_or_default(key: usize) -> Res<(usize, WsRef)> {
 pub fn waitset_destroy(key: usize) -> Res<()> {
     let ws = waitset(key)?;
     {
-        let mut w = lock(&ws);
-        if w.busy() {
+        let mut g = lock(&ws);
+        if live(&mut g)?.busy() {
             return Err(ERR_WAITSET_BUSY);
         }
-        w.dead = true;
+        // Closes its fds now: a thread's cache may hold the cell longer.
+        *g = None;
     }
     let mut all = waitsets_write();
     all.by_key.remove(&key);
@@ -158,64 +171,84 @@ pub fn waitset_destroy(key: usize) -> Res<()> {
 
 /// `bulk_waitset_fd`.
 pub fn waitset_fd(key: usize) -> Res<i32> {
-    Ok(lock(&waitset(key)?).take_fd())
+    let ws = waitset(key)?;
+    let fd = live(&mut lock(&ws))?.take_fd();
+    Ok(fd)
 }
 
 /// `bulk_waitset_set_spin`.
 pub fn waitset_set_spin(key: usize, spin: Duration) -> Res<()> {
-    lock(&waitset(key)?).spin = spin;
+    let ws = waitset(key)?;
+    live(&mut lock(&ws))?.spin = spin;
     Ok(())
 }
 
 thread_local! {
     /// The waitset this thread dispatched last (a thread usually serves one),
-    /// so that a busy dispatch loop takes no directory lock. A destroyed one
-    /// does not upgrade (or says so under its lock).
-    static LAST_WAITSET: std::cell::RefCell<Option<(usize, std::sync::Weak<WsCell>)>> =
-        const { std::cell::RefCell::new(None) };
+    /// held, so that a busy dispatch loop takes no directory lock and
+    /// counts no reference (the cell's address, its key, is not reused
+    /// meanwhile). A destroyed one says so under its lock.
+    static LAST_WAITSET: std::cell::RefCell<Option<(usize, WsRef)>> = const { std::cell::RefCell::new(None) };
 }
 
-/// The waitset to dispatch.
-fn dispatched_waitset(key: usize) -> Res<WsRef> {
-    let cached = LAST_WAITSET.with(|l| match &*l.borrow() {
-        Some((k, ws)) if *k == key => ws.upgrade(),
-        _ => None,
+/// `bulk_waitset_dispatch`: runs the next due work of the waitset `key`,
+/// waiting up to the timeout (`None`: no limit) for some.
+pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
+    let mut run = Some(|ws: &WsCell| dispatch_on(ws, timeout));
+    // The cache stays borrowed while the callback runs: a nested dispatch
+    // of the same waitset borrows it too, one of another waitset does
+    // without it.
+    let cached = LAST_WAITSET.with(|l| {
+        let l = l.try_borrow().ok()?;
+        match &*l {
+            Some((k, ws)) if *k == key => Some((run.take()?)(ws)),
+            _ => None,
+        }
     });
-    if let Some(ws) = cached {
-        return Ok(ws);
+    if let Some(r) = cached {
+        return r;
     }
+    let ws = remember_waitset(key)?;
+    (run.take().ok_or(ERR_INTERNAL)?)(&ws)
+}
+
+/// The waitset of `key` from the directory, kept in this thread's cache
+/// (the first dispatch of a waitset: out of the usual path).
+#[cold]
+#[inline(never)]
+fn remember_waitset(key: usize) -> Res<WsRef> {
     let ws = waitset(key)?;
-    LAST_WAITSET.with(|l| *l.borrow_mut() = Some((key, Arc::downgrade(&ws))));
+    LAST_WAITSET.with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            *l = Some((key, ws.clone()));
+        }
+    });
     Ok(ws)
 }
 
-/// `bulk_waitset_dispatch`: runs the next due work of `ws`, waiting up to
-/// the timeout (`None`: no limit) for some.
-pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
-    let ws = dispatched_waitset(key)?;
+/// [`dispatch`] on a waitset found.
+fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
     // Read the clock only once there is nothing to do at once.
     let mut deadline: Option<Option<Instant>> = None;
-    let mut spin_until = None;
+    let mut spin_until = SpinClock::default();
     let sleeps = timeout != Some(Duration::ZERO);
     loop {
         // The lock is held only to pick the work; callbacks run without it.
         let step = {
-            let mut w = lock(&ws);
-            if w.dead {
-                return Err(ERR_INVALID_WAITSET);
-            }
-            w.next_step(&mut spin_until, sleeps)
+            let mut g = lock(ws);
+            live(&mut g)?.next_step(&mut spin_until, sleeps)
         };
         match step {
             Step::Run(work) => {
                 // Sends of the callback are published by this waitset's
-                // polls (see `Waitset::send`); 0 again once it returned
-                // (a nested dispatch leaves it 0 for the rest of the outer
-                // callback: its sends are published at once).
-                let me = boundary::this_thread();
-                ws.callback_thread.store(me, Ordering::Relaxed);
+                // polls (see `Waitset::send`); 0 again once it returned (a
+                // nested dispatch, or another thread's dispatch of the same
+                // waitset, may leave it 0 for the rest of the callback: its
+                // sends are then published at once, which is always right).
+                // Plain stores: no locked instruction per callback.
+                ws.callback_thread.store(boundary::this_thread(), Ordering::Relaxed);
                 work.run();
-                let _ = ws.callback_thread.compare_exchange(me, 0, Ordering::Relaxed, Ordering::Relaxed);
+                ws.callback_thread.store(0, Ordering::Relaxed);
                 return Ok(());
             }
             Step::Spin => std::hint::spin_loop(),
@@ -243,7 +276,7 @@ pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
 // ---------------------------------------------------------------------- channels
 
 /// A channel end as a thread remembers it: token, struct address, waitset.
-type KnownChannel = (usize, usize, std::sync::Weak<WsCell>);
+type KnownChannel = (usize, usize, WsRef);
 
 /// Channel ends a thread remembers (a thread serving a few channels, e.g.
 /// both ends of a local channel, finds each of them there).
@@ -251,9 +284,10 @@ const KNOWN_CHANNELS: usize = 4;
 
 thread_local! {
     /// The channel ends this thread called last, the latest first: token,
-    /// struct address and waitset. A stale entry is harmless: a waitset
-    /// checks token and address again under its lock (tokens are never
-    /// reused).
+    /// struct address and waitset (held: a call that finds it counts no
+    /// reference). A stale entry is harmless: a waitset checks token and
+    /// address again under its lock (tokens are never reused), and a
+    /// destroyed waitset has closed its fds.
     static LAST_CHANNELS: std::cell::RefCell<Vec<KnownChannel>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -266,25 +300,42 @@ fn channel_listed(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
     }
 }
 
-/// The token and waitset of a channel struct, for a call on it (which its
-/// waitset checks again): from this thread's last call if it was on the
-/// same channel, so that a thread busy with one channel shares no
-/// directory lock with others.
-fn channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
+/// Runs `f` on the token and the locked live waitset of a channel struct
+/// (the call's one lock), found as [`with_channel`] finds it.
+fn with_channel_locked<R>(ch: *mut BulkChannel, f: impl FnOnce(usize, &WsCell, &mut Waitset) -> Res<R>) -> Res<R> {
+    with_channel(ch, |token, ws| f(token, ws, live(&mut lock(ws))?))
+}
+
+/// Runs `f` on the token and waitset of a channel struct, for a call on
+/// it (which its waitset checks again): from this thread's cache if it
+/// called on it lately, so that a thread busy with a few channels shares
+/// no directory lock with others and counts no reference. `f` does not
+/// call into the program (the cache stays borrowed meanwhile).
+fn with_channel<R>(ch: *mut BulkChannel, f: impl FnOnce(usize, &WsRef) -> Res<R>) -> Res<R> {
     let token = boundary::channel_token(ch);
+    let mut f = Some(f);
     let cached = LAST_CHANNELS.with(|l| {
         let l = l.try_borrow().ok()?;
         let (_, _, ws) = l.iter().find(|(t, c, _)| *t == token && *c == ch as usize)?;
-        ws.upgrade()
+        Some((f.take()?)(token, ws))
     });
-    if let Some(ws) = cached {
-        return Ok((token, ws));
+    if let Some(r) = cached {
+        return r;
     }
+    let (token, ws) = remember_channel(ch)?;
+    (f.take().ok_or(ERR_INTERNAL)?)(token, &ws)
+}
+
+/// A channel struct's token and waitset from the directory, kept in this
+/// thread's cache (the first call on a channel: out of the usual path).
+#[cold]
+#[inline(never)]
+fn remember_channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
     let (token, ws) = channel_listed(ch)?;
     LAST_CHANNELS.with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
-            l.retain(|(t, _, ws)| *t != token && ws.strong_count() > 0);
-            l.insert(0, (token, ch as usize, Arc::downgrade(&ws)));
+            l.retain(|(t, _, _)| *t != token);
+            l.insert(0, (token, ch as usize, ws.clone()));
             l.truncate(KNOWN_CHANNELS);
         }
     });
@@ -344,10 +395,8 @@ fn register(
     bind_cont: Option<Cont>,
 ) -> Res<()> {
     let token = new_token();
-    let mut w = lock(&ws);
-    if w.dead {
-        return Err(ERR_INVALID_WAITSET);
-    }
+    let mut g = lock(&ws);
+    let w = live(&mut g)?;
     channels_write().insert(token, ChanRef { c_addr: end.ch as usize, ws: ws.clone(), local_ep });
     boundary::init_channel(
         end.ch,
@@ -442,18 +491,18 @@ pub fn channel_bind(
 
 /// `bulk_channel_destroy`.
 pub fn channel_destroy(ch: *mut BulkChannel, cont: Option<Cont>) -> Res<()> {
-    let (token, ws) = channel(ch)?;
-    lock(&ws).destroy(token, ch as usize, cont)?;
-    channels_write().remove(&token);
+    with_channel_locked(ch, |token, _, w| {
+        w.destroy(token, ch as usize, cont)?;
+        Ok(token)
+    })
+    .map(|token| channels_write().remove(&token))?;
     collect_pools();
     Ok(())
 }
 
 /// `bulk_channel_assign_pool` and `bulk_channel_remove_pool`.
 pub fn channel_pool(ch: *mut BulkChannel, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
-    let (token, ws) = channel(ch)?;
-    let mut w = lock(&ws);
-    w.channel_pool(token, ch as usize, pool, cont, assign)
+    with_channel_locked(ch, |token, _, w| w.channel_pool(token, ch as usize, pool, cont, assign))
 }
 
 /// `bulk_channel_move` and `bulk_channel_pass`.
@@ -464,30 +513,24 @@ pub fn channel_send(
     cont: Option<Cont>,
     dir: Direction,
 ) -> Res<()> {
-    let (token, ws) = channel(ch)?;
-    let mut w = lock(&ws);
-    w.send(token, ch as usize, buffer, meta, sending(&ws, cont), dir)
+    with_channel_locked(ch, |token, ws, w| w.send(token, ch as usize, buffer, meta, sending(ws, cont), dir))
 }
 
 /// `bulk_channel_copy`.
 pub fn channel_copy(ch: *mut BulkChannel, buffer: usize, meta: *const std::ffi::c_void, cont: Option<Cont>) -> Res<()> {
-    let (token, ws) = channel(ch)?;
-    let mut w = lock(&ws);
-    w.copy(token, ch as usize, buffer, meta, sending(&ws, cont))
+    with_channel_locked(ch, |token, ws, w| w.copy(token, ch as usize, buffer, meta, sending(ws, cont)))
 }
 
 /// `bulk_channel_release`.
 pub fn channel_release(ch: *mut BulkChannel, buffer: usize, cont: Option<Cont>) -> Res<()> {
-    let (token, ws) = channel(ch)?;
-    let mut w = lock(&ws);
-    w.release(token, ch as usize, buffer, sending(&ws, cont))
+    with_channel_locked(ch, |token, ws, w| w.release(token, ch as usize, buffer, sending(ws, cont)))
 }
 
 /// The program's answer to a pool offer (after its `pool_assigned` ran).
 pub fn answer_pool(token: usize, pool: PoolId, accept: bool) {
     let ws = channels_read().get(&token).map(|r| r.ws.clone());
-    if let Some(ws) = ws {
-        lock(&ws).answer_pool(token, pool, accept);
+    if let Some(w) = ws.as_ref().map(|ws| lock(ws)).as_mut().and_then(|g| g.as_mut()) {
+        w.answer_pool(token, pool, accept);
     }
     if !accept {
         collect_pools();
@@ -515,7 +558,9 @@ pub fn collect_pools() {
     }
     let all: Vec<WsRef> = waitsets_read().by_key.values().cloned().collect();
     for ws in &all {
-        lock(ws).keep_used(&mut candidates);
+        if let Some(w) = lock(ws).as_mut() {
+            w.keep_used(&mut candidates);
+        }
     }
     // A channel may have taken up one of them while we looked: next time.
     if GENERATION.load(Ordering::SeqCst) != generation {
@@ -524,6 +569,8 @@ pub fn collect_pools() {
     forget(&candidates);
     // The waitsets' caches let go of them now, not at their next lookup.
     for ws in &all {
-        lock(ws).forget_pools();
+        if let Some(w) = lock(ws).as_mut() {
+            w.forget_pools();
+        }
     }
 }

@@ -16,6 +16,7 @@ use crate::boundary;
 use crate::cmem::{CArray, CRef};
 use crate::codes::*;
 use crate::ffi::*;
+use crate::lock::{SpinGuard, SpinLock};
 use crate::state::{new_token, Res, DOMAIN};
 
 static TABLE: LazyLock<RwLock<Table>> = LazyLock::new(Default::default);
@@ -135,7 +136,7 @@ impl Slot {
 /// working on neighbouring buffers (a stream between threads, many
 /// buffers in flight) do not take each other's lines.
 #[repr(align(64))]
-struct SlotCell(Mutex<Slot>);
+struct SlotCell(SpinLock<Slot>);
 
 /// A pool this process knows, with its C objects.
 pub struct PoolEntry {
@@ -152,7 +153,7 @@ pub struct PoolEntry {
     _ptrs: CArray<*mut BulkBuffer>,
     slots: Box<[SlotCell]>,
     /// Made by bulk_alloc_init: the allocator struct's token and the allocator.
-    allocator: Mutex<Option<(usize, Allocator)>>,
+    allocator: SpinLock<Option<(usize, Allocator)>>,
 }
 
 impl PoolEntry {
@@ -170,8 +171,8 @@ impl PoolEntry {
     }
 
     /// Buffer `i`, locked.
-    pub fn slot(&self, i: usize) -> MutexGuard<'_, Slot> {
-        lock(&self.slots[i].0)
+    pub fn slot(&self, i: usize) -> SpinGuard<'_, Slot> {
+        self.slots[i].0.lock()
     }
 
     /// Rewrites the pool's trust from the domain.
@@ -182,7 +183,7 @@ impl PoolEntry {
 
     /// Whether nothing but channels may refer to the pool.
     fn unheld(&self) -> bool {
-        lock(&self.allocator).is_none() && self.slots.iter().all(|s| lock(&s.0).is_empty())
+        self.allocator.lock().is_none() && self.slots.iter().all(|s| s.0.lock().is_empty())
     }
 }
 
@@ -265,7 +266,7 @@ impl Table {
                     written: [(0, 0); 2],
                 };
                 s.refresh();
-                SlotCell(Mutex::new(s))
+                SlotCell(SpinLock::new(s))
             })
             .collect();
         self.pool_addr.insert(pool_ptr as usize, id);
@@ -279,7 +280,7 @@ impl Table {
             copy_bufs,
             _ptrs: ptrs,
             slots,
-            allocator: Mutex::new(allocator),
+            allocator: SpinLock::new(allocator),
         });
         e.refresh_trust();
         self.pools.insert(id, e.clone());
@@ -538,7 +539,7 @@ pub fn drop_channel_handles(token: usize, never_handed: &[BufferId]) {
     let all: Vec<Arc<PoolEntry>> = read().pools.values().cloned().collect();
     for e in all {
         for slot in e.slots.iter() {
-            let mut s = lock(&slot.0);
+            let mut s = slot.0.lock();
             if s.copies.iter().any(|c| c.0 == token) {
                 s.copies.retain(|c| c.0 != token);
                 s.refresh();
@@ -588,7 +589,7 @@ fn with_allocator<R>(a: *mut BulkAllocator, f: impl FnOnce(usize, &PoolEntry) ->
 
 /// `bulk_alloc_init`.
 pub fn alloc_init(a: *mut BulkAllocator, count: usize, size: usize, c: Option<BulkPoolConstraints>) -> Res<()> {
-    let live = with_allocator(a, |token, e| Ok(lock(&e.allocator).as_ref().is_some_and(|(t, _)| *t == token)));
+    let live = with_allocator(a, |token, e| Ok(e.allocator.lock().as_ref().is_some_and(|(t, _)| *t == token)));
     if live == Ok(true) {
         return Err(ERR_ALLOCATOR_IN_USE);
     }
@@ -620,10 +621,10 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
     t.allocators.remove(&token);
     EPOCH.fetch_add(1, Ordering::AcqRel);
     if let Some(e) = e {
-        let mut alloc = lock(&e.allocator);
+        let mut alloc = e.allocator.lock();
         // The program's handles of the pool go back first, then the allocator.
         for slot in e.slots.iter() {
-            let mut s = lock(&slot.0);
+            let mut s = slot.0.lock();
             s.owned = None;
             s.copies.clear();
             s.refresh();
@@ -637,7 +638,7 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
 /// `bulk_alloc_new_buffer`.
 pub fn alloc_new_buffer(a: *mut BulkAllocator) -> Res<usize> {
     with_allocator(a, |token, e| {
-        let alloc = lock(&e.allocator);
+        let alloc = e.allocator.lock();
         let alloc = match &*alloc {
             Some((t, alloc)) if *t == token => alloc,
             _ => return Err(ERR_INVALID_ALLOCATOR),
@@ -663,7 +664,7 @@ pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
             // Not this pool's: a buffer of another pool, or no buffer at all.
             return with_buffer(buffer, |_, _, _| Err(ERR_FOREIGN_POOL));
         };
-        let alloc = lock(&e.allocator);
+        let alloc = e.allocator.lock();
         let alloc = match &*alloc {
             Some((t, alloc)) if *t == token => alloc,
             _ => return Err(ERR_INVALID_ALLOCATOR),

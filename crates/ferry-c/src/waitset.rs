@@ -172,6 +172,17 @@ pub const DEFAULT_SPIN: Duration = ferry::DEFAULT_SPIN;
 /// on it. One that has been idle longer arms at once.
 const BUSY: Duration = Duration::from_millis(1);
 
+/// A spinning dispatch reads the clock once per this many empty polls.
+const CLOCK_EVERY: u32 = 16;
+
+/// A dispatch's spin: until when it polls (`None` until its first empty
+/// poll), and its empty polls since.
+#[derive(Default)]
+pub struct SpinClock {
+    until: Option<Instant>,
+    polls: u32,
+}
+
 /// Hashes the small integers a waitset's maps are keyed by (selector keys,
 /// channel tokens) with one multiplication: no SipHash on the data path.
 #[derive(Default, Clone, Copy)]
@@ -211,8 +222,6 @@ fn sent_unanswered(chan: &mut Chan, selector: &mut Selector, held_back: &mut boo
 
 /// A waitset.
 pub struct Waitset {
-    /// The allocation whose address is the `struct waitset *`.
-    _tag: Box<u64>,
     selector: Selector,
     /// Selector key → channel token.
     keys: IdMap<usize>,
@@ -243,8 +252,6 @@ pub struct Waitset {
     last_work: Instant,
     /// Work was handed out since `last_work` was read.
     worked: bool,
-    /// Destroyed: takes no more channels.
-    pub dead: bool,
     /// The program took the fd (`bulk_waitset_fd`): it may sleep on it, so
     /// a dispatch that finds nothing arms the channels even when it does
     /// not sleep itself.
@@ -326,18 +333,15 @@ fn channel_of<'a>(selector: &'a mut Selector, chan: &'a mut Chan) -> Option<&'a 
 }
 
 impl Waitset {
-    /// A new waitset and its key (the address given to C).
-    pub fn new() -> Res<(usize, Waitset)> {
+    /// A new waitset.
+    pub fn new() -> Res<Waitset> {
         let no_fd = |_| ERR_NO_RESOURCES;
         let selector = Selector::new().map_err(|e| of_error(&e))?;
         let ep = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(no_fd)?;
         let bell = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(no_fd)?;
         epoll::add(&ep, selector.as_fd(), epoll::EventData::new_u64(0), epoll::EventFlags::IN).map_err(no_fd)?;
         epoll::add(&ep, &bell, epoll::EventData::new_u64(1), epoll::EventFlags::IN).map_err(no_fd)?;
-        let tag = Box::new(0u64);
-        let key = &*tag as *const u64 as usize;
-        let ws = Waitset {
-            _tag: tag,
+        Ok(Waitset {
             selector,
             keys: IdMap::default(),
             order: Vec::new(),
@@ -353,11 +357,9 @@ impl Waitset {
             spin: DEFAULT_SPIN,
             last_work: Instant::now(),
             worked: false,
-            dead: false,
             fd_taken: false,
             pools: PoolCache::default(),
-        };
-        Ok((key, ws))
+        })
     }
 
     /// The program's fd, for the program to wait on. Until the program
@@ -454,15 +456,15 @@ impl Waitset {
     /// carry the peer's actions, which a program waits for; a continuation
     /// only reports that one of its own calls completed. After
     /// [`FAIRNESS`] events in a row one queued work runs, so a busy peer
-    /// cannot hold continuations back for ever. Until `spin_until` the
+    /// cannot hold continuations back for ever. Until the end of `spin` the
     /// channels are only polled (no system call, no doorbell for the peer
     /// to ring); after it they are armed, and `Idle` means the fd will
     /// tell when to look again. A dispatch that will not sleep (`sleeps`
     /// false) on a waitset whose fd the program never took does not arm
     /// them (`Nothing`): arming costs system calls here and at the peer,
     /// and nobody could wait for what it announces.
-    pub fn next_step(&mut self, spin_until: &mut Option<Instant>, sleeps: bool) -> Step {
-        let step = self.next_step_inner(spin_until, sleeps);
+    pub fn next_step(&mut self, spin: &mut SpinClock, sleeps: bool) -> Step {
+        let step = self.next_step_inner(spin, sleeps);
         if matches!(step, Step::Run(_)) {
             self.worked = true;
         }
@@ -483,7 +485,7 @@ impl Waitset {
         }
     }
 
-    fn next_step_inner(&mut self, spin_until: &mut Option<Instant>, sleeps: bool) -> Step {
+    fn next_step_inner(&mut self, spin: &mut SpinClock, sleeps: bool) -> Step {
         self.release_written();
         if self.streak >= FAIRNESS {
             if let Some(w) = self.pop() {
@@ -500,13 +502,23 @@ impl Waitset {
         if let Some(w) = self.pop() {
             return Step::Run(w);
         }
-        let now = Instant::now();
-        let until = match *spin_until {
-            Some(until) => until,
-            None => *spin_until.insert(self.spin_until(now)),
-        };
-        if now < until {
-            return Step::Spin;
+        // The clock is read at the first empty poll (an idle waitset arms
+        // at once), then every CLOCK_EVERY polls: a busy poll stays a poll.
+        match spin.until {
+            Some(until) => {
+                spin.polls += 1;
+                if spin.polls % CLOCK_EVERY != 0 || Instant::now() < until {
+                    return Step::Spin;
+                }
+            }
+            None => {
+                let now = Instant::now();
+                let until = self.spin_until(now);
+                spin.until = Some(until);
+                if now < until {
+                    return Step::Spin;
+                }
+            }
         }
         if self.pending.is_empty() {
             self.quiet();
@@ -552,10 +564,13 @@ impl Waitset {
         }
         loop {
             let held_back = std::mem::take(&mut self.held_back);
-            for j in 0..n {
-                let (key, token) = self.order[(self.next_poll + j) % n];
+            // Indices wrap by a compare, not a division (one per poll).
+            let mut i = self.next_poll.min(n - 1);
+            for _ in 0..n {
+                let (key, token) = self.order[i];
+                i = if i + 1 == n { 0 } else { i + 1 };
                 if let Some(ev) = self.selector.get_mut(key).and_then(Channel::poll) {
-                    self.next_poll = (self.next_poll + j + 1) % n;
+                    self.next_poll = i;
                     // Not every channel was polled: some may still hold back.
                     self.held_back |= held_back;
                     return Some((token, ev));
@@ -594,10 +609,26 @@ impl Waitset {
     fn take_event(&mut self, token: usize, ev: Event) -> Option<Work> {
         let (ch, cbs, meta_size) = {
             let chan = self.chans.get_mut(&token)?;
-            let cbs = boundary::read(chan.callbacks as *const BulkChannelCallbacks)?;
             let ch = chan.c_addr;
-            (ch, cbs, channel_of(&mut self.selector, chan).map_or(0, |c| c.meta_size()))
+            (
+                ch,
+                chan.callbacks as *const BulkChannelCallbacks,
+                channel_of(&mut self.selector, chan).map_or(0, |c| c.meta_size()),
+            )
         };
+        // The usual events need one callback: only it is read.
+        let ev = match ev {
+            Event::MoveReceived { buffer, meta } => {
+                let f = boundary::buffer_callback(cbs, false)?;
+                return received_owned(&mut self.pools, (token, ch), f, buffer, &meta, meta_size);
+            }
+            Event::BufferPassed { buffer, meta } => {
+                let f = boundary::buffer_callback(cbs, true)?;
+                return received_owned(&mut self.pools, (token, ch), f, buffer, &meta, meta_size);
+            }
+            ev => ev,
+        };
+        let cbs = boundary::read(cbs)?;
         match ev {
             Event::BindRequest { .. } | Event::Bound => {
                 let chan = self.chans.get_mut(&token)?;
@@ -646,12 +677,8 @@ impl Waitset {
                 let pool_ptr = with_pool(id, false, |e| e.pool_ptr())?;
                 Some(Work::PoolRemoved { f, ch, token, pool_ptr, pool: id })
             }
-            Event::MoveReceived { buffer, meta } => {
-                received_owned(&mut self.pools, (token, ch), cbs.move_received, buffer, &meta, meta_size)
-            }
-            Event::BufferPassed { buffer, meta } => {
-                received_owned(&mut self.pools, (token, ch), cbs.buffer_received, buffer, &meta, meta_size)
-            }
+            // Served above.
+            Event::MoveReceived { .. } | Event::BufferPassed { .. } => None,
             Event::CopyReceived { copy, meta } => {
                 let id = copy.id();
                 let i = id.index as usize;
@@ -889,12 +916,10 @@ impl Waitset {
             }
             let mut s = e.slot(i);
             let b = s.owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
-            let mut bytes = [0u8; MAX_META_SIZE];
-            let meta = boundary::read_meta(meta, c.meta_size(), &mut bytes);
-            let sent = match dir {
+            let sent = boundary::with_meta(meta, c.meta_size(), |meta| match dir {
                 Direction::Tx => c.move_buffer(b, meta),
                 Direction::Rx => c.pass(b, meta),
-            };
+            });
             if let Err(r) = sent {
                 let (error, value) = r.into_parts();
                 s.owned = Some(value);
@@ -925,8 +950,7 @@ impl Waitset {
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Tx)?;
         let payload = with_buffer_in(pools, buffer, |e, i, view| {
-            let mut bytes = [0u8; MAX_META_SIZE];
-            let meta = boundary::read_meta(meta, c.meta_size(), &mut bytes);
+            let meta_size = c.meta_size();
             let mut slot = e.slot(i);
             let held = slot.copies.iter().find(|h| h.2 == view).map(|h| &h.1);
             // The bytes travel unless the peer may hold a copy already: an
@@ -937,11 +961,11 @@ impl Waitset {
                 (View::Owner, Some(_)) if slot.owner_state() == buffer_state_to(BufferState::ReadWrite) => size,
                 _ => 0,
             };
-            let sent = match (view, &slot.owned, held) {
-                (View::Owner, Some(b), _) => c.copy(b, meta),
-                (_, _, Some(copy)) => c.copy(copy, meta),
-                _ => return Err(ERR_BUFFER_NOT_OWNED),
-            };
+            let sent = boundary::with_meta(meta, meta_size, |meta| match (view, &slot.owned, held) {
+                (View::Owner, Some(b), _) => Ok(c.copy(b, meta)),
+                (_, _, Some(copy)) => Ok(c.copy(copy, meta)),
+                _ => Err(ERR_BUFFER_NOT_OWNED),
+            })?;
             sent.map_err(|e| of_error(&e))?;
             slot.refresh();
             Ok(payload)

@@ -20,6 +20,7 @@
 #include <bulk_transfer/bulk_sm.h>
 #include <bulk_transfer/bulk_net.h>
 
+#include <dirent.h>
 #include <unistd.h>
 
 #include "common.h"
@@ -238,6 +239,45 @@ static void test_allocator(struct bulk_allocator *a, struct bulk_allocator *b, s
     scribble(b3, 3);
     EXPECT_OK(bulk_alloc_return_buffer(c, b3));
     printf("allocator: errors checked\n");
+}
+
+/** The fds this process has open. */
+static int open_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    CHECK(d != NULL, "opendir /proc/self/fd");
+    if (d == NULL) {
+        return -1;
+    }
+    int n = 0;
+    while (readdir(d) != NULL) {
+        n++;
+    }
+    closedir(d);
+    return n;
+}
+
+/*
+ * A waitset this thread dispatched (the library remembers it for the next
+ * dispatch) and then destroyed: its fds are closed at once, and calls on
+ * it say it is gone.
+ */
+static void test_destroyed_waitset(void)
+{
+    int before = open_fds();
+    struct waitset *w;
+    EXPECT_OK(bulk_waitset_create(&w));
+    CHECK(open_fds() > before, "a new waitset holds no fd");
+    EXPECT_CODE(bulk_waitset_dispatch(w, 0), BULK_ERR_TIMEOUT);
+    EXPECT_OK(bulk_waitset_destroy(w));
+    CHECK(open_fds() == before, "a destroyed waitset left %d fds open", open_fds() - before);
+    EXPECT_CODE(bulk_waitset_dispatch(w, 0), BULK_ERR_INVALID_WAITSET);
+    EXPECT_CODE(bulk_waitset_set_spin(w, 0), BULK_ERR_INVALID_WAITSET);
+    CHECK(bulk_waitset_fd(w) == -1, "bulk_waitset_fd of a destroyed waitset");
+    EXPECT_CODE(bulk_waitset_destroy(w), BULK_ERR_INVALID_WAITSET);
+    /* The waitset dispatched before is served again. */
+    EXPECT_CODE(bulk_waitset_dispatch(ws, 0), BULK_ERR_TIMEOUT);
+    printf("destroyed waitset: fds closed, calls refused\n");
 }
 
 static void test_waitset_and_endpoints(void)
@@ -617,6 +657,7 @@ int main(void)
     memset(&c, 0, sizeof c);
     test_allocator(&a, &b, &c);
     test_waitset_and_endpoints();
+    test_destroyed_waitset();
     test_channels(&a, &b, &c);
     EXPECT_OK(bulk_alloc_free(&a));
     EXPECT_OK(bulk_alloc_free(&b));

@@ -154,6 +154,7 @@ fn ferry_point(
         touch: a.touch,
         batch: !a.no_batching,
         unfilled: a.one_way,
+        one_domain: a.one_domain,
     };
     let mut rig = match kept.take() {
         Some(r) => r,

@@ -235,7 +235,7 @@ fn transfer_point(
     let mut rig = rig::connect(
         backend,
         setup,
-        EchoSpec { role: EchoRole::Fbufs, busy, touch: false, batch: false, unfilled: false },
+        EchoSpec { role: EchoRole::Fbufs, busy, touch: false, batch: false, unfilled: false, one_domain: false },
         None,
         &crate::tls_args::TlsFlags::default(),
     )?;

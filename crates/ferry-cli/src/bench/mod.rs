@@ -358,6 +358,10 @@ pub struct BenchArgs {
     /// --backend net the baseline is iperf3.
     #[arg(long)]
     pub one_way: bool,
+    /// rtt and throughput over --backend local: both ends in one domain, as a process using
+    /// Ferry's C interface holds both ends of a local channel (default: a domain per end).
+    #[arg(long)]
+    pub one_domain: bool,
     /// One JSON object per measured point on stdout.
     #[arg(long)]
     pub json: bool,
@@ -567,6 +571,12 @@ fn validate(a: &BenchArgs) -> Result<(), CliError> {
     }
     only("--moves", a.moves.is_some(), exp == Experiment::Throughput, "throughput")?;
     only("--one-way", a.one_way, exp == Experiment::Throughput, "throughput")?;
+    only("--one-domain", a.one_domain, matches!(exp, Experiment::Rtt | Experiment::Throughput), "rtt and throughput")?;
+    if a.one_domain && (backend != Backend::Local || a.compare) {
+        return Err(usage(
+            "--one-domain puts both ends of a local channel in one domain; give --backend local, without --compare",
+        ));
+    }
     if a.one_way && !backend.is_ferry() {
         return Err(usage(format!(
             "--one-way: {} is not one of Ferry's backends (its sink decides what goes back); give --backend local, shm, net or net-tls",
@@ -810,6 +820,10 @@ mod tests {
             &["rtt", "--backend", "mux", "--compare", "--against", "shm"],
             &["fbufs-table", "--backend", "mux"],
             &["rtt", "--backend", "mux", "--peer", "tcp:127.0.0.1:1"],
+            // One domain is a local channel's, measured on its own.
+            &["rtt", "--backend", "shm", "--one-domain"],
+            &["throughput", "--one-domain", "--compare"],
+            &["fanin", "--one-domain"],
         ] {
             assert!(matches!(check(bad), Err(CliError::Usage(_))), "{bad:?} accepted");
         }
@@ -836,6 +850,8 @@ mod tests {
             &["rtt", "--backend", "mux", "--blocking", "--compare", "--against", "net"],
             &["rtt", "--backend", "mux", "--busy-poll", "--compare"],
             &["throughput", "--backend", "mux", "--compare", "--against", "net,tcp-copy"],
+            &["rtt", "--backend", "local", "--one-domain", "--busy-poll"],
+            &["throughput", "--one-domain"],
         ] {
             assert!(check(good).is_ok(), "{good:?} refused");
         }

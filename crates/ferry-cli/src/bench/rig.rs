@@ -50,6 +50,8 @@ pub struct EchoSpec {
     /// The standard echo passes every buffer back without its contents
     /// (`Channel::pass_unfilled`): the payload travels one way.
     pub unfilled: bool,
+    /// A local echo in the source's domain instead of its own.
+    pub one_domain: bool,
 }
 
 impl EchoSpec {
@@ -172,7 +174,7 @@ pub fn connect(
     if backend == Backend::Local {
         let ep = Endpoint::local();
         let mut source = Channel::create(&domain, &ep, setup).map_err(trust_error)?;
-        let echo_domain = Domain::new("echo");
+        let echo_domain = if spec.one_domain { domain.clone() } else { Domain::new("echo") };
         let mut sink = Channel::bind(&echo_domain, &ep, BindParams::default())?;
         match source.wait(Some(STEP)) {
             Ok(Event::BindRequest { .. }) => {}

@@ -1,0 +1,161 @@
+//! A lock for the short critical sections of the data path (a waitset, a
+//! buffer's slot, an allocator): one locked instruction to take it, a
+//! plain store to let it go. `std::sync::Mutex` spends a second locked
+//! instruction on unlocking (to learn whether to wake a sleeper), and a
+//! call into the library takes two or three such locks: on a busy-polled
+//! message path the locked instructions cost more than the rest of the
+//! call. A thread that finds the lock taken spins briefly, then yields
+//! its CPU, then naps between looks (the sections are short: no sleeping,
+//! no call into the program; the longest, a channel's destroy, unmaps
+//! pools).
+
+#![allow(unsafe_code)]
+
+use std::cell::UnsafeCell;
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Polls of a taken lock before the thread yields between polls.
+const SPINS: u32 = 64;
+/// Yields before the thread naps between polls (a holder that takes long).
+const YIELDS: u32 = SPINS + 100;
+/// The nap.
+const NAP: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// A value behind a [`SpinLock`].
+pub struct SpinLock<T> {
+    locked: AtomicBool,
+    value: UnsafeCell<T>,
+}
+
+// SAFETY: the lock hands out access to the value to one thread at a time
+// (taken by an acquiring compare-exchange, let go by a releasing store),
+// so sharing the lock shares the value only as a Mutex would: `T: Send`
+// is enough, as for `std::sync::Mutex`.
+unsafe impl<T: Send> Sync for SpinLock<T> {}
+
+/// Access to the value of a taken [`SpinLock`]; lets it go when dropped.
+pub struct SpinGuard<'a, T> {
+    lock: &'a SpinLock<T>,
+}
+
+impl<T> SpinLock<T> {
+    /// A lock holding `value`.
+    pub const fn new(value: T) -> SpinLock<T> {
+        SpinLock { locked: AtomicBool::new(false), value: UnsafeCell::new(value) }
+    }
+
+    /// Takes the lock, waiting for it if another thread holds it.
+    #[inline]
+    pub fn lock(&self) -> SpinGuard<'_, T> {
+        if self.locked.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            self.lock_contended();
+        }
+        SpinGuard { lock: self }
+    }
+
+    /// [`lock`](Self::lock) once the first try failed: out of the way of
+    /// the usual path.
+    #[cold]
+    #[inline(never)]
+    fn lock_contended(&self) {
+        let mut spins = 0u32;
+        loop {
+            // Wait with plain reads (no locked instruction) until it looks free.
+            while self.locked.load(Ordering::Relaxed) {
+                if spins < SPINS {
+                    std::hint::spin_loop();
+                } else if spins < YIELDS {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(NAP);
+                }
+                spins = spins.saturating_add(1);
+            }
+            if self.locked.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                return;
+            }
+        }
+    }
+}
+
+impl<T> Deref for SpinGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: this guard holds the lock (taken in `lock`, let go only
+        // in `drop`), so no other reference to the value exists.
+        unsafe { &*self.lock.value.get() }
+    }
+}
+
+impl<T> DerefMut for SpinGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: as in `deref`; `&mut self` makes this the only
+        // reference made through the guard.
+        unsafe { &mut *self.lock.value.get() }
+    }
+}
+
+impl<T> Drop for SpinGuard<'_, T> {
+    fn drop(&mut self) {
+        // Releasing store: the next holder sees every write made under the lock.
+        self.lock.locked.store(false, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SpinLock;
+    use std::sync::Arc;
+
+    /// Increments from several threads under the lock are none of them lost.
+    #[test]
+    fn excludes() {
+        let lock = Arc::new(SpinLock::new(0u64));
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let lock = lock.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..20_000 {
+                        let mut g = lock.lock();
+                        let v = *g;
+                        std::hint::black_box(&mut *g);
+                        *g = v + 1;
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("thread");
+        }
+        assert_eq!(*lock.lock(), 80_000);
+    }
+
+    /// A holder that keeps the lock a while (naps of the waiter) still
+    /// hands it over, with its writes.
+    #[test]
+    fn long_hold() {
+        let lock = Arc::new(SpinLock::new(0u32));
+        let mut g = lock.lock();
+        let l = lock.clone();
+        let waiter = std::thread::spawn(move || *l.lock());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        *g = 7;
+        drop(g);
+        assert_eq!(waiter.join().expect("waiter"), 7);
+    }
+
+    /// A panic while the lock is held lets it go.
+    #[test]
+    fn unlocks_on_panic() {
+        let lock = Arc::new(SpinLock::new(1u32));
+        let l = lock.clone();
+        let r = std::thread::spawn(move || {
+            let _g = l.lock();
+            panic!("held");
+        })
+        .join();
+        assert!(r.is_err());
+        assert_eq!(*lock.lock(), 1);
+    }
+}
