@@ -310,10 +310,18 @@ impl Channel {
 
     /// Take one message in: an event, or `None` for a slot of an aggregate
     /// run that is not complete yet.
+    #[inline]
     pub(super) fn take(&mut self, msg: Message) -> Result<Option<Event>> {
         if self.assembling.is_none() && !matches!(msg, Message::AggHeader { .. } | Message::AggFrags { .. }) {
-            // A pool request the policy accepted quietly is no event.
-            return self.deliver(msg).map(|ev| self.apply_pool_policy(ev));
+            let ev = self.deliver(msg)?;
+            if let Event::PoolAssignRequest(_) = ev {
+                // A pool request the policy accepted quietly is no event.
+                return Ok(self.apply_pool_policy(ev));
+            }
+            // Every other event as it is: inlined here and without the
+            // policy's look, the event (over 100 bytes) is not moved from
+            // one frame to the next on its way to the caller.
+            return Ok(Some(ev));
         }
         let taken = self.take_aggregate(msg);
         if taken.is_err() {
