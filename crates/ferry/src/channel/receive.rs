@@ -283,6 +283,15 @@ impl Channel {
         loop {
             let received = self.recv();
             return match received {
+                // A buffer moved or passed outside an aggregate run (the
+                // data path): straight to delivery. It is never a pool
+                // request, so the pool policy has nothing to do with it,
+                // and the event is not moved through `take`'s result.
+                Ok(Some(msg))
+                    if self.assembling.is_none() && matches!(msg, Message::Move { .. } | Message::Pass { .. }) =>
+                {
+                    Some(self.deliver(msg).unwrap_or_else(|e| self.fail(e)))
+                }
                 Ok(Some(msg)) => match self.take(msg) {
                     Ok(Some(ev)) => Some(ev),
                     // A slot of an aggregate run that is not complete yet.
