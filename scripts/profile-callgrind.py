@@ -45,7 +45,7 @@ LAYERS = [
     ("ledger.rs", "domain ledger"),
     ("ring", "ring"),  # ring/ (ring.rs in older builds)
     ("proto.rs", "encode/decode"),
-    ("backend/", "shm link"),
+    ("backend/", "link"),
     ("buffer.rs", "buffer/pool"),
     ("pool.rs", "buffer/pool"),
     ("alloc.rs", "buffer/pool"),
@@ -61,7 +61,7 @@ ORDER = [
     "buffer/pool",
     "ring",
     "encode/decode",
-    "shm link",
+    "link",
     "page protection",
     "counters",
     "wake-ups",
