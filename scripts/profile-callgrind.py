@@ -5,9 +5,10 @@ instructions per message, by layer, with the busy-poll spin taken out.
 Usage: scripts/profile-callgrind.py [--functions MIN] DIR
 (--functions MIN: also list, per process, every function that costs at
 least MIN instructions per message.)
-(DIR as scripts/profile-rtt leaves it: one callgrind.out per process,
-named CASE.ROLE.PID, and DIR/cases.json saying how many messages each
-case moved.)
+(DIR as scripts/profile-shm leaves it: one callgrind.out per process,
+named CASE.RUN.PID, or per thread, CASE.RUN.PID-THREAD, where both ends
+are threads of one process; and DIR/cases.json saying how many messages
+each case moved.)
 
 Method, per process:
   * Every instruction is put in the layer of the source file it came from
@@ -27,6 +28,7 @@ Method, per process:
     exactly (calls of the poll function less the messages).
 """
 
+import functools
 import json
 import os
 import re
@@ -38,12 +40,12 @@ FERRY_CLI = "/crates/ferry-cli/"
 
 # Ferry's layers, by source file under crates/ferry/src.
 LAYERS = [
-    ("channel/", "channel"),
+    ("channel", "channel"),  # channel/ (channel.rs in older builds)
     ("domain.rs", "domain ledger"),
     ("ledger.rs", "domain ledger"),
-    ("ring/", "ring"),
+    ("ring", "ring"),  # ring/ (ring.rs in older builds)
     ("proto.rs", "encode/decode"),
-    ("backend/", "shm link"),
+    ("backend/", "link"),
     ("buffer.rs", "buffer/pool"),
     ("pool.rs", "buffer/pool"),
     ("alloc.rs", "buffer/pool"),
@@ -59,7 +61,7 @@ ORDER = [
     "buffer/pool",
     "ring",
     "encode/decode",
-    "shm link",
+    "link",
     "page protection",
     "counters",
     "wake-ups",
@@ -173,6 +175,25 @@ class Profile:
             table[m.group(1)] = m.group(2)
         return table.get(m.group(1), val)
 
+    def merge(self, other):
+        """Add another profile of the same role (another thread of it)."""
+        for fn, per in other.self_cost.items():
+            for layer, ir in per.items():
+                self.self_cost[fn][layer] += ir
+        for fn, n in other.self_sys.items():
+            self.self_sys[fn] += n
+        for key, (n, ir, s, site) in other.edges.items():
+            e = self.edges[key]
+            e[0] += n
+            e[1] += ir
+            e[2] += s
+            if e[3] is None:
+                e[3] = site
+        for fn, n in other.calls_in.items():
+            self.calls_in[fn] += n
+        for fn, fl in other.fn_file.items():
+            self.fn_file.setdefault(fn, fl)
+
     def fn_layer(self, fn):
         return layer_of_file(self.fn_file.get(fn))
 
@@ -238,18 +259,39 @@ class Profile:
         return sum(n for fn, n in self.calls_in.items() if rx.search(fn))
 
 
+# A profile file per process is CASE.RUN.PID; per thread (both ends in one
+# process), CASE.RUN.PID-THREAD.
+PROFILE_FILE = r"\.([a-z])\.(\d+)(-\d+)?$"
+# The echo's thread runs the echo loop; every other thread of that process
+# counts for the source.
+ECHO_THREAD = re.compile(r"^c?fn=\(\d+\) ferry(_cli)?::echo::serve$")
+
+
+def role_of(path, threaded):
+    """"echo" or "source": a process by its command line (the echo process
+    is started as `... echo ...`), a thread by whether it ran the echo."""
+    with open(path, errors="replace") as f:
+        if threaded:
+            return "echo" if any(ECHO_THREAD.match(l) for l in f) else "source"
+        words = next((l[4:].split() for l in f if l.startswith("cmd:")), [])
+    return "echo" if len(words) > 1 and words[1] == "echo" else "source"
+
+
 def load(dirpath):
-    """case -> run -> role -> Profile (role from the command line: the
-    echo process is the one started as `... echo ...`)."""
+    """case -> run -> role -> Profile (threads of one role merged)."""
     profiles = defaultdict(lambda: defaultdict(dict))
     for name in sorted(os.listdir(dirpath)):
-        m = re.match(r"(.+)\.([a-z])\.(\d+)$", name)
-        if not m or m.group(1).endswith(("-atomics", "-floor")):
+        m = re.match(r"(.+)" + PROFILE_FILE, name)
+        path = os.path.join(dirpath, name)
+        if not m or m.group(1).endswith(("-atomics", "-floor")) or os.path.getsize(path) == 0:
             continue
-        p = Profile(os.path.join(dirpath, name))
-        words = p.cmd.split()
-        role = "echo" if len(words) > 1 and words[1] == "echo" else "source"
-        profiles[m.group(1)][m.group(2)][role] = p
+        p = Profile(path)
+        role = role_of(path, m.group(4) is not None)
+        run = profiles[m.group(1)][m.group(2)]
+        if role in run:
+            run[role].merge(p)
+        else:
+            run[role] = p
     return profiles
 
 
@@ -299,6 +341,7 @@ def solve(case, runs, empty_from=None, view="by_layer"):
     return per, sysper, e, esys, empties
 
 
+@functools.lru_cache(maxsize=None)
 def atomic_addresses(binary):
     """Addresses of the locked read-modify-write instructions (x86 `lock`
     prefix, and `xchg` with memory, locked by definition) of `binary`."""
@@ -357,14 +400,17 @@ def print_atomics(d, cases):
             continue
         per_run = defaultdict(dict)
         for f in sorted(os.listdir(d)):
-            m = re.match(re.escape(name) + r"-atomics\.([ab])\.(\d+)$", f)
-            if not m:
-                continue
+            m = re.match(re.escape(name) + r"-atomics" + PROFILE_FILE, f)
             path = os.path.join(d, f)
+            if not m or os.path.getsize(path) == 0:
+                continue
             with open(path, errors="replace") as fh:
                 cmd = next((l[4:].split() for l in fh if l.startswith("cmd:")), [])
-            role = "echo" if len(cmd) > 1 and cmd[1] == "echo" else "source"
-            per_run[m.group(1)][role] = atomics_per_function(path, atomic_addresses(cmd[0]))
+            role = role_of(path, m.group(3) is not None)
+            counts = atomics_per_function(path, atomic_addresses(cmd[0]))
+            mine = per_run[m.group(1)].setdefault(role, defaultdict(int))
+            for k, v in counts.items():
+                mine[k] += v
         if set(per_run) != {"a", "b"}:
             continue
         dn = runs["b"] - runs["a"]

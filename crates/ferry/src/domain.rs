@@ -40,6 +40,10 @@ impl std::fmt::Debug for Domain {
     }
 }
 
+/// Its lock is taken for every buffer operation: whole 128-byte blocks
+/// of its own keep another domain's lock, in another thread, off its cache
+/// lines (two domains made one after the other are neighbours in memory).
+#[repr(align(128))]
 pub(crate) struct DomainShared {
     pub(crate) id: u64,
     name: String,
@@ -676,16 +680,21 @@ impl DomainState {
     /// A buffer arrived on `chan` (moved or passed): it is ours. False,
     /// and nothing changes, if it was ours already (the peer cannot give
     /// us what we own). One look-up of its pool for the whole delivery.
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn arrived(&mut self, id: BufferId, chan: ChanKey) -> bool {
-        let e = self.rec_mut(id);
-        let rec = &mut e.records[id.index as usize];
+        Self::arrived_in(self.rec_mut(id), id.index, chan)
+    }
+
+    /// [`DomainState::arrived`] in the pool's entry, looked up already.
+    #[inline]
+    pub(crate) fn arrived_in(e: &mut PoolEntry, index: u32, chan: ChanKey) -> bool {
+        let rec = &mut e.records[index as usize];
         if rec.owned {
             return false;
         }
         rec.arrived_via = Some(chan);
         rec.lent_on = None;
-        Self::take_ownership_in(e, id.index);
+        Self::take_ownership_in(e, index);
         true
     }
 
@@ -780,13 +789,18 @@ impl DomainState {
     /// A copy arrived over `chan`: held here. False, and nothing changes,
     /// if it cannot exist (see [`BufRecord::may_receive_copy`]). One
     /// look-up of the pool for the whole delivery.
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn copy_arrived(&mut self, id: BufferId, chan: ChanKey) -> bool {
-        let e = self.rec_mut(id);
-        if !e.records[id.index as usize].may_receive_copy() {
+        Self::copy_arrived_in(self.rec_mut(id), id.index, chan)
+    }
+
+    /// [`DomainState::copy_arrived`] in the pool's entry, looked up already.
+    #[inline]
+    pub(crate) fn copy_arrived_in(e: &mut PoolEntry, index: u32, chan: ChanKey) -> bool {
+        if !e.records[index as usize].may_receive_copy() {
             return false;
         }
-        Self::copy_received_in(e, id.index, chan);
+        Self::copy_received_in(e, index, chan);
         true
     }
 

@@ -145,6 +145,12 @@ pub(crate) trait Link: Send {
     fn peer_can_die(&self) -> bool {
         false
     }
+    /// The memory this end writes for every message (address, length),
+    /// for the tests that keep it off the peer end's cache lines.
+    #[cfg(test)]
+    fn private_memory(&self) -> Vec<(usize, usize)> {
+        Vec::new()
+    }
     /// The channel failed (a protocol error, a dead or silent peer): stop
     /// talking to the peer, without the goodbye of an orderly close.
     /// Returns whether the peer is now treated as dead, so the buffers lent

@@ -31,6 +31,8 @@ use crate::wake::WakeSet;
 
 mod close;
 mod connect;
+#[cfg(all(test, not(loom)))]
+mod layout_tests;
 mod pools;
 mod receive;
 mod send;
@@ -510,6 +512,20 @@ impl Channel {
     /// How long [`wait`](Channel::wait) busy-polls before it sleeps.
     pub fn spin(&self) -> Duration {
         self.spin
+    }
+
+    /// The memory this end writes for every message, named (address,
+    /// length): its link's, its domain's lock and reference counts, its
+    /// counters.
+    #[cfg(test)]
+    pub(crate) fn private_memory(&self) -> Vec<(&'static str, usize, usize)> {
+        let mut all: Vec<_> = self.link.iter().flat_map(|l| l.private_memory()).map(|(a, n)| ("link", a, n)).collect();
+        // The Arc's counts sit just before the value.
+        let domain = Arc::as_ptr(&self.domain.shared) as usize;
+        let counts = 2 * std::mem::size_of::<usize>();
+        all.push(("domain", domain - counts, counts + std::mem::size_of::<crate::domain::DomainShared>()));
+        all.push(("counters", &self.inspect.counters as *const _ as usize, 64));
+        all
     }
 
     fn link_mut(&mut self) -> &mut dyn Link {

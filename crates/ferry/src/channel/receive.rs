@@ -283,6 +283,15 @@ impl Channel {
         loop {
             let received = self.recv();
             return match received {
+                // A buffer moved or passed outside an aggregate run (the
+                // data path): straight to delivery. It is never a pool
+                // request, so the pool policy has nothing to do with it,
+                // and the event is not moved through `take`'s result.
+                Ok(Some(msg))
+                    if self.assembling.is_none() && matches!(msg, Message::Move { .. } | Message::Pass { .. }) =>
+                {
+                    Some(self.deliver(msg).unwrap_or_else(|e| self.fail(e)))
+                }
                 Ok(Some(msg)) => match self.take(msg) {
                     Ok(Some(ev)) => Some(ev),
                     // A slot of an aggregate run that is not complete yet.
@@ -310,10 +319,18 @@ impl Channel {
 
     /// Take one message in: an event, or `None` for a slot of an aggregate
     /// run that is not complete yet.
+    #[inline]
     pub(super) fn take(&mut self, msg: Message) -> Result<Option<Event>> {
         if self.assembling.is_none() && !matches!(msg, Message::AggHeader { .. } | Message::AggFrags { .. }) {
-            // A pool request the policy accepted quietly is no event.
-            return self.deliver(msg).map(|ev| self.apply_pool_policy(ev));
+            let ev = self.deliver(msg)?;
+            if let Event::PoolAssignRequest(_) = ev {
+                // A pool request the policy accepted quietly is no event.
+                return Ok(self.apply_pool_policy(ev));
+            }
+            // Every other event as it is: inlined here and without the
+            // policy's look, the event (over 100 bytes) is not moved from
+            // one frame to the next on its way to the caller.
+            return Ok(Some(ev));
         }
         let taken = self.take_aggregate(msg);
         if taken.is_err() {
@@ -384,8 +401,8 @@ impl Channel {
                     ))
                     .into());
                 }
-                let (view, ()) = self.delivered_view(buf, |st| {
-                    if !st.arrived(buf, key) {
+                let (view, ()) = self.delivered_view(buf, |e| {
+                    if !DomainState::arrived_in(e, buf.index, key) {
                         return Err(
                             ErrorKind::Protocol(format!("peer gave us buffer {} which we own", buf.index)).into()
                         );
@@ -403,8 +420,8 @@ impl Channel {
                 if self.direction != Direction::Rx {
                     return Err(ErrorKind::Protocol("copy against the channel direction".into()).into());
                 }
-                let (view, ()) = self.delivered_view(buf, |st| {
-                    if !st.copy_arrived(buf, key) {
+                let (view, ()) = self.delivered_view(buf, |e| {
+                    if !DomainState::copy_arrived_in(e, buf.index, key) {
                         return Err(forged_copy(buf));
                     }
                     Ok(())
@@ -509,18 +526,19 @@ impl Channel {
 
     /// The view of a buffer named by the peer, checking that its pool is on
     /// this channel and the index is in range; then `apply` the delivery's
-    /// state change under the same domain lock (one lock per delivery).
+    /// state change to the pool's entry under the same domain lock (one
+    /// lock and one look-up of the pool per delivery).
     #[inline]
     fn delivered_view<R>(
         &mut self,
         buf: BufferId,
-        apply: impl FnOnce(&mut DomainState) -> Result<R>,
+        apply: impl FnOnce(&mut PoolEntry) -> Result<R>,
     ) -> Result<(Arc<PoolView>, R)> {
         self.check_listed(buf)?;
         let mut st = self.domain.lock();
-        let e = named_entry(&st, buf)?;
+        let e = named_entry_mut(&mut st, buf)?;
         let view = self.spares.view(&e.view);
-        Ok((view, apply(&mut st)?))
+        Ok((view, apply(e)?))
     }
 
     /// [`Channel::delivered_view`] for a delivery that makes no handle (a
@@ -548,6 +566,16 @@ impl Channel {
 #[inline(always)]
 fn named_entry(st: &DomainState, buf: BufferId) -> Result<&PoolEntry> {
     let e = st.entry(buf.pool).ok_or_else(|| ErrorKind::Protocol(format!("unknown pool {}", buf.pool)))?;
+    if buf.index >= e.view.geometry().count() {
+        return Err(ErrorKind::Protocol(format!("buffer index {} out of range", buf.index)).into());
+    }
+    Ok(e)
+}
+
+/// [`named_entry`], for a change.
+#[inline(always)]
+fn named_entry_mut(st: &mut DomainState, buf: BufferId) -> Result<&mut PoolEntry> {
+    let e = st.entry_mut(buf.pool).ok_or_else(|| ErrorKind::Protocol(format!("unknown pool {}", buf.pool)))?;
     if buf.index >= e.view.geometry().count() {
         return Err(ErrorKind::Protocol(format!("buffer index {} out of range", buf.index)).into());
     }

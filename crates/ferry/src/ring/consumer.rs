@@ -21,7 +21,7 @@ pub(crate) struct Consumer {
     /// The private copy of the slot being read: reused, since `read_slot`
     /// overwrites the `slot_size` bytes handed out (a fresh zeroed array per
     /// pop cost a 256-byte clear).
-    pub(super) copy: Box<[u8; MAX_SLOT]>,
+    pub(super) copy: Box<SlotCopy>,
 }
 
 // SAFETY: as for Producer: the raw pointer is only used for atomic accesses
@@ -29,6 +29,13 @@ pub(crate) struct Consumer {
 unsafe impl Send for Consumer {}
 
 impl Consumer {
+    /// The private copy of the slot (address, length): written for every
+    /// message.
+    #[cfg(test)]
+    pub(crate) fn private_memory(&self) -> (usize, usize) {
+        (self.copy.0.as_ptr() as usize, std::mem::size_of_val(&*self.copy))
+    }
+
     /// Copy the next slot out into a private stack buffer (so a hostile
     /// producer cannot change it while we decode), advance tail, and hand
     /// the copy to `read`.
@@ -62,7 +69,7 @@ impl Consumer {
         // Visible: the Acquire load that produced cached_head > tail (of the
         // head or of this slot's phase) synchronized with the producer's
         // Release store after its writes.
-        self.sh.read_slot(self.tail, &mut self.copy);
+        self.sh.read_slot(self.tail, &mut self.copy.0);
         self.tail = self.tail.wrapping_add(1);
         // Ask for a published slot a few pops ahead, so its lines are on
         // their way from the producer's core by the time we read it.
@@ -72,7 +79,7 @@ impl Consumer {
         // Release: our reads of the slot happen-before the producer's reuse
         // of it (it loads tail with Acquire).
         self.sh.tail().store(self.tail, Ordering::Release);
-        Ok(Some(read(&self.copy[..self.sh.slot_size])))
+        Ok(Some(read(&self.copy.0[..self.sh.slot_size])))
     }
 
     /// Re-read head (Acquire: see try_pop) and validate it: within

@@ -23,7 +23,7 @@ pub(crate) struct Producer {
     /// The private staging copy of the slot being filled: reused, and only
     /// its `slot_size` bytes cleared (a fresh 256-byte array per message
     /// cost a 256-byte clear).
-    pub(super) stage: Box<[u8; MAX_SLOT]>,
+    pub(super) stage: Box<SlotCopy>,
 }
 
 // SAFETY: the only non-Send field is the raw `base` pointer into memory that
@@ -33,6 +33,12 @@ pub(crate) struct Producer {
 unsafe impl Send for Producer {}
 
 impl Producer {
+    /// The staging copy (address, length): written for every message.
+    #[cfg(test)]
+    pub(crate) fn private_memory(&self) -> (usize, usize) {
+        (self.stage.0.as_ptr() as usize, std::mem::size_of_val(&*self.stage))
+    }
+
     /// Fill the next slot with `fill` (it gets a zeroed `&mut [u8]` of
     /// `slot_size` bytes, a private staging copy, then copied into the slot;
     /// bit 7 of its first byte is the ring's phase bit and is not carried),
@@ -67,13 +73,13 @@ impl Producer {
                 return Err(RingError::Full);
             }
         }
-        let stage = &mut self.stage[..self.sh.slot_size];
+        let stage = &mut self.stage.0[..self.sh.slot_size];
         stage.fill(0);
         fill(stage);
         // The slot at head is free: head - cached_tail < cap, and the Acquire
         // load that produced cached_tail ordered the consumer's reads of this
         // slot before our writes.
-        self.sh.write_slot(self.head, &self.stage);
+        self.sh.write_slot(self.head, &self.stage.0);
         self.head = self.head.wrapping_add(1);
         // Ask for the lines of a slot a few pushes ahead now, so that the
         // write then finds them in our cache instead of waiting for the
