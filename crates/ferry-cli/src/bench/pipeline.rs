@@ -1009,7 +1009,11 @@ mod tests {
                 other => panic!("expected a buffer, got {}", describe_event(&other.unwrap_or(Event::Bound))),
             }
         }
-        // The returns go back in one batch too.
+        // The returns go back in one batch too. (A batching shm end
+        // publishes the answer to what it just received at once when it
+        // last published before that; publishing first, with nothing
+        // staged, leaves the eight returns to the one flush below.)
+        down.flush().unwrap();
         down.set_batching(true).unwrap();
         for (seq, (buffer, meta)) in got.into_iter().enumerate() {
             assert_eq!(meta[..8], (seq as u64).to_le_bytes());

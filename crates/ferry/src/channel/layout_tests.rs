@@ -26,19 +26,29 @@ fn assert_apart(source: &Ranges, sink: &Ranges) {
     );
 }
 
-/// As `ferry bench` sets a local channel up: domains and channels made on
-/// one thread, the sink then connected and served on another.
-#[test]
-fn local_ends_write_on_lines_of_their_own() {
-    let t = Duration::from_secs(10);
+/// Two domains and a local channel between them, made one after the other
+/// on this thread as `ferry bench` makes them: the source has taken the
+/// bind request, the sink is still to connect.
+fn local_pair() -> (Channel, Channel, Domain, Domain) {
     let source_domain = Domain::new("source");
     let sink_domain = Domain::new("sink");
     let ep = Endpoint::local();
     let mut source = Channel::create(&source_domain, &ep, ChannelSetup::default()).unwrap();
-    let mut sink = Channel::bind(&sink_domain, &ep, BindParams::default()).unwrap();
-    assert!(matches!(source.wait(Some(t)), Ok(Event::BindRequest { .. })));
+    let sink = Channel::bind(&sink_domain, &ep, BindParams::default()).unwrap();
+    assert!(matches!(source.wait(Some(WAIT)), Ok(Event::BindRequest { .. })));
+    (source, sink, source_domain, sink_domain)
+}
+
+/// How long a step of the set-up may take.
+const WAIT: Duration = Duration::from_secs(10);
+
+/// As `ferry bench` sets a local channel up: domains and channels made on
+/// one thread, the sink then connected and served on another.
+#[test]
+fn local_ends_write_on_lines_of_their_own() {
+    let (source, mut sink, _source_domain, sink_domain) = local_pair();
     let sink_side = std::thread::spawn(move || {
-        assert!(matches!(sink.wait(Some(t)), Ok(Event::Bound)));
+        assert!(matches!(sink.wait(Some(WAIT)), Ok(Event::Bound)));
         (sink.private_memory(), sink, sink_domain)
     });
     let (sink_mem, _sink, _sink_domain) = sink_side.join().unwrap();
@@ -49,13 +59,7 @@ fn local_ends_write_on_lines_of_their_own() {
 /// afterwards): everything of both ends comes from one allocator.
 #[test]
 fn local_ends_connected_on_one_thread_write_on_lines_of_their_own() {
-    let t = Duration::from_secs(10);
-    let source_domain = Domain::new("source");
-    let sink_domain = Domain::new("sink");
-    let ep = Endpoint::local();
-    let mut source = Channel::create(&source_domain, &ep, ChannelSetup::default()).unwrap();
-    let mut sink = Channel::bind(&sink_domain, &ep, BindParams::default()).unwrap();
-    assert!(matches!(source.wait(Some(t)), Ok(Event::BindRequest { .. })));
-    assert!(matches!(sink.wait(Some(t)), Ok(Event::Bound)));
+    let (source, mut sink, _source_domain, _sink_domain) = local_pair();
+    assert!(matches!(sink.wait(Some(WAIT)), Ok(Event::Bound)));
     assert_apart(&source.private_memory(), &sink.private_memory());
 }
