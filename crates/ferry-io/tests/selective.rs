@@ -100,7 +100,12 @@ fn forwarding_unmapped_takes_no_page_faults() {
         }
     }
     eprintln!("minor page faults per forwarded buffer: unmapped {:?}, through the mapping {:?}", faults.0, faults.1);
-    assert!(faults.0.iter().all(|&f| f == 0), "forwarding without mapping touched pages: {:?}", faults.0);
+    // A page fault that has nothing to do with the buffer (the allocator
+    // touching fresh heap, the host reclaiming a page of this thread's) can
+    // land in any one measurement; touching the buffer's pages would fault
+    // every time, as the mapped half shows.
+    let faulted = faults.0.iter().filter(|&&f| f > 0).count();
+    assert!(faulted <= 1, "forwarding without mapping touched pages: {:?}", faults.0);
     assert!(faults.1.iter().all(|&f| f >= 1), "forwarding through the mapping faults its pages in: {:?}", faults.1);
     drop(rx);
     drop(source.join());
