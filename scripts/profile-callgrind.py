@@ -352,12 +352,12 @@ def atomic_addresses(binary):
     return {int(m.group(1), 16) for m in map(rx.match, text.splitlines()) if m}
 
 
-def atomics_per_function(path, addresses):
-    """Executions of the given instructions per function, from a profile
-    made with --dump-instr=yes (positions: instr line)."""
-    names = {}
-    fn = None
-    res = defaultdict(int)
+def instr_lines(path):
+    """The lines of a profile made with --dump-instr=yes (positions: instr
+    line), walked once for the readers below: ("spec", key, value) for each
+    specification line, ("cost", address, Ir) for each cost line of the
+    function's own instructions (the cost line after `calls=` is the
+    call's inclusive cost, not an instruction of the function: skipped)."""
     pending = False
     last = 0
     with open(path, errors="replace") as f:
@@ -376,18 +376,40 @@ def atomics_per_function(path, addresses):
                     last -= int(pos[1:])
                 if pending:
                     pending = False
-                elif last in addresses and len(parts) > 2:
-                    res[fn] += int(parts[2])
+                elif len(parts) > 2:
+                    yield "cost", last, int(parts[2])
                 continue
             key, _, val = line.partition("=")
-            if key in ("fn", "cfn"):
-                m = re.match(r"\((\d+)\)(?: (.*))?$", val)
-                if m and m.group(2) is not None:
-                    names[m.group(1)] = m.group(2)
-                if key == "fn":
-                    fn = names.get(m.group(1)) if m else val
-            elif key == "calls":
+            if key == "calls":
                 pending = True
+            yield "spec", key, val
+
+
+def compressed_name(names, val):
+    """The name a specification value stands for: `(id) name` defines the
+    id, `(id)` refers to it (callgrind's name compression)."""
+    m = re.match(r"\((\d+)\)(?: (.*))?$", val)
+    if not m:
+        return val
+    if m.group(2) is not None:
+        names[m.group(1)] = m.group(2)
+    return names.get(m.group(1))
+
+
+def atomics_per_function(path, addresses):
+    """Executions of the given instructions per function, from a profile
+    made with --dump-instr=yes."""
+    names = {}
+    fn = None
+    res = defaultdict(int)
+    for kind, a, b in instr_lines(path):
+        if kind == "cost":
+            if a in addresses:
+                res[fn] += b
+        elif a in ("fn", "cfn"):
+            name = compressed_name(names, b)
+            if a == "fn":
+                fn = name
     return res
 
 
@@ -430,39 +452,16 @@ def straight_line(path, file_part):
     names = {}
     fl = fi = None
     res = defaultdict(int)
-    pending = False
-    last = 0
-    with open(path, errors="replace") as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if not line:
-                continue
-            if line.startswith("0x") or line[0] in "+-*":
-                parts = line.split()
-                pos = parts[0]
-                if pos.startswith("0x"):
-                    last = int(pos, 16)
-                elif pos[0] == "+":
-                    last += int(pos[1:])
-                elif pos[0] == "-":
-                    last -= int(pos[1:])
-                if pending:
-                    pending = False
-                elif file_part in (fi or fl or "") and len(parts) > 2:
-                    res[last] += int(parts[2])
-                continue
-            key, _, val = line.partition("=")
-            if key in ("fl", "fi", "fe", "cfi", "cfl"):
-                m = re.match(r"\((\d+)\)(?: (.*))?$", val)
-                if m and m.group(2) is not None:
-                    names[m.group(1)] = m.group(2)
-                name = names.get(m.group(1)) if m else val
-                if key == "fl":
-                    fl, fi = name, None
-                elif key in ("fi", "fe"):
-                    fi = None if name == fl else name
-            elif key == "calls":
-                pending = True
+    for kind, a, b in instr_lines(path):
+        if kind == "cost":
+            if file_part in (fi or fl or ""):
+                res[a] += b
+        elif a in ("fl", "fi", "fe", "cfi", "cfl"):
+            name = compressed_name(names, b)
+            if a == "fl":
+                fl, fi = name, None
+            elif a in ("fi", "fe"):
+                fi = None if name == fl else name
     return res
 
 
