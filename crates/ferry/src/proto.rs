@@ -844,7 +844,8 @@ mod tests {
     /// payload (member 1) behind three 32-byte headers (members 2-4).
     fn train(units: u64, unit: u64) -> Vec<FragEntry> {
         let mut t = vec![entry(0, 0, 16), entry(2, 0, 32), entry(3, 0, 32), entry(4, 0, 32), entry(1, 0, unit - 96)];
-        let payload = units * unit - 96 - unit / 2;
+        // A one-unit train is that unit alone, however short the payload.
+        let payload = (units * unit - unit / 2).saturating_sub(96).max(unit - 96);
         let mut at = unit - 96;
         for u in 1..units {
             t.push(entry(0, 16 * u, 16));
