@@ -69,12 +69,28 @@ fn refused(program: &str, args: &[&str]) -> String {
     text(&out)
 }
 
-/// A fresh directory for one test.
-fn scratch(name: &str) -> PathBuf {
+/// A fresh directory for one test, removed when the test ends, passed or
+/// failed.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("ferry-block-tls-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
+    Scratch(dir)
 }
 
 /// `ferry tls gen DIR` for a server called 127.0.0.1 and localhost.
@@ -127,7 +143,6 @@ fn nbdinfo_and_nbdcopy_over_tls() {
     assert_eq!(back.len(), 16 << 20);
     assert!(back[..data.len()] == data[..], "nbdcopy reads back what it wrote through TLS");
     assert!(back[data.len()..].iter().all(|&b| b == 0));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// qemu-img writes and reads through a `tls-creds-x509` object, in both
@@ -160,7 +175,6 @@ fn qemu_img_over_tls() {
     for _ in 0..3 {
         assert!(server.client_line().contains("(TLS)"));
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Read the server's greeting and send the client flags (fixed newstyle,
@@ -275,7 +289,6 @@ fn require_refuses_plain_text_and_strangers_and_goes_on_serving() {
     let line = server.client_line();
     assert!(line.contains("in plain text; this server requires TLS"), "{line}");
     good(&server);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `--tls=off` (the default) refuses NBD_OPT_STARTTLS with
@@ -305,7 +318,6 @@ fn off_refuses_starttls_on_serves_both() {
     let mut c = plain_hello(on.at());
     send_option(&mut c, OPT_STARTTLS, &[1]);
     assert_ne!(option_reply(&mut c, OPT_STARTTLS), REP_ACK, "STARTTLS with data is invalid");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A client that sends NBD_OPT_STARTTLS and then nothing (no TLS
@@ -324,7 +336,6 @@ fn tls_handshake_has_the_handshake_deadline() {
     let line = server.client_line();
     assert!(line.contains("(TLS) dropped: no handshake within 0.5 s"), "{line}");
     assert_eq!(ok("nbdinfo", &["--size", &server.nbds("127.0.0.1", &pki)]).trim(), "16777216");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Off the loopback, plain text needs --insecure (and `on`, which serves
@@ -355,7 +366,6 @@ fn plain_text_off_the_loopback_and_bad_tls_flags_are_refused() {
     assert!(err.contains("not used with --tls=off"), "{err}");
     let err = serve(&["--nbd", "tcp:127.0.0.1:0", "--tls=on", "--tls-certificates", s(&dir)]);
     assert!(err.contains("ca-cert.pem") && err.contains("missing"), "{err}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Ferry's own block protocol over TLS: a user domain talks to
@@ -432,7 +442,6 @@ fn ferry_protocol_over_tls_through_the_proxy() {
     drop(user);
     let _ = proxy.kill();
     let _ = proxy.wait();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Inside TLS (a client of its own, rustls with the certificates of
@@ -506,7 +515,6 @@ fn state_from_before_starttls_is_forgotten_and_starttls_is_once() {
     assert!(line.contains("(TLS) disconnected (NBD_CMD_DISC)") && line.contains("1 reads"), "{line}");
     let mut rest = Vec::new();
     assert!(t.read_to_end(&mut rest).is_ok() && rest.is_empty(), "close_notify ends the TLS session cleanly");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Many requests pipelined in one go through TLS (writes and reads of
@@ -569,7 +577,6 @@ fn pipelined_requests_through_tls_are_all_answered() {
     t.write_all(&request(2, 0, 0, 0)).unwrap();
     let line = server.client_line();
     assert!(line.contains("(TLS) disconnected (NBD_CMD_DISC)") && line.contains("200 reads"), "{line}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Ferry's own block protocol with TLS given in a TCP endpoint alone
