@@ -197,7 +197,7 @@ impl Drop for Buffer {
         // SAFETY: drop runs once, and nothing uses `self.view` after it.
         let view = unsafe { ManuallyDrop::take(&mut self.view) };
         match self.domain.take() {
-            Some(domain) => crate::domain::buffer_dropped(&domain, id, view),
+            Some(domain) => crate::domain::buffer_dropped(domain, id, view),
             None => drop(view),
         }
     }
