@@ -662,7 +662,7 @@ impl DomainState {
     /// which can die holding it; then the ledger's mark is noted first
     /// (see `DomainState::note_lending`), and nothing changes if that
     /// fails.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn lend(&mut self, id: BufferId, chan: ChanKey, cross: bool) -> Result<()> {
         let e = self.rec_mut(id);
         if cross {
