@@ -1153,8 +1153,9 @@ pub(crate) fn buffer_dropped(domain: Arc<DomainShared>, id: BufferId, view: Arc<
     // SAFETY: `shared` points at the domain `domain` keeps alive until it
     // is moved into the domain's own state below, under the lock. From
     // there only the last pool handle's drop or the entry's removal lets
-    // it go, each under the same lock, so not before the guard's unlock; `shared` is not used after that
-    // unlock (which, like `Arc`'s own drop, touches the lock word last).
+    // it go, each under the same lock, so not before the guard's unlock;
+    // `shared` is not used after that unlock (which, like `Arc`'s own
+    // drop, touches the lock word last).
     let shared: &DomainShared = unsafe { &*Arc::as_ptr(&domain) };
     let mut st = shared.lock();
     let now = st.tick_free_clock();
