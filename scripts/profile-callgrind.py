@@ -348,7 +348,10 @@ def atomic_addresses(binary):
     import subprocess
 
     text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", binary], capture_output=True, text=True).stdout
-    rx = re.compile(r"^\s+([0-9a-f]+):\s+(lock |xchg)")
+    # An `xchg` of two registers is not locked: `xchg %ax,%ax` is the
+    # two-byte no-op that pads code for alignment. Only one with a memory
+    # operand (parenthesized in AT&T syntax) counts.
+    rx = re.compile(r"^\s+([0-9a-f]+):\s+(lock |xchg\S*\s+\S*\()")
     return {int(m.group(1), 16) for m in map(rx.match, text.splitlines()) if m}
 
 

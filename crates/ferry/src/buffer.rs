@@ -197,7 +197,7 @@ impl Drop for Buffer {
         // SAFETY: drop runs once, and nothing uses `self.view` after it.
         let view = unsafe { ManuallyDrop::take(&mut self.view) };
         match self.domain.take() {
-            Some(domain) => crate::domain::buffer_dropped(&domain, id, view),
+            Some(domain) => crate::domain::buffer_dropped(domain, id, view),
             None => drop(view),
         }
     }
@@ -243,6 +243,7 @@ const SPARES_MAX: usize = 1024;
 
 impl Spares {
     /// Consume a handle that was given away, keeping its references.
+    #[inline(always)]
     pub(crate) fn keep(&mut self, buffer: Buffer) {
         let buffer = ManuallyDrop::new(buffer);
         // SAFETY: `buffer` is never used or dropped after these two reads, so
@@ -261,6 +262,7 @@ impl Spares {
 
     /// A reference to `view`: a kept one if there is (it is the same view
     /// unless the pool was mapped anew), else a new one.
+    #[inline]
     pub(crate) fn view(&mut self, view: &Arc<PoolView>) -> Arc<PoolView> {
         match self.views.pop() {
             Some(v) if Arc::ptr_eq(&v, view) => v,
@@ -275,6 +277,7 @@ impl Spares {
     }
 
     /// A handle for a buffer that arrived (its view from [`Spares::view`]).
+    #[inline]
     pub(crate) fn buffer(&mut self, domain: &Arc<DomainShared>, view: Arc<PoolView>, index: u32) -> Buffer {
         let domain = match self.domains.pop() {
             Some(d) if Arc::ptr_eq(&d, domain) => d,

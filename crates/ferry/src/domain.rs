@@ -76,6 +76,12 @@ pub(crate) struct DomainShared {
     imports: Mutex<()>,
 }
 
+impl std::fmt::Debug for DomainShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DomainShared").field("id", &self.id).field("name", &self.name).finish()
+    }
+}
+
 static NEXT_DOMAIN: AtomicU64 = AtomicU64::new(1);
 
 impl Domain {
@@ -130,9 +136,9 @@ impl Domain {
         let mut st = self.shared.lock_settled();
         let entry = st.pools.get_mut(&pool)?;
         let index = entry.pop_free()?;
-        let view = entry.spare_views.pop().unwrap_or_else(|| entry.view.clone());
+        let (domain, view) = entry.spare_refs(&self.shared);
         drop(st);
-        Some(Buffer::new(self.shared.clone(), view, index))
+        Some(Buffer::new(domain, view, index))
     }
 
     /// Take the most recently freed buffer of any of `pools` (a data path's):
@@ -151,9 +157,9 @@ impl Domain {
         }
         let entry = st.pools.get_mut(&best?.0)?;
         let index = entry.pop_free()?;
-        let view = entry.spare_views.pop().unwrap_or_else(|| entry.view.clone());
+        let (domain, view) = entry.spare_refs(&self.shared);
         drop(st);
-        Some(Buffer::new(self.shared.clone(), view, index))
+        Some(Buffer::new(domain, view, index))
     }
 
     /// Number of free buffers of `pool` owned by this domain.
@@ -336,6 +342,13 @@ pub(crate) struct PoolEntry {
     /// `alloc` (taking a new one is a locked instruction, and so is
     /// dropping one).
     spare_views: Vec<Arc<PoolView>>,
+    /// References to the domain itself from dropped buffer handles, for
+    /// the next `alloc`, as `spare_views`. A reference to the domain held
+    /// in its own state is a cycle, so they are kept only while a [`Pool`]
+    /// handle lives (`handles > 0`), which holds the domain anyway: the
+    /// last handle's drop lets them go (see `pool_handle_dropped`), and
+    /// the domain lives no longer than it did without them.
+    spare_domains: Vec<Arc<DomainShared>>,
 }
 
 /// Counts of a pool entry's records, kept with each state change (for
@@ -396,6 +409,15 @@ impl PoolEntry {
             }
         }
         true
+    }
+
+    /// The references a new buffer handle holds: kept ones from dropped
+    /// handles if there are (no locked instruction), else new ones.
+    #[inline]
+    fn spare_refs(&mut self, domain: &Arc<DomainShared>) -> (Arc<DomainShared>, Arc<PoolView>) {
+        let domain = self.spare_domains.pop().unwrap_or_else(|| domain.clone());
+        let view = self.spare_views.pop().unwrap_or_else(|| self.view.clone());
+        (domain, view)
     }
 
     /// Takes the most recently freed buffer off the free list.
@@ -555,6 +577,7 @@ impl DomainState {
             records,
             free,
             spare_views: Vec::new(),
+            spare_domains: Vec::new(),
         };
         self.pools.insert(entry.view.id(), entry);
     }
@@ -582,6 +605,7 @@ impl DomainState {
                 records,
                 free: Vec::new(),
                 spare_views: Vec::new(),
+                spare_domains: Vec::new(),
             },
         );
         Ok(())
@@ -638,7 +662,7 @@ impl DomainState {
     /// which can die holding it; then the ledger's mark is noted first
     /// (see `DomainState::note_lending`), and nothing changes if that
     /// fails.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn lend(&mut self, id: BufferId, chan: ChanKey, cross: bool) -> Result<()> {
         let e = self.rec_mut(id);
         if cross {
@@ -1120,32 +1144,58 @@ impl IntoIterator for LentSet {
 }
 
 /// A buffer handle was dropped: the buffer goes back to the free list (or
-/// aside until its copies are back), and its view reference is kept for the
-/// next `alloc` of the pool (at most one per buffer). If nothing else of
-/// the domain refers to the pool, the pool leaves the list.
-pub(crate) fn buffer_dropped(domain: &DomainShared, id: BufferId, view: Arc<PoolView>) {
-    let mut st = domain.lock();
+/// aside until its copies are back), and its references to the view and
+/// to the domain are kept for the next `alloc` of the pool (at most one
+/// each per buffer; the domain's only while a pool handle lives, see
+/// `PoolEntry::spare_domains`). If nothing else of the domain refers to
+/// the pool, the pool leaves the list.
+pub(crate) fn buffer_dropped(domain: Arc<DomainShared>, id: BufferId, view: Arc<PoolView>) {
+    // SAFETY: `shared` points at the domain `domain` keeps alive until it
+    // is moved into the domain's own state below, under the lock. From
+    // there only the last pool handle's drop or the entry's removal lets
+    // it go, each under the same lock, so not before the guard's unlock;
+    // `shared` is not used after that unlock (which, like `Arc`'s own
+    // drop, touches the lock word last).
+    let shared: &DomainShared = unsafe { &*Arc::as_ptr(&domain) };
+    let mut st = shared.lock();
     let now = st.tick_free_clock();
     // One look-up of the pool for the whole drop (a live handle keeps it
     // listed, so it is there).
-    let (unused, gone) = match st.pools.get_mut(&id.pool) {
-        Some(e) if e.orphaned() => {
-            DomainState::free_in(e, id.index, now);
-            (Some(view), st.release_if_unused(id.pool))
-        }
-        Some(e) => {
-            DomainState::free_in(e, id.index, now);
-            if Arc::ptr_eq(&view, &e.view) && e.spare_views.len() < e.records.len() {
-                e.spare_views.push(view);
-                (None, None)
-            } else {
-                (Some(view), None)
-            }
-        }
-        None => (Some(view), None),
+    let Some(e) = st.pools.get_mut(&id.pool) else {
+        drop(st);
+        return;
+    };
+    DomainState::free_in(e, id.index, now);
+    if e.orphaned() {
+        return last_buffer_dropped(st, id.pool);
+    }
+    let room = e.records.len();
+    let view = if Arc::ptr_eq(&view, &e.view) && e.spare_views.len() < room {
+        e.spare_views.push(view);
+        None
+    } else {
+        Some(view)
+    };
+    let domain = if e.handles > 0 && e.spare_domains.len() < room {
+        e.spare_domains.push(domain);
+        None
+    } else {
+        Some(domain)
     };
     drop(st);
-    drop(unused);
+    drop(view);
+    drop(domain);
+}
+
+/// [`buffer_dropped`] of a buffer whose pool has no handle or channel
+/// left: the pool leaves the list if that was the last thing of the domain
+/// referring to it. Apart, so that the common drop does not move a pool
+/// entry around.
+#[cold]
+#[inline(never)]
+fn last_buffer_dropped(mut st: MutexGuard<'_, DomainState>, pool: PoolId) {
+    let gone = st.release_if_unused(pool);
+    drop(st);
     drop(gone);
 }
 
@@ -1154,15 +1204,19 @@ pub(crate) fn buffer_dropped(domain: &DomainShared, id: BufferId, view: Arc<Pool
 pub(crate) fn pool_handle_dropped(domain: &DomainShared, view: &Arc<PoolView>) {
     let mut st = domain.lock();
     let id = view.id();
-    let gone = match st.pools.get_mut(&id) {
+    let (spares, gone) = match st.pools.get_mut(&id) {
         Some(e) if Arc::ptr_eq(view, &e.view) => {
             e.handles -= 1;
-            st.release_if_unused(id)
+            // Without a pool handle, kept references to the domain would
+            // keep it alive on their own.
+            let spares = if e.handles == 0 { std::mem::take(&mut e.spare_domains) } else { Vec::new() };
+            (spares, st.release_if_unused(id))
         }
-        _ => None,
+        _ => (Vec::new(), None),
     };
     drop(st);
     drop(gone);
+    drop(spares);
 }
 
 /// Another handle to the pool of `view`, counted in its entry.
@@ -1646,5 +1700,47 @@ mod tests {
         s.forget_pool(p, true);
         assert!(s.pools.is_empty());
         assert_eq!(s.into_iter().count(), 0);
+    }
+
+    /// A dropped buffer's reference to its domain waits in the pool's
+    /// entry for the next `alloc`: drop and alloc change no reference
+    /// count of the domain.
+    #[test]
+    fn drop_and_alloc_keep_the_domains_reference_count() {
+        let d = Domain::new("d");
+        let a = crate::Allocator::new(&d, 2, 4096, crate::PoolConstraints::default()).unwrap();
+        let b = a.alloc().unwrap();
+        let held = Arc::strong_count(&d.shared);
+        drop(b);
+        assert_eq!(Arc::strong_count(&d.shared), held, "the dropped handle's reference is kept");
+        let b = a.alloc().unwrap();
+        assert_eq!(Arc::strong_count(&d.shared), held, "and handed to the next buffer");
+        let c = d.alloc(a.pool().id()).unwrap();
+        assert_eq!(Arc::strong_count(&d.shared), held + 1, "none kept: a new one");
+        drop((b, c));
+        assert_eq!((a.available(), d.stats().pools[0].2.free, d.stats().pools[0].2.in_use), (2, 2, 0));
+    }
+
+    /// The references kept for the next `alloc` never keep a domain alive
+    /// on their own: the domain goes with its last handle, buffer or pool
+    /// handle, whichever order they drop in.
+    #[test]
+    fn kept_references_do_not_keep_the_domain() {
+        type Order = fn(Domain, crate::Allocator, Pool, Buffer, Buffer);
+        let orders: [Order; 3] = [
+            |d, a, p, b, c| drop((b, c, p, a, d)),
+            |d, a, p, b, c| drop((d, b, a, p, c)),
+            |d, a, p, b, c| drop((p, d, c, a, b)),
+        ];
+        for (i, order) in orders.into_iter().enumerate() {
+            let d = Domain::new("d");
+            let weak = Arc::downgrade(&d.shared);
+            let a = crate::Allocator::new(&d, 3, 4096, crate::PoolConstraints::default()).unwrap();
+            let p = d.pool(a.pool().id()).unwrap();
+            let (b, c) = (a.alloc().unwrap(), a.alloc().unwrap());
+            drop(a.alloc().unwrap());
+            order(d, a, p, b, c);
+            assert!(weak.upgrade().is_none(), "order {i}: the domain outlived every handle");
+        }
     }
 }

@@ -577,6 +577,7 @@ impl Channel {
     }
 
     /// Preconditions of move, pass and the destination of a full copy.
+    #[inline(always)]
     fn check_transfer(&mut self, dir: Direction, buffer: &Buffer, meta_len: usize) -> Result<()> {
         self.check_sendable(dir)?;
         if buffer.domain_id() != self.domain.id() {

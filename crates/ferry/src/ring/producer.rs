@@ -59,6 +59,11 @@ impl Producer {
     /// [`publish`](Self::publish) (or [`close`](Self::close)), which makes a
     /// whole batch visible with one head store and one fence. Same errors as
     /// `try_push`; staged slots count against the capacity.
+    ///
+    /// Inlined into each link's send (once per message): left to the
+    /// partitioning of the build into code units, it is inlined in some
+    /// builds and not in others.
+    #[inline]
     pub(crate) fn stage(&mut self, fill: impl FnOnce(&mut [u8])) -> Result<(), RingError> {
         // Relaxed: nothing is read on the strength of this flag; it only
         // stops us early. (A hostile consumer may set any bits: we just stop.)
