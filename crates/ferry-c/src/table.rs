@@ -525,17 +525,8 @@ pub fn buffer_change_state(buffer: usize, state: u32) -> Res<()> {
     })
 }
 
-/// Takes the handles the program held of buffers received over a destroyed
-/// channel and never handed to it (their callbacks were dropped), and the
-/// copies it held over that channel.
-pub fn drop_channel_handles(token: usize, never_handed: &[BufferId]) {
-    for id in never_handed {
-        if let Some(e) = pool(id.pool) {
-            let mut s = e.slot(id.index as usize);
-            s.owned = None;
-            s.refresh();
-        }
-    }
+/// Takes the copies the program held over a destroyed channel.
+pub fn drop_channel_handles(token: usize) {
     let all: Vec<Arc<PoolEntry>> = read().pools.values().cloned().collect();
     for e in all {
         for slot in e.slots.iter() {
