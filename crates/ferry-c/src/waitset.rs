@@ -304,6 +304,8 @@ impl MetaBuf {
 }
 
 fn meta_bytes(meta: &Meta, meta_size: usize) -> MetaBuf {
+    // One look at the bytes (the deref is a call into ferry).
+    let meta: &[u8] = meta;
     let n = meta.len().min(meta_size).min(MAX_META_SIZE);
     if meta_size <= INLINE_META {
         let mut v = Aligned([0u8; INLINE_META]);
