@@ -8,9 +8,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ferry::{
-    Buffer, BufferState, Channel, ChannelState, Direction, Event, Meta, PoolId, Selector, MAX_META_SIZE,
-};
+use ferry::{Buffer, BufferState, Channel, ChannelState, Direction, Event, Meta, PoolId, Selector, MAX_META_SIZE};
 use rustix::event::{epoll, eventfd, EventfdFlags};
 
 use crate::boundary::{self, call, ChannelFields};
@@ -173,6 +171,10 @@ struct Polled {
     c_addr: usize,
     /// Address of the program's callbacks.
     callbacks: usize,
+    /// A local channel, whose sends held back are published only by a
+    /// flush or a poll that finds nothing (a shared-memory end publishes
+    /// an answer at once when it has caught up with its arrivals).
+    local: bool,
 }
 
 /// Channel events served in a row before one queued work runs.
@@ -260,6 +262,9 @@ pub struct Waitset {
     /// A callback held a send back for batching since the channels were
     /// last polled (see [`Waitset::poll_channels`]).
     held_back: bool,
+    /// The last round of polls started at the channel of the event before
+    /// it (see [`Waitset::poll_channels`]).
+    started_at_sender: bool,
     /// See [`DEFAULT_SPIN`].
     pub spin: Duration,
     /// About when the last work was handed to dispatch: read when a
@@ -371,6 +376,7 @@ impl Waitset {
             unsent: 0,
             next_poll: 0,
             held_back: false,
+            started_at_sender: false,
             spin: DEFAULT_SPIN,
             last_work: Instant::now(),
             worked: false,
@@ -427,13 +433,19 @@ impl Waitset {
     }
 
     /// Adds a channel end (its C struct is filled already).
-    pub fn insert(&mut self, token: usize, ch: usize, callbacks: usize, mut channel: Channel, bind_cont: Option<Cont>) {
+    pub fn insert(
+        &mut self,
+        token: usize,
+        (ch, callbacks, local): (usize, usize, bool),
+        mut channel: Channel,
+        bind_cont: Option<Cont>,
+    ) {
         // Armed, its fd tells the program's loop when it has an event; one
         // that may have one already makes the loop look at once.
         let may_have_event = !channel.arm();
         let key = self.selector.insert(channel);
         self.keys.insert(key, token);
-        self.order.push(Polled { key, token, c_addr: ch, callbacks });
+        self.order.push(Polled { key, token, c_addr: ch, callbacks, local });
         self.chans.insert(
             token,
             Chan {
@@ -575,6 +587,15 @@ impl Waitset {
     /// here): if callbacks held sends back, a round that found nothing is
     /// followed by a second one, rather than by a dispatch that returns
     /// `BULK_ERR_TIMEOUT` while the answer is there.
+    ///
+    /// If the last event's callback held sends back (the echo's pass) and
+    /// its channel is local, the round starts at that channel: caught up,
+    /// it publishes them before the others are polled (the answer's reader
+    /// may be one of them: both ends of a local channel on one waitset),
+    /// so that the answer is not found only by a second round; with more
+    /// to deliver it delivers the next message and its batch goes on. At
+    /// most every other round starts so, so that a channel whose callbacks
+    /// always send cannot keep the others from their turn.
     fn poll_channels(&mut self) -> Option<(Polled, usize, Event)> {
         let n = self.order.len();
         if n == 0 {
@@ -584,6 +605,11 @@ impl Waitset {
             let held_back = std::mem::take(&mut self.held_back);
             // Indices wrap by a compare, not a division (one per poll).
             let mut i = self.next_poll.min(n - 1);
+            let sender = if i == 0 { n - 1 } else { i - 1 };
+            self.started_at_sender = held_back && !self.started_at_sender && self.order[sender].local;
+            if self.started_at_sender {
+                i = sender;
+            }
             for _ in 0..n {
                 let at = self.order[i];
                 i = if i + 1 == n { 0 } else { i + 1 };
@@ -630,7 +656,7 @@ impl Waitset {
         let (c_addr, callbacks) = (chan.c_addr, chan.callbacks);
         let meta_size = channel_of(&mut self.selector, chan).map_or(0, |c| c.meta_size());
         // The key is not used by take_event.
-        self.take_event(Polled { key: usize::MAX, token, c_addr, callbacks }, meta_size, ev)
+        self.take_event(Polled { key: usize::MAX, token, c_addr, callbacks, local: false }, meta_size, ev)
     }
 
     /// Turns the event of the channel end `at` into the work it calls for
