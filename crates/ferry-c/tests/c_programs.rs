@@ -702,9 +702,7 @@ fn a_sending_echo_does_not_keep_other_channels_from_their_turn() {
 
 #[test]
 fn a_sending_echo_does_not_keep_other_channels_from_their_turn_sanitized() {
-    run(&compile("poll_turns.c", Build::Sanitized), &[], Build::Sanitized, SHORT)
-        .success()
-        .contains("poll_turns: ok");
+    run(&compile("poll_turns.c", Build::Sanitized), &[], Build::Sanitized, SHORT).success().contains("poll_turns: ok");
 }
 
 #[test]
