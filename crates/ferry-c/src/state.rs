@@ -382,6 +382,8 @@ struct NewEnd {
     callbacks: *mut BulkChannelCallbacks,
     constraints: BulkChannelConstraints,
     user_state: *mut std::ffi::c_void,
+    /// Over a local channel.
+    local: bool,
 }
 
 /// Registers a new channel end: directory, the program's struct, then the
@@ -415,7 +417,7 @@ fn register(
             impl_data: token as *mut std::ffi::c_void,
         },
     );
-    w.insert(token, end.ch as usize, end.callbacks as usize, channel, bind_cont);
+    w.insert(token, (end.ch as usize, end.callbacks as usize, end.local), channel, bind_cont);
     Ok(())
 }
 
@@ -458,7 +460,8 @@ pub fn channel_create(
         }
     }
     let local_ep = (backend == BACKEND_LOCAL).then_some(endpoint);
-    let end = NewEnd { ch, ep, callbacks, constraints: s.constraints, user_state: s.user_state };
+    let end =
+        NewEnd { ch, ep, callbacks, constraints: s.constraints, user_state: s.user_state, local: local_ep.is_some() };
     register(end, ws_key, ws, channel, local_ep, None)
 }
 
@@ -476,7 +479,7 @@ pub fn channel_bind(
         TrustLevel::Uninitialized => None,
         t => Some(t),
     };
-    let (endpoint, _) = endpoint(ep, true)?;
+    let (endpoint, backend) = endpoint(ep, true)?;
     let (ws_key, ws) = waitset_or_default(p.waitset as usize)?;
     let params = BindParams {
         role,
@@ -485,7 +488,8 @@ pub fn channel_bind(
         ..BindParams::default()
     };
     let channel = Channel::bind(&DOMAIN, &endpoint, params).map_err(|e| of_error(&e))?;
-    let end = NewEnd { ch, ep, callbacks, constraints: p.constraints, user_state: p.user_state };
+    let local = backend == BACKEND_LOCAL;
+    let end = NewEnd { ch, ep, callbacks, constraints: p.constraints, user_state: p.user_state, local };
     register(end, ws_key, ws, channel, None, cont)
 }
 

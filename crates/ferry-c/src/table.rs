@@ -389,13 +389,19 @@ pub struct PoolCache {
 impl PoolCache {
     /// The cached pool `pick` chooses, if the cache is good.
     fn find(&mut self, pick: impl Fn(&PoolEntry) -> bool) -> Option<&PoolEntry> {
+        self.find_map(|e| pick(e).then_some(e))
+    }
+
+    /// The first `pick(pool)` that is `Some` among the cached pools, if
+    /// the cache is good.
+    fn find_map<'a, T>(&'a mut self, pick: impl Fn(&'a PoolEntry) -> Option<T>) -> Option<T> {
         let epoch = EPOCH.load(Ordering::Acquire);
         if self.epoch != epoch {
             // Pools were forgotten: let go of their objects at once.
             self.pools.clear();
             return None;
         }
-        self.pools.iter().find(|e| pick(e)).map(|e| &**e)
+        self.pools.iter().find_map(|e| pick(e))
     }
 
     /// Empties the cache if pools were forgotten since it was filled.
@@ -419,8 +425,7 @@ impl PoolCache {
 
 /// [`with_buffer`] with a waitset's cache instead of the thread's.
 pub fn with_buffer_in<R>(cache: &mut PoolCache, p: usize, f: impl FnOnce(&PoolEntry, usize, View) -> Res<R>) -> Res<R> {
-    if let Some(e) = cache.find(|e| e.locate(p).is_some()) {
-        let (i, view) = e.locate(p).ok_or(ERR_INVALID_BUFFER)?;
+    if let Some((e, i, view)) = cache.find_map(|e| e.locate(p).map(|(i, view)| (e, i, view))) {
         return f(e, i, view);
     }
     let epoch = EPOCH.load(Ordering::Acquire);
@@ -525,17 +530,8 @@ pub fn buffer_change_state(buffer: usize, state: u32) -> Res<()> {
     })
 }
 
-/// Takes the handles the program held of buffers received over a destroyed
-/// channel and never handed to it (their callbacks were dropped), and the
-/// copies it held over that channel.
-pub fn drop_channel_handles(token: usize, never_handed: &[BufferId]) {
-    for id in never_handed {
-        if let Some(e) = pool(id.pool) {
-            let mut s = e.slot(id.index as usize);
-            s.owned = None;
-            s.refresh();
-        }
-    }
+/// Takes the copies the program held over a destroyed channel.
+pub fn drop_channel_handles(token: usize) {
     let all: Vec<Arc<PoolEntry>> = read().pools.values().cloned().collect();
     for e in all {
         for slot in e.slots.iter() {

@@ -8,9 +8,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ferry::{
-    Buffer, BufferId, BufferState, Channel, ChannelState, Direction, Event, Meta, PoolId, Selector, MAX_META_SIZE,
-};
+use ferry::{Buffer, BufferState, Channel, ChannelState, Direction, Event, Meta, PoolId, Selector, MAX_META_SIZE};
 use rustix::event::{epoll, eventfd, EventfdFlags};
 
 use crate::boundary::{self, call, ChannelFields};
@@ -59,8 +57,9 @@ pub enum Work {
         pool_ptr: usize,
         pool: PoolId,
     },
-    /// `move_received`, `buffer_received` (`owned`), `copy_received`.
-    Buffer { f: BufferCallback, ch: usize, token: usize, buffer: usize, id: BufferId, owned: bool, meta: MetaBuf },
+    /// `move_received`, `buffer_received`, `copy_received` (run straight
+    /// from the poll that found the event: never queued).
+    Buffer { f: BufferCallback, ch: usize, token: usize, buffer: usize, meta: MetaBuf },
     /// `copy_released`.
     Released { f: unsafe extern "C" fn(*mut BulkChannel, *mut BulkBuffer), ch: usize, token: usize, buffer: usize },
 }
@@ -160,6 +159,24 @@ pub struct Chan {
     unsent: VecDeque<(u64, Cont)>,
 }
 
+/// An attached channel end as the direct poll sees it: what a buffer
+/// event needs to become its callback.
+#[derive(Clone, Copy)]
+struct Polled {
+    /// Its key in the selector.
+    key: usize,
+    /// Its token.
+    token: usize,
+    /// Address of the program's `struct bulk_channel`.
+    c_addr: usize,
+    /// Address of the program's callbacks.
+    callbacks: usize,
+    /// A local channel, whose sends held back are published only by a
+    /// flush or a poll that finds nothing (a shared-memory end publishes
+    /// an answer at once when it has caught up with its arrivals).
+    local: bool,
+}
+
 /// Channel events served in a row before one queued work runs.
 const FAIRNESS: u32 = 32;
 
@@ -225,9 +242,9 @@ pub struct Waitset {
     selector: Selector,
     /// Selector key → channel token.
     keys: IdMap<usize>,
-    /// The selector keys and channel tokens, in the order the channels are
-    /// polled (so that a polled event needs no lookup of its token).
-    order: Vec<(usize, usize)>,
+    /// The attached channel ends, in the order they are polled (so that a
+    /// polled buffer event needs no lookup of its channel end).
+    order: Vec<Polled>,
     /// The channel ends, by token.
     chans: IdMap<Chan>,
     /// The program's fd: the selector's fd and `bell`.
@@ -245,6 +262,9 @@ pub struct Waitset {
     /// A callback held a send back for batching since the channels were
     /// last polled (see [`Waitset::poll_channels`]).
     held_back: bool,
+    /// The last round of polls started at the channel of the event before
+    /// it (see [`Waitset::poll_channels`]).
+    started_at_sender: bool,
     /// See [`DEFAULT_SPIN`].
     pub spin: Duration,
     /// About when the last work was handed to dispatch: read when a
@@ -289,6 +309,8 @@ impl MetaBuf {
 }
 
 fn meta_bytes(meta: &Meta, meta_size: usize) -> MetaBuf {
+    // One look at the bytes (the deref is a call into ferry).
+    let meta: &[u8] = meta;
     let n = meta.len().min(meta_size).min(MAX_META_SIZE);
     if meta_size <= INLINE_META {
         let mut v = Aligned([0u8; INLINE_META]);
@@ -354,6 +376,7 @@ impl Waitset {
             unsent: 0,
             next_poll: 0,
             held_back: false,
+            started_at_sender: false,
             spin: DEFAULT_SPIN,
             last_work: Instant::now(),
             worked: false,
@@ -410,13 +433,19 @@ impl Waitset {
     }
 
     /// Adds a channel end (its C struct is filled already).
-    pub fn insert(&mut self, token: usize, ch: usize, callbacks: usize, mut channel: Channel, bind_cont: Option<Cont>) {
+    pub fn insert(
+        &mut self,
+        token: usize,
+        (ch, callbacks, local): (usize, usize, bool),
+        mut channel: Channel,
+        bind_cont: Option<Cont>,
+    ) {
         // Armed, its fd tells the program's loop when it has an event; one
         // that may have one already makes the loop look at once.
         let may_have_event = !channel.arm();
         let key = self.selector.insert(channel);
         self.keys.insert(key, token);
-        self.order.push((key, token));
+        self.order.push(Polled { key, token, c_addr: ch, callbacks, local });
         self.chans.insert(
             token,
             Chan {
@@ -492,9 +521,9 @@ impl Waitset {
                 return Step::Run(w);
             }
         }
-        if let Some((token, ev)) = self.poll_channels() {
+        if let Some((at, meta_size, ev)) = self.poll_channels() {
             self.streak += 1;
-            if let Some(w) = self.take_event(token, ev) {
+            if let Some(w) = self.take_event(at, meta_size, ev) {
                 return Step::Run(w);
             }
             return Step::Spin;
@@ -532,7 +561,7 @@ impl Waitset {
         match self.selector.wait(Some(Duration::ZERO)) {
             Ok((key, ev)) => {
                 self.streak += 1;
-                match self.keys.get(&key).copied().and_then(|token| self.take_event(token, ev)) {
+                match self.keys.get(&key).copied().and_then(|token| self.take_event_of(token, ev)) {
                     Some(w) => Step::Run(w),
                     None => Step::Spin,
                 }
@@ -543,21 +572,31 @@ impl Waitset {
 
     /// Publishes what the attached channels hold back.
     fn flush_all(&mut self) {
-        for &(key, _) in &self.order {
-            if let Some(c) = self.selector.get_mut(key) {
+        for p in &self.order {
+            if let Some(c) = self.selector.get_mut(p.key) {
                 let _ = c.flush();
             }
         }
     }
 
     /// Polls every attached channel once, starting after the one that
-    /// had the last event: the first event, with its channel's token. A channel's poll that finds
+    /// had the last event: the first event, with its channel end and the
+    /// channel's meta size. A channel's poll that finds
     /// nothing publishes what callbacks held back on it, which another
     /// channel of this waitset may be waiting for (both ends of a channel
     /// here): if callbacks held sends back, a round that found nothing is
     /// followed by a second one, rather than by a dispatch that returns
     /// `BULK_ERR_TIMEOUT` while the answer is there.
-    fn poll_channels(&mut self) -> Option<(usize, Event)> {
+    ///
+    /// If the last event's callback held sends back (the echo's pass) and
+    /// its channel is local, the round starts at that channel: caught up,
+    /// it publishes them before the others are polled (the answer's reader
+    /// may be one of them: both ends of a local channel on one waitset),
+    /// so that the answer is not found only by a second round; with more
+    /// to deliver it delivers the next message and its batch goes on. At
+    /// most every other round starts so, so that a channel whose callbacks
+    /// always send cannot keep the others from their turn.
+    fn poll_channels(&mut self) -> Option<(Polled, usize, Event)> {
         let n = self.order.len();
         if n == 0 {
             return None;
@@ -566,14 +605,21 @@ impl Waitset {
             let held_back = std::mem::take(&mut self.held_back);
             // Indices wrap by a compare, not a division (one per poll).
             let mut i = self.next_poll.min(n - 1);
+            let sender = if i == 0 { n - 1 } else { i - 1 };
+            self.started_at_sender = held_back && !self.started_at_sender && self.order[sender].local;
+            if self.started_at_sender {
+                i = sender;
+            }
             for _ in 0..n {
-                let (key, token) = self.order[i];
+                let at = self.order[i];
                 i = if i + 1 == n { 0 } else { i + 1 };
-                if let Some(ev) = self.selector.get_mut(key).and_then(Channel::poll) {
+                let Some(c) = self.selector.get_mut(at.key) else { continue };
+                if let Some(ev) = c.poll() {
+                    let meta_size = c.meta_size();
                     self.next_poll = i;
                     // Not every channel was polled: some may still hold back.
                     self.held_back |= held_back;
-                    return Some((token, ev));
+                    return Some((at, meta_size, ev));
                 }
             }
             if !held_back {
@@ -596,7 +642,7 @@ impl Waitset {
         let Some(chan) = self.chans.get_mut(&token) else { return };
         if let Link::Attached(key) = chan.link {
             self.keys.remove(&key);
-            self.order.retain(|(k, _)| *k != key);
+            self.order.retain(|p| p.key != key);
             if let Some(c) = self.selector.remove(key) {
                 chan.link = Link::Detached(Box::new(c));
             }
@@ -604,18 +650,19 @@ impl Waitset {
         self.sync(token);
     }
 
-    /// Turns the event of the channel of `token` into the work it calls
-    /// for (more of it is queued).
-    fn take_event(&mut self, token: usize, ev: Event) -> Option<Work> {
-        let (ch, cbs, meta_size) = {
-            let chan = self.chans.get_mut(&token)?;
-            let ch = chan.c_addr;
-            (
-                ch,
-                chan.callbacks as *const BulkChannelCallbacks,
-                channel_of(&mut self.selector, chan).map_or(0, |c| c.meta_size()),
-            )
-        };
+    /// [`take_event`](Self::take_event) for the channel of `token`, looked up.
+    fn take_event_of(&mut self, token: usize, ev: Event) -> Option<Work> {
+        let chan = self.chans.get_mut(&token)?;
+        let (c_addr, callbacks) = (chan.c_addr, chan.callbacks);
+        let meta_size = channel_of(&mut self.selector, chan).map_or(0, |c| c.meta_size());
+        // The key is not used by take_event.
+        self.take_event(Polled { key: usize::MAX, token, c_addr, callbacks, local: false }, meta_size, ev)
+    }
+
+    /// Turns the event of the channel end `at` into the work it calls for
+    /// (more of it is queued).
+    fn take_event(&mut self, at: Polled, meta_size: usize, ev: Event) -> Option<Work> {
+        let (token, ch, cbs) = (at.token, at.c_addr, at.callbacks as *const BulkChannelCallbacks);
         // The usual events need one callback: only it is read.
         let ev = match ev {
             Event::MoveReceived { buffer, meta } => {
@@ -701,7 +748,7 @@ impl Waitset {
                     e.buffer_ptr(i, view)
                 })?;
                 let meta = meta_bytes(&meta, meta_size);
-                cbs.copy_received.map(|f| Work::Buffer { f, ch, token, buffer, id, owned: false, meta })
+                cbs.copy_received.map(|f| Work::Buffer { f, ch, token, buffer, meta })
             }
             Event::CopyReleased { buffer: id, writable } => {
                 let i = id.index as usize;
@@ -765,7 +812,7 @@ impl Waitset {
         let channel = match std::mem::replace(&mut chan.link, Link::Attached(usize::MAX)) {
             Link::Attached(key) => {
                 self.keys.remove(&key);
-                self.order.retain(|(k, _)| *k != key);
+                self.order.retain(|p| p.key != key);
                 self.selector.remove(key)
             }
             Link::Detached(c) => Some(*c),
@@ -778,19 +825,11 @@ impl Waitset {
             // Dropping the end closes it: the peer learns of it.
             drop(c);
         }
-        // Callbacks for it are not run; buffers they would have handed
-        // over go back, and so do the copies received over it.
-        let (keep, gone): (VecDeque<Work>, VecDeque<Work>) =
-            self.pending.drain(..).partition(|w| w.callback_token() != Some(token));
-        self.pending = keep;
-        let never_handed: Vec<BufferId> = gone
-            .iter()
-            .filter_map(|w| match w {
-                Work::Buffer { id, owned: true, .. } => Some(*id),
-                _ => None,
-            })
-            .collect();
-        drop_channel_handles(token, &never_handed);
+        // Callbacks queued for it are not run (buffer callbacks are never
+        // queued: they run from the poll that found them); the copies
+        // received over it go back.
+        self.pending.retain(|w| w.callback_token() != Some(token));
+        drop_channel_handles(token);
         self.unsent -= chan.unsent.len();
         let unanswered = chan
             .bind_cont
@@ -1045,5 +1084,5 @@ fn received_owned(
         s.refresh_as(Some(BufferState::ReadWrite));
         e.buffer_ptr(i, View::Owner)
     })?;
-    f.map(|f| Work::Buffer { f, ch, token, buffer: ptr, id, owned: true, meta: meta_bytes(meta, meta_size) })
+    f.map(|f| Work::Buffer { f, ch, token, buffer: ptr, meta: meta_bytes(meta, meta_size) })
 }

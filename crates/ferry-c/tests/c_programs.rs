@@ -691,6 +691,20 @@ fn busy_polling_makes_no_system_call_until_the_fd_is_taken() {
     run(&compile("busy_poll.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("busy_poll: ok");
 }
 
+/// Every channel of a waitset gets its turn: an echo whose callbacks
+/// always send (its passes held back for batching, and published first
+/// at the next round of polls) does not keep another channel of the
+/// waitset waiting while it has more to deliver.
+#[test]
+fn a_sending_echo_does_not_keep_other_channels_from_their_turn() {
+    run(&compile("poll_turns.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("poll_turns: ok");
+}
+
+#[test]
+fn a_sending_echo_does_not_keep_other_channels_from_their_turn_sanitized() {
+    run(&compile("poll_turns.c", Build::Sanitized), &[], Build::Sanitized, SHORT).success().contains("poll_turns: ok");
+}
+
 #[test]
 fn error_paths() {
     run(&compile("error_paths.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("error_paths: ok");
