@@ -810,6 +810,34 @@ fn meta_too_large() {
     Channel::create(&f.a, &ep, ChannelSetup { meta_size: MAX_META_SIZE, ..ChannelSetup::default() }).unwrap();
 }
 
+/// Meta of every length up to the largest a channel allows, inline and
+/// kept apart on the heap alike, crosses intact both ways, several
+/// messages queued before the receiver looks.
+#[test]
+fn meta_of_every_length_crosses_intact() {
+    let mut f = fixture_with(ChannelSetup { meta_size: MAX_META_SIZE, ..ChannelSetup::default() });
+    let lens = [0, 1, 45, 46, 47, 100, MAX_META_SIZE - 1, MAX_META_SIZE];
+    let pattern = |len: usize, salt: u8| (0..len).map(|i| (i as u8).wrapping_mul(7) ^ salt).collect::<Vec<u8>>();
+    for &len in &lens {
+        let x = f.buf();
+        f.tx.move_buffer(x, &pattern(len, 1)).unwrap();
+    }
+    let mut back = Vec::new();
+    for &len in &lens {
+        let (y, meta) = recv_move(&mut f.rx);
+        assert_eq!(&meta[..], &pattern(len, 1)[..], "moved with {len} bytes of meta");
+        back.push(y);
+    }
+    for (y, &len) in back.into_iter().zip(&lens) {
+        f.rx.pass(y, &pattern(len, 2)).unwrap();
+    }
+    for &len in &lens {
+        let (_, meta) = recv_pass(&mut f.tx);
+        assert_eq!(&meta[..], &pattern(len, 2)[..], "passed with {len} bytes of meta");
+    }
+    assert_quiet(&mut f.rx);
+}
+
 /// `UnknownPool`: assigning another domain's pool, and assigning onward a
 /// pool that was only offered to us (not yet accepted). After accepting,
 /// the onward assignment works.
