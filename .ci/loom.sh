@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the loom models of the SPSC ring (crates/ferry/src/ring/,
+# Runs the loom models of the SPSC rings (crates/ferry/src/ring/: the byte
+# ring and the ring of values of the local backend,
 # mod ring::loom_tests) and of the C interface's lock (crates/ferry-c/src/lock.rs).
 # --cfg loom changes the build of every crate, so it
 # gets its own target dir. Takes well under a minute after the build.

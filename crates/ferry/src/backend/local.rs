@@ -1,8 +1,12 @@
 //! The local backend: both ends in one process (threads, or domains that
 //! share a thread). Each direction is a single-producer/single-consumer
-//! descriptor ring on the heap — the same ring the shared-memory backend
-//! puts in a shared segment — and pools travel as `Arc`s of their memfd,
-//! so every domain maps the same memory: zero copy by construction.
+//! ring of [`Message`] values ([`ring::value_pair`]): the shared-memory
+//! backend's ring protocol (counters, publication marks, batches, the
+//! sleep and room handshakes, the closed bits) without its encoding into
+//! bytes and checked decoding, which guard against a peer in another
+//! process; here the peer is this process's own code. Pools travel as
+//! `Arc`s of their memfd, so every domain maps the same memory: zero copy
+//! by construction.
 
 use crate::ErrorKind;
 use std::collections::{HashMap, VecDeque};
@@ -15,7 +19,7 @@ use super::{Link, Pending, PendingSetup, SetupDone};
 use crate::error::{Error, Result};
 use crate::pool::{Geometry, PoolId, PoolMemory, TrustLevel};
 use crate::proto::{self, Message};
-use crate::ring::{self, Consumer, Producer, RingError, RingLayout};
+use crate::ring::{self, RingError, RingLayout, ValueConsumer, ValueProducer};
 use crate::setup::{negotiate, BindParams, ChannelSetup, Negotiated};
 use crate::wake::{Arm, Doorbell, Interest, WakeSet};
 
@@ -87,10 +91,12 @@ impl LocalEndpoint {
         if st.connected || st.offer.is_some() {
             return Err(ErrorKind::EndpointInUse.into());
         }
+        // The byte ring's limits, so that a setup valid here is valid
+        // over shared memory too.
         let layout = RingLayout::new(setup.queue_depth, proto::slot_size(setup.meta_size))
             .map_err(|_| ErrorKind::InvalidArgument("queue depth"))?;
-        let (to_creator_tx, to_creator_rx) = ring::heap_pair(layout);
-        let (to_binder_tx, to_binder_rx) = ring::heap_pair(layout);
+        let (to_creator_tx, to_creator_rx) = ring::value_pair(layout.capacity());
+        let (to_binder_tx, to_binder_rx) = ring::value_pair(layout.capacity());
         let binder_bell = Arc::new(Doorbell::new()?);
         let (to_creator_pools, to_binder_pools) = (Arc::default(), Arc::default());
         let meta = setup.meta_size;
@@ -218,8 +224,8 @@ impl PendingSetup for BinderPending {
 /// (and adjacent-line pairs) the other end's core works on.
 #[repr(align(128))]
 pub(crate) struct LocalLink {
-    tx: Producer,
-    rx: Consumer,
+    tx: ValueProducer<Message>,
+    rx: ValueConsumer<Message>,
     meta_size: usize,
     /// Rung by the peer when we sleep and it sends (or makes room we
     /// asked for), and the peer's.
@@ -251,6 +257,7 @@ impl LocalLink {
         match e {
             RingError::Full => ErrorKind::QueueFull.into(),
             RingError::Closed => ErrorKind::PeerGone.into(),
+            // Not made by the value ring (it has no peer to distrust).
             other => ErrorKind::Protocol(format!("ring: {other}")).into(),
         }
     }
@@ -274,9 +281,8 @@ impl LocalLink {
             self.publish();
             return Ok(None);
         }
-        let meta = self.meta_size;
-        if let Some(decoded) = self.rx.try_pop(|slot| Message::decode(slot, meta)).map_err(Self::ring_error)? {
-            return decoded.map(Some);
+        if let Some(msg) = self.rx.try_pop() {
+            return Ok(Some(msg));
         }
         match self.last_in.lock().unwrap_or_else(|p| p.into_inner()).pop_front() {
             Some(msg) => Ok(Some(msg)),
@@ -329,8 +335,8 @@ impl Link for LocalLink {
         // Copying out before we know the ring has room is harmless: if it
         // has none, the buffer stays ours and no one reads the peer's copy.
         self.write_back.depart(msg)?;
-        self.tx.stage(|slot| msg.encode(slot)).map_err(Self::ring_error)?;
-        if super::publish_now(&self.tx, self.batching, msg) {
+        self.tx.stage(|| msg.clone()).map_err(Self::ring_error)?;
+        if super::publish_now(self.tx.staged(), self.batching, msg) {
             self.publish();
         }
         Ok(())
@@ -349,22 +355,18 @@ impl Link for LocalLink {
     }
 
     fn recv(&mut self, gate: &mut dyn super::PayloadGate) -> Result<Option<Message>> {
-        // A message in the ring first, straight to the caller: the message
-        // is built once, in place (passing it through `Option`s and
-        // `Result`s of helpers moved it several times, 90 instructions a
-        // message).
-        let meta = self.meta_size;
-        match self.rx.try_pop(|slot| Message::decode(slot, meta)) {
-            Ok(Some(decoded)) => {
+        // A message in the ring first, straight to the caller (passing it
+        // through `Option`s and `Result`s of helpers moved it several
+        // times, 90 instructions a message).
+        match self.rx.try_pop() {
+            Some(msg) => {
                 if self.rx.take_room_request() {
                     self.peer.ring();
                 }
-                let msg = decoded?;
                 self.write_back.arrive(&msg, gate)?;
                 Ok(Some(msg))
             }
-            Ok(None) => self.recv_empty(),
-            Err(e) => Err(Self::ring_error(e)),
+            None => self.recv_empty(),
         }
     }
 
@@ -433,11 +435,8 @@ impl Link for LocalLink {
 
     #[cfg(test)]
     fn private_memory(&self) -> Vec<(usize, usize)> {
-        vec![
-            (self as *const Self as usize, std::mem::size_of::<Self>()),
-            self.tx.private_memory(),
-            self.rx.private_memory(),
-        ]
+        // The ring ends' counters live in the link itself.
+        vec![(self as *const Self as usize, std::mem::size_of::<Self>())]
     }
 
     fn close(&mut self, last: Vec<Message>) {

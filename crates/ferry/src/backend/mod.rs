@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::error::Result;
 use crate::pool::{Geometry, PoolId, PoolMemory};
 use crate::proto::Message;
-use crate::ring::{Producer, PUBLISH_EVERY};
+use crate::ring::PUBLISH_EVERY;
 use crate::setup::{BindParams, ChannelSetup, Negotiated};
 use crate::wake::{Arm, WakeSet};
 
@@ -482,9 +482,11 @@ pub(crate) fn arm_listening<'a>(
     Arm::Sleep { until: first }
 }
 
-/// After staging `msg` on a ring: whether to publish now. Unbatched links
-/// publish every message; batched ones every [`PUBLISH_EVERY`] messages (and
-/// on `flush`, `wait` or a full ring), and a teardown marker at once.
-pub(crate) fn publish_now(tx: &Producer, batching: bool, msg: &Message) -> bool {
-    !batching || tx.staged() >= PUBLISH_EVERY || *msg == Message::Teardown
+/// After staging `msg` on a ring that now holds `staged` unpublished
+/// messages: whether to publish now. Unbatched links publish every message;
+/// batched ones every [`PUBLISH_EVERY`] messages (and on `flush`, `wait` or
+/// a full ring), and a teardown marker at once.
+#[inline]
+pub(crate) fn publish_now(staged: u32, batching: bool, msg: &Message) -> bool {
+    !batching || staged >= PUBLISH_EVERY || *msg == Message::Teardown
 }

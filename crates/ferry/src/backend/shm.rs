@@ -661,7 +661,9 @@ impl Link for ShmLink {
         // between. So the batch boundaries move with timing; the
         // application flushes before it waits elsewhere (see
         // `Channel::set_batching`).
-        if super::publish_now(&self.tx, self.batching, msg) || (self.received_since_publish && self.rx.caught_up()) {
+        if super::publish_now(self.tx.staged(), self.batching, msg)
+            || (self.received_since_publish && self.rx.caught_up())
+        {
             self.publish();
         }
         Ok(())

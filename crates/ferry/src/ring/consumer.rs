@@ -29,13 +29,6 @@ pub(crate) struct Consumer {
 unsafe impl Send for Consumer {}
 
 impl Consumer {
-    /// The private copy of the slot (address, length): written for every
-    /// message.
-    #[cfg(test)]
-    pub(crate) fn private_memory(&self) -> (usize, usize) {
-        (self.copy.0.as_ptr() as usize, std::mem::size_of_val(&*self.copy))
-    }
-
     /// Copy the next slot out into a private stack buffer (so a hostile
     /// producer cannot change it while we decode), advance tail, and hand
     /// the copy to `read`.

@@ -306,3 +306,183 @@ fn head_covers_a_slot_found_by_phase() {
         drop(producer.join().unwrap());
     });
 }
+
+/// The same protocol on the ring of values (`values.rs`, the local
+/// backend's): loom's cells flag a value read before its write is ordered
+/// (stamp), a slot reused before its value was moved out (tail), or a
+/// leftover dropped while an end may still touch it; a lost wake-up leaves
+/// a waiter waiting forever.
+mod values {
+    use super::model;
+    use crate::ring::{value_pair, RingError, ValueConsumer};
+    use loom::sync::atomic::Ordering;
+    use loom::thread;
+
+    /// Pop `n` values as a blocking consumer does: when the ring is empty,
+    /// declare sleep and wait until the producer clears the flag.
+    fn pop_or_sleep(c: &mut ValueConsumer<Box<u8>>, n: usize) -> Vec<u8> {
+        let mut got = Vec::new();
+        while got.len() < n {
+            if let Some(x) = c.try_pop() {
+                got.push(*x);
+            } else if c.prepare_sleep() {
+                while c.sleeping_word().load(Ordering::Acquire) == 1 {
+                    thread::yield_now();
+                }
+                c.cancel_sleep();
+            }
+        }
+        got
+    }
+
+    /// Capacity 2, three values: FIFO order across wrap-around and Full.
+    #[test]
+    fn values_fifo_capacity_2() {
+        model("values_fifo_capacity_2", || {
+            let (mut p, mut c) = value_pair::<Box<u8>>(2);
+            let producer = thread::spawn(move || {
+                for i in 0..3u8 {
+                    loop {
+                        match p.stage(|| Box::new(i)) {
+                            Ok(()) => {
+                                let _ = p.publish();
+                                break;
+                            }
+                            Err(RingError::Full) => thread::yield_now(),
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                }
+            });
+            for i in 0..3u8 {
+                loop {
+                    if let Some(x) = c.try_pop() {
+                        assert_eq!(*x, i);
+                        break;
+                    }
+                    thread::yield_now();
+                }
+            }
+            producer.join().unwrap();
+            assert!(c.try_pop().is_none());
+        });
+    }
+
+    /// No lost wake-up between a publish and a consumer going to sleep.
+    #[test]
+    fn values_sleep_handshake() {
+        model("values_sleep_handshake", || {
+            let (mut p, mut c) = value_pair::<Box<u8>>(2);
+            let producer = thread::spawn(move || {
+                p.stage(|| Box::new(42)).unwrap();
+                let wake = p.publish();
+                (wake, p)
+            });
+            let blocks = c.prepare_sleep();
+            let (wake, p) = producer.join().unwrap();
+            if blocks {
+                assert!(wake, "lost wake-up: consumer sleeps, producer did not wake it");
+                c.cancel_sleep();
+            }
+            assert_eq!(c.sleeping_word().load(Ordering::Relaxed), 0);
+            assert_eq!(c.try_pop().map(|x| *x), Some(42));
+            drop(p);
+        });
+    }
+
+    /// A batch of two, one publication and one handshake, against a
+    /// consumer that sleeps whenever it may.
+    #[test]
+    fn values_futex_protocol_batch() {
+        model("values_futex_protocol_batch", || {
+            let (mut p, mut c) = value_pair::<Box<u8>>(2);
+            let producer = thread::spawn(move || {
+                p.stage(|| Box::new(1)).unwrap();
+                p.stage(|| Box::new(2)).unwrap();
+                let _wake = p.publish();
+                p
+            });
+            assert_eq!(pop_or_sleep(&mut c, 2), [1, 2]);
+            drop(producer.join().unwrap());
+        });
+    }
+
+    /// Close publishes the staged values before the closed bit and wakes a
+    /// sleeper; what the consumer does not take is dropped with the ring,
+    /// by whichever end goes last.
+    #[test]
+    fn values_close_publishes_staged_and_drops_leftovers() {
+        model("values_close_publishes_staged_and_drops_leftovers", || {
+            let (mut p, mut c) = value_pair::<Box<u8>>(2);
+            let producer = thread::spawn(move || {
+                p.stage(|| Box::new(7)).unwrap();
+                p.stage(|| Box::new(8)).unwrap();
+                p.close();
+            });
+            loop {
+                if let Some(x) = c.try_pop() {
+                    assert_eq!(*x, 7);
+                    break;
+                }
+                if c.prepare_sleep() {
+                    // Close clears the flag: the wait ends.
+                    while c.sleeping_word().load(Ordering::Acquire) == 1 {
+                        thread::yield_now();
+                    }
+                    c.cancel_sleep();
+                }
+            }
+            drop(c);
+            producer.join().unwrap();
+        });
+    }
+
+    /// The room handshake: a producer that finds the ring full waits until
+    /// the consumer takes its request, looked at after every pop and after
+    /// declaring sleep.
+    #[test]
+    fn values_room_handshake() {
+        model("values_room_handshake", || {
+            let (mut p, mut c) = value_pair::<Box<u8>>(2);
+            let producer = thread::spawn(move || {
+                for i in 0..3u8 {
+                    loop {
+                        match p.stage(|| Box::new(i)) {
+                            Ok(()) => {
+                                let _ = p.publish();
+                                break;
+                            }
+                            Err(RingError::Full) => {
+                                if p.want_room_for(1) {
+                                    while p.room_word().load(Ordering::Acquire) == 1 {
+                                        thread::yield_now();
+                                    }
+                                }
+                            }
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                }
+                p
+            });
+            let mut got = Vec::new();
+            while got.len() < 3 {
+                if let Some(x) = c.try_pop() {
+                    got.push(*x);
+                    let _wake = c.take_room_request();
+                } else {
+                    let sleep = c.prepare_sleep();
+                    let _wake = c.take_room_request();
+                    if sleep {
+                        while c.sleeping_word().load(Ordering::Acquire) == 1 {
+                            thread::yield_now();
+                        }
+                        c.cancel_sleep();
+                    }
+                }
+            }
+            assert_eq!(got, [0, 1, 2]);
+            drop(producer.join().unwrap());
+        });
+    }
+}

@@ -285,8 +285,8 @@ pub(crate) const MAX_SLOT: usize = 256;
 
 /// A private copy of one slot: the producer's staging copy, the
 /// consumer's read copy. Each is written for every message by one end
-/// only; between two threads of one process (the local backend) the two
-/// ends' copies come from one allocator, which may put them side by side.
+/// only; when both ends run in one process the two ends' copies come from
+/// one allocator, which may put them side by side.
 /// Aligned to, and filling, whole 128-byte blocks, they never share a
 /// cache line with anything else, nor the pair of lines that adjacent-line
 /// prefetch moves together (as the header's hot words, see the layout).
@@ -899,9 +899,11 @@ pub(crate) fn heap_pair(layout: RingLayout) -> (Producer, Consumer) {
 
 mod consumer;
 mod producer;
+mod values;
 
 pub(crate) use consumer::Consumer;
 pub(crate) use producer::Producer;
+pub(crate) use values::{value_pair, ValueConsumer, ValueProducer};
 
 #[cfg(all(test, not(loom)))]
 mod tests;

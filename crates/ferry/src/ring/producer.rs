@@ -33,12 +33,6 @@ pub(crate) struct Producer {
 unsafe impl Send for Producer {}
 
 impl Producer {
-    /// The staging copy (address, length): written for every message.
-    #[cfg(test)]
-    pub(crate) fn private_memory(&self) -> (usize, usize) {
-        (self.stage.0.as_ptr() as usize, std::mem::size_of_val(&*self.stage))
-    }
-
     /// Fill the next slot with `fill` (it gets a zeroed `&mut [u8]` of
     /// `slot_size` bytes, a private staging copy, then copied into the slot;
     /// bit 7 of its first byte is the ring's phase bit and is not carried),
