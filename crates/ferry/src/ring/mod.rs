@@ -1,9 +1,12 @@
 //! Single-producer / single-consumer ring of fixed-size descriptor slots in a
 //! raw memory region.
 //!
-//! The same code serves threads of one process (region on the heap,
-//! [`HeapRegion`]) and two processes sharing a memfd mapping, where the peer
-//! may be hostile and may write anything into the region at any time.
+//! It serves two processes sharing a memfd mapping (the shared-memory
+//! backend), where the peer may be hostile and may write anything into the
+//! region at any time; a region on the heap ([`HeapRegion`]) serves the
+//! tests and the fuzz targets. Between threads of one process the local
+//! backend uses [`values`], a ring of typed values with the same protocol
+//! and no encoding.
 //!
 //! # Discipline (OSIRIS host interface, \[OSIRIS\] §2.1)
 //!

@@ -449,6 +449,12 @@ mod tests {
         }
     }
 
+    /// A message and its stamp cross cores as one 128-byte block.
+    #[test]
+    fn a_message_slot_is_one_block() {
+        assert_eq!(std::mem::size_of::<Slot<crate::proto::Message>>(), 128);
+    }
+
     #[test]
     fn fifo_full_and_wrap_around() {
         let (mut p, mut c) = value_pair::<u32>(4);
