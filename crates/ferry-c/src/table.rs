@@ -734,3 +734,60 @@ pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
         Ok(())
     })
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Two threads allocate and return while `alloc_free` runs: once the
+    /// free and both threads are done, the program owns none of the
+    /// pool's buffers (the free gave back everything handed out before its
+    /// walk, and nothing was handed out after it). A call that checked the
+    /// allocator's token before taking the buffer's lock would, now and
+    /// then, put a buffer in a slot the walk had passed.
+    #[test]
+    fn nothing_owned_after_a_free_that_raced_allocations() {
+        const ROUNDS: usize = 400;
+        for round in 0..ROUNDS {
+            let mut a =
+                Box::new(BulkAllocator { pool: std::ptr::null_mut(), num_free: 0, impl_data: std::ptr::null_mut() });
+            alloc_init(&mut *a, 8, 4096, None).expect("alloc_init");
+            let id = pool_at(a.pool as usize).expect("the allocator's pool").pool.id();
+            let addr = &mut *a as *mut BulkAllocator as usize;
+            let go = std::sync::Arc::new(std::sync::Barrier::new(3));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let go = go.clone();
+                    std::thread::spawn(move || {
+                        let a = addr as *mut BulkAllocator;
+                        go.wait();
+                        loop {
+                            match alloc_new_buffer(a) {
+                                Ok(b) => match alloc_return_buffer(a, b) {
+                                    Ok(()) | Err(ERR_INVALID_ALLOCATOR) => {}
+                                    Err(e) => panic!("return: {e}"),
+                                },
+                                Err(ERR_NO_RESOURCES) => {}
+                                Err(ERR_INVALID_ALLOCATOR) => return,
+                                Err(e) => panic!("allocation: {e}"),
+                            }
+                        }
+                    })
+                })
+                .collect();
+            go.wait();
+            for _ in 0..round % 64 {
+                std::hint::spin_loop();
+            }
+            alloc_free(&mut *a).expect("alloc_free");
+            for t in threads {
+                t.join().expect("allocating thread");
+            }
+            let e = pool(id).expect("the pool stays until collected");
+            let owned: Vec<usize> = (0..8).filter(|&i| e.slot(i).owned.is_some()).collect();
+            assert!(owned.is_empty(), "round {round}: buffers {owned:?} owned after the allocator's free");
+            drop(e);
+            forget(&[id]);
+        }
+    }
+}
