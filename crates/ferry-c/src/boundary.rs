@@ -96,10 +96,10 @@ pub fn set_num_free(a: *mut BulkAllocator, n: usize) {
     // SAFETY: a live allocator struct registered with the library.
     let field = unsafe { ptr::addr_of_mut!((*a).num_free) };
     if field.is_aligned() {
-        // SAFETY: aligned (checked), valid for the struct's life, and the
-        // library writes the field only through this function (atomically)
-        // and through `write_allocator`, which no allocator call overlaps
-        // (init and free exclude the allocator's calls).
+        // SAFETY: aligned (checked) and valid for the struct's life; the
+        // library's other write of the field (`write_allocator`) runs when
+        // no allocator call writes it: at init before the allocator is
+        // registered, at free after every buffer's lock was passed.
         unsafe { std::sync::atomic::AtomicUsize::from_ptr(field) }.store(n, std::sync::atomic::Ordering::Relaxed);
     } else {
         // SAFETY: as above; a struct out of its C alignment (a packed
