@@ -89,10 +89,23 @@ pub fn allocator_token(a: *const BulkAllocator) -> usize {
     unsafe { ptr::addr_of!((*a).impl_data).read_unaligned() as usize }
 }
 
-/// Updates an allocator's `num_free`.
+/// Updates an allocator's `num_free`. Two threads' calls on one allocator
+/// may write it at once (an allocator call holds only its buffer's lock),
+/// so the write is an atomic store: a plain store on the machine.
 pub fn set_num_free(a: *mut BulkAllocator, n: usize) {
     // SAFETY: a live allocator struct registered with the library.
-    unsafe { ptr::addr_of_mut!((*a).num_free).write_unaligned(n) }
+    let field = unsafe { ptr::addr_of_mut!((*a).num_free) };
+    if field.is_aligned() {
+        // SAFETY: aligned (checked) and valid for the struct's life; the
+        // library's other write of the field (`write_allocator`) runs when
+        // no allocator call writes it: at init before the allocator is
+        // registered, at free after every buffer's lock was passed.
+        unsafe { std::sync::atomic::AtomicUsize::from_ptr(field) }.store(n, std::sync::atomic::Ordering::Relaxed);
+    } else {
+        // SAFETY: as above; a struct out of its C alignment (a packed
+        // copy) gets the plain write.
+        unsafe { field.write_unaligned(n) }
+    }
 }
 
 /// Writes the fields the library maintains in an allocator struct.

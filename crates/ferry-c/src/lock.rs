@@ -1,5 +1,5 @@
 //! A lock for the short critical sections of the data path (a waitset, a
-//! buffer's slot, an allocator): one locked instruction to take it, a
+//! buffer's slot): one locked instruction to take it, a
 //! plain store to let it go. `std::sync::Mutex` spends a second locked
 //! instruction on unlocking (to learn whether to wake a sleeper), and a
 //! call into the library takes two or three such locks: on a busy-polled
@@ -179,6 +179,62 @@ mod loom_tests {
             let _g = shared.lock.lock();
             // SAFETY: as above.
             assert_eq!(shared.count.with(|c| unsafe { *c }), 2);
+        });
+    }
+
+    /// A buffer's slot as the allocator's protocol sees it
+    /// (`table::PoolEntry::allocator`): the slot's lock, what the slot
+    /// holds, and the allocator's liveness word.
+    struct AllocSlot {
+        lock: SpinLock<()>,
+        /// The program owns the buffer (the slot's `owned`).
+        owned: UnsafeCell<bool>,
+        /// The allocator struct's token; 0 once its free began.
+        token: loom::sync::atomic::AtomicUsize,
+    }
+
+    // SAFETY: `owned` is only touched with `lock` held (what the model checks).
+    unsafe impl Sync for AllocSlot {}
+
+    /// `bulk_alloc_new_buffer` racing `bulk_alloc_free`: the allocation
+    /// reads the token under the slot's lock and writes the slot only if
+    /// the allocator lives; the free stores 0, then gives back what each
+    /// slot holds under its lock. In every interleaving the program owns
+    /// nothing once both are done, and the allocation succeeded only if
+    /// it came before the free's walk. Reading the token before taking
+    /// the slot's lock fails the model (the allocation writes the slot
+    /// after the walk passed it).
+    #[test]
+    fn allocation_racing_free_leaves_nothing_owned() {
+        use std::sync::atomic::Ordering;
+        loom::model(|| {
+            const TOKEN: usize = 7;
+            let slot = Arc::new(AllocSlot {
+                lock: SpinLock::new(()),
+                owned: UnsafeCell::new(false),
+                token: loom::sync::atomic::AtomicUsize::new(TOKEN),
+            });
+            let s = slot.clone();
+            let alloc = loom::thread::spawn(move || {
+                let _g = s.lock.lock();
+                if s.token.load(Ordering::Acquire) != TOKEN {
+                    return false;
+                }
+                // SAFETY: under the slot's lock; loom reports any overlapping access.
+                s.owned.with_mut(|o| unsafe { *o = true });
+                true
+            });
+            slot.token.store(0, Ordering::Release);
+            let gave_back = {
+                let _g = slot.lock.lock();
+                // SAFETY: as above.
+                slot.owned.with_mut(|o| unsafe { std::mem::replace(&mut *o, false) })
+            };
+            let allocated = alloc.join().expect("allocating thread");
+            let _g = slot.lock.lock();
+            // SAFETY: as above.
+            assert!(!slot.owned.with(|o| unsafe { *o }), "a buffer handed out after the free gave the buffers back");
+            assert_eq!(allocated, gave_back, "an allocation the free did not give back");
         });
     }
 }

@@ -7,8 +7,8 @@
 //! (Ferry allows it).
 //!
 //! Locks, in the order they are taken (never the other way round): a
-//! waitset's ([`Waitset`], with its channel ends), then the table's, a
-//! pool's allocator's and a buffer's ([`crate::table`]). The two
+//! waitset's ([`Waitset`], with its channel ends), then the table's and a
+//! buffer's ([`crate::table`]; an allocator has no lock). The two
 //! directories below map C handles to waitsets; each is the last lock a
 //! thread takes, held only while looking up or changing an entry. A thread
 //! that busy-polls its own waitset thereby takes no lock another thread's

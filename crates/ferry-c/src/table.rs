@@ -1,13 +1,16 @@
 //! The pools this process knows, their C objects, the program's buffer
 //! handles and the allocators. The table (an index from ids and addresses
-//! to pools) is read-mostly; each pool's allocator and each buffer have
-//! their own lock, so threads working on different buffers never wait for
-//! each other. Locks are taken in this order: a waitset's, the table's, a
-//! pool's allocator, a buffer's.
+//! to pools) is read-mostly; each buffer has its own lock, so threads
+//! working on different buffers never wait for each other. Locks are taken
+//! in this order: a waitset's, the table's, a buffer's.
+//!
+//! An allocator has no lock of its own: an allocator call takes only the
+//! lock of the buffer it hands out or takes back (see
+//! [`PoolEntry::allocator`] for why that is enough).
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, RwLock};
 
 use ferry::{Allocator, Buffer, BufferCopy, BufferId, BufferState, Pool, PoolConstraints, PoolId, TrustLevel};
@@ -152,8 +155,32 @@ pub struct PoolEntry {
     /// The pool's `buffers` array.
     _ptrs: CArray<*mut BulkBuffer>,
     slots: Box<[SlotCell]>,
-    /// Made by bulk_alloc_init: the allocator struct's token and the allocator.
-    allocator: SpinLock<Option<(usize, Allocator)>>,
+    /// Made by bulk_alloc_init: the allocator. It stays as long as the
+    /// entry (it is two handles, of the domain and the pool, which the
+    /// entry holds anyway), so a call that found the entry may use it
+    /// without a lock; whether the program may still use it is
+    /// `alloc_token`.
+    ///
+    /// The protocol (modelled in `lock::loom_tests`): `alloc_token` is the
+    /// token of the allocator struct while it lives and 0 once
+    /// `bulk_alloc_free` began. An allocator call reads it **with the lock
+    /// of the buffer's slot held**, and writes the slot (and the struct's
+    /// `num_free`) only if it is its own token; `alloc_free` stores 0 and
+    /// then takes every slot's lock in turn to give the program's buffers
+    /// back, and clears the struct only after that walk. So for each slot
+    /// either the call holds its lock before the walk does (and the walk
+    /// gives back what the call put there) or after it (and the call
+    /// reads 0, the store being ordered before the walk's release of that
+    /// slot's lock, and refuses, handing an allocated buffer back to the
+    /// allocator): no buffer is handed out or taken back by an allocator
+    /// once its free has given the buffers back, and the slot lock alone
+    /// keeps two calls on one buffer apart (a double return is refused as
+    /// before). Reading the token before taking the slot's lock would let
+    /// a call write a slot the walk had already passed.
+    allocator: Option<Allocator>,
+    /// The allocator struct's token while it lives; 0 without allocator
+    /// or once `bulk_alloc_free` began (see `allocator`).
+    alloc_token: AtomicUsize,
 }
 
 impl PoolEntry {
@@ -183,7 +210,13 @@ impl PoolEntry {
 
     /// Whether nothing but channels may refer to the pool.
     fn unheld(&self) -> bool {
-        self.allocator.lock().is_none() && self.slots.iter().all(|s| s.0.lock().is_empty())
+        self.alloc_token.load(Ordering::Acquire) == 0 && self.slots.iter().all(|s| s.0.lock().is_empty())
+    }
+
+    /// The pool's allocator, if the allocator struct with `token` lives.
+    /// Only a hint outside a slot's lock: see [`PoolEntry::allocator`].
+    fn allocator_of(&self, token: usize) -> Option<&Allocator> {
+        self.allocator.as_ref().filter(|_| self.alloc_token.load(Ordering::Acquire) == token)
     }
 }
 
@@ -233,6 +266,10 @@ fn new_buffers(n: usize, base: usize, size: usize, pool: *mut BulkPool) -> (CArr
 impl Table {
     /// Registers a pool and makes its C objects.
     fn add_pool(&mut self, pool: Pool, allocator: Option<(usize, Allocator)>) -> Arc<PoolEntry> {
+        let (alloc_token, allocator) = match allocator {
+            Some((token, a)) => (token, Some(a)),
+            None => (0, None),
+        };
         let id = pool.id();
         let g = pool.geometry();
         let (n, size, base) = (g.count() as usize, g.buffer_size(), pool.base_address());
@@ -280,7 +317,8 @@ impl Table {
             copy_bufs,
             _ptrs: ptrs,
             slots,
-            allocator: SpinLock::new(allocator),
+            allocator,
+            alloc_token: AtomicUsize::new(alloc_token),
         });
         e.refresh_trust();
         self.pools.insert(id, e.clone());
@@ -585,7 +623,7 @@ fn with_allocator<R>(a: *mut BulkAllocator, f: impl FnOnce(usize, &PoolEntry) ->
 
 /// `bulk_alloc_init`.
 pub fn alloc_init(a: *mut BulkAllocator, count: usize, size: usize, c: Option<BulkPoolConstraints>) -> Res<()> {
-    let live = with_allocator(a, |token, e| Ok(e.allocator.lock().as_ref().is_some_and(|(t, _)| *t == token)));
+    let live = with_allocator(a, |token, e| Ok(e.allocator_of(token).is_some()));
     if live == Ok(true) {
         return Err(ERR_ALLOCATOR_IN_USE);
     }
@@ -617,16 +655,19 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
     t.allocators.remove(&token);
     EPOCH.fetch_add(1, Ordering::AcqRel);
     if let Some(e) = e {
-        let mut alloc = e.allocator.lock();
-        // The program's handles of the pool go back first, then the allocator.
+        // The allocator is dead first, then the program's handles of the
+        // pool go back, slot by slot; a call that holds a slot's lock
+        // meanwhile finishes before the walk passes it, and one that takes
+        // it later sees the token gone (see `PoolEntry::allocator`).
+        e.alloc_token.store(0, Ordering::Release);
         for slot in e.slots.iter() {
             let mut s = slot.0.lock();
             s.owned = None;
             s.copies.clear();
             s.refresh();
         }
-        *alloc = None;
     }
+    // After the walk: no allocator call writes the struct any more.
     boundary::clear_allocator(a);
     Ok(())
 }
@@ -634,21 +675,28 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
 /// `bulk_alloc_new_buffer`.
 pub fn alloc_new_buffer(a: *mut BulkAllocator) -> Res<usize> {
     with_allocator(a, |token, e| {
-        let alloc = e.allocator.lock();
-        let alloc = match &*alloc {
-            Some((t, alloc)) if *t == token => alloc,
-            _ => return Err(ERR_INVALID_ALLOCATOR),
-        };
+        let alloc = e.allocator_of(token).ok_or(ERR_INVALID_ALLOCATOR)?;
         let Some(b) = alloc.alloc() else {
+            // Any slot's lock orders the write before a concurrent free's
+            // clearing of the struct (which comes after its walk of every slot).
+            let _s = e.slots.first().map(|s| s.0.lock());
+            if e.alloc_token.load(Ordering::Acquire) != token {
+                return Err(ERR_INVALID_ALLOCATOR);
+            }
             boundary::set_num_free(a, 0);
             return Err(ERR_NO_RESOURCES);
         };
-        let free = alloc.available();
         let i = b.id().index as usize;
         let mut s = e.slot(i);
+        if e.alloc_token.load(Ordering::Acquire) != token {
+            // Freed since the look above: the buffer goes back, unseen.
+            drop(s);
+            let _ = alloc.free(b);
+            return Err(ERR_INVALID_ALLOCATOR);
+        }
         s.owned = Some(b);
         s.refresh_as(Some(BufferState::ReadWrite));
-        boundary::set_num_free(a, free);
+        boundary::set_num_free(a, alloc.available());
         Ok(e.buffer_ptr(i, View::Owner))
     })
 }
@@ -660,12 +708,12 @@ pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
             // Not this pool's: a buffer of another pool, or no buffer at all.
             return with_buffer(buffer, |_, _, _| Err(ERR_FOREIGN_POOL));
         };
-        let alloc = e.allocator.lock();
-        let alloc = match &*alloc {
-            Some((t, alloc)) if *t == token => alloc,
-            _ => return Err(ERR_INVALID_ALLOCATOR),
-        };
+        let alloc = e.allocator_of(token).ok_or(ERR_INVALID_ALLOCATOR)?;
         let mut s = e.slot(i);
+        // Under the slot's lock: see `PoolEntry::allocator`.
+        if e.alloc_token.load(Ordering::Acquire) != token {
+            return Err(ERR_INVALID_ALLOCATOR);
+        }
         if view == View::Copy || s.owned.is_none() {
             return Err(ERR_BUFFER_NOT_OWNED);
         }
@@ -685,4 +733,61 @@ pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
         boundary::set_num_free(a, free);
         Ok(())
     })
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Two threads allocate and return while `alloc_free` runs: once the
+    /// free and both threads are done, the program owns none of the
+    /// pool's buffers (the free gave back everything handed out before its
+    /// walk, and nothing was handed out after it). A call that checked the
+    /// allocator's token before taking the buffer's lock would, now and
+    /// then, put a buffer in a slot the walk had passed.
+    #[test]
+    fn nothing_owned_after_a_free_that_raced_allocations() {
+        const ROUNDS: usize = 400;
+        for round in 0..ROUNDS {
+            let mut a =
+                Box::new(BulkAllocator { pool: std::ptr::null_mut(), num_free: 0, impl_data: std::ptr::null_mut() });
+            alloc_init(&mut *a, 8, 4096, None).expect("alloc_init");
+            let id = pool_at(a.pool as usize).expect("the allocator's pool").pool.id();
+            let addr = &mut *a as *mut BulkAllocator as usize;
+            let go = std::sync::Arc::new(std::sync::Barrier::new(3));
+            let threads: Vec<_> = (0..2)
+                .map(|_| {
+                    let go = go.clone();
+                    std::thread::spawn(move || {
+                        let a = addr as *mut BulkAllocator;
+                        go.wait();
+                        loop {
+                            match alloc_new_buffer(a) {
+                                Ok(b) => match alloc_return_buffer(a, b) {
+                                    Ok(()) | Err(ERR_INVALID_ALLOCATOR) => {}
+                                    Err(e) => panic!("return: {e}"),
+                                },
+                                Err(ERR_NO_RESOURCES) => {}
+                                Err(ERR_INVALID_ALLOCATOR) => return,
+                                Err(e) => panic!("allocation: {e}"),
+                            }
+                        }
+                    })
+                })
+                .collect();
+            go.wait();
+            for _ in 0..round % 64 {
+                std::hint::spin_loop();
+            }
+            alloc_free(&mut *a).expect("alloc_free");
+            for t in threads {
+                t.join().expect("allocating thread");
+            }
+            let e = pool(id).expect("the pool stays until collected");
+            let owned: Vec<usize> = (0..8).filter(|&i| e.slot(i).owned.is_some()).collect();
+            assert!(owned.is_empty(), "round {round}: buffers {owned:?} owned after the allocator's free");
+            drop(e);
+            forget(&[id]);
+        }
+    }
 }

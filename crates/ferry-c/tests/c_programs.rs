@@ -705,6 +705,19 @@ fn a_sending_echo_does_not_keep_other_channels_from_their_turn_sanitized() {
     run(&compile("poll_turns.c", Build::Sanitized), &[], Build::Sanitized, SHORT).success().contains("poll_turns: ok");
 }
 
+/// Allocator calls racing each other and `bulk_alloc_free` from real
+/// threads: one of two simultaneous returns of a buffer succeeds, no
+/// buffer is held twice, and nothing is handed out once the free returned.
+#[test]
+fn allocator_calls_race_each_other_and_the_free() {
+    run(&compile("alloc_race.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("alloc_race: ok");
+}
+
+#[test]
+fn allocator_calls_race_each_other_and_the_free_sanitized() {
+    run(&compile("alloc_race.c", Build::Sanitized), &[], Build::Sanitized, SHORT).success().contains("alloc_race: ok");
+}
+
 #[test]
 fn error_paths() {
     run(&compile("error_paths.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("error_paths: ok");
