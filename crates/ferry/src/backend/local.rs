@@ -1,6 +1,6 @@
 //! The local backend: both ends in one process (threads, or domains that
 //! share a thread). Each direction is a single-producer/single-consumer
-//! ring of [`Message`] values ([`ring::value_pair`]): the shared-memory
+//! ring of `Message` values (`ring::value_pair`): the shared-memory
 //! backend's ring protocol (counters, publication marks, batches, the
 //! sleep and room handshakes, the closed bits) without its encoding into
 //! bytes and checked decoding, which guard against a peer in another
