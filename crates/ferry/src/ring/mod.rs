@@ -343,6 +343,20 @@ const SLOTS_OFF: usize = 5 * LINE;
 /// written (the backends' policy; the ring itself publishes on demand).
 pub(crate) const PUBLISH_EVERY: u32 = 32;
 
+/// Spin for at most `spin` until `ready` holds; whether it did. Both rings'
+/// consumers wait so before they sleep: spinning is cheaper than a sleep
+/// and a wake-up across cores (≈ 50 µs on the machines measured).
+pub(crate) fn spin_until(spin: std::time::Duration, mut ready: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < spin {
+        if ready() {
+            return true;
+        }
+        std::hint::spin_loop();
+    }
+    false
+}
+
 /// How many slots ahead the producer prefetches for writing, and the
 /// consumer for reading.
 const PREFETCH_WRITE_AHEAD: u64 = 6;

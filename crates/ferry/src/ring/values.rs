@@ -361,16 +361,10 @@ impl<T> ValueConsumer<T> {
         room.load(Ordering::Relaxed) != 0 && room.swap(0, Ordering::Relaxed) != 0
     }
 
-    /// Spin for at most `spin` until there is work or the producer closed.
+    /// Spin for at most `spin` until there is work or the producer closed;
+    /// `true` if there is (see [`super::spin_until`]).
     pub(crate) fn spin_for_work(&mut self, spin: std::time::Duration) -> bool {
-        let start = std::time::Instant::now();
-        while start.elapsed() < spin {
-            if self.has_work() || self.peer_closed() {
-                return true;
-            }
-            std::hint::spin_loop();
-        }
-        false
+        super::spin_until(spin, || self.has_work() || self.peer_closed())
     }
 
     /// Close our end: the producer's `stage` fails with `Closed`.
