@@ -30,7 +30,7 @@ use crate::codes::*;
 use crate::ffi::*;
 use crate::lock::{SpinGuard, SpinLock};
 use crate::table::{forget, unheld_pools, GENERATION};
-use crate::waitset::{Cont, IdMap, Sending, SpinClock, Step, Waitset};
+use crate::waitset::{Cont, IdMap, MetaBuf, Sending, SpinClock, Step, Waitset};
 
 /// A result whose error is a C error code.
 pub type Res<T> = Result<T, Errval>;
@@ -232,13 +232,23 @@ fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
     let mut deadline: Option<Option<Instant>> = None;
     let mut spin_until = SpinClock::default();
     let sleeps = timeout != Some(Duration::ZERO);
+    // A buffer event's meta data, for its callback: on this stack, written
+    // once (a dispatch runs one callback).
+    let mut meta = MetaBuf::new();
     loop {
         // The lock is held only to pick the work; callbacks run without it.
         let step = {
             let mut g = lock(ws);
-            live(&mut g)?.next_step(&mut spin_until, sleeps)
+            live(&mut g)?.next_step(&mut spin_until, sleeps, &mut meta)
         };
         match step {
+            Step::Buffer(call) => {
+                // As for `Step::Run` below.
+                ws.callback_thread.store(boundary::this_thread(), Ordering::Relaxed);
+                call.run(&mut meta);
+                ws.callback_thread.store(0, Ordering::Relaxed);
+                return Ok(());
+            }
             Step::Run(work) => {
                 // Sends of the callback are published by this waitset's
                 // polls (see `Waitset::send`); 0 again once it returned (a

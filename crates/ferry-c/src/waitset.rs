@@ -116,10 +116,30 @@ pub struct Sending {
     pub batched: bool,
 }
 
+/// A `move_received` or `buffer_received` callback ready to run: the
+/// usual event, handed to dispatch without a [`Work`] (its meta data is
+/// written straight into the dispatch's own [`MetaBuf`]).
+pub struct BufferCall {
+    f: BufferCallback,
+    ch: usize,
+    buffer: usize,
+}
+
+impl BufferCall {
+    /// Runs it with the meta data `next_step` wrote. Called without any
+    /// lock held.
+    pub fn run(self, meta: &mut MetaBuf) {
+        call::buffer_meta(self.f, self.ch, self.buffer, meta.bytes_mut());
+    }
+}
+
 /// What dispatch does next.
 pub enum Step {
     /// Run this, then return.
     Run(Work),
+    /// Run this buffer callback with the meta data written to the
+    /// dispatch's [`MetaBuf`], then return.
+    Buffer(BufferCall),
     /// Nothing now, and the waitset is still spinning: look again.
     Spin,
     /// Nothing is due and the channels are armed: wait for `fd`. `live`:
@@ -175,6 +195,16 @@ struct Polled {
     /// flush or a poll that finds nothing (a shared-memory end publishes
     /// an answer at once when it has caught up with its arrivals).
     local: bool,
+}
+
+/// What a direct poll of the channels found.
+enum Found {
+    /// A buffer moved or passed to us, the program's now: its callback,
+    /// if it has one.
+    Buffer(Option<BufferCall>),
+    /// Any other event, of the channel end `at` (whose meta size is the
+    /// number).
+    Other(Polled, usize, Event),
 }
 
 /// Channel events served in a row before one queued work runs.
@@ -300,6 +330,24 @@ pub struct Aligned<const N: usize>([u8; N]);
 const INLINE_META: usize = 32;
 
 impl MetaBuf {
+    /// Zeroed inline bytes: what a dispatch starts with.
+    pub fn new() -> MetaBuf {
+        MetaBuf::Inline(Aligned([0u8; INLINE_META]))
+    }
+
+    /// Writes `meta` for a channel of `meta_size` into a buffer that is
+    /// still as [`new`](Self::new) made it (zero padding included).
+    fn fill(&mut self, meta: &Meta, meta_size: usize) {
+        if meta_size > INLINE_META {
+            *self = meta_bytes(meta, meta_size);
+            return;
+        }
+        // One look at the bytes (the deref is a call into ferry).
+        let meta: &[u8] = meta;
+        let n = meta.len().min(meta_size);
+        self.bytes_mut()[..n].copy_from_slice(&meta[..n]);
+    }
+
     fn bytes_mut(&mut self) -> &mut [u8] {
         match self {
             MetaBuf::Inline(b) => &mut b.0[..],
@@ -492,9 +540,12 @@ impl Waitset {
     /// false) on a waitset whose fd the program never took does not arm
     /// them (`Nothing`): arming costs system calls here and at the peer,
     /// and nobody could wait for what it announces.
-    pub fn next_step(&mut self, spin: &mut SpinClock, sleeps: bool) -> Step {
-        let step = self.next_step_inner(spin, sleeps);
-        if matches!(step, Step::Run(_)) {
+    ///
+    /// A buffer event's meta data is written to `meta` (as
+    /// [`MetaBuf::new`] made it), for [`Step::Buffer`].
+    pub fn next_step(&mut self, spin: &mut SpinClock, sleeps: bool, meta: &mut MetaBuf) -> Step {
+        let step = self.next_step_inner(spin, sleeps, meta);
+        if matches!(step, Step::Run(_) | Step::Buffer(_)) {
             self.worked = true;
         }
         step
@@ -514,19 +565,21 @@ impl Waitset {
         }
     }
 
-    fn next_step_inner(&mut self, spin: &mut SpinClock, sleeps: bool) -> Step {
+    fn next_step_inner(&mut self, spin: &mut SpinClock, sleeps: bool, meta: &mut MetaBuf) -> Step {
         self.release_written();
         if self.streak >= FAIRNESS {
             if let Some(w) = self.pop() {
                 return Step::Run(w);
             }
         }
-        if let Some((at, meta_size, ev)) = self.poll_channels() {
+        if let Some(found) = self.poll_channels(meta) {
             self.streak += 1;
-            if let Some(w) = self.take_event(at, meta_size, ev) {
-                return Step::Run(w);
-            }
-            return Step::Spin;
+            let work = match found {
+                Found::Buffer(Some(call)) => return Step::Buffer(call),
+                Found::Buffer(None) => None,
+                Found::Other(at, meta_size, ev) => self.take_event(at, meta_size, ev),
+            };
+            return work.map_or(Step::Spin, Step::Run);
         }
         if let Some(w) = self.pop() {
             return Step::Run(w);
@@ -596,7 +649,7 @@ impl Waitset {
     /// to deliver it delivers the next message and its batch goes on. At
     /// most every other round starts so, so that a channel whose callbacks
     /// always send cannot keep the others from their turn.
-    fn poll_channels(&mut self) -> Option<(Polled, usize, Event)> {
+    fn poll_channels(&mut self, meta_out: &mut MetaBuf) -> Option<Found> {
         let n = self.order.len();
         if n == 0 {
             return None;
@@ -614,13 +667,23 @@ impl Waitset {
                 let at = self.order[i];
                 i = if i + 1 == n { 0 } else { i + 1 };
                 let Some(c) = self.selector.get_mut(at.key) else { continue };
-                if let Some(ev) = c.poll() {
-                    let meta_size = c.meta_size();
-                    self.next_poll = i;
-                    // Not every channel was polled: some may still hold back.
-                    self.held_back |= held_back;
-                    return Some((at, meta_size, ev));
-                }
+                let Some(ev) = c.poll() else { continue };
+                let meta_size = c.meta_size();
+                self.next_poll = i;
+                // Not every channel was polled: some may still hold back.
+                self.held_back |= held_back;
+                // The usual events, a buffer moved or passed to us, become
+                // their callback here: the event is not moved again.
+                let (passed, buffer, meta) = match ev {
+                    Event::MoveReceived { buffer, meta } => (false, buffer, meta),
+                    Event::BufferPassed { buffer, meta } => (true, buffer, meta),
+                    ev => return Some(Found::Other(at, meta_size, ev)),
+                };
+                let call = received_owned(&mut self.pools, at, passed, buffer).map(|(f, buffer)| {
+                    meta_out.fill(&meta, meta_size);
+                    BufferCall { f, ch: at.c_addr, buffer }
+                });
+                return Some(Found::Buffer(call));
             }
             if !held_back {
                 return None;
@@ -666,12 +729,10 @@ impl Waitset {
         // The usual events need one callback: only it is read.
         let ev = match ev {
             Event::MoveReceived { buffer, meta } => {
-                let f = boundary::buffer_callback(cbs, false)?;
-                return received_owned(&mut self.pools, (token, ch), f, buffer, &meta, meta_size);
+                return buffer_work(&mut self.pools, at, false, buffer, &meta, meta_size)
             }
             Event::BufferPassed { buffer, meta } => {
-                let f = boundary::buffer_callback(cbs, true)?;
-                return received_owned(&mut self.pools, (token, ch), f, buffer, &meta, meta_size);
+                return buffer_work(&mut self.pools, at, true, buffer, &meta, meta_size)
             }
             ev => ev,
         };
@@ -1067,15 +1128,12 @@ impl Waitset {
     }
 }
 
-/// A buffer moved or passed to us: the program owns it now.
-fn received_owned(
-    pools: &mut PoolCache,
-    (token, ch): (usize, usize),
-    f: Option<BufferCallback>,
-    buffer: Buffer,
-    meta: &Meta,
-    meta_size: usize,
-) -> Option<Work> {
+/// A buffer moved or passed to us over the channel end `at`: the program
+/// owns it now. Its callback (`buffer_received` if `passed`, else
+/// `move_received`) and its C object, if it has one (a NULL callbacks
+/// struct: the event is dropped).
+fn received_owned(pools: &mut PoolCache, at: Polled, passed: bool, buffer: Buffer) -> Option<(BufferCallback, usize)> {
+    let f = boundary::buffer_callback(at.callbacks as *const BulkChannelCallbacks, passed)?;
     let id = buffer.id();
     let i = id.index as usize;
     let ptr = with_pool_in(pools, id.pool, true, |e| {
@@ -1084,5 +1142,19 @@ fn received_owned(
         s.refresh_as(Some(BufferState::ReadWrite));
         e.buffer_ptr(i, View::Owner)
     })?;
-    f.map(|f| Work::Buffer { f, ch, token, buffer: ptr, meta: meta_bytes(meta, meta_size) })
+    Some((f?, ptr))
+}
+
+/// [`received_owned`] as queueable work (an event found by a wait on the
+/// selector rather than by the direct poll).
+fn buffer_work(
+    pools: &mut PoolCache,
+    at: Polled,
+    passed: bool,
+    buffer: Buffer,
+    meta: &Meta,
+    meta_size: usize,
+) -> Option<Work> {
+    let (f, buffer) = received_owned(pools, at, passed, buffer)?;
+    Some(Work::Buffer { f, ch: at.c_addr, token: at.token, buffer, meta: meta_bytes(meta, meta_size) })
 }
