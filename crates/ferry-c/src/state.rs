@@ -30,7 +30,7 @@ use crate::codes::*;
 use crate::ffi::*;
 use crate::lock::{SpinGuard, SpinLock};
 use crate::table::{forget, unheld_pools, GENERATION};
-use crate::waitset::{Cont, IdMap, MetaBuf, Sending, SpinClock, Step, Waitset};
+use crate::waitset::{ChanId, Cont, IdMap, MetaBuf, Sending, SpinClock, Step, Waitset};
 
 /// A result whose error is a C error code.
 pub type Res<T> = Result<T, Errval>;
@@ -85,6 +85,8 @@ fn sending(ws: &WsCell, cont: Option<Cont>) -> Sending {
 struct ChanRef {
     /// Address of the program's `struct bulk_channel`.
     c_addr: usize,
+    /// Its place on its waitset.
+    place: usize,
     ws: WsRef,
     /// A local creator's endpoint, for its binder.
     local_ep: Option<Endpoint>,
@@ -285,8 +287,9 @@ fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
 
 // ---------------------------------------------------------------------- channels
 
-/// A channel end as a thread remembers it: token, struct address, waitset.
-type KnownChannel = (usize, usize, WsRef);
+/// A channel end as a thread remembers it: token and place, struct
+/// address, waitset.
+type KnownChannel = (ChanId, usize, WsRef);
 
 /// Channel ends a thread remembers (a thread serving a few channels, e.g.
 /// both ends of a local channel, finds each of them there).
@@ -301,55 +304,55 @@ thread_local! {
     static LAST_CHANNELS: std::cell::RefCell<Vec<KnownChannel>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The token and waitset of a live channel struct, from the directory.
-fn channel_listed(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
+/// The token, place and waitset of a live channel struct, from the directory.
+fn channel_listed(ch: *mut BulkChannel) -> Res<(ChanId, WsRef)> {
     let token = boundary::channel_token(ch);
     match channels_read().get(&token) {
-        Some(r) if r.c_addr == ch as usize => Ok((token, r.ws.clone())),
+        Some(r) if r.c_addr == ch as usize => Ok((ChanId { token, place: r.place }, r.ws.clone())),
         _ => Err(ERR_INVALID_CHANNEL),
     }
 }
 
-/// Runs `f` on the token and the locked live waitset of a channel struct
-/// (the call's one lock), found as [`with_channel`] finds it.
-fn with_channel_locked<R>(ch: *mut BulkChannel, f: impl FnOnce(usize, &WsCell, &mut Waitset) -> Res<R>) -> Res<R> {
-    with_channel(ch, |token, ws| f(token, ws, live(&mut lock(ws))?))
+/// Runs `f` on the channel end and the locked live waitset of a channel
+/// struct (the call's one lock), found as [`with_channel`] finds it.
+fn with_channel_locked<R>(ch: *mut BulkChannel, f: impl FnOnce(ChanId, &WsCell, &mut Waitset) -> Res<R>) -> Res<R> {
+    with_channel(ch, |id, ws| f(id, ws, live(&mut lock(ws))?))
 }
 
-/// Runs `f` on the token and waitset of a channel struct, for a call on
+/// Runs `f` on the channel end and waitset of a channel struct, for a call on
 /// it (which its waitset checks again): from this thread's cache if it
 /// called on it lately, so that a thread busy with a few channels shares
 /// no directory lock with others and counts no reference. `f` does not
 /// call into the program (the cache stays borrowed meanwhile).
-fn with_channel<R>(ch: *mut BulkChannel, f: impl FnOnce(usize, &WsRef) -> Res<R>) -> Res<R> {
+fn with_channel<R>(ch: *mut BulkChannel, f: impl FnOnce(ChanId, &WsRef) -> Res<R>) -> Res<R> {
     let token = boundary::channel_token(ch);
     let mut f = Some(f);
     let cached = LAST_CHANNELS.with(|l| {
         let l = l.try_borrow().ok()?;
-        let (_, _, ws) = l.iter().find(|(t, c, _)| *t == token && *c == ch as usize)?;
-        Some((f.take()?)(token, ws))
+        let (id, _, ws) = l.iter().find(|(id, c, _)| id.token == token && *c == ch as usize)?;
+        Some((f.take()?)(*id, ws))
     });
     if let Some(r) = cached {
         return r;
     }
-    let (token, ws) = remember_channel(ch)?;
-    (f.take().ok_or(ERR_INTERNAL)?)(token, &ws)
+    let (id, ws) = remember_channel(ch)?;
+    (f.take().ok_or(ERR_INTERNAL)?)(id, &ws)
 }
 
-/// A channel struct's token and waitset from the directory, kept in this
+/// A channel struct's end and waitset from the directory, kept in this
 /// thread's cache (the first call on a channel: out of the usual path).
 #[cold]
 #[inline(never)]
-fn remember_channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
-    let (token, ws) = channel_listed(ch)?;
+fn remember_channel(ch: *mut BulkChannel) -> Res<(ChanId, WsRef)> {
+    let (id, ws) = channel_listed(ch)?;
     LAST_CHANNELS.with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
-            l.retain(|(t, _, _)| *t != token);
-            l.insert(0, (token, ch as usize, ws.clone()));
+            l.retain(|(known, _, _)| known.token != id.token);
+            l.insert(0, (id, ch as usize, ws.clone()));
             l.truncate(KNOWN_CHANNELS);
         }
     });
-    Ok((token, ws))
+    Ok((id, ws))
 }
 
 /// The Ferry endpoint an endpoint descriptor names, and its backend.
@@ -396,8 +399,8 @@ struct NewEnd {
     local: bool,
 }
 
-/// Registers a new channel end: directory, the program's struct, then the
-/// waitset (whose dispatch may write the struct from then on).
+/// Registers a new channel end: the waitset (whose dispatch may write the
+/// struct once the lock is let go), the directory, the program's struct.
 fn register(
     end: NewEnd,
     ws_key: usize,
@@ -407,27 +410,28 @@ fn register(
     bind_cont: Option<Cont>,
 ) -> Res<()> {
     let token = new_token();
+    let fields = BulkChannel {
+        callbacks: end.callbacks,
+        ep: end.ep,
+        state: state_to(channel.state()),
+        pools: std::ptr::null_mut(),
+        direction: direction_to(channel.direction()),
+        role: role_to(channel.role()),
+        trust: trust_to(channel.trust()),
+        constraints: end.constraints,
+        meta_size: channel.meta_size(),
+        waitset: ws_key as *mut std::ffi::c_void,
+        user_state: end.user_state,
+        impl_data: token as *mut std::ffi::c_void,
+    };
     let mut g = lock(&ws);
     let w = live(&mut g)?;
-    channels_write().insert(token, ChanRef { c_addr: end.ch as usize, ws: ws.clone(), local_ep });
-    boundary::init_channel(
-        end.ch,
-        BulkChannel {
-            callbacks: end.callbacks,
-            ep: end.ep,
-            state: state_to(channel.state()),
-            pools: std::ptr::null_mut(),
-            direction: direction_to(channel.direction()),
-            role: role_to(channel.role()),
-            trust: trust_to(channel.trust()),
-            constraints: end.constraints,
-            meta_size: channel.meta_size(),
-            waitset: ws_key as *mut std::ffi::c_void,
-            user_state: end.user_state,
-            impl_data: token as *mut std::ffi::c_void,
-        },
-    );
-    w.insert(token, (end.ch as usize, end.callbacks as usize, end.local), channel, bind_cont);
+    // All under the waitset's lock: its dispatch sees the end only once
+    // the struct is filled, and no call finds the end before the struct
+    // holds its token.
+    let place = w.insert(token, (end.ch as usize, end.callbacks as usize, end.local), channel, bind_cont);
+    channels_write().insert(token, ChanRef { c_addr: end.ch as usize, place, ws: ws.clone(), local_ep });
+    boundary::init_channel(end.ch, fields);
     Ok(())
 }
 
@@ -505,9 +509,9 @@ pub fn channel_bind(
 
 /// `bulk_channel_destroy`.
 pub fn channel_destroy(ch: *mut BulkChannel, cont: Option<Cont>) -> Res<()> {
-    with_channel_locked(ch, |token, _, w| {
-        w.destroy(token, ch as usize, cont)?;
-        Ok(token)
+    with_channel_locked(ch, |id, _, w| {
+        w.destroy(id, ch as usize, cont)?;
+        Ok(id.token)
     })
     .map(|token| channels_write().remove(&token))?;
     collect_pools();
@@ -516,7 +520,7 @@ pub fn channel_destroy(ch: *mut BulkChannel, cont: Option<Cont>) -> Res<()> {
 
 /// `bulk_channel_assign_pool` and `bulk_channel_remove_pool`.
 pub fn channel_pool(ch: *mut BulkChannel, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
-    with_channel_locked(ch, |token, _, w| w.channel_pool(token, ch as usize, pool, cont, assign))
+    with_channel_locked(ch, |id, _, w| w.channel_pool(id, ch as usize, pool, cont, assign))
 }
 
 /// `bulk_channel_move` and `bulk_channel_pass`.
@@ -527,17 +531,17 @@ pub fn channel_send(
     cont: Option<Cont>,
     dir: Direction,
 ) -> Res<()> {
-    with_channel_locked(ch, |token, ws, w| w.send(token, ch as usize, buffer, meta, sending(ws, cont), dir))
+    with_channel_locked(ch, |id, ws, w| w.send(id, ch as usize, buffer, meta, sending(ws, cont), dir))
 }
 
 /// `bulk_channel_copy`.
 pub fn channel_copy(ch: *mut BulkChannel, buffer: usize, meta: *const std::ffi::c_void, cont: Option<Cont>) -> Res<()> {
-    with_channel_locked(ch, |token, ws, w| w.copy(token, ch as usize, buffer, meta, sending(ws, cont)))
+    with_channel_locked(ch, |id, ws, w| w.copy(id, ch as usize, buffer, meta, sending(ws, cont)))
 }
 
 /// `bulk_channel_release`.
 pub fn channel_release(ch: *mut BulkChannel, buffer: usize, cont: Option<Cont>) -> Res<()> {
-    with_channel_locked(ch, |token, ws, w| w.release(token, ch as usize, buffer, sending(ws, cont)))
+    with_channel_locked(ch, |id, ws, w| w.release(id, ch as usize, buffer, sending(ws, cont)))
 }
 
 /// The program's answer to a pool offer (after its `pool_assigned` ran).

@@ -160,6 +160,8 @@ enum Link {
 
 /// A channel end created or bound through the C interface.
 pub struct Chan {
+    /// Its token (the `impl_data` of the program's struct).
+    token: usize,
     /// Address of the program's `struct bulk_channel`.
     c_addr: usize,
     /// Address of the program's callbacks.
@@ -195,6 +197,76 @@ struct Polled {
     /// flush or a poll that finds nothing (a shared-memory end publishes
     /// an answer at once when it has caught up with its arrivals).
     local: bool,
+}
+
+/// A channel end as calls name it: its token, and its place among its
+/// waitset's channel ends (found without hashing the token; checked
+/// against the token, so a stale place finds nothing).
+#[derive(Clone, Copy, Debug)]
+pub struct ChanId {
+    /// The channel's token (never reused).
+    pub token: usize,
+    /// Where [`Waitset::insert`] put it.
+    pub place: usize,
+}
+
+/// A waitset's channel ends: at their places (a call finds its end by
+/// the place it was given, no hashing), and by token (the rarer lookups).
+#[derive(Default)]
+struct Chans {
+    /// The ends at their places; a destroyed end leaves a hole, which the
+    /// next end takes.
+    at: Vec<Option<Chan>>,
+    /// The holes in `at`.
+    holes: Vec<usize>,
+    /// Token → place.
+    places: IdMap<usize>,
+}
+
+impl Chans {
+    /// Adds an end; its place.
+    fn insert(&mut self, chan: Chan) -> usize {
+        let token = chan.token;
+        let place = match self.holes.pop() {
+            Some(p) => {
+                self.at[p] = Some(chan);
+                p
+            }
+            None => {
+                self.at.push(Some(chan));
+                self.at.len() - 1
+            }
+        };
+        self.places.insert(token, place);
+        place
+    }
+
+    /// The end `id` names, if it is still there.
+    fn at_mut(&mut self, id: ChanId) -> Option<&mut Chan> {
+        self.at.get_mut(id.place)?.as_mut().filter(|c| c.token == id.token)
+    }
+
+    /// The end of `token`.
+    fn get_mut(&mut self, token: &usize) -> Option<&mut Chan> {
+        let place = *self.places.get(token)?;
+        self.at.get_mut(place)?.as_mut()
+    }
+
+    /// Takes the end of `token` out.
+    fn remove(&mut self, token: &usize) -> Option<Chan> {
+        let place = self.places.remove(token)?;
+        let chan = self.at.get_mut(place)?.take();
+        self.holes.push(place);
+        chan
+    }
+
+    fn is_empty(&self) -> bool {
+        self.places.is_empty()
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut Chan> {
+        self.at.iter_mut().flatten()
+    }
 }
 
 /// What a direct poll of the channels found.
@@ -275,8 +347,8 @@ pub struct Waitset {
     /// The attached channel ends, in the order they are polled (so that a
     /// polled buffer event needs no lookup of its channel end).
     order: Vec<Polled>,
-    /// The channel ends, by token.
-    chans: IdMap<Chan>,
+    /// The channel ends.
+    chans: Chans,
     /// The program's fd: the selector's fd and `bell`.
     epoll: OwnedFd,
     /// Readable while `pending` has work (or a new channel wants a poll).
@@ -415,7 +487,7 @@ impl Waitset {
             selector,
             keys: IdMap::default(),
             order: Vec::new(),
-            chans: IdMap::default(),
+            chans: Chans::default(),
             epoll: ep,
             bell,
             rung: false,
@@ -480,48 +552,47 @@ impl Waitset {
         }
     }
 
-    /// Adds a channel end (its C struct is filled already).
+    /// Adds a channel end; its place (see [`ChanId`]).
     pub fn insert(
         &mut self,
         token: usize,
         (ch, callbacks, local): (usize, usize, bool),
         mut channel: Channel,
         bind_cont: Option<Cont>,
-    ) {
+    ) -> usize {
         // Armed, its fd tells the program's loop when it has an event; one
         // that may have one already makes the loop look at once.
         let may_have_event = !channel.arm();
         let key = self.selector.insert(channel);
         self.keys.insert(key, token);
         self.order.push(Polled { key, token, c_addr: ch, callbacks, local });
-        self.chans.insert(
+        let place = self.chans.insert(Chan {
             token,
-            Chan {
-                c_addr: ch,
-                callbacks,
-                link: Link::Attached(key),
-                bind_cont,
-                assigning: Vec::new(),
-                removing: Vec::new(),
-                connected_once: false,
-                queued_payload: 0,
-                unsent: VecDeque::new(),
-            },
-        );
+            c_addr: ch,
+            callbacks,
+            link: Link::Attached(key),
+            bind_cont,
+            assigning: Vec::new(),
+            removing: Vec::new(),
+            connected_once: false,
+            queued_payload: 0,
+            unsent: VecDeque::new(),
+        });
         if may_have_event {
             self.ring();
         }
+        place
     }
 
-    /// The channel end of `token` (checked against the C struct's address).
-    fn chan(&mut self, token: usize, ch: usize) -> Res<(&mut Chan, &mut Selector)> {
-        let (chan, selector, _, _) = self.chan_and_pools(token, ch)?;
+    /// The channel end `id` (checked against the C struct's address).
+    fn chan(&mut self, id: ChanId, ch: usize) -> Res<(&mut Chan, &mut Selector)> {
+        let (chan, selector, _, _) = self.chan_and_pools(id, ch)?;
         Ok((chan, selector))
     }
 
     /// [`chan`](Self::chan), the waitset's pool cache and its `held_back`.
-    fn chan_and_pools(&mut self, token: usize, ch: usize) -> Res<ChanParts<'_>> {
-        match self.chans.get_mut(&token) {
+    fn chan_and_pools(&mut self, id: ChanId, ch: usize) -> Res<ChanParts<'_>> {
+        match self.chans.at_mut(id) {
             Some(c) if c.c_addr == ch => Ok((c, &mut self.selector, &mut self.pools, &mut self.held_back)),
             _ => Err(ERR_INVALID_CHANNEL),
         }
@@ -867,8 +938,9 @@ impl Waitset {
 
     /// `bulk_channel_destroy`: the channel end leaves; what it had not
     /// answered is queued with `BULK_ERR_CHANNEL_DESTROYED`, then `cont`.
-    pub fn destroy(&mut self, token: usize, ch: usize, cont: Option<Cont>) -> Res<()> {
-        self.chan(token, ch)?;
+    pub fn destroy(&mut self, id: ChanId, ch: usize, cont: Option<Cont>) -> Res<()> {
+        self.chan(id, ch)?;
+        let token = id.token;
         let mut chan = self.chans.remove(&token).ok_or(ERR_INVALID_CHANNEL)?;
         let channel = match std::mem::replace(&mut chan.link, Link::Attached(usize::MAX)) {
             Link::Attached(key) => {
@@ -909,8 +981,8 @@ impl Waitset {
     }
 
     /// `bulk_channel_assign_pool` and `bulk_channel_remove_pool`.
-    pub fn channel_pool(&mut self, token: usize, ch: usize, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
-        let (chan, selector) = self.chan(token, ch)?;
+    pub fn channel_pool(&mut self, id: ChanId, ch: usize, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
+        let (chan, selector) = self.chan(id, ch)?;
         let e = pool_at(pool)?;
         let id = e.pool.id();
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
@@ -1000,14 +1072,15 @@ impl Waitset {
     /// `bulk_channel_move` and `bulk_channel_pass`.
     pub fn send(
         &mut self,
-        token: usize,
+        id: ChanId,
         ch: usize,
         buffer: usize,
         meta: *const std::ffi::c_void,
         how: Sending,
         dir: Direction,
     ) -> Res<()> {
-        let (chan, selector, pools, held_back) = self.chan_and_pools(token, ch)?;
+        let (chan, selector, pools, held_back) = self.chan_and_pools(id, ch)?;
+        let token = id.token;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, dir)?;
         let payload = with_buffer_in(pools, buffer, |e, i, view| {
@@ -1040,13 +1113,14 @@ impl Waitset {
     /// `bulk_channel_copy`.
     pub fn copy(
         &mut self,
-        token: usize,
+        id: ChanId,
         ch: usize,
         buffer: usize,
         meta: *const std::ffi::c_void,
         how: Sending,
     ) -> Res<()> {
-        let (chan, selector, pools, held_back) = self.chan_and_pools(token, ch)?;
+        let (chan, selector, pools, held_back) = self.chan_and_pools(id, ch)?;
+        let token = id.token;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Tx)?;
         let payload = with_buffer_in(pools, buffer, |e, i, view| {
@@ -1080,8 +1154,9 @@ impl Waitset {
     }
 
     /// `bulk_channel_release`.
-    pub fn release(&mut self, token: usize, ch: usize, buffer: usize, how: Sending) -> Res<()> {
-        let (chan, selector, pools, held_back) = self.chan_and_pools(token, ch)?;
+    pub fn release(&mut self, id: ChanId, ch: usize, buffer: usize, how: Sending) -> Res<()> {
+        let (chan, selector, pools, held_back) = self.chan_and_pools(id, ch)?;
+        let token = id.token;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Rx)?;
         with_buffer_in(pools, buffer, |e, i, view| {
