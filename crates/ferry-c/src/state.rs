@@ -45,24 +45,47 @@ pub fn new_token() -> usize {
     NEXT_TOKEN.fetch_add(16, Ordering::Relaxed) + 16
 }
 
-/// A waitset and the thread running one of its callbacks. The address of
-/// the cell is the `struct waitset *` given to C: it is not reused while
-/// anything (a thread's cache included) still refers to the cell.
+/// A waitset. The address of the cell is the `struct waitset *` given to
+/// C: it is not reused while anything (a thread's cache, a dispatch
+/// running one of its callbacks) still refers to the cell.
 pub struct WsCell {
     /// `None` once destroyed: its selector and fds are closed then, even
     /// while a thread's cache still holds the cell.
     ws: SpinLock<Option<Waitset>>,
-    /// The thread (`pthread_self`) running a callback or continuation of
-    /// this waitset from its dispatch, else 0. Sends from it are published
-    /// by that dispatch's waitset (see [`Waitset::send`]); others at once.
-    callback_thread: AtomicUsize,
+}
+
+thread_local! {
+    /// The waitset (the address of its cell) whose callback or
+    /// continuation this thread runs from its dispatch now, else 0. Sends
+    /// it makes on that waitset's channels are published by the waitset
+    /// (see [`Waitset::send`]); others at once. Only this thread reads or
+    /// writes it, and only compares it: the cell lives while its dispatch
+    /// runs the callback.
+    static IN_CALLBACK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Puts the previous [`IN_CALLBACK`] back when dropped (a nested dispatch
+/// of another waitset returns to the outer one's callback; a panic of the
+/// library on the way out leaves no stale mark).
+struct CallbackMark(usize);
+
+impl Drop for CallbackMark {
+    fn drop(&mut self) {
+        IN_CALLBACK.set(self.0);
+    }
+}
+
+/// Runs `f`, the program's callback or continuation, as one of `ws`'s.
+fn as_callback_of(ws: &WsCell, f: impl FnOnce()) {
+    let _mark = CallbackMark(IN_CALLBACK.replace(ws as *const WsCell as usize));
+    f();
 }
 
 type WsRef = Arc<WsCell>;
 
 /// A new waitset and its key (the address given to C).
 fn new_ws() -> Res<(usize, WsRef)> {
-    let ws = Arc::new(WsCell { ws: SpinLock::new(Some(Waitset::new()?)), callback_thread: AtomicUsize::new(0) });
+    let ws = Arc::new(WsCell { ws: SpinLock::new(Some(Waitset::new()?)) });
     Ok((Arc::as_ptr(&ws) as usize, ws))
 }
 
@@ -78,7 +101,7 @@ fn live<'a>(g: &'a mut SpinGuard<'_, Option<Waitset>>) -> Res<&'a mut Waitset> {
 /// A send on a channel of `ws` with `cont`: batched if this thread runs a
 /// callback of `ws` from its dispatch now.
 fn sending(ws: &WsCell, cont: Option<Cont>) -> Sending {
-    Sending { cont, batched: ws.callback_thread.load(Ordering::Relaxed) == boundary::this_thread() }
+    Sending { cont, batched: IN_CALLBACK.get() == ws as *const WsCell as usize }
 }
 
 /// A channel end as the directory knows it.
@@ -244,23 +267,18 @@ fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
             live(&mut g)?.next_step(&mut spin_until, sleeps, &mut meta)
         };
         match step {
-            Step::Buffer(call) => {
-                // As for `Step::Run` below.
-                ws.callback_thread.store(boundary::this_thread(), Ordering::Relaxed);
-                call.run(&mut meta);
-                ws.callback_thread.store(0, Ordering::Relaxed);
+            Step::Run(work) => {
+                // Sends of the callback on this waitset's channels are
+                // published by its polls (see `Waitset::send`). The mark is
+                // this thread's own: a nested dispatch of another waitset
+                // marks its callbacks and puts this mark back, and another
+                // thread is never marked by this one. No shared write per
+                // callback.
+                as_callback_of(ws, || work.run());
                 return Ok(());
             }
-            Step::Run(work) => {
-                // Sends of the callback are published by this waitset's
-                // polls (see `Waitset::send`); 0 again once it returned (a
-                // nested dispatch, or another thread's dispatch of the same
-                // waitset, may leave it 0 for the rest of the callback: its
-                // sends are then published at once, which is always right).
-                // Plain stores: no locked instruction per callback.
-                ws.callback_thread.store(boundary::this_thread(), Ordering::Relaxed);
-                work.run();
-                ws.callback_thread.store(0, Ordering::Relaxed);
+            Step::Buffer(call) => {
+                as_callback_of(ws, || call.run(&mut meta));
                 return Ok(());
             }
             Step::Spin => std::hint::spin_loop(),
