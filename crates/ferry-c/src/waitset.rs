@@ -330,6 +330,7 @@ type ChanParts<'a> = (&'a mut Chan, &'a mut Selector, &'a mut PoolCache, &'a mut
 /// After an accepted send without continuation of `payload` bytes on
 /// `chan`: publishes it, or notes in `held_back` that a callback held it
 /// back for batching (see [`Waitset::sent`]).
+#[inline]
 fn sent_unanswered(chan: &mut Chan, selector: &mut Selector, held_back: &mut bool, payload: u64, batched: bool) {
     chan.queued_payload += payload;
     if batched {
@@ -744,14 +745,15 @@ impl Waitset {
                 // Not every channel was polled: some may still hold back.
                 self.held_back |= held_back;
                 // The usual events, a buffer moved or passed to us, become
-                // their callback here: the event is not moved again.
+                // their callback here: the event is not moved again (its
+                // meta data is read where it is).
                 let (passed, buffer, meta) = match ev {
-                    Event::MoveReceived { buffer, meta } => (false, buffer, meta),
-                    Event::BufferPassed { buffer, meta } => (true, buffer, meta),
+                    Event::MoveReceived { buffer, ref meta } => (false, buffer, meta),
+                    Event::BufferPassed { buffer, ref meta } => (true, buffer, meta),
                     ev => return Some(Found::Other(at, meta_size, ev)),
                 };
                 let call = received_owned(&mut self.pools, at, passed, buffer).map(|(f, buffer)| {
-                    meta_out.fill(&meta, meta_size);
+                    meta_out.fill(meta, meta_size);
                     BufferCall { f, ch: at.c_addr, buffer }
                 });
                 return Some(Found::Buffer(call));
