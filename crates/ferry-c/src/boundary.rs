@@ -252,13 +252,6 @@ pub fn buffer_callback(p: *const BulkChannelCallbacks, passed: bool) -> Option<O
     })
 }
 
-/// This thread, as a number that is never 0 (no thread-local lookup).
-pub fn this_thread() -> usize {
-    // SAFETY: pthread_self has no preconditions and cannot fail.
-    let t = unsafe { libc::pthread_self() } as usize;
-    t.max(1)
-}
-
 fn until_nul(chars: &[c_char]) -> Vec<u8> {
     chars.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect()
 }

@@ -30,7 +30,7 @@ use crate::codes::*;
 use crate::ffi::*;
 use crate::lock::{SpinGuard, SpinLock};
 use crate::table::{forget, unheld_pools, GENERATION};
-use crate::waitset::{Cont, IdMap, Sending, SpinClock, Step, Waitset};
+use crate::waitset::{ChanId, Cont, IdMap, MetaBuf, Sending, SpinClock, Step, Waitset};
 
 /// A result whose error is a C error code.
 pub type Res<T> = Result<T, Errval>;
@@ -45,24 +45,47 @@ pub fn new_token() -> usize {
     NEXT_TOKEN.fetch_add(16, Ordering::Relaxed) + 16
 }
 
-/// A waitset and the thread running one of its callbacks. The address of
-/// the cell is the `struct waitset *` given to C: it is not reused while
-/// anything (a thread's cache included) still refers to the cell.
+/// A waitset. The address of the cell is the `struct waitset *` given to
+/// C: it is not reused while anything (a thread's cache, a dispatch
+/// running one of its callbacks) still refers to the cell.
 pub struct WsCell {
     /// `None` once destroyed: its selector and fds are closed then, even
     /// while a thread's cache still holds the cell.
     ws: SpinLock<Option<Waitset>>,
-    /// The thread (`pthread_self`) running a callback or continuation of
-    /// this waitset from its dispatch, else 0. Sends from it are published
-    /// by that dispatch's waitset (see [`Waitset::send`]); others at once.
-    callback_thread: AtomicUsize,
+}
+
+thread_local! {
+    /// The waitset (the address of its cell) whose callback or
+    /// continuation this thread runs from its dispatch now, else 0. Sends
+    /// it makes on that waitset's channels are published by the waitset
+    /// (see [`Waitset::send`]); others at once. Only this thread reads or
+    /// writes it, and only compares it: the cell lives while its dispatch
+    /// runs the callback.
+    static IN_CALLBACK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Puts the previous [`IN_CALLBACK`] back when dropped (a nested dispatch
+/// of another waitset returns to the outer one's callback; a panic of the
+/// library on the way out leaves no stale mark).
+struct CallbackMark(usize);
+
+impl Drop for CallbackMark {
+    fn drop(&mut self) {
+        IN_CALLBACK.set(self.0);
+    }
+}
+
+/// Runs `f`, the program's callback or continuation, as one of `ws`'s.
+fn as_callback_of(ws: &WsCell, f: impl FnOnce()) {
+    let _mark = CallbackMark(IN_CALLBACK.replace(ws as *const WsCell as usize));
+    f();
 }
 
 type WsRef = Arc<WsCell>;
 
 /// A new waitset and its key (the address given to C).
 fn new_ws() -> Res<(usize, WsRef)> {
-    let ws = Arc::new(WsCell { ws: SpinLock::new(Some(Waitset::new()?)), callback_thread: AtomicUsize::new(0) });
+    let ws = Arc::new(WsCell { ws: SpinLock::new(Some(Waitset::new()?)) });
     Ok((Arc::as_ptr(&ws) as usize, ws))
 }
 
@@ -78,13 +101,15 @@ fn live<'a>(g: &'a mut SpinGuard<'_, Option<Waitset>>) -> Res<&'a mut Waitset> {
 /// A send on a channel of `ws` with `cont`: batched if this thread runs a
 /// callback of `ws` from its dispatch now.
 fn sending(ws: &WsCell, cont: Option<Cont>) -> Sending {
-    Sending { cont, batched: ws.callback_thread.load(Ordering::Relaxed) == boundary::this_thread() }
+    Sending { cont, batched: IN_CALLBACK.get() == ws as *const WsCell as usize }
 }
 
 /// A channel end as the directory knows it.
 struct ChanRef {
     /// Address of the program's `struct bulk_channel`.
     c_addr: usize,
+    /// Its place on its waitset.
+    place: usize,
     ws: WsRef,
     /// A local creator's endpoint, for its binder.
     local_ep: Option<Endpoint>,
@@ -232,23 +257,28 @@ fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
     let mut deadline: Option<Option<Instant>> = None;
     let mut spin_until = SpinClock::default();
     let sleeps = timeout != Some(Duration::ZERO);
+    // A buffer event's meta data, for its callback: on this stack, written
+    // once (a dispatch runs one callback).
+    let mut meta = MetaBuf::new();
     loop {
         // The lock is held only to pick the work; callbacks run without it.
         let step = {
             let mut g = lock(ws);
-            live(&mut g)?.next_step(&mut spin_until, sleeps)
+            live(&mut g)?.next_step(&mut spin_until, sleeps, &mut meta)
         };
         match step {
             Step::Run(work) => {
-                // Sends of the callback are published by this waitset's
-                // polls (see `Waitset::send`); 0 again once it returned (a
-                // nested dispatch, or another thread's dispatch of the same
-                // waitset, may leave it 0 for the rest of the callback: its
-                // sends are then published at once, which is always right).
-                // Plain stores: no locked instruction per callback.
-                ws.callback_thread.store(boundary::this_thread(), Ordering::Relaxed);
-                work.run();
-                ws.callback_thread.store(0, Ordering::Relaxed);
+                // Sends of the callback on this waitset's channels are
+                // published by its polls (see `Waitset::send`). The mark is
+                // this thread's own: a nested dispatch of another waitset
+                // marks its callbacks and puts this mark back, and another
+                // thread is never marked by this one. No shared write per
+                // callback.
+                as_callback_of(ws, || work.run());
+                return Ok(());
+            }
+            Step::Buffer(call) => {
+                as_callback_of(ws, || call.run(&mut meta));
                 return Ok(());
             }
             Step::Spin => std::hint::spin_loop(),
@@ -275,8 +305,9 @@ fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
 
 // ---------------------------------------------------------------------- channels
 
-/// A channel end as a thread remembers it: token, struct address, waitset.
-type KnownChannel = (usize, usize, WsRef);
+/// A channel end as a thread remembers it: token and place, struct
+/// address, waitset.
+type KnownChannel = (ChanId, usize, WsRef);
 
 /// Channel ends a thread remembers (a thread serving a few channels, e.g.
 /// both ends of a local channel, finds each of them there).
@@ -291,55 +322,55 @@ thread_local! {
     static LAST_CHANNELS: std::cell::RefCell<Vec<KnownChannel>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The token and waitset of a live channel struct, from the directory.
-fn channel_listed(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
+/// The token, place and waitset of a live channel struct, from the directory.
+fn channel_listed(ch: *mut BulkChannel) -> Res<(ChanId, WsRef)> {
     let token = boundary::channel_token(ch);
     match channels_read().get(&token) {
-        Some(r) if r.c_addr == ch as usize => Ok((token, r.ws.clone())),
+        Some(r) if r.c_addr == ch as usize => Ok((ChanId { token, place: r.place }, r.ws.clone())),
         _ => Err(ERR_INVALID_CHANNEL),
     }
 }
 
-/// Runs `f` on the token and the locked live waitset of a channel struct
-/// (the call's one lock), found as [`with_channel`] finds it.
-fn with_channel_locked<R>(ch: *mut BulkChannel, f: impl FnOnce(usize, &WsCell, &mut Waitset) -> Res<R>) -> Res<R> {
-    with_channel(ch, |token, ws| f(token, ws, live(&mut lock(ws))?))
+/// Runs `f` on the channel end and the locked live waitset of a channel
+/// struct (the call's one lock), found as [`with_channel`] finds it.
+fn with_channel_locked<R>(ch: *mut BulkChannel, f: impl FnOnce(ChanId, &WsCell, &mut Waitset) -> Res<R>) -> Res<R> {
+    with_channel(ch, |id, ws| f(id, ws, live(&mut lock(ws))?))
 }
 
-/// Runs `f` on the token and waitset of a channel struct, for a call on
+/// Runs `f` on the channel end and waitset of a channel struct, for a call on
 /// it (which its waitset checks again): from this thread's cache if it
 /// called on it lately, so that a thread busy with a few channels shares
 /// no directory lock with others and counts no reference. `f` does not
 /// call into the program (the cache stays borrowed meanwhile).
-fn with_channel<R>(ch: *mut BulkChannel, f: impl FnOnce(usize, &WsRef) -> Res<R>) -> Res<R> {
+fn with_channel<R>(ch: *mut BulkChannel, f: impl FnOnce(ChanId, &WsRef) -> Res<R>) -> Res<R> {
     let token = boundary::channel_token(ch);
     let mut f = Some(f);
     let cached = LAST_CHANNELS.with(|l| {
         let l = l.try_borrow().ok()?;
-        let (_, _, ws) = l.iter().find(|(t, c, _)| *t == token && *c == ch as usize)?;
-        Some((f.take()?)(token, ws))
+        let (id, _, ws) = l.iter().find(|(id, c, _)| id.token == token && *c == ch as usize)?;
+        Some((f.take()?)(*id, ws))
     });
     if let Some(r) = cached {
         return r;
     }
-    let (token, ws) = remember_channel(ch)?;
-    (f.take().ok_or(ERR_INTERNAL)?)(token, &ws)
+    let (id, ws) = remember_channel(ch)?;
+    (f.take().ok_or(ERR_INTERNAL)?)(id, &ws)
 }
 
-/// A channel struct's token and waitset from the directory, kept in this
+/// A channel struct's end and waitset from the directory, kept in this
 /// thread's cache (the first call on a channel: out of the usual path).
 #[cold]
 #[inline(never)]
-fn remember_channel(ch: *mut BulkChannel) -> Res<(usize, WsRef)> {
-    let (token, ws) = channel_listed(ch)?;
+fn remember_channel(ch: *mut BulkChannel) -> Res<(ChanId, WsRef)> {
+    let (id, ws) = channel_listed(ch)?;
     LAST_CHANNELS.with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
-            l.retain(|(t, _, _)| *t != token);
-            l.insert(0, (token, ch as usize, ws.clone()));
+            l.retain(|(known, _, _)| known.token != id.token);
+            l.insert(0, (id, ch as usize, ws.clone()));
             l.truncate(KNOWN_CHANNELS);
         }
     });
-    Ok((token, ws))
+    Ok((id, ws))
 }
 
 /// The Ferry endpoint an endpoint descriptor names, and its backend.
@@ -386,8 +417,8 @@ struct NewEnd {
     local: bool,
 }
 
-/// Registers a new channel end: directory, the program's struct, then the
-/// waitset (whose dispatch may write the struct from then on).
+/// Registers a new channel end: the waitset (whose dispatch may write the
+/// struct once the lock is let go), the directory, the program's struct.
 fn register(
     end: NewEnd,
     ws_key: usize,
@@ -397,27 +428,28 @@ fn register(
     bind_cont: Option<Cont>,
 ) -> Res<()> {
     let token = new_token();
+    let fields = BulkChannel {
+        callbacks: end.callbacks,
+        ep: end.ep,
+        state: state_to(channel.state()),
+        pools: std::ptr::null_mut(),
+        direction: direction_to(channel.direction()),
+        role: role_to(channel.role()),
+        trust: trust_to(channel.trust()),
+        constraints: end.constraints,
+        meta_size: channel.meta_size(),
+        waitset: ws_key as *mut std::ffi::c_void,
+        user_state: end.user_state,
+        impl_data: token as *mut std::ffi::c_void,
+    };
     let mut g = lock(&ws);
     let w = live(&mut g)?;
-    channels_write().insert(token, ChanRef { c_addr: end.ch as usize, ws: ws.clone(), local_ep });
-    boundary::init_channel(
-        end.ch,
-        BulkChannel {
-            callbacks: end.callbacks,
-            ep: end.ep,
-            state: state_to(channel.state()),
-            pools: std::ptr::null_mut(),
-            direction: direction_to(channel.direction()),
-            role: role_to(channel.role()),
-            trust: trust_to(channel.trust()),
-            constraints: end.constraints,
-            meta_size: channel.meta_size(),
-            waitset: ws_key as *mut std::ffi::c_void,
-            user_state: end.user_state,
-            impl_data: token as *mut std::ffi::c_void,
-        },
-    );
-    w.insert(token, (end.ch as usize, end.callbacks as usize, end.local), channel, bind_cont);
+    // All under the waitset's lock: its dispatch sees the end only once
+    // the struct is filled, and no call finds the end before the struct
+    // holds its token.
+    let place = w.insert(token, (end.ch as usize, end.callbacks as usize, end.local), channel, bind_cont);
+    channels_write().insert(token, ChanRef { c_addr: end.ch as usize, place, ws: ws.clone(), local_ep });
+    boundary::init_channel(end.ch, fields);
     Ok(())
 }
 
@@ -495,9 +527,9 @@ pub fn channel_bind(
 
 /// `bulk_channel_destroy`.
 pub fn channel_destroy(ch: *mut BulkChannel, cont: Option<Cont>) -> Res<()> {
-    with_channel_locked(ch, |token, _, w| {
-        w.destroy(token, ch as usize, cont)?;
-        Ok(token)
+    with_channel_locked(ch, |id, _, w| {
+        w.destroy(id, ch as usize, cont)?;
+        Ok(id.token)
     })
     .map(|token| channels_write().remove(&token))?;
     collect_pools();
@@ -506,7 +538,7 @@ pub fn channel_destroy(ch: *mut BulkChannel, cont: Option<Cont>) -> Res<()> {
 
 /// `bulk_channel_assign_pool` and `bulk_channel_remove_pool`.
 pub fn channel_pool(ch: *mut BulkChannel, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
-    with_channel_locked(ch, |token, _, w| w.channel_pool(token, ch as usize, pool, cont, assign))
+    with_channel_locked(ch, |id, _, w| w.channel_pool(id, ch as usize, pool, cont, assign))
 }
 
 /// `bulk_channel_move` and `bulk_channel_pass`.
@@ -517,17 +549,17 @@ pub fn channel_send(
     cont: Option<Cont>,
     dir: Direction,
 ) -> Res<()> {
-    with_channel_locked(ch, |token, ws, w| w.send(token, ch as usize, buffer, meta, sending(ws, cont), dir))
+    with_channel_locked(ch, |id, ws, w| w.send(id, ch as usize, buffer, meta, sending(ws, cont), dir))
 }
 
 /// `bulk_channel_copy`.
 pub fn channel_copy(ch: *mut BulkChannel, buffer: usize, meta: *const std::ffi::c_void, cont: Option<Cont>) -> Res<()> {
-    with_channel_locked(ch, |token, ws, w| w.copy(token, ch as usize, buffer, meta, sending(ws, cont)))
+    with_channel_locked(ch, |id, ws, w| w.copy(id, ch as usize, buffer, meta, sending(ws, cont)))
 }
 
 /// `bulk_channel_release`.
 pub fn channel_release(ch: *mut BulkChannel, buffer: usize, cont: Option<Cont>) -> Res<()> {
-    with_channel_locked(ch, |token, ws, w| w.release(token, ch as usize, buffer, sending(ws, cont)))
+    with_channel_locked(ch, |id, ws, w| w.release(id, ch as usize, buffer, sending(ws, cont)))
 }
 
 /// The program's answer to a pool offer (after its `pool_assigned` ran).

@@ -71,6 +71,12 @@ pub struct Slot {
 
 impl Slot {
     fn states(&self, known: Option<BufferState>) -> (u32, u32, u32, u32) {
+        let owned_state = || buffer_state_to(known.unwrap_or_else(|| DOMAIN.buffer_state(self.id)));
+        if self.copies.is_empty() {
+            // The usual case: no copies, through either object.
+            let owner_state = if self.owned.is_some() { owned_state() } else { 0 };
+            return (owner_state, 0, 0, 0);
+        }
         let held = |v: View| self.copies.iter().filter(|c| c.2 == v).count() as u32;
         let (owner_copies, view_copies) = (held(View::Owner), held(View::Copy));
         let read_only = buffer_state_to(BufferState::ReadOnly);
@@ -79,7 +85,7 @@ impl Slot {
         // a copy was given with it; else INVALID. The second object:
         // READ_ONLY while a copy was given with it.
         let owner_state = match (&self.owned, owner_copies) {
-            (Some(_), _) => buffer_state_to(known.unwrap_or_else(|| DOMAIN.buffer_state(self.id))),
+            (Some(_), _) => owned_state(),
             (None, 0) => 0,
             (None, _) => read_only,
         };

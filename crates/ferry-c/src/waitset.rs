@@ -116,10 +116,30 @@ pub struct Sending {
     pub batched: bool,
 }
 
+/// A `move_received` or `buffer_received` callback ready to run: the
+/// usual event, handed to dispatch without a [`Work`] (its meta data is
+/// written straight into the dispatch's own [`MetaBuf`]).
+pub struct BufferCall {
+    f: BufferCallback,
+    ch: usize,
+    buffer: usize,
+}
+
+impl BufferCall {
+    /// Runs it with the meta data `next_step` wrote. Called without any
+    /// lock held.
+    pub fn run(self, meta: &mut MetaBuf) {
+        call::buffer_meta(self.f, self.ch, self.buffer, meta.bytes_mut());
+    }
+}
+
 /// What dispatch does next.
 pub enum Step {
     /// Run this, then return.
     Run(Work),
+    /// Run this buffer callback with the meta data written to the
+    /// dispatch's [`MetaBuf`], then return.
+    Buffer(BufferCall),
     /// Nothing now, and the waitset is still spinning: look again.
     Spin,
     /// Nothing is due and the channels are armed: wait for `fd`. `live`:
@@ -140,6 +160,8 @@ enum Link {
 
 /// A channel end created or bound through the C interface.
 pub struct Chan {
+    /// Its token (the `impl_data` of the program's struct).
+    token: usize,
     /// Address of the program's `struct bulk_channel`.
     c_addr: usize,
     /// Address of the program's callbacks.
@@ -175,6 +197,86 @@ struct Polled {
     /// flush or a poll that finds nothing (a shared-memory end publishes
     /// an answer at once when it has caught up with its arrivals).
     local: bool,
+}
+
+/// A channel end as calls name it: its token, and its place among its
+/// waitset's channel ends (found without hashing the token; checked
+/// against the token, so a stale place finds nothing).
+#[derive(Clone, Copy, Debug)]
+pub struct ChanId {
+    /// The channel's token (never reused).
+    pub token: usize,
+    /// Where [`Waitset::insert`] put it.
+    pub place: usize,
+}
+
+/// A waitset's channel ends: at their places (a call finds its end by
+/// the place it was given, no hashing), and by token (the rarer lookups).
+#[derive(Default)]
+struct Chans {
+    /// The ends at their places; a destroyed end leaves a hole, which the
+    /// next end takes.
+    at: Vec<Option<Chan>>,
+    /// The holes in `at`.
+    holes: Vec<usize>,
+    /// Token → place.
+    places: IdMap<usize>,
+}
+
+impl Chans {
+    /// Adds an end; its place.
+    fn insert(&mut self, chan: Chan) -> usize {
+        let token = chan.token;
+        let place = match self.holes.pop() {
+            Some(p) => {
+                self.at[p] = Some(chan);
+                p
+            }
+            None => {
+                self.at.push(Some(chan));
+                self.at.len() - 1
+            }
+        };
+        self.places.insert(token, place);
+        place
+    }
+
+    /// The end `id` names, if it is still there.
+    fn at_mut(&mut self, id: ChanId) -> Option<&mut Chan> {
+        self.at.get_mut(id.place)?.as_mut().filter(|c| c.token == id.token)
+    }
+
+    /// The end of `token`.
+    fn get_mut(&mut self, token: &usize) -> Option<&mut Chan> {
+        let place = *self.places.get(token)?;
+        self.at.get_mut(place)?.as_mut()
+    }
+
+    /// Takes the end of `token` out.
+    fn remove(&mut self, token: &usize) -> Option<Chan> {
+        let place = self.places.remove(token)?;
+        let chan = self.at.get_mut(place)?.take();
+        self.holes.push(place);
+        chan
+    }
+
+    fn is_empty(&self) -> bool {
+        self.places.is_empty()
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut Chan> {
+        self.at.iter_mut().flatten()
+    }
+}
+
+/// What a direct poll of the channels found.
+enum Found {
+    /// A buffer moved or passed to us, the program's now: its callback,
+    /// if it has one.
+    Buffer(Option<BufferCall>),
+    /// Any other event, of the channel end `at` (whose meta size is the
+    /// number).
+    Other(Polled, usize, Event),
 }
 
 /// Channel events served in a row before one queued work runs.
@@ -228,6 +330,7 @@ type ChanParts<'a> = (&'a mut Chan, &'a mut Selector, &'a mut PoolCache, &'a mut
 /// After an accepted send without continuation of `payload` bytes on
 /// `chan`: publishes it, or notes in `held_back` that a callback held it
 /// back for batching (see [`Waitset::sent`]).
+#[inline]
 fn sent_unanswered(chan: &mut Chan, selector: &mut Selector, held_back: &mut bool, payload: u64, batched: bool) {
     chan.queued_payload += payload;
     if batched {
@@ -245,8 +348,8 @@ pub struct Waitset {
     /// The attached channel ends, in the order they are polled (so that a
     /// polled buffer event needs no lookup of its channel end).
     order: Vec<Polled>,
-    /// The channel ends, by token.
-    chans: IdMap<Chan>,
+    /// The channel ends.
+    chans: Chans,
     /// The program's fd: the selector's fd and `bell`.
     epoll: OwnedFd,
     /// Readable while `pending` has work (or a new channel wants a poll).
@@ -300,6 +403,24 @@ pub struct Aligned<const N: usize>([u8; N]);
 const INLINE_META: usize = 32;
 
 impl MetaBuf {
+    /// Zeroed inline bytes: what a dispatch starts with.
+    pub fn new() -> MetaBuf {
+        MetaBuf::Inline(Aligned([0u8; INLINE_META]))
+    }
+
+    /// Writes `meta` for a channel of `meta_size` into a buffer that is
+    /// still as [`new`](Self::new) made it (zero padding included).
+    fn fill(&mut self, meta: &Meta, meta_size: usize) {
+        if meta_size > INLINE_META {
+            *self = meta_bytes(meta, meta_size);
+            return;
+        }
+        // One look at the bytes (the deref is a call into ferry).
+        let meta: &[u8] = meta;
+        let n = meta.len().min(meta_size);
+        self.bytes_mut()[..n].copy_from_slice(&meta[..n]);
+    }
+
     fn bytes_mut(&mut self) -> &mut [u8] {
         match self {
             MetaBuf::Inline(b) => &mut b.0[..],
@@ -367,7 +488,7 @@ impl Waitset {
             selector,
             keys: IdMap::default(),
             order: Vec::new(),
-            chans: IdMap::default(),
+            chans: Chans::default(),
             epoll: ep,
             bell,
             rung: false,
@@ -432,48 +553,47 @@ impl Waitset {
         }
     }
 
-    /// Adds a channel end (its C struct is filled already).
+    /// Adds a channel end; its place (see [`ChanId`]).
     pub fn insert(
         &mut self,
         token: usize,
         (ch, callbacks, local): (usize, usize, bool),
         mut channel: Channel,
         bind_cont: Option<Cont>,
-    ) {
+    ) -> usize {
         // Armed, its fd tells the program's loop when it has an event; one
         // that may have one already makes the loop look at once.
         let may_have_event = !channel.arm();
         let key = self.selector.insert(channel);
         self.keys.insert(key, token);
         self.order.push(Polled { key, token, c_addr: ch, callbacks, local });
-        self.chans.insert(
+        let place = self.chans.insert(Chan {
             token,
-            Chan {
-                c_addr: ch,
-                callbacks,
-                link: Link::Attached(key),
-                bind_cont,
-                assigning: Vec::new(),
-                removing: Vec::new(),
-                connected_once: false,
-                queued_payload: 0,
-                unsent: VecDeque::new(),
-            },
-        );
+            c_addr: ch,
+            callbacks,
+            link: Link::Attached(key),
+            bind_cont,
+            assigning: Vec::new(),
+            removing: Vec::new(),
+            connected_once: false,
+            queued_payload: 0,
+            unsent: VecDeque::new(),
+        });
         if may_have_event {
             self.ring();
         }
+        place
     }
 
-    /// The channel end of `token` (checked against the C struct's address).
-    fn chan(&mut self, token: usize, ch: usize) -> Res<(&mut Chan, &mut Selector)> {
-        let (chan, selector, _, _) = self.chan_and_pools(token, ch)?;
+    /// The channel end `id` (checked against the C struct's address).
+    fn chan(&mut self, id: ChanId, ch: usize) -> Res<(&mut Chan, &mut Selector)> {
+        let (chan, selector, _, _) = self.chan_and_pools(id, ch)?;
         Ok((chan, selector))
     }
 
     /// [`chan`](Self::chan), the waitset's pool cache and its `held_back`.
-    fn chan_and_pools(&mut self, token: usize, ch: usize) -> Res<ChanParts<'_>> {
-        match self.chans.get_mut(&token) {
+    fn chan_and_pools(&mut self, id: ChanId, ch: usize) -> Res<ChanParts<'_>> {
+        match self.chans.at_mut(id) {
             Some(c) if c.c_addr == ch => Ok((c, &mut self.selector, &mut self.pools, &mut self.held_back)),
             _ => Err(ERR_INVALID_CHANNEL),
         }
@@ -492,9 +612,12 @@ impl Waitset {
     /// false) on a waitset whose fd the program never took does not arm
     /// them (`Nothing`): arming costs system calls here and at the peer,
     /// and nobody could wait for what it announces.
-    pub fn next_step(&mut self, spin: &mut SpinClock, sleeps: bool) -> Step {
-        let step = self.next_step_inner(spin, sleeps);
-        if matches!(step, Step::Run(_)) {
+    ///
+    /// A buffer event's meta data is written to `meta` (as
+    /// [`MetaBuf::new`] made it), for [`Step::Buffer`].
+    pub fn next_step(&mut self, spin: &mut SpinClock, sleeps: bool, meta: &mut MetaBuf) -> Step {
+        let step = self.next_step_inner(spin, sleeps, meta);
+        if matches!(step, Step::Run(_) | Step::Buffer(_)) {
             self.worked = true;
         }
         step
@@ -514,19 +637,21 @@ impl Waitset {
         }
     }
 
-    fn next_step_inner(&mut self, spin: &mut SpinClock, sleeps: bool) -> Step {
+    fn next_step_inner(&mut self, spin: &mut SpinClock, sleeps: bool, meta: &mut MetaBuf) -> Step {
         self.release_written();
         if self.streak >= FAIRNESS {
             if let Some(w) = self.pop() {
                 return Step::Run(w);
             }
         }
-        if let Some((at, meta_size, ev)) = self.poll_channels() {
+        if let Some(found) = self.poll_channels(meta) {
             self.streak += 1;
-            if let Some(w) = self.take_event(at, meta_size, ev) {
-                return Step::Run(w);
-            }
-            return Step::Spin;
+            let work = match found {
+                Found::Buffer(Some(call)) => return Step::Buffer(call),
+                Found::Buffer(None) => None,
+                Found::Other(at, meta_size, ev) => self.take_event(at, meta_size, ev),
+            };
+            return work.map_or(Step::Spin, Step::Run);
         }
         if let Some(w) = self.pop() {
             return Step::Run(w);
@@ -596,7 +721,7 @@ impl Waitset {
     /// to deliver it delivers the next message and its batch goes on. At
     /// most every other round starts so, so that a channel whose callbacks
     /// always send cannot keep the others from their turn.
-    fn poll_channels(&mut self) -> Option<(Polled, usize, Event)> {
+    fn poll_channels(&mut self, meta_out: &mut MetaBuf) -> Option<Found> {
         let n = self.order.len();
         if n == 0 {
             return None;
@@ -614,13 +739,24 @@ impl Waitset {
                 let at = self.order[i];
                 i = if i + 1 == n { 0 } else { i + 1 };
                 let Some(c) = self.selector.get_mut(at.key) else { continue };
-                if let Some(ev) = c.poll() {
-                    let meta_size = c.meta_size();
-                    self.next_poll = i;
-                    // Not every channel was polled: some may still hold back.
-                    self.held_back |= held_back;
-                    return Some((at, meta_size, ev));
-                }
+                let Some(ev) = c.poll() else { continue };
+                let meta_size = c.meta_size();
+                self.next_poll = i;
+                // Not every channel was polled: some may still hold back.
+                self.held_back |= held_back;
+                // The usual events, a buffer moved or passed to us, become
+                // their callback here: the event is not moved again (its
+                // meta data is read where it is).
+                let (passed, buffer, meta) = match ev {
+                    Event::MoveReceived { buffer, ref meta } => (false, buffer, meta),
+                    Event::BufferPassed { buffer, ref meta } => (true, buffer, meta),
+                    ev => return Some(Found::Other(at, meta_size, ev)),
+                };
+                let call = received_owned(&mut self.pools, at, passed, buffer).map(|(f, buffer)| {
+                    meta_out.fill(meta, meta_size);
+                    BufferCall { f, ch: at.c_addr, buffer }
+                });
+                return Some(Found::Buffer(call));
             }
             if !held_back {
                 return None;
@@ -666,12 +802,10 @@ impl Waitset {
         // The usual events need one callback: only it is read.
         let ev = match ev {
             Event::MoveReceived { buffer, meta } => {
-                let f = boundary::buffer_callback(cbs, false)?;
-                return received_owned(&mut self.pools, (token, ch), f, buffer, &meta, meta_size);
+                return buffer_work(&mut self.pools, at, false, buffer, &meta, meta_size)
             }
             Event::BufferPassed { buffer, meta } => {
-                let f = boundary::buffer_callback(cbs, true)?;
-                return received_owned(&mut self.pools, (token, ch), f, buffer, &meta, meta_size);
+                return buffer_work(&mut self.pools, at, true, buffer, &meta, meta_size)
             }
             ev => ev,
         };
@@ -806,8 +940,9 @@ impl Waitset {
 
     /// `bulk_channel_destroy`: the channel end leaves; what it had not
     /// answered is queued with `BULK_ERR_CHANNEL_DESTROYED`, then `cont`.
-    pub fn destroy(&mut self, token: usize, ch: usize, cont: Option<Cont>) -> Res<()> {
-        self.chan(token, ch)?;
+    pub fn destroy(&mut self, id: ChanId, ch: usize, cont: Option<Cont>) -> Res<()> {
+        self.chan(id, ch)?;
+        let token = id.token;
         let mut chan = self.chans.remove(&token).ok_or(ERR_INVALID_CHANNEL)?;
         let channel = match std::mem::replace(&mut chan.link, Link::Attached(usize::MAX)) {
             Link::Attached(key) => {
@@ -848,8 +983,8 @@ impl Waitset {
     }
 
     /// `bulk_channel_assign_pool` and `bulk_channel_remove_pool`.
-    pub fn channel_pool(&mut self, token: usize, ch: usize, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
-        let (chan, selector) = self.chan(token, ch)?;
+    pub fn channel_pool(&mut self, id: ChanId, ch: usize, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
+        let (chan, selector) = self.chan(id, ch)?;
         let e = pool_at(pool)?;
         let id = e.pool.id();
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
@@ -939,14 +1074,15 @@ impl Waitset {
     /// `bulk_channel_move` and `bulk_channel_pass`.
     pub fn send(
         &mut self,
-        token: usize,
+        id: ChanId,
         ch: usize,
         buffer: usize,
         meta: *const std::ffi::c_void,
         how: Sending,
         dir: Direction,
     ) -> Res<()> {
-        let (chan, selector, pools, held_back) = self.chan_and_pools(token, ch)?;
+        let (chan, selector, pools, held_back) = self.chan_and_pools(id, ch)?;
+        let token = id.token;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, dir)?;
         let payload = with_buffer_in(pools, buffer, |e, i, view| {
@@ -979,13 +1115,14 @@ impl Waitset {
     /// `bulk_channel_copy`.
     pub fn copy(
         &mut self,
-        token: usize,
+        id: ChanId,
         ch: usize,
         buffer: usize,
         meta: *const std::ffi::c_void,
         how: Sending,
     ) -> Res<()> {
-        let (chan, selector, pools, held_back) = self.chan_and_pools(token, ch)?;
+        let (chan, selector, pools, held_back) = self.chan_and_pools(id, ch)?;
+        let token = id.token;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Tx)?;
         let payload = with_buffer_in(pools, buffer, |e, i, view| {
@@ -1019,8 +1156,9 @@ impl Waitset {
     }
 
     /// `bulk_channel_release`.
-    pub fn release(&mut self, token: usize, ch: usize, buffer: usize, how: Sending) -> Res<()> {
-        let (chan, selector, pools, held_back) = self.chan_and_pools(token, ch)?;
+    pub fn release(&mut self, id: ChanId, ch: usize, buffer: usize, how: Sending) -> Res<()> {
+        let (chan, selector, pools, held_back) = self.chan_and_pools(id, ch)?;
+        let token = id.token;
         let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
         check_sending(c, Direction::Rx)?;
         with_buffer_in(pools, buffer, |e, i, view| {
@@ -1067,15 +1205,12 @@ impl Waitset {
     }
 }
 
-/// A buffer moved or passed to us: the program owns it now.
-fn received_owned(
-    pools: &mut PoolCache,
-    (token, ch): (usize, usize),
-    f: Option<BufferCallback>,
-    buffer: Buffer,
-    meta: &Meta,
-    meta_size: usize,
-) -> Option<Work> {
+/// A buffer moved or passed to us over the channel end `at`: the program
+/// owns it now. Its callback (`buffer_received` if `passed`, else
+/// `move_received`) and its C object, if it has one (a NULL callbacks
+/// struct: the event is dropped).
+fn received_owned(pools: &mut PoolCache, at: Polled, passed: bool, buffer: Buffer) -> Option<(BufferCallback, usize)> {
+    let f = boundary::buffer_callback(at.callbacks as *const BulkChannelCallbacks, passed)?;
     let id = buffer.id();
     let i = id.index as usize;
     let ptr = with_pool_in(pools, id.pool, true, |e| {
@@ -1084,5 +1219,19 @@ fn received_owned(
         s.refresh_as(Some(BufferState::ReadWrite));
         e.buffer_ptr(i, View::Owner)
     })?;
-    f.map(|f| Work::Buffer { f, ch, token, buffer: ptr, meta: meta_bytes(meta, meta_size) })
+    Some((f?, ptr))
+}
+
+/// [`received_owned`] as queueable work (an event found by a wait on the
+/// selector rather than by the direct poll).
+fn buffer_work(
+    pools: &mut PoolCache,
+    at: Polled,
+    passed: bool,
+    buffer: Buffer,
+    meta: &Meta,
+    meta_size: usize,
+) -> Option<Work> {
+    let (f, buffer) = received_owned(pools, at, passed, buffer)?;
+    Some(Work::Buffer { f, ch: at.c_addr, token: at.token, buffer, meta: meta_bytes(meta, meta_size) })
 }

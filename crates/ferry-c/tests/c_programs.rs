@@ -731,13 +731,14 @@ fn error_paths_sanitized() {
 }
 
 /// When sends reach the peer: a send outside a callback before the call
-/// returns (the source then waits without dispatching); sends from
-/// callbacks, published in batches, at the latest when the channel is
-/// destroyed (the echo destroys it right after its last callback and ends).
+/// returns (the source then waits without dispatching), also while another
+/// thread runs a callback of the channel's waitset; sends from callbacks,
+/// published in batches, at the latest when the channel is destroyed (the
+/// echo destroys it right after its last callback and ends).
 fn publish(build: Build) {
     let exe = compile("publish.c", build);
     for backend in ["local", "sm"] {
-        for case in ["outside", "exit"] {
+        for case in ["outside", "exit", "beside"] {
             run(&exe, &[backend, case], build, SHORT).success().contains("publish: ok");
         }
     }

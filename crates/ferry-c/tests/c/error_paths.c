@@ -647,6 +647,57 @@ static void test_channels(struct bulk_allocator *a, struct bulk_allocator *b, st
     printf("channels: errors checked\n");
 }
 
+/*
+ * A destroyed channel's struct, copied before the destroy and put back at
+ * its address after a new channel was created there on the same waitset
+ * (the new end takes the destroyed one's place in the waitset, and this
+ * thread still remembers the old one from a call): every call refuses it
+ * with BULK_ERR_INVALID_CHANNEL, and the new channel is untouched.
+ */
+static void test_stale_channel_struct(struct bulk_allocator *a)
+{
+    struct waitset *w;
+    EXPECT_OK(bulk_waitset_create(&w));
+    struct bulk_channel_setup setup = {
+        .direction = BULK_DIRECTION_TX,
+        .role = BULK_ROLE_MASTER,
+        .trust = BULK_TRUST_FULL,
+        .meta_size = 8,
+        .waitset = w,
+    };
+    static struct bulk_channel c;
+    struct bulk_local_endpoint first_ep, second_ep;
+    bulk_local_init_endpoint(&first_ep, NULL);
+    EXPECT_OK(bulk_channel_create(&c, &first_ep.generic, &tx_cbs, &setup));
+    struct bulk_buffer *buf = bulk_alloc_new_buffer(a);
+    CHECK(buf != NULL, "no buffer for the stale struct's test");
+    uint64_t meta = 1;
+    /* A call on it (not connected yet): this thread remembers the channel. */
+    EXPECT_CODE(bulk_channel_move(&c, buf, &meta, NEVER), BULK_ERR_CHANNEL_STATE);
+    struct bulk_channel old = c;
+    EXPECT_OK(bulk_channel_destroy(&c, BULK_CONT_NOP));
+    drain(w);
+    bulk_local_init_endpoint(&second_ep, NULL);
+    EXPECT_OK(bulk_channel_create(&c, &second_ep.generic, &tx_cbs, &setup));
+    struct bulk_channel fresh = c;
+    CHECK(fresh.impl_data != old.impl_data, "a new channel got a destroyed one's token");
+    c = old;
+    EXPECT_CODE(bulk_channel_move(&c, buf, &meta, NEVER), BULK_ERR_INVALID_CHANNEL);
+    EXPECT_CODE(bulk_channel_assign_pool(&c, a->pool, NEVER), BULK_ERR_INVALID_CHANNEL);
+    EXPECT_CODE(bulk_channel_destroy(&c, NEVER), BULK_ERR_INVALID_CHANNEL);
+    CHECK(buf->state == BULK_BUFFER_READ_WRITE, "a call on a stale struct changed the buffer");
+    c = fresh;
+    CHECK(c.state == BULK_STATE_INITIALIZED, "a call on a stale struct changed the new channel (state %d)",
+          (int)c.state);
+    EXPECT_CODE(bulk_channel_move(&c, buf, &meta, NEVER), BULK_ERR_CHANNEL_STATE);
+    EXPECT_OK(bulk_channel_destroy(&c, BULK_CONT_NOP));
+    drain(w);
+    EXPECT_OK(bulk_alloc_return_buffer(a, buf));
+    EXPECT_OK(bulk_waitset_destroy(w));
+    CHECK(never_ran == 0, "a refused call's continuation ran");
+    printf("stale channel struct: refused, the new channel untouched\n");
+}
+
 int main(void)
 {
     test_strerror();
@@ -659,6 +710,7 @@ int main(void)
     test_waitset_and_endpoints();
     test_destroyed_waitset();
     test_channels(&a, &b, &c);
+    test_stale_channel_struct(&a);
     EXPECT_OK(bulk_alloc_free(&a));
     EXPECT_OK(bulk_alloc_free(&b));
     EXPECT_OK(bulk_alloc_free(&c));

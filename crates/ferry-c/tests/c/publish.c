@@ -10,6 +10,12 @@
  *     right after the K-th callback returned, destroys its channel and
  *     ends without dispatching again: all K passes reach the source
  *     before its teardown_received.
+ *   publish local|sm beside: while the source's main thread runs a
+ *     continuation of the source's waitset (and does not dispatch until
+ *     the echo reported), a second thread of the source moves the K
+ *     buffers from its own loop: sends of a thread that runs no callback
+ *     of the channel's waitset are published at once, whatever another
+ *     thread's dispatch of that waitset is running.
  *
  * local: the echo is a thread with a waitset of its own; sm: a child
  * process (forked before the library is used). Prints "publish: ok".
@@ -31,8 +37,9 @@
 /* How long the source waits for the echo's report (it takes milliseconds). */
 #define REPORT_DEADLINE_MS 20000
 
-static int exit_case;
+static int exit_case, beside_case;
 static int report_fd = -1; /* sm: the echo's end of the report pipe */
+static int source_report_fd = -1; /* sm: the source's end of it */
 static atomic_int echo_got;
 
 /* Echo ---------------------------------------------------------------------- */
@@ -129,12 +136,32 @@ static void source_teardown(struct bulk_channel *ch)
     torn_down = 1;
 }
 
+static void await_report(int fd);
+static void move_all(void);
+
+static void *mover_thread(void *arg)
+{
+    (void)arg;
+    move_all();
+    return NULL;
+}
+
 static void pool_done(void *arg, errval_t err, struct bulk_channel *ch)
 {
     (void)arg;
     (void)ch;
     EXPECT_OK(err);
     pool_ok = 1;
+    if (beside_case) {
+        /* This thread runs a continuation of the source's waitset until the
+         * echo got what another thread moves meanwhile. */
+        pthread_t mover;
+        if (pthread_create(&mover, NULL, mover_thread, NULL) != 0) {
+            FATAL("pthread_create");
+        }
+        await_report(source_report_fd);
+        pthread_join(mover, NULL);
+    }
 }
 
 static struct bulk_channel_callbacks source_cbs = {
@@ -142,6 +169,16 @@ static struct bulk_channel_callbacks source_cbs = {
     .buffer_received = source_buffer_received,
     .teardown_received = source_teardown,
 };
+
+/** Moves the K buffers, outside any callback of this thread. */
+static void move_all(void)
+{
+    for (uint64_t i = 0; i < K; i++) {
+        struct bulk_buffer *b = bulk_alloc_new_buffer(&alloc);
+        CHECK(b != NULL, "buffer %" PRIu64 ": the pool is exhausted", i);
+        EXPECT_OK(bulk_channel_move(&source, b, &i, BULK_CONT_NOP));
+    }
+}
 
 /** Waits for the echo's report without dispatching. */
 static void await_report(int fd)
@@ -164,7 +201,8 @@ static void await_report(int fd)
         }
         if (now_ns() > deadline) {
             FATAL("the echo did not get the %d moves sent outside a callback (got %d) while the source did not "
-                  "dispatch", K, fd < 0 ? atomic_load(&echo_got) : -1);
+                  "dispatch%s", K, fd < 0 ? atomic_load(&echo_got) : -1,
+                  beside_case ? " (the main thread was in a continuation of the source's waitset)" : "");
         }
     }
 }
@@ -172,12 +210,13 @@ static void await_report(int fd)
 int main(int argc, char **argv)
 {
     if (argc != 3 || (strcmp(argv[1], "local") != 0 && strcmp(argv[1], "sm") != 0)
-        || (strcmp(argv[2], "outside") != 0 && strcmp(argv[2], "exit") != 0)) {
-        fprintf(stderr, "usage: %s local|sm outside|exit\n", argv[0]);
+        || (strcmp(argv[2], "outside") != 0 && strcmp(argv[2], "exit") != 0 && strcmp(argv[2], "beside") != 0)) {
+        fprintf(stderr, "usage: %s local|sm outside|exit|beside\n", argv[0]);
         return 2;
     }
     int sm = strcmp(argv[1], "sm") == 0;
     exit_case = strcmp(argv[2], "exit") == 0;
+    beside_case = strcmp(argv[2], "beside") == 0;
     char path[108];
     snprintf(path, sizeof path, "/tmp/ferry-c-publish-%d.sock", (int)getpid());
     int ready[2] = { -1, -1 }, report[2] = { -1, -1 };
@@ -206,6 +245,7 @@ int main(int argc, char **argv)
         }
         close(ready[0]);
         close(report[1]);
+        source_report_fd = report[0];
     }
 
     struct waitset *ws;
@@ -239,17 +279,15 @@ int main(int argc, char **argv)
     EXPECT_OK(bulk_alloc_init(&alloc, K, 4096, &pc));
     EXPECT_OK(bulk_channel_assign_pool(&source, alloc.pool, MK_BULK_CONT(pool_done, NULL)));
     WAIT_FOR(ws, pool_ok, "the pool assignment");
-    /* Outside any callback: published before each call returns. */
-    for (uint64_t i = 0; i < K; i++) {
-        struct bulk_buffer *b = bulk_alloc_new_buffer(&alloc);
-        CHECK(b != NULL, "buffer %" PRIu64 ": the pool is exhausted", i);
-        EXPECT_OK(bulk_channel_move(&source, b, &i, BULK_CONT_NOP));
-    }
+    /* beside: pool_done had the moves made and got the report. */
     if (exit_case) {
+        /* Outside any callback: published before each call returns. */
+        move_all();
         WAIT_FOR(ws, torn_down, "the echo's teardown");
         CHECK(back_at_teardown == K, "%u of %d passes arrived before the echo's teardown", back_at_teardown, K);
-    } else {
-        await_report(sm ? report[0] : -1);
+    } else if (!beside_case) {
+        move_all();
+        await_report(source_report_fd);
     }
     EXPECT_OK(bulk_channel_destroy(&source, BULK_CONT_NOP));
     drain(ws);
