@@ -670,64 +670,51 @@ fn trust_half_write_after_move_faults_over_tcp() {
 // ---------------------------------------------------------------------------
 // One process
 
-#[test]
-fn waitset_fd_in_epoll_beside_timerfd() {
-    run(&compile("waitset_epoll.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("waitset_epoll: ok");
+/// A one-process C program built as `build` and run without arguments:
+/// it ends well and its last word is `<program>: ok`.
+fn passes(program: &str, build: Build) {
+    let name = program.trim_end_matches(".c");
+    run(&compile(program, build), &[], build, SHORT).success().contains(&format!("{name}: ok"));
 }
 
-#[test]
-fn waitset_fd_in_epoll_beside_timerfd_sanitized() {
-    run(&compile("waitset_epoll.c", Build::Sanitized), &[], Build::Sanitized, SHORT)
-        .success()
-        .contains("waitset_epoll: ok");
+/// Tests of one-process programs: each given test name runs its program
+/// plain, and the second name (if any) under the sanitizers.
+macro_rules! one_process_tests {
+    ($($(#[$doc:meta])* $program:literal: $plain:ident $(, $sanitized:ident)?;)*) => {$(
+        $(#[$doc])*
+        #[test]
+        fn $plain() {
+            passes($program, Build::Plain);
+        }
+        $(
+            #[test]
+            fn $sanitized() {
+                passes($program, Build::Sanitized);
+            }
+        )?
+    )*};
 }
 
-/// Busy polling an idle waitset whose fd the program never took makes no
-/// system call; once it takes the fd, the fd contract holds. With both ends
-/// of a channel on one waitset, a pass held back by the echo's callback is
-/// delivered by the next dispatch, not left for a later one.
-#[test]
-fn busy_polling_makes_no_system_call_until_the_fd_is_taken() {
-    run(&compile("busy_poll.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("busy_poll: ok");
-}
-
-/// Every channel of a waitset gets its turn: an echo whose callbacks
-/// always send (its passes held back for batching, and published first
-/// at the next round of polls) does not keep another channel of the
-/// waitset waiting while it has more to deliver.
-#[test]
-fn a_sending_echo_does_not_keep_other_channels_from_their_turn() {
-    run(&compile("poll_turns.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("poll_turns: ok");
-}
-
-#[test]
-fn a_sending_echo_does_not_keep_other_channels_from_their_turn_sanitized() {
-    run(&compile("poll_turns.c", Build::Sanitized), &[], Build::Sanitized, SHORT).success().contains("poll_turns: ok");
-}
-
-/// Allocator calls racing each other and `bulk_alloc_free` from real
-/// threads: one of two simultaneous returns of a buffer succeeds, no
-/// buffer is held twice, and nothing is handed out once the free returned.
-#[test]
-fn allocator_calls_race_each_other_and_the_free() {
-    run(&compile("alloc_race.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("alloc_race: ok");
-}
-
-#[test]
-fn allocator_calls_race_each_other_and_the_free_sanitized() {
-    run(&compile("alloc_race.c", Build::Sanitized), &[], Build::Sanitized, SHORT).success().contains("alloc_race: ok");
-}
-
-#[test]
-fn error_paths() {
-    run(&compile("error_paths.c", Build::Plain), &[], Build::Plain, SHORT).success().contains("error_paths: ok");
-}
-
-#[test]
-fn error_paths_sanitized() {
-    run(&compile("error_paths.c", Build::Sanitized), &[], Build::Sanitized, SHORT)
-        .success()
-        .contains("error_paths: ok");
+one_process_tests! {
+    /// The waitset's fd in the program's own epoll set, beside a timerfd.
+    "waitset_epoll.c": waitset_fd_in_epoll_beside_timerfd, waitset_fd_in_epoll_beside_timerfd_sanitized;
+    /// Busy polling an idle waitset whose fd the program never took makes no
+    /// system call; once it takes the fd, the fd contract holds. With both ends
+    /// of a channel on one waitset, a pass held back by the echo's callback is
+    /// delivered by the next dispatch, not left for a later one.
+    "busy_poll.c": busy_polling_makes_no_system_call_until_the_fd_is_taken;
+    /// Every channel of a waitset gets its turn: an echo whose callbacks
+    /// always send (its passes held back for batching, and published first
+    /// at the next round of polls) does not keep another channel of the
+    /// waitset waiting while it has more to deliver.
+    "poll_turns.c": a_sending_echo_does_not_keep_other_channels_from_their_turn,
+        a_sending_echo_does_not_keep_other_channels_from_their_turn_sanitized;
+    /// Allocator calls racing each other and `bulk_alloc_free` from real
+    /// threads: one of two simultaneous returns of a buffer succeeds, no
+    /// buffer is held twice, and nothing is handed out once the free returned.
+    "alloc_race.c": allocator_calls_race_each_other_and_the_free, allocator_calls_race_each_other_and_the_free_sanitized;
+    /// Every call's error paths, one call each, without side effects.
+    "error_paths.c": error_paths, error_paths_sanitized;
 }
 
 /// When sends reach the peer: a send outside a callback before the call
