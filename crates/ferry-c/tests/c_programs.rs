@@ -780,6 +780,26 @@ fn a_program_runs_under_valgrind() {
         .contains("100 round trips");
 }
 
+/// The installed pkg-config file gives the library's version, so that a
+/// build can ask for one (`pkg-config --atleast-version`, CMake's
+/// `pkg_check_modules(FERRY ferry>=0.1)`).
+#[test]
+fn pkg_config_gives_the_version() {
+    let inst = install();
+    let pkg_config = |args: &[&str]| {
+        Command::new("pkg-config")
+            .args(args)
+            .env("PKG_CONFIG_PATH", inst.prefix.join("lib/pkgconfig"))
+            .output()
+            .expect("run pkg-config")
+    };
+    let v = pkg_config(&["--modversion", "ferry"]);
+    assert!(v.status.success(), "pkg-config --modversion ferry: {}", String::from_utf8_lossy(&v.stderr));
+    assert_eq!(String::from_utf8_lossy(&v.stdout).trim(), env!("CARGO_PKG_VERSION"));
+    assert!(pkg_config(&["--atleast-version", env!("CARGO_PKG_VERSION"), "ferry"]).status.success());
+    assert!(!pkg_config(&["--atleast-version", "999", "ferry"]).status.success(), "a version the library is not");
+}
+
 /// A program links against libferry.a (pkg-config --static for what the Rust
 /// standard library needs) and runs without libferry.so.
 #[test]
