@@ -20,6 +20,8 @@ pub mod api;
 #[cfg(not(loom))]
 mod boundary;
 #[cfg(not(loom))]
+mod closing;
+#[cfg(not(loom))]
 mod cmem;
 #[cfg(not(loom))]
 pub mod codes;

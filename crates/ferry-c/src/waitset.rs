@@ -12,6 +12,7 @@ use ferry::{Buffer, BufferState, Channel, ChannelState, Direction, Event, Meta, 
 use rustix::event::{epoll, eventfd, EventfdFlags};
 
 use crate::boundary::{self, call, ChannelFields};
+use crate::closing::Closing;
 use crate::codes::*;
 use crate::ffi::*;
 use crate::state::{self, Res};
@@ -143,8 +144,9 @@ pub enum Step {
     /// Nothing now, and the waitset is still spinning: look again.
     Spin,
     /// Nothing is due and the channels are armed: wait for `fd`. `live`:
-    /// something can still happen.
-    Idle { fd: i32, live: bool },
+    /// something can still happen. `lingering`: destroyed ends wait for
+    /// their peers (not on `fd`: look again soon).
+    Idle { fd: i32, live: bool, lingering: bool },
     /// Nothing is due, and the channels were not armed: the dispatch does
     /// not sleep and nobody else can wait on the waitset's fd.
     Nothing,
@@ -381,6 +383,8 @@ pub struct Waitset {
     fd_taken: bool,
     /// The pools its calls and events used last.
     pools: PoolCache,
+    /// Destroyed channel ends waiting for their peers' closing markers.
+    closing: Closing,
 }
 
 /// The bytes a callback sees as meta data: the channel's meta size,
@@ -503,6 +507,7 @@ impl Waitset {
             worked: false,
             fd_taken: false,
             pools: PoolCache::default(),
+            closing: Closing::default(),
         })
     }
 
@@ -639,6 +644,9 @@ impl Waitset {
 
     fn next_step_inner(&mut self, spin: &mut SpinClock, sleeps: bool, meta: &mut MetaBuf) -> Step {
         self.release_written();
+        if !self.closing.is_empty() {
+            self.closing.poll();
+        }
         if self.streak >= FAIRNESS {
             if let Some(w) = self.pop() {
                 return Step::Run(w);
@@ -691,7 +699,11 @@ impl Waitset {
                     None => Step::Spin,
                 }
             }
-            Err(_) => Step::Idle { fd: self.epoll.as_raw_fd(), live: !self.selector.is_empty() },
+            Err(_) => Step::Idle {
+                fd: self.epoll.as_raw_fd(),
+                live: !self.selector.is_empty(),
+                lingering: !self.closing.is_empty(),
+            },
         }
     }
 
@@ -952,13 +964,10 @@ impl Waitset {
             }
             Link::Detached(c) => Some(*c),
         };
-        if let Some(mut c) = channel {
-            if c.state() == ChannelState::Connected {
-                let _ = c.teardown();
-                let _ = c.flush();
-            }
-            // Dropping the end closes it: the peer learns of it.
-            drop(c);
+        if let Some(c) = channel {
+            // Torn down, it lingers until the peer's closing marker came:
+            // what the peer sent before it is taken in, not lost.
+            self.closing.add(c);
         }
         // Callbacks queued for it are not run (buffer callbacks are never
         // queued: they run from the poll that found them); the copies

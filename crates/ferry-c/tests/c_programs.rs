@@ -741,6 +741,28 @@ fn sends_are_published_outside_callbacks_at_once_and_from_callbacks_by_destroy_s
     publish(Build::Sanitized);
 }
 
+/// Calls on one channel from three worker threads while two more dispatch
+/// its ends' waitsets, then its destruction in the middle of them: every
+/// move comes back intact, every call returns OK or a typed error, and
+/// once the destroy completed every buffer can be allocated again (what the
+/// peer had sent before it saw the teardown is taken in, not lost).
+fn threads(build: Build) {
+    let exe = compile("threads.c", build);
+    for backend in ["local", "sm", "net"] {
+        run(&exe, &[backend], build, SHORT).success().contains("threads: ok");
+    }
+}
+
+#[test]
+fn calls_from_many_threads_and_a_destroy_among_them_lose_nothing() {
+    threads(Build::Plain);
+}
+
+#[test]
+fn calls_from_many_threads_and_a_destroy_among_them_lose_nothing_sanitized() {
+    threads(Build::Sanitized);
+}
+
 // ---------------------------------------------------------------------------
 // The C benchmark (its numbers are scripts/bench-c's business; here it only
 // has to build warning-free and run each experiment on each backend)

@@ -367,7 +367,9 @@ errval_t bulk_channel_remove_pool(struct bulk_channel *channel,
  * Destroys a channel end in any state after create/bind: its peer gets
  * teardown_received. Returns BULK_OK; `cont` runs from dispatch. The
  * continuations of calls on the channel that had not completed run first,
- * with BULK_ERR_CHANNEL_DESTROYED.
+ * with BULK_ERR_CHANNEL_DESTROYED. What the peer sent before it saw the
+ * teardown (buffers passed back, moves) is taken back into the pools by the
+ * waitset's dispatch until the peer's end has closed too (at most 2 s).
  */
 errval_t bulk_channel_destroy(struct bulk_channel *channel,
                               struct bulk_continuation cont);
