@@ -134,8 +134,14 @@ impl Domain {
     /// recently freed first, so its cache lines and TLB entries are warm).
     pub fn alloc(&self, pool: PoolId) -> Option<Buffer> {
         let mut st = self.shared.lock_settled();
+        let index = match st.pools.get_mut(&pool)?.pop_free() {
+            Some(index) => index,
+            // Empty: buffers lent to a process that has exited since its
+            // channel closed come back first.
+            None if self.shared.reclaim_from_exited(&mut st) => st.pools.get_mut(&pool)?.pop_free()?,
+            None => return None,
+        };
         let entry = st.pools.get_mut(&pool)?;
-        let index = entry.pop_free()?;
         let (domain, view) = entry.spare_refs(&self.shared);
         drop(st);
         Some(Buffer::new(domain, view, index))
@@ -155,7 +161,15 @@ impl Domain {
                 }
             }
         }
-        let entry = st.pools.get_mut(&best?.0)?;
+        let Some((best, _)) = best else {
+            // Empty: what exited processes held may come back (see `alloc`).
+            if self.shared.reclaim_from_exited(&mut st) {
+                drop(st);
+                return self.alloc_latest(pools);
+            }
+            return None;
+        };
+        let entry = st.pools.get_mut(&best)?;
         let index = entry.pop_free()?;
         let (domain, view) = entry.spare_refs(&self.shared);
         drop(st);
@@ -214,6 +228,19 @@ impl DomainShared {
         // A panic while holding the lock leaves consistent data (every
         // transition is a few field updates), so poisoning is ignored.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// [`DomainState::reclaim_from_exited`] under the lock `st` of this
+    /// domain, flagging what it left pending (read-only buffers waiting for
+    /// copies); true if a process was found gone.
+    pub(crate) fn reclaim_from_exited(&self, st: &mut DomainState) -> bool {
+        if !st.reclaim_from_exited() {
+            return false;
+        }
+        if !st.nothing_pending() {
+            self.has_deferred.store(true, Ordering::Release);
+        }
+        true
     }
 
     /// The lock, after unpinning the buffers whose copies are all back
@@ -519,6 +546,10 @@ pub(crate) struct DomainState {
     /// Closed channels of which we still hold copies, and whether their
     /// peer was another process: a copy dropped now is released here.
     orphan_chans: Vec<(ChanKey, bool)>,
+    /// Closed channels' lendings to peer processes that still held them:
+    /// they come back if the process exits (see
+    /// [`DomainState::reclaim_from_exited`]).
+    watches: Vec<LendingWatch>,
     /// Counts buffers put on free lists (see [`BufRecord::freed_at`]).
     free_clock: u64,
 }
@@ -699,6 +730,58 @@ impl DomainState {
         let Some(e) = self.pools.get(&id.pool) else { return false };
         let rec = &e.records[id.index as usize];
         !rec.owned && rec.lent_on == Some((chan, e.view.memory().departures(id.index)))
+    }
+
+    /// The peer process of `chan` is gone: what it still held of `lent`
+    /// is ours again (to the free list, read-only while copies it may have
+    /// made are out), and the copies it held are void. What it passed on
+    /// stays where it went (the pool's ledger says so).
+    pub(crate) fn reclaim_lent(&mut self, chan: ChanKey, lent: LentSet) {
+        for id in lent {
+            if self.still_lent(id, chan) {
+                self.take_ownership(id);
+                self.pin_if_copies_out(id);
+                self.free(id);
+            }
+        }
+        self.void_copies_out(chan);
+    }
+
+    /// Keeps watching the peer process of the closed channel `chan` for
+    /// what it still holds of `lent` (see [`LendingWatch`]).
+    /// Watches that no longer wait for anything (what they lent came back
+    /// another way, or its pool left the domain) go, with their pidfds.
+    pub(crate) fn watch_lending(&mut self, chan: ChanKey, peer: std::os::fd::OwnedFd, lent: LentSet) {
+        let mut watches = std::mem::take(&mut self.watches);
+        watches.retain(|w| w.lent.iter().any(|id| self.still_lent(id, w.chan)));
+        if lent.iter().any(|id| self.still_lent(id, chan)) {
+            watches.push(LendingWatch { chan, peer, lent });
+        }
+        self.watches = watches;
+    }
+
+    /// Takes back what closed channels had lent to processes that have
+    /// exited since; true if a process was found gone. One `poll` of the
+    /// watched processes' pidfds: for the calls that found a pool empty,
+    /// not for every allocation.
+    pub(crate) fn reclaim_from_exited(&mut self) -> bool {
+        if self.watches.is_empty() {
+            return false;
+        }
+        let exited = {
+            use std::os::fd::AsFd;
+            let fds: Vec<_> = self.watches.iter().map(|w| w.peer.as_fd()).collect();
+            crate::wake::readable_now(&fds).unwrap_or_default()
+        };
+        let mut exited = exited.into_iter();
+        let (gone, live): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.watches).into_iter().partition(|_| exited.next().unwrap_or(false));
+        self.watches = live;
+        let found = !gone.is_empty();
+        for w in gone {
+            self.reclaim_lent(w.chan, w.lent);
+        }
+        found
     }
 
     /// A buffer arrived on `chan` (moved or passed): it is ours. False,
@@ -1048,6 +1131,17 @@ impl DomainState {
     }
 }
 
+/// What a closed channel end had lent to another process and not got back,
+/// with a handle on that process (a pidfd, readable once it has exited).
+/// After an orderly close the peer owns those buffers (it may still use
+/// them, in memory we share); once its process is gone, nobody does, and
+/// they come back as from a peer that died with the channel open.
+pub(crate) struct LendingWatch {
+    chan: ChanKey,
+    peer: std::os::fd::OwnedFd,
+    lent: LentSet,
+}
+
 /// Buffers one channel end has moved or passed to a peer that can die, not
 /// back yet: per pool, one bit per buffer. Insert and remove are a bit
 /// operation after a scan of the (few) pools; the `HashSet<BufferId>` it
@@ -1115,6 +1209,23 @@ impl LentSet {
 }
 
 impl LentSet {
+    /// The buffers in it.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = BufferId> + '_ {
+        self.pools.iter().flat_map(|&(pool, ref words)| {
+            words.iter().enumerate().flat_map(move |(w, &word)| {
+                let mut bits = word;
+                std::iter::from_fn(move || {
+                    if bits == 0 {
+                        return None;
+                    }
+                    let b = bits.trailing_zeros();
+                    bits &= bits - 1;
+                    Some(BufferId { pool, index: w as u32 * 64 + b })
+                })
+            })
+        })
+    }
+
     /// The channel end no longer relates to `pool`: forget its buffers if
     /// `all`, else if none of them is lent (an empty entry would only grow
     /// the set, pool after pool).
@@ -1129,17 +1240,7 @@ impl IntoIterator for LentSet {
     type IntoIter = std::vec::IntoIter<BufferId>;
 
     fn into_iter(self) -> Self::IntoIter {
-        let mut ids = Vec::new();
-        for (pool, words) in self.pools {
-            for (w, mut bits) in words.into_iter().enumerate() {
-                while bits != 0 {
-                    let b = bits.trailing_zeros();
-                    bits &= bits - 1;
-                    ids.push(BufferId { pool, index: w as u32 * 64 + b });
-                }
-            }
-        }
-        ids.into_iter()
+        self.iter().collect::<Vec<_>>().into_iter()
     }
 }
 

@@ -216,6 +216,19 @@ pub(crate) fn wait_readable(fds: &[BorrowedFd<'_>], timeout: Option<Duration>) -
     }
 }
 
+/// Which of `fds` are readable or hung up now (one `poll`, no wait).
+pub(crate) fn readable_now(fds: &[BorrowedFd<'_>]) -> io::Result<Vec<bool>> {
+    let mut pfds: Vec<PollFd<'_>> = fds.iter().map(|fd| PollFd::from_borrowed_fd(*fd, PollFlags::IN)).collect();
+    let zero = timespec(Duration::ZERO);
+    loop {
+        match rustix::event::poll(&mut pfds, Some(&zero)) {
+            Ok(_) => return Ok(pfds.iter().map(|p| !p.revents().is_empty()).collect()),
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

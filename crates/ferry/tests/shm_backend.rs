@@ -59,8 +59,10 @@ fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
 /// The peer side. Roles: `echo` (verify every moved buffer, pass it back,
 /// hold read-only copies until the teardown), `echo-batched` (the same with
 /// batching on), `hold` (take everything, give nothing back, then wait to
-/// be killed), `write-back` (write the sequence number + 1 into each buffer
-/// before passing it back).
+/// be killed), `hold-past-close` (take everything, answer the teardown,
+/// keep the buffers until its standard input closes, then exit),
+/// `write-back` (write the sequence number + 1 into each buffer before
+/// passing it back).
 #[test]
 #[ignore = "run as a child process by the other tests"]
 fn shm_child() {
@@ -85,7 +87,7 @@ fn shm_child() {
                 let seq = u64::from_le_bytes(meta[..8].try_into().unwrap());
                 assert!(check(&buffer, seq), "child: buffer {seq} arrived corrupted");
                 match role.as_str() {
-                    "hold" => kept.push(buffer),
+                    "hold" | "hold-past-close" => kept.push(buffer),
                     "write-back" => {
                         fill(buffer.as_mut_slice().unwrap(), seq + 1);
                         ch.pass(buffer, &meta).unwrap();
@@ -102,6 +104,11 @@ fn shm_child() {
             Ok(Event::Error(e)) => panic!("child: {e}"),
             Ok(ev) => panic!("child: unexpected {ev:?}"),
         }
+    }
+    if role == "hold-past-close" {
+        // The channel is closed; the buffers are still ours until we go.
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
+        std::process::exit(0);
     }
     drop(held);
     drop(kept);
@@ -256,6 +263,49 @@ fn killed_peer_gives_buffers_back() {
         assert_eq!(d.buffer_state(owned.id()), BufferState::ReadWrite, "the dead peer's copy is void");
         owned.as_mut_slice().unwrap()[0] = 1;
     }
+}
+
+/// A peer that still holds moved buffers when the channel closes in order
+/// keeps them while its process lives (they are its own, in memory we
+/// share), and they come back once it has exited: a closed channel does not
+/// lose what it lent.
+#[test]
+fn buffers_a_peer_held_past_an_orderly_close_come_back_when_it_exits() {
+    let d = Domain::new("parent");
+    let name = unique("hold-past-close");
+    let setup = ChannelSetup { direction: Direction::Tx, role: Role::Master, ..ChannelSetup::default() };
+    let mut ch = Channel::create(&d, &Endpoint::shm_abstract(&name), setup).expect("create");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "shm_child", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("FERRY_SHM_ROLE", "hold-past-close")
+        .env("FERRY_SHM_EP", &name)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn child");
+    assert!(matches!(ch.wait(Some(T)), Ok(Event::BindRequest { .. })));
+    let alloc = Allocator::new(&d, 8, SIZE, PoolConstraints::default()).unwrap();
+    assign(&mut ch, &alloc);
+    for seq in 0..5u64 {
+        let mut b = alloc.alloc().unwrap();
+        fill(b.as_mut_slice().unwrap(), seq);
+        ch.move_buffer(b, &seq.to_le_bytes()).unwrap();
+    }
+    ch.teardown().unwrap();
+    assert!(matches!(ch.wait(Some(T)), Ok(Event::Closed { by_peer: false })));
+    drop(ch);
+    // The peer lives and holds five: three can be allocated, and they are
+    // taken, so that the next allocation finds the pool empty and looks.
+    let three: Vec<_> = (0..3).map_while(|_| alloc.alloc()).collect();
+    assert_eq!(three.len(), 3);
+    assert!(alloc.alloc().is_none(), "a buffer the live peer still holds came back");
+    assert!(child.try_wait().unwrap().is_none(), "the peer exited before the check");
+    drop(child.stdin.take());
+    assert!(wait_exit(&mut child).success());
+    let five: Vec<_> = (0..5).map_while(|_| alloc.alloc()).collect();
+    assert_eq!(five.len(), 5, "the buffers the peer held did not come back after it exited");
+    drop((three, five));
+    assert_eq!(alloc.available(), 8);
 }
 
 /// Endpoint errors: nobody listening, two creators.

@@ -180,6 +180,12 @@ pub(crate) trait Link: Send {
     fn peer_died(&mut self) -> bool {
         false
     }
+    /// A handle on the peer process that polls readable once it has exited
+    /// (a pidfd), for a lender that keeps watching it after the channel
+    /// closed; `None` where the backend cannot tell.
+    fn peer_process(&self) -> Option<std::os::fd::OwnedFd> {
+        None
+    }
 }
 
 /// Counters of one network channel end: what crossed, in how many system

@@ -847,6 +847,14 @@ impl Link for ShmLink {
         true
     }
 
+    fn peer_process(&self) -> Option<OwnedFd> {
+        // A peer in this very process does not exit before we do.
+        if self.conn.peer_pid().ok()? == rustix::process::getpid() {
+            return None;
+        }
+        self.peer_pidfd.as_ref()?.try_clone().ok()
+    }
+
     fn peer_died(&mut self) -> bool {
         let Some(pidfd) = &self.peer_pidfd else { return false };
         // A pidfd polls readable once the process has exited.

@@ -76,6 +76,12 @@ impl Channel {
             link.unregister(&self.wake);
         }
         let cross = self.link.as_ref().is_some_and(|l| l.peer_can_die());
+        // What the peer process still holds of what we lent it is its own
+        // now; it comes back if that process exits (see `LendingWatch`).
+        let watch = match (self.lent.take(), self.link.as_ref().and_then(|l| l.peer_process())) {
+            (Some(lent), Some(peer)) => Some((peer, lent)),
+            _ => None,
+        };
         let related: Vec<PoolId> =
             self.pools.drain(..).map(|p| p.id).chain(self.requests.drain(..).map(|r| r.pool)).collect();
         // A closed end keeps nothing of its pools (it may live on unused).
@@ -86,6 +92,9 @@ impl Channel {
         }
         self.spares = Spares::default();
         let mut st = self.domain.lock();
+        if let Some((peer, lent)) = watch {
+            st.watch_lending(self.key, peer, lent);
+        }
         st.forget_channel(self.key, cross);
         for &pool in &related {
             if let Some(e) = st.entry_mut(pool) {
@@ -104,14 +113,7 @@ impl Channel {
     /// passed on to a third process stays there (the pool's ledger says so).
     pub(super) fn reclaim_from_dead_peer(&mut self) {
         let mut st = self.domain.lock();
-        for id in self.lent.take().unwrap_or_default() {
-            if st.still_lent(id, self.key) {
-                st.take_ownership(id);
-                st.pin_if_copies_out(id);
-                st.free(id);
-            }
-        }
-        st.void_copies_out(self.key);
+        st.reclaim_lent(self.key, self.lent.take().unwrap_or_default());
         if !st.nothing_pending() {
             self.domain.shared.has_deferred.store(true, Ordering::Release);
         }
