@@ -134,14 +134,19 @@ impl Domain {
     /// recently freed first, so its cache lines and TLB entries are warm).
     pub fn alloc(&self, pool: PoolId) -> Option<Buffer> {
         let mut st = self.shared.lock_settled();
-        let index = match st.pools.get_mut(&pool)?.pop_free() {
-            Some(index) => index,
-            // Empty: buffers lent to a process that has exited since its
-            // channel closed come back first.
-            None if self.shared.reclaim_from_exited(&mut st) => st.pools.get_mut(&pool)?.pop_free()?,
-            None => return None,
-        };
         let entry = st.pools.get_mut(&pool)?;
+        if let Some(index) = entry.pop_free() {
+            let (domain, view) = entry.spare_refs(&self.shared);
+            drop(st);
+            return Some(Buffer::new(domain, view, index));
+        }
+        // Empty: what a process that has exited since its channel closed
+        // still held comes back first.
+        if !self.shared.reclaim_from_exited(&mut st) {
+            return None;
+        }
+        let entry = st.pools.get_mut(&pool)?;
+        let index = entry.pop_free()?;
         let (domain, view) = entry.spare_refs(&self.shared);
         drop(st);
         Some(Buffer::new(domain, view, index))
@@ -1250,6 +1255,7 @@ impl IntoIterator for LentSet {
 /// each per buffer; the domain's only while a pool handle lives, see
 /// `PoolEntry::spare_domains`). If nothing else of the domain refers to
 /// the pool, the pool leaves the list.
+#[inline]
 pub(crate) fn buffer_dropped(domain: Arc<DomainShared>, id: BufferId, view: Arc<PoolView>) {
     // SAFETY: `shared` points at the domain `domain` keeps alive until it
     // is moved into the domain's own state below, under the lock. From
