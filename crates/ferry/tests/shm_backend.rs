@@ -29,6 +29,8 @@ fn spawn_child(role: &str, name: &str) -> Child {
         .args(["--exact", "shm_child", "--ignored", "--nocapture", "--test-threads=1"])
         .env("FERRY_SHM_ROLE", role)
         .env("FERRY_SHM_EP", name)
+        // The `hold-past-close` child exits once this closes.
+        .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
         .expect("spawn child")
@@ -50,6 +52,16 @@ fn start(domain: &Domain, role: &str, trust: TrustLevel) -> (Channel, Child) {
 fn assign(ch: &mut Channel, alloc: &Allocator) {
     ch.assign_pool(alloc.pool()).unwrap();
     assert!(matches!(ch.wait(Some(T)), Ok(Event::PoolAssigned(_))));
+}
+
+/// Moves `n` buffers of `alloc`, each filled with the pattern of its
+/// sequence number (0, 1, …), which goes as its meta data.
+fn move_filled(ch: &mut Channel, alloc: &Allocator, n: u64) {
+    for seq in 0..n {
+        let mut b = alloc.alloc().unwrap();
+        fill(b.as_mut_slice().unwrap(), seq);
+        ch.move_buffer(b, &seq.to_le_bytes()).unwrap();
+    }
 }
 
 fn wait_exit(child: &mut Child) -> std::process::ExitStatus {
@@ -232,11 +244,7 @@ fn killed_peer_gives_buffers_back() {
         let (mut ch, mut child) = start(&d, "hold", TrustLevel::Full);
         let alloc = Allocator::new(&d, 8, SIZE, PoolConstraints::default()).unwrap();
         assign(&mut ch, &alloc);
-        for seq in 0..5u64 {
-            let mut b = alloc.alloc().unwrap();
-            fill(b.as_mut_slice().unwrap(), seq);
-            ch.move_buffer(b, &seq.to_le_bytes()).unwrap();
-        }
+        move_filled(&mut ch, &alloc, 5);
         let mut owned = alloc.alloc().unwrap();
         fill(owned.as_mut_slice().unwrap(), 99);
         ch.copy(&owned, &99u64.to_le_bytes()).unwrap();
@@ -272,25 +280,10 @@ fn killed_peer_gives_buffers_back() {
 #[test]
 fn buffers_a_peer_held_past_an_orderly_close_come_back_when_it_exits() {
     let d = Domain::new("parent");
-    let name = unique("hold-past-close");
-    let setup = ChannelSetup { direction: Direction::Tx, role: Role::Master, ..ChannelSetup::default() };
-    let mut ch = Channel::create(&d, &Endpoint::shm_abstract(&name), setup).expect("create");
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "shm_child", "--ignored", "--nocapture", "--test-threads=1"])
-        .env("FERRY_SHM_ROLE", "hold-past-close")
-        .env("FERRY_SHM_EP", &name)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("spawn child");
-    assert!(matches!(ch.wait(Some(T)), Ok(Event::BindRequest { .. })));
+    let (mut ch, mut child) = start(&d, "hold-past-close", TrustLevel::Full);
     let alloc = Allocator::new(&d, 8, SIZE, PoolConstraints::default()).unwrap();
     assign(&mut ch, &alloc);
-    for seq in 0..5u64 {
-        let mut b = alloc.alloc().unwrap();
-        fill(b.as_mut_slice().unwrap(), seq);
-        ch.move_buffer(b, &seq.to_le_bytes()).unwrap();
-    }
+    move_filled(&mut ch, &alloc, 5);
     ch.teardown().unwrap();
     assert!(matches!(ch.wait(Some(T)), Ok(Event::Closed { by_peer: false })));
     drop(ch);
