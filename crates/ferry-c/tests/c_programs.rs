@@ -715,6 +715,12 @@ one_process_tests! {
     "alloc_race.c": allocator_calls_race_each_other_and_the_free, allocator_calls_race_each_other_and_the_free_sanitized;
     /// Every call's error paths, one call each, without side effects.
     "error_paths.c": error_paths, error_paths_sanitized;
+    /// A sink process destroys its channel in the middle of a stream and
+    /// exits holding buffers (it forks the sink itself): the source's moves
+    /// are refused cleanly, and once the sink has exited every buffer of the
+    /// pool can be allocated again.
+    "sink_leaves.c": a_sink_that_leaves_mid_stream_holding_buffers_gives_them_all_back,
+        a_sink_that_leaves_mid_stream_holding_buffers_gives_them_all_back_sanitized;
 }
 
 /// When sends reach the peer: a send outside a callback before the call
