@@ -831,6 +831,22 @@ fn killed_domain_gives_back_to_the_last_lender() {
     assert_eq!((stats.reclaimed, stats.reallocated), (1, 1), "{stats:?}");
 }
 
+/// d0 moves B0 to d1 and tears their channel down (both ends close in
+/// order); d1 is killed still owning B0: it is d0's again, not in the
+/// state right after the kill but once d0 finds the pool empty and looks
+/// for buffers held by processes that have exited since.
+#[test]
+fn killed_domain_gives_back_what_it_held_past_an_orderly_close() {
+    let mut ops = pool0_on_0_and_1();
+    ops.extend([
+        Op::Move { domain: 0, chan: 0, buf: B0, meta_len: 0 },
+        Op::Deliver { chan: 0, queue: Queue::Data },
+        Op::Teardown { domain: 0, chan: 0 },
+    ]);
+    let stats = scripted_kill("past-close", &ops, 1);
+    assert_eq!((stats.reclaimed_after_close, stats.reallocated), (1, 1), "{stats:?}");
+}
+
 /// d0 lends d1 a copy of B0, d1 forwards it to d2, d1 is killed: d2 still
 /// reads its copy, so B0 stays read-only at d0 (the pool's ledger counts
 /// copies sent between processes). Once d2 drops the copy (released in d2,

@@ -12,10 +12,12 @@
 //!   gave it to the dead domain, if that end was still open: owned there
 //!   again, read-write unless copies of it are held by survivors, and then
 //!   on its free list (`Domain::alloc` hands it out, writable); a buffer
-//!   it got over a channel closed since is lost with it, and so is one
-//!   whose pool leaves the survivor because nothing there refers to it any
-//!   more (SEMANTICS.md, "When a pool goes away": a pool received from the
-//!   dead domain over that end only);
+//!   it got over a channel closed since comes back to the same survivor,
+//!   but only when an allocation there finds the pool empty (the check
+//!   drains each pool, so it sees it); one whose pool leaves the survivor
+//!   because nothing there refers to it any more is lost with the dead
+//!   domain (SEMANTICS.md, "When a pool goes away": a pool received from
+//!   the dead domain over that end only);
 //! * every other buffer keeps its owner; copies the dead domain held are
 //!   void (their owner may write again when no survivor holds one); copies
 //!   survivors hold stay held.
@@ -44,7 +46,12 @@ pub struct KillStats {
     pub slowest_notice_ms: u32,
     /// Buffers the dead domain owned that came back to their lender.
     pub reclaimed: usize,
-    /// Of those, handed out again by `Domain::alloc` (and written).
+    /// Buffers the dead domain owned that came back to a lender whose
+    /// channel to it had closed before the kill (on that lender's next
+    /// allocation from an empty pool).
+    pub reclaimed_after_close: usize,
+    /// Of all that came back, handed out again by `Domain::alloc` (and
+    /// written).
     pub reallocated: usize,
     /// Buffers the dead domain owned that were lost with it.
     pub lost: usize,
@@ -182,7 +189,24 @@ pub fn kill_and_check(run: &mut Run, k: DomainId, stats: &mut KillStats) -> Resu
                 }
             }
         }
-        match (o == k, ideal_owner, h.lender.contains_key(&b)) {
+        // A buffer the dead domain got over a channel its lender has closed
+        // since comes back to that lender as well, but later: when an
+        // allocation there finds the pool empty (SEMANTICS.md, "Failure is
+        // death"). The query above does not see it; `AllocFree` below, which
+        // drains the pool, does, unless copies of it are still out.
+        let late_owner = match h.lender.get(&b) {
+            Some(&(l, c)) if o == k && ideal_owner.is_none() && l != k && !open(c, l) && keeps(l, b.pool) => Some(l),
+            _ => None,
+        };
+        if let Some(l) = late_owner {
+            if remaining == 0 {
+                freed.entry((l, b.pool)).or_default().insert(b.index as u32);
+            } else {
+                stats.pinned += 1;
+            }
+        }
+        match (o == k, ideal_owner.or(late_owner), h.lender.contains_key(&b)) {
+            (true, Some(_), _) if late_owner.is_some() => stats.reclaimed_after_close += 1,
             (true, Some(_), _) => stats.reclaimed += 1,
             (true, None, true) => stats.lost += 1,
             _ => {}
