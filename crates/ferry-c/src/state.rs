@@ -251,10 +251,6 @@ fn remember_waitset(key: usize) -> Res<WsRef> {
     Ok(ws)
 }
 
-/// How long a sleeping dispatch waits before it looks at destroyed channel
-/// ends that wait for their peers (see `crate::closing`).
-const LINGER_LOOK: Duration = Duration::from_millis(1);
-
 /// [`dispatch`] on a waitset found.
 fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
     // Read the clock only once there is nothing to do at once.
@@ -287,7 +283,7 @@ fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
             }
             Step::Spin => std::hint::spin_loop(),
             Step::Nothing => return Err(ERR_TIMEOUT),
-            Step::Idle { fd, live, lingering } => {
+            Step::Idle { fd, live } => {
                 // A timeout too long to represent is no limit.
                 let deadline = *deadline.get_or_insert_with(|| timeout.and_then(|t| Instant::now().checked_add(t)));
                 let left = match deadline {
@@ -301,9 +297,6 @@ fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
                         Some(left)
                     }
                 };
-                // Destroyed ends that wait for their peers are polled, not
-                // armed: look at them again soon.
-                let left = if lingering { Some(left.map_or(LINGER_LOOK, |l| l.min(LINGER_LOOK))) } else { left };
                 call::poll_readable(fd, left);
             }
         }

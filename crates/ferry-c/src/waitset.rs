@@ -143,10 +143,10 @@ pub enum Step {
     Buffer(BufferCall),
     /// Nothing now, and the waitset is still spinning: look again.
     Spin,
-    /// Nothing is due and the channels are armed: wait for `fd`. `live`:
-    /// something can still happen. `lingering`: destroyed ends wait for
-    /// their peers (not on `fd`: look again soon).
-    Idle { fd: i32, live: bool, lingering: bool },
+    /// Nothing is due and the channels (destroyed ends that wait for their
+    /// peers too) are armed: wait for `fd`. `live`: something can still
+    /// happen.
+    Idle { fd: i32, live: bool },
     /// Nothing is due, and the channels were not armed: the dispatch does
     /// not sleep and nobody else can wait on the waitset's fd.
     Nothing,
@@ -352,7 +352,7 @@ pub struct Waitset {
     order: Vec<Polled>,
     /// The channel ends.
     chans: Chans,
-    /// The program's fd: the selector's fd and `bell`.
+    /// The program's fd: the selector's fd, `bell` and `closing`'s fd.
     epoll: OwnedFd,
     /// Readable while `pending` has work (or a new channel wants a poll).
     bell: OwnedFd,
@@ -488,6 +488,8 @@ impl Waitset {
         let bell = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(no_fd)?;
         epoll::add(&ep, selector.as_fd(), epoll::EventData::new_u64(0), epoll::EventFlags::IN).map_err(no_fd)?;
         epoll::add(&ep, &bell, epoll::EventData::new_u64(1), epoll::EventFlags::IN).map_err(no_fd)?;
+        let closing = Closing::new().map_err(no_fd)?;
+        epoll::add(&ep, closing.as_fd(), epoll::EventData::new_u64(2), epoll::EventFlags::IN).map_err(no_fd)?;
         Ok(Waitset {
             selector,
             keys: IdMap::default(),
@@ -507,7 +509,7 @@ impl Waitset {
             worked: false,
             fd_taken: false,
             pools: PoolCache::default(),
-            closing: Closing::default(),
+            closing,
         })
     }
 
@@ -699,11 +701,9 @@ impl Waitset {
                     None => Step::Spin,
                 }
             }
-            Err(_) => Step::Idle {
-                fd: self.epoll.as_raw_fd(),
-                live: !self.selector.is_empty(),
-                lingering: !self.closing.is_empty(),
-            },
+            // A destroyed end that has something already: take it in first.
+            Err(_) if !self.closing.is_empty() && !self.closing.arm() => Step::Spin,
+            Err(_) => Step::Idle { fd: self.epoll.as_raw_fd(), live: !self.selector.is_empty() },
         }
     }
 

@@ -769,6 +769,27 @@ fn calls_from_many_threads_and_a_destroy_among_them_lose_nothing_sanitized() {
     threads(Build::Sanitized);
 }
 
+/// A destroyed end whose peer passes buffers back before it saw the
+/// teardown, in a program that dispatches only when `bulk_waitset_fd` is
+/// readable: the fd wakes for the passes and for the peer's closing, every
+/// buffer comes back, and the fd is quiet after.
+fn linger_epoll(build: Build) {
+    let exe = compile("linger_epoll.c", build);
+    for backend in ["local", "sm", "net"] {
+        run(&exe, &[backend], build, SHORT).success().contains("linger_epoll: ok");
+    }
+}
+
+#[test]
+fn a_destroyed_end_wakes_the_program_s_loop_for_what_its_peer_sends() {
+    linger_epoll(Build::Plain);
+}
+
+#[test]
+fn a_destroyed_end_wakes_the_program_s_loop_for_what_its_peer_sends_sanitized() {
+    linger_epoll(Build::Sanitized);
+}
+
 // ---------------------------------------------------------------------------
 // The C benchmark (its numbers are scripts/bench-c's business; here it only
 // has to build warning-free and run each experiment on each backend)
