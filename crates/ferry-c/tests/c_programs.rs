@@ -753,9 +753,15 @@ fn sends_are_published_outside_callbacks_at_once_and_from_callbacks_by_destroy_s
 /// once the destroy completed every buffer can be allocated again (what the
 /// peer had sent before it saw the teardown is taken in, not lost).
 fn threads(build: Build) {
-    let exe = compile("threads.c", build);
+    on_each_backend("threads", build);
+}
+
+/// Runs the program `name`.c once per backend (its argument `local`, `sm`
+/// or `net`, see `c/pair.h`); each run must end with "`name`: ok".
+fn on_each_backend(name: &str, build: Build) {
+    let exe = compile(&format!("{name}.c"), build);
     for backend in ["local", "sm", "net"] {
-        run(&exe, &[backend], build, SHORT).success().contains("threads: ok");
+        run(&exe, &[backend], build, SHORT).success().contains(&format!("{name}: ok"));
     }
 }
 
@@ -774,10 +780,7 @@ fn calls_from_many_threads_and_a_destroy_among_them_lose_nothing_sanitized() {
 /// readable: the fd wakes for the passes and for the peer's closing, every
 /// buffer comes back, and the fd is quiet after.
 fn linger_epoll(build: Build) {
-    let exe = compile("linger_epoll.c", build);
-    for backend in ["local", "sm", "net"] {
-        run(&exe, &[backend], build, SHORT).success().contains("linger_epoll: ok");
-    }
+    on_each_backend("linger_epoll", build);
 }
 
 #[test]

@@ -21,12 +21,9 @@
  * Ends with "linger_epoll: ok"; under the sanitizers nothing leaks.
  */
 #define _GNU_SOURCE
-#include "common.h"
+#include "pair.h"
 
 #include <bulk_transfer/bulk_allocator.h>
-#include <bulk_transfer/bulk_local.h>
-#include <bulk_transfer/bulk_net.h>
-#include <bulk_transfer/bulk_sm.h>
 
 #include <errno.h>
 #include <sys/epoll.h>
@@ -100,11 +97,7 @@ static unsigned allocatable(void)
 
 int main(int argc, char **argv)
 {
-    int sm = argc == 2 && strcmp(argv[1], "sm") == 0, net = argc == 2 && strcmp(argv[1], "net") == 0;
-    if (argc != 2 || (!sm && !net && strcmp(argv[1], "local") != 0)) {
-        fprintf(stderr, "usage: %s local|sm|net\n", argv[0]);
-        return 2;
-    }
+    enum pair_kind kind = pair_kind_of(argc, argv);
     EXPECT_OK(bulk_waitset_create(&source_ws));
     EXPECT_OK(bulk_waitset_create(&echo_ws));
     static struct bulk_channel_callbacks source_cbs = { .bind_received = source_bind_received };
@@ -120,29 +113,8 @@ int main(int argc, char **argv)
         .waitset = source_ws,
     };
     struct bulk_channel_bind_params params = { .role = BULK_ROLE_GENERIC, .trust = BULK_TRUST_FULL, .waitset = echo_ws };
-    struct bulk_local_endpoint lep, lremote;
-    struct bulk_sm_endpoint_descriptor sep, sremote;
-    struct bulk_net_endpoint_descriptor nep, nremote;
-    char path[108];
-    snprintf(path, sizeof path, "/tmp/ferry-c-linger-epoll-%d.sock", (int)getpid());
-    if (sm) {
-        EXPECT_OK(bulk_sm_ep_create(&sep, path));
-        EXPECT_OK(bulk_sm_ep_create_remote(&sremote, path));
-        EXPECT_OK(bulk_channel_create(&source, &sep.ep_generic, &source_cbs, &setup));
-        EXPECT_OK(bulk_channel_bind(&echo, &sremote.ep_generic, &echo_cbs, &params, BULK_CONT_NOP));
-    } else if (net) {
-        struct bulk_net_ep_setup listen = { .ip = "127.0.0.1", .port = 0 };
-        EXPECT_OK(bulk_net_ep_create(&nep, &listen));
-        EXPECT_OK(bulk_channel_create(&source, &nep.ep_generic, &source_cbs, &setup));
-        struct bulk_net_ep_setup connect = { .ip = "127.0.0.1", .port = bulk_net_ep_port(&nep) };
-        EXPECT_OK(bulk_net_ep_create_remote(&nremote, &connect));
-        EXPECT_OK(bulk_channel_bind(&echo, &nremote.ep_generic, &echo_cbs, &params, BULK_CONT_NOP));
-    } else {
-        bulk_local_init_endpoint(&lep, NULL);
-        EXPECT_OK(bulk_channel_create(&source, &lep.generic, &source_cbs, &setup));
-        bulk_local_init_endpoint(&lremote, &source);
-        EXPECT_OK(bulk_channel_bind(&echo, &lremote.generic, &echo_cbs, &params, BULK_CONT_NOP));
-    }
+    struct pair_endpoints eps;
+    pair_connect(&eps, kind, "linger-epoll", &source, &source_cbs, &setup, &echo, &echo_cbs, &params, BULK_CONT_NOP);
 
     /* The source's fd in the program's own epoll set. */
     epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -212,13 +184,7 @@ int main(int argc, char **argv)
     close(epfd);
     EXPECT_OK(bulk_waitset_destroy(source_ws));
     EXPECT_OK(bulk_waitset_destroy(echo_ws));
-    if (sm) {
-        EXPECT_OK(bulk_sm_ep_destroy(&sep));
-        EXPECT_OK(bulk_sm_ep_destroy(&sremote));
-    } else if (net) {
-        EXPECT_OK(bulk_net_ep_destroy(&nep));
-        EXPECT_OK(bulk_net_ep_destroy(&nremote));
-    }
+    pair_destroy_endpoints(&eps);
     printf("linger_epoll: ok (%s)\n", argv[1]);
     return 0;
 }

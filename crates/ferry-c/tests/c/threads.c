@@ -27,12 +27,9 @@
  * Ends with "threads: ok"; under the sanitizers nothing leaks.
  */
 #define _GNU_SOURCE
-#include "common.h"
+#include "pair.h"
 
 #include <bulk_transfer/bulk_allocator.h>
-#include <bulk_transfer/bulk_local.h>
-#include <bulk_transfer/bulk_net.h>
-#include <bulk_transfer/bulk_sm.h>
 
 #include <pthread.h>
 #include <sched.h>
@@ -301,11 +298,7 @@ static void join(pthread_t *t, int n)
 
 int main(int argc, char **argv)
 {
-    int sm = argc == 2 && strcmp(argv[1], "sm") == 0, net = argc == 2 && strcmp(argv[1], "net") == 0;
-    if (argc != 2 || (!sm && !net && strcmp(argv[1], "local") != 0)) {
-        fprintf(stderr, "usage: %s local|sm|net\n", argv[0]);
-        return 2;
-    }
+    enum pair_kind kind = pair_kind_of(argc, argv);
     EXPECT_OK(bulk_waitset_create(&source_ws));
     EXPECT_OK(bulk_waitset_create(&echo_ws));
     struct bulk_channel_setup setup = {
@@ -316,29 +309,9 @@ int main(int argc, char **argv)
         .waitset = source_ws,
     };
     struct bulk_channel_bind_params params = { .role = BULK_ROLE_GENERIC, .trust = BULK_TRUST_FULL, .waitset = echo_ws };
-    struct bulk_local_endpoint lep, lremote;
-    struct bulk_sm_endpoint_descriptor sep, sremote;
-    struct bulk_net_endpoint_descriptor nep, nremote;
-    char path[108];
-    snprintf(path, sizeof path, "/tmp/ferry-c-threads-%d.sock", (int)getpid());
-    if (sm) {
-        EXPECT_OK(bulk_sm_ep_create(&sep, path));
-        EXPECT_OK(bulk_sm_ep_create_remote(&sremote, path));
-        EXPECT_OK(bulk_channel_create(&source, &sep.ep_generic, &source_cbs, &setup));
-        EXPECT_OK(bulk_channel_bind(&echo, &sremote.ep_generic, &echo_cbs, &params, MK_BULK_CONT(echo_bound, NULL)));
-    } else if (net) {
-        struct bulk_net_ep_setup listen = { .ip = "127.0.0.1", .port = 0 };
-        EXPECT_OK(bulk_net_ep_create(&nep, &listen));
-        EXPECT_OK(bulk_channel_create(&source, &nep.ep_generic, &source_cbs, &setup));
-        struct bulk_net_ep_setup connect = { .ip = "127.0.0.1", .port = bulk_net_ep_port(&nep) };
-        EXPECT_OK(bulk_net_ep_create_remote(&nremote, &connect));
-        EXPECT_OK(bulk_channel_bind(&echo, &nremote.ep_generic, &echo_cbs, &params, MK_BULK_CONT(echo_bound, NULL)));
-    } else {
-        bulk_local_init_endpoint(&lep, NULL);
-        EXPECT_OK(bulk_channel_create(&source, &lep.generic, &source_cbs, &setup));
-        bulk_local_init_endpoint(&lremote, &source);
-        EXPECT_OK(bulk_channel_bind(&echo, &lremote.generic, &echo_cbs, &params, MK_BULK_CONT(echo_bound, NULL)));
-    }
+    struct pair_endpoints eps;
+    pair_connect(&eps, kind, "threads", &source, &source_cbs, &setup, &echo, &echo_cbs, &params,
+                 MK_BULK_CONT(echo_bound, NULL));
     pthread_t source_t, echo_t, workers[WORKERS];
     if (pthread_create(&source_t, NULL, source_thread, NULL) != 0
         || pthread_create(&echo_t, NULL, echo_thread, NULL) != 0) {
@@ -406,15 +379,7 @@ int main(int argc, char **argv)
     EXPECT_OK(bulk_alloc_free(&alloc));
     EXPECT_OK(bulk_waitset_destroy(source_ws));
     EXPECT_OK(bulk_waitset_destroy(echo_ws));
-    if (sm) {
-        EXPECT_OK(bulk_sm_ep_destroy(&sep));
-        EXPECT_OK(bulk_sm_ep_destroy(&sremote));
-        unlink(path);
-    }
-    if (net) {
-        EXPECT_OK(bulk_net_ep_destroy(&nep));
-        EXPECT_OK(bulk_net_ep_destroy(&nremote));
-    }
+    pair_destroy_endpoints(&eps);
     printf("threads: ok (%" PRIu64 " moves; at the destroy %zu buffers with the echo, %" PRIu64
            " moves refused)\n",
            atomic_load(&sent), echo_held_n, atomic_load(&refused_after_destroy));
