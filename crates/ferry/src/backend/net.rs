@@ -145,6 +145,15 @@ const TLS_SEND_LIMIT: usize = 64 << 10;
 /// the retransmissions and pacing stalls of a plain rustls stream, and
 /// 10 to 20 % less throughput).
 const TLS_UNSENT_LOW_WATER: usize = 128 << 10;
+/// The same bound for a plain link: larger, since plain writes cost the
+/// sender no records to keep. Unbounded, the same out-of-order arrivals
+/// cost a 1 MiB stream about 9 % of its throughput on loopback (15.7
+/// against 17.3 Gbit/s, every one of ten alternated rounds faster with
+/// the bound, retransmitted segments 2,300 → 1,100 per 3 GiB); other
+/// sizes run the same or a little faster (4 KiB 1.05×, 16 KiB 0.99×,
+/// 64 KiB 1.01×, 4 MiB 1.03×). Smaller bounds help 1 MiB more but cost
+/// smaller messages up to a tenth.
+const PLAIN_UNSENT_LOW_WATER: usize = 1 << 20;
 
 /// Options of a TCP endpoint or session.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -670,9 +679,8 @@ impl NetLink {
         // Not a TCP socket under the fuzzer (a Unix socket pair).
         let _ = stream.set_nodelay(true);
         configure_liveness(&stream, options.peer_timeout);
-        if tls.is_some() {
-            let _ = sys::set_unsent_low_water(&stream, TLS_UNSENT_LOW_WATER);
-        }
+        let unsent = if tls.is_some() { TLS_UNSENT_LOW_WATER } else { PLAIN_UNSENT_LOW_WATER };
+        let _ = sys::set_unsent_low_water(&stream, unsent);
         let now = Instant::now();
         Ok(NetLink {
             stream,
