@@ -187,6 +187,18 @@ pub struct PoolEntry {
     /// The allocator struct's token while it lives; 0 without allocator
     /// or once `bulk_alloc_free` began (see `allocator`).
     alloc_token: AtomicUsize,
+    /// Buffers the program returned to its allocator, handed out again
+    /// (the latest first) before the allocator asks the domain for one: a
+    /// return and the next allocation stay inside this library, without
+    /// the domain's free list and its lock, which the threads of a
+    /// process share (the peer end of a local channel takes it on every
+    /// delivery). The domain counts them as owned; the program, as free
+    /// (`num_free`, and their objects say INVALID: no slot holds them).
+    /// Pushed with the returned buffer's slot locked, and emptied into the
+    /// domain by `bulk_alloc_free` after its walk of the slots (see
+    /// `allocator`), so none stays behind a freed allocator. Its lock is
+    /// the innermost: taken alone or inside a slot's.
+    kept: SpinLock<Vec<Buffer>>,
 }
 
 impl PoolEntry {
@@ -212,6 +224,12 @@ impl PoolEntry {
     pub fn refresh_trust(&self) {
         let t = trust_to(DOMAIN.pool_trust(self.pool.id()).unwrap_or(TrustLevel::Uninitialized));
         lock(&self.cpool_ref).update(|p| p.trust = t);
+    }
+
+    /// The buffers `alloc`, this pool's allocator, can hand out: its
+    /// domain's free list and those kept here.
+    fn free_count(&self, alloc: &Allocator) -> usize {
+        alloc.available() + self.kept.lock().len()
     }
 
     /// Whether nothing but channels may refer to the pool.
@@ -315,6 +333,7 @@ impl Table {
         self.pool_addr.insert(pool_ptr as usize, id);
         self.buffer_addr.insert(bufs.base(), (id, View::Owner));
         self.buffer_addr.insert(copy_bufs.base(), (id, View::Copy));
+        let allocator_present = allocator.is_some();
         let e = Arc::new(PoolEntry {
             pool,
             cpool,
@@ -325,6 +344,7 @@ impl Table {
             slots,
             allocator,
             alloc_token: AtomicUsize::new(alloc_token),
+            kept: SpinLock::new(Vec::with_capacity(if allocator_present { n } else { 0 })),
         });
         e.refresh_trust();
         self.pools.insert(id, e.clone());
@@ -672,6 +692,10 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
             s.copies.clear();
             s.refresh();
         }
+        // After the walk: a return that got past the token pushed before
+        // the walk passed its slot; later ones are refused.
+        let kept = std::mem::take(&mut *e.kept.lock());
+        drop(kept);
     }
     // After the walk: no allocator call writes the struct any more.
     boundary::clear_allocator(a);
@@ -682,7 +706,8 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
 pub fn alloc_new_buffer(a: *mut BulkAllocator) -> Res<usize> {
     with_allocator(a, |token, e| {
         let alloc = e.allocator_of(token).ok_or(ERR_INVALID_ALLOCATOR)?;
-        let Some(b) = alloc.alloc() else {
+        let kept = e.kept.lock().pop();
+        let Some(b) = kept.or_else(|| alloc.alloc()) else {
             // Any slot's lock orders the write before a concurrent free's
             // clearing of the struct (which comes after its walk of every slot).
             let _s = e.slots.first().map(|s| s.0.lock());
@@ -702,7 +727,7 @@ pub fn alloc_new_buffer(a: *mut BulkAllocator) -> Res<usize> {
         }
         s.owned = Some(b);
         s.refresh_as(Some(BufferState::ReadWrite));
-        boundary::set_num_free(a, alloc.available());
+        boundary::set_num_free(a, e.free_count(alloc));
         Ok(e.buffer_ptr(i, View::Owner))
     })
 }
@@ -728,15 +753,11 @@ pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
         if s.owner_state == buffer_state_to(BufferState::ReadOnlyOwned) {
             return Err(ERR_COPIES_OUTSTANDING);
         }
+        // The slot's own buffer: of this pool, in this process's domain.
         let b = s.owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
-        if let Err(r) = alloc.free(b) {
-            let (error, value) = r.into_parts();
-            s.owned = Some(value);
-            return Err(of_error(&error));
-        }
+        e.kept.lock().push(b);
         s.refresh();
-        let free = alloc.available();
-        boundary::set_num_free(a, free);
+        boundary::set_num_free(a, e.free_count(alloc));
         Ok(())
     })
 }
@@ -751,6 +772,38 @@ mod tests {
     /// walk, and nothing was handed out after it). A call that checked the
     /// allocator's token before taking the buffer's lock would, now and
     /// then, put a buffer in a slot the walk had passed.
+    /// A returned buffer stays with the allocator (free to the program:
+    /// counted, INVALID, handed out next) and goes back to the domain when
+    /// the allocator is freed.
+    #[test]
+    fn returned_buffers_are_handed_out_again_and_reach_the_domain_at_free() {
+        let mut a =
+            Box::new(BulkAllocator { pool: std::ptr::null_mut(), num_free: 0, impl_data: std::ptr::null_mut() });
+        alloc_init(&mut *a, 4, 4096, None).expect("alloc_init");
+        let e = pool_at(a.pool as usize).expect("the allocator's pool");
+        let id = e.pool.id();
+        let domain_free = || e.allocator.as_ref().expect("the allocator").available();
+        let b = alloc_new_buffer(&mut *a).expect("a buffer");
+        let c = alloc_new_buffer(&mut *a).expect("a second buffer");
+        assert_eq!((a.num_free, domain_free()), (2, 2));
+        alloc_return_buffer(&mut *a, b).expect("return");
+        assert_eq!(a.num_free, 3, "the program counts a returned buffer as free");
+        assert_eq!(domain_free(), 2, "the allocator keeps it (the domain still counts it as taken)");
+        let (i, _) = e.locate(b).expect("a buffer object of the pool");
+        let state = e.slot(i).owner_state();
+        assert_eq!(state, buffer_state_to(BufferState::Invalid), "a returned buffer's object");
+        assert_eq!(alloc_return_buffer(&mut *a, b), Err(ERR_BUFFER_NOT_OWNED), "a double return");
+        assert_eq!(alloc_new_buffer(&mut *a), Ok(b), "the kept buffer is handed out first");
+        assert_eq!(a.num_free, 2);
+        alloc_return_buffer(&mut *a, b).expect("return");
+        alloc_return_buffer(&mut *a, c).expect("return");
+        assert_eq!((a.num_free, domain_free()), (4, 2));
+        alloc_free(&mut *a).expect("alloc_free");
+        assert_eq!(domain_free(), 4, "every buffer is back in the domain's free list");
+        drop(e);
+        forget(&[id]);
+    }
+
     #[test]
     fn nothing_owned_after_a_free_that_raced_allocations() {
         const ROUNDS: usize = 400;
@@ -792,6 +845,8 @@ mod tests {
             let e = pool(id).expect("the pool stays until collected");
             let owned: Vec<usize> = (0..8).filter(|&i| e.slot(i).owned.is_some()).collect();
             assert!(owned.is_empty(), "round {round}: buffers {owned:?} owned after the allocator's free");
+            let in_domain = e.allocator.as_ref().expect("the allocator").available();
+            assert_eq!(in_domain, 8, "round {round}: the domain's free list after the allocator's free");
             drop(e);
             forget(&[id]);
         }
