@@ -226,12 +226,6 @@ impl PoolEntry {
         lock(&self.cpool_ref).update(|p| p.trust = t);
     }
 
-    /// The buffers `alloc`, this pool's allocator, can hand out: its
-    /// domain's free list and those kept here.
-    fn free_count(&self, alloc: &Allocator) -> usize {
-        alloc.available() + self.kept.lock().len()
-    }
-
     /// Whether nothing but channels may refer to the pool.
     fn unheld(&self) -> bool {
         self.alloc_token.load(Ordering::Acquire) == 0 && self.slots.iter().all(|s| s.0.lock().is_empty())
@@ -693,7 +687,8 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
             s.refresh();
         }
         // After the walk: a return that got past the token pushed before
-        // the walk passed its slot; later ones are refused.
+        // the walk passed its slot; later ones are refused. The buffers go
+        // back to the domain (its lock) once the kept list's lock is let go.
         let kept = std::mem::take(&mut *e.kept.lock());
         drop(kept);
     }
@@ -706,7 +701,11 @@ pub fn alloc_free(a: *mut BulkAllocator) -> Res<()> {
 pub fn alloc_new_buffer(a: *mut BulkAllocator) -> Res<usize> {
     with_allocator(a, |token, e| {
         let alloc = e.allocator_of(token).ok_or(ERR_INVALID_ALLOCATOR)?;
-        let kept = e.kept.lock().pop();
+        // One look at the kept list: the buffer and how many stay there.
+        let (kept, still_kept) = {
+            let mut k = e.kept.lock();
+            (k.pop(), k.len())
+        };
         let Some(b) = kept.or_else(|| alloc.alloc()) else {
             // Any slot's lock orders the write before a concurrent free's
             // clearing of the struct (which comes after its walk of every slot).
@@ -727,7 +726,7 @@ pub fn alloc_new_buffer(a: *mut BulkAllocator) -> Res<usize> {
         }
         s.owned = Some(b);
         s.refresh_as(Some(BufferState::ReadWrite));
-        boundary::set_num_free(a, e.free_count(alloc));
+        boundary::set_num_free(a, alloc.available() + still_kept);
         Ok(e.buffer_ptr(i, View::Owner))
     })
 }
@@ -755,9 +754,13 @@ pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
         }
         // The slot's own buffer: of this pool, in this process's domain.
         let b = s.owned.take().ok_or(ERR_BUFFER_NOT_OWNED)?;
-        e.kept.lock().push(b);
+        let kept = {
+            let mut k = e.kept.lock();
+            k.push(b);
+            k.len()
+        };
         s.refresh();
-        boundary::set_num_free(a, e.free_count(alloc));
+        boundary::set_num_free(a, alloc.available() + kept);
         Ok(())
     })
 }
@@ -766,12 +769,6 @@ pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
 mod tests {
     use super::*;
 
-    /// Two threads allocate and return while `alloc_free` runs: once the
-    /// free and both threads are done, the program owns none of the
-    /// pool's buffers (the free gave back everything handed out before its
-    /// walk, and nothing was handed out after it). A call that checked the
-    /// allocator's token before taking the buffer's lock would, now and
-    /// then, put a buffer in a slot the walk had passed.
     /// A returned buffer stays with the allocator (free to the program:
     /// counted, INVALID, handed out next) and goes back to the domain when
     /// the allocator is freed.
@@ -804,6 +801,12 @@ mod tests {
         forget(&[id]);
     }
 
+    /// Two threads allocate and return while `alloc_free` runs: once the
+    /// free and both threads are done, the program owns none of the
+    /// pool's buffers (the free gave back everything handed out before its
+    /// walk, and nothing was handed out after it). A call that checked the
+    /// allocator's token before taking the buffer's lock would, now and
+    /// then, put a buffer in a slot the walk had passed.
     #[test]
     fn nothing_owned_after_a_free_that_raced_allocations() {
         const ROUNDS: usize = 400;
