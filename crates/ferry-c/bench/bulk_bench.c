@@ -26,6 +26,17 @@
  *
  *   bulk_bench rtt|throughput local|sm [--size N] [--runs R]
  *              [--moves M] [--inflight W] [--loop-refill] [--json]
+ *              [--peer PATH]
+ *   bulk_bench echo sm --peer PATH
+ *
+ * --peer PATH (sm): the echo is not forked; the source listens at PATH
+ *   and waits (30 s at most) for an echo started by hand, which binds
+ *   there: `bulk_bench echo sm --peer PATH`, or Rust's `ferry echo
+ *   --endpoint shm:PATH --busy-poll --cpu 1`. `bulk_bench echo sm --peer
+ *   PATH` is the C echo alone, for a source started first: this
+ *   program's, or `ferry bench rtt --backend shm --busy-poll --peer
+ *   shm:PATH`. Crossed so, the two interfaces' sources and echoes show
+ *   which side of a round trip a difference lies on.
  *
  * Output: one line per point; with --json the same fields as ferry bench
  * --json (experiment, backend, size, trust, mode, touch, runs, samples,
@@ -304,13 +315,15 @@ int main(int argc, char **argv)
     if (argc < 3) {
         fprintf(stderr,
                 "usage: %s rtt|throughput local|sm [--size N] [--runs R] [--moves M] [--inflight W] [--loop-refill] "
-                "[--json]\n",
-                argv[0]);
+                "[--json] [--peer PATH]\n"
+                "       %s echo sm --peer PATH\n",
+                argv[0], argv[0]);
         return 2;
     }
     int rtt = strcmp(argv[1], "rtt") == 0;
-    if (!rtt && strcmp(argv[1], "throughput") != 0) {
-        fprintf(stderr, "bulk_bench: experiment %s: give rtt or throughput\n", argv[1]);
+    int echo_only = strcmp(argv[1], "echo") == 0;
+    if (!rtt && !echo_only && strcmp(argv[1], "throughput") != 0) {
+        fprintf(stderr, "bulk_bench: experiment %s: give rtt, throughput or echo\n", argv[1]);
         return 2;
     }
     int shm = strcmp(argv[2], "sm") == 0 || strcmp(argv[2], "shm") == 0;
@@ -320,8 +333,11 @@ int main(int argc, char **argv)
     }
     size_t size = 4096, runs = rtt ? 100 : 20, moves = 50000, inflight = 250;
     int json = 0, loop_refill = 0;
+    const char *peer = NULL;
     for (int i = 3; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0) {
+        if (i + 1 < argc && strcmp(argv[i], "--peer") == 0) {
+            peer = argv[++i];
+        } else if (strcmp(argv[i], "--json") == 0) {
             json = 1;
         } else if (strcmp(argv[i], "--loop-refill") == 0) {
             loop_refill = 1;
@@ -343,13 +359,39 @@ int main(int argc, char **argv)
         return 2;
     }
 
+    if (peer != NULL && (!shm || strlen(peer) >= 108)) {
+        fprintf(stderr, "bulk_bench: --peer takes the socket path of an sm endpoint (under 108 bytes)\n");
+        return 2;
+    }
+    if (echo_only) {
+        if (peer == NULL) {
+            fprintf(stderr, "bulk_bench: echo needs --peer PATH (sm)\n");
+            return 2;
+        }
+        pin_to(1);
+        struct waitset *ws;
+        TRY(bulk_waitset_create(&ws));
+        struct bulk_sm_endpoint_descriptor ep;
+        TRY(bulk_sm_ep_create_remote(&ep, peer));
+        echo_bind(&ep.ep_generic, ws);
+        echo_serve(ws);
+        TRY(bulk_sm_ep_destroy(&ep));
+        TRY(bulk_waitset_destroy(ws));
+        return 0;
+    }
+
     /* sm: the echo is a child process, forked before the library is used;
-     * it binds once the parent's endpoint listens (a byte on the pipe). */
+     * it binds once the parent's endpoint listens (a byte on the pipe).
+     * With --peer it is started by hand and binds at PATH. */
     char path[108];
-    snprintf(path, sizeof path, "/tmp/ferry-bulk-bench-%d.sock", (int)getpid());
+    if (peer != NULL) {
+        snprintf(path, sizeof path, "%s", peer);
+    } else {
+        snprintf(path, sizeof path, "/tmp/ferry-bulk-bench-%d.sock", (int)getpid());
+    }
     int ready[2] = { -1, -1 };
     pid_t child = -1;
-    if (shm) {
+    if (shm && peer == NULL) {
         if (pipe(ready) != 0) {
             perror("pipe");
             return 1;
@@ -397,11 +439,13 @@ int main(int argc, char **argv)
     if (shm) {
         TRY(bulk_sm_ep_create(&sm_ep, path));
         TRY(bulk_channel_create(&source, &sm_ep.ep_generic, &source_cbs, &setup));
-        if (write(ready[1], "x", 1) != 1) {
-            perror("write");
-            return 1;
+        if (peer == NULL) {
+            if (write(ready[1], "x", 1) != 1) {
+                perror("write");
+                return 1;
+            }
+            close(ready[1]);
         }
-        close(ready[1]);
     } else {
         bulk_local_init_endpoint(&local_ep, NULL);
         TRY(bulk_channel_create(&source, &local_ep.generic, &source_cbs, &setup));
@@ -512,7 +556,9 @@ int main(int argc, char **argv)
     TRY(bulk_channel_destroy(&source, nop));
     while (bulk_waitset_dispatch(ws, 0) == BULK_OK) {
     }
-    if (shm) {
+    if (shm && peer != NULL) {
+        TRY(bulk_sm_ep_destroy(&sm_ep));
+    } else if (shm) {
         int status = 0;
         waitpid(child, &status, 0);
         TRY(bulk_sm_ep_destroy(&sm_ep));

@@ -816,6 +816,28 @@ fn bench_program_runs_each_experiment() {
     }
 }
 
+/// The C benchmark crossed with an echo started by hand: its source listens
+/// at a path (`--peer`) and its echo alone (`echo sm --peer`) binds there,
+/// as `scripts/bench-c` crosses them with Rust's source and echo.
+#[test]
+fn bench_program_serves_an_echo_started_by_hand() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("bench/bulk_bench.c");
+    for build in [Build::Plain, Build::Sanitized] {
+        let exe = compile_path(&src, build);
+        let path = socket_path(&format!("bench-peer-{}", build.name()));
+        let p = path.to_str().unwrap();
+        let source = Proc::spawn(&exe, &["rtt", "sm", "--runs", "1", "--json", "--peer", p], &[], build, Faults::No);
+        let deadline = Instant::now() + SHORT;
+        while !path.exists() {
+            assert!(Instant::now() < deadline, "the source did not listen at {p}");
+            thread::sleep(Duration::from_millis(10));
+        }
+        run(&exe, &["echo", "sm", "--peer", p], build, SHORT).success();
+        // One warm-up run and one measured run of 250 round trips.
+        source.finish(SHORT).success().contains("\"samples\":250");
+    }
+}
+
 /// A program that uses the library runs under valgrind, whose tools do not
 /// map the vDSO (the auxiliary vector is read through libc). Where valgrind
 /// is not installed there is nothing to run it under.
