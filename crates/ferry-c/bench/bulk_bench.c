@@ -189,6 +189,20 @@ static void echo_bind(struct bulk_endpoint_descriptor *ep, struct waitset *ws)
     }
 }
 
+/** The sm echo: binds at the socket `path` on CPU 1 and serves until teardown. */
+static void sm_echo(const char *path)
+{
+    pin_to(1);
+    struct waitset *ws;
+    TRY(bulk_waitset_create(&ws));
+    struct bulk_sm_endpoint_descriptor ep;
+    TRY(bulk_sm_ep_create_remote(&ep, path));
+    echo_bind(&ep.ep_generic, ws);
+    echo_serve(ws);
+    TRY(bulk_sm_ep_destroy(&ep));
+    TRY(bulk_waitset_destroy(ws));
+}
+
 struct local_echo {
     struct bulk_channel *source;
     struct waitset *ws;
@@ -368,15 +382,7 @@ int main(int argc, char **argv)
             fprintf(stderr, "bulk_bench: echo needs --peer PATH (sm)\n");
             return 2;
         }
-        pin_to(1);
-        struct waitset *ws;
-        TRY(bulk_waitset_create(&ws));
-        struct bulk_sm_endpoint_descriptor ep;
-        TRY(bulk_sm_ep_create_remote(&ep, peer));
-        echo_bind(&ep.ep_generic, ws);
-        echo_serve(ws);
-        TRY(bulk_sm_ep_destroy(&ep));
-        TRY(bulk_waitset_destroy(ws));
+        sm_echo(peer);
         return 0;
     }
 
@@ -407,15 +413,7 @@ int main(int argc, char **argv)
             if (read(ready[0], &c, 1) != 1) {
                 _exit(1);
             }
-            pin_to(1);
-            struct waitset *ws;
-            TRY(bulk_waitset_create(&ws));
-            struct bulk_sm_endpoint_descriptor ep;
-            TRY(bulk_sm_ep_create_remote(&ep, path));
-            echo_bind(&ep.ep_generic, ws);
-            echo_serve(ws);
-            TRY(bulk_sm_ep_destroy(&ep));
-            TRY(bulk_waitset_destroy(ws));
+            sm_echo(path);
             _exit(0);
         }
         close(ready[0]);
