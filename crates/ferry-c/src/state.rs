@@ -14,6 +14,7 @@
 //! that busy-polls its own waitset thereby takes no lock another thread's
 //! waitset needs.
 
+use std::cell::{Cell, RefCell};
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -54,30 +55,51 @@ pub struct WsCell {
     ws: SpinLock<Option<Waitset>>,
 }
 
-thread_local! {
+/// What a thread keeps between its calls into the library, in one
+/// thread-local so that a call reaches all of it with one look-up (in a
+/// shared library each thread-local access is a call into the dynamic
+/// loader).
+struct ThreadState {
     /// The waitset (the address of its cell) whose callback or
     /// continuation this thread runs from its dispatch now, else 0. Sends
     /// it makes on that waitset's channels are published by the waitset
     /// (see [`Waitset::send`]); others at once. Only this thread reads or
     /// writes it, and only compares it: the cell lives while its dispatch
     /// runs the callback.
-    static IN_CALLBACK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    in_callback: Cell<usize>,
+    /// The waitset this thread dispatched last (a thread usually serves
+    /// one), held, so that a busy dispatch loop takes no directory lock and
+    /// counts no reference (the cell's address, its key, is not reused
+    /// meanwhile). A destroyed one says so under its lock.
+    last_waitset: RefCell<Option<(usize, WsRef)>>,
+    /// The channel ends this thread called last, the latest first: token,
+    /// struct address and waitset (held: a call that finds it counts no
+    /// reference). A stale entry is harmless: a waitset checks token and
+    /// address again under its lock (tokens are never reused), and a
+    /// destroyed waitset has closed its fds.
+    last_channels: RefCell<Vec<KnownChannel>>,
 }
 
-/// Puts the previous [`IN_CALLBACK`] back when dropped (a nested dispatch
-/// of another waitset returns to the outer one's callback; a panic of the
-/// library on the way out leaves no stale mark).
-struct CallbackMark(usize);
+thread_local! {
+    static THREAD: ThreadState = const {
+        ThreadState { in_callback: Cell::new(0), last_waitset: RefCell::new(None), last_channels: RefCell::new(Vec::new()) }
+    };
+}
 
-impl Drop for CallbackMark {
+/// Puts the previous [`ThreadState::in_callback`] back when dropped (a
+/// nested dispatch of another waitset returns to the outer one's
+/// callback; a panic of the library on the way out leaves no stale mark).
+struct CallbackMark<'a>(&'a Cell<usize>, usize);
+
+impl Drop for CallbackMark<'_> {
     fn drop(&mut self) {
-        IN_CALLBACK.set(self.0);
+        self.0.set(self.1);
     }
 }
 
 /// Runs `f`, the program's callback or continuation, as one of `ws`'s.
-fn as_callback_of(ws: &WsCell, f: impl FnOnce()) {
-    let _mark = CallbackMark(IN_CALLBACK.replace(ws as *const WsCell as usize));
+fn as_callback_of(t: &ThreadState, ws: &WsCell, f: impl FnOnce()) {
+    let _mark = CallbackMark(&t.in_callback, t.in_callback.replace(ws as *const WsCell as usize));
     f();
 }
 
@@ -100,8 +122,8 @@ fn live<'a>(g: &'a mut SpinGuard<'_, Option<Waitset>>) -> Res<&'a mut Waitset> {
 
 /// A send on a channel of `ws` with `cont`: batched if this thread runs a
 /// callback of `ws` from its dispatch now.
-fn sending(ws: &WsCell, cont: Option<Cont>) -> Sending {
-    Sending { cont, batched: IN_CALLBACK.get() == ws as *const WsCell as usize }
+fn sending(t: &ThreadState, ws: &WsCell, cont: Option<Cont>) -> Sending {
+    Sending { cont, batched: t.in_callback.get() == ws as *const WsCell as usize }
 }
 
 /// A channel end as the directory knows it.
@@ -208,51 +230,39 @@ pub fn waitset_set_spin(key: usize, spin: Duration) -> Res<()> {
     Ok(())
 }
 
-thread_local! {
-    /// The waitset this thread dispatched last (a thread usually serves one),
-    /// held, so that a busy dispatch loop takes no directory lock and
-    /// counts no reference (the cell's address, its key, is not reused
-    /// meanwhile). A destroyed one says so under its lock.
-    static LAST_WAITSET: std::cell::RefCell<Option<(usize, WsRef)>> = const { std::cell::RefCell::new(None) };
-}
-
 /// `bulk_waitset_dispatch`: runs the next due work of the waitset `key`,
 /// waiting up to the timeout (`None`: no limit) for some.
 pub fn dispatch(key: usize, timeout: Option<Duration>) -> Res<()> {
-    let mut run = Some(|ws: &WsCell| dispatch_on(ws, timeout));
-    // The cache stays borrowed while the callback runs: a nested dispatch
-    // of the same waitset borrows it too, one of another waitset does
-    // without it.
-    let cached = LAST_WAITSET.with(|l| {
-        let l = l.try_borrow().ok()?;
-        match &*l {
-            Some((k, ws)) if *k == key => Some((run.take()?)(ws)),
-            _ => None,
+    THREAD.with(|t| {
+        // The cache stays borrowed while the callback runs: a nested
+        // dispatch of the same waitset borrows it too, one of another
+        // waitset does without it.
+        if let Ok(l) = t.last_waitset.try_borrow() {
+            if let Some((k, ws)) = &*l {
+                if *k == key {
+                    return dispatch_on(t, ws, timeout);
+                }
+            }
         }
-    });
-    if let Some(r) = cached {
-        return r;
-    }
-    let ws = remember_waitset(key)?;
-    (run.take().ok_or(ERR_INTERNAL)?)(&ws)
+        let ws = remember_waitset(t, key)?;
+        dispatch_on(t, &ws, timeout)
+    })
 }
 
 /// The waitset of `key` from the directory, kept in this thread's cache
 /// (the first dispatch of a waitset: out of the usual path).
 #[cold]
 #[inline(never)]
-fn remember_waitset(key: usize) -> Res<WsRef> {
+fn remember_waitset(t: &ThreadState, key: usize) -> Res<WsRef> {
     let ws = waitset(key)?;
-    LAST_WAITSET.with(|l| {
-        if let Ok(mut l) = l.try_borrow_mut() {
-            *l = Some((key, ws.clone()));
-        }
-    });
+    if let Ok(mut l) = t.last_waitset.try_borrow_mut() {
+        *l = Some((key, ws.clone()));
+    }
     Ok(ws)
 }
 
 /// [`dispatch`] on a waitset found.
-fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
+fn dispatch_on(t: &ThreadState, ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
     // Read the clock only once there is nothing to do at once.
     let mut deadline: Option<Option<Instant>> = None;
     let mut spin_until = SpinClock::default();
@@ -274,11 +284,11 @@ fn dispatch_on(ws: &WsCell, timeout: Option<Duration>) -> Res<()> {
                 // marks its callbacks and puts this mark back, and another
                 // thread is never marked by this one. No shared write per
                 // callback.
-                as_callback_of(ws, || work.run());
+                as_callback_of(t, ws, || work.run());
                 return Ok(());
             }
             Step::Buffer(call) => {
-                as_callback_of(ws, || call.run(&mut meta));
+                as_callback_of(t, ws, || call.run(&mut meta));
                 return Ok(());
             }
             Step::Spin => std::hint::spin_loop(),
@@ -313,15 +323,6 @@ type KnownChannel = (ChanId, usize, WsRef);
 /// both ends of a local channel, finds each of them there).
 const KNOWN_CHANNELS: usize = 4;
 
-thread_local! {
-    /// The channel ends this thread called last, the latest first: token,
-    /// struct address and waitset (held: a call that finds it counts no
-    /// reference). A stale entry is harmless: a waitset checks token and
-    /// address again under its lock (tokens are never reused), and a
-    /// destroyed waitset has closed its fds.
-    static LAST_CHANNELS: std::cell::RefCell<Vec<KnownChannel>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 /// The token, place and waitset of a live channel struct, from the directory.
 fn channel_listed(ch: *mut BulkChannel) -> Res<(ChanId, WsRef)> {
     let token = boundary::channel_token(ch);
@@ -331,45 +332,46 @@ fn channel_listed(ch: *mut BulkChannel) -> Res<(ChanId, WsRef)> {
     }
 }
 
-/// Runs `f` on the channel end and the locked live waitset of a channel
-/// struct (the call's one lock), found as [`with_channel`] finds it.
-fn with_channel_locked<R>(ch: *mut BulkChannel, f: impl FnOnce(ChanId, &WsCell, &mut Waitset) -> Res<R>) -> Res<R> {
-    with_channel(ch, |id, ws| f(id, ws, live(&mut lock(ws))?))
+/// Runs `f` on this thread's state, the channel end and the locked live
+/// waitset of a channel struct (the call's one lock), found as
+/// [`with_channel`] finds it.
+fn with_channel_locked<R>(
+    ch: *mut BulkChannel,
+    f: impl FnOnce(&ThreadState, ChanId, &WsCell, &mut Waitset) -> Res<R>,
+) -> Res<R> {
+    with_channel(ch, |t, id, ws| f(t, id, ws, live(&mut lock(ws))?))
 }
 
-/// Runs `f` on the channel end and waitset of a channel struct, for a call on
-/// it (which its waitset checks again): from this thread's cache if it
-/// called on it lately, so that a thread busy with a few channels shares
-/// no directory lock with others and counts no reference. `f` does not
-/// call into the program (the cache stays borrowed meanwhile).
-fn with_channel<R>(ch: *mut BulkChannel, f: impl FnOnce(ChanId, &WsRef) -> Res<R>) -> Res<R> {
+/// Runs `f` on this thread's state and the channel end and waitset of a
+/// channel struct, for a call on it (which its waitset checks again): from
+/// this thread's cache if it called on it lately, so that a thread busy
+/// with a few channels shares no directory lock with others and counts no
+/// reference. `f` does not call into the program (the cache stays
+/// borrowed meanwhile).
+fn with_channel<R>(ch: *mut BulkChannel, f: impl FnOnce(&ThreadState, ChanId, &WsRef) -> Res<R>) -> Res<R> {
     let token = boundary::channel_token(ch);
-    let mut f = Some(f);
-    let cached = LAST_CHANNELS.with(|l| {
-        let l = l.try_borrow().ok()?;
-        let (id, _, ws) = l.iter().find(|(id, c, _)| id.token == token && *c == ch as usize)?;
-        Some((f.take()?)(*id, ws))
-    });
-    if let Some(r) = cached {
-        return r;
-    }
-    let (id, ws) = remember_channel(ch)?;
-    (f.take().ok_or(ERR_INTERNAL)?)(id, &ws)
+    THREAD.with(|t| {
+        if let Ok(l) = t.last_channels.try_borrow() {
+            if let Some((id, _, ws)) = l.iter().find(|(id, c, _)| id.token == token && *c == ch as usize) {
+                return f(t, *id, ws);
+            }
+        }
+        let (id, ws) = remember_channel(t, ch)?;
+        f(t, id, &ws)
+    })
 }
 
 /// A channel struct's end and waitset from the directory, kept in this
 /// thread's cache (the first call on a channel: out of the usual path).
 #[cold]
 #[inline(never)]
-fn remember_channel(ch: *mut BulkChannel) -> Res<(ChanId, WsRef)> {
+fn remember_channel(t: &ThreadState, ch: *mut BulkChannel) -> Res<(ChanId, WsRef)> {
     let (id, ws) = channel_listed(ch)?;
-    LAST_CHANNELS.with(|l| {
-        if let Ok(mut l) = l.try_borrow_mut() {
-            l.retain(|(known, _, _)| known.token != id.token);
-            l.insert(0, (id, ch as usize, ws.clone()));
-            l.truncate(KNOWN_CHANNELS);
-        }
-    });
+    if let Ok(mut l) = t.last_channels.try_borrow_mut() {
+        l.retain(|(known, _, _)| known.token != id.token);
+        l.insert(0, (id, ch as usize, ws.clone()));
+        l.truncate(KNOWN_CHANNELS);
+    }
     Ok((id, ws))
 }
 
@@ -527,7 +529,7 @@ pub fn channel_bind(
 
 /// `bulk_channel_destroy`.
 pub fn channel_destroy(ch: *mut BulkChannel, cont: Option<Cont>) -> Res<()> {
-    with_channel_locked(ch, |id, _, w| {
+    with_channel_locked(ch, |_, id, _, w| {
         w.destroy(id, ch as usize, cont)?;
         Ok(id.token)
     })
@@ -538,7 +540,7 @@ pub fn channel_destroy(ch: *mut BulkChannel, cont: Option<Cont>) -> Res<()> {
 
 /// `bulk_channel_assign_pool` and `bulk_channel_remove_pool`.
 pub fn channel_pool(ch: *mut BulkChannel, pool: usize, cont: Option<Cont>, assign: bool) -> Res<()> {
-    with_channel_locked(ch, |id, _, w| w.channel_pool(id, ch as usize, pool, cont, assign))
+    with_channel_locked(ch, |_, id, _, w| w.channel_pool(id, ch as usize, pool, cont, assign))
 }
 
 /// `bulk_channel_move` and `bulk_channel_pass`.
@@ -549,17 +551,17 @@ pub fn channel_send(
     cont: Option<Cont>,
     dir: Direction,
 ) -> Res<()> {
-    with_channel_locked(ch, |id, ws, w| w.send(id, ch as usize, buffer, meta, sending(ws, cont), dir))
+    with_channel_locked(ch, |t, id, ws, w| w.send(id, ch as usize, buffer, meta, sending(t, ws, cont), dir))
 }
 
 /// `bulk_channel_copy`.
 pub fn channel_copy(ch: *mut BulkChannel, buffer: usize, meta: *const std::ffi::c_void, cont: Option<Cont>) -> Res<()> {
-    with_channel_locked(ch, |id, ws, w| w.copy(id, ch as usize, buffer, meta, sending(ws, cont)))
+    with_channel_locked(ch, |t, id, ws, w| w.copy(id, ch as usize, buffer, meta, sending(t, ws, cont)))
 }
 
 /// `bulk_channel_release`.
 pub fn channel_release(ch: *mut BulkChannel, buffer: usize, cont: Option<Cont>) -> Res<()> {
-    with_channel_locked(ch, |id, ws, w| w.release(id, ch as usize, buffer, sending(ws, cont)))
+    with_channel_locked(ch, |t, id, ws, w| w.release(id, ch as usize, buffer, sending(t, ws, cont)))
 }
 
 /// The program's answer to a pool offer (after its `pool_assigned` ran).
