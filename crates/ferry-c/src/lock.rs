@@ -66,7 +66,10 @@ const YIELDS: u32 = SPINS + 100;
 /// The nap.
 const NAP: std::time::Duration = std::time::Duration::from_micros(50);
 
-/// A value behind a [`SpinLock`].
+/// A value behind a [`SpinLock`]. The flag comes first (`repr(C)`): it
+/// shares its cache line with the start of the value, which a user can lay
+/// out so that the fields used under the lock sit there too.
+#[repr(C)]
 pub struct SpinLock<T> {
     locked: AtomicBool,
     value: UnsafeCell<T>,

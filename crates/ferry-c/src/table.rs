@@ -50,28 +50,94 @@ pub enum View {
     Copy,
 }
 
+/// A copy the program holds: the channel it came over, the copy, and the
+/// C object it was given with.
+pub type Held = (usize, BufferCopy, View);
+
+/// The copies the program holds of one buffer. Most buffers never have
+/// any: boxed, the list takes one word of the slot's first cache line
+/// (see [`Slot`]); once made it stays, so a buffer copied over and over
+/// does not allocate each time.
+#[derive(Default)]
+// Boxed on purpose: one word in the slot's first line, where a Vec takes three.
+#[allow(clippy::box_collection)]
+pub struct Copies(Option<Box<Vec<Held>>>);
+
+impl Copies {
+    /// Adds one.
+    pub fn push(&mut self, h: Held) {
+        self.0.get_or_insert_default().push(h);
+    }
+
+    /// Puts one back at `at`.
+    pub fn insert(&mut self, at: usize, h: Held) {
+        let v = self.0.get_or_insert_default();
+        v.insert(at.min(v.len()), h);
+    }
+
+    /// Takes the one at `at`, if there is one.
+    pub fn remove(&mut self, at: usize) -> Option<Held> {
+        let v = self.0.as_mut()?;
+        (at < v.len()).then(|| v.remove(at))
+    }
+
+    /// Keeps those `keep` chooses.
+    pub fn retain(&mut self, keep: impl FnMut(&Held) -> bool) {
+        if let Some(v) = &mut self.0 {
+            v.retain(keep);
+        }
+    }
+
+    /// Lets every one go.
+    pub fn clear(&mut self) {
+        if let Some(v) = &mut self.0 {
+            v.clear();
+        }
+    }
+}
+
+impl std::ops::Deref for Copies {
+    type Target = [Held];
+    fn deref(&self) -> &[Held] {
+        self.0.as_deref().map_or(&[], |v| v.as_slice())
+    }
+}
+
 /// One buffer: the program's handles of it and its two C objects.
+///
+/// Laid out (`repr(C)`) so that the data path's fields come first and,
+/// behind the lock's flag (see [`SlotCell`]), fill one cache line: a
+/// buffer that goes between two threads of the process (both ends of a
+/// local channel) moves one line from core to core per hop, not three.
+/// The rest is read only when the program holds copies.
+#[repr(C)]
 pub struct Slot {
-    id: BufferId,
     /// The program owns the buffer.
     pub owned: Option<Buffer>,
-    /// Copies the program received, with the channel each came over and
-    /// the C object it was given with.
-    pub copies: Vec<(usize, BufferCopy, View)>,
-    owner_obj: CRef<BulkBuffer>,
-    copy_obj: CRef<BulkBuffer>,
-    /// What `owner_obj.state` says.
-    owner_state: u32,
     /// The `state` and `local_ref_count` last written to each object (so
     /// that a transition writes only the object that changes: another
     /// thread reading or changing the buffer next does not have to fetch
-    /// the other's cache line).
+    /// the other's cache line). `written[0].0` is what the owner's object
+    /// says.
     written: [(u32, u32); 2],
+    owner_obj: CRef<BulkBuffer>,
+    /// Copies the program received.
+    pub copies: Copies,
+    copy_obj: CRef<BulkBuffer>,
+    /// The buffer's pool, in words: a `PoolId` would align the slot, and
+    /// the lock's flag before it, to 16 bytes.
+    pool: BulkPoolId,
+    index: u32,
 }
 
 impl Slot {
+    /// The buffer's id.
+    fn id(&self) -> BufferId {
+        BufferId { pool: pool_id_of(self.pool), index: self.index }
+    }
+
     fn states(&self, known: Option<BufferState>) -> (u32, u32, u32, u32) {
-        let owned_state = || buffer_state_to(known.unwrap_or_else(|| DOMAIN.buffer_state(self.id)));
+        let owned_state = || buffer_state_to(known.unwrap_or_else(|| DOMAIN.buffer_state(self.id())));
         if self.copies.is_empty() {
             // The usual case: no copies, through either object.
             let owner_state = if self.owned.is_some() { owned_state() } else { 0 };
@@ -104,7 +170,6 @@ impl Slot {
     /// free), sparing the domain's lock on the data path.
     pub fn refresh_as(&mut self, known: Option<BufferState>) {
         let (owner_state, owner_copies, copy_state, view_copies) = self.states(known);
-        self.owner_state = owner_state;
         if self.written[0] != (owner_state, owner_copies) {
             self.written[0] = (owner_state, owner_copies);
             self.owner_obj.update(|b| {
@@ -123,7 +188,7 @@ impl Slot {
 
     /// What the owner's object says now.
     pub fn owner_state(&self) -> u32 {
-        self.owner_state
+        self.written[0].0
     }
 
     /// The state the object of `view` shows.
@@ -312,13 +377,13 @@ impl Table {
             .enumerate()
             .map(|(i, (owner_obj, copy_obj))| {
                 let mut s = Slot {
-                    id: BufferId { pool: id, index: i as u32 },
                     owned: None,
-                    copies: Vec::new(),
-                    owner_obj,
-                    copy_obj,
-                    owner_state: 0,
                     written: [(0, 0); 2],
+                    owner_obj,
+                    copies: Copies::default(),
+                    copy_obj,
+                    pool: pool_id_words(id),
+                    index: i as u32,
                 };
                 s.refresh();
                 SlotCell(SpinLock::new(s))
@@ -749,7 +814,7 @@ pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
         }
         // A buffer whose copies are out stays with the program: handed out
         // again, its new user could not write it.
-        if s.owner_state == buffer_state_to(BufferState::ReadOnlyOwned) {
+        if s.owner_state() == buffer_state_to(BufferState::ReadOnlyOwned) {
             return Err(ERR_COPIES_OUTSTANDING);
         }
         // The slot's own buffer: of this pool, in this process's domain.
@@ -768,6 +833,34 @@ pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    /// The lock's flag comes first and the fields a move, a pass or a
+    /// delivery use fill the rest of the slot's first cache line; the whole
+    /// slot takes two lines.
+    #[test]
+    fn a_slots_data_path_fields_share_its_first_cache_line() {
+        let flag = std::mem::size_of::<SpinLock<Slot>>() - std::mem::size_of::<Slot>();
+        assert_eq!(flag, 8);
+        assert_eq!(std::mem::offset_of!(Slot, owned), 0);
+        let hot_end = std::mem::offset_of!(Slot, copies) + std::mem::size_of::<Copies>();
+        for field in [std::mem::offset_of!(Slot, written), std::mem::offset_of!(Slot, owner_obj)] {
+            assert!(field < hot_end);
+        }
+        assert!(flag + hot_end <= 64, "the data path's fields end at byte {}", flag + hot_end);
+        assert_eq!(std::mem::size_of::<SlotCell>(), 128);
+    }
+
+    /// A buffer never copied has no list of copies, and the list's calls
+    /// on it do nothing (the C programs' copy tests hold real ones).
+    #[test]
+    fn no_copies_before_the_first() {
+        let mut c = Copies::default();
+        assert!(c.is_empty());
+        assert!(c.remove(0).is_none());
+        c.retain(|_| false);
+        c.clear();
+        assert!(c.is_empty());
+    }
 
     /// A returned buffer stays with the allocator (free to the program:
     /// counted, INVALID, handed out next) and goes back to the domain when

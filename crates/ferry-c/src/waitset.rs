@@ -1173,7 +1173,7 @@ impl Waitset {
         with_buffer_in(pools, buffer, |e, i, view| {
             let mut s = e.slot(i);
             let at = s.copies.iter().position(|h| h.0 == token && h.2 == view).ok_or(ERR_NOT_A_COPY)?;
-            let (_, copy, _) = s.copies.remove(at);
+            let (_, copy, _) = s.copies.remove(at).ok_or(ERR_NOT_A_COPY)?;
             if let Err(r) = c.release(copy) {
                 let (error, copy) = r.into_parts();
                 s.copies.insert(at, (token, copy, view));
