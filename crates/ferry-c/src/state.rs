@@ -612,3 +612,38 @@ pub fn collect_pools() {
         }
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// A callback that dispatches another waitset (a nested callback)
+    /// finds its own mark again once that returns: its sends on its own
+    /// waitset's channels are batched before and after, and nothing is
+    /// marked once the outer callback returned, even if the inner one
+    /// panicked.
+    #[test]
+    fn a_nested_callback_puts_the_outer_mark_back() {
+        let (_, outer) = new_ws().expect("a waitset");
+        let (_, inner) = new_ws().expect("a waitset");
+        THREAD.with(|t| {
+            assert!(!sending(t, &outer, None).batched);
+            as_callback_of(t, &outer, || {
+                assert!(sending(t, &outer, None).batched);
+                as_callback_of(t, &inner, || {
+                    assert!(sending(t, &inner, None).batched);
+                    assert!(!sending(t, &outer, None).batched);
+                });
+                assert!(sending(t, &outer, None).batched);
+                assert!(!sending(t, &inner, None).batched);
+                let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    as_callback_of(t, &inner, || panic!("the library failed inside a callback"));
+                }));
+                assert!(panicked.is_err());
+                assert!(sending(t, &outer, None).batched);
+            });
+            assert_eq!(t.in_callback.get(), 0);
+            assert!(!sending(t, &outer, None).batched);
+        });
+    }
+}
