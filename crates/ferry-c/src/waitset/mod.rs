@@ -3,273 +3,32 @@
 //! waitset has its own lock; the table's lock is taken inside it when an
 //! event or a call touches buffers or pools, never the other way round.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ferry::{Buffer, BufferState, Channel, ChannelState, Direction, Event, Meta, PoolId, Selector, MAX_META_SIZE};
+use ferry::{Buffer, BufferState, Channel, ChannelState, Direction, Event, Meta, PoolId, Selector};
 use rustix::event::{epoll, eventfd, EventfdFlags};
 
-use crate::boundary::{self, call, ChannelFields};
+use crate::boundary::{self, ChannelFields};
 use crate::closing::Closing;
 use crate::codes::*;
 use crate::ffi::*;
-use crate::state::{self, Res};
+use crate::state::Res;
 use crate::table::{
     drop_channel_handles, pool_at, with_buffer_in, with_pool, with_pool_in, PoolCache, View, GENERATION,
 };
 
-/// A continuation the program gave with a call that was accepted.
-#[derive(Clone, Copy)]
-pub struct Cont {
-    handler: ContHandler,
-    arg: usize,
-}
+mod chans;
+mod meta;
+mod work;
 
-impl Cont {
-    /// `None` for a continuation without handler (nothing to run).
-    pub fn of(c: BulkContinuation) -> Option<Cont> {
-        c.handler.map(|handler| Cont { handler, arg: c.arg as usize })
-    }
-}
-
-/// One thing for dispatch to run, outside every lock.
-pub enum Work {
-    /// A continuation.
-    Cont { cont: Cont, err: Errval, ch: usize },
-    /// `bind_received`.
-    Bind { f: unsafe extern "C" fn(*mut BulkChannel) -> Errval, ch: usize, token: usize },
-    /// `teardown_received`.
-    Teardown { f: unsafe extern "C" fn(*mut BulkChannel), ch: usize, token: usize },
-    /// `pool_assigned`, whose answer goes back to the peer.
-    PoolAssigned {
-        f: unsafe extern "C" fn(*mut BulkChannel, *mut BulkPool) -> Errval,
-        ch: usize,
-        token: usize,
-        pool_ptr: usize,
-        pool: PoolId,
-    },
-    /// `pool_removed`.
-    PoolRemoved {
-        f: unsafe extern "C" fn(*mut BulkChannel, *mut BulkPool) -> Errval,
-        ch: usize,
-        token: usize,
-        pool_ptr: usize,
-        pool: PoolId,
-    },
-    /// `move_received`, `buffer_received`, `copy_received` (run straight
-    /// from the poll that found the event: never queued).
-    Buffer { f: BufferCallback, ch: usize, token: usize, buffer: usize, meta: MetaBuf },
-    /// `copy_released`.
-    Released { f: unsafe extern "C" fn(*mut BulkChannel, *mut BulkBuffer), ch: usize, token: usize, buffer: usize },
-}
-
-impl Work {
-    /// The channel a callback is for (`None` for continuations, which run
-    /// even after their channel is destroyed).
-    fn callback_token(&self) -> Option<usize> {
-        match self {
-            Work::Cont { .. } => None,
-            Work::Bind { token, .. }
-            | Work::Teardown { token, .. }
-            | Work::PoolAssigned { token, .. }
-            | Work::PoolRemoved { token, .. }
-            | Work::Buffer { token, .. }
-            | Work::Released { token, .. } => Some(*token),
-        }
-    }
-
-    /// A pool the work hands to the program.
-    pub fn pool(&self) -> Option<PoolId> {
-        match self {
-            Work::PoolAssigned { pool, .. } | Work::PoolRemoved { pool, .. } => Some(*pool),
-            _ => None,
-        }
-    }
-
-    /// Runs it. Called without any lock held.
-    pub fn run(self) {
-        match self {
-            Work::Cont { cont, err, ch } => call::cont(cont.handler, cont.arg, err, ch),
-            Work::Bind { f, ch, .. } => call::channel_only_errval(f, ch),
-            Work::Teardown { f, ch, .. } => call::channel_only(f, ch),
-            Work::PoolAssigned { f, ch, token, pool_ptr, pool } => {
-                let answer = call::pool(f, ch, pool_ptr);
-                state::answer_pool(token, pool, answer == OK);
-            }
-            Work::PoolRemoved { f, ch, pool_ptr, .. } => {
-                call::pool(f, ch, pool_ptr);
-            }
-            Work::Buffer { f, ch, buffer, mut meta, .. } => call::buffer_meta(f, ch, buffer, meta.bytes_mut()),
-            Work::Released { f, ch, buffer, .. } => call::buffer(f, ch, buffer),
-        }
-    }
-}
-
-/// How a send goes out: its continuation, and whether a callback of the
-/// channel's waitset made it (see [`Waitset::sent`]).
-#[derive(Clone, Copy)]
-pub struct Sending {
-    /// The call's continuation.
-    pub cont: Option<Cont>,
-    /// Made by a callback of the channel's own waitset: published in a batch.
-    pub batched: bool,
-}
-
-/// A `move_received` or `buffer_received` callback ready to run: the
-/// usual event, handed to dispatch without a [`Work`] (its meta data is
-/// written straight into the dispatch's own [`MetaBuf`]).
-pub struct BufferCall {
-    f: BufferCallback,
-    ch: usize,
-    buffer: usize,
-}
-
-impl BufferCall {
-    /// Runs it with the meta data `next_step` wrote. Called without any
-    /// lock held.
-    pub fn run(self, meta: &mut MetaBuf) {
-        call::buffer_meta(self.f, self.ch, self.buffer, meta.bytes_mut());
-    }
-}
-
-/// What dispatch does next.
-pub enum Step {
-    /// Run this, then return.
-    Run(Work),
-    /// Run this buffer callback with the meta data written to the
-    /// dispatch's [`MetaBuf`], then return.
-    Buffer(BufferCall),
-    /// Nothing now, and the waitset is still spinning: look again.
-    Spin,
-    /// Nothing is due and the channels (destroyed ends that wait for their
-    /// peers too) are armed: wait for `fd`. `live`: something can still
-    /// happen.
-    Idle { fd: i32, live: bool },
-    /// Nothing is due, and the channels were not armed: the dispatch does
-    /// not sleep and nobody else can wait on the waitset's fd.
-    Nothing,
-}
-
-/// Where a channel end is.
-enum Link {
-    /// In the selector, under this key.
-    Attached(usize),
-    /// Out of the selector because it closed (kept until destroyed).
-    Detached(Box<Channel>),
-}
-
-/// A channel end created or bound through the C interface.
-pub struct Chan {
-    /// Its token (the `impl_data` of the program's struct).
-    token: usize,
-    /// Address of the program's `struct bulk_channel`.
-    c_addr: usize,
-    /// Address of the program's callbacks.
-    callbacks: usize,
-    link: Link,
-    bind_cont: Option<Cont>,
-    /// Our pool assignments and removals waiting for the peer's answer.
-    assigning: Vec<(PoolId, Option<Cont>)>,
-    removing: Vec<(PoolId, Option<Cont>)>,
-    /// Bound once: its end is reported by teardown_received.
-    connected_once: bool,
-    /// Payload bytes this end gave a network link to send, in all.
-    queued_payload: u64,
-    /// Continuations of sends over a network link whose bytes are not all
-    /// written to the socket yet: they run once the link's count of payload
-    /// bytes sent reaches the number.
-    unsent: VecDeque<(u64, Cont)>,
-}
-
-/// An attached channel end as the direct poll sees it: what a buffer
-/// event needs to become its callback.
-#[derive(Clone, Copy)]
-struct Polled {
-    /// Its key in the selector.
-    key: usize,
-    /// Its token.
-    token: usize,
-    /// Address of the program's `struct bulk_channel`.
-    c_addr: usize,
-    /// Address of the program's callbacks.
-    callbacks: usize,
-    /// A local channel, whose sends held back are published only by a
-    /// flush or a poll that finds nothing (a shared-memory end publishes
-    /// an answer at once when it has caught up with its arrivals).
-    local: bool,
-}
-
-/// A channel end as calls name it: its token, and its place among its
-/// waitset's channel ends (found without hashing the token; checked
-/// against the token, so a stale place finds nothing).
-#[derive(Clone, Copy, Debug)]
-pub struct ChanId {
-    /// The channel's token (never reused).
-    pub token: usize,
-    /// Where [`Waitset::insert`] put it.
-    pub place: usize,
-}
-
-/// A waitset's channel ends: at their places (a call finds its end by
-/// the place it was given, no hashing), and by token (the rarer lookups).
-#[derive(Default)]
-struct Chans {
-    /// The ends at their places; a destroyed end leaves a hole, which the
-    /// next end takes.
-    at: Vec<Option<Chan>>,
-    /// The holes in `at`.
-    holes: Vec<usize>,
-    /// Token → place.
-    places: IdMap<usize>,
-}
-
-impl Chans {
-    /// Adds an end; its place.
-    fn insert(&mut self, chan: Chan) -> usize {
-        let token = chan.token;
-        let place = match self.holes.pop() {
-            Some(p) => {
-                self.at[p] = Some(chan);
-                p
-            }
-            None => {
-                self.at.push(Some(chan));
-                self.at.len() - 1
-            }
-        };
-        self.places.insert(token, place);
-        place
-    }
-
-    /// The end `id` names, if it is still there.
-    fn at_mut(&mut self, id: ChanId) -> Option<&mut Chan> {
-        self.at.get_mut(id.place)?.as_mut().filter(|c| c.token == id.token)
-    }
-
-    /// The end of `token`.
-    fn get_mut(&mut self, token: &usize) -> Option<&mut Chan> {
-        let place = *self.places.get(token)?;
-        self.at.get_mut(place)?.as_mut()
-    }
-
-    /// Takes the end of `token` out.
-    fn remove(&mut self, token: &usize) -> Option<Chan> {
-        let place = self.places.remove(token)?;
-        let chan = self.at.get_mut(place)?.take();
-        self.holes.push(place);
-        chan
-    }
-
-    fn is_empty(&self) -> bool {
-        self.places.is_empty()
-    }
-
-    fn values_mut(&mut self) -> impl Iterator<Item = &mut Chan> {
-        self.at.iter_mut().flatten()
-    }
-}
+use chans::{channel_of, Chan, Chans, Link, Polled};
+pub use chans::{ChanId, IdMap};
+use meta::meta_bytes;
+pub use meta::MetaBuf;
+pub use work::{BufferCall, Cont, Sending, Step, Work};
 
 /// What a direct poll of the channels found.
 enum Found {
@@ -303,28 +62,6 @@ pub struct SpinClock {
     until: Option<Instant>,
     polls: u32,
 }
-
-/// Hashes the small integers a waitset's maps are keyed by (selector keys,
-/// channel tokens) with one multiplication: no SipHash on the data path.
-#[derive(Default, Clone, Copy)]
-pub struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_usize(&mut self, v: usize) {
-        self.0 = (v as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-/// A map keyed by small integers.
-pub type IdMap<V> = HashMap<usize, V, std::hash::BuildHasherDefault<IdHasher>>;
 
 /// A channel end and the parts of its waitset a call on it uses.
 type ChanParts<'a> = (&'a mut Chan, &'a mut Selector, &'a mut PoolCache, &'a mut bool);
@@ -387,67 +124,6 @@ pub struct Waitset {
     closing: Closing,
 }
 
-/// The bytes a callback sees as meta data: the channel's meta size,
-/// zero-padded (so never empty), aligned to 16 bytes (as malloc's memory
-/// is: programs read their meta data as integers or structs). Small meta
-/// data, the usual kind, is kept inline: no allocation per event, and
-/// work stays small to move.
-pub enum MetaBuf {
-    /// Up to [`INLINE_META`] bytes.
-    Inline(Aligned<INLINE_META>),
-    /// Up to [`MAX_META_SIZE`] bytes.
-    Heap(Box<Aligned<MAX_META_SIZE>>),
-}
-
-/// Bytes aligned to 16.
-#[repr(C, align(16))]
-pub struct Aligned<const N: usize>([u8; N]);
-
-/// Meta data kept inline in a [`MetaBuf`].
-const INLINE_META: usize = 32;
-
-impl MetaBuf {
-    /// Zeroed inline bytes: what a dispatch starts with.
-    pub fn new() -> MetaBuf {
-        MetaBuf::Inline(Aligned([0u8; INLINE_META]))
-    }
-
-    /// Writes `meta` for a channel of `meta_size` into a buffer that is
-    /// still as [`new`](Self::new) made it (zero padding included).
-    fn fill(&mut self, meta: &Meta, meta_size: usize) {
-        if meta_size > INLINE_META {
-            *self = meta_bytes(meta, meta_size);
-            return;
-        }
-        // One look at the bytes (the deref is a call into ferry).
-        let meta: &[u8] = meta;
-        let n = meta.len().min(meta_size);
-        self.bytes_mut()[..n].copy_from_slice(&meta[..n]);
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            MetaBuf::Inline(b) => &mut b.0[..],
-            MetaBuf::Heap(b) => &mut b.0[..],
-        }
-    }
-}
-
-fn meta_bytes(meta: &Meta, meta_size: usize) -> MetaBuf {
-    // One look at the bytes (the deref is a call into ferry).
-    let meta: &[u8] = meta;
-    let n = meta.len().min(meta_size).min(MAX_META_SIZE);
-    if meta_size <= INLINE_META {
-        let mut v = Aligned([0u8; INLINE_META]);
-        v.0[..n].copy_from_slice(&meta[..n]);
-        MetaBuf::Inline(v)
-    } else {
-        let mut v = Box::new(Aligned([0u8; MAX_META_SIZE]));
-        v.0[..n].copy_from_slice(&meta[..n]);
-        MetaBuf::Heap(v)
-    }
-}
-
 fn fields_of(c: &Channel, closed: bool) -> ChannelFields {
     ChannelFields {
         state: if closed { STATE_CLOSED } else { state_to(c.state()) },
@@ -469,14 +145,6 @@ fn check_sending(c: &Channel, dir: Direction) -> Res<()> {
         return Err(ERR_WRONG_DIRECTION);
     }
     Ok(())
-}
-
-/// The channel of `chan`, wherever it is.
-fn channel_of<'a>(selector: &'a mut Selector, chan: &'a mut Chan) -> Option<&'a mut Channel> {
-    match &mut chan.link {
-        Link::Attached(key) => selector.get_mut(*key),
-        Link::Detached(c) => Some(c),
-    }
 }
 
 impl Waitset {
@@ -1008,7 +676,7 @@ impl Waitset {
         if assign {
             // As the original's local backend does, a continuation given
             // without an argument gets the pool as its argument.
-            let cont = cont.map(|c| Cont { arg: if c.arg == 0 { pool } else { c.arg }, ..c });
+            let cont = cont.map(|c| c.or_arg(pool));
             chan.assigning.push((id, cont));
         } else {
             chan.removing.push((id, cont));
