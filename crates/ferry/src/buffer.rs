@@ -270,6 +270,16 @@ impl Spares {
         }
     }
 
+    /// A kept reference to the view of pool `id`, if the last one kept is
+    /// of it (a channel whose buffers go back and forth keeps them).
+    #[inline]
+    pub(crate) fn view_of(&mut self, id: PoolId) -> Option<Arc<PoolView>> {
+        if self.views.last().is_some_and(|v| v.id() == id) {
+            return self.views.pop();
+        }
+        None
+    }
+
     /// Drop the kept references to views of pool `id` (it left the
     /// channel: they would keep its mapping alive).
     pub(crate) fn forget_pool(&mut self, id: PoolId) {

@@ -38,6 +38,8 @@ struct EpShared {
 struct EpState {
     /// The creator's setup, once a channel is created here.
     setup: Option<ChannelSetup>,
+    /// The creator's domain (see [`Link::same_domain`]).
+    creator_domain: u64,
     /// Rung for the creator when a bind offer arrives (and, once
     /// connected, when its peer sends).
     creator: Option<Arc<Doorbell>>,
@@ -67,7 +69,7 @@ impl LocalEndpoint {
         self.shared.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
+    pub(crate) fn listen(&self, setup: &ChannelSetup, domain: u64) -> Result<Pending> {
         if setup.trust == TrustLevel::None {
             // Within one address space nothing can be enforced against the
             // process itself; NONE needs separate processes (shm backend).
@@ -79,11 +81,12 @@ impl LocalEndpoint {
         }
         let bell = Arc::new(Doorbell::new()?);
         st.setup = Some(*setup);
+        st.creator_domain = domain;
         st.creator = Some(bell.clone());
         Ok(Box::new(CreatorPending { ep: self.shared.clone(), setup: *setup, bell }))
     }
 
-    pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
+    pub(crate) fn connect(&self, params: &BindParams, domain: u64) -> Result<Pending> {
         let mut st = self.lock();
         let (Some(setup), Some(creator_bell)) = (st.setup, st.creator.clone()) else {
             return Err(ErrorKind::EndpointNotListening.into());
@@ -101,6 +104,7 @@ impl LocalEndpoint {
         let (to_creator_pools, to_binder_pools) = (Arc::default(), Arc::default());
         let meta = setup.meta_size;
         let (to_creator_last, to_binder_last) = (Arc::default(), Arc::default());
+        let same_domain = st.creator_domain == domain;
         let creator_link = LocalLink {
             tx: to_binder_tx,
             rx: to_creator_rx,
@@ -113,6 +117,7 @@ impl LocalEndpoint {
             last_in: Arc::clone(&to_creator_last),
             batching: false,
             write_back: WriteBack::default(),
+            same_domain,
         };
         let binder_link = LocalLink {
             tx: to_creator_tx,
@@ -126,6 +131,7 @@ impl LocalEndpoint {
             last_in: to_binder_last,
             batching: false,
             write_back: WriteBack::default(),
+            same_domain,
         };
         let reply: Reply = Arc::new(Mutex::new(None));
         st.offer = Some(Offer { params: *params, creator_link, reply: reply.clone(), binder: binder_bell.clone() });
@@ -244,6 +250,8 @@ pub(crate) struct LocalLink {
     batching: bool,
     /// Pools the peer has in other memory than ours (see `unshared`).
     write_back: WriteBack,
+    /// The binder is of the creator's domain (see [`Link::same_domain`]).
+    same_domain: bool,
 }
 
 impl std::fmt::Debug for LocalLink {
@@ -305,6 +313,10 @@ impl LocalLink {
 }
 
 impl Link for LocalLink {
+    fn same_domain(&self) -> bool {
+        self.same_domain
+    }
+
     fn queued(&mut self) -> Option<usize> {
         Some((self.tx.capacity() - self.tx.free_slots_now()) as usize)
     }

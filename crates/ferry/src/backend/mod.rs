@@ -145,6 +145,12 @@ pub(crate) trait Link: Send {
     fn peer_can_die(&self) -> bool {
         false
     }
+    /// Both ends belong to one domain (a local link made by a bind from
+    /// the creator's own domain): a buffer that travels over it never
+    /// leaves the domain (see `Channel::same_domain`).
+    fn same_domain(&self) -> bool {
+        false
+    }
     /// The memory this end writes for every message (address, length),
     /// for the tests that keep it off the peer end's cache lines.
     #[cfg(test)]
@@ -437,9 +443,11 @@ impl Endpoint {
         Endpoint::Fabric(FabricEndpoint::new(addr, options))
     }
 
-    pub(crate) fn listen(&self, setup: &ChannelSetup) -> Result<Pending> {
+    /// Listen for a binder, for a channel of the domain `domain` (the id
+    /// matters to the local backend alone: see [`Link::same_domain`]).
+    pub(crate) fn listen(&self, setup: &ChannelSetup, domain: u64) -> Result<Pending> {
         match self {
-            Endpoint::Local(ep) => ep.listen(setup),
+            Endpoint::Local(ep) => ep.listen(setup, domain),
             #[cfg(not(loom))]
             Endpoint::Shm(ep) => ep.listen(setup),
             #[cfg(not(loom))]
@@ -451,9 +459,11 @@ impl Endpoint {
         }
     }
 
-    pub(crate) fn connect(&self, params: &BindParams) -> Result<Pending> {
+    /// Bind to the channel created here, for a channel of the domain
+    /// `domain` (as for [`Endpoint::listen`]).
+    pub(crate) fn connect(&self, params: &BindParams, domain: u64) -> Result<Pending> {
         match self {
-            Endpoint::Local(ep) => ep.connect(params),
+            Endpoint::Local(ep) => ep.connect(params, domain),
             #[cfg(not(loom))]
             Endpoint::Shm(ep) => ep.connect(params),
             #[cfg(not(loom))]

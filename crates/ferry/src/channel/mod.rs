@@ -244,6 +244,14 @@ pub struct Channel {
     /// Buffers moved or passed to a peer that can die, not back yet: if the
     /// peer process exits they return to us.
     lent: Option<LentSet>,
+    /// Both ends are this domain's, over a local link, at trust FULL: a
+    /// buffer moved or passed between them never leaves the domain, so the
+    /// domain's records of it do not change (it stays owned, read-write,
+    /// while in the queue, and its handle's references travel as spares).
+    /// Neither end takes the domain's lock for it, so the two threads of
+    /// such a channel share no line but the queue's. Copies and aggregates
+    /// keep the domain's accounting (read-only states, releases).
+    same_domain: bool,
     /// References of the buffer handles we gave away, for those we receive.
     spares: Spares,
     /// The dropped copies a flush works on, kept for the next flush (no
@@ -332,7 +340,7 @@ impl Channel {
             return Err(ErrorKind::BadAlignment(setup.constraints.alignment).into());
         }
         let wake = WakeSet::new()?;
-        let pending = endpoint.listen(&setup)?;
+        let pending = endpoint.listen(&setup, domain.id())?;
         let mut ch = Channel::new(domain, endpoint, ChannelState::Initialized, pending, wake);
         ch.direction = setup.direction;
         ch.role = setup.role;
@@ -371,7 +379,7 @@ impl Channel {
             return Err(ErrorKind::BadAlignment(params.constraints.alignment).into());
         }
         let wake = WakeSet::new()?;
-        let pending = endpoint.connect(&params)?;
+        let pending = endpoint.connect(&params, domain.id())?;
         let mut ch = Channel::new(domain, endpoint, ChannelState::Binding, pending, wake);
         ch.limits = params.limits;
         Ok(ch)
@@ -401,6 +409,7 @@ impl Channel {
             sent_teardown: false,
             got_teardown: false,
             lent: None,
+            same_domain: false,
             spares: Spares::default(),
             deferred: Vec::new(),
             helpers: connect::Helpers::default(),

@@ -233,6 +233,8 @@ impl Channel {
                 self.pending = None;
                 self.state = ChannelState::Connected;
                 self.trust = neg.trust;
+                // Both ends see the same link and the same negotiated trust.
+                self.same_domain = link.same_domain() && neg.trust == TrustLevel::Full;
                 self.meta_size = neg.meta_size;
                 self.constraints = neg.constraints;
                 if !creator {
@@ -401,6 +403,17 @@ impl Channel {
                     ))
                     .into());
                 }
+                if self.same_domain {
+                    // It never left the domain: nothing to record.
+                    let view = self.same_domain_view(buf)?;
+                    let buffer = self.spares.buffer(&self.domain.shared, view, buf.index);
+                    self.inspect.counters.received(if is_move { Op::Move } else { Op::Pass }, buffer.len() as u64);
+                    return Ok(if is_move {
+                        Event::MoveReceived { buffer, meta }
+                    } else {
+                        Event::BufferPassed { buffer, meta }
+                    });
+                }
                 let (view, ()) = self.delivered_view(buf, |e| {
                     if !DomainState::arrived_in(e, buf.index, key) {
                         return Err(
@@ -539,6 +552,21 @@ impl Channel {
         let e = named_entry_mut(&mut st, buf)?;
         let view = self.spares.view(&e.view);
         Ok((view, apply(e)?))
+    }
+
+    /// The view for a handle of `buf`, moved or passed to us by an end of
+    /// our own domain (see [`Channel::same_domain`]): the one the last
+    /// buffer we gave away left in the spares (a channel's buffers go back
+    /// and forth), else the domain's, looked up without changing anything.
+    fn same_domain_view(&mut self, buf: BufferId) -> Result<Arc<PoolView>> {
+        self.check_listed(buf)?;
+        if let Some(view) = self.spares.view_of(buf.pool) {
+            if buf.index < view.geometry().count() {
+                return Ok(view);
+            }
+        }
+        let st = self.domain.lock();
+        Ok(named_entry(&st, buf)?.view.clone())
     }
 
     /// [`Channel::delivered_view`] for a delivery that makes no handle (a

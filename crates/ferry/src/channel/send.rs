@@ -601,9 +601,13 @@ impl Channel {
         make: impl FnOnce(BufferId, Meta) -> Message,
     ) -> Result<(), Refused<Buffer>> {
         let id = buffer.id();
-        let lent = self.domain.lock().lend(id, self.key, self.lent.is_some());
-        if let Err(e) = lent {
-            return Err(Refused::new(e, buffer));
+        // Between two ends of one domain the buffer stays the domain's (see
+        // `Channel::same_domain`): its records do not change.
+        if !self.same_domain {
+            let lent = self.domain.lock().lend(id, self.key, self.lent.is_some());
+            if let Err(e) = lent {
+                return Err(Refused::new(e, buffer));
+            }
         }
         let msg = make(id, Meta::new(meta).expect("meta checked"));
         let link = self.link_mut();
@@ -619,7 +623,9 @@ impl Channel {
                 Ok(())
             }
             Err(e) => {
-                self.domain.lock().take_ownership(id);
+                if !self.same_domain {
+                    self.domain.lock().take_ownership(id);
+                }
                 Err(Refused::new(e, buffer))
             }
         }
