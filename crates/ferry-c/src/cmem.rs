@@ -58,9 +58,4 @@ impl<T> CArray<T> {
     pub fn base(&self) -> usize {
         self.cells.as_ptr() as usize
     }
-
-    /// How many objects there are.
-    pub fn len(&self) -> usize {
-        self.cells.len()
-    }
 }

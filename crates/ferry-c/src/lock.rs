@@ -144,6 +144,88 @@ impl<T> Drop for SpinGuard<'_, T> {
     }
 }
 
+/// A [`SpinLock`] that also guards an object C code reads (a buffer's
+/// `struct bulk_buffer`), placed first, before the lock's flag: a user lays
+/// the value out so that the fields it changes with the object fill the
+/// rest of the object's cache line, and one line then carries all that a
+/// thread writes under the lock (another thread that takes it next fetches
+/// one line, not two).
+///
+/// C code is given the object's address ([`c_ptr`](Self::c_ptr)) and only
+/// reads it (the interface's contract: library-owned structs are read-only
+/// to programs); Rust reads and writes it only through a guard.
+#[repr(C)]
+pub struct SpinLockWithC<C, T> {
+    c: UnsafeCell<C>,
+    lock: SpinLock<T>,
+}
+
+// SAFETY: Rust reaches `c` only through a guard of `lock`, one thread at a
+// time, as `value`; C code only reads it. So sharing the pair shares `c`
+// as a Mutex would (its raw pointers are addresses C code reads, which no
+// Rust code here dereferences), and `T: Send` is enough for `value`.
+unsafe impl<C, T: Send> Sync for SpinLockWithC<C, T> {}
+// SAFETY: as above: moving the pair to another thread moves `c` with the
+// lock that guards it.
+unsafe impl<C, T: Send> Send for SpinLockWithC<C, T> {}
+
+/// Access to the value and the C object of a taken [`SpinLockWithC`]
+/// (both let go when dropped).
+pub struct GuardWithC<'a, C, T> {
+    c: &'a UnsafeCell<C>,
+    guard: SpinGuard<'a, T>,
+}
+
+impl<C, T> SpinLockWithC<C, T> {
+    /// A lock holding `value` and guarding the C object `c`.
+    pub fn new(c: C, value: T) -> Self {
+        SpinLockWithC { c: UnsafeCell::new(c), lock: SpinLock::new(value) }
+    }
+
+    /// The C object's address (for C code, which only reads it).
+    pub fn c_ptr(&self) -> *mut C {
+        self.c.get()
+    }
+
+    /// Takes the lock, waiting for it if another thread holds it.
+    #[inline]
+    pub fn lock(&self) -> GuardWithC<'_, C, T> {
+        GuardWithC { c: &self.c, guard: self.lock.lock() }
+    }
+}
+
+impl<C, T> GuardWithC<'_, C, T> {
+    /// The C object as it is.
+    #[inline]
+    pub fn c(&self) -> &C {
+        // SAFETY: this guard holds the lock, and Rust writes the object only
+        // through a guard's `&mut` (`update_c`), which this `&self` borrow
+        // excludes: no write overlaps (C code only reads).
+        unsafe { &*self.c.get() }
+    }
+
+    /// Changes the C object.
+    #[inline]
+    pub fn update_c(&mut self, f: impl FnOnce(&mut C)) {
+        // SAFETY: as in `c`, and `&mut self` makes this the only Rust
+        // access made through the guard meanwhile.
+        f(unsafe { &mut *self.c.get() })
+    }
+}
+
+impl<C, T> Deref for GuardWithC<'_, C, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+impl<C, T> DerefMut for GuardWithC<'_, C, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.guard
+    }
+}
+
 /// The lock's model: loom runs every interleaving (up to its preemption
 /// bound) of threads that take the lock and change a value that loom
 /// watches for data races: without the acquiring take or the releasing
@@ -244,8 +326,31 @@ mod loom_tests {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
-    use super::SpinLock;
+    use super::{SpinLock, SpinLockWithC};
     use std::sync::Arc;
+
+    /// The C object sits first, where its address says, and what a guard
+    /// writes there is what C code reads; the value beside it is the lock's.
+    #[test]
+    fn the_c_object_is_first_and_written_through_the_guard() {
+        #[repr(C)]
+        struct Obj {
+            state: u32,
+            count: u32,
+        }
+        let lock = SpinLockWithC::new(Obj { state: 0, count: 0 }, 5u64);
+        assert_eq!(lock.c_ptr() as usize, &lock as *const _ as usize);
+        {
+            let mut g = lock.lock();
+            g.update_c(|o| (o.state, o.count) = (3, 1));
+            *g += 1;
+            assert_eq!((g.c().state, g.c().count, *g), (3, 1, 6));
+        }
+        // SAFETY: nothing holds the lock, so nothing writes the object: a
+        // plain read, as a C program makes.
+        let seen = unsafe { (*lock.c_ptr()).state };
+        assert_eq!(seen, 3);
+    }
 
     /// Increments from several threads under the lock are none of them lost.
     #[test]

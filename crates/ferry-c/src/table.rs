@@ -19,7 +19,7 @@ use crate::boundary;
 use crate::cmem::{CArray, CRef};
 use crate::codes::*;
 use crate::ffi::*;
-use crate::lock::{SpinGuard, SpinLock};
+use crate::lock::{GuardWithC, SpinLock, SpinLockWithC};
 use crate::state::{new_token, Res, DOMAIN};
 
 static TABLE: LazyLock<RwLock<Table>> = LazyLock::new(Default::default);
@@ -103,27 +103,24 @@ impl std::ops::Deref for Copies {
     }
 }
 
-/// One buffer: the program's handles of it and its two C objects.
+/// One buffer: the program's handles of it, and its second C object (the
+/// owner's object is the one its [`SlotCell`]'s lock guards).
 ///
-/// Laid out (`repr(C)`) so that the data path's fields come first and,
-/// behind the lock's flag (see [`SlotCell`]), fill one cache line: a
-/// buffer that goes between two threads of the process (both ends of a
-/// local channel) moves one line from core to core per hop, not three.
-/// The rest is read only when the program holds copies.
+/// Laid out (`repr(C)`) so that `owned`, the one field a move, a pass or a
+/// delivery writes, comes first: behind the owner's object and the lock's
+/// flag it ends the slot's first cache line (see [`SlotCell`]). The rest
+/// is only read on the data path, and written when copies come and go.
 #[repr(C)]
 pub struct Slot {
     /// The program owns the buffer.
     pub owned: Option<Buffer>,
-    /// The `state` and `local_ref_count` last written to each object (so
-    /// that a transition writes only the object that changes: another
-    /// thread reading or changing the buffer next does not have to fetch
-    /// the other's cache line). `written[0].0` is what the owner's object
-    /// says.
-    written: [(u32, u32); 2],
-    owner_obj: CRef<BulkBuffer>,
     /// Copies the program received.
     pub copies: Copies,
     copy_obj: CRef<BulkBuffer>,
+    /// The `state` and `local_ref_count` last written to the second object
+    /// (compared instead of read back: it is written only when copies
+    /// change).
+    copy_written: (u32, u32),
     /// The buffer's pool, in words: a `PoolId` would align the slot, and
     /// the lock's flag before it, to 16 bytes.
     pool: BulkPoolId,
@@ -159,38 +156,6 @@ impl Slot {
         (owner_state, owner_copies, copy_state, view_copies)
     }
 
-    /// Rewrites the C objects from the handles and the domain.
-    pub fn refresh(&mut self) {
-        self.refresh_as(None);
-    }
-
-    /// [`refresh`](Self::refresh) when the caller knows the domain's state
-    /// of a buffer the program owns (a buffer moved, passed or allocated to
-    /// it is READ_WRITE: nothing can be copied from a buffer in flight or
-    /// free), sparing the domain's lock on the data path.
-    pub fn refresh_as(&mut self, known: Option<BufferState>) {
-        let (owner_state, owner_copies, copy_state, view_copies) = self.states(known);
-        if self.written[0] != (owner_state, owner_copies) {
-            self.written[0] = (owner_state, owner_copies);
-            self.owner_obj.update(|b| {
-                b.state = owner_state;
-                b.local_ref_count = owner_copies;
-            });
-        }
-        if self.written[1] != (copy_state, view_copies) {
-            self.written[1] = (copy_state, view_copies);
-            self.copy_obj.update(|b| {
-                b.state = copy_state;
-                b.local_ref_count = view_copies;
-            });
-        }
-    }
-
-    /// What the owner's object says now.
-    pub fn owner_state(&self) -> u32 {
-        self.written[0].0
-    }
-
     /// The state the object of `view` shows.
     fn state_of(&self, view: View) -> u32 {
         let (owner_state, _, copy_state, _) = self.states(None);
@@ -206,11 +171,54 @@ impl Slot {
     }
 }
 
-/// A buffer's slot and its lock, on cache lines of its own: two threads
-/// working on neighbouring buffers (a stream between threads, many
-/// buffers in flight) do not take each other's lines.
-#[repr(align(64))]
-struct SlotCell(SpinLock<Slot>);
+/// A buffer's slot and its owner's C object (`pool->buffers[i]`), under one
+/// lock, on two cache lines of their own. The first holds what a move, a
+/// pass or a delivery writes: the object (its `state`), the lock's flag and
+/// the slot's `owned`. A buffer that goes between two threads of the
+/// process (both ends of a local channel) then takes one line from core to
+/// core per hop, and two threads working on neighbouring buffers (a
+/// stream, many buffers in flight) never share one.
+#[repr(C, align(64))]
+struct SlotCell(SpinLockWithC<BulkBuffer, Slot>);
+
+/// A buffer's slot, locked, with its owner's C object.
+pub type SlotGuard<'a> = GuardWithC<'a, BulkBuffer, Slot>;
+
+impl SlotGuard<'_> {
+    /// Rewrites the C objects from the handles and the domain.
+    pub fn refresh(&mut self) {
+        self.refresh_as(None);
+    }
+
+    /// [`refresh`](Self::refresh) when the caller knows the domain's state
+    /// of a buffer the program owns (a buffer moved, passed or allocated to
+    /// it is READ_WRITE: nothing can be copied from a buffer in flight or
+    /// free), sparing the domain's lock on the data path. An object is
+    /// written only if it changes (another thread reading the buffer's
+    /// object next then does not have to fetch the line again).
+    pub fn refresh_as(&mut self, known: Option<BufferState>) {
+        let (owner_state, owner_copies, copy_state, view_copies) = self.states(known);
+        let obj = self.c();
+        if (obj.state, obj.local_ref_count) != (owner_state, owner_copies) {
+            self.update_c(|b| {
+                b.state = owner_state;
+                b.local_ref_count = owner_copies;
+            });
+        }
+        if self.copy_written != (copy_state, view_copies) {
+            self.copy_written = (copy_state, view_copies);
+            self.copy_obj.update(|b| {
+                b.state = copy_state;
+                b.local_ref_count = view_copies;
+            });
+        }
+    }
+
+    /// What the owner's object says now.
+    pub fn owner_state(&self) -> u32 {
+        self.c().state
+    }
+}
 
 /// A pool this process knows, with its C objects.
 pub struct PoolEntry {
@@ -219,9 +227,9 @@ pub struct PoolEntry {
     cpool: CArray<BulkPool>,
     /// Writes the pool's `trust`.
     cpool_ref: Mutex<CRef<BulkPool>>,
-    bufs: CArray<BulkBuffer>,
     /// The second object of each buffer (same address; its own state and
-    /// count), for a copy held beside the owner's buffer.
+    /// count), for a copy held beside the owner's buffer (the owner's
+    /// objects are in `slots`).
     copy_bufs: CArray<BulkBuffer>,
     /// The pool's `buffers` array.
     _ptrs: CArray<*mut BulkBuffer>,
@@ -275,14 +283,20 @@ impl PoolEntry {
     /// Buffer `i`'s C object of `view`.
     pub fn buffer_ptr(&self, i: usize, view: View) -> usize {
         match view {
-            View::Owner => self.bufs.ptr(i) as usize,
+            View::Owner => self.slots[i].0.c_ptr() as usize,
             View::Copy => self.copy_bufs.ptr(i) as usize,
         }
     }
 
     /// Buffer `i`, locked.
-    pub fn slot(&self, i: usize) -> SpinGuard<'_, Slot> {
+    pub fn slot(&self, i: usize) -> SlotGuard<'_> {
         self.slots[i].0.lock()
+    }
+
+    /// The address of the first owner's object (they are a [`SlotCell`]
+    /// apart).
+    fn owner_objs_base(&self) -> usize {
+        self.slots.as_ptr() as usize
     }
 
     /// Rewrites the pool's trust from the domain.
@@ -331,19 +345,16 @@ pub fn pool_id_of(w: BulkPoolId) -> PoolId {
     PoolId::from_u128(v)
 }
 
-fn new_buffers(n: usize, base: usize, size: usize, pool: *mut BulkPool) -> (CArray<BulkBuffer>, Vec<CRef<BulkBuffer>>) {
-    CArray::new(
-        (0..n)
-            .map(|i| BulkBuffer {
-                address: (base + i * size) as *mut std::ffi::c_void,
-                pool,
-                bufferid: i as u32,
-                state: 0,
-                local_ref_count: 0,
-                reserved: 0,
-            })
-            .collect(),
-    )
+/// Buffer `i`'s C object, INVALID.
+fn buffer_object(i: usize, base: usize, size: usize, pool: *mut BulkPool) -> BulkBuffer {
+    BulkBuffer {
+        address: (base + i * size) as *mut std::ffi::c_void,
+        pool,
+        bufferid: i as u32,
+        state: 0,
+        local_ref_count: 0,
+        reserved: 0,
+    }
 }
 
 impl Table {
@@ -365,39 +376,38 @@ impl Table {
             buffers: std::ptr::null_mut(),
         }]);
         let pool_ptr = cpool.ptr(0);
-        let (bufs, owner_objs) = new_buffers(n, base, size, pool_ptr);
-        let (copy_bufs, copy_objs) = new_buffers(n, base, size, pool_ptr);
-        let (ptrs, _) = CArray::new((0..n).map(|i| bufs.ptr(i)).collect());
-        let ptrs_base = ptrs.ptr(0);
-        let mut cpool_ref = cpool_refs.pop().expect("one pool object");
-        cpool_ref.update(|p| p.buffers = ptrs_base);
-        let slots = owner_objs
+        let (copy_bufs, copy_objs) = CArray::new((0..n).map(|i| buffer_object(i, base, size, pool_ptr)).collect());
+        let slots: Box<[SlotCell]> = copy_objs
             .into_iter()
-            .zip(copy_objs)
             .enumerate()
-            .map(|(i, (owner_obj, copy_obj))| {
-                let mut s = Slot {
+            .map(|(i, copy_obj)| {
+                let s = Slot {
                     owned: None,
-                    written: [(0, 0); 2],
-                    owner_obj,
                     copies: Copies::default(),
                     copy_obj,
+                    copy_written: (0, 0),
                     pool: pool_id_words(id),
                     index: i as u32,
                 };
-                s.refresh();
-                SlotCell(SpinLock::new(s))
+                SlotCell(SpinLockWithC::new(buffer_object(i, base, size, pool_ptr), s))
             })
             .collect();
+        for cell in slots.iter() {
+            cell.0.lock().refresh();
+        }
+        let (ptrs, _) = CArray::new(slots.iter().map(|cell| cell.0.c_ptr()).collect());
+        let ptrs_base = ptrs.ptr(0);
+        let mut cpool_ref = cpool_refs.pop().expect("one pool object");
+        cpool_ref.update(|p| p.buffers = ptrs_base);
+        let owner_base = slots.as_ptr() as usize;
         self.pool_addr.insert(pool_ptr as usize, id);
-        self.buffer_addr.insert(bufs.base(), (id, View::Owner));
+        self.buffer_addr.insert(owner_base, (id, View::Owner));
         self.buffer_addr.insert(copy_bufs.base(), (id, View::Copy));
         let allocator_present = allocator.is_some();
         let e = Arc::new(PoolEntry {
             pool,
             cpool,
             cpool_ref: Mutex::new(cpool_ref),
-            bufs,
             copy_bufs,
             _ptrs: ptrs,
             slots,
@@ -491,11 +501,15 @@ fn remember(e: Arc<PoolEntry>, epoch: u64) {
 impl PoolEntry {
     /// Index and view of a `struct bulk_buffer` address in this pool.
     fn locate(&self, p: usize) -> Option<(usize, View)> {
-        let size = std::mem::size_of::<BulkBuffer>();
-        let n = self.bufs.len();
-        [(self.bufs.base(), View::Owner), (self.copy_bufs.base(), View::Copy)].into_iter().find_map(|(base, view)| {
+        let n = self.slots.len();
+        [
+            (self.owner_objs_base(), std::mem::size_of::<SlotCell>(), View::Owner),
+            (self.copy_bufs.base(), std::mem::size_of::<BulkBuffer>(), View::Copy),
+        ]
+        .into_iter()
+        .find_map(|(base, stride, view)| {
             let off = p.checked_sub(base)?;
-            (off % size == 0 && off / size < n).then_some((off / size, view))
+            (off % stride == 0 && off / stride < n).then_some((off / stride, view))
         })
     }
 }
@@ -625,7 +639,7 @@ pub fn forget(ids: &[PoolId]) {
         if t.pools.get(id).is_some_and(|e| e.unheld()) {
             if let Some(e) = t.pools.remove(id) {
                 t.pool_addr.remove(&e.pool_ptr());
-                t.buffer_addr.remove(&e.bufs.base());
+                t.buffer_addr.remove(&e.owner_objs_base());
                 t.buffer_addr.remove(&e.copy_bufs.base());
             }
         }
@@ -834,20 +848,39 @@ pub fn alloc_return_buffer(a: *mut BulkAllocator, buffer: usize) -> Res<()> {
 mod tests {
     use super::*;
 
-    /// The lock's flag comes first and the fields a move, a pass or a
-    /// delivery use fill the rest of the slot's first cache line; the whole
-    /// slot takes two lines.
+    /// The owner's object comes first, then the lock's flag and the slot's
+    /// `owned`: all that a move, a pass or a delivery writes shares the
+    /// cell's first cache line; the whole cell takes two lines, and the
+    /// owner's objects are a cell apart (what `locate` counts on).
     #[test]
-    fn a_slots_data_path_fields_share_its_first_cache_line() {
-        let flag = std::mem::size_of::<SpinLock<Slot>>() - std::mem::size_of::<Slot>();
-        assert_eq!(flag, 8);
+    fn a_buffers_written_fields_share_its_slots_first_cache_line() {
+        let cell = std::mem::size_of::<SlotCell>();
+        assert_eq!(cell, 128);
+        assert_eq!(std::mem::align_of::<SlotCell>(), 64);
+        let obj = std::mem::size_of::<BulkBuffer>();
+        let lock = std::mem::size_of::<SpinLock<Slot>>();
+        let flag = lock - std::mem::size_of::<Slot>();
+        assert_eq!((obj, flag), (32, 8));
         assert_eq!(std::mem::offset_of!(Slot, owned), 0);
-        let hot_end = std::mem::offset_of!(Slot, copies) + std::mem::size_of::<Copies>();
-        for field in [std::mem::offset_of!(Slot, written), std::mem::offset_of!(Slot, owner_obj)] {
-            assert!(field < hot_end);
+        let owned_end = obj + flag + std::mem::size_of::<Option<Buffer>>();
+        assert!(owned_end <= 64, "`owned` ends at byte {owned_end}");
+
+        let mut a =
+            Box::new(BulkAllocator { pool: std::ptr::null_mut(), num_free: 0, impl_data: std::ptr::null_mut() });
+        alloc_init(&mut *a, 3, 4096, None).expect("alloc_init");
+        let e = pool_at(a.pool as usize).expect("the allocator's pool");
+        let id = e.pool.id();
+        for i in 0..3 {
+            let p = e.buffer_ptr(i, View::Owner);
+            assert_eq!(p, e.owner_objs_base() + i * cell);
+            assert_eq!(p % 64, 0, "an owner's object starts a line");
+            assert_eq!(e.locate(p), Some((i, View::Owner)));
+            assert_eq!(e.locate(e.buffer_ptr(i, View::Copy)), Some((i, View::Copy)));
+            assert_eq!(e.locate(p + 8), None, "inside an object is no object");
         }
-        assert!(flag + hot_end <= 64, "the data path's fields end at byte {}", flag + hot_end);
-        assert_eq!(std::mem::size_of::<SlotCell>(), 128);
+        alloc_free(&mut *a).expect("alloc_free");
+        drop(e);
+        forget(&[id]);
     }
 
     /// A buffer never copied has no list of copies, and the list's calls
