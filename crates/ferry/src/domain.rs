@@ -40,6 +40,18 @@ impl std::fmt::Debug for Domain {
     }
 }
 
+/// See [`DomainShared::has_deferred`].
+#[derive(Default)]
+#[repr(align(128))]
+pub(crate) struct DeferredFlag(AtomicBool);
+
+impl std::ops::Deref for DeferredFlag {
+    type Target = AtomicBool;
+    fn deref(&self) -> &AtomicBool {
+        &self.0
+    }
+}
+
 /// Its lock is taken for every buffer operation: whole 128-byte blocks
 /// of its own keep another domain's lock, in another thread, off its cache
 /// lines (two domains made one after the other are neighbours in memory).
@@ -66,8 +78,10 @@ pub(crate) struct DomainShared {
     state: Mutex<DomainState>,
     next_chan: AtomicU64,
     /// Some copy handle was dropped and waits for its channel to release
-    /// it: lets channels skip the lock on every poll.
-    pub(crate) has_deferred: AtomicBool,
+    /// it: lets channels skip the lock on every poll. Read by every send
+    /// of every thread of the domain, written rarely: on a line of its own,
+    /// away from the lock and the state that operations write.
+    pub(crate) has_deferred: DeferredFlag,
     /// Held by a channel from finding an offered pool unknown until it is
     /// in the list: two threads taking offers of the same new pool at once
     /// must not both import it (the second would replace the first's
@@ -92,7 +106,7 @@ impl Domain {
             name: name.to_owned(),
             state: Mutex::new(DomainState::default()),
             next_chan: AtomicU64::new(1),
-            has_deferred: AtomicBool::new(false),
+            has_deferred: DeferredFlag::default(),
             imports: Mutex::new(()),
         });
         crate::inspect::register_domain(&shared);

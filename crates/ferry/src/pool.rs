@@ -446,9 +446,16 @@ pub(crate) struct PoolView {
     /// The length of the domain's free list of the pool: a mirror written
     /// under the domain's lock, so that [`crate::Allocator::available`]
     /// needs no lock (a thread that allocates and frees reads its own
-    /// writes; another sees some recent count).
-    free: AtomicUsize,
+    /// writes; another sees some recent count). On a cache line of its own:
+    /// every allocation and free writes it, and the fields above are read
+    /// by every move and pass, from other threads too.
+    free: FreeCount,
 }
+
+/// See [`PoolView::free`].
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct FreeCount(AtomicUsize);
 
 impl PoolView {
     /// Map the pool; `initial` is the protection of every buffer at first.
@@ -460,7 +467,7 @@ impl PoolView {
         }
         let map = memory.map(initial, align)?;
         let states = (0..geometry.count).map(|_| AtomicU8::new(BufferState::Invalid as u8)).collect();
-        let view = Arc::new(PoolView { memory: memory.clone(), map, states, free: AtomicUsize::new(0) });
+        let view = Arc::new(PoolView { memory: memory.clone(), map, states, free: FreeCount::default() });
         let mut views = memory.views.lock().unwrap_or_else(|e| e.into_inner());
         views.retain(|v| v.strong_count() > 0);
         views.push(Arc::downgrade(&view));
@@ -501,12 +508,12 @@ impl PoolView {
     /// every state transition.
     /// The domain's count of free buffers of the pool (see `free`).
     pub(crate) fn free_count(&self) -> usize {
-        self.free.load(Ordering::Relaxed)
+        self.free.0.load(Ordering::Relaxed)
     }
 
     /// Records the domain's count of free buffers (under its lock).
     pub(crate) fn set_free_count(&self, n: usize) {
-        self.free.store(n, Ordering::Relaxed);
+        self.free.0.store(n, Ordering::Relaxed);
     }
 
     pub(crate) fn set_state(&self, index: u32, state: BufferState) {
