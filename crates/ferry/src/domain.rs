@@ -118,7 +118,11 @@ impl Domain {
         &self.shared.name
     }
 
-    /// This domain's state of a buffer (`Invalid` for unknown pools).
+    /// This domain's state of a buffer (`Invalid` for unknown pools). A
+    /// buffer moved or passed between two ends of this domain over a local
+    /// channel at trust FULL stays this domain's while it travels (see
+    /// docs/SEMANTICS.md, "Both ends in one domain"): `ReadWrite` then,
+    /// where a buffer on its way to another domain is `Invalid`.
     pub fn buffer_state(&self, id: BufferId) -> BufferState {
         self.shared.lock_settled().buffer_state(id.pool, id.index)
     }
