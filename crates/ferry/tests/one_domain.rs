@@ -12,13 +12,15 @@
 //!
 //! Every wait has a timeout, so a bug fails a test instead of hanging it.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use ferry::BufferState::{Invalid, ReadOnlyOwned, ReadWrite};
 use ferry::{
-    Allocator, BindParams, Buffer, Channel, ChannelSetup, ChannelState, Domain, Endpoint, ErrorKind, Event,
-    PoolConstraints, TrustLevel,
+    Allocator, BindParams, Buffer, BufferCopy, BufferId, Channel, ChannelSetup, ChannelState, Domain, Endpoint,
+    ErrorKind, Event, PoolConstraints, TrustLevel,
 };
+use proptest::prelude::*;
 
 const T: Duration = Duration::from_secs(10);
 const SIZE: usize = 4096;
@@ -271,11 +273,6 @@ fn two_domains_keep_the_records_of_a_buffer_in_flight() {
 // Random sequences: moves, passes, copies, releases, writes, drops and polls
 // over two one-domain channels sharing a pool, against what the program
 // knows of every buffer.
-
-use std::collections::HashMap;
-
-use ferry::{BufferCopy, BufferId};
-use proptest::prelude::*;
 
 /// What the program knows of one buffer of the pool.
 #[derive(Clone, Copy, Debug, PartialEq)]
