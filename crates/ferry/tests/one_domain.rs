@@ -41,19 +41,26 @@ fn recv_buffer(ch: &mut Channel) -> (Buffer, Vec<u8>) {
     }
 }
 
-/// A source→sink channel from `source` to `sink` at `trust`, with a pool of
-/// `count` buffers of `source` assigned: (source end, sink end, allocator).
-fn linked(source: &Domain, sink: &Domain, trust: TrustLevel, count: u64) -> (Channel, Channel, Allocator) {
+/// A local source→sink channel from `source` to `sink` at `trust`, with
+/// `alloc`'s pool assigned: (source end, sink end).
+fn channel(source: &Domain, sink: &Domain, trust: TrustLevel, alloc: &Allocator) -> (Channel, Channel) {
     let ep = Endpoint::local();
     let mut tx = Channel::create(source, &ep, ChannelSetup { trust, ..ChannelSetup::default() }).expect("create");
     let mut rx = Channel::bind(sink, &ep, BindParams::default()).expect("bind");
     assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
     assert!(matches!(next(&mut rx), Event::Bound));
-    let alloc = Allocator::new(source, count, SIZE, PoolConstraints::default()).expect("allocator");
     tx.assign_pool(alloc.pool()).expect("assign");
     let Event::PoolAssignRequest(req) = next(&mut rx) else { panic!("expected the pool's offer") };
     rx.respond_pool(req.pool, true).expect("accept");
     assert!(matches!(next(&mut tx), Event::PoolAssigned(_)));
+    (tx, rx)
+}
+
+/// [`channel`] with a new pool of `count` buffers of `source`: (source end,
+/// sink end, allocator).
+fn linked(source: &Domain, sink: &Domain, trust: TrustLevel, count: u64) -> (Channel, Channel, Allocator) {
+    let alloc = Allocator::new(source, count, SIZE, PoolConstraints::default()).expect("allocator");
+    let (tx, rx) = channel(source, sink, trust, &alloc);
     (tx, rx, alloc)
 }
 
@@ -204,15 +211,7 @@ fn copies_of_a_moved_buffer_keep_it_read_only_until_they_return() {
     let d = Domain::new("one");
     let (mut tx, mut rx, alloc) = linked(&d, &d, TrustLevel::Full, 4);
     // A second channel, from the sink's side to a third end, with the pool.
-    let ep = Endpoint::local();
-    let mut fwd = Channel::create(&d, &ep, ChannelSetup::default()).expect("create");
-    let mut third = Channel::bind(&d, &ep, BindParams::default()).expect("bind");
-    assert!(matches!(next(&mut fwd), Event::BindRequest { .. }));
-    assert!(matches!(next(&mut third), Event::Bound));
-    fwd.assign_pool(alloc.pool()).expect("assign");
-    let Event::PoolAssignRequest(req) = next(&mut third) else { panic!("expected the offer") };
-    third.respond_pool(req.pool, true).expect("accept");
-    assert!(matches!(next(&mut fwd), Event::PoolAssigned(_)));
+    let (mut fwd, mut third) = channel(&d, &d, TrustLevel::Full, &alloc);
 
     tx.move_buffer(alloc.alloc().expect("a buffer"), b"").expect("move");
     let (buf, _) = recv_buffer(&mut rx);
@@ -307,19 +306,7 @@ impl Sim {
     fn new() -> Sim {
         let d = Domain::new("one");
         let alloc = Allocator::new(&d, POOL, SIZE, PoolConstraints::default()).expect("allocator");
-        let mut chans = Vec::new();
-        for _ in 0..2 {
-            let ep = Endpoint::local();
-            let mut tx = Channel::create(&d, &ep, ChannelSetup::default()).expect("create");
-            let mut rx = Channel::bind(&d, &ep, BindParams::default()).expect("bind");
-            assert!(matches!(next(&mut tx), Event::BindRequest { .. }));
-            assert!(matches!(next(&mut rx), Event::Bound));
-            tx.assign_pool(alloc.pool()).expect("assign");
-            let Event::PoolAssignRequest(req) = next(&mut rx) else { panic!("expected the offer") };
-            rx.respond_pool(req.pool, true).expect("accept");
-            assert!(matches!(next(&mut tx), Event::PoolAssigned(_)));
-            chans.push((tx, rx));
-        }
+        let chans = (0..2).map(|_| channel(&d, &d, TrustLevel::Full, &alloc)).collect();
         let pool = alloc.pool().id();
         let at = (0..POOL as u32).map(|index| (BufferId { pool, index }, Where::Free)).collect();
         Sim {
