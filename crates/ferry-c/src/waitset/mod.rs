@@ -17,7 +17,7 @@ use crate::codes::*;
 use crate::ffi::*;
 use crate::state::Res;
 use crate::table::{
-    drop_channel_handles, pool_at, with_buffer_in, with_pool, with_pool_in, PoolCache, View, GENERATION,
+    drop_channel_handles, pool_at, with_buffer_in, with_pool, with_pool_in, PoolCache, PoolEntry, View, GENERATION,
 };
 
 mod chans;
@@ -748,6 +748,34 @@ impl Waitset {
         }
     }
 
+    /// A call on one of the program's buffers over the channel end `id`
+    /// (`send`, `copy`, `release`): the end must be able to send in `dir`;
+    /// `op` does the call's work on the buffer (the channel, its pool, its
+    /// index and object) and says how many payload bytes went; then the
+    /// send is published or left to the waitset, and its continuation
+    /// queued (see [`Waitset::sent`]).
+    fn buffer_call(
+        &mut self,
+        id: ChanId,
+        ch: usize,
+        buffer: usize,
+        how: Sending,
+        dir: Direction,
+        op: impl FnOnce(&mut Channel, &PoolEntry, usize, View) -> Res<u64>,
+    ) -> Res<()> {
+        let (chan, selector, pools, held_back) = self.chan_and_pools(id, ch)?;
+        let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
+        check_sending(c, dir)?;
+        let payload = with_buffer_in(pools, buffer, |e, i, view| op(c, e, i, view))?;
+        if how.cont.is_none() {
+            // The usual send: no second lookup of the channel.
+            sent_unanswered(chan, selector, held_back, payload, how.batched);
+            return Ok(());
+        }
+        self.sent(id.token, ch, payload, how);
+        Ok(())
+    }
+
     /// `bulk_channel_move` and `bulk_channel_pass`.
     pub fn send(
         &mut self,
@@ -758,11 +786,7 @@ impl Waitset {
         how: Sending,
         dir: Direction,
     ) -> Res<()> {
-        let (chan, selector, pools, held_back) = self.chan_and_pools(id, ch)?;
-        let token = id.token;
-        let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
-        check_sending(c, dir)?;
-        let payload = with_buffer_in(pools, buffer, |e, i, view| {
+        self.buffer_call(id, ch, buffer, how, dir, |c, e, i, view| {
             if view == View::Copy {
                 return Err(ERR_BUFFER_NOT_OWNED);
             }
@@ -779,14 +803,7 @@ impl Waitset {
             }
             s.refresh();
             Ok(e.pool.geometry().buffer_size() as u64)
-        })?;
-        if how.cont.is_none() {
-            // The usual send: no second lookup of the channel.
-            sent_unanswered(chan, selector, held_back, payload, how.batched);
-            return Ok(());
-        }
-        self.sent(token, ch, payload, how);
-        Ok(())
+        })
     }
 
     /// `bulk_channel_copy`.
@@ -798,11 +815,7 @@ impl Waitset {
         meta: *const std::ffi::c_void,
         how: Sending,
     ) -> Res<()> {
-        let (chan, selector, pools, held_back) = self.chan_and_pools(id, ch)?;
-        let token = id.token;
-        let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
-        check_sending(c, Direction::Tx)?;
-        let payload = with_buffer_in(pools, buffer, |e, i, view| {
+        self.buffer_call(id, ch, buffer, how, Direction::Tx, |c, e, i, view| {
             let meta_size = c.meta_size();
             let mut slot = e.slot(i);
             let held = slot.copies.iter().find(|h| h.2 == view).map(|h| &h.1);
@@ -822,23 +835,13 @@ impl Waitset {
             sent.map_err(|e| of_error(&e))?;
             slot.refresh();
             Ok(payload)
-        })?;
-        if how.cont.is_none() {
-            // The usual send: no second lookup of the channel.
-            sent_unanswered(chan, selector, held_back, payload, how.batched);
-            return Ok(());
-        }
-        self.sent(token, ch, payload, how);
-        Ok(())
+        })
     }
 
     /// `bulk_channel_release`.
     pub fn release(&mut self, id: ChanId, ch: usize, buffer: usize, how: Sending) -> Res<()> {
-        let (chan, selector, pools, held_back) = self.chan_and_pools(id, ch)?;
         let token = id.token;
-        let c = channel_of(selector, chan).ok_or(ERR_CHANNEL_CLOSED)?;
-        check_sending(c, Direction::Rx)?;
-        with_buffer_in(pools, buffer, |e, i, view| {
+        self.buffer_call(id, ch, buffer, how, Direction::Rx, |c, e, i, view| {
             let mut s = e.slot(i);
             let at = s.copies.iter().position(|h| h.0 == token && h.2 == view).ok_or(ERR_NOT_A_COPY)?;
             let (_, copy, _) = s.copies.remove(at).ok_or(ERR_NOT_A_COPY)?;
@@ -848,15 +851,8 @@ impl Waitset {
                 return Err(of_error(&error));
             }
             s.refresh();
-            Ok(())
-        })?;
-        if how.cont.is_none() {
-            // The usual send: no second lookup of the channel.
-            sent_unanswered(chan, selector, held_back, 0, how.batched);
-            return Ok(());
-        }
-        self.sent(token, ch, 0, how);
-        Ok(())
+            Ok(0)
+        })
     }
 
     /// Lets go of the pools its cache holds that were forgotten.
